@@ -1,0 +1,52 @@
+"""UniProcExecutor: the worker lives in the caller's process.
+
+`non_block=True` returns an already-completed future, so the engine core drives both
+executors through one interface.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from executor.base import Executor
+from mrv2.config import EngineConfig
+from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mrv2.worker import Worker
+
+
+def _done(value: Any = None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.worker = Worker(config)
+
+    def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None
+                       ) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> Future[None] | None:
+        if not non_block:
+            return self.worker.execute_model(scheduler_output)
+        try:
+            return _done(self.worker.execute_model(scheduler_output))
+        except Exception as error:  # surfaced through the future, like a remote worker's
+            return _done(error=error)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False
+                      ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        if not non_block:
+            return self.worker.sample_tokens(grammar_output)
+        try:
+            return _done(self.worker.sample_tokens(grammar_output))
+        except Exception as error:
+            return _done(error=error)

@@ -1,0 +1,77 @@
+"""Attention over the paged KV cache in plain torch: the CPU backend.
+
+Decode rows (one query token) are batched: their blocks are gathered into one padded
+`[rows, max_seq_len]` key/value tensor and masked by seq_len. Prefill chunks run one
+`scaled_dot_product_attention` each, attending to the cached prefix plus their own tokens
+causally: query i of a chunk of length q in a sequence of length L sits at position
+L - q + i and sees keys 0 .. L - q + i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mrv2.attention.backend import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, KV, D] at flat slots; slots < 0 (padding) are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D] -> [T, H, D]; K/V for the step must already be in the cache."""
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], kv_cache, meta, scale)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_size = k_cache.shape[1]
+    qsl = meta.query_start_loc_cpu
+    for row in range(meta.num_decodes, meta.num_reqs):
+        start, end = int(qsl[row]), int(qsl[row + 1])
+        query_len, seq_len = end - start, int(meta.seq_lens_cpu[row])
+        num_blocks = -(-seq_len // block_size)
+        block_ids = meta.block_tables[row, :num_blocks].long()
+        k = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [KV, L, D]
+        v = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)
+        qi = q[start:end].transpose(0, 1)  # [H, q, D]
+        if query_len == seq_len:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    rows, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(meta.seq_lens_cpu[:rows].max())
+    num_blocks = -(-max_len // block_size)
+    block_ids = meta.block_tables[:rows, :num_blocks].long()
+    k = k_cache[block_ids].view(rows, num_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache[block_ids].view(rows, num_blocks * block_size, num_kv_heads, head_dim)
+    qg = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,bskd->bkgs", qg, k.to(q.dtype)) * scale
+    key_pos = torch.arange(num_blocks * block_size, device=q.device)
+    past_end = key_pos[None, :] >= meta.seq_lens[:rows, None]
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgs,bskd->bkgd", probs, v.to(q.dtype)).reshape(rows, num_heads, head_dim)

@@ -1,0 +1,73 @@
+"""EngineArgs: the user's flat keyword arguments, validated into one frozen EngineConfig.
+
+Everything is checked here, before any weight is read: a bad path, an unsupported
+architecture or an out-of-range value raises a `ValueError` subclass naming the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mrv2 import platform
+from mrv2.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig, ModelConfig,
+                         ParallelConfig, SchedulerConfig)
+from mrv2.models.loader import load_hf_config, resolve_dtype
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    seed: int = 0
+    kv_cache_memory_gb: float | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = False
+    enforce_eager: bool = False
+    device: str | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        device = self.device or platform.device_type()
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device={device!r}: expected 'cpu' or 'cuda'")
+        # Cheap checks first, so they fail before the model directory is touched.
+        cache_config = CacheConfig(block_size=self.block_size,
+                                   kv_cache_memory_gb=self.kv_cache_memory_gb,
+                                   enable_prefix_caching=self.enable_prefix_caching)
+        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        hf_config = load_hf_config(self.model)
+        model_max_len = _derived_max_model_len(hf_config)
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len < 1:
+            raise ConfigError(f"max_model_len={max_model_len} must be at least 1")
+        if max_model_len > model_max_len:
+            raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
+                              f"maximum context of {model_max_len} tokens")
+        model_config = ModelConfig(model=str(self.model),
+                                   dtype=resolve_dtype(self.dtype, hf_config, device),
+                                   max_model_len=max_model_len, seed=self.seed,
+                                   hf_config=hf_config)
+        max_tokens = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                        self.max_num_seqs)
+        scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                           max_num_batched_tokens=max_tokens,
+                                           max_model_len=max_model_len)
+        # CUDA graphs arrive with the graph manager; until then every mode runs eagerly.
+        compilation_config = CompilationConfig(cudagraph_mode="NONE")
+        return EngineConfig(model_config=model_config, cache_config=cache_config,
+                            scheduler_config=scheduler_config, parallel_config=parallel_config,
+                            compilation_config=compilation_config, device=device)
+
+
+def _derived_max_model_len(hf_config) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError("the model config gives no maximum context length "
+                      "(max_position_embeddings); pass max_model_len")

@@ -1,0 +1,97 @@
+"""Turns a user prompt and SamplingParams into a validated EngineCoreRequest.
+
+Every check runs before the request reaches the engine core, so a bad prompt never disturbs
+requests that were accepted before it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Union
+
+from mrv2.config import EngineConfig
+from mrv2.protocol import EngineCoreRequest
+from mrv2.sampling_params import SamplingParams
+
+PromptType = Union[str, Mapping[str, Any]]
+
+
+class PromptError(ValueError):
+    """The prompt is empty, too long, or malformed."""
+
+
+class UnsupportedParameterError(ValueError):
+    """A SamplingParams field this engine does not implement yet was set."""
+
+
+# Fields whose non-default values the engine does not honour yet, with their defaults.
+_NOT_YET_SUPPORTED = {
+    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "stop": None, "logprobs": None, "prompt_logprobs": None, "logit_bias": None,
+    "allowed_token_ids": None, "include_stop_str_in_output": False,
+}
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        hf = config.model_config.hf_config
+        eos = getattr(hf, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_id: int | None = eos
+
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the core request and the prompt text (None for token-id prompts)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        for name, default in _NOT_YET_SUPPORTED.items():
+            value = getattr(params, name)
+            if value != default and value not in ([], {}):
+                raise UnsupportedParameterError(
+                    f"SamplingParams.{name}={value!r} is not supported by this engine yet")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,
+                                    sampling_params=params, eos_token_id=self.eos_token_id,
+                                    arrival_time=time.time())
+        return request, text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PromptError("the prompt is empty")
+            if self.tokenizer is None:
+                raise PromptError("text prompts need a tokenizer; pass prompt_token_ids")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise PromptError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise PromptError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        raise PromptError(f"a prompt is a string or a dict with 'prompt_token_ids', "
+                          f"got {type(prompt).__name__}")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise PromptError("the prompt is empty")
+        max_model_len = self.config.model_config.max_model_len
+        if len(token_ids) >= max_model_len:
+            raise PromptError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len}: "
+                f"the prompt must be shorter so that at least one token can be generated")
+        vocab = self.config.model_config.vocab_size
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab})")

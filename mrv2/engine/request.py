@@ -1,0 +1,117 @@
+"""The scheduler's view of one request: its tokens, its progress and its status.
+
+A `Request` lives in the engine core only (it never crosses a process boundary; the runner
+learns about it through `NewRequestData` / `CachedRequestData`). Invariants:
+
+- `all_token_ids == prompt_token_ids + output_token_ids`, always (both grow only through
+  `append_output_token_ids`).
+- `0 <= num_computed_tokens <= num_tokens`: tokens whose KV the runner has (or, once a step is
+  scheduled, will have) written. Preemption resets it to 0 (recompute mode).
+- `max_tokens` is resolved once, at construction, so the stop check never sees None.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+from mrv2.protocol import EngineCoreRequest, FinishReason
+from mrv2.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Every status from here on is final; `is_finished` relies on this ordering.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The protocol's reason for a final status; None while the request is alive."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """Mutable per-request scheduling state. Owned and mutated by the `Scheduler` only."""
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None = None,
+                 arrival_time: float = 0.0, max_model_len: int | None = None) -> None:
+        self.request_id = request_id
+        # Copied: the caller's list (or a frozen protocol struct's list) must not alias ours.
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+
+        if sampling_params.max_tokens is not None:
+            self.max_tokens: int = sampling_params.max_tokens
+        elif max_model_len is not None:
+            # vLLM's default: generate until the context is full. May be <= 0 for a prompt
+            # that already fills the context; the scheduler rejects such requests.
+            self.max_tokens = max_model_len - len(self.prompt_token_ids)
+        else:
+            raise ValueError(f"request {request_id!r}: sampling_params.max_tokens is None, "
+                             "so max_model_len is needed to resolve it")
+
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        # The stop token id that finished the request (None for EOS, length or abort).
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":
+        return cls(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                   sampling_params=req.sampling_params, eos_token_id=req.eos_token_id,
+                   arrival_time=req.arrival_time, max_model_len=max_model_len)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + outputs. The live list, for speed: callers must copy before keeping it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """The only way tokens are added: keeps output_token_ids and all_token_ids in step."""
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, outputs={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")

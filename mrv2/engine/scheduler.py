@@ -1,0 +1,264 @@
+"""vLLM v1 style scheduler: one token budget shared by decodes and (chunked) prefills.
+
+There are no separate prefill and decode phases. Every request has `num_tokens` (prompt +
+outputs) and `num_computed_tokens`; each step gives each request up to the difference, within
+`max_num_batched_tokens`. A decode is simply a request one token behind.
+
+Invariants:
+- `running` is in admission order; preemption takes the newest (the tail), so the oldest running
+  request always progresses. With the `add_request` guard (a request's whole life fits in the
+  pool) this means no livelock: alone, a request always fits.
+- `num_computed_tokens` is advanced when a step is scheduled, not when it returns (vLLM's
+  `_update_after_schedule`), so a second step could be scheduled before the first returns.
+- A request's blocks are freed exactly once, when it finishes, is aborted or is preempted; its
+  id is sent in `finished_req_ids` exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from mrv2.engine.kv_cache_manager import KVCacheManager
+from mrv2.engine.request import Request, RequestStatus
+from mrv2.protocol import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                           NewRequestData, SchedulerOutput)
+
+if TYPE_CHECKING:  # config.py imports torch; the scheduler itself needs none of it
+    from mrv2.config import EngineConfig
+
+
+class Scheduler:
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        sched = config.scheduler_config
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        # The smaller of the two limits: the runner's buffers are sized by the model's.
+        self.max_model_len = min(sched.max_model_len, config.model_config.max_model_len)
+        self.block_size = config.cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, self.max_model_len)
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
+        self.running: list[Request] = []  # admission order
+        # Finished or aborted since the last schedule(); sent once, then cleared.
+        self._finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for one that could never run to completion."""
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} is already queued")
+        prompt_len = request.num_prompt_tokens
+        if prompt_len == 0:
+            raise ValueError(f"request {req_id!r} has an empty prompt")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"request {req_id!r}: prompt of {prompt_len} tokens leaves no room "
+                             f"to generate within max_model_len={self.max_model_len}")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {req_id!r}: max_tokens={request.max_tokens} < 1")
+        # The last token is sampled but never fed back, so at most this many get KV. Checking
+        # the whole life (not just the prompt) is what rules out livelock: a request that can
+        # outgrow the pool would preempt itself and never be re-admitted.
+        max_kv_tokens = min(prompt_len + request.max_tokens, self.max_model_len) - 1
+        manager = self.kv_cache_manager
+        if manager.num_blocks_for(max_kv_tokens) > manager.num_allocatable_blocks:
+            raise ValueError(
+                f"request {req_id!r} may need {manager.num_blocks_for(max_kv_tokens)} KV blocks "
+                f"({max_kv_tokens} tokens) but the pool has {manager.num_allocatable_blocks}")
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (typically abort) requests, waiting or running. Unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        to_finish = {rid: self.requests[rid] for rid in req_ids if rid in self.requests}
+        if not to_finish:
+            return
+        # One pass per queue rather than a list.remove per request.
+        self.running = [r for r in self.running if r.request_id not in to_finish]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in to_finish)
+        for request in to_finish.values():
+            request.status = status
+            self._free_finished(request)
+
+    def _free_finished(self, request: Request) -> None:
+        # `self.requests` membership is the single "not yet freed" flag: it is removed here,
+        # and every path to this method checks it first, so blocks and ids go out once.
+        del self.requests[request.request_id]
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet sent: the core should still call schedule() to deliver them."""
+        return bool(self._finished_req_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}  # insertion order is the batch order
+        cached_ids: list[str] = []
+        cached_new_blocks: list[list[int]] = []
+        cached_num_computed: list[int] = []
+        new_reqs: list[NewRequestData] = []
+        preempted_ids: list[str] = []
+        scheduled: list[Request] = []
+
+        # 1. Running requests, oldest first. Victims are popped from the tail, so a victim is
+        # never a request already scheduled in this step (those sit before `idx`).
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # its last step's output never arrived: nothing to run
+                idx += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:  # it preempted itself; it was the tail, so the loop ends
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached_ids.append(request.request_id)
+            cached_new_blocks.append(new_blocks)
+            cached_num_computed.append(request.num_computed_tokens)
+            scheduled.append(request)
+            idx += 1
+
+        # 2. Waiting requests, FIFO. Skipped after a preemption (as vLLM does): the pool is
+        # short, and admitting now would only preempt again next step.
+        while (not preempted_ids and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            # Prefix caching will plug in here via kv_cache_manager.get_computed_blocks().
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.enable_chunked_prefill and num_new > budget:
+                break  # whole prompts only; FIFO, so nothing behind it jumps the queue
+            num_new = min(num_new, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                # Prompt + outputs so far: a resumed request recomputes its whole history.
+                prefill_token_ids=list(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            scheduled.append(request)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=cached_ids, new_block_ids=cached_new_blocks,
+                num_computed_tokens=cached_num_computed),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted_ids)
+        self._finished_req_ids = []  # a fresh list: the output keeps the old one
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-mode preemption: drop all KV, start over from the front of the queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken newest first, so pushing each to the front keeps arrival order.
+        self.waiting.appendleft(request)
+
+    # -- results --------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, free finished requests.
+
+        Returns one output per request that got tokens or finished, in batch order.
+        """
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        outputs: list[EngineCoreOutput] = []
+        finished: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            token_ids = sampled.get(req_id)
+            # Aborted/finished since scheduling (not in `requests`) or preempted: drop.
+            if not token_ids or request is None or request.status != RequestStatus.RUNNING:
+                continue
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break  # tokens past a stop are dropped
+            if request.is_finished:
+                finished.add(req_id)
+                self._free_finished(request)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=new_token_ids,
+                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason))
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's check_stop, after each appended token. Length wins over a stop token."""
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False

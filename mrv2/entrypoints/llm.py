@@ -1,0 +1,88 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mrv2.engine.arg_utils import EngineArgs
+from mrv2.engine.input_processor import PromptType
+from mrv2.engine.llm_engine import LLMEngine
+from mrv2.outputs import RequestOutput
+from mrv2.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 block_size: int = 16, seed: int = 0, kv_cache_memory_gb: float | None = None,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                 **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(
+            model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
+            kv_cache_memory_gb=kv_cache_memory_gb, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args)
+        self._request_counter = itertools.count()
+        self.last_stats: dict[str, float] = {}
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. Every prompt is validated before any is added."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for "
+                                 f"{len(prompts)} prompts; pass one or one per prompt")
+        engine = self.llm_engine
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        for request_id, prompt, params in zip(request_ids, prompts, params_list):
+            engine.validate_request(request_id, prompt, params)
+        for request_id, prompt, params in zip(request_ids, prompts, params_list):
+            engine.add_request(request_id, prompt, params)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        num_prompt_tokens = num_output_tokens = 0
+        start = time.perf_counter()
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    finished[output.request_id] = output
+                    num_prompt_tokens += len(output.prompt_token_ids)
+                    num_output_tokens += len(output.outputs[0].token_ids)
+                    bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"input: {num_prompt_tokens / elapsed:.1f} toks/s, "
+                                        f"output: {num_output_tokens / elapsed:.1f} toks/s")
+        except BaseException:
+            # Leave the engine usable: drop what this call added and did not finish.
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        elapsed = time.perf_counter() - start
+        self.last_stats = {"elapsed_s": elapsed, "num_requests": len(request_ids),
+                           "num_prompt_tokens": num_prompt_tokens,
+                           "num_output_tokens": num_output_tokens}
+        return [finished[r] for r in request_ids]

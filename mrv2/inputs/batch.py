@@ -1,0 +1,28 @@
+"""InputBatch: the views of the step buffers that one step's forward and sampler read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mrv2.attention.backend import AttentionMetadata
+
+
+@dataclass
+class InputBatch:
+    req_ids: list[str]  # batch order: rows with one query token first
+    idx_mapping: torch.Tensor  # [num_reqs] batch row -> slot
+    idx_mapping_np: np.ndarray
+    num_scheduled: torch.Tensor  # [num_reqs] int32
+    num_scheduled_np: np.ndarray
+    num_tokens: int
+    input_ids: torch.Tensor  # [num_tokens] int32
+    positions: torch.Tensor  # [num_tokens]
+    logits_indices: torch.Tensor  # [num_reqs]: last token of each row
+    attn_metadata: AttentionMetadata
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)

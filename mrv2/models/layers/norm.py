@@ -1,0 +1,43 @@
+"""RMSNorm as in transformers' LlamaRMSNorm, with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mrv2.models.layers.linear import default_weight_loader, set_weight_attrs
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)).
+
+    The normalisation runs in float32 and is cast back to the input dtype before the weight
+    multiply, the same order as transformers, so low-precision outputs round identically.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        set_weight_attrs(self.weight, weight_loader=default_weight_loader, shard_ids=(None,))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(input_dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), where the
+        second value is the residual stream the next layer adds its output to."""
+        if residual is None:
+            return self._norm(x)
+        # Added in the activation dtype, as transformers' `residual + hidden_states`.
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

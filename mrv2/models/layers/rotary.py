@@ -1,0 +1,137 @@
+"""Rotary position embedding, Hugging Face "rotate_half" (neox) layout.
+
+The cos/sin tables are precomputed once for every position the engine can see, in float32,
+with the same arithmetic as transformers (`inv_freq` from an int64 arange cast to float32,
+then `position * inv_freq` in float32), so that fp32 logits match transformers to ~1e-6.
+
+Config forms read (both appear in the wild):
+- transformers >= 5: `config.rope_parameters = {"rope_type", "rope_theta", "factor", ...}`
+  (transformers 5 also aliases `config.rope_scaling` to the same dict and drops the
+  `rope_theta` attribute);
+- transformers 4.x / old config.json: `config.rope_theta` plus an optional
+  `config.rope_scaling = {"type" | "rope_type": ..., "factor": ...}`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
+    """A flat dict with at least "rope_type" and "rope_theta", whatever the config's form."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:
+        params = getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    # Per-layer-type rope (e.g. {"full_attention": {...}, "sliding_attention": {...}}).
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope parameters are not supported: {params}")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or DEFAULT_ROPE_THETA
+    if rope_type == "llama3" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = (
+            getattr(hf_config, "original_max_position_embeddings", None)
+            or hf_config.max_position_embeddings)
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor",
+                                                          None))
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    return params
+
+
+def compute_inv_freq(head_dim: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """inv_freq [head_dim // 2] float32, exactly as transformers' ROPE_INIT_FUNCTIONS."""
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported rope types: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    base = float(rope_parameters.get("rope_theta", DEFAULT_ROPE_THETA))
+    dim = head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64,
+                                            device="cpu").to(torch.float32) / dim))
+    if rope_type == "linear":
+        return inv_freq / float(rope_parameters["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_parameters)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths (low frequencies) are divided by `factor`, short ones kept,
+    # and the band in between interpolated smoothly. Python-float / tensor-float32 operation
+    # order follows transformers so the result is bitwise identical.
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = ((old_context_len / wavelen - low_freq_factor)
+                     / (high_freq_factor - low_freq_factor))
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 head_dim: int) -> torch.Tensor:
+    """x [T, N*D], cos/sin [T, D] -> rotated x [T, N*D] (same dtype as x)."""
+    shape = x.shape
+    x = x.reshape(shape[0], -1, head_dim)
+    # Same expression order as transformers' apply_rotary_pos_emb.
+    out = (x * cos[:, None, :]) + (rotate_half(x) * sin[:, None, :])
+    return out.reshape(shape)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin cache [max_position, head_dim] (float32, non-persistent buffers)."""
+
+    def __init__(self, head_dim: int, max_position: int,
+                 rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim={head_dim} must be even")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope_parameters = dict(rope_parameters)
+        inv_freq = compute_inv_freq(head_dim, rope_parameters)
+        # Computed on CPU in float32 whatever the default device/dtype is, so the tables
+        # do not depend on where the model is built; moved to the buffer device below.
+        positions = torch.arange(max_position, dtype=torch.int64, device="cpu").to(torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        device = torch.empty(0).device
+        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+
+    def get_cos_sin(self, positions: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] for int64 positions [T], cast to the activation dtype
+        (transformers also casts cos/sin to the activation dtype before the multiply)."""
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H*D], k [T, KV*D] -> rotated (q, k)."""
+        cos, sin = self.get_cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, max_position={self.max_position}, "
+                f"rope_type={self.rope_parameters.get('rope_type')}")

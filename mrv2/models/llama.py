@@ -1,0 +1,243 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 and Qwen3 share this implementation.
+
+Differences are switches, not copies:
+- Qwen2 always has q/k/v bias (no o_proj bias); Llama/Qwen3 follow `attention_bias` for
+  q/k/v and o_proj; Mistral has no bias.
+- Qwen3 applies a per-head RMSNorm to q and k (`q_norm`, `k_norm`) before rotary, and takes
+  `head_dim` from the config (it need not be hidden_size / num_heads).
+- `tie_word_embeddings` reuses the embedding matrix as the LM head.
+
+The step is one flattened token batch [T]; attention reads/writes the paged KV cache.
+Parameter names follow the checkpoint except for the fused `qkv_proj` and `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mrv2.attention import Attention, AttentionMetadata
+from mrv2.config import ModelConfig
+from mrv2.models.layers.linear import (Linear, MergedLinear, QKVLinear,
+                                       default_weight_loader, set_weight_attrs)
+from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary,
+                                       rope_parameters_from_config)
+
+# (fused param, checkpoint name, shard id)
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Checkpoint tensors that are derived state, not parameters.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def check_no_sliding_window(model_config: ModelConfig) -> None:
+    """Refuse configs whose sliding window would cut attention within max_model_len.
+
+    transformers masks keys with query_pos - key_pos >= sliding_window, so a window of at
+    least max_model_len never masks anything and plain causal attention is exact.
+    """
+    hf = model_config.hf_config
+    window = getattr(hf, "sliding_window", None)
+    # Qwen2/Qwen3 carry a sliding_window value that only applies with use_sliding_window,
+    # and then only to the layers that layer_types marks as sliding.
+    if getattr(hf, "use_sliding_window", True) is False:
+        window = None
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    if window is not None and window < model_config.max_model_len:
+        raise ValueError(
+            f"{model_config.architecture}: sliding_window={window} is smaller than "
+            f"max_model_len={model_config.max_model_len}, and mrv2's attention backends do "
+            f"not implement sliding-window attention yet. Set max_model_len <= {window}.")
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        hf = model_config.hf_config
+        self.num_heads = model_config.num_attention_heads
+        self.num_kv_heads = model_config.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.qkv_proj = QKVLinear(hf.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hf.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              scale=self.head_dim ** -0.5)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        cos, sin = cos_sin
+        q = apply_rotary(q, cos, sin, self.head_dim)
+        k = apply_rotary(k, cos, sin, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)
+        if out.shape[0] < num_tokens:
+            # The backend returns only the num_actual_tokens rows; padding rows get zeros
+            # so the residual stream keeps its [T, hidden] shape.
+            out = F.pad(out, (0, 0, 0, num_tokens - out.shape[0]))
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        hf = model_config.hf_config
+        self.self_attn = LlamaAttention(model_config, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size,
+                            bool(getattr(hf, "mlp_bias", False)), hf.hidden_act)
+        self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before adding it)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        hf = model_config.hf_config
+        # _weight skips nn.Embedding's random init; the loader overwrites every value.
+        self.embed_tokens = nn.Embedding(hf.vocab_size, hf.hidden_size,
+                                         _weight=torch.empty(hf.vocab_size, hf.hidden_size))
+        self.embed_tokens.weight.requires_grad_(False)
+        set_weight_attrs(self.embed_tokens.weight, weight_loader=default_weight_loader,
+                         shard_ids=(None,))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(model_config, qkv_bias, o_bias, qk_norm)
+            for _ in range(model_config.num_layers))
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        # One table for all layers: positions can reach max_model_len even when it exceeds
+        # max_position_embeddings (transformers computes any position on the fly).
+        max_position = max(hf.max_position_embeddings, model_config.max_model_len)
+        self.rotary_emb = RotaryEmbedding(model_config.head_dim, max_position,
+                                          rope_parameters_from_config(hf))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # cos/sin gathered once per step and shared by every layer.
+        cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # Per-architecture switches; the subclasses below override them.
+    qkv_bias_always = False  # Qwen2: q/k/v bias regardless of attention_bias
+    o_proj_bias_allowed = True  # Qwen2: never an o_proj bias
+    qk_norm = False  # Qwen3: per-head RMSNorm on q and k
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        check_no_sliding_window(model_config)
+        hf = model_config.hf_config
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        qkv_bias = self.qkv_bias_always or attention_bias
+        o_bias = self.o_proj_bias_allowed and attention_bias
+        self.model_config = model_config
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        self.model = LlamaModel(model_config, qkv_bias, o_bias, self.qk_norm)
+        self.lm_head: Linear | None = (
+            None if self.tie_word_embeddings else Linear(hf.hidden_size, hf.vocab_size))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids/positions [T] int64 -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        weight = (self.model.embed_tokens.weight if self.lm_head is None
+                  else self.lm_head.weight)
+        return F.linear(hidden_states, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the names of the parameters whose
+        every shard was loaded. Unknown checkpoint names raise (a silently ignored tensor
+        usually means a feature the model does not implement)."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[Any]] = {}
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the LM head is embed_tokens
+            param_name, shard_id = name, None
+            for fused, ckpt, sid in _STACKED_PARAMS:
+                if f".{ckpt}." in name:
+                    param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                    break
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            try:
+                param.weight_loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            shards_seen.setdefault(param_name, set()).add(shard_id)
+        # shard None on a fused param = the checkpoint stored the fused tensor whole.
+        return {name for name, seen in shards_seen.items()
+                if None in seen or seen >= set(params[name].shard_ids)}
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_always = True
+    o_proj_bias_allowed = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

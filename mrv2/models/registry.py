@@ -1,0 +1,31 @@
+"""Hugging Face `architectures` name -> mrv2 model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mrv2.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                               Qwen3ForCausalLM)
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture has no mrv2 implementation."""
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class for the first supported name in `architectures` (a config lists one)."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise UnsupportedModelError(
+        f"model architecture {list(architectures or [])} is not supported; supported "
+        f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -1,0 +1,130 @@
+"""ModelRunner: the two phases of a step (DESIGN.md section 2).
+
+Phase 1, `execute_model(scheduler_output)`: free finished slots, add new requests, stage
+block-table deltas of running ones, apply all staged writes, prepare inputs, run the forward.
+It returns nothing; what phase 2 needs is kept in an `ExecuteState`.
+Phase 2, `sample_tokens(grammar_output)`: logits of each row's last token, sampling, the
+on-device post_update, then the one device-to-host copy of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from mrv2.config import EngineConfig
+from mrv2.inputs.batch import InputBatch
+from mrv2.inputs.buffers import InputBuffers
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mrv2.sampler import Sampler
+from mrv2.sampler.states import SamplingStates
+from mrv2.state.block_table import BlockTables
+from mrv2.state.requests import RequestState
+
+EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class ExecuteState:
+    """What phase 1 leaves for phase 2 of the same step."""
+
+    batch: InputBatch
+    hidden_states: torch.Tensor  # [num_tokens, hidden]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, kv_caches: list[torch.Tensor],
+                 device: torch.device) -> None:
+        self.config = config
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        sched = config.scheduler_config
+        max_model_len = config.model_config.max_model_len
+        self.requests = RequestState(sched.max_num_seqs, max_model_len, device)
+        self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
+                                        config.cache_config.block_size, device)
+        self.sampling = SamplingStates(sched.max_num_seqs, config.model_config.seed, device)
+        self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                    config.max_num_blocks_per_req, device)
+        self.sampler = Sampler()
+        self._execute_state: ExecuteState | None = None
+
+    # ---- phase 1 -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self._execute_state is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between")
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return
+        batch = self._prepare_batch(scheduler_output)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                            batch.attn_metadata)
+        self._execute_state = ExecuteState(batch=batch, hidden_states=hidden)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        requests, tables = self.requests, self.block_tables
+        for req_id in (*out.finished_req_ids, *out.preempted_req_ids):
+            slot = requests.finish(req_id)
+            if slot is not None:
+                tables.clear_row(slot)
+        for new in out.scheduled_new_reqs:
+            slot = requests.add(new.req_id, len(new.prompt_token_ids), new.prefill_token_ids,
+                                new.num_computed_tokens)
+            tables.append_block_ids(slot, new.block_ids, overwrite=True)
+            self.sampling.add(slot, new.req_id, new.sampling_params)
+        cached = out.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                   cached.num_computed_tokens):
+            slot = requests.req_id_to_slot[req_id]
+            if block_ids:
+                tables.append_block_ids(slot, block_ids)
+            requests.num_computed_host[slot] = num_computed
+        requests.apply_staged_writes()
+        tables.apply_staged_writes()
+        self.sampling.apply_staged_writes()
+
+    def _prepare_batch(self, out: SchedulerOutput) -> InputBatch:
+        req_ids = list(out.num_scheduled_tokens)
+        num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int32,
+                                    count=len(req_ids))
+        slots = np.fromiter((self.requests.req_id_to_slot[r] for r in req_ids), dtype=np.int64,
+                            count=len(req_ids))
+        order = decode_first_order(num_scheduled)
+        req_ids = [req_ids[i] for i in order]
+        return prepare_inputs(req_ids, slots[order], num_scheduled[order], self.requests,
+                              self.block_tables, self.buffers)
+
+    # ---- phase 2 -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        state, self._execute_state = self._execute_state, None
+        if state is None:
+            return EMPTY_OUTPUT
+        batch = state.batch
+        logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
+        sampling = self.sampling
+        idx = batch.idx_mapping
+        sampled = self.sampler(
+            logits, sampling.temperature.tensor[idx], sampling.top_k.tensor[idx],
+            sampling.top_p.tensor[idx], sampling.min_p.tensor[idx], sampling.seed.tensor[idx],
+            # The position of the token being sampled keys its noise (invariant 7).
+            batch.positions[batch.logits_indices] + 1,
+            **sampling.batch_flags(batch.idx_mapping_np))
+        self.requests.post_update(idx, batch.num_scheduled, sampled)
+        return self._make_output(batch, sampled)
+
+    def _make_output(self, batch: InputBatch, sampled: torch.Tensor) -> ModelRunnerOutput:
+        requests = self.requests
+        slots = batch.idx_mapping_np
+        requests.num_computed_host[slots] += batch.num_scheduled_np
+        # A row samples once its prefill is complete; the host knows this from its mirrors.
+        is_sampling = requests.num_computed_host[slots] >= requests.prefill_len_host[slots]
+        tokens = sampled.to("cpu").tolist()
+        sampled_token_ids = [[t] if s else [] for t, s in zip(tokens, is_sampling.tolist())]
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_token_ids)

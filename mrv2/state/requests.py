@@ -1,0 +1,103 @@
+"""Persistent per-request state in fixed slots (DESIGN.md invariants 1, 2 and 4).
+
+A request owns one slot from `add` to `finish`; slots are never moved or compacted, so a
+request's rows in every per-slot tensor stay put for its whole life. Free slots form a stack.
+Device tensors hold the truth for what sampling advances (num_computed, last_sampled,
+total_len); the host keeps what it needs for shapes and outputs (prefill_len, and the
+scheduler's num_computed, which is an exact mirror while scheduling is synchronous).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.state.staged import StagedWriteTensor
+
+
+class RequestState:
+    def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.device = device
+        # Stack of free slots; popping yields the lowest slot first.
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.req_id_to_slot: dict[str, int] = {}
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> StagedWriteTensor:
+            return StagedWriteTensor(torch.zeros(*shape, dtype=dtype, device=device))
+
+        # Token history: prefill tokens (prompt + outputs when resumed), then sampled tokens.
+        self.token_ids = zeros(max_num_seqs, max_model_len)
+        self.prefill_len = zeros(max_num_seqs)
+        self.num_computed = zeros(max_num_seqs)
+        self.total_len = zeros(max_num_seqs)
+        self.last_sampled = zeros(max_num_seqs, dtype=torch.int64)
+
+        self.prompt_len_host = np.zeros(max_num_seqs, dtype=np.int32)
+        self.prefill_len_host = np.zeros(max_num_seqs, dtype=np.int32)
+        self.num_computed_host = np.zeros(max_num_seqs, dtype=np.int32)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.req_id_to_slot)
+
+    def add(self, req_id: str, prompt_len: int, prefill_token_ids: list[int],
+            num_computed_tokens: int) -> int:
+        if req_id in self.req_id_to_slot:
+            raise ValueError(f"request {req_id!r} already holds slot "
+                             f"{self.req_id_to_slot[req_id]}")
+        if not self._free_slots:
+            raise RuntimeError(f"no free slot for request {req_id!r}: all "
+                               f"{self.max_num_seqs} slots are in use")
+        prefill_len = len(prefill_token_ids)
+        if prefill_len > self.max_model_len:
+            raise ValueError(f"request {req_id!r} has {prefill_len} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        slot = self._free_slots.pop()
+        self.req_id_to_slot[req_id] = slot
+        self.token_ids.stage_write(slot, 0, prefill_token_ids)
+        self.prefill_len.stage_set(slot, prefill_len)
+        self.num_computed.stage_set(slot, num_computed_tokens)
+        self.total_len.stage_set(slot, prefill_len)
+        self.last_sampled.stage_set(slot, prefill_token_ids[-1])
+        self.prompt_len_host[slot] = prompt_len
+        self.prefill_len_host[slot] = prefill_len
+        self.num_computed_host[slot] = num_computed_tokens
+        return slot
+
+    def finish(self, req_id: str) -> int | None:
+        """Free the request's slot; unknown ids are ignored (a request is freed once)."""
+        slot = self.req_id_to_slot.pop(req_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        return slot
+
+    def apply_staged_writes(self) -> None:
+        for staged in (self.token_ids, self.prefill_len, self.num_computed, self.total_len,
+                       self.last_sampled):
+            staged.apply()
+
+    def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor,
+                    sampled: torch.Tensor) -> None:
+        """Advance counters after sampling, on the device, without reading anything back.
+
+        Rows whose prefill is still incomplete after this step sampled nothing: their token
+        history and last_sampled are rewritten with the values they already hold.
+        """
+        num_computed = self.num_computed.tensor
+        new_computed = num_computed[idx_mapping] + num_scheduled
+        num_computed[idx_mapping] = new_computed
+        is_sampling = new_computed >= self.prefill_len.tensor[idx_mapping]
+        write_pos = new_computed.clamp(max=self.max_model_len - 1).long()
+        history = self.token_ids.tensor
+        old = history[idx_mapping, write_pos]
+        history[idx_mapping, write_pos] = torch.where(is_sampling, sampled.to(history.dtype), old)
+        self.total_len.tensor[idx_mapping] = torch.where(
+            is_sampling, new_computed + 1, self.total_len.tensor[idx_mapping])
+        last = self.last_sampled.tensor
+        last[idx_mapping] = torch.where(is_sampling, sampled, last[idx_mapping])

@@ -1,0 +1,79 @@
+"""Worker: one device's model, KV cache and runner.
+
+Start-up order: device -> model weights -> KV cache size -> KV cache tensors -> runner.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mrv2 import platform
+from mrv2.attention.backend import kv_cache_shape
+from mrv2.config import ConfigError, EngineConfig
+from mrv2.models.loader import load_model
+from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mrv2.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+        self.num_kv_blocks = 0
+
+    def load_model(self) -> None:
+        if self.device.type == "cpu":
+            # Intra-op threads = the machine's cores; torch's default may oversubscribe.
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.model = load_model(self.config.model_config, self.device)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        mc, cc = self.config.model_config, self.config.cache_config
+        elem = torch.empty((), dtype=mc.dtype).element_size()
+        return 2 * mc.num_layers * cc.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests use.
+
+        Block 0 is the null block, so one extra block is always allocated.
+        """
+        cc = self.config.cache_config
+        if cc.kv_cache_memory_gb is not None:
+            budget = int(cc.kv_cache_memory_gb * (1 << 30))
+        else:
+            budget = platform.default_kv_cache_bytes(self.device)
+        fit = budget // self.kv_block_bytes
+        needed = self.config.scheduler_config.max_num_seqs * self.config.max_num_blocks_per_req
+        num_blocks = min(fit, needed + 1)
+        min_blocks = self.config.max_num_blocks_per_req + 1
+        if num_blocks < min_blocks:
+            raise ConfigError(
+                f"the KV cache budget of {budget / (1 << 30):.3f} GiB holds {fit} blocks of "
+                f"{self.config.cache_config.block_size} tokens, but one request of "
+                f"max_model_len={self.config.model_config.max_model_len} needs {min_blocks - 1}; "
+                f"raise kv_cache_memory_gb or lower max_model_len")
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc, cc = self.config.model_config, self.config.cache_config
+        shape = kv_cache_shape(num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        # Zeros, not empty: masked-out keys and values must never be NaN (0 * NaN = NaN).
+        kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device)
+                     for _ in range(mc.num_layers)]
+        self.num_kv_blocks = num_blocks
+        self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
+                    num_blocks * self.kv_block_bytes / (1 << 20))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(grammar_output)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment in .venv, then run the given command in it.
+# On a machine without CUDA, torch is pinned to the CPU build 2.13.0 before anything else can
+# pull a multi-GB CUDA build through the resolver.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+STAMP=.venv/.mrv2-installed
+WANT="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    python -m pip install -q --upgrade pip
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        python -m pip install -q "torch==2.13.0"
+    fi
+    python -m pip install -q -e ".[dev]"
+    echo "$WANT" > "$STAMP"
+fi
+exec "$@"

@@ -1,0 +1,136 @@
+"""CPU paged attention vs a dense causal reference over the same (random) K/V."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mrv2.attention import Attention, AttentionMetadata
+from mrv2.attention.torch_paged import paged_attention, write_kv
+
+
+def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [q_len, H, D] are the last q_len positions of a sequence with k/v [L, KV, D]."""
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    rep = num_heads // num_kv_heads
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+def _build_step(seq_lens: list[int], query_lens: list[int], block_size: int, num_blocks: int,
+                gen: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for one step plus the flat slots of every cached-prefix token (all rows)."""
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    # Random, non-contiguous, disjoint block ids per request.
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slot_rows, prefix_slots = [], []
+    for row, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        n = -(-seq_len // block_size)
+        tables[row, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+        pos = torch.arange(seq_len)
+        slots = tables[row].long()[pos // block_size] * block_size + pos % block_size
+        prefix_slots.append(slots[:seq_len - q_len])
+        slot_rows.append(slots[seq_len - q_len:])
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    sl = np.array(seq_lens, dtype=np.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=int(qsl[-1]), num_reqs=len(seq_lens),
+        num_decodes=_leading_ones(query_lens),
+        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(sl),
+        block_tables=tables, slot_mapping=torch.cat(slot_rows),
+        query_start_loc_cpu=qsl, seq_lens_cpu=sl, max_seq_len=int(sl.max()))
+    return meta, torch.cat(prefix_slots)
+
+
+def _leading_ones(query_lens: list[int]) -> int:
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int,
+                                       block_size: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + block_size)
+    head_dim, scale = 16, 16 ** -0.5
+    # Decode rows first (query length 1, various cached lengths), then prefill chunks: one
+    # with a cached prefix, one from scratch, one whose prefix ends mid-block.
+    seq_lens = [1, 7, 19, 12, 9, 22]
+    query_lens = [1, 1, 1, 5, 9, 3]
+    meta, prefix_slots = _build_step(seq_lens, query_lens, block_size, num_blocks=40, gen=gen)
+    assert meta.num_decodes == 3
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    qs = [torch.randn(n, num_heads, head_dim, generator=gen) for n in query_lens]
+    # Garbage (finite) in every slot that is never written: it must never be read.
+    kv_cache = torch.randn(2, 40, block_size, num_kv_heads, head_dim, generator=gen) * 100
+    # Earlier steps wrote the cached prefixes.
+    write_kv(torch.cat([k[:s - n] for k, s, n in zip(ks, seq_lens, query_lens)]),
+             torch.cat([v[:s - n] for v, s, n in zip(vs, seq_lens, query_lens)]),
+             kv_cache, prefix_slots)
+    # This step writes its own tokens, then attends.
+    write_kv(torch.cat([k[s - n:] for k, s, n in zip(ks, seq_lens, query_lens)]),
+             torch.cat([v[s - n:] for v, s, n in zip(vs, seq_lens, query_lens)]),
+             kv_cache, meta.slot_mapping)
+    out = paged_attention(torch.cat(qs), kv_cache, meta, scale)
+    expected = torch.cat([_dense_reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_module_flattens_heads() -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
+    seq_lens, query_lens = [5, 6], [1, 6]
+    meta, prefix_slots = _build_step(seq_lens, query_lens, block_size, num_blocks=8, gen=gen)
+    kv_cache = torch.zeros(2, 8, block_size, num_kv_heads, head_dim)
+    k0 = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    v0 = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    write_kv(k0, v0, kv_cache, prefix_slots)
+    q = torch.randn(7, num_heads * head_dim, generator=gen)
+    k = torch.randn(7, num_kv_heads * head_dim, generator=gen)
+    v = torch.randn(7, num_kv_heads * head_dim, generator=gen)
+    attn = Attention(num_heads, head_dim, num_kv_heads, scale=head_dim ** -0.5)
+    out = attn(q, k, v, kv_cache, meta)
+    assert out.shape == (7, num_heads * head_dim)
+    k3, v3 = k.view(7, num_kv_heads, head_dim), v.view(7, num_kv_heads, head_dim)
+    ref0 = _dense_reference(q[:1].view(1, num_heads, head_dim), torch.cat([k0, k3[:1]]),
+                            torch.cat([v0, v3[:1]]), attn.scale)
+    ref1 = _dense_reference(q[1:].view(6, num_heads, head_dim), k3[1:], v3[1:], attn.scale)
+    torch.testing.assert_close(out.view(7, num_heads, head_dim), torch.cat([ref0, ref1]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(2, 4, 4, 2, 8, generator=gen)
+    before = kv_cache.clone()
+    k = torch.randn(5, 2, 8, generator=gen)
+    v = torch.randn(5, 2, 8, generator=gen)
+    slots = torch.tensor([13, -1, 2, -1, 7])
+    write_kv(k, v, kv_cache, slots)
+    flat_k, flat_v = kv_cache[0].view(16, 2, 8), kv_cache[1].view(16, 2, 8)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(flat_k[slot], k[i], rtol=0, atol=0)
+            torch.testing.assert_close(flat_v[slot], v[i], rtol=0, atol=0)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[[13, 2, 7]] = False
+    assert torch.equal(flat_k[untouched], before[0].view(16, 2, 8)[untouched])
+    assert torch.equal(flat_v[untouched], before[1].view(16, 2, 8)[untouched])
+
+
+def test_write_kv_all_padding_is_a_no_op() -> None:
+    kv_cache = torch.zeros(2, 2, 4, 1, 4)
+    write_kv(torch.ones(3, 1, 4), torch.ones(3, 1, 4), kv_cache, torch.full((3,), -1))
+    assert not kv_cache.any()

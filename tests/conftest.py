@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random-weight HF models, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests measure correctness, not speed: keep them reproducible and off extra threads.
+torch.manual_seed(0)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Returns build(arch="llama", **kwargs) -> model dir; identical requests share a dir."""
+    from mrv2.testing import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    built: dict[tuple, Path] = {}
+
+    def build(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in built:
+            built[key] = Path(make_tiny_model(root / f"{arch}-{len(built)}", arch=arch, **kwargs))
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")

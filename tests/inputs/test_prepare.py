@@ -1,0 +1,350 @@
+"""prepare_inputs: one step's inputs gathered from the slot state into the persistent step
+buffers (DESIGN.md section 2 step 5, invariant 2). Also covers InputBuffers and InputBatch.
+
+The state is built by hand the way the runner builds it: add -> apply -> post_update after each
+"sampled" step, with the host mirror of num_computed advanced as the runner does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mrv2.inputs.batch import InputBatch
+from mrv2.inputs.buffers import InputBuffers
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.state.block_table import BlockTables
+from mrv2.state.requests import RequestState
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 32
+MAX_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE
+
+
+@dataclass
+class Req:
+    """What the test knows about one request: its full token history and block ids."""
+
+    req_id: str
+    slot: int
+    history: list[int]
+    prefill_len: int
+    num_computed: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+class World:
+    def __init__(self, max_num_seqs: int = 6, max_num_tokens: int = 64) -> None:
+        self.state = RequestState(max_num_seqs, MAX_MODEL_LEN, CPU)
+        self.tables = BlockTables(max_num_seqs, MAX_BLOCKS, BLOCK_SIZE, CPU)
+        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, MAX_BLOCKS, CPU)
+        self.reqs: dict[str, Req] = {}
+        self.next_block = 1
+
+    def add(self, req_id: str, prefill: list[int], num_computed: int = 0,
+            prompt_len: int | None = None) -> Req:
+        slot = self.state.add(req_id, prompt_len or len(prefill), prefill, num_computed)
+        req = Req(req_id, slot, list(prefill), len(prefill), num_computed)
+        self.reqs[req_id] = req
+        return req
+
+    def finish(self, req_id: str) -> None:
+        slot = self.state.finish(req_id)
+        self.tables.clear_row(slot)
+        del self.reqs[req_id]
+
+    def ensure_blocks(self, req: Req, num_tokens: int) -> None:
+        """Allocate blocks so that `num_tokens` tokens fit (new ids, staged as a delta)."""
+        needed = -(-num_tokens // BLOCK_SIZE) - len(req.block_ids)
+        if needed > 0:
+            new = list(range(self.next_block, self.next_block + needed))
+            self.next_block += needed
+            # Scramble block ids so that a wrong row or column shows.
+            new = [b * 7 % 997 for b in new]
+            self.tables.append_block_ids(req.slot, new, overwrite=not req.block_ids)
+            req.block_ids += new
+
+    def apply(self) -> None:
+        self.state.apply_staged_writes()
+        self.tables.apply_staged_writes()
+
+    def sample(self, steps: list[tuple[str, int, int]]) -> None:
+        """Run post_update for rows (req_id, num_scheduled, sampled token), as the runner does
+        after a forward pass, and advance the host mirror."""
+        reqs = [self.reqs[r] for r, _, _ in steps]
+        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        num_scheduled = np.array([n for _, n, _ in steps], dtype=np.int32)
+        sampled = torch.tensor([t for _, _, t in steps], dtype=torch.int64)
+        self.state.post_update(torch.from_numpy(slots), torch.from_numpy(num_scheduled), sampled)
+        self.state.num_computed_host[slots] += num_scheduled
+        for req, (_, n, token) in zip(reqs, steps):
+            req.num_computed += n
+            if req.num_computed >= req.prefill_len:
+                del req.history[req.num_computed:]
+                req.history.append(token)
+
+    def prepare(self, scheduled: dict[str, int]) -> InputBatch:
+        req_ids = list(scheduled)
+        num_scheduled = np.array([scheduled[r] for r in req_ids], dtype=np.int32)
+        slots = np.array([self.reqs[r].slot for r in req_ids], dtype=np.int64)
+        order = decode_first_order(num_scheduled)
+        return prepare_inputs([req_ids[i] for i in order], slots[order], num_scheduled[order],
+                              self.state, self.tables, self.buffers)
+
+
+def reference(world: World, req_ids: list[str], scheduled: dict[str, int]) -> dict:
+    """Straightforward per-request, per-token expected values, rows in the given order."""
+    input_ids, positions, slot_mapping, qsl, seq_lens, tables = [], [], [], [0], [], []
+    for req_id in req_ids:
+        req, n = world.reqs[req_id], scheduled[req_id]
+        for pos in range(req.num_computed, req.num_computed + n):
+            input_ids.append(req.history[pos])
+            positions.append(pos)
+            block = req.block_ids[pos // BLOCK_SIZE]
+            slot_mapping.append(block * BLOCK_SIZE + pos % BLOCK_SIZE)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(req.num_computed + n)
+        tables.append(req.block_ids)
+    return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                query_start_loc=qsl, seq_lens=seq_lens, logits_indices=[q - 1 for q in qsl[1:]],
+                tables=tables)
+
+
+def check_against_reference(world: World, batch: InputBatch, scheduled: dict[str, int]) -> None:
+    ref = reference(world, batch.req_ids, scheduled)
+    meta = batch.attn_metadata
+    assert batch.num_tokens == meta.num_actual_tokens == len(ref["input_ids"])
+    assert batch.num_reqs == meta.num_reqs == len(scheduled)
+    assert sorted(batch.req_ids) == sorted(scheduled)
+    assert batch.input_ids.tolist() == ref["input_ids"]
+    assert batch.positions.tolist() == ref["positions"]
+    assert meta.query_start_loc.tolist() == ref["query_start_loc"]
+    assert meta.query_start_loc_cpu.tolist() == ref["query_start_loc"]
+    assert meta.seq_lens.tolist() == ref["seq_lens"]
+    assert meta.seq_lens_cpu.tolist() == ref["seq_lens"]
+    assert meta.max_seq_len == max(ref["seq_lens"])
+    assert meta.slot_mapping.tolist() == ref["slot_mapping"]
+    assert batch.logits_indices.tolist() == ref["logits_indices"]
+    for row, ids in enumerate(ref["tables"]):
+        assert meta.block_tables[row, :len(ids)].tolist() == ids
+    assert batch.idx_mapping.tolist() == [world.reqs[r].slot for r in batch.req_ids]
+    assert batch.idx_mapping_np.tolist() == batch.idx_mapping.tolist()
+    assert batch.num_scheduled.tolist() == [scheduled[r] for r in batch.req_ids]
+    assert batch.num_scheduled_np.tolist() == batch.num_scheduled.tolist()
+    num_scheduled = [scheduled[r] for r in batch.req_ids]
+    num_decodes = sum(n == 1 for n in num_scheduled)
+    assert meta.num_decodes == num_decodes
+    assert all(n == 1 for n in num_scheduled[:num_decodes])  # decode rows first
+    assert all(n > 1 for n in num_scheduled[num_decodes:])
+    # Padding of the persistent slot_mapping: nothing past the real tokens writes the cache.
+    assert (world.buffers.slot_mapping[batch.num_tokens:] == -1).all()
+
+
+def mixed_world() -> tuple[World, dict[str, int]]:
+    """Two decode rows (one resumed), a prefill chunk over a cached prefix, a fresh prompt."""
+    w = World()
+    w.add("filler", [1])  # so that slots differ from batch rows
+    d1 = w.add("d1", [101, 102, 103, 104, 105])
+    d2 = w.add("d2", [201, 202, 203, 204, 205, 206, 207, 208, 209], num_computed=4,
+               prompt_len=6)  # resumed: 6 prompt tokens + 3 outputs
+    w.finish("filler")
+    for req in (d1, d2):
+        w.ensure_blocks(req, req.prefill_len)
+    w.apply()
+    # d1 runs its prompt and samples 150, d2 its remaining 5 and samples 250.
+    w.sample([("d1", 5, 150), ("d2", 5, 250)])
+    # Next step: d1 decodes once more and samples 151 (position 5 -> token at index 6).
+    w.ensure_blocks(d1, 6)
+    w.apply()
+    w.sample([("d1", 1, 151)])
+    c1 = w.add("c1", list(range(300, 311)), num_computed=4)  # 4-token cached prefix
+    c2 = w.add("c2", [400, 401, 402])
+    w.ensure_blocks(c1, 9)
+    w.ensure_blocks(c2, 3)
+    w.ensure_blocks(d1, 8)
+    w.ensure_blocks(d2, 11)
+    w.apply()
+    # The scheduler's order: prefills interleaved with decodes.
+    scheduled = {"c1": 5, "d1": 1, "c2": 3, "d2": 1}
+    return w, scheduled
+
+
+def test_decode_first_order_is_stable() -> None:
+    order = decode_first_order(np.array([5, 1, 3, 1, 1, 2], dtype=np.int32))
+    assert order.tolist() == [1, 3, 4, 0, 2, 5]
+    assert decode_first_order(np.array([], dtype=np.int32)).tolist() == []
+    assert decode_first_order(np.array([4, 4], dtype=np.int32)).tolist() == [0, 1]
+
+
+def test_input_buffers_shapes_and_dtypes() -> None:
+    buffers = InputBuffers(16, 4, 3, CPU)
+    assert buffers.max_num_tokens == 16 and buffers.max_num_reqs == 4
+    for name in ("input_ids", "positions", "token_slots", "slot_mapping"):
+        assert getattr(buffers, name).shape == (16,)
+    assert buffers.query_start_loc.shape == (5,)
+    assert buffers.query_start_loc.dtype == torch.int32
+    assert buffers.seq_lens.shape == (4,) and buffers.seq_lens.dtype == torch.int32
+    assert buffers.idx_mapping.shape == buffers.logits_indices.shape == (4,)
+    assert buffers.block_tables.shape == (4, 3) and buffers.block_tables.dtype == torch.int32
+    assert buffers.slot_mapping.dtype == torch.int64
+    # prepare_inputs gathers token ids straight into input_ids: the dtypes must agree.
+    state = RequestState(4, 8, CPU)
+    assert buffers.input_ids.dtype == state.token_ids.tensor.dtype
+
+
+def test_mixed_batch_matches_hand_computed_values() -> None:
+    w, scheduled = mixed_world()
+    batch = w.prepare(scheduled)
+    assert batch.req_ids == ["d1", "d2", "c1", "c2"]
+    d1, d2, c1, c2 = (w.reqs[r] for r in batch.req_ids)
+    # Decode rows feed the last sampled token (written on the device by post_update).
+    assert batch.input_ids.tolist() == [151, 250, 304, 305, 306, 307, 308, 400, 401, 402]
+    assert batch.positions.tolist() == [6, 9, 4, 5, 6, 7, 8, 0, 1, 2]
+    meta = batch.attn_metadata
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 7, 10]
+    assert meta.query_start_loc_cpu.tolist() == [0, 1, 2, 7, 10]
+    assert meta.seq_lens.tolist() == [7, 10, 9, 3]
+    assert meta.seq_lens_cpu.tolist() == [7, 10, 9, 3]
+    assert meta.max_seq_len == 10
+    assert meta.num_decodes == 2
+    assert meta.num_actual_tokens == batch.num_tokens == 10
+    assert batch.logits_indices.tolist() == [0, 1, 6, 9]
+    assert batch.idx_mapping.tolist() == [d1.slot, d2.slot, c1.slot, c2.slot]
+    assert meta.slot_mapping.tolist()[:2] == [d1.block_ids[1] * 4 + 2, d2.block_ids[2] * 4 + 1]
+    check_against_reference(w, batch, scheduled)
+
+
+def test_returns_views_of_the_persistent_buffers() -> None:
+    w, scheduled = mixed_world()
+    buffers = w.buffers
+    batch = w.prepare(scheduled)
+    meta = batch.attn_metadata
+    pairs = [
+        (batch.input_ids, buffers.input_ids),
+        (batch.positions, buffers.positions),
+        (batch.idx_mapping, buffers.idx_mapping),
+        (batch.num_scheduled, buffers.num_scheduled),
+        (batch.logits_indices, buffers.logits_indices),
+        (meta.query_start_loc, buffers.query_start_loc),
+        (meta.seq_lens, buffers.seq_lens),
+        (meta.slot_mapping, buffers.slot_mapping),
+        (meta.block_tables, buffers.block_tables),
+    ]
+    for view, buf in pairs:
+        assert view.data_ptr() == buf.data_ptr()
+    # A second, smaller step writes the same addresses.
+    w.sample([(r, n, 900 + i) for i, (r, n) in enumerate(scheduled.items())])
+    w.ensure_blocks(w.reqs["c1"], 10)
+    w.apply()
+    second = {"c1": 1, "d1": 1}
+    batch2 = w.prepare(second)
+    assert batch2.input_ids.data_ptr() == buffers.input_ids.data_ptr()
+    assert batch2.attn_metadata.slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()
+    assert batch2.attn_metadata.block_tables.data_ptr() == buffers.block_tables.data_ptr()
+    check_against_reference(w, batch2, second)
+
+
+def test_decode_token_is_the_last_sampled() -> None:
+    w = World()
+    req = w.add("a", [5, 6, 7])
+    w.ensure_blocks(req, 3)
+    w.apply()
+    w.sample([("a", 3, 42)])
+    for token in (43, 44, 45):
+        w.ensure_blocks(req, req.num_computed + 1)
+        w.apply()
+        batch = w.prepare({"a": 1})
+        assert batch.input_ids.tolist() == [req.history[-1]]
+        assert batch.positions.tolist() == [req.num_computed]
+        check_against_reference(w, batch, {"a": 1})
+        w.sample([("a", 1, token)])
+    assert req.history == [5, 6, 7, 42, 43, 44, 45]
+    assert w.state.token_ids.tensor[req.slot, :7].tolist() == req.history
+
+
+def test_exceeding_token_capacity_raises_value_error() -> None:
+    w = World(max_num_seqs=4, max_num_tokens=8)
+    for r in "ab":
+        req = w.add(r, list(range(10, 15)))
+        w.ensure_blocks(req, 5)
+    w.apply()
+    with pytest.raises(ValueError):
+        w.prepare({"a": 5, "b": 4})
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="BUG: prepare_inputs checks the token capacity but not the row "
+                          "capacity (max_num_reqs); too many rows fail later in copy_ with a "
+                          "RuntimeError")
+def test_exceeding_row_capacity_raises_value_error() -> None:
+    w = World(max_num_seqs=4, max_num_tokens=64)
+    for r in "abcd":
+        req = w.add(r, [1, 2])
+        w.ensure_blocks(req, 2)
+    w.apply()
+    scheduled = {r: 2 for r in "abcd"}
+    req_ids = list(scheduled)
+    slots = np.array([0, 1, 2, 3, 0], dtype=np.int64)  # a fifth row exceeds max_num_reqs
+    with pytest.raises(ValueError):
+        prepare_inputs(req_ids + ["a"], slots, np.full(5, 2, dtype=np.int32), w.state,
+                       w.tables, w.buffers)
+
+
+# ---- property test against the per-request reference -------------------------------------
+
+
+@st.composite
+def scenarios(draw):
+    """Requests in random states: ("prefill", prefill_len, num_computed, num_scheduled) or
+    ("decode", prefill_len, num_decode_steps_already_done)."""
+    specs = []
+    for _ in range(draw(st.integers(1, 5))):
+        prefill_len = draw(st.integers(1, 20))
+        if draw(st.booleans()):
+            computed = draw(st.integers(0, prefill_len - 1))
+            scheduled = draw(st.integers(1, prefill_len - computed))
+            specs.append(("prefill", prefill_len, computed, scheduled))
+        else:
+            specs.append(("decode", prefill_len, draw(st.integers(0, 3))))
+    num_fillers = draw(st.integers(0, 2))
+    return specs, num_fillers, draw(st.randoms(use_true_random=False))
+
+
+@settings(max_examples=40, deadline=None)
+@given(scenarios())
+def test_matches_per_request_reference(scenario) -> None:
+    specs, num_fillers, rng = scenario
+    w = World(max_num_seqs=8, max_num_tokens=128)
+    for i in range(num_fillers):
+        w.add(f"filler{i}", [1])
+    scheduled: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        prefill_len = spec[1]
+        req = w.add(f"r{i}", [rng.randrange(1000) for _ in range(prefill_len)],
+                    num_computed=spec[2] if spec[0] == "prefill" else 0)
+        if spec[0] == "prefill":
+            w.ensure_blocks(req, spec[2] + spec[3])
+            scheduled[req.req_id] = spec[3]
+        else:
+            w.ensure_blocks(req, prefill_len + spec[2] + 1)
+            scheduled[req.req_id] = 1
+    for i in range(num_fillers):
+        w.finish(f"filler{i}")
+    w.apply()
+    # Bring decode rows to their state: the whole prefill, then some decode steps.
+    decodes = [(f"r{i}", s) for i, s in enumerate(specs) if s[0] == "decode"]
+    if decodes:
+        w.sample([(r, s[1], rng.randrange(1000)) for r, s in decodes])
+        for k in range(max(s[2] for _, s in decodes)):
+            w.sample([(r, 1, rng.randrange(1000)) for r, s in decodes if s[2] > k])
+    order = list(scheduled)
+    rng.shuffle(order)
+    scheduled = {r: scheduled[r] for r in order}
+    batch = w.prepare(scheduled)
+    check_against_reference(w, batch, scheduled)

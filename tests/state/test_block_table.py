@@ -1,0 +1,147 @@
+"""BlockTables: staged deltas, overwrite on (re)add, gather in batch order, slot mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2.state.block_table import NULL_BLOCK_ID, BlockTables
+
+CPU = torch.device("cpu")
+
+
+def make_tables(max_num_seqs: int = 4, max_blocks: int = 4, block_size: int = 4) -> BlockTables:
+    return BlockTables(max_num_seqs, max_blocks, block_size, CPU)
+
+
+def test_starts_as_null_blocks() -> None:
+    tables = make_tables()
+    assert tables.table.tensor.shape == (4, 4)
+    assert tables.table.tensor.dtype == torch.int32
+    assert (tables.table.tensor == NULL_BLOCK_ID).all()
+    assert tables.num_blocks.tolist() == [0, 0, 0, 0]
+
+
+def test_append_stages_only_the_delta() -> None:
+    tables = make_tables()
+    tables.append_block_ids(1, [5, 6])
+    assert tables.table.num_staged == 1
+    assert tables.num_blocks[1] == 2
+    assert tables.table.tensor[1].tolist() == [0, 0, 0, 0]  # staged, not yet written
+    tables.apply_staged_writes()
+    assert tables.table.num_staged == 0
+    assert tables.table.tensor[1].tolist() == [5, 6, 0, 0]
+    # Mark the already-written entries: a delta append must not touch them.
+    tables.table.tensor[1, :2] = -7
+    tables.append_block_ids(1, [8])
+    assert tables.table.num_staged == 1
+    tables.apply_staged_writes()
+    assert tables.table.tensor[1].tolist() == [-7, -7, 8, 0]
+    assert tables.num_blocks[1] == 3
+
+
+def test_empty_append_stages_nothing() -> None:
+    tables = make_tables()
+    tables.append_block_ids(0, [3])
+    tables.apply_staged_writes()
+    tables.append_block_ids(0, [])
+    assert tables.table.num_staged == 0
+    assert tables.num_blocks[0] == 1
+
+
+def test_several_rows_one_apply() -> None:
+    tables = make_tables()
+    tables.append_block_ids(0, [1, 2])
+    tables.append_block_ids(2, [3])
+    tables.append_block_ids(0, [4])
+    assert tables.table.num_staged == 3
+    tables.apply_staged_writes()
+    assert tables.table.tensor.tolist() == [[1, 2, 4, 0], [0, 0, 0, 0], [3, 0, 0, 0],
+                                            [0, 0, 0, 0]]
+
+
+def test_overwrite_resets_the_row() -> None:
+    tables = make_tables()
+    tables.append_block_ids(0, [1, 2, 3])
+    tables.apply_staged_writes()
+    tables.append_block_ids(0, [9], overwrite=True)
+    assert tables.num_blocks[0] == 1
+    tables.apply_staged_writes()
+    assert tables.table.tensor[0, 0].item() == 9
+    tables.append_block_ids(0, [10])
+    tables.apply_staged_writes()
+    assert tables.table.tensor[0, :2].tolist() == [9, 10]
+    assert tables.num_blocks[0] == 2
+
+
+def test_clear_row_restarts_the_fill() -> None:
+    tables = make_tables()
+    tables.append_block_ids(3, [1, 2, 3, 4])
+    tables.clear_row(3)
+    assert tables.num_blocks[3] == 0
+    tables.append_block_ids(3, [5, 6, 7, 8])  # a full row again: no overflow after clearing
+    tables.apply_staged_writes()
+    assert tables.table.tensor[3].tolist() == [5, 6, 7, 8]
+
+
+def test_overflow_beyond_max_blocks_raises() -> None:
+    tables = make_tables(max_blocks=3)
+    tables.append_block_ids(0, [1, 2])
+    with pytest.raises(ValueError):
+        tables.append_block_ids(0, [3, 4])
+    assert tables.num_blocks[0] == 2
+    assert tables.table.num_staged == 1  # the refused append staged nothing
+    with pytest.raises(ValueError):
+        tables.append_block_ids(1, [1, 2, 3, 4], overwrite=True)
+    tables.append_block_ids(0, [3])  # exactly full is fine
+    tables.apply_staged_writes()
+    assert tables.table.tensor[0, :3].tolist() == [1, 2, 3]
+
+
+def test_gather_block_tables_in_batch_order_into_persistent_buffer() -> None:
+    tables = make_tables()
+    for slot, ids in enumerate([[1], [2, 3], [4, 5, 6], [7]]):
+        tables.append_block_ids(slot, ids)
+    tables.apply_staged_writes()
+    out = torch.full((4, 4), -1, dtype=torch.int32)
+    rows = tables.gather_block_tables(torch.tensor([2, 0, 3]), out)
+    assert rows.data_ptr() == out.data_ptr()
+    assert rows.shape == (3, 4)
+    assert rows.tolist() == [[4, 5, 6, 0], [1, 0, 0, 0], [7, 0, 0, 0]]
+    assert out[3].tolist() == [-1, -1, -1, -1]  # beyond the batch: untouched
+    # A later, smaller batch reuses the same buffer.
+    rows = tables.gather_block_tables(torch.tensor([1]), out)
+    assert rows.data_ptr() == out.data_ptr()
+    assert out[0].tolist() == [2, 3, 0, 0]
+
+
+def test_compute_slot_mapping_formula_and_padding() -> None:
+    block_size = 4
+    tables = make_tables(max_blocks=4, block_size=block_size)
+    block_ids = {0: [11, 12, 13], 2: [21, 22]}
+    for slot, ids in block_ids.items():
+        tables.append_block_ids(slot, ids)
+    tables.apply_staged_writes()
+    token_slots = torch.tensor([2, 2, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    positions = torch.tensor([4, 7, 3, 4, 5, 6, 7, 8], dtype=torch.int64)
+    out = torch.zeros(12, dtype=torch.int64)
+    mapping = tables.compute_slot_mapping(token_slots, positions, out)
+    expected = [block_ids[s][p // block_size] * block_size + p % block_size
+                for s, p in zip(token_slots.tolist(), positions.tolist())]
+    assert mapping.tolist() == expected
+    assert expected[:3] == [22 * 4 + 0, 22 * 4 + 3, 11 * 4 + 3]
+    assert mapping.data_ptr() == out.data_ptr()
+    assert out[8:].tolist() == [-1] * 4
+    # A shorter step pads the stale tail with -1 again.
+    mapping = tables.compute_slot_mapping(token_slots[:2], positions[:2], out)
+    assert mapping.tolist() == expected[:2]
+    assert out[2:].tolist() == [-1] * 10
+
+
+def test_compute_slot_mapping_no_tokens() -> None:
+    tables = make_tables()
+    out = torch.zeros(5, dtype=torch.int64)
+    mapping = tables.compute_slot_mapping(torch.zeros(0, dtype=torch.int64),
+                                          torch.zeros(0, dtype=torch.int64), out)
+    assert mapping.numel() == 0
+    assert out.tolist() == [-1] * 5

@@ -1,0 +1,112 @@
+"""Engine configuration: validation (ConfigError, a ValueError) and derived values."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mrv2.config import (
+    CacheConfig,
+    CompilationConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("block_size", [0, -4, 3, 6, 12, 24, 100])
+def test_block_size_must_be_a_power_of_two(block_size: int) -> None:
+    with pytest.raises(ConfigError, match="block_size"):
+        CacheConfig(block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32, 256])
+def test_power_of_two_block_sizes_accepted(block_size: int) -> None:
+    assert CacheConfig(block_size=block_size).block_size == block_size
+
+
+def test_kv_cache_memory_must_be_positive() -> None:
+    with pytest.raises(ConfigError):
+        CacheConfig(kv_cache_memory_gb=0)
+    with pytest.raises(ValueError):
+        CacheConfig(kv_cache_memory_gb=-1.0)
+    assert CacheConfig(kv_cache_memory_gb=0.5).kv_cache_memory_gb == 0.5
+
+
+def test_scheduler_config_limits() -> None:
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0)
+    assert SchedulerConfig(max_num_seqs=1).max_num_seqs == 1
+
+
+def test_without_chunked_prefill_a_whole_prompt_must_fit() -> None:
+    with pytest.raises(ConfigError, match="chunked prefill"):
+        SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024,
+                        enable_chunked_prefill=False)
+    SchedulerConfig(max_num_batched_tokens=1024, max_model_len=1024, enable_chunked_prefill=False)
+    SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024, enable_chunked_prefill=True)
+
+
+@pytest.mark.parametrize("tp", [0, 2, 4])
+def test_tensor_parallel_other_than_one_refused(tp: int) -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        ParallelConfig(tensor_parallel_size=tp)
+    assert ParallelConfig().tensor_parallel_size == 1
+
+
+def make_engine_config(max_model_len: int, block_size: int) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig(model="tiny", dtype=torch.float32, max_model_len=max_model_len),
+        cache_config=CacheConfig(block_size=block_size),
+        scheduler_config=SchedulerConfig(max_model_len=max_model_len),
+    )
+
+
+@pytest.mark.parametrize("max_model_len, block_size, expected", [
+    (32, 16, 2), (33, 16, 3), (1, 16, 1), (2048, 16, 128), (100, 1, 100), (15, 8, 2),
+])
+def test_max_num_blocks_per_req(max_model_len: int, block_size: int, expected: int) -> None:
+    assert make_engine_config(max_model_len, block_size).max_num_blocks_per_req == expected
+
+
+def test_engine_config_defaults_and_frozen() -> None:
+    config = make_engine_config(64, 16)
+    assert config.parallel_config == ParallelConfig()
+    assert config.compilation_config == CompilationConfig()
+    assert config.compilation_config.cudagraph_mode == "NONE"
+    assert config.device == "cpu"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.device = "cuda"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache_config.block_size = 32  # type: ignore[misc]
+
+
+def test_model_config_reads_hf_config() -> None:
+    hf = SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                         vocab_size=300)
+    config = ModelConfig(model="tiny", dtype=torch.float32, max_model_len=128, hf_config=hf)
+    assert config.architecture == "LlamaForCausalLM"
+    assert config.num_layers == 2
+    assert config.num_attention_heads == 8
+    assert config.num_kv_heads == 2
+    assert config.head_dim == 8  # hidden_size // heads when head_dim is absent
+    assert config.vocab_size == 300
+    hf.head_dim = 16
+    hf.num_key_value_heads = None  # no GQA: as many KV heads as query heads
+    assert config.head_dim == 16
+    assert config.num_kv_heads == 8
+    # hf_config is neither compared nor printed.
+    assert config == ModelConfig(model="tiny", dtype=torch.float32, max_model_len=128)
+    assert "hf_config" not in repr(config)

@@ -1,0 +1,163 @@
+"""Protocol structs: msgpack round trips of everything that crosses a process boundary."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from mrv2.protocol import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    GrammarOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from mrv2.sampling_params import SamplingParams
+
+
+def round_trip(obj):
+    data = msgspec.msgpack.encode(obj)
+    back = msgspec.msgpack.decode(data, type=type(obj))
+    assert back == obj
+    assert type(back) is type(obj)
+    return back
+
+
+def new_request(req_id: str = "r0", **params) -> NewRequestData:
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=[1, 2, 3],
+        prefill_token_ids=[1, 2, 3, 9, 8],
+        sampling_params=SamplingParams(temperature=0.5, top_k=4, stop="x", seed=7,
+                                       logit_bias={5: -2.0}, **params),
+        block_ids=[4, 7],
+        num_computed_tokens=2,
+    )
+
+
+def test_new_request_data_with_nested_sampling_params() -> None:
+    back = round_trip(new_request())
+    assert isinstance(back.sampling_params, SamplingParams)
+    assert back.sampling_params.stop == ["x"]
+    assert back.sampling_params.seed == 7
+    assert back.sampling_params.logit_bias == {5: -2.0}
+    assert back.prefill_token_ids == [1, 2, 3, 9, 8]
+
+
+def test_structs_are_array_like() -> None:
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(new_request()))
+    assert isinstance(raw, list) and raw[0] == "r0" and raw[-1] == 2
+
+
+def test_cached_request_data() -> None:
+    cached = CachedRequestData(req_ids=["a", "b"], new_block_ids=[[3], []],
+                               num_computed_tokens=[10, 4])
+    assert round_trip(cached).num_reqs == 2
+    empty = round_trip(CachedRequestData())
+    assert empty.num_reqs == 0 and empty.new_block_ids == []
+    # Mutable defaults are not shared between instances.
+    assert CachedRequestData().req_ids is not CachedRequestData().req_ids
+
+
+def test_scheduler_output_keeps_batch_order() -> None:
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new_request("n1"), new_request("n2", max_tokens=4)],
+        scheduled_cached_reqs=CachedRequestData(req_ids=["z", "a"], new_block_ids=[[], [5]],
+                                                num_computed_tokens=[7, 12]),
+        num_scheduled_tokens={"z": 1, "a": 1, "n2": 3, "n1": 2},
+        total_num_scheduled_tokens=7,
+        finished_req_ids=["f"],
+        preempted_req_ids=["p1", "p2"],
+    )
+    back = round_trip(out)
+    # Insertion order of num_scheduled_tokens is the batch order.
+    assert list(back.num_scheduled_tokens) == ["z", "a", "n2", "n1"]
+    assert back.scheduled_new_reqs[1].sampling_params.max_tokens == 4
+    assert not back.is_empty
+
+
+def test_empty_scheduler_output() -> None:
+    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                          num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+    back = round_trip(out)
+    assert back.is_empty
+    assert back.finished_req_ids == [] and back.preempted_req_ids == []
+
+
+@pytest.mark.parametrize("bitmask", [None, b"", b"\x00\xff\x10" * 5])
+def test_grammar_output(bitmask: bytes | None) -> None:
+    round_trip(GrammarOutput(req_ids=["a"], bitmask=bitmask))
+    round_trip(GrammarOutput())
+
+
+def test_model_runner_output() -> None:
+    out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], []],
+                            logprobs=[[-0.25, -1.5], []], num_nans=1)
+    back = round_trip(out)
+    assert back.sampled_token_ids == [[5], []]
+    minimal = round_trip(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+    assert minimal.logprobs is None and minimal.num_nans == 0
+
+
+def test_engine_core_request() -> None:
+    req = EngineCoreRequest(request_id="abc", prompt_token_ids=[1, 2],
+                            sampling_params=SamplingParams(max_tokens=3, stop=["\n"]),
+                            eos_token_id=None, arrival_time=1234.5)
+    back = round_trip(req)
+    assert back.sampling_params.stop == ["\n"]
+    round_trip(EngineCoreRequest(request_id="x", prompt_token_ids=[0],
+                                 sampling_params=SamplingParams(), eos_token_id=2,
+                                 arrival_time=0.0))
+
+
+@pytest.mark.parametrize("reason, stop_reason", [
+    (None, None), (FinishReason.STOP, 7), (FinishReason.STOP, "</s>"),
+    (FinishReason.LENGTH, None), (FinishReason.ABORT, None),
+])
+def test_engine_core_output(reason: FinishReason | None, stop_reason: int | str | None) -> None:
+    out = EngineCoreOutput(request_id="r", new_token_ids=[4, 5], finish_reason=reason,
+                           stop_reason=stop_reason)
+    back = round_trip(out)
+    assert back.finished == (reason is not None)
+    assert back.finish_reason is reason
+    assert back.stop_reason == stop_reason
+    assert type(back.stop_reason) is type(stop_reason)
+
+
+def test_engine_core_outputs() -> None:
+    outs = EngineCoreOutputs(outputs=[
+        EngineCoreOutput("a", [1]),
+        EngineCoreOutput("b", [], finish_reason=FinishReason.ABORT),
+    ], timestamp=3.25)
+    back = round_trip(outs)
+    assert back.outputs[1].finish_reason is FinishReason.ABORT
+    assert round_trip(EngineCoreOutputs()).outputs == []
+
+
+def test_finish_reason() -> None:
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort"]
+    assert [int(r) for r in FinishReason] == [0, 1, 2]
+    # Encoded as its integer value, decoded back into the enum.
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(FinishReason.LENGTH)) == 1
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(FinishReason.ABORT),
+                                  type=FinishReason) is FinishReason.ABORT
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(3), type=FinishReason)
+
+
+def test_structs_are_frozen() -> None:
+    req = new_request()
+    with pytest.raises(AttributeError):
+        req.req_id = "other"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        EngineCoreOutput("a", [1]).finish_reason = FinishReason.STOP  # type: ignore[misc]
+
+
+def test_decoding_rejects_wrong_types() -> None:
+    bad = msgspec.msgpack.encode(["r", [1], [1], {}, [1], "not-an-int"])
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(bad, type=NewRequestData)

@@ -1,0 +1,112 @@
+"""SamplingParams: vLLM defaults, validation naming the field, msgpack round trip."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def test_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert p.n == 1 and p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
+    assert p.min_p == 0.0 and p.max_tokens == 16 and p.min_tokens == 0
+    assert p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+    assert p.frequency_penalty == 0.0
+    assert p.seed is None and p.stop is None and p.logprobs is None
+    assert p.skip_special_tokens and not p.ignore_eos
+    assert not p.sampling_type_greedy
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_k", -2),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("presence_penalty", -2.5),
+    ("presence_penalty", 2.01),
+    ("frequency_penalty", -2.01),
+    ("frequency_penalty", 3.0),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("min_tokens", -1),
+    ("logprobs", MAX_LOGPROBS + 1),
+    ("logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("stop_token_ids", [3, -1]),
+    ("stop", ["ok", ""]),
+    ("stop", ""),
+])
+def test_invalid_values_raise_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens() -> None:
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+    # No max_tokens: no upper bound for min_tokens.
+    assert SamplingParams(min_tokens=100, max_tokens=None).min_tokens == 100
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-6), dict(top_k=-1), dict(top_k=1),
+    dict(min_p=0.0), dict(min_p=1.0), dict(presence_penalty=-2.0), dict(presence_penalty=2.0),
+    dict(frequency_penalty=2.0), dict(repetition_penalty=0.01), dict(max_tokens=1),
+    dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0), dict(stop=[]),
+])
+def test_boundary_values_are_accepted(kwargs: dict) -> None:
+    SamplingParams(**kwargs)
+
+
+def test_stop_string_becomes_list() -> None:
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+
+
+def test_greedy() -> None:
+    assert SamplingParams(temperature=0.0).sampling_type_greedy
+    assert SamplingParams(top_k=1).sampling_type_greedy
+    assert not SamplingParams(top_k=2).sampling_type_greedy
+
+
+def test_clone_validates_and_leaves_original() -> None:
+    p = SamplingParams(temperature=0.5, stop=["x"])
+    q = p.clone(max_tokens=3)
+    assert q.max_tokens == 3 and q.temperature == 0.5 and q.stop == ["x"]
+    assert p.max_tokens == 16
+    with pytest.raises(ValueError, match="temperature"):
+        p.clone(temperature=-1.0)
+
+
+def test_msgpack_round_trip() -> None:
+    p = SamplingParams(n=2, temperature=0.3, top_p=0.9, top_k=40, min_p=0.01, seed=2**40,
+                       stop="end", stop_token_ids=[2, 7], ignore_eos=True, max_tokens=None,
+                       min_tokens=3, logprobs=5, prompt_logprobs=0, presence_penalty=-1.5,
+                       frequency_penalty=0.5, repetition_penalty=1.2,
+                       include_stop_str_in_output=True, logit_bias={3: -1.5, 10: 2.0},
+                       allowed_token_ids=[1, 2, 3], skip_special_tokens=False)
+    data = msgspec.msgpack.encode(p)
+    back = msgspec.msgpack.decode(data, type=SamplingParams)
+    assert back == p
+    assert back.stop == ["end"]
+    assert back.logit_bias == {3: -1.5, 10: 2.0}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams()),
+                                  type=SamplingParams) == SamplingParams()
+
+
+def test_decoding_invalid_params_is_refused() -> None:
+    data = msgspec.msgpack.encode({"temperature": -1.0})
+    with pytest.raises((ValueError, msgspec.ValidationError)):
+        msgspec.msgpack.decode(data, type=SamplingParams)
