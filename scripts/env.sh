@@ -13,12 +13,22 @@ fi
 . .venv/bin/activate
 STAMP=.venv/.mrv2-installed
 WANT="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    python -m pip install -q --upgrade pip
-    if ! command -v nvidia-smi >/dev/null 2>&1; then
-        python -m pip install -q "torch==2.13.0"
+LOG=.venv/install.log
+install() {
+    if ! python -m pip install -q "$@" >>"$LOG" 2>&1; then
+        cat "$LOG" >&2
+        echo "scripts/env.sh: 'pip install $*' failed (log above)" >&2
+        exit 1
     fi
-    python -m pip install -q -e ".[dev]"
+}
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "Setting up .venv (log: $LOG) ..." >&2
+    : > "$LOG"
+    install --upgrade pip
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        install "torch==2.13.0"
+    fi
+    install -e ".[dev]"
     echo "$WANT" > "$STAMP"
 fi
 exec "$@"

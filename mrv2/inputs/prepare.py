@@ -32,6 +32,8 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
     if num_tokens > buffers.max_num_tokens:
         raise ValueError(f"{num_tokens} scheduled tokens exceed the step capacity "
                          f"{buffers.max_num_tokens}")
+    if num_reqs > buffers.max_num_reqs:
+        raise ValueError(f"{num_reqs} rows exceed the step capacity {buffers.max_num_reqs}")
     device = buffers.input_ids.device
 
     query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int32)

@@ -23,7 +23,9 @@ def request_seed(params: SamplingParams, engine_seed: int, req_id: str) -> int:
     processes, unlike Python's `hash`)."""
     if params.seed is not None:
         return params.seed & _SEED_MASK
-    return ((engine_seed & 0xFFFFFFFF) << 32 | zlib.crc32(req_id.encode())) & _SEED_MASK
+    # An odd 64-bit multiplier spreads every bit of the engine seed over the result.
+    mixed = (engine_seed * 0x9E3779B97F4A7C15 + zlib.crc32(req_id.encode())) & _SEED_MASK
+    return mixed
 
 
 class SamplingStates:

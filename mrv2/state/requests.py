@@ -20,7 +20,7 @@ class RequestState:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.device = device
-        # Stack of free slots; popping yields the lowest slot first.
+        # Stack of free slots: the lowest unused slot first, then the most recently freed.
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.req_id_to_slot: dict[str, int] = {}
 
@@ -55,6 +55,8 @@ class RequestState:
             raise RuntimeError(f"no free slot for request {req_id!r}: all "
                                f"{self.max_num_seqs} slots are in use")
         prefill_len = len(prefill_token_ids)
+        if prefill_len == 0:
+            raise ValueError(f"request {req_id!r} has no prefill tokens")
         if prefill_len > self.max_model_len:
             raise ValueError(f"request {req_id!r} has {prefill_len} tokens, more than "
                              f"max_model_len={self.max_model_len}")

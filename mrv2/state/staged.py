@@ -26,6 +26,8 @@ class StagedWriteTensor:
 
     def stage_write(self, row: int, start: int, values) -> None:
         values = np.asarray(values, dtype=self._np_dtype).reshape(-1)
+        if not 0 <= row < self.tensor.shape[0]:
+            raise IndexError(f"row {row} is outside [0, {self.tensor.shape[0]})")
         if start < 0 or start + len(values) > self._num_cols:
             raise IndexError(f"write of {len(values)} values at column {start} overflows a row "
                              f"of {self._num_cols}")

@@ -148,6 +148,8 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
     if p["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)  # as save_pretrained does: the loader re-ties it
     _save_weights(state, dst, p["num_shards"])
+    for f in dst.glob("*.safetensors"):
+        f.chmod(0o644)  # safetensors writes 0600; cached models may be shared between users
     config.save_pretrained(dst)
     transformers.GenerationConfig(**ids).save_pretrained(dst)
 

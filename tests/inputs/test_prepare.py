@@ -278,10 +278,6 @@ def test_exceeding_token_capacity_raises_value_error() -> None:
         w.prepare({"a": 5, "b": 4})
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="BUG: prepare_inputs checks the token capacity but not the row "
-                          "capacity (max_num_reqs); too many rows fail later in copy_ with a "
-                          "RuntimeError")
 def test_exceeding_row_capacity_raises_value_error() -> None:
     w = World(max_num_seqs=4, max_num_tokens=64)
     for r in "abcd":

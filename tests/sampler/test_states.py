@@ -20,7 +20,9 @@ def test_request_seed_is_stable_and_differs_per_request() -> None:
     assert seed_a == request_seed(params, 7, "req-a")
     assert seed_a == request_seed(SamplingParams(temperature=0.5), 7, "req-a")
     # Stable across processes: a pure function of the engine seed and the id's bytes.
-    assert seed_a == (7 << 32) | zlib.crc32(b"req-a")
+    assert seed_a == (7 * 0x9E3779B97F4A7C15 + zlib.crc32(b"req-a")) & (2**63 - 1)
+    # Engine seeds that share their low bits still give different request seeds.
+    assert len({request_seed(params, s, "req-a") for s in (0, 2**31, 2**32)}) == 3
     seeds = {request_seed(params, 7, f"req-{i}") for i in range(100)}
     assert len(seeds) == 100
     assert request_seed(params, 8, "req-a") != seed_a
