@@ -36,19 +36,34 @@ def _effective_top_k(top_k: Tensor, vocab_size: int) -> Tensor:
     return torch.where((k <= 0) | (k > vocab_size), vocab_size, k)
 
 
-def apply_top_k_top_p_(x: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+def apply_top_k_top_p_(
+    x: Tensor, top_k: Tensor | None, top_p: Tensor | None, skip_rows: Tensor | None = None
+) -> Tensor:
     """Top-k, then top-p on the renormalised survivors; in place. ``None`` skips a stage.
 
     One descending sort per call serves both stages: top-k's cut-off is the k-th largest value;
     top-p keeps the smallest prefix of the sorted tokens whose cumulative probability reaches
     ``top_p`` (the top token always survives, since the empty prefix sums to 0 < top_p).
+    ``skip_rows`` ([B] bool, optional) marks rows whose result the caller discards (greedy rows).
     """
     if top_k is None and top_p is None:
         return x
     vocab_size = x.shape[-1]
-    # Only the values are needed: thresholds are compared against ``x`` in its own order.
-    sorted_x = torch.sort(x, dim=-1, descending=True).values
     k = _effective_top_k(top_k, vocab_size) if top_k is not None else None
+
+    # Rows with both stages off (or skipped) keep every token. The sort dominates this
+    # function's cost, and a constant row sorts ~6x faster than a random one, so those rows
+    # are sorted as zeros and get a -inf threshold below: same result, less work.
+    filtered = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if k is not None:
+        filtered |= k < vocab_size
+    if top_p is not None:
+        filtered |= top_p < 1.0
+    if skip_rows is not None:
+        filtered &= ~skip_rows
+    sort_input = torch.where(filtered.unsqueeze(1), x, 0.0)
+    # Only the values are needed: thresholds are compared against ``x`` in its own order.
+    sorted_x = torch.sort(sort_input, dim=-1, descending=True).values
 
     if top_p is None:
         assert k is not None
@@ -74,4 +89,5 @@ def apply_top_k_top_p_(x: Tensor, top_k: Tensor | None, top_p: Tensor | None) ->
     # The smallest kept value; -inf when the kept prefix runs into already-masked tokens,
     # which then keeps every finite token (all of them were inside the prefix anyway).
     threshold = sorted_x.gather(1, (keep - 1).unsqueeze(1))
+    threshold = torch.where(filtered.unsqueeze(1), threshold, float("-inf"))
     return x.masked_fill_(x < threshold, float("-inf"))

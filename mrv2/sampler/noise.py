@@ -20,8 +20,8 @@ right shift::
 Why 23 bits and not 24: every ``(k + 0.5) * 2**-23`` with ``k < 2**23`` is exactly representable
 in float32 and lies in ``[2**-24, 1 - 2**-24]``, so ``u`` is never 0 or 1 and both logs are
 finite. A 24-bit midpoint grid would need 25 significant bits and its top point rounds to 1.0.
-The largest gumbel value is ~15.9, so a token is unreachable only if its probability is below
-~1e-8 relative to the top token's; that truncation is far below any sampling-test resolution.
+Gumbel values then lie in [-2.81, 16.64], so a token is unreachable only if its probability is
+below ~4e-9 of the top token's (logit gap > 19.4); far below any sampling-test resolution.
 
 torch has no uint64 arithmetic, so the hash runs on int64: ``+``, ``*``, ``^`` and ``&`` give the
 same bits as uint64 (two's complement wraps), but ``>>`` is arithmetic on int64, so a logical

@@ -120,7 +120,9 @@ def _sample_tile(
         apply_min_p_(x, min_p)
     if any_top_k or any_top_p:
         # One sort serves both; a stage no row uses is not computed at all.
-        apply_top_k_top_p_(x, top_k if any_top_k else None, top_p if any_top_p else None)
+        apply_top_k_top_p_(
+            x, top_k if any_top_k else None, top_p if any_top_p else None, skip_rows=is_greedy
+        )
 
     # Gumbel-max: -inf (filtered) + finite noise stays -inf, so dropped tokens never win.
     x.add_(gumbel_noise(seeds, positions, x.shape[-1]))
