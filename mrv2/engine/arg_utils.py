@@ -42,7 +42,7 @@ class EngineArgs:
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         hf_config = load_hf_config(self.model)
         model_max_len = _derived_max_model_len(hf_config)
-        max_model_len = self.max_model_len or model_max_len
+        max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len < 1:
             raise ConfigError(f"max_model_len={max_model_len} must be at least 1")
         if max_model_len > model_max_len:
@@ -52,8 +52,9 @@ class EngineArgs:
                                    dtype=resolve_dtype(self.dtype, hf_config, device),
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config)
-        max_tokens = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                                        self.max_num_seqs)
+        max_tokens = self.max_num_batched_tokens
+        if max_tokens is None:
+            max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            max_model_len=max_model_len)

@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import time
 
-from executor.base import Executor
-from executor.uniproc import UniProcExecutor
+from typing import TYPE_CHECKING
+
 from mrv2.config import EngineConfig
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
 from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput
 
+if TYPE_CHECKING:
+    from executor.base import Executor
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig,
-                 executor_class: type[Executor] = UniProcExecutor) -> None:
+                 executor_class: "type[Executor] | None" = None) -> None:
+        # Imported here: `executor` imports mrv2, so a module-level import would be circular
+        # for a process that imports `executor` first.
+        if executor_class is None:
+            from executor.uniproc import UniProcExecutor as executor_class
         self.config = config
         self.executor = executor_class(config)
         num_blocks = self.executor.initialize()
@@ -33,7 +40,9 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request runs or waits, or a finished one still holds a runner slot."""
+        return (self.scheduler.has_unfinished_requests()
+                or self.scheduler.has_finished_requests())
 
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()

@@ -72,7 +72,7 @@ class InputProcessor:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if isinstance(ids, (str, bytes)) or not all(
+                if not isinstance(ids, (list, tuple)) or not all(
                         isinstance(t, int) and not isinstance(t, bool) for t in ids):
                     raise PromptError("prompt_token_ids must be a list of integers")
                 return prompt.get("prompt"), list(ids)

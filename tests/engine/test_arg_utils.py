@@ -1,0 +1,170 @@
+"""EngineArgs.create_engine_config: defaults, derived values, and validation order."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mrv2 import platform
+from mrv2.config import ConfigError
+from mrv2.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from mrv2.models.loader import ModelNotFoundError
+
+
+@pytest.fixture
+def config_only_dir(tiny_llama, tmp_path):
+    """A copy of tiny_llama's config.json with a chosen max_position_embeddings (no weights:
+    create_engine_config reads the config only)."""
+
+    def make(max_position_embeddings: int):
+        raw = json.loads((tiny_llama / "config.json").read_text())
+        raw["max_position_embeddings"] = max_position_embeddings
+        d = tmp_path / f"cfg-{max_position_embeddings}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(raw))
+        return str(d)
+
+    return make
+
+
+def test_defaults(tiny_llama):
+    config = EngineArgs(model=str(tiny_llama)).create_engine_config()
+    assert config.device == platform.device_type()
+    assert config.model_config.model == str(tiny_llama)
+    assert config.model_config.max_model_len == 2048  # the model's max_position_embeddings
+    assert config.model_config.seed == 0
+    assert config.cache_config.block_size == 16
+    assert config.cache_config.kv_cache_memory_gb is None
+    assert not config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.max_num_seqs == 256
+    assert config.scheduler_config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert config.scheduler_config.max_model_len == 2048
+    assert config.parallel_config.tensor_parallel_size == 1
+    assert config.compilation_config.cudagraph_mode == "NONE"
+    assert config.model_config.hf_config.architectures == ["LlamaForCausalLM"]
+
+
+def test_values_passed_through(tiny_llama):
+    config = EngineArgs(model=str(tiny_llama), max_model_len=100, max_num_seqs=8,
+                        max_num_batched_tokens=64, block_size=32, seed=7, kv_cache_memory_gb=0.5,
+                        enable_prefix_caching=True, device="cpu").create_engine_config()
+    assert config.model_config.max_model_len == config.scheduler_config.max_model_len == 100
+    assert config.scheduler_config.max_num_seqs == 8
+    assert config.scheduler_config.max_num_batched_tokens == 64
+    assert config.cache_config.block_size == 32
+    assert config.cache_config.kv_cache_memory_gb == 0.5
+    assert config.cache_config.enable_prefix_caching
+    assert config.model_config.seed == 7
+    assert config.max_num_blocks_per_req == 4  # ceil(100 / 32)
+
+
+def test_batched_tokens_default_covers_max_num_seqs(tiny_llama):
+    config = EngineArgs(model=str(tiny_llama), max_model_len=64, max_num_seqs=5000,
+                        device="cpu").create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == 5000
+
+
+def test_max_model_len_from_max_position_embeddings(config_only_dir):
+    path = config_only_dir(256)
+    assert EngineArgs(model=path, device="cpu").create_engine_config() \
+        .model_config.max_model_len == 256
+    assert EngineArgs(model=path, max_model_len=256, device="cpu").create_engine_config() \
+        .model_config.max_model_len == 256
+
+
+def test_too_large_max_model_len_names_both_numbers(config_only_dir):
+    with pytest.raises(ConfigError) as info:
+        EngineArgs(model=config_only_dir(256), max_model_len=257,
+                   device="cpu").create_engine_config()
+    assert "257" in str(info.value) and "256" in str(info.value)
+
+
+def test_negative_max_model_len(tiny_llama):
+    with pytest.raises(ConfigError, match="max_model_len=-1"):
+        EngineArgs(model=str(tiny_llama), max_model_len=-1, device="cpu").create_engine_config()
+
+
+def test_zero_max_model_len_rejected(tiny_llama):
+    with pytest.raises(ConfigError, match="max_model_len=0"):
+        EngineArgs(model=str(tiny_llama), max_model_len=0, device="cpu").create_engine_config()
+
+
+def test_zero_max_num_batched_tokens_rejected(tiny_llama):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=0"):
+        EngineArgs(model=str(tiny_llama), max_num_batched_tokens=0,
+                   device="cpu").create_engine_config()
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "CPU", " "])
+def test_bad_device(tiny_llama, device):
+    with pytest.raises(ConfigError, match="device="):
+        EngineArgs(model=str(tiny_llama), device=device).create_engine_config()
+
+
+def test_bad_device_checked_before_model_dir(tmp_path):
+    with pytest.raises(ConfigError, match="device='tpu'"):
+        EngineArgs(model=str(tmp_path / "missing"), device="tpu").create_engine_config()
+
+
+def test_dtype_auto_is_float32_on_cpu(tiny_llama, tmp_path):
+    assert EngineArgs(model=str(tiny_llama), device="cpu").create_engine_config() \
+        .model_config.dtype == torch.float32
+    # Even for a bf16 checkpoint (DESIGN.md section 5: bf16 matmul is very slow on CPU).
+    d = tmp_path / "bf16"
+    d.mkdir()
+    raw = json.loads((tiny_llama / "config.json").read_text())
+    raw["dtype"] = raw["torch_dtype"] = "bfloat16"
+    (d / "config.json").write_text(json.dumps(raw))
+    assert EngineArgs(model=str(d), device="cpu").create_engine_config() \
+        .model_config.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype, expected", [("float32", torch.float32),
+                                             ("bfloat16", torch.bfloat16),
+                                             ("half", torch.float16)])
+def test_explicit_dtype(tiny_llama, dtype, expected):
+    assert EngineArgs(model=str(tiny_llama), dtype=dtype, device="cpu").create_engine_config() \
+        .model_config.dtype == expected
+
+
+def test_bad_dtype(tiny_llama):
+    with pytest.raises(ValueError, match="int8"):
+        EngineArgs(model=str(tiny_llama), dtype="int8", device="cpu").create_engine_config()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_size": 3}, "block_size=3"),
+    ({"block_size": 0}, "block_size=0"),
+    ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb=0"),
+    ({"kv_cache_memory_gb": -1.0}, "kv_cache_memory_gb=-1.0"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+])
+def test_cheap_checks_before_model_dir_is_read(tmp_path, kwargs, match):
+    # The path does not exist: these errors must come first.
+    with pytest.raises(ConfigError, match=match):
+        EngineArgs(model=str(tmp_path / "missing"), device="cpu", **kwargs).create_engine_config()
+
+
+def test_scheduler_limits_checked(tiny_llama):
+    with pytest.raises(ConfigError, match="max_num_seqs=0"):
+        EngineArgs(model=str(tiny_llama), max_num_seqs=0, device="cpu").create_engine_config()
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        EngineArgs(model=str(tmp_path / "missing"), device="cpu").create_engine_config()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        EngineArgs(model=str(tmp_path / "empty"), device="cpu").create_engine_config()
+
+
+def test_config_only_dir_is_enough_for_the_config(tiny_llama, tmp_path):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    shutil.copy(tiny_llama / "config.json", d / "config.json")
+    config = EngineArgs(model=str(d), max_model_len=64, device="cpu").create_engine_config()
+    assert config.model_config.vocab_size == 2048
+    assert config.model_config.num_kv_heads == 2 and config.model_config.head_dim == 16

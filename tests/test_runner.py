@@ -1,0 +1,246 @@
+"""ModelRunner driven directly with hand-built SchedulerOutputs (what a synchronous scheduler
+would send), checked against transformers' greedy generate on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2.engine.arg_utils import EngineArgs
+from mrv2.protocol import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mrv2.runner import ModelRunner
+from mrv2.sampling_params import SamplingParams
+from mrv2.worker import Worker
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 33  # 4 seqs * 8 blocks of a 128-token request + the null block
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama):
+    """(config, model): the model is stateless, so every test gets a fresh runner around it."""
+    config = EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_seqs=4,
+                        block_size=BLOCK_SIZE, device="cpu").create_engine_config()
+    worker = Worker(config)
+    worker.load_model()
+    return config, worker.model
+
+
+@pytest.fixture
+def runner(loaded) -> ModelRunner:
+    config, model = loaded
+    worker = Worker(config)
+    worker.model = model
+    worker.initialize_kv_cache(NUM_BLOCKS)
+    return worker.runner
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([prompt]),
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     pad_token_id=0)
+            cache[key] = out[0, len(prompt):].tolist()
+        return cache[key]
+
+    return generate
+
+
+def new_req(req_id: str, prompt: list[int], block_ids: list[int],
+            params: SamplingParams = GREEDY) -> NewRequestData:
+    return NewRequestData(req_id=req_id, prompt_token_ids=prompt, prefill_token_ids=prompt,
+                          sampling_params=params, block_ids=block_ids, num_computed_tokens=0)
+
+
+def sched(num_scheduled: dict[str, int], new: list[NewRequestData] = (),
+          cached: list[tuple[str, list[int], int]] = (), finished: list[str] = ()
+          ) -> SchedulerOutput:
+    """cached: (req_id, block ids new this step, num_computed_tokens before this step)."""
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=CachedRequestData(req_ids=[c[0] for c in cached],
+                                                new_block_ids=[list(c[1]) for c in cached],
+                                                num_computed_tokens=[c[2] for c in cached]),
+        num_scheduled_tokens=dict(num_scheduled),
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        finished_req_ids=list(finished))
+
+
+def step(runner: ModelRunner, out: SchedulerOutput) -> ModelRunnerOutput:
+    runner.execute_model(out)
+    return runner.sample_tokens(None)
+
+
+def by_req(output: ModelRunnerOutput) -> dict[str, list[int]]:
+    return dict(zip(output.req_ids, output.sampled_token_ids))
+
+
+PROMPT_A = [5, 17, 300, 42, 1000, 7, 8]
+PROMPT_B = [900, 33, 12, 1500, 64, 77, 3, 250, 1234]
+PROMPT_C = [40, 41, 42, 43]
+
+
+def test_chunked_prompt_samples_only_after_last_chunk(runner, hf_greedy):
+    prompt = PROMPT_B  # 9 tokens: chunks of 6 and 3
+    out1 = step(runner, sched({"a": 6}, new=[new_req("a", prompt, [4])]))
+    assert out1.req_ids == ["a"] and out1.sampled_token_ids == [[]]
+    out2 = step(runner, sched({"a": 3}, cached=[("a", [], 6)]))
+    assert out2.req_ids == ["a"]
+    assert out2.sampled_token_ids == [hf_greedy(prompt, 1)]
+
+
+def test_chunk_spanning_blocks_added_later(runner, hf_greedy):
+    """A 20-token prompt in chunks of 10: the second chunk brings the second block as a delta."""
+    prompt = [(i * 37 + 11) % 2000 for i in range(20)]
+    assert step(runner, sched({"a": 10}, new=[new_req("a", prompt, [7])])).sampled_token_ids \
+        == [[]]
+    out = step(runner, sched({"a": 10}, cached=[("a", [12], 10)]))
+    assert out.sampled_token_ids == [hf_greedy(prompt, 1)]
+
+
+def test_decode_feeds_back_sampled_tokens_on_device(runner, hf_greedy):
+    """Decode steps carry only counts; the runner must feed its own sampled tokens back."""
+    prompt, n = PROMPT_A, 20  # 7 + 20 tokens crosses into a second (non-adjacent) block
+    tokens = by_req(step(runner, sched({"a": len(prompt)}, new=[new_req("a", prompt, [3])])))["a"]
+    blocks, num_computed = [3], len(prompt)
+    while len(tokens) < n:
+        new_blocks = []
+        if num_computed >= len(blocks) * BLOCK_SIZE:
+            new_blocks = [20 + len(blocks)]
+            blocks += new_blocks
+        out = step(runner, sched({"a": 1}, cached=[("a", new_blocks, num_computed)]))
+        assert out.req_ids == ["a"] and len(out.sampled_token_ids[0]) == 1
+        tokens += out.sampled_token_ids[0]
+        num_computed += 1
+    assert len(blocks) == 2
+    assert tokens == hf_greedy(prompt, n)
+    # The slot's token history holds the prompt and every sampled token.
+    slot = runner.requests.req_id_to_slot["a"]
+    history = runner.requests.token_ids.tensor[slot, :len(prompt) + n].tolist()
+    assert history == prompt + tokens
+
+
+def test_execute_twice_without_sample_raises(runner):
+    runner.execute_model(sched({"a": 4}, new=[new_req("a", PROMPT_C, [1])]))
+    with pytest.raises(RuntimeError, match="twice"):
+        runner.execute_model(sched({"a": 1}, cached=[("a", [], 4)]))
+    # The first step's state is intact: phase 2 still completes it.
+    assert len(runner.sample_tokens(None).sampled_token_ids[0]) == 1
+
+
+def test_sample_without_execute_returns_empty_output(runner):
+    out = runner.sample_tokens(None)
+    assert out.req_ids == [] and out.sampled_token_ids == []
+    # A step with nothing scheduled (only finished ids) leaves nothing for phase 2 either.
+    runner.execute_model(sched({}, finished=["never-seen"]))
+    assert runner.sample_tokens(None).req_ids == []
+
+
+def test_finished_slot_is_reused_without_disturbing_others(runner, hf_greedy):
+    requests = runner.requests
+    out = by_req(step(runner, sched({"A": len(PROMPT_A), "B": len(PROMPT_B)},
+                                    new=[new_req("A", PROMPT_A, [1]),
+                                         new_req("B", PROMPT_B, [2])])))
+    a_tokens, b_tokens = out["A"], out["B"]
+    out = by_req(step(runner, sched({"A": 1, "B": 1}, cached=[("A", [], len(PROMPT_A)),
+                                                               ("B", [], len(PROMPT_B))])))
+    a_tokens += out["A"]
+    b_tokens += out["B"]
+    assert a_tokens == hf_greedy(PROMPT_A, 2)
+    slot_a = requests.req_id_to_slot["A"]
+    assert requests.num_active == 2
+
+    # A finishes; C arrives in the same step, in A's slot and on A's freed block.
+    out = by_req(step(runner, sched({"B": 1, "C": len(PROMPT_C)},
+                                    new=[new_req("C", PROMPT_C, [1])],
+                                    cached=[("B", [], len(PROMPT_B) + 1)], finished=["A"])))
+    assert "A" not in requests.req_id_to_slot
+    assert requests.req_id_to_slot["C"] == slot_a
+    assert requests.num_active == 2
+    b_tokens += out["B"]
+    c_tokens = out["C"]
+    for i in range(4):
+        out = by_req(step(runner, sched({"B": 1, "C": 1},
+                                        cached=[("B", [], len(PROMPT_B) + 2 + i),
+                                                ("C", [], len(PROMPT_C) + i)])))
+        b_tokens += out["B"]
+        c_tokens += out["C"]
+    assert b_tokens == hf_greedy(PROMPT_B, 7)
+    assert c_tokens == hf_greedy(PROMPT_C, 5)
+
+    step(runner, sched({}, finished=["B", "C"]))
+    assert requests.num_active == 0
+    assert requests.num_free_slots == 4
+
+
+def test_decode_rows_are_reordered_first(runner, hf_greedy):
+    first = by_req(step(runner, sched({"D": len(PROMPT_A)}, new=[new_req("D", PROMPT_A, [1])])))
+    # Prefill rows listed around the decode row: the batch must be decode-first, stable.
+    out = step(runner, sched({"P1": len(PROMPT_B), "D": 1, "P2": len(PROMPT_C)},
+                             new=[new_req("P1", PROMPT_B, [2]), new_req("P2", PROMPT_C, [3])],
+                             cached=[("D", [], len(PROMPT_A))]))
+    assert out.req_ids == ["D", "P1", "P2"]
+    got = by_req(out)
+    assert first["D"] + got["D"] == hf_greedy(PROMPT_A, 2)
+    assert got["P1"] == hf_greedy(PROMPT_B, 1)
+    assert got["P2"] == hf_greedy(PROMPT_C, 1)
+
+
+def test_seeded_request_is_batch_invariant(runner, loaded):
+    """Invariant 7: a seeded random request samples the same tokens alone or in a batch."""
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=8)
+
+    def run(r: ModelRunner, with_neighbour: bool) -> list[int]:
+        new = [new_req("s", PROMPT_A, [1], params)]
+        num = {"s": len(PROMPT_A)}
+        if with_neighbour:
+            new.append(new_req("n", PROMPT_B, [2], SamplingParams(temperature=1.0, seed=7)))
+            num["n"] = len(PROMPT_B)
+        tokens = by_req(step(r, sched(num, new=new)))["s"]
+        for i in range(5):
+            cached = [("s", [], len(PROMPT_A) + i)]
+            num = {"s": 1}
+            if with_neighbour:
+                cached.append(("n", [], len(PROMPT_B) + i))
+                num["n"] = 1
+            tokens += by_req(step(r, sched(num, cached=cached)))["s"]
+        return tokens
+
+    config, model = loaded
+    other = Worker(config)
+    other.model = model
+    other.initialize_kv_cache(NUM_BLOCKS)
+    assert run(runner, False) == run(other.runner, True)
+
+
+def test_preempted_request_resumes_from_prompt_plus_outputs(runner, hf_greedy):
+    """Invariant 1: preemption is finish + re-add with prefill = prompt + outputs so far."""
+    first = step(runner, sched({"a": len(PROMPT_A)}, new=[new_req("a", PROMPT_A, [3])]))
+    tokens = by_req(first)["a"]
+    for i in range(2):
+        tokens += by_req(step(runner, sched({"a": 1}, cached=[("a", [], len(PROMPT_A) + i)])))["a"]
+    # Preempted: the step carries only the id; the slot is freed.
+    runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, preempted_req_ids=["a"]))
+    assert runner.sample_tokens(None).req_ids == []
+    assert runner.requests.num_active == 0
+    # Resumed later on other blocks: the whole history is recomputed, then decoding goes on.
+    history = PROMPT_A + tokens
+    resumed = NewRequestData(req_id="a", prompt_token_ids=PROMPT_A, prefill_token_ids=history,
+                             sampling_params=GREEDY, block_ids=[9], num_computed_tokens=0)
+    tokens += by_req(step(runner, sched({"a": len(history)}, new=[resumed])))["a"]
+    tokens += by_req(step(runner, sched({"a": 1}, cached=[("a", [], len(history))])))["a"]
+    assert tokens == hf_greedy(PROMPT_A, 5)

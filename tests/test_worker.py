@@ -1,0 +1,67 @@
+"""Worker: KV cache sizing from the memory budget, and the cache tensors it allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2.config import ConfigError
+from mrv2.engine.arg_utils import EngineArgs
+from mrv2.worker import Worker
+
+# tiny llama: 2 layers, 2 kv heads, head_dim 16, float32 -> one 16-token block, K and V.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def make_worker(model_dir, blocks_budget: float | None = None, **kwargs) -> Worker:
+    kv_gb = None if blocks_budget is None else blocks_budget * BLOCK_BYTES / (1 << 30)
+    args = dict(model=str(model_dir), max_model_len=128, max_num_seqs=4, block_size=16,
+                device="cpu", kv_cache_memory_gb=kv_gb)
+    args.update(kwargs)
+    return Worker(EngineArgs(**args).create_engine_config())
+
+
+def test_kv_block_bytes(tiny_llama):
+    assert make_worker(tiny_llama).kv_block_bytes == BLOCK_BYTES
+
+
+def test_budget_sets_block_count(tiny_llama):
+    # 8 blocks per 128-token request; 12 fit the budget, fewer than 4 * 8 + 1 needed.
+    assert make_worker(tiny_llama, 12).determine_num_kv_blocks() == 12
+    # A partial block does not count.
+    assert make_worker(tiny_llama, 12.5).determine_num_kv_blocks() == 12
+
+
+def test_block_count_capped_at_what_max_num_seqs_can_use(tiny_llama):
+    # max_num_seqs * blocks_per_req + the null block.
+    assert make_worker(tiny_llama, 1000).determine_num_kv_blocks() == 4 * 8 + 1
+    assert make_worker(tiny_llama, 1000, max_num_seqs=2,
+                       max_model_len=100).determine_num_kv_blocks() == 2 * 7 + 1
+    # No budget given: the platform default (GiBs on CPU) is capped the same way.
+    assert make_worker(tiny_llama).determine_num_kv_blocks() == 4 * 8 + 1
+
+
+def test_smallest_budget_holds_one_full_request(tiny_llama):
+    assert make_worker(tiny_llama, 9).determine_num_kv_blocks() == 9
+
+
+def test_too_small_budget_names_max_model_len(tiny_llama):
+    with pytest.raises(ConfigError, match=r"max_model_len=128") as info:
+        make_worker(tiny_llama, 8).determine_num_kv_blocks()
+    assert "kv_cache_memory_gb" in str(info.value)
+
+
+def test_kv_caches_are_zeros_with_paged_shape(tiny_llama):
+    worker = make_worker(tiny_llama, 20)
+    worker.load_model()
+    num_blocks = worker.determine_num_kv_blocks()
+    worker.initialize_kv_cache(num_blocks)
+    assert worker.num_kv_blocks == num_blocks == 20
+    caches = worker.runner.kv_caches
+    assert len(caches) == 2  # one per layer
+    for cache in caches:
+        assert cache.shape == (2, 20, 16, 2, 16)
+        assert cache.dtype == torch.float32
+        assert cache.device.type == "cpu"
+        assert not cache.any()
+    assert caches[0].data_ptr() != caches[1].data_ptr()
