@@ -96,7 +96,81 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
+    """Which batches run as captured CUDA graphs (mrv2/cudagraph).
+
+    - "NONE": everything eager.
+    - "FULL_DECODE_ONLY": one full graph per capture size for uniform-decode batches (every row
+      has one query token); anything else runs eagerly.
+    - "FULL": those decode graphs plus one full graph per capture size for any (mixed) batch.
+
+    `cudagraph_capture_sizes=None` picks `default_capture_sizes()` up to
+    `max_cudagraph_capture_size`; explicit sizes may not exceed it. `resolve()` fits the config
+    to a device and to the scheduler limits; the graph manager only ever sees a resolved one.
+    """
+
+    # Not annotated, so a class constant rather than a dataclass field.
+    MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+
     cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY", "FULL"] = "NONE"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode not in self.MODES:
+            raise ConfigError(f"cudagraph_mode={self.cudagraph_mode!r}: expected one of "
+                              f"{', '.join(self.MODES)}")
+        if (isinstance(self.max_cudagraph_capture_size, bool)
+                or not isinstance(self.max_cudagraph_capture_size, int)
+                or self.max_cudagraph_capture_size < 1):
+            raise ConfigError(f"max_cudagraph_capture_size={self.max_cudagraph_capture_size!r} "
+                              f"must be a positive integer")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            return
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+            raise ConfigError(f"cudagraph_capture_sizes={sizes!r} must be a sequence of ints")
+        sizes = tuple(sizes)
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ConfigError(f"cudagraph_capture_sizes: {size!r} is not a positive integer")
+        if sizes and max(sizes) > self.max_cudagraph_capture_size:
+            raise ConfigError(f"cudagraph_capture_sizes has {max(sizes)}, more than "
+                              f"max_cudagraph_capture_size={self.max_cudagraph_capture_size}")
+        # Stored sorted and without duplicates, as a tuple, so equal configs compare equal.
+        object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """Sorted batch sizes (in tokens) to capture, before fitting to any limit."""
+        if self.cudagraph_capture_sizes is not None:
+            return self.cudagraph_capture_sizes
+        return self.default_capture_sizes(self.max_cudagraph_capture_size)
+
+    def resolve(self, device: str | torch.device, max_num_batched_tokens: int,
+                max_num_seqs: int, enforce_eager: bool = False) -> CompilationConfig:
+        """The config that actually runs on `device` under these limits (idempotent).
+
+        Not CUDA, or `enforce_eager`: mode "NONE". Sizes are clipped to max_num_batched_tokens,
+        and for "FULL_DECODE_ONLY" also to max_num_seqs (a decode batch has one token per row).
+        No size left: mode "NONE". A resolved "NONE" config has no sizes.
+        """
+        mode = self.cudagraph_mode
+        if enforce_eager or torch.device(device).type != "cuda":
+            mode = "NONE"
+        limit = max_num_batched_tokens
+        if mode == "FULL_DECODE_ONLY":
+            limit = min(limit, max_num_seqs)
+        sizes = tuple(s for s in self.capture_sizes if s <= limit) if mode != "NONE" else ()
+        if not sizes:
+            mode = "NONE"
+        return CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=sizes,
+                                 max_cudagraph_capture_size=self.max_cudagraph_capture_size)
+
+    @staticmethod
+    def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+        """[1, 2, 4], multiples of 8 up to 256, then multiples of 16, all up to `max_size`."""
+        sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_size + 1, 16)]
+        return tuple(s for s in sizes if s <= max_size)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = False
     enforce_eager: bool = False
+    # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
+    compilation_config: dict | CompilationConfig | None = None
     device: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -58,11 +60,33 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            max_model_len=max_model_len)
-        # CUDA graphs arrive with the graph manager; until then every mode runs eagerly.
-        compilation_config = CompilationConfig(cudagraph_mode="NONE")
+        compilation_config = self._compilation_config().resolve(
+            device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
+        if compilation_config.cudagraph_mode != "NONE":
+            # The torch paged-attention backend reads host-side shapes per row and syncs on
+            # padding: it cannot be captured. Graphs wait for a capturable attention backend.
+            raise ConfigError(
+                f"cudagraph_mode={compilation_config.cudagraph_mode!r} needs a CUDA-graph "
+                f"capturable attention backend, which mrv2 does not have yet; use "
+                f"cudagraph_mode='NONE' or enforce_eager=True")
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
                             compilation_config=compilation_config, device=device)
+
+
+    def _compilation_config(self) -> CompilationConfig:
+        value = self.compilation_config
+        if value is None:
+            return CompilationConfig()
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, dict):
+            try:
+                return CompilationConfig(**value)
+            except TypeError as error:
+                raise ConfigError(f"compilation_config={value!r}: {error}") from None
+        raise ConfigError(f"compilation_config must be a dict or CompilationConfig, "
+                          f"got {type(value).__name__}")
 
 
 def _derived_max_model_len(hf_config) -> int:

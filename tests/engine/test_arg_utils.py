@@ -168,3 +168,31 @@ def test_config_only_dir_is_enough_for_the_config(tiny_llama, tmp_path):
     config = EngineArgs(model=str(d), max_model_len=64, device="cpu").create_engine_config()
     assert config.model_config.vocab_size == 2048
     assert config.model_config.num_kv_heads == 2 and config.model_config.head_dim == 16
+
+
+@pytest.mark.parametrize("value", [{"cudagraph_mode": "FULL_DECODE_ONLY"}, None])
+def test_cudagraph_mode_resolves_to_none_on_cpu(tiny_llama, value):
+    config = EngineArgs(model=str(tiny_llama), device="cpu",
+                        compilation_config=value).create_engine_config()
+    assert config.compilation_config.cudagraph_mode == "NONE"
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"cudagraph_mode": "SOMETIMES"}, "SOMETIMES"),
+    ({"no_such_field": 1}, "no_such_field"),
+    (42, "int"),
+])
+def test_bad_compilation_config(tiny_llama, value, words):
+    with pytest.raises(ConfigError, match=words):
+        EngineArgs(model=str(tiny_llama), compilation_config=value).create_engine_config()
+
+
+def test_graph_modes_refused_until_a_capturable_backend_exists(tiny_llama, monkeypatch):
+    # On CUDA a graph mode survives resolve(); the torch attention backend cannot be captured.
+    from mrv2.config import CompilationConfig
+
+    monkeypatch.setattr(CompilationConfig, "resolve",
+                        lambda self, *args, **kwargs: self)
+    with pytest.raises(ConfigError, match="capturable"):
+        EngineArgs(model=str(tiny_llama), device="cpu",
+                   compilation_config={"cudagraph_mode": "FULL"}).create_engine_config()
