@@ -77,7 +77,7 @@ def runner_host_step(runner: ModelRunner, out: SchedulerOutput, sampled: torch.T
     runner._update_states(out)
     batch = runner._prepare_batch(out)
     runner.requests.post_update(batch.idx_mapping, batch.num_scheduled, sampled)
-    runner._make_output(batch, sampled)
+    runner._make_output(batch, sampled).get_output()
 
 
 def make_runner(num_reqs: int) -> ModelRunner:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mrv2.async_output import AsyncOutput
 from mrv2.config import EngineConfig
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
@@ -30,10 +31,10 @@ EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 @dataclass
 class ExecuteState:
-    """What phase 1 leaves for phase 2 of the same step."""
+    """What phase 1 leaves for phase 2 of the same step; no batch when nothing was scheduled."""
 
-    batch: InputBatch
-    hidden_states: torch.Tensor  # [num_tokens, hidden]
+    batch: InputBatch | None
+    hidden_states: torch.Tensor | None  # [num_tokens, hidden]
 
 
 class ModelRunner:
@@ -53,6 +54,8 @@ class ModelRunner:
                                     config.max_num_blocks_per_req, device)
         self.sampler = Sampler()
         self._execute_state: ExecuteState | None = None
+        # The step's one device-to-host copy runs here, off the compute stream.
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ---- phase 1 -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -61,6 +64,8 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
+            # Finished and preempted requests were processed; phase 2 has nothing to sample.
+            self._execute_state = ExecuteState(batch=None, hidden_states=None)
             return
         batch = self._prepare_batch(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
@@ -101,10 +106,19 @@ class ModelRunner:
                               self.block_tables, self.buffers)
 
     # ---- phase 2 -------------------------------------------------------------------------
-    @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Phase 2, waiting for the step's output copy."""
+        output = self.sample_tokens_async(grammar_output)
+        return output if isinstance(output, ModelRunnerOutput) else output.get_output()
+
+    @torch.inference_mode()
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None
+                            ) -> AsyncOutput | ModelRunnerOutput:
+        """Phase 2 without waiting: the output copy may still be in flight."""
         state, self._execute_state = self._execute_state, None
         if state is None:
+            raise RuntimeError("sample_tokens called without a pending execute_model")
+        if state.batch is None:
             return EMPTY_OUTPUT
         batch = state.batch
         logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
@@ -119,12 +133,10 @@ class ModelRunner:
         self.requests.post_update(idx, batch.num_scheduled, sampled)
         return self._make_output(batch, sampled)
 
-    def _make_output(self, batch: InputBatch, sampled: torch.Tensor) -> ModelRunnerOutput:
+    def _make_output(self, batch: InputBatch, sampled: torch.Tensor) -> AsyncOutput:
         requests = self.requests
         slots = batch.idx_mapping_np
         requests.num_computed_host[slots] += batch.num_scheduled_np
         # A row samples once its prefill is complete; the host knows this from its mirrors.
         is_sampling = requests.num_computed_host[slots] >= requests.prefill_len_host[slots]
-        tokens = sampled.to("cpu").tolist()
-        sampled_token_ids = [[t] if s else [] for t, s in zip(tokens, is_sampling.tolist())]
-        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_token_ids)
+        return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream)

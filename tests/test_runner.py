@@ -140,12 +140,15 @@ def test_execute_twice_without_sample_raises(runner):
     assert len(runner.sample_tokens(None).sampled_token_ids[0]) == 1
 
 
-def test_sample_without_execute_returns_empty_output(runner):
+def test_sample_without_execute_raises(runner):
+    with pytest.raises(RuntimeError, match="without a pending execute_model"):
+        runner.sample_tokens(None)
+    # A step with nothing scheduled (only finished ids) still completes both phases.
+    runner.execute_model(sched({}, finished=["never-seen"]))
     out = runner.sample_tokens(None)
     assert out.req_ids == [] and out.sampled_token_ids == []
-    # A step with nothing scheduled (only finished ids) leaves nothing for phase 2 either.
-    runner.execute_model(sched({}, finished=["never-seen"]))
-    assert runner.sample_tokens(None).req_ids == []
+    with pytest.raises(RuntimeError, match="without a pending execute_model"):
+        runner.sample_tokens(None)
 
 
 def test_finished_slot_is_reused_without_disturbing_others(runner, hf_greedy):

@@ -80,6 +80,11 @@ def test_initialize_returns_block_count(config):
 
 def test_collective_rpc_returns_one_result_per_worker(executor):
     assert executor.collective_rpc("determine_num_kv_blocks") == [executor.num_kv_blocks]
+    # Phase 2 needs a pending phase 1; through collective_rpc the error reaches the caller.
+    with pytest.raises(RuntimeError, match="without a pending execute_model"):
+        executor.collective_rpc("sample_tokens", (None,))
+    empty = SchedulerOutput([], CachedRequestData(), {}, 0)
+    assert executor.collective_rpc("execute_model", (empty,)) == [None]
     assert executor.collective_rpc("sample_tokens", (None,)) == [
         ModelRunnerOutput(req_ids=[], sampled_token_ids=[])]
 

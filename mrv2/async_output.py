@@ -1,0 +1,47 @@
+"""AsyncOutput: the one device-to-host copy of a step (DESIGN.md invariant 4).
+
+On CUDA the sampled ids are copied into pinned host memory on a dedicated copy stream, after
+the compute stream's work so far, with a fresh event per step; `get_output()` waits on that
+event only. The device tensor is kept referenced (and recorded on the copy stream) until the
+copy is done, so the caching allocator cannot hand its memory to the next step early. On CPU
+the sampled tensor already is host memory and is read directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.protocol import ModelRunnerOutput
+
+
+class AsyncOutput:
+    def __init__(self, req_ids: list[str], sampled: torch.Tensor, is_sampling: np.ndarray,
+                 copy_stream: "torch.cuda.Stream | None" = None) -> None:
+        self.req_ids = req_ids
+        self.is_sampling = is_sampling
+        self._event = None
+        if sampled.device.type == "cuda":
+            assert copy_stream is not None, "a CUDA output needs a copy stream"
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            copy_stream.wait_stream(torch.cuda.current_stream(sampled.device))
+            with torch.cuda.stream(copy_stream):
+                self._host.copy_(sampled, non_blocking=True)
+                sampled.record_stream(copy_stream)
+                self._event = torch.cuda.Event()
+                self._event.record(copy_stream)
+            self._device = sampled  # alive until the copy completes
+        else:
+            self._host = sampled
+            self._device = None
+
+    def is_ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+            self._device = None
+        tokens = self._host.tolist()
+        sampled_token_ids = [[t] if s else [] for t, s in zip(tokens, self.is_sampling.tolist())]
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids)

@@ -1,0 +1,36 @@
+"""AsyncOutput: rows that finished their prefill report their token, others report none."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mrv2.async_output import AsyncOutput
+
+
+def test_cpu_output_reads_the_sampled_tensor():
+    sampled = torch.tensor([5, 7, 9])
+    out = AsyncOutput(["a", "b", "c"], sampled, np.array([True, False, True]))
+    assert out.is_ready()
+    result = out.get_output()
+    assert result.req_ids == ["a", "b", "c"]
+    assert result.sampled_token_ids == [[5], [], [9]]
+
+
+def test_empty_batch():
+    out = AsyncOutput([], torch.zeros(0, dtype=torch.int64), np.zeros(0, dtype=bool))
+    assert out.get_output().sampled_token_ids == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_copy_on_side_stream_survives_reuse_of_the_device_tensor():
+    stream = torch.cuda.Stream()
+    sampled = torch.arange(1000, device="cuda")
+    out = AsyncOutput([str(i) for i in range(1000)], sampled, np.ones(1000, dtype=bool), stream)
+    del sampled  # the output keeps the device tensor alive until the copy is done
+    torch.cuda.empty_cache()
+    garbage = torch.full((1000,), -1, device="cuda")
+    assert [t for [t] in out.get_output().sampled_token_ids] == list(range(1000))
+    assert int(garbage[0]) == -1
