@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from mrv2.async_output import AsyncOutput
+from mrv2.attention.backend import AttentionMetadata
 from mrv2.config import EngineConfig
+from mrv2.cudagraph import BatchDescriptor, CudaGraphManager
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
@@ -53,6 +55,9 @@ class ModelRunner:
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     config.max_num_blocks_per_req, device)
         self.sampler = Sampler()
+        self.cudagraphs = CudaGraphManager(config.compilation_config,
+                                           sched.max_num_batched_tokens, sched.max_num_seqs,
+                                           device)
         self._execute_state: ExecuteState | None = None
         # The step's one device-to-host copy runs here, off the compute stream.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -67,9 +72,14 @@ class ModelRunner:
             # Finished and preempted requests were processed; phase 2 has nothing to sample.
             self._execute_state = ExecuteState(batch=None, hidden_states=None)
             return
-        batch = self._prepare_batch(scheduler_output)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                            batch.attn_metadata)
+        batch, descriptor = self._prepare_batch(scheduler_output)
+        if descriptor is not None:
+            # Replay reads the persistent buffers prepare_inputs just filled (padded).
+            hidden = self.cudagraphs.replay(descriptor)[:batch.num_tokens]
+        else:
+            n = batch.num_tokens
+            hidden = self.model(batch.input_ids[:n], batch.positions[:n], self.kv_caches,
+                                batch.attn_metadata)
         self._execute_state = ExecuteState(batch=batch, hidden_states=hidden)
 
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -84,26 +94,56 @@ class ModelRunner:
             tables.append_block_ids(slot, new.block_ids, overwrite=True)
             self.sampling.add(slot, new.req_id, new.sampling_params)
         cached = out.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens):
-            slot = requests.req_id_to_slot[req_id]
-            if block_ids:
-                tables.append_block_ids(slot, block_ids)
-            requests.num_computed_host[slot] = num_computed
+        if cached.req_ids:
+            slots = requests.slots_of(cached.req_ids)
+            tables.append_block_ids_batch(slots, cached.new_block_ids)
+            requests.num_computed_host[slots] = cached.num_computed_tokens
         requests.apply_staged_writes()
         tables.apply_staged_writes()
         self.sampling.apply_staged_writes()
 
-    def _prepare_batch(self, out: SchedulerOutput) -> InputBatch:
+    def _prepare_batch(self, out: SchedulerOutput
+                       ) -> tuple[InputBatch, BatchDescriptor | None]:
         req_ids = list(out.num_scheduled_tokens)
         num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int32,
                                     count=len(req_ids))
-        slots = np.fromiter((self.requests.req_id_to_slot[r] for r in req_ids), dtype=np.int64,
-                            count=len(req_ids))
-        order = decode_first_order(num_scheduled)
-        req_ids = [req_ids[i] for i in order]
-        return prepare_inputs(req_ids, slots[order], num_scheduled[order], self.requests,
-                              self.block_tables, self.buffers)
+        slots = self.requests.slots_of(req_ids)
+        is_prefill = num_scheduled > 1
+        if (is_prefill[:-1] & ~is_prefill[1:]).any():  # not decode-first yet
+            order = decode_first_order(num_scheduled)
+            req_ids = [req_ids[i] for i in order]
+            slots, num_scheduled = slots[order], num_scheduled[order]
+        num_tokens = out.total_num_scheduled_tokens
+        tokens_padded, reqs_padded, descriptor = self.cudagraphs.padded_sizes(
+            num_tokens, len(req_ids), uniform_decode=num_tokens == len(req_ids))
+        batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
+                               self.buffers, num_tokens_padded=tokens_padded,
+                               num_reqs_padded=reqs_padded)
+        return batch, descriptor
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture one graph per descriptor, reading only the persistent step buffers.
+
+        Host-side metadata is fixed per descriptor: a graph cannot depend on one batch's
+        shapes. Needs an attention backend that reads only device tensors.
+        """
+        if not self.cudagraphs.descriptors:
+            return
+        buffers, max_len = self.buffers, self.config.model_config.max_model_len
+
+        def run(desc: BatchDescriptor) -> torch.Tensor:
+            n, r = desc.num_tokens, desc.num_reqs
+            meta = AttentionMetadata(
+                num_actual_tokens=n, num_reqs=r, num_decodes=r if desc.uniform_decode else 0,
+                query_start_loc=buffers.query_start_loc[:r + 1], seq_lens=buffers.seq_lens[:r],
+                block_tables=buffers.block_tables[:r], slot_mapping=buffers.slot_mapping[:n],
+                query_start_loc_cpu=np.zeros(r + 1, np.int32),
+                seq_lens_cpu=np.zeros(r, np.int32), max_seq_len=max_len)
+            return self.model(buffers.input_ids[:n], buffers.positions[:n], self.kv_caches,
+                              meta)
+
+        self.cudagraphs.capture(run)
 
     # ---- phase 2 -------------------------------------------------------------------------
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:

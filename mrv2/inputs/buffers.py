@@ -2,12 +2,16 @@
 
 Allocated once with fixed addresses and fixed capacity (max_num_batched_tokens tokens,
 max_num_seqs rows); every step writes a prefix of them. A captured graph can therefore read the
-same addresses on every replay.
+same addresses on every replay. Entries past a step's padded sizes keep stale values, except
+slot_mapping, which is -1 past the real tokens (nothing there writes the KV cache).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from mrv2.state.host_staging import HostStaging
 
 
 class InputBuffers:
@@ -16,16 +20,35 @@ class InputBuffers:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
 
-        def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
+        def buf(*shape: int, dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=dtype, device=device)
 
         self.input_ids = buf(max_num_tokens, dtype=torch.int32)
         self.positions = buf(max_num_tokens, dtype=torch.int64)
-        self.token_slots = buf(max_num_tokens, dtype=torch.int64)
-        self.slot_mapping = buf(max_num_tokens, dtype=torch.int64)
+        # -1 from the start: a warm-up or capture run before the first step writes no KV.
+        self.slot_mapping = buf(max_num_tokens, dtype=torch.int64, fill=-1)
         self.query_start_loc = buf(max_num_reqs + 1, dtype=torch.int32)
         self.seq_lens = buf(max_num_reqs, dtype=torch.int32)
         self.idx_mapping = buf(max_num_reqs, dtype=torch.int64)
         self.num_scheduled = buf(max_num_reqs, dtype=torch.int32)
         self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
         self.block_tables = buf(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
+        # The step's host data (idx_mapping, num_scheduled, query_start_loc) goes to the device
+        # in one double-buffered upload.
+        self.staging = HostStaging(torch.device(device))
+        self._outputs = (self.idx_mapping, self.num_scheduled, self.query_start_loc,
+                         self.seq_lens, self.logits_indices, self.input_ids, self.positions,
+                         self.slot_mapping, self.block_tables)
+        self._numpy_outputs: tuple[np.ndarray, ...] | None = None
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """What input preparation writes, in the kernels' argument order: idx_mapping,
+        num_scheduled, query_start_loc, seq_lens, logits_indices, input_ids, positions,
+        slot_mapping, block_tables."""
+        return self._outputs
+
+    def numpy_outputs(self) -> tuple[np.ndarray, ...]:
+        """`outputs()` as shared-memory numpy views (CPU buffers only)."""
+        if self._numpy_outputs is None:
+            self._numpy_outputs = tuple(t.numpy() for t in self._outputs)
+        return self._numpy_outputs

@@ -1,9 +1,17 @@
 """Gather one step's inputs from the persistent slot state into the step buffers.
 
-Positions and seq_lens come from the device num_computed of each slot; input tokens from the
-slot's token history, which post_update extends on the device, so a sampled token is fed back
-without passing through the host. Host-side work is a handful of vectorised numpy ops over the
-batch (never a Python loop over requests).
+Positions and seq_lens come from the device num_computed of each slot. Prefill tokens come
+from the slot's token history; a sampled token being fed back (position >= prefill_len, i.e.
+a decode row) comes from the device `last_sampled` of its slot, so it never passes through the
+host. One kernel computes input_ids, positions, query_start_loc, seq_lens, logits_indices and
+slot_mapping and one more gathers the block-table rows (Triton on CUDA; on CPU one numba
+kernel does both). The host computes the step's shapes in one numba pass: no Python loop over
+requests.
+
+Padding for graph replay (DESIGN.md invariant 6): with `num_tokens_padded` / `num_reqs_padded`
+above the real sizes, padded query_start_loc entries = num_tokens, padded seq_lens = 0,
+padded block-table rows = 0, padded input_ids / positions = 0 and slot_mapping = -1 past the
+real tokens (up to the buffer's end).
 """
 
 from __future__ import annotations
@@ -12,8 +20,10 @@ import numpy as np
 import torch
 
 from mrv2.attention.backend import AttentionMetadata
+from mrv2.inputs import prepare_numba
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
+from mrv2.state import dispatch
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -24,61 +34,90 @@ def decode_first_order(num_scheduled: np.ndarray) -> np.ndarray:
 
 
 def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray,
-                   state: RequestState, block_tables: BlockTables,
-                   buffers: InputBuffers) -> InputBatch:
-    """Rows must already be in decode-first order. Returns views of `buffers`."""
-    num_reqs = len(req_ids)
-    num_tokens = int(num_scheduled_np.sum())
-    if num_tokens > buffers.max_num_tokens:
-        raise ValueError(f"{num_tokens} scheduled tokens exceed the step capacity "
-                         f"{buffers.max_num_tokens}")
-    if num_reqs > buffers.max_num_reqs:
-        raise ValueError(f"{num_reqs} rows exceed the step capacity {buffers.max_num_reqs}")
-    device = buffers.input_ids.device
+                   state: RequestState, block_tables: BlockTables, buffers: InputBuffers,
+                   num_tokens_padded: int | None = None,
+                   num_reqs_padded: int | None = None) -> InputBatch:
+    """Rows must already be in decode-first order. Returns views of `buffers`.
 
-    query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(num_scheduled_np, out=query_start_loc_np[1:])
-    row_of_token = np.repeat(np.arange(num_reqs), num_scheduled_np)
-    offset_in_row = np.arange(num_tokens) - query_start_loc_np[row_of_token]
-    seq_lens_np = (state.num_computed_host[idx_mapping_np] + num_scheduled_np).astype(np.int32)
+    input_ids, positions and slot_mapping span `num_tokens_padded` tokens; query_start_loc,
+    seq_lens and block_tables span `num_reqs_padded` rows (the metadata's num_actual_tokens and
+    num_reqs stay the real counts); idx_mapping, num_scheduled and logits_indices span the
+    real rows.
+    """
+    num_reqs = len(req_ids)
+    idx_mapping_np = np.ascontiguousarray(idx_mapping_np, dtype=np.int64)
+    num_scheduled_np = np.ascontiguousarray(num_scheduled_np, dtype=np.int32)
+    if not num_reqs == len(idx_mapping_np) == len(num_scheduled_np):
+        raise ValueError(f"{num_reqs} req_ids, {len(idx_mapping_np)} slots and "
+                         f"{len(num_scheduled_np)} token counts")
+    num_reqs_padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+    if not num_reqs <= num_reqs_padded <= buffers.max_num_reqs:
+        raise ValueError(f"{num_reqs} rows padded to {num_reqs_padded}: the step holds at "
+                         f"most {buffers.max_num_reqs}")
+    # Host shapes in one pass (seq_lens from the host mirror of num_computed).
+    query_start_loc_np, seq_lens_np, num_tokens, max_seq_len, num_decodes = (
+        prepare_numba.host_sizes(num_scheduled_np, idx_mapping_np, state.num_computed_host,
+                                 num_reqs_padded))
+    num_tokens_padded = num_tokens if num_tokens_padded is None else num_tokens_padded
+    if not num_tokens <= num_tokens_padded <= buffers.max_num_tokens:
+        raise ValueError(f"{num_tokens} tokens padded to {num_tokens_padded}: the step holds "
+                         f"at most {buffers.max_num_tokens}")
+    if max_seq_len > state.max_model_len:
+        raise ValueError(f"a row reaches {max_seq_len} tokens, more than "
+                         f"max_model_len={state.max_model_len}")
 
     idx_mapping = buffers.idx_mapping[:num_reqs]
-    idx_mapping.copy_(torch.from_numpy(idx_mapping_np), non_blocking=True)
-    num_scheduled = buffers.num_scheduled[:num_reqs]
-    num_scheduled.copy_(torch.from_numpy(num_scheduled_np), non_blocking=True)
-    query_start_loc = buffers.query_start_loc[:num_reqs + 1]
-    query_start_loc.copy_(torch.from_numpy(query_start_loc_np), non_blocking=True)
-    token_slots = buffers.token_slots[:num_tokens]
-    token_slots.copy_(torch.from_numpy(idx_mapping_np[row_of_token]), non_blocking=True)
-
-    positions = buffers.positions[:num_tokens]
-    torch.add(state.num_computed.tensor[token_slots],
-              torch.from_numpy(offset_in_row).to(device, non_blocking=True), out=positions)
-    input_ids = buffers.input_ids[:num_tokens]
-    flat_index = token_slots * state.max_model_len + positions
-    torch.index_select(state.token_ids.tensor.view(-1), 0, flat_index, out=input_ids)
-
-    seq_lens = buffers.seq_lens[:num_reqs]
-    torch.add(state.num_computed.tensor[idx_mapping], num_scheduled, out=seq_lens)
-    logits_indices = buffers.logits_indices[:num_reqs]
-    torch.sub(query_start_loc[1:].long(), 1, out=logits_indices)
-
-    slot_mapping = block_tables.compute_slot_mapping(token_slots, positions, buffers.slot_mapping)
-    tables = block_tables.gather_block_tables(idx_mapping, buffers.block_tables)
+    if dispatch.kernel_impl(buffers.input_ids.device) == dispatch.CPU:
+        # One call, the block-table gather included.
+        prepare_numba.prepare_inputs(
+            idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens_padded,
+            state.num_computed.numpy, state.prefill_len.numpy, state.last_sampled.numpy,
+            state.token_ids.numpy, block_tables.table.numpy, block_tables.block_size,
+            *buffers.numpy_outputs())
+        tables = buffers.block_tables[:num_reqs_padded]
+    else:
+        _prepare_triton(idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens,
+                        num_tokens_padded, state, block_tables, buffers)
+        tables = block_tables.gather_block_tables(idx_mapping, buffers.block_tables,
+                                                  num_reqs_padded)
 
     metadata = AttentionMetadata(
         num_actual_tokens=num_tokens,
         num_reqs=num_reqs,
-        num_decodes=int((num_scheduled_np == 1).sum()),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
+        num_decodes=num_decodes,
+        query_start_loc=buffers.query_start_loc[:num_reqs_padded + 1],
+        seq_lens=buffers.seq_lens[:num_reqs_padded],
         block_tables=tables,
-        slot_mapping=slot_mapping,
+        slot_mapping=buffers.slot_mapping[:num_tokens_padded],
         query_start_loc_cpu=query_start_loc_np,
         seq_lens_cpu=seq_lens_np,
-        max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
+        max_seq_len=max_seq_len,
     )
     return InputBatch(req_ids=req_ids, idx_mapping=idx_mapping, idx_mapping_np=idx_mapping_np,
-                      num_scheduled=num_scheduled, num_scheduled_np=num_scheduled_np,
-                      num_tokens=num_tokens, input_ids=input_ids, positions=positions,
-                      logits_indices=logits_indices, attn_metadata=metadata)
+                      num_scheduled=buffers.num_scheduled[:num_reqs],
+                      num_scheduled_np=num_scheduled_np, num_tokens=num_tokens,
+                      input_ids=buffers.input_ids[:num_tokens_padded],
+                      positions=buffers.positions[:num_tokens_padded],
+                      logits_indices=buffers.logits_indices[:num_reqs], attn_metadata=metadata,
+                      num_tokens_padded=num_tokens_padded, num_reqs_padded=num_reqs_padded)
+
+
+def _prepare_triton(idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray,
+                    query_start_loc_np: np.ndarray, num_tokens: int, num_tokens_padded: int,
+                    state: RequestState, block_tables: BlockTables,
+                    buffers: InputBuffers) -> None:
+    from mrv2.inputs import prepare_triton
+
+    num_reqs, num_reqs_padded = len(idx_mapping_np), len(query_start_loc_np) - 1
+    # One int64 upload: idx_mapping, num_scheduled, query_start_loc.
+    size = 2 * num_reqs + num_reqs_padded + 1
+    host = buffers.staging.host_buffer(8 * size)[:8 * size].view(np.int64)
+    host[:num_reqs] = idx_mapping_np
+    host[num_reqs:2 * num_reqs] = num_scheduled_np
+    host[2 * num_reqs:] = query_start_loc_np
+    packed = buffers.staging.upload(8 * size).view(torch.int64)
+    prepare_triton.prepare_inputs(
+        packed, num_reqs, num_reqs_padded, num_tokens, num_tokens_padded,
+        state.num_computed.tensor, state.prefill_len.tensor, state.last_sampled.tensor,
+        state.token_ids.tensor, block_tables.table.tensor, block_tables.block_size,
+        *buffers.outputs()[:-1])

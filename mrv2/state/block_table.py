@@ -2,15 +2,19 @@
 
 A running request's step carries only the block ids allocated in that step; they are staged
 after the row's current fill and written with the other staged runs in one copy. Per step the
-rows of the scheduled requests are gathered into batch order and the flat KV slot of every
-token is computed, each with one vectorised op.
+rows of the scheduled requests are gathered into batch order with one kernel (Triton on CUDA,
+numba on CPU); prepare_inputs computes the flat KV slot of every token in its own kernel.
 """
 
 from __future__ import annotations
 
+from itertools import chain
+from typing import Sequence
+
 import numpy as np
 import torch
 
+from mrv2.state import dispatch
 from mrv2.state.staged import StagedWriteTensor
 
 # Row padding points at block 0, the null block the KV cache manager never hands out.
@@ -35,6 +39,29 @@ class BlockTables:
         self.table.stage_write(slot, start, block_ids)
         self.num_blocks[slot] = start + len(block_ids)
 
+    def append_block_ids_batch(self, slots: np.ndarray,
+                               block_ids: Sequence[Sequence[int]]) -> None:
+        """`append_block_ids(slot, ids)` for many distinct slots at once, vectorised: the
+        running requests' deltas of one step. Empty deltas stage nothing."""
+        slots = np.asarray(slots, dtype=np.int64)
+        lengths = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+        if len(slots) != len(lengths):
+            raise ValueError(f"{len(slots)} slots and {len(lengths)} block-id lists")
+        has_new = lengths > 0
+        if not has_new.any():
+            return
+        slots, lengths = slots[has_new], lengths[has_new]
+        starts = self.num_blocks[slots].astype(np.int64)
+        ends = starts + lengths
+        if (ends > self.max_num_blocks).any():
+            bad = int(np.argmax(ends > self.max_num_blocks))
+            raise ValueError(f"slot {slots[bad]} would hold {ends[bad]} blocks, more than the "
+                             f"{self.max_num_blocks} a request of max_model_len can use")
+        values = np.fromiter(chain.from_iterable(block_ids), dtype=np.int32,
+                             count=int(lengths.sum()))
+        self.table.stage_runs(slots, starts, lengths, values)
+        self.num_blocks[slots] = ends
+
     def clear_row(self, slot: int) -> None:
         # Stale ids past the fill count are never read: seq_lens bound every access.
         self.num_blocks[slot] = 0
@@ -42,17 +69,34 @@ class BlockTables:
     def apply_staged_writes(self) -> None:
         self.table.apply()
 
-    def gather_block_tables(self, idx_mapping: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows of the batch's slots, in batch order, into the persistent `out` buffer."""
-        num_reqs = idx_mapping.shape[0]
-        torch.index_select(self.table.tensor, 0, idx_mapping, out=out[:num_reqs])
-        return out[:num_reqs]
+    def gather_block_tables(self, idx_mapping: torch.Tensor, out: torch.Tensor,
+                            num_rows_padded: int | None = None) -> torch.Tensor:
+        """Rows of the batch's slots, in batch order, into the persistent `out` buffer, with
+        one kernel launch. Rows past the batch up to `num_rows_padded` are zeroed (the null
+        block, DESIGN.md invariant 6). Returns `out[:num_rows_padded]`."""
+        num_rows = idx_mapping.shape[0]
+        num_rows_padded = num_rows if num_rows_padded is None else num_rows_padded
+        if not num_rows <= num_rows_padded <= out.shape[0]:
+            raise ValueError(f"cannot pad {num_rows} rows to {num_rows_padded} in a buffer of "
+                             f"{out.shape[0]}")
+        if dispatch.kernel_impl(out.device) == dispatch.CPU:
+            from mrv2.state.block_table_numba import gather_rows
+
+            gather_rows(self.table.numpy, np.ascontiguousarray(idx_mapping.numpy(), np.int64),
+                        num_rows_padded, out.numpy())
+        else:
+            from mrv2.state.block_table_triton import gather_rows
+
+            gather_rows(self.table.tensor, idx_mapping, num_rows, num_rows_padded, out)
+        return out[:num_rows_padded]
 
     def compute_slot_mapping(self, token_slots: torch.Tensor, positions: torch.Tensor,
                              out: torch.Tensor) -> torch.Tensor:
         """Flat KV slot of each token: table[slot, pos // block_size] * block_size + offset.
 
-        `out` beyond the real tokens is filled with -1 so padded tokens write nothing.
+        `out` beyond the real tokens is filled with -1 so padded tokens write nothing. A
+        standalone helper (torch ops, any device): prepare_inputs computes the slot mapping in
+        its own kernel.
         """
         num_tokens = positions.shape[0]
         block_ids = self.table.tensor[token_slots, positions // self.block_size]

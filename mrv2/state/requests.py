@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mrv2.state import dispatch
 from mrv2.state.staged import StagedWriteTensor
 
 
@@ -72,6 +73,11 @@ class RequestState:
         self.num_computed_host[slot] = num_computed_tokens
         return slot
 
+    def slots_of(self, req_ids: list[str]) -> np.ndarray:
+        """Slots of active requests, as int64 (KeyError for an unknown id)."""
+        return np.fromiter(map(self.req_id_to_slot.__getitem__, req_ids), dtype=np.int64,
+                           count=len(req_ids))
+
     def finish(self, req_id: str) -> int | None:
         """Free the request's slot; unknown ids are ignored (a request is freed once)."""
         slot = self.req_id_to_slot.pop(req_id, None)
@@ -88,18 +94,25 @@ class RequestState:
                     sampled: torch.Tensor) -> None:
         """Advance counters after sampling, on the device, without reading anything back.
 
-        Rows whose prefill is still incomplete after this step sampled nothing: their token
-        history and last_sampled are rewritten with the values they already hold.
+        Per batch row: num_computed += num_scheduled; once the prefill is complete the sampled
+        token is appended to the token history (at position num_computed) and becomes
+        last_sampled, and total_len = num_computed + 1. Rows whose prefill is still incomplete
+        after this step sampled nothing. One kernel launch (Triton on CUDA, numba on CPU).
         """
-        num_computed = self.num_computed.tensor
-        new_computed = num_computed[idx_mapping] + num_scheduled
-        num_computed[idx_mapping] = new_computed
-        is_sampling = new_computed >= self.prefill_len.tensor[idx_mapping]
-        write_pos = new_computed.clamp(max=self.max_model_len - 1).long()
-        history = self.token_ids.tensor
-        old = history[idx_mapping, write_pos]
-        history[idx_mapping, write_pos] = torch.where(is_sampling, sampled.to(history.dtype), old)
-        self.total_len.tensor[idx_mapping] = torch.where(
-            is_sampling, new_computed + 1, self.total_len.tensor[idx_mapping])
-        last = self.last_sampled.tensor
-        last[idx_mapping] = torch.where(is_sampling, sampled, last[idx_mapping])
+        tensors = (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
+                   self.token_ids)
+        if dispatch.kernel_impl(idx_mapping.device) == dispatch.CPU:
+            from mrv2.state.post_update_numba import post_update
+
+            post_update(_host_array(idx_mapping, np.int64), _host_array(num_scheduled, np.int32),
+                        _host_array(sampled, np.int64), *(t.numpy for t in tensors))
+        else:
+            from mrv2.state.post_update_triton import post_update
+
+            post_update(idx_mapping, num_scheduled, sampled.contiguous(),
+                        *(t.tensor for t in tensors))
+
+
+def _host_array(tensor: torch.Tensor, dtype: type) -> np.ndarray:
+    """A CPU tensor as a contiguous numpy array of `dtype` (no copy when it already is one)."""
+    return np.ascontiguousarray(tensor.numpy(), dtype=dtype)

@@ -1,8 +1,11 @@
 """prepare_inputs: one step's inputs gathered from the slot state into the persistent step
-buffers (DESIGN.md section 2 step 5, invariant 2). Also covers InputBuffers and InputBatch.
+buffers (DESIGN.md section 2 step 5, invariants 2 and 6). Also covers InputBuffers and
+InputBatch.
 
 The state is built by hand the way the runner builds it: add -> apply -> post_update after each
-"sampled" step, with the host mirror of num_computed advanced as the runner does.
+"sampled" step, with the host mirror of num_computed advanced as the runner does. Every test
+that prepares inputs runs with the numba CPU kernels and with the Triton kernels (interpreted on
+CPU tensors, TRITON_INTERPRET=1); one test compares the two buffer for buffer, padding included.
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+# Imported here, outside the interpreter, as a full test run does (other tests use compiled
+# Triton): Triton's own jitted helpers (tl.zeros, tl.cdiv, ...) then fail under the
+# interpreter, so the kernels must not use them.
+import triton.language  # noqa: F401
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.state import dispatch
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -25,6 +33,18 @@ CPU = torch.device("cpu")
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
 MAX_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE
+BUFFER_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                "idx_mapping", "num_scheduled", "logits_indices", "block_tables")
+
+
+IMPLS = ["cpu", "triton"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    """The test runs with the numba kernels, then with the Triton ones (interpreted)."""
+    with dispatch.kernels_on_cpu(request.param):
+        yield request.param
 
 
 @dataclass
@@ -40,10 +60,11 @@ class Req:
 
 
 class World:
-    def __init__(self, max_num_seqs: int = 6, max_num_tokens: int = 64) -> None:
-        self.state = RequestState(max_num_seqs, MAX_MODEL_LEN, CPU)
-        self.tables = BlockTables(max_num_seqs, MAX_BLOCKS, BLOCK_SIZE, CPU)
-        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, MAX_BLOCKS, CPU)
+    def __init__(self, max_num_seqs: int = 6, max_num_tokens: int = 64,
+                 device: torch.device = CPU) -> None:
+        self.state = RequestState(max_num_seqs, MAX_MODEL_LEN, device)
+        self.tables = BlockTables(max_num_seqs, MAX_BLOCKS, BLOCK_SIZE, device)
+        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, MAX_BLOCKS, device)
         self.reqs: dict[str, Req] = {}
         self.next_block = 1
 
@@ -80,8 +101,10 @@ class World:
         reqs = [self.reqs[r] for r, _, _ in steps]
         slots = np.array([r.slot for r in reqs], dtype=np.int64)
         num_scheduled = np.array([n for _, n, _ in steps], dtype=np.int32)
-        sampled = torch.tensor([t for _, _, t in steps], dtype=torch.int64)
-        self.state.post_update(torch.from_numpy(slots), torch.from_numpy(num_scheduled), sampled)
+        device = self.buffers.input_ids.device
+        sampled = torch.tensor([t for _, _, t in steps], dtype=torch.int64, device=device)
+        self.state.post_update(torch.from_numpy(slots).to(device),
+                               torch.from_numpy(num_scheduled).to(device), sampled)
         self.state.num_computed_host[slots] += num_scheduled
         for req, (_, n, token) in zip(reqs, steps):
             req.num_computed += n
@@ -89,13 +112,14 @@ class World:
                 del req.history[req.num_computed:]
                 req.history.append(token)
 
-    def prepare(self, scheduled: dict[str, int]) -> InputBatch:
+    def prepare(self, scheduled: dict[str, int], buffers: InputBuffers | None = None,
+                **padding) -> InputBatch:
         req_ids = list(scheduled)
         num_scheduled = np.array([scheduled[r] for r in req_ids], dtype=np.int32)
         slots = np.array([self.reqs[r].slot for r in req_ids], dtype=np.int64)
         order = decode_first_order(num_scheduled)
         return prepare_inputs([req_ids[i] for i in order], slots[order], num_scheduled[order],
-                              self.state, self.tables, self.buffers)
+                              self.state, self.tables, buffers or self.buffers, **padding)
 
 
 def reference(world: World, req_ids: list[str], scheduled: dict[str, int]) -> dict:
@@ -117,22 +141,28 @@ def reference(world: World, req_ids: list[str], scheduled: dict[str, int]) -> di
 
 
 def check_against_reference(world: World, batch: InputBatch, scheduled: dict[str, int]) -> None:
+    """Real rows and tokens against the reference; padded ones against invariant 6."""
     ref = reference(world, batch.req_ids, scheduled)
     meta = batch.attn_metadata
+    n, r = batch.num_tokens, batch.num_reqs
+    n_pad, r_pad = batch.num_tokens_padded, batch.num_reqs_padded
     assert batch.num_tokens == meta.num_actual_tokens == len(ref["input_ids"])
     assert batch.num_reqs == meta.num_reqs == len(scheduled)
     assert sorted(batch.req_ids) == sorted(scheduled)
-    assert batch.input_ids.tolist() == ref["input_ids"]
-    assert batch.positions.tolist() == ref["positions"]
-    assert meta.query_start_loc.tolist() == ref["query_start_loc"]
-    assert meta.query_start_loc_cpu.tolist() == ref["query_start_loc"]
-    assert meta.seq_lens.tolist() == ref["seq_lens"]
-    assert meta.seq_lens_cpu.tolist() == ref["seq_lens"]
+    assert batch.input_ids.tolist() == ref["input_ids"] + [0] * (n_pad - n)
+    assert batch.positions.tolist() == ref["positions"] + [0] * (n_pad - n)
+    padded_qsl = ref["query_start_loc"] + [n] * (r_pad - r)
+    assert meta.query_start_loc.tolist() == padded_qsl
+    assert meta.query_start_loc_cpu.tolist() == padded_qsl
+    assert meta.seq_lens.tolist() == ref["seq_lens"] + [0] * (r_pad - r)
+    assert meta.seq_lens_cpu.tolist() == ref["seq_lens"] + [0] * (r_pad - r)
     assert meta.max_seq_len == max(ref["seq_lens"])
-    assert meta.slot_mapping.tolist() == ref["slot_mapping"]
+    assert meta.slot_mapping.tolist() == ref["slot_mapping"] + [-1] * (n_pad - n)
     assert batch.logits_indices.tolist() == ref["logits_indices"]
+    assert meta.block_tables.shape[0] == r_pad
     for row, ids in enumerate(ref["tables"]):
         assert meta.block_tables[row, :len(ids)].tolist() == ids
+    assert (meta.block_tables[r:] == 0).all()
     assert batch.idx_mapping.tolist() == [world.reqs[r].slot for r in batch.req_ids]
     assert batch.idx_mapping_np.tolist() == batch.idx_mapping.tolist()
     assert batch.num_scheduled.tolist() == [scheduled[r] for r in batch.req_ids]
@@ -185,8 +215,10 @@ def test_decode_first_order_is_stable() -> None:
 def test_input_buffers_shapes_and_dtypes() -> None:
     buffers = InputBuffers(16, 4, 3, CPU)
     assert buffers.max_num_tokens == 16 and buffers.max_num_reqs == 4
-    for name in ("input_ids", "positions", "token_slots", "slot_mapping"):
+    for name in ("input_ids", "positions", "slot_mapping"):
         assert getattr(buffers, name).shape == (16,)
+    # Padding-safe from the start: a warm-up run before the first step writes no KV.
+    assert (buffers.slot_mapping == -1).all()
     assert buffers.query_start_loc.shape == (5,)
     assert buffers.query_start_loc.dtype == torch.int32
     assert buffers.seq_lens.shape == (4,) and buffers.seq_lens.dtype == torch.int32
@@ -198,7 +230,7 @@ def test_input_buffers_shapes_and_dtypes() -> None:
     assert buffers.input_ids.dtype == state.token_ids.tensor.dtype
 
 
-def test_mixed_batch_matches_hand_computed_values() -> None:
+def test_mixed_batch_matches_hand_computed_values(impl) -> None:
     w, scheduled = mixed_world()
     batch = w.prepare(scheduled)
     assert batch.req_ids == ["d1", "d2", "c1", "c2"]
@@ -220,7 +252,7 @@ def test_mixed_batch_matches_hand_computed_values() -> None:
     check_against_reference(w, batch, scheduled)
 
 
-def test_returns_views_of_the_persistent_buffers() -> None:
+def test_returns_views_of_the_persistent_buffers(impl) -> None:
     w, scheduled = mixed_world()
     buffers = w.buffers
     batch = w.prepare(scheduled)
@@ -250,7 +282,7 @@ def test_returns_views_of_the_persistent_buffers() -> None:
     check_against_reference(w, batch2, second)
 
 
-def test_decode_token_is_the_last_sampled() -> None:
+def test_decode_token_is_the_last_sampled(impl) -> None:
     w = World()
     req = w.add("a", [5, 6, 7])
     w.ensure_blocks(req, 3)
@@ -268,7 +300,7 @@ def test_decode_token_is_the_last_sampled() -> None:
     assert w.state.token_ids.tensor[req.slot, :7].tolist() == req.history
 
 
-def test_exceeding_token_capacity_raises_value_error() -> None:
+def test_exceeding_token_capacity_raises_value_error(impl) -> None:
     w = World(max_num_seqs=4, max_num_tokens=8)
     for r in "ab":
         req = w.add(r, list(range(10, 15)))
@@ -278,7 +310,7 @@ def test_exceeding_token_capacity_raises_value_error() -> None:
         w.prepare({"a": 5, "b": 4})
 
 
-def test_exceeding_row_capacity_raises_value_error() -> None:
+def test_exceeding_row_capacity_raises_value_error(impl) -> None:
     w = World(max_num_seqs=4, max_num_tokens=64)
     for r in "abcd":
         req = w.add(r, [1, 2])
@@ -298,7 +330,7 @@ def test_exceeding_row_capacity_raises_value_error() -> None:
 @st.composite
 def scenarios(draw):
     """Requests in random states: ("prefill", prefill_len, num_computed, num_scheduled) or
-    ("decode", prefill_len, num_decode_steps_already_done)."""
+    ("decode", prefill_len, num_decode_steps_already_done), plus padding for the batch."""
     specs = []
     for _ in range(draw(st.integers(1, 5))):
         prefill_len = draw(st.integers(1, 20))
@@ -309,13 +341,13 @@ def scenarios(draw):
         else:
             specs.append(("decode", prefill_len, draw(st.integers(0, 3))))
     num_fillers = draw(st.integers(0, 2))
-    return specs, num_fillers, draw(st.randoms(use_true_random=False))
+    padding = (draw(st.integers(0, 20)), draw(st.integers(0, 8 - len(specs))))
+    return specs, num_fillers, padding, draw(st.randoms(use_true_random=False))
 
 
-@settings(max_examples=40, deadline=None)
-@given(scenarios())
-def test_matches_per_request_reference(scenario) -> None:
-    specs, num_fillers, rng = scenario
+def build_scenario(scenario) -> tuple[World, dict[str, int], dict[str, int]]:
+    """(world, scheduled in random order, padding kwargs) for a drawn scenario."""
+    specs, num_fillers, (pad_tokens, pad_reqs), rng = scenario
     w = World(max_num_seqs=8, max_num_tokens=128)
     for i in range(num_fillers):
         w.add(f"filler{i}", [1])
@@ -342,5 +374,138 @@ def test_matches_per_request_reference(scenario) -> None:
     order = list(scheduled)
     rng.shuffle(order)
     scheduled = {r: scheduled[r] for r in order}
-    batch = w.prepare(scheduled)
+    padding = dict(num_tokens_padded=sum(scheduled.values()) + pad_tokens,
+                   num_reqs_padded=len(scheduled) + pad_reqs)
+    return w, scheduled, padding
+
+
+@pytest.mark.parametrize("kernels", IMPLS)
+@settings(max_examples=25, deadline=None)
+@given(scenarios())
+def test_matches_per_request_reference(kernels, scenario) -> None:
+    """The whole flow (staged apply, post_update, prepare, gather) on one implementation."""
+    with dispatch.kernels_on_cpu(kernels):
+        w, scheduled, padding = build_scenario(scenario)
+        check_against_reference(w, w.prepare(scheduled), scheduled)
+        w.buffers.slot_mapping.fill_(7)  # stale values: padding must overwrite them
+        check_against_reference(w, w.prepare(scheduled, **padding), scheduled)
+
+
+def garbage_buffers(w: World) -> InputBuffers:
+    buffers = InputBuffers(w.buffers.max_num_tokens, w.buffers.max_num_reqs, MAX_BLOCKS, CPU)
+    for name in BUFFER_NAMES:
+        getattr(buffers, name).fill_(77)
+    return buffers
+
+
+@settings(max_examples=20, deadline=None)
+@given(scenarios())
+def test_triton_kernels_match_cpu_kernels_buffer_for_buffer(scenario) -> None:
+    """Same state, both implementations, every byte of every step buffer (padded tails and
+    the stale entries past them included)."""
+    w, scheduled, padding = build_scenario(scenario)
+    for pad in ({}, padding):
+        cpu, triton = garbage_buffers(w), garbage_buffers(w)
+        with dispatch.kernels_on_cpu("cpu"):
+            w.prepare(scheduled, cpu, **pad)
+        with dispatch.kernels_on_cpu("triton"):
+            w.prepare(scheduled, triton, **pad)
+        for name in BUFFER_NAMES:
+            assert torch.equal(getattr(cpu, name), getattr(triton, name)), name
+
+
+def test_padding_follows_invariant_6(impl) -> None:
+    w, scheduled = mixed_world()
+    for name in BUFFER_NAMES:
+        getattr(w.buffers, name).fill_(55)
+    batch = w.prepare(scheduled, num_tokens_padded=16, num_reqs_padded=6)
+    meta = batch.attn_metadata
+    assert (batch.num_tokens, batch.num_tokens_padded) == (10, 16)
+    assert (batch.num_reqs, batch.num_reqs_padded) == (4, 6)
+    assert meta.num_actual_tokens == 10 and meta.num_reqs == 4
+    assert batch.input_ids.shape == batch.positions.shape == meta.slot_mapping.shape == (16,)
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 7, 10, 10, 10]
+    assert meta.seq_lens.tolist() == [7, 10, 9, 3, 0, 0]
+    assert meta.block_tables.shape == (6, MAX_BLOCKS)
+    assert (meta.block_tables[4:] == 0).all()
+    assert batch.input_ids[10:].tolist() == [0] * 6
+    assert batch.positions[10:].tolist() == [0] * 6
+    assert (w.buffers.slot_mapping[10:] == -1).all()  # to the buffer's end
+    # Real rows only where the sampler reads.
+    assert batch.logits_indices.tolist() == [0, 1, 6, 9]
+    assert batch.idx_mapping.shape == batch.num_scheduled.shape == (4,)
     check_against_reference(w, batch, scheduled)
+
+
+def test_padding_sizes_are_checked(impl) -> None:
+    w, scheduled = mixed_world()  # 10 tokens, 4 rows; capacity 64 tokens, 6 rows
+    with pytest.raises(ValueError):
+        w.prepare(scheduled, num_tokens_padded=9)
+    with pytest.raises(ValueError):
+        w.prepare(scheduled, num_tokens_padded=65)
+    with pytest.raises(ValueError):
+        w.prepare(scheduled, num_reqs_padded=3)
+    with pytest.raises(ValueError):
+        w.prepare(scheduled, num_reqs_padded=7)
+    batch = w.prepare(scheduled, num_tokens_padded=64, num_reqs_padded=6)
+    check_against_reference(w, batch, scheduled)
+
+
+def test_decode_token_comes_from_last_sampled_not_the_history(impl) -> None:
+    w = World()
+    req = w.add("a", [5, 6, 7])
+    w.ensure_blocks(req, 4)
+    w.apply()
+    w.sample([("a", 3, 42)])
+    # Spoil the history where the sampled token was appended: the decode input must not read it.
+    w.state.token_ids.tensor[req.slot, 3] = -1
+    batch = w.prepare({"a": 1})
+    assert batch.input_ids.tolist() == [42]
+
+
+def test_one_token_chunk_inside_a_prefill_reads_the_history(impl) -> None:
+    """A query of one token is not necessarily a decode: mid-prefill it is a prompt token."""
+    w = World()
+    req = w.add("a", [5, 6, 7, 8], num_computed=1)
+    w.ensure_blocks(req, 4)
+    w.apply()
+    batch = w.prepare({"a": 1})  # position 1 of a 4-token prompt
+    assert batch.input_ids.tolist() == [6]
+    assert batch.attn_metadata.num_decodes == 1  # one query token: the decode path serves it
+    check_against_reference(w, batch, {"a": 1})
+    w.sample([("a", 1, 999)])  # prefill incomplete: nothing sampled
+    batch = w.prepare({"a": 2})  # the rest of the prompt; the last token is prompt[-1]
+    assert batch.input_ids.tolist() == [7, 8]
+    check_against_reference(w, batch, {"a": 2})
+
+
+def test_row_past_max_model_len_raises(impl) -> None:
+    w = World()
+    req = w.add("a", list(range(MAX_MODEL_LEN)), num_computed=MAX_MODEL_LEN - 1)
+    w.ensure_blocks(req, MAX_MODEL_LEN)
+    w.apply()
+    check_against_reference(w, w.prepare({"a": 1}), {"a": 1})  # exactly full is fine
+    w.state.num_computed_host[req.slot] = MAX_MODEL_LEN
+    with pytest.raises(ValueError):
+        w.prepare({"a": 1})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu() -> None:
+    """Compiled Triton kernels on CUDA against the numba kernels, padding included."""
+    worlds = [World(), World(device=torch.device("cuda"))]
+    results = []
+    for w in worlds:
+        d1 = w.add("d1", [101, 102, 103, 104, 105])
+        c1 = w.add("c1", list(range(300, 311)), num_computed=4)
+        w.ensure_blocks(d1, 6)
+        w.ensure_blocks(c1, 9)
+        w.apply()
+        w.sample([("d1", 5, 150)])
+        w.ensure_blocks(d1, 7)
+        w.apply()
+        w.prepare({"c1": 5, "d1": 1}, num_tokens_padded=12, num_reqs_padded=4)
+        results.append({name: getattr(w.buffers, name).cpu() for name in BUFFER_NAMES})
+    for name in BUFFER_NAMES:
+        assert torch.equal(results[0][name], results[1][name]), name

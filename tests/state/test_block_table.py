@@ -1,13 +1,27 @@
-"""BlockTables: staged deltas, overwrite on (re)add, gather in batch order, slot mapping."""
+"""BlockTables: staged deltas, overwrite on (re)add, gather in batch order (with padded rows),
+slot mapping. Every test runs with the numba CPU kernels and with the Triton kernels
+(interpreted on CPU tensors)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+# Imported here, outside the interpreter, as a full test run does (other tests use compiled
+# Triton): Triton's own jitted helpers (tl.zeros, tl.cdiv, ...) then fail under the
+# interpreter, so the kernels must not use them.
+import triton.language  # noqa: F401
 
+from mrv2.state import dispatch
 from mrv2.state.block_table import NULL_BLOCK_ID, BlockTables
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["cpu", "triton"], autouse=True)
+def impl(request):
+    with dispatch.kernels_on_cpu(request.param):
+        yield request.param
 
 
 def make_tables(max_num_seqs: int = 4, max_blocks: int = 4, block_size: int = 4) -> BlockTables:
@@ -98,6 +112,38 @@ def test_overflow_beyond_max_blocks_raises() -> None:
     assert tables.table.tensor[0, :3].tolist() == [1, 2, 3]
 
 
+def test_append_block_ids_batch_equals_one_by_one() -> None:
+    one_by_one, batched = make_tables(), make_tables()
+    for tables in (one_by_one, batched):
+        tables.append_block_ids(0, [1, 2])
+        tables.append_block_ids(2, [3])
+        tables.apply_staged_writes()
+    deltas = {2: [7, 8], 0: [], 3: [9], 1: [4, 5, 6, 10]}
+    for slot, ids in deltas.items():
+        one_by_one.append_block_ids(slot, ids)
+    batched.append_block_ids_batch(np.array(list(deltas)), list(deltas.values()))
+    assert batched.table.num_staged == one_by_one.table.num_staged == 3
+    for tables in (one_by_one, batched):
+        tables.apply_staged_writes()
+    assert batched.table.tensor.tolist() == one_by_one.table.tensor.tolist() == [
+        [1, 2, 0, 0], [4, 5, 6, 10], [3, 7, 8, 0], [9, 0, 0, 0]]
+    assert batched.num_blocks.tolist() == one_by_one.num_blocks.tolist() == [2, 4, 3, 1]
+
+
+def test_append_block_ids_batch_overflow_raises_and_stages_nothing() -> None:
+    tables = make_tables(max_blocks=3)
+    tables.append_block_ids(1, [1, 2])
+    tables.apply_staged_writes()
+    with pytest.raises(ValueError, match="slot 1"):
+        tables.append_block_ids_batch(np.array([0, 1]), [[5], [6, 7]])
+    assert tables.table.num_staged == 0
+    assert tables.num_blocks.tolist() == [0, 2, 0, 0]
+    with pytest.raises(ValueError):
+        tables.append_block_ids_batch(np.array([0]), [[1], [2]])
+    tables.append_block_ids_batch(np.array([0, 1]), [[], []])
+    assert tables.table.num_staged == 0
+
+
 def test_gather_block_tables_in_batch_order_into_persistent_buffer() -> None:
     tables = make_tables()
     for slot, ids in enumerate([[1], [2, 3], [4, 5, 6], [7]]):
@@ -113,6 +159,44 @@ def test_gather_block_tables_in_batch_order_into_persistent_buffer() -> None:
     rows = tables.gather_block_tables(torch.tensor([1]), out)
     assert rows.data_ptr() == out.data_ptr()
     assert out[0].tolist() == [2, 3, 0, 0]
+
+
+def test_gather_pads_rows_with_the_null_block() -> None:
+    tables = make_tables()
+    for slot, ids in enumerate([[1], [2, 3], [4, 5, 6], [7, 8, 9, 10]]):
+        tables.append_block_ids(slot, ids)
+    tables.apply_staged_writes()
+    out = torch.full((4, 4), -1, dtype=torch.int32)
+    rows = tables.gather_block_tables(torch.tensor([3, 1]), out, num_rows_padded=4)
+    assert rows.data_ptr() == out.data_ptr()
+    assert rows.tolist() == [[7, 8, 9, 10], [2, 3, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    # Padding only as far as asked; an empty batch may be padded too.
+    out.fill_(-1)
+    assert tables.gather_block_tables(torch.tensor([0]), out, 2).tolist() == [[1, 0, 0, 0],
+                                                                                [0, 0, 0, 0]]
+    assert out[2:].tolist() == [[-1] * 4] * 2
+    assert tables.gather_block_tables(torch.zeros(0, dtype=torch.int64), out, 1).tolist() == [
+        [0, 0, 0, 0]]
+    with pytest.raises(ValueError):
+        tables.gather_block_tables(torch.tensor([0, 1]), out, num_rows_padded=1)
+    with pytest.raises(ValueError):
+        tables.gather_block_tables(torch.tensor([0]), out, num_rows_padded=5)
+
+
+def test_gather_wide_rows_matches_index_select() -> None:
+    """Rows wider than one Triton column block; random tables and batches."""
+    rng = np.random.default_rng(0)
+    tables = BlockTables(5, 700, 16, CPU)
+    for slot in range(5):
+        tables.append_block_ids(slot, rng.integers(1, 10_000, rng.integers(1, 701)).tolist())
+    tables.apply_staged_writes()
+    out = torch.full((5, 700), -1, dtype=torch.int32)
+    for _ in range(3):
+        idx = torch.from_numpy(rng.permutation(5)[:rng.integers(1, 6)])
+        rows = tables.gather_block_tables(idx, out, num_rows_padded=5)
+        expected = torch.zeros(5, 700, dtype=torch.int32)
+        expected[:len(idx)] = tables.table.tensor[idx]
+        assert torch.equal(rows, expected)
 
 
 def test_compute_slot_mapping_formula_and_padding() -> None:

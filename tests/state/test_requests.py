@@ -1,14 +1,29 @@
 """RequestState: fixed slots (DESIGN.md invariant 1), staged adds, and the device-side
-post_update that advances counters after sampling (invariant 4)."""
+post_update that advances counters after sampling (invariant 4).
+
+Every test runs twice: with the numba CPU kernels and with the Triton kernels (interpreted on
+CPU tensors, TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+# Imported here, outside the interpreter, as a full test run does (other tests use compiled
+# Triton): Triton's own jitted helpers (tl.zeros, tl.cdiv, ...) then fail under the
+# interpreter, so the kernels must not use them.
+import triton.language  # noqa: F401
 
+from mrv2.state import dispatch
 from mrv2.state.requests import RequestState
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["cpu", "triton"], autouse=True)
+def impl(request):
+    with dispatch.kernels_on_cpu(request.param):
+        yield request.param
 
 
 def make_state(max_num_seqs: int = 4, max_model_len: int = 16) -> RequestState:
@@ -51,6 +66,18 @@ def test_slots_never_move() -> None:
     assert state.req_id_to_slot == {"a": 0, "c": 2, "d": 1, "e": 3}
     state.finish("a")
     assert state.req_id_to_slot == {"c": 2, "d": 1, "e": 3}
+
+
+def test_slots_of() -> None:
+    state = make_state()
+    for r in "abc":
+        state.add(r, 1, [1], 0)
+    state.finish("a")
+    slots = state.slots_of(["c", "b"])
+    assert slots.dtype == np.int64 and slots.tolist() == [2, 1]
+    assert state.slots_of([]).tolist() == []
+    with pytest.raises(KeyError):
+        state.slots_of(["a"])
 
 
 def test_free_slots_start_lowest_first_and_freed_slots_are_reused() -> None:
@@ -193,3 +220,61 @@ def test_finish_and_readd_in_one_step_later_write_wins() -> None:
     assert state.token_ids.tensor[0, :3].tolist() == [1, 2, 3]
     assert state.prefill_len.tensor[0].item() == 3
     assert state.last_sampled.tensor[0].item() == 3
+
+
+def random_state(rng: np.random.Generator, max_num_seqs: int = 6, max_model_len: int = 12,
+                 device: str = "cpu") -> tuple[RequestState, dict]:
+    """Random per-slot state plus a random batch over distinct slots (some rows finish their
+    prefill, some do not, some reach the end of max_model_len)."""
+    state = RequestState(max_num_seqs, max_model_len, torch.device(device))
+    for i in range(max_num_seqs):
+        prefill = rng.integers(1, 500, rng.integers(1, max_model_len + 1)).tolist()
+        state.add(f"r{i}", len(prefill), prefill, int(rng.integers(0, len(prefill))))
+    state.apply_staged_writes()
+    num_reqs = int(rng.integers(1, max_num_seqs + 1))
+    slots = rng.permutation(max_num_seqs)[:num_reqs]
+    computed = state.num_computed.tensor.cpu().numpy()[slots]
+    num_scheduled = rng.integers(1, max_model_len - computed + 1)
+    batch = dict(idx_mapping=torch.tensor(slots, dtype=torch.int64),
+                 num_scheduled=torch.tensor(num_scheduled, dtype=torch.int32),
+                 sampled=torch.tensor(rng.integers(500, 1000, num_reqs), dtype=torch.int64))
+    return state, batch
+
+
+def state_tensors(state: RequestState) -> list[torch.Tensor]:
+    return [t.tensor.cpu() for t in (state.token_ids, state.prefill_len, state.num_computed,
+                                     state.total_len, state.last_sampled)]
+
+
+def test_post_update_matches_reference_on_random_batches(impl) -> None:
+    """Both kernels against a per-row Python reference."""
+    rng = np.random.default_rng(7)
+    for _ in range(15):
+        state, batch = random_state(rng)
+        history, prefill_len, computed, total_len, last = (t.clone() for t in
+                                                          state_tensors(state))
+        for slot, n, token in zip(*(batch[k].tolist() for k in batch)):
+            computed[slot] += n
+            if computed[slot] >= prefill_len[slot]:
+                history[slot, min(int(computed[slot]), state.max_model_len - 1)] = token
+                total_len[slot] = computed[slot] + 1
+                last[slot] = token
+        state.post_update(**batch)
+        for got, want in zip(state_tensors(state), (history, prefill_len, computed, total_len,
+                                                    last)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_post_update_on_cuda_matches_cpu(impl) -> None:
+    if impl != "cpu":
+        pytest.skip("one run is enough: CUDA tensors always take the compiled Triton path")
+    rng_cpu, rng_gpu = np.random.default_rng(3), np.random.default_rng(3)
+    for _ in range(10):
+        cpu_state, cpu_batch = random_state(rng_cpu)
+        gpu_state, gpu_batch = random_state(rng_gpu, device="cuda")
+        cpu_state.post_update(**cpu_batch)
+        gpu_state.post_update(**{k: v.cuda() for k, v in gpu_batch.items()})
+        for got, want in zip(state_tensors(gpu_state), state_tensors(cpu_state)):
+            assert torch.equal(got, want)

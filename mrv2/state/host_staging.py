@@ -1,0 +1,65 @@
+"""Double-buffered host staging for host-to-device uploads (DESIGN.md invariant 5).
+
+Each upload packs its bytes into one host buffer and copies them to the device with one
+non_blocking copy. Two host buffers alternate: while the copy from one may still be in flight,
+the host fills the other. On CUDA the buffers are pinned, an event is recorded after every copy,
+and a buffer is refilled only after the event of its previous copy has completed (which, two
+uploads later, it practically always has: the wait costs nothing in the steady state).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_MIN_BYTES = 4096
+
+
+def _grow(size: int) -> int:
+    return max(_MIN_BYTES, 1 << (size - 1).bit_length())
+
+
+class HostStaging:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._host_np: list[np.ndarray | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._current = 0
+        self._device_buf: torch.Tensor | None = None
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """The buffer to fill next, as uint8 numpy (at least `nbytes`): no copy reads it."""
+        i = self._current
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+            self._events[i] = None
+        host = self._host[i]
+        if host is None or host.numel() < nbytes:
+            # A buffer an in-flight copy still reads stays alive: the pinned allocator defers
+            # its reuse until that copy's stream has passed it.
+            host = torch.empty(_grow(nbytes), dtype=torch.uint8, pin_memory=self._cuda)
+            self._host[i] = host
+            self._host_np[i] = host.numpy()
+        return self._host_np[i]
+
+    def upload(self, nbytes: int) -> torch.Tensor:
+        """Copy the first `nbytes` of the buffer just filled to the device; returns the device
+        bytes (valid in stream order until the next upload) and flips to the other buffer."""
+        i = self._current
+        dev = self._device_buf
+        if dev is None or dev.numel() < nbytes:
+            # The old device buffer may still be read by a queued kernel: the caching
+            # allocator only reuses it in stream order.
+            dev = self._device_buf = torch.empty(_grow(nbytes), dtype=torch.uint8,
+                                                 device=self.device)
+        out = dev[:nbytes]
+        out.copy_(self._host[i][:nbytes], non_blocking=True)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._events[i] = event
+        self._current = 1 - i
+        return out
