@@ -24,3 +24,10 @@ def test_request_output_defaults_are_not_shared():
     a.metrics["t"] = 1.0
     assert b.metrics == {}
     assert a.outputs[0].token_ids == [7] and a.finished and not b.finished
+
+
+def test_request_output_kind_values_match_vllm():
+    from mrv2.outputs import RequestOutputKind
+
+    assert [(k.name, int(k)) for k in RequestOutputKind] == [
+        ("CUMULATIVE", 0), ("DELTA", 1), ("FINAL_ONLY", 2)]

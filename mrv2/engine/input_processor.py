@@ -27,9 +27,8 @@ class UnsupportedParameterError(ValueError):
 
 # Fields whose non-default values the engine does not honour yet, with their defaults.
 _NOT_YET_SUPPORTED = {
-    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "stop": None, "logprobs": None, "prompt_logprobs": None, "logit_bias": None,
-    "allowed_token_ids": None, "include_stop_str_in_output": False,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "logprobs": None, "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None,
 }
 
 
@@ -55,6 +54,10 @@ class InputProcessor:
             if value != default and value not in ([], {}):
                 raise UnsupportedParameterError(
                     f"SamplingParams.{name}={value!r} is not supported by this engine yet")
+        if params.stop and self.tokenizer is None:
+            raise UnsupportedParameterError(
+                f"SamplingParams.stop={params.stop!r} needs a tokenizer to detokenize the "
+                f"output, and this model has none; use stop_token_ids")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,

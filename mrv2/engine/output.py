@@ -1,77 +1,212 @@
-"""Front-end side of outputs: accumulate tokens per request and build RequestOutputs.
+"""Front-end side of outputs: detokenize, apply stop strings, build RequestOutputs.
 
-Text is decoded from the whole output when a RequestOutput is built, so multi-byte UTF-8
-characters split across tokens come out whole. With `final_only` (the offline API's mode) that
-happens once per request.
+One `RequestState` per engine-core request. A request with n > 1 is a `ParentRequest` whose n
+children (core ids `f"{i}_{parent_id}"`) run as independent core requests; their outputs are
+gathered into one RequestOutput per parent per step, `outputs` ordered by index:
+
+- FINAL_ONLY: one RequestOutput when every child has finished, with all n completions.
+- CUMULATIVE: every step, all n completions so far (empty for children with no output yet).
+- DELTA: every step, the completions of the children that moved, each with only its new part.
+
+A completion ended by a stop string is finished here, not in the core: `process_outputs`
+returns its id in `reqs_to_abort`, and the caller must abort it in the engine core so its KV
+blocks and runner slot are freed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mrv2.outputs import CompletionOutput, RequestOutput
+from mrv2.engine.detokenizer import make_detokenizer
+from mrv2.engine.stop_checker import CompletionText
+from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from mrv2.protocol import EngineCoreOutput, FinishReason
 from mrv2.sampling_params import SamplingParams
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
 @dataclass
-class RequestTracker:
+class ParentRequest:
+    """The user's request with n > 1: gathers its children's completions."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    child_ids: list[str]
+    # Latest completion per index (CUMULATIVE, FINAL_ONLY).
+    completions: list[CompletionOutput | None] = field(default_factory=list)
+    unfinished: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.completions = [None] * len(self.child_ids)
+        self.unfinished = set(self.child_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    index: int
+    parent: ParentRequest | None
+    prompt: str | None
+    prompt_token_ids: list[int]
     params: SamplingParams
-    final_only: bool
+    output_kind: RequestOutputKind
+    text: CompletionText
     output_token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    # Finished here by a stop string while the core still runs them: abort them in the core.
+    reqs_to_abort: list[str]
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestTracker] = {}
+        self.requests: dict[str, RequestState] = {}  # core request id -> state
+        self.parents: dict[str, ParentRequest] = {}  # parent id -> parent (n > 1)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, final_only: bool = True) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.requests[request_id] = RequestTracker(request_id, prompt, prompt_token_ids, params,
-                                                   final_only)
+                    params: SamplingParams,
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                    child_params: Sequence[SamplingParams] | None = None) -> list[str]:
+        """Register a request; with `child_params` (n > 1) one child per entry.
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+        Returns the core request ids to add to the engine core, in index order.
+        """
+        output_kind = RequestOutputKind(output_kind)
+        if child_params is None:
+            ids = [request_id]
+        else:
+            ids = [child_request_id(request_id, i) for i in range(len(child_params))]
+        for rid in {request_id, *ids}:
+            if rid in self.requests or rid in self.parents:
+                raise ValueError(f"request id {rid!r} is already in use")
+        parent = None
+        if child_params is not None:
+            parent = ParentRequest(request_id, prompt, prompt_token_ids, output_kind, ids)
+            self.parents[request_id] = parent
+        streaming = output_kind != RequestOutputKind.FINAL_ONLY
+        for index, rid in enumerate(ids):
+            p = params if child_params is None else child_params[index]
+            detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, p)
+            self.requests[rid] = RequestState(
+                rid, index, parent, prompt, prompt_token_ids, p, output_kind,
+                CompletionText(detokenizer, p, streaming))
+        return ids
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
+        """Forget requests (a parent id forgets all its children). Unknown ids are ignored.
+
+        Returns the core request ids to abort in the engine core.
+        """
+        to_abort: list[str] = []
         for request_id in request_ids:
-            self.requests.pop(request_id, None)
+            parent = self.parents.pop(request_id, None)
+            if parent is not None:
+                for child_id in parent.child_ids:
+                    if self.requests.pop(child_id, None) is not None:
+                        to_abort.append(child_id)
+                continue
+            state = self.requests.pop(request_id, None)
+            to_abort.append(request_id)
+            if state is not None and state.parent is not None:  # a child aborted alone
+                state.parent.unfinished.discard(request_id)
+                if state.parent.finished:
+                    self.parents.pop(state.parent.request_id, None)
+        return to_abort
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        results = []
-        for out in outputs:
-            tracker = self.requests.get(out.request_id)
-            if tracker is None:  # aborted by the front end while the core was stepping
-                continue
-            tracker.output_token_ids.extend(out.new_token_ids)
-            if out.finished:
-                tracker.finish_reason = out.finish_reason
-                tracker.stop_reason = out.stop_reason
-                del self.requests[out.request_id]
-            if out.finished or not tracker.final_only:
-                results.append(self._make_request_output(tracker))
-        return results
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
-    def _make_request_output(self, tracker: RequestTracker) -> RequestOutput:
-        token_ids = list(tracker.output_token_ids)
-        text = ""
-        if self.tokenizer is not None and token_ids:
-            text = self.tokenizer.decode(
-                token_ids, skip_special_tokens=tracker.params.skip_special_tokens)
-        finished = tracker.finish_reason is not None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids,
-            finish_reason=str(tracker.finish_reason) if finished else None,
-            stop_reason=tracker.stop_reason)
-        return RequestOutput(request_id=tracker.request_id, prompt=tracker.prompt,
-                             prompt_token_ids=tracker.prompt_token_ids, outputs=[completion],
+    def process_outputs(self, outputs: Sequence[EngineCoreOutput]) -> OutputProcessorOutput:
+        results: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        # Parents moved this step, in order of first appearance -> their new completions.
+        moved: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:  # aborted or stopped by the front end while the core ran it
+                continue
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.output_token_ids.extend(out.new_token_ids)
+            stop_str = state.text.update(out.new_token_ids,
+                                         stop_terminated=finish_reason == FinishReason.STOP,
+                                         finished=out.finished)
+            if stop_str is not None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+                if not out.finished:
+                    reqs_to_abort.append(out.request_id)
+            finished = finish_reason is not None
+            if finished:
+                del self.requests[out.request_id]
+            completion = self._make_completion(state, out.new_token_ids, finish_reason,
+                                               stop_reason)
+            parent = state.parent
+            if parent is None:
+                if completion is not None:
+                    results.append(RequestOutput(
+                        request_id=state.request_id, prompt=state.prompt,
+                        prompt_token_ids=state.prompt_token_ids, outputs=[completion],
+                        finished=finished))
+                continue
+            if finished:
+                parent.unfinished.discard(state.request_id)
+            entry = moved.setdefault(parent.request_id, (parent, []))
+            if completion is not None:
+                entry[1].append(completion)
+        for parent, completions in moved.values():
+            output = self._make_parent_output(parent, completions)
+            if output is not None:
+                results.append(output)
+        return OutputProcessorOutput(results, reqs_to_abort)
+
+    def _make_completion(self, state: RequestState, new_token_ids: list[int],
+                         finish_reason: FinishReason | None,
+                         stop_reason: int | str | None) -> CompletionOutput | None:
+        finished = finish_reason is not None
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = state.text.next_text(finished, delta)
+        token_ids = list(new_token_ids) if delta else list(state.output_token_ids)
+        return CompletionOutput(
+            index=state.index, text=text, token_ids=token_ids,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason if finished else None)
+
+    def _make_parent_output(self, parent: ParentRequest,
+                            completions: list[CompletionOutput]) -> RequestOutput | None:
+        finished = parent.finished
+        if finished:
+            self.parents.pop(parent.request_id, None)
+        if parent.output_kind == RequestOutputKind.DELTA:
+            outputs = sorted(completions, key=lambda c: c.index)
+        else:
+            for completion in completions:
+                parent.completions[completion.index] = completion
+            if parent.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+                return None
+            outputs = [c if c is not None else CompletionOutput(index=i, text="", token_ids=[])
+                       for i, c in enumerate(parent.completions)]
+        if not outputs:
+            return None
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=outputs,
                              finished=finished)

@@ -1,10 +1,11 @@
-"""The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM."""
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`,
+as in vLLM."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -58,6 +59,43 @@ class LLM:
             engine.add_request(request_id, prompt, params)
         return self._run_engine(request_ids, use_tqdm)
 
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
+        list of conversations, rendered with the tokenizer's chat template (or
+        `chat_template`). Returns one RequestOutput per conversation, as `generate` does."""
+        conversations = _as_conversations(messages)
+        prompts = [self._render_chat(conversation, chat_template, add_generation_prompt,
+                                     continue_final_message, chat_template_kwargs or {})
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _render_chat(self, conversation, chat_template, add_generation_prompt,
+                     continue_final_message, template_kwargs) -> dict[str, Any]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer with a chat template, and this model "
+                             "has no tokenizer")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template: pass chat_template=... to "
+                             "LLM.chat, or use LLM.generate with a formatted prompt")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be "
+                             "set")
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in conversation], tokenize=False, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **template_kwargs)
+        # Templates that write the BOS themselves must not get a second one from the encoder;
+        # templates that leave it out (ChatML) rely on the encoder adding it.
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special_tokens = not (bos and text.startswith(bos))
+        token_ids = list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        return {"prompt_token_ids": token_ids, "prompt": text}
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
@@ -70,7 +108,7 @@ class LLM:
                 for output in engine.step():
                     finished[output.request_id] = output
                     num_prompt_tokens += len(output.prompt_token_ids)
-                    num_output_tokens += len(output.outputs[0].token_ids)
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     bar.update(1)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"input: {num_prompt_tokens / elapsed:.1f} toks/s, "
@@ -85,4 +123,24 @@ class LLM:
         self.last_stats = {"elapsed_s": elapsed, "num_requests": len(request_ids),
                            "num_prompt_tokens": num_prompt_tokens,
                            "num_output_tokens": num_output_tokens}
+        # Finished and aborted (stop string) requests still hold runner slots until the core
+        # tells the runner: one more (empty) step hands them back now, not at the next call.
+        if engine.engine_core.has_unfinished_requests():
+            engine.step()
         return [finished[r] for r in request_ids]
+
+
+def _as_conversations(messages) -> list[list[Mapping[str, Any]]]:
+    """One conversation (messages) or a list of conversations -> a list of conversations."""
+    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a "
+                         "list of such lists")
+    conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+    for conversation in conversations:
+        if (isinstance(conversation, (str, Mapping)) or not isinstance(conversation, Sequence)
+                or not conversation):
+            raise ValueError("each conversation must be a non-empty list of messages")
+        for message in conversation:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ValueError(f"a chat message must be a dict with a 'role', got {message!r}")
+    return conversations

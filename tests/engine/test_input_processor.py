@@ -128,10 +128,9 @@ def test_vocab_edges_accepted(processor):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
-    ("repetition_penalty", 1.1), ("stop", ["x"]), ("logprobs", 0), ("logprobs", 5),
+    ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+    ("repetition_penalty", 1.1), ("logprobs", 0), ("logprobs", 5),
     ("prompt_logprobs", 1), ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]),
-    ("include_stop_str_in_output", True),
 ])
 def test_unsupported_parameters(processor, field, value):
     params = SamplingParams(**{field: value})
@@ -145,6 +144,18 @@ def test_supported_parameters_accepted(processor):
                             skip_special_tokens=False, stop=[], logit_bias={})
     request, _ = processor.process("r", "hello", params)
     assert request.sampling_params is params
+    # n > 1, stop strings and include_stop_str_in_output are handled by the engine front end.
+    params = SamplingParams(n=3, stop=["x", "yz"], include_stop_str_in_output=True,
+                            spaces_between_special_tokens=False)
+    request, _ = processor.process("r", "hello", params)
+    assert request.sampling_params is params
+
+
+def test_stop_strings_need_a_tokenizer(config):
+    processor = InputProcessor(config, None)
+    with pytest.raises(UnsupportedParameterError, match="stop.*tokenizer.*stop_token_ids"):
+        processor.process("r", {"prompt_token_ids": [3]}, SamplingParams(stop=["x"]))
+    processor.process("r", {"prompt_token_ids": [3]}, SamplingParams(stop_token_ids=[7]))
 
 
 def test_params_must_be_sampling_params(processor):
@@ -155,7 +166,7 @@ def test_params_must_be_sampling_params(processor):
 def test_parameters_checked_before_the_prompt(processor):
     # The unsupported parameter is reported even for a prompt that is also bad.
     with pytest.raises(UnsupportedParameterError):
-        processor.process("r", "", SamplingParams(n=2))
+        processor.process("r", "", SamplingParams(presence_penalty=0.5))
 
 
 def test_eos_from_config(config, tokenizer):
