@@ -56,7 +56,7 @@ class CacheConfig:
     block_size: int = 16
     # Memory for the KV cache, all layers, K and V. None: the platform's default.
     kv_cache_memory_gb: float | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

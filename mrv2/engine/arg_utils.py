@@ -27,7 +27,7 @@ class EngineArgs:
     seed: int = 0
     kv_cache_memory_gb: float | None = None
     tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
     compilation_config: dict | CompilationConfig | None = None

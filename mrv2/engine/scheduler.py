@@ -12,6 +12,9 @@ Invariants:
   `_update_after_schedule`), so a second step could be scheduled before the first returns.
 - A request's blocks are freed exactly once, when it finishes, is aborted or is preempted; its
   id is sent in `finished_req_ids` exactly once.
+- Prefix caching: a waiting request is admitted with `num_computed_tokens` = its cache hit
+  (whole blocks, always < num_tokens, so the last token is computed and sampled from); only
+  the rest is scheduled. Blocks shared through hits are reference counted by the manager.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from mrv2.engine.kv_cache_manager import KVCacheManager
+from mrv2.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.protocol import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                            NewRequestData, SchedulerOutput)
@@ -39,7 +42,9 @@ class Scheduler:
         # The smaller of the two limits: the runner's buffers are sized by the model's.
         self.max_model_len = min(sched.max_model_len, config.model_config.max_model_len)
         self.block_size = config.cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, self.block_size, self.max_model_len,
+            enable_caching=config.cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
@@ -119,7 +124,17 @@ class Scheduler:
 
     @property
     def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests; cached-but-free blocks count as free."""
         return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups (queries, hits in tokens) since the last `.reset()`; zeros when off."""
+        return self.kv_cache_manager.prefix_cache_stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False, doing nothing, while a request holds blocks)."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # -- scheduling -----------------------------------------------------------------------
 
@@ -165,20 +180,26 @@ class Scheduler:
         while (not preempted_ids and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            # Prefix caching will plug in here via kv_cache_manager.get_computed_blocks().
-            num_new = request.num_tokens - request.num_computed_tokens
+            # Waiting requests hold no KV (new, or preempted in recompute mode). The longest
+            # cached prefix of prompt (+ outputs, when resumed) is reused, never the last token.
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
             if not self.enable_chunked_prefill and num_new > budget:
                 break  # whole prompts only; FIFO, so nothing behind it jumps the queue
             num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
                 break
+            if self.kv_cache_manager.enable_caching:
+                self.prefix_cache_stats.record(request.num_tokens, num_hit)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
             new_reqs.append(NewRequestData(
                 req_id=request.request_id,
                 prompt_token_ids=list(request.prompt_token_ids),
-                # Prompt + outputs so far: a resumed request recomputes its whole history.
+                # Prompt + outputs so far: a resumed request recomputes its whole history,
+                # less what the prefix cache still holds (num_computed_tokens).
                 prefill_token_ids=list(request.all_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),

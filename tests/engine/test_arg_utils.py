@@ -38,7 +38,7 @@ def test_defaults(tiny_llama):
     assert config.model_config.seed == 0
     assert config.cache_config.block_size == 16
     assert config.cache_config.kv_cache_memory_gb is None
-    assert not config.cache_config.enable_prefix_caching
+    assert config.cache_config.enable_prefix_caching  # vLLM default: on
     assert config.scheduler_config.max_num_seqs == 256
     assert config.scheduler_config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert config.scheduler_config.max_model_len == 2048

@@ -1,7 +1,10 @@
 """Scheduler tests, driven by a fake runner that keeps the runner's view of each request.
 
 Tokens are a pure function of (request id, position), so the final sequences must not depend
-on batching, chunking or preemption.
+on batching, chunking, preemption or prefix-cache hits. The fake runner also simulates the KV
+cache: each slot holds a fingerprint of the token prefix that produced it, and every scheduled
+request must find its whole context intact, so a wrong prefix-cache hit, a shared block written
+twice or a block reused while still needed is caught.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -32,10 +35,10 @@ def token_for(req_id: str, position: int) -> int:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32,
                    max_num_seqs: int = 8, max_model_len: int = 64,
-                   chunked: bool = True) -> Scheduler:
+                   chunked: bool = True, prefix_caching: bool = True) -> Scheduler:
     config = EngineConfig(
         model_config=ModelConfig(model="fake", dtype=torch.float32, max_model_len=max_model_len),
-        cache_config=CacheConfig(block_size=block_size),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=budget,
                                          max_model_len=max_model_len,
@@ -44,8 +47,10 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32,
 
 
 def make_request(req_id: str, prompt_len: int, max_tokens: int | None = 8,
-                 max_model_len: int = 64, **params) -> Request:
-    prompt = [token_for(req_id, p) for p in range(prompt_len)]
+                 max_model_len: int = 64, prefix: list[int] = (), **params) -> Request:
+    """A prompt of `prompt_len` tokens: `prefix`, then tokens unique to the request."""
+    prompt = list(prefix[:prompt_len])
+    prompt += [token_for(req_id, p) for p in range(len(prompt), prompt_len)]
     return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, **params),
                    eos_token_id=EOS, max_model_len=max_model_len)
 
@@ -61,6 +66,9 @@ class FakeRunner:
         self.blocks: dict[str, list[int]] = {}
         self.history: dict[str, list[int]] = {}  # tokens held when last preempted
         self.finished_seen: Counter[str] = Counter()
+        # Simulated KV: per block, per slot, the fingerprint of the prefix that wrote it.
+        self.kv: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)
+        self.num_computed_total = 0  # tokens actually run, over all steps
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput)
@@ -86,25 +94,49 @@ class FakeRunner:
                                             cached.num_computed_tokens):
             assert self.computed[rid] == num_computed
             self.blocks[rid] += delta
-        sampled = []
+        bs = self.block_size
+        # Like a forward pass: every scheduled token writes its KV, then every request attends
+        # to its whole context (so a request may hit blocks another computes in this step).
         for rid, n in out.num_scheduled_tokens.items():
-            self.computed[rid] += n
-            assert 0 < n and self.computed[rid] <= len(self.tokens[rid])
+            start = self.computed[rid]
+            assert 0 < n and start + n <= len(self.tokens[rid])
+            self.num_computed_total += n
+            prints = fingerprints(self.tokens[rid][:start + n])
+            for pos in range(start, start + n):
+                self.kv[self.blocks[rid][pos // bs]][pos % bs] = prints[pos]
+            self.computed[rid] = start + n
+        sampled = []
+        for rid in out.num_scheduled_tokens:
+            num_computed = self.computed[rid]
             # Blocks cover exactly the computed tokens: allocation is never speculative.
-            assert len(self.blocks[rid]) == -(-self.computed[rid] // self.block_size)
-            if self.computed[rid] == len(self.tokens[rid]):
+            assert len(self.blocks[rid]) == -(-num_computed // bs)
+            context = [x for b in self.blocks[rid] for x in self.kv[b]][:num_computed]
+            assert context == fingerprints(self.tokens[rid][:num_computed]), rid
+            if num_computed == len(self.tokens[rid]):
                 self.tokens[rid].append(self.token_fn(rid, len(self.tokens[rid])))
                 sampled.append(self.tokens[rid][-1:])
             else:
                 sampled.append([])  # mid-prefill chunk: nothing sampled
-        owned = [b for blocks in self.blocks.values() for b in blocks]
-        assert 0 not in owned and len(owned) == len(set(owned))
+        index_of: dict[int, int] = {}
+        for blocks in self.blocks.values():
+            assert 0 not in blocks and len(blocks) == len(set(blocks))
+            for i, b in enumerate(blocks):  # a shared block sits at one index in every list
+                assert index_of.setdefault(b, i) == i
         return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
 
     def _drop(self, rid: str) -> None:
         self.tokens.pop(rid, None)
         self.computed.pop(rid, None)
         self.blocks.pop(rid, None)
+
+
+def fingerprints(tokens: list[int]) -> list[int]:
+    """Per position, a value that depends on every token up to it (what its KV depends on)."""
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
 
 
 def step(sched: Scheduler, runner: FakeRunner, results: dict, finish: dict) -> SchedulerOutput:
@@ -137,7 +169,9 @@ def run_all(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Reque
         outs.append(step(sched, runner, results, finish))
         assert len(outs) < max_steps, "scheduler made no progress"
     pool = sched.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == pool.num_blocks - 1  # every block came back
+    # Every block came back: free, or cached and evictable (also free).
+    assert pool.num_free_blocks == pool.num_blocks - 1 and sched.kv_cache_usage == 0.0
+    assert all(pool.ref_count(b) == 0 for b in range(1, pool.num_blocks))
     assert all(c == 1 for c in runner.finished_seen.values())
     assert set(runner.finished_seen) == set(finish)
     return results, finish, outs
@@ -209,8 +243,10 @@ def test_preemption_gives_same_tokens_as_large_pool(num_blocks: int) -> None:
     assert all(reason == (FinishReason.LENGTH, None) for reason in finish.values())
 
 
-def test_newest_request_preempts_itself() -> None:
-    sched, runner = make_scheduler(num_blocks=5, block_size=4), FakeRunner(4)  # 4 usable
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_newest_request_preempts_itself(prefix_caching: bool) -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4, prefix_caching=prefix_caching)
+    runner = FakeRunner(4)  # 4 usable blocks
     a, b = make_request("a", 6, max_tokens=4), make_request("b", 8, max_tokens=4)
     results, _, outs = run_all(sched, runner, {0: [a, b]})
     # Step 0 fills the pool (2 + 2 blocks). Step 1: a's position 6 fits its block 2, b's
@@ -218,8 +254,14 @@ def test_newest_request_preempts_itself() -> None:
     assert outs[1].preempted_req_ids == ["b"] and outs[1].num_scheduled_tokens == {"a": 1}
     assert b.num_preemptions == 1 and a.num_preemptions == 0 and sched.num_preemptions == 1
     resumed = [n for o in outs for n in o.scheduled_new_reqs if n.req_id == "b"][-1]
-    assert resumed.num_computed_tokens == 0 and len(resumed.block_ids) == 3
     assert resumed.prefill_token_ids == b.prompt_token_ids + results["b"][:1]
+    assert len(resumed.block_ids) == 3
+    # b's blocks were freed tail first; a's next block evicted b's block 1, so with prefix
+    # caching b resumes with its block 0 still cached and recomputes the other 5 tokens.
+    hit = 4 if prefix_caching else 0
+    assert resumed.num_computed_tokens == hit
+    resume_step = next(o for o in outs if resumed in o.scheduled_new_reqs)
+    assert resume_step.num_scheduled_tokens["b"] == 9 - hit
     assert results["a"] == expected(a) and results["b"] == expected(b)
 
 
@@ -305,25 +347,141 @@ def test_add_request_guards() -> None:
     assert sched.get_num_unfinished_requests() == 1
 
 
-@settings(max_examples=50, deadline=None)
+FAMILIES = [[token_for(f"family{f}", p) for p in range(64)] for f in range(3)]
+
+
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 8]),
        max_model_len=st.integers(8, 64), chunked=st.booleans(),
-       max_num_seqs=st.integers(1, 6))
+       max_num_seqs=st.integers(1, 6), prefix_caching=st.booleans())
 def test_random_workloads_keep_invariants(data: st.DataObject, block_size: int,
                                           max_model_len: int, chunked: bool,
-                                          max_num_seqs: int) -> None:
+                                          max_num_seqs: int, prefix_caching: bool) -> None:
     budget = data.draw(st.integers(1, 64) if chunked else st.integers(max_model_len, 96))
+    # (prompt len, max tokens, arrival step, prefix family, tokens shared with the family)
     specs = data.draw(st.lists(st.tuples(st.integers(1, max_model_len - 1), st.integers(1, 20),
-                                         st.integers(0, 6)), min_size=1, max_size=8))
-    need = max(-(-(min(p + m, max_model_len) - 1) // block_size) for p, m, _ in specs)
+                                         st.integers(0, 6), st.integers(0, 2),
+                                         st.integers(0, 64)), min_size=1, max_size=8))
+    need = max(-(-(min(p + m, max_model_len) - 1) // block_size) for p, m, *_ in specs)
     num_blocks = 1 + need + data.draw(st.integers(0, 3 * need))
-    sched = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len, chunked)
-    reqs = [make_request(f"r{i}", p, m, max_model_len) for i, (p, m, _) in enumerate(specs)]
+    sched = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len, chunked,
+                           prefix_caching)
+    reqs = [make_request(f"r{i}", p, m, max_model_len, prefix=FAMILIES[f][:shared])
+            for i, (p, m, _, f, shared) in enumerate(specs)]
     arrivals: dict[int, list[Request]] = defaultdict(list)
-    for req, (_, _, at) in zip(reqs, specs):
+    for req, (_, _, at, *_) in zip(reqs, specs):
         arrivals[at].append(req)
     results, finish, _ = run_all(sched, FakeRunner(block_size), arrivals)
+    event(f"prefix hits: {sched.prefix_cache_stats.hits > 0}, "
+          f"preempted: {sched.num_preemptions > 0}")
     for req in reqs:
         n = min(req.max_tokens, max_model_len - req.num_prompt_tokens)
         assert results[req.request_id] == expected(req)[:n]
         assert finish[req.request_id] == (FinishReason.LENGTH, None)
+
+
+# -- prefix caching ---------------------------------------------------------------------------
+
+PREFIX = [token_for("shared", p) for p in range(64)]
+
+
+def admission(outs: list[SchedulerOutput], req_id: str, nth: int = 0):
+    """The `nth` step that admitted `req_id` (as a new request): (NewRequestData, output)."""
+    found = [(n, o) for o in outs for n in o.scheduled_new_reqs if n.req_id == req_id]
+    return found[nth]
+
+
+@pytest.mark.parametrize("prompt_len", [8, 11, 12])
+@pytest.mark.parametrize("together", [False, True])
+def test_same_prompt_twice_second_computes_only_the_tail(prompt_len: int,
+                                                         together: bool) -> None:
+    sched, runner = make_scheduler(block_size=4), FakeRunner(4)
+    a, b = (make_request(r, prompt_len, max_tokens=3, prefix=PREFIX) for r in "ab")
+    assert a.prompt_token_ids == b.prompt_token_ids
+    # Either b arrives after a finished (a's blocks are cached and free), or in the same step
+    # (b hits the blocks a computes in that very step).
+    results, _, outs = run_all(sched, runner, {0: [a, b]} if together else {0: [a], 5: [b]})
+    hit = (prompt_len - 1) // 4 * 4  # full blocks, never the last token
+    a_new, _ = admission(outs, "a")
+    b_new, b_out = admission(outs, "b")
+    assert b_new.num_computed_tokens == hit
+    assert b_new.block_ids[:hit // 4] == a_new.block_ids[:hit // 4]
+    assert b_out.num_scheduled_tokens["b"] == prompt_len - hit
+    assert runner.num_computed_total == 2 * prompt_len - hit + 2 * 2  # + 2 decodes each
+    stats = sched.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 2 * prompt_len, hit)
+    assert results["a"] == expected(a) and results["b"] == expected(b)
+    stats.reset()
+    assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+
+
+def test_same_step_hits_share_blocks_with_ref_counts() -> None:
+    sched, runner = make_scheduler(block_size=4), FakeRunner(4)
+    a, b = (make_request(r, 10, max_tokens=3, prefix=PREFIX) for r in "ab")
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 10, "b": 2}
+    a_blocks, b_blocks = (sched.kv_cache_manager.get_block_ids(r) for r in "ab")
+    assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
+    pool = sched.kv_cache_manager.block_pool
+    assert [pool.ref_count(x) for x in a_blocks] == [2, 2, 1]
+    results, finish = defaultdict(list), {}
+    for o in sched.update_from_output(out, runner.execute(out)):
+        results[o.request_id] += o.new_token_ids
+    # Aborting one sharer drops its references only; the other runs on unharmed.
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert [pool.ref_count(x) for x in a_blocks] == [1, 1, 0]
+    while sched.has_unfinished_requests() or sched.has_finished_requests():
+        step(sched, runner, results, finish)
+    assert results["b"] == expected(b) and finish == {"b": (FinishReason.LENGTH, None)}
+    assert runner.finished_seen == Counter("ab")
+    assert pool.num_free_blocks == pool.num_blocks - 1
+    assert all(pool.ref_count(x) == 0 for x in range(1, pool.num_blocks))
+
+
+def test_prompts_sharing_a_long_prefix() -> None:
+    sched, runner = make_scheduler(block_size=4, budget=64), FakeRunner(4)
+    suffixes = [3, 7, 12, 1]
+    reqs = [make_request(f"r{i}", 32 + n, max_tokens=4, prefix=PREFIX[:32])
+            for i, n in enumerate(suffixes)]
+    results, _, outs = run_all(sched, runner, {0: reqs})
+    # One step: r0 computes its whole prompt, the others only their suffixes.
+    assert outs[0].num_scheduled_tokens == {"r0": 35, "r1": 7, "r2": 12, "r3": 1}
+    assert [n.num_computed_tokens for n in outs[0].scheduled_new_reqs] == [0, 32, 32, 32]
+    stats = sched.prefix_cache_stats
+    assert (stats.queries, stats.hits) == (sum(32 + n for n in suffixes), 3 * 32)
+    assert all(results[r.request_id] == expected(r) for r in reqs)
+
+
+def test_caching_off_recomputes_everything() -> None:
+    sched, runner = make_scheduler(block_size=4, prefix_caching=False), FakeRunner(4)
+    a, b = (make_request(r, 11, max_tokens=3, prefix=PREFIX) for r in "ab")
+    results, _, outs = run_all(sched, runner, {0: [a], 5: [b]})
+    assert admission(outs, "b")[0].num_computed_tokens == 0
+    assert runner.num_computed_total == 2 * (11 + 2)
+    stats = sched.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+    assert sched.kv_cache_manager.block_pool.num_cached_blocks == 0
+    assert results["b"] == expected(b)
+
+
+@pytest.mark.parametrize("num_blocks", [12, 14, 18])
+def test_preemption_with_prefix_caching_gives_same_tokens(num_blocks: int) -> None:
+    def requests() -> list[Request]:
+        return [make_request(f"r{i}", 12 + 3 * i, max_tokens=14, prefix=PREFIX[:10 + 2 * i])
+                for i in range(5)]
+
+    big = make_scheduler(num_blocks=200, budget=16, prefix_caching=False)
+    want, _, _ = run_all(big, FakeRunner(4), {0: requests()})
+    small = make_scheduler(num_blocks=num_blocks, budget=16)
+    reqs = requests()
+    results, _, outs = run_all(small, FakeRunner(4), {0: reqs[:3], 2: reqs[3:]})
+    assert small.num_preemptions > 0
+    assert results == want and all(results[r.request_id] == expected(r) for r in reqs)
+    stats = small.prefix_cache_stats
+    assert stats.hits > 0 and stats.requests == 5 + small.num_preemptions
+    # Resumed requests (prompt + outputs) hit the cache as well.
+    resumed = [n for o in outs for n in o.scheduled_new_reqs
+               if len(n.prefill_token_ids) > len(n.prompt_token_ids)]
+    assert resumed and any(n.num_computed_tokens > 0 for n in resumed)
