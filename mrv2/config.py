@@ -71,6 +71,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while step N runs; tokens not sampled yet are placeholders.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -29,6 +29,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True
     # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
     compilation_config: dict | CompilationConfig | None = None
     device: str | None = None
@@ -59,7 +60,8 @@ class EngineArgs:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
-                                           max_model_len=max_model_len)
+                                           max_model_len=max_model_len,
+                                           async_scheduling=self.async_scheduling)
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
         if compilation_config.cudagraph_mode != "NONE":

@@ -8,13 +8,15 @@ carries finished request ids, so their slots are freed promptly.
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future
 
 from typing import TYPE_CHECKING
 
 from mrv2.config import EngineConfig
 from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
-from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput
+from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from executor.base import Executor
@@ -31,6 +33,9 @@ class EngineCore:
         self.executor = executor_class(config)
         num_blocks = self.executor.initialize()
         self.scheduler = Scheduler(config, num_blocks)
+        # Steps submitted to the executor and not yet folded back into the scheduler.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
+        self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -42,16 +47,26 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished one still holds a runner slot."""
         return (self.scheduler.has_unfinished_requests()
-                or self.scheduler.has_finished_requests())
+                or self.scheduler.has_finished_requests() or bool(self.batch_queue))
 
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not (scheduler_output.finished_req_ids
-                                              or scheduler_output.preempted_req_ids):
+        """Submit the next step if fewer than `max_steps_in_flight` are running, then fold in
+        the oldest one's output. With async scheduling a fresh submission returns at once
+        while the queue is not full, so step N+1 is scheduled while step N runs."""
+        submitted = False
+        if len(self.batch_queue) < self.max_steps_in_flight:
+            scheduler_output = self.scheduler.schedule()
+            if not (scheduler_output.is_empty and not scheduler_output.finished_req_ids
+                    and not scheduler_output.preempted_req_ids):
+                self.executor.execute_model(scheduler_output, non_block=True)
+                future = self.executor.sample_tokens(GrammarOutput(), non_block=True)
+                self.batch_queue.append((scheduler_output, future))
+                submitted = not scheduler_output.is_empty
+        if not self.batch_queue or (submitted
+                                    and len(self.batch_queue) < self.max_steps_in_flight):
             return EngineCoreOutputs(timestamp=time.monotonic())
-        self.executor.execute_model(scheduler_output)
-        runner_output = self.executor.sample_tokens(GrammarOutput())
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        scheduler_output, future = self.batch_queue.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def shutdown(self) -> None:

@@ -71,6 +71,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens a scheduled, still running step will sample (async scheduling); never part
+        # of all_token_ids, so they are never hashed or cached.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         # The stop token id that finished the request (None for EOS, length or abort).
         self.stop_reason: int | str | None = None

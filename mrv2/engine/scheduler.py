@@ -39,6 +39,7 @@ class Scheduler:
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.async_scheduling = sched.async_scheduling
         # The smaller of the two limits: the runner's buffers are sized by the model's.
         self.max_model_len = min(sched.max_model_len, config.model_config.max_model_len)
         self.block_size = config.cache_config.block_size
@@ -153,8 +154,13 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # its last step's output never arrived: nothing to run
+            known = request.num_tokens + request.num_output_placeholders
+            num_new = min(known - request.num_computed_tokens, budget)
+            # Nothing to run: its last step's output never arrived, or (async) the steps in
+            # flight already produce every token it may still generate.
+            if num_new <= 0 or (request.num_output_placeholders and (
+                    request.num_output_tokens + request.num_output_placeholders
+                    >= request.max_tokens or known >= self.max_model_len)):
                 idx += 1
                 continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -220,6 +226,10 @@ class Scheduler:
         self._finished_req_ids = []  # a fresh list: the output keeps the old one
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if (self.async_scheduling and request.num_computed_tokens
+                    >= request.num_tokens + request.num_output_placeholders):
+                # This step reaches the end of the known tokens: it samples one.
+                request.num_output_placeholders += 1
         return output
 
     def _preempt(self, request: Request) -> None:
@@ -227,6 +237,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Tokens of steps in flight are dropped when they arrive; resuming recomputes them.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         # Victims are taken newest first, so pushing each to the front keeps arrival order.
@@ -249,6 +261,9 @@ class Scheduler:
             # Aborted/finished since scheduling (not in `requests`) or preempted: drop.
             if not token_ids or request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders = max(
+                    0, request.num_output_placeholders - len(token_ids))
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token_ids(token_id)

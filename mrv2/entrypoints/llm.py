@@ -124,8 +124,11 @@ class LLM:
                            "num_prompt_tokens": num_prompt_tokens,
                            "num_output_tokens": num_output_tokens}
         # Finished and aborted (stop string) requests still hold runner slots until the core
-        # tells the runner: one more (empty) step hands them back now, not at the next call.
-        if engine.engine_core.has_unfinished_requests():
+        # tells the runner, and with async scheduling a step may still be in flight: a few
+        # empty steps drain both now rather than at the next call.
+        for _ in range(2 + engine.engine_core.max_steps_in_flight):
+            if not engine.engine_core.has_unfinished_requests():
+                break
             engine.step()
         return [finished[r] for r in request_ids]
 

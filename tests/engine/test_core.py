@@ -15,8 +15,9 @@ PROMPT_B = [900, 33, 12, 1500, 64]
 
 @pytest.fixture(scope="module")
 def config(tiny_llama):
+    # Synchronous: one step in, one step out. Async scheduling has its own tests below.
     return EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_seqs=4, block_size=16,
-                      device="cpu").create_engine_config()
+                      device="cpu", async_scheduling=False).create_engine_config()
 
 
 @pytest.fixture
@@ -166,3 +167,68 @@ def test_duplicate_request_id_refused(core):
         core.add_request(request("a", PROMPT_B))
     steps = run_to_completion(core)
     assert sum(len(o.new_token_ids) for s in steps for o in s.outputs) == 4
+
+
+@pytest.fixture
+def async_core(tiny_llama):
+    config = EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_seqs=4, block_size=16,
+                        device="cpu", async_scheduling=True).create_engine_config()
+    engine = EngineCore(config)
+    yield engine
+    engine.shutdown()
+
+
+def tokens_by_request(steps: list[EngineCoreOutputs]) -> dict[str, tuple[list[int], object]]:
+    result: dict[str, tuple[list[int], object]] = {}
+    for step in steps:
+        for out in step.outputs:
+            tokens, _ = result.get(out.request_id, ([], None))
+            assert out.request_id not in result or result[out.request_id][1] is None, \
+                "output after the final one"
+            result[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
+    return result
+
+
+def test_async_scheduling_keeps_two_steps_in_flight_and_matches_sync(core, async_core):
+    ref_tokens = None
+    for engine in (core, async_core):
+        engine.add_request(request("ref", PROMPT_A, max_tokens=6, ignore_eos=True))
+        ref = tokens_by_request(run_to_completion(engine))["ref"][0]
+        ref_tokens = ref_tokens or ref
+        assert ref == ref_tokens
+    # Stop on a token mid-way: the async core has already scheduled one more step for the
+    # request; that step's token is dropped and the request is freed once.
+    stop_id = ref_tokens[2]
+    results = []
+    for engine in (core, async_core):
+        engine.add_request(request("stop", PROMPT_A, max_tokens=6, stop_token_ids=[stop_id]))
+        engine.add_request(request("len", PROMPT_B, max_tokens=5))
+        engine.add_request(request("eos", PROMPT_A, eos=ref_tokens[1], max_tokens=6))
+        max_in_flight = 0
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.append(engine.step())
+            max_in_flight = max(max_in_flight, len(engine.batch_queue))
+        results.append(tokens_by_request(steps))
+        # Between steps one step stays queued with async scheduling (two ran during a step).
+        assert max_in_flight == engine.max_steps_in_flight - 1
+        assert engine.executor.worker.runner.requests.num_active == 0
+        assert engine.scheduler.kv_cache_usage == 0
+    sync, asynchronous = results
+    assert sync == asynchronous
+    assert sync["stop"] == (ref_tokens[:ref_tokens.index(stop_id) + 1], FinishReason.STOP)
+    assert sync["eos"][0] == ref_tokens[:ref_tokens.index(ref_tokens[1]) + 1]
+    assert sync["len"][1] == FinishReason.LENGTH and len(sync["len"][0]) == 5
+
+
+def test_async_abort_while_a_step_is_in_flight(async_core):
+    async_core.add_request(request("a", PROMPT_A, max_tokens=20))
+    async_core.add_request(request("b", PROMPT_B, max_tokens=4, ignore_eos=True))
+    async_core.step()
+    assert len(async_core.batch_queue) == 1
+    async_core.abort_requests(["a"])
+    result = tokens_by_request(run_to_completion(async_core))
+    assert "a" not in result or result["a"][1] is None
+    assert len(result["b"][0]) == 4
+    assert async_core.executor.worker.runner.requests.num_active == 0
+    assert async_core.scheduler.kv_cache_usage == 0

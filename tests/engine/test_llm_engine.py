@@ -16,8 +16,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def make_engine(model_dir) -> LLMEngine:
+    # Synchronous scheduling: these tests check which step each output arrives in.
     return LLMEngine(EngineArgs(model=str(model_dir), max_model_len=128, max_num_seqs=4,
-                                device="cpu"))
+                                device="cpu", async_scheduling=False))
 
 
 @pytest.fixture

@@ -184,3 +184,18 @@ def test_bad_sampling_params(kwargs, field):
 def test_sampling_params_list_must_match_prompts(small_llm):
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         small_llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_identical_with_async_scheduling_on_and_off(tiny_llama, greedy_case,
+                                                          async_scheduling):
+    prompts, expected = greedy_case
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    llm, outputs = _generate(tiny_llama, prompts, max_num_batched_tokens=128,
+                             kv_cache_memory_gb=60 * block_bytes / (1 << 30),
+                             async_scheduling=async_scheduling)
+    assert llm.llm_engine.config.scheduler_config.async_scheduling is async_scheduling
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    core = llm.llm_engine.engine_core
+    assert core.executor.worker.runner.requests.num_active == 0
+    assert core.scheduler.kv_cache_usage == 0

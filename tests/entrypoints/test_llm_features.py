@@ -67,7 +67,12 @@ def test_streaming_with_stop_string_through_the_engine(llm, base, kind):
         assert want.startswith(shown) and stop not in shown
     assert shown == want and updates[-1].stop_reason == stop
     assert len(updates) > 3  # it really streamed
-    engine.step()
+    # The aborted request's id (and, with async scheduling, a step in flight) drain in a
+    # bounded number of empty steps.
+    for _ in range(4):
+        if not engine.engine_core.has_unfinished_requests():
+            break
+        assert engine.step() == []
     assert engine_is_clean(llm)
 
 
