@@ -5,11 +5,19 @@ decode rows (query length 1) first, then prefill chunks. Each layer's KV cache i
 `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V); a token's K/V is written to
 flat slot `slot_mapping[t]` = block_id * block_size + offset, and -1 means "do not write"
 (graph padding).
+
+Which backend runs (DESIGN.md section 5) follows the tensors' device: CUDA tensors use the
+Triton paged attention (`triton_paged`, CUDA-graph capturable: it reads only the metadata's
+device tensors), CPU tensors the torch one (`torch_paged`, which reads the host copies).
+Tests force a backend with `forced_backend()`; the Triton one runs on CPU tensors only under
+`mrv2.state.dispatch.triton_interpreter()` (see `triton_on_cpu()`).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -32,6 +40,41 @@ class AttentionMetadata:
     max_seq_len: int
 
 
+TORCH = "torch"
+TRITON = "triton"
+
+_forced_backend: str | None = None
+
+
+def attention_backend(device: torch.device) -> str:
+    """TRITON for CUDA tensors, TORCH for CPU tensors, unless `forced_backend()` says."""
+    if _forced_backend is not None:
+        return _forced_backend
+    return TRITON if device.type == "cuda" else TORCH
+
+
+@contextmanager
+def forced_backend(name: str | None) -> Iterator[None]:
+    """Use backend `name` (TRITON or TORCH; None = by device) inside the block (tests)."""
+    global _forced_backend
+    if name not in (None, TORCH, TRITON):
+        raise ValueError(f"backend must be {TORCH!r}, {TRITON!r} or None, got {name!r}")
+    previous, _forced_backend = _forced_backend, name
+    try:
+        yield
+    finally:
+        _forced_backend = previous
+
+
+@contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """The Triton backend on CPU tensors, interpreted (slow: tests with tiny shapes)."""
+    from mrv2.state.dispatch import triton_interpreter
+
+    with triton_interpreter(), forced_backend(TRITON):
+        yield
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, ...]:
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -52,13 +95,26 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, KV*D] -> [T, H*D]. Writes k/v into the cache first."""
-        from mrv2.attention import torch_paged
+        """q: [T, H*D], k/v: [T, KV*D] -> [T, H*D]. Writes k/v into the cache first.
 
+        Only the first `meta.num_actual_tokens` tokens are used and returned. On the Triton
+        backend, tokens among them that belong to no row (graph padding past
+        `query_start_loc[-1]`) come back uninitialised.
+        """
         n = meta.num_actual_tokens
         q = q[:n].view(n, self.num_heads, self.head_dim)
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)
         v = v[:n].view(n, self.num_kv_heads, self.head_dim)
-        torch_paged.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-        out = torch_paged.paged_attention(q, kv_cache, meta, self.scale)
-        return out.view(n, self.num_heads * self.head_dim)
+        if attention_backend(q.device) == TRITON:
+            from mrv2.attention import triton_paged
+
+            triton_paged.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
+            out = triton_paged.paged_attention(
+                q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                uniform_decode=meta.num_decodes == meta.num_reqs)
+        else:
+            from mrv2.attention import torch_paged
+
+            torch_paged.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
+            out = torch_paged.paged_attention(q, kv_cache, meta, self.scale)
+        return out.reshape(n, self.num_heads * self.head_dim)

@@ -64,13 +64,6 @@ class EngineArgs:
                                            async_scheduling=self.async_scheduling)
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
-        if compilation_config.cudagraph_mode != "NONE":
-            # The torch paged-attention backend reads host-side shapes per row and syncs on
-            # padding: it cannot be captured. Graphs wait for a capturable attention backend.
-            raise ConfigError(
-                f"cudagraph_mode={compilation_config.cudagraph_mode!r} needs a CUDA-graph "
-                f"capturable attention backend, which mrv2 does not have yet; use "
-                f"cudagraph_mode='NONE' or enforce_eager=True")
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
                             compilation_config=compilation_config, device=device)

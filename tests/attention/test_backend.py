@@ -1,5 +1,6 @@
-"""Attention layer interface: head checks, the cache layout, and one prefill + one decode
-against a dense causal reference."""
+"""Attention layer interface: head checks, the cache layout, one prefill + one decode against a
+dense causal reference, and backend dispatch (torch on CPU, Triton on CUDA; the Triton backend
+interpreted on CPU matches the torch one, also with graph padding and dummy host arrays)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mrv2.attention import backend
 from mrv2.attention.backend import Attention, AttentionMetadata, kv_cache_shape
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 8
@@ -84,3 +86,79 @@ def test_prefill_then_decode_matches_dense_reference():
                metadata([1], [6], blocks, slots[5:]))
     torch.testing.assert_close(out.view(1, NUM_HEADS, HEAD_DIM),
                                dense_causal(q[5:], k, v, scale))
+
+
+def test_backend_follows_the_device_unless_forced():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert backend.attention_backend(cpu) == backend.TORCH
+    assert backend.attention_backend(cuda) == backend.TRITON
+    with backend.forced_backend(backend.TRITON):
+        assert backend.attention_backend(cpu) == backend.TRITON
+        with backend.forced_backend(backend.TORCH):
+            assert backend.attention_backend(cuda) == backend.TORCH
+        assert backend.attention_backend(cpu) == backend.TRITON
+    assert backend.attention_backend(cpu) == backend.TORCH
+    with pytest.raises(ValueError):
+        with backend.forced_backend("cuda"):
+            pass
+
+
+def _two_steps(gen: torch.Generator):
+    """Step 1: row A prefills 5 tokens (blocks 5, 2). Step 2: row A decodes its 6th token,
+    row B prefills 3 tokens (block 6). Returns per step (q, k, v, slots, query_lens,
+    seq_lens, block-table rows)."""
+
+    def qkv(n):
+        return (torch.randn(n, NUM_HEADS * HEAD_DIM, generator=gen),
+                torch.randn(n, NUM_KV_HEADS * HEAD_DIM, generator=gen),
+                torch.randn(n, NUM_KV_HEADS * HEAD_DIM, generator=gen))
+
+    a, b = [5, 2], [6, 0]
+    slots_a = [a[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(6)]
+    slots_b = [b[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(3)]
+    return [(*qkv(5), slots_a[:5], [5], [5], [a]),
+            (*qkv(4), slots_a[5:] + slots_b, [1, 3], [6, 3], [a, b])]
+
+
+def _meta(slots, query_lens, seq_lens, tables, pad_rows=0, pad_tokens=0, host=True):
+    """Metadata; with padding, as `ModelRunner.capture_model` builds it for a graph: padded
+    sizes, dummy host arrays, padding per invariant 6."""
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    num_tokens = int(qsl[-1])
+    qsl_dev = np.concatenate([qsl, np.full(pad_rows, num_tokens, np.int32)])
+    seq = np.array(seq_lens + [0] * pad_rows, dtype=np.int32)
+    rows = len(query_lens) + pad_rows
+    return AttentionMetadata(
+        num_actual_tokens=num_tokens + pad_tokens, num_reqs=rows,
+        num_decodes=sum(1 for q in query_lens if q == 1) if host else 0,
+        query_start_loc=torch.from_numpy(qsl_dev), seq_lens=torch.from_numpy(seq),
+        block_tables=torch.tensor(tables + [[0, 0]] * pad_rows, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
+        query_start_loc_cpu=qsl_dev if host else np.zeros(rows + 1, np.int32),
+        seq_lens_cpu=seq if host else np.zeros(rows, np.int32),
+        max_seq_len=int(seq.max()) if host else 64)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-padded"])
+def test_triton_backend_matches_torch_backend(padded: bool):
+    """The layer on the Triton backend (interpreted on CPU) against the torch one. Padded, the
+    metadata is what a captured graph sees: padded sizes and dummy host arrays, so the result
+    shows the Triton path reads only device tensors."""
+    steps = _two_steps(torch.Generator().manual_seed(1))
+    attn = Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, 1 / math.sqrt(HEAD_DIM))
+    torch_cache = torch.randn(kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
+    triton_cache = torch_cache.clone()
+    for q, k, v, slots, query_lens, seq_lens, tables in steps:
+        n = len(slots)
+        expected = attn(q, k, v, torch_cache, _meta(slots, query_lens, seq_lens, tables))
+        pad_rows, pad_tokens = (2, 3) if padded else (0, 0)
+        meta = _meta(slots, query_lens, seq_lens, tables, pad_rows, pad_tokens, host=not padded)
+
+        def pad(x):
+            return torch.cat([x, torch.full((pad_tokens, x.shape[1]), 1e4)])
+
+        with backend.triton_on_cpu():
+            out = attn(pad(q), pad(k), pad(v), triton_cache, meta)
+        assert out.shape == (n + pad_tokens, NUM_HEADS * HEAD_DIM)
+        assert (out[:n] - expected).abs().max().item() <= 1e-5
+        assert torch.equal(triton_cache, torch_cache)

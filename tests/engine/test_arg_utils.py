@@ -185,14 +185,3 @@ def test_cudagraph_mode_resolves_to_none_on_cpu(tiny_llama, value):
 def test_bad_compilation_config(tiny_llama, value, words):
     with pytest.raises(ConfigError, match=words):
         EngineArgs(model=str(tiny_llama), compilation_config=value).create_engine_config()
-
-
-def test_graph_modes_refused_until_a_capturable_backend_exists(tiny_llama, monkeypatch):
-    # On CUDA a graph mode survives resolve(); the torch attention backend cannot be captured.
-    from mrv2.config import CompilationConfig
-
-    monkeypatch.setattr(CompilationConfig, "resolve",
-                        lambda self, *args, **kwargs: self)
-    with pytest.raises(ConfigError, match="capturable"):
-        EngineArgs(model=str(tiny_llama), device="cpu",
-                   compilation_config={"cudagraph_mode": "FULL"}).create_engine_config()
