@@ -1,0 +1,369 @@
+"""MultiprocExecutor: one worker process per rank, fed over a shared-memory broadcast queue.
+
+Parent -> workers: every RPC is encoded once (executor/serial.py) and written to one
+`ShmQueueWriter` that every worker reads. Workers -> parent: each worker writes its replies to
+its own one-reader queue. Workers run calls in order and replies are matched to calls in order;
+`execute_model` / `sample_tokens` are answered by the output rank only.
+
+Futures are completed by the thread that asks for them (`result()`, `exception()`, `done()`
+read replies on the caller's thread): no reply thread competes with the scheduler for the GIL.
+
+Failure: a monitor thread waits on the worker sentinels. When a worker dies the executor is
+marked dead, every pending future fails with `EngineDeadError`, waits in progress abort at
+their next check (within `max_block_s`, 20 ms), the other workers are stopped and the shared
+memory is unlinked; later calls raise at once. The worker side (and its death pipe) is in
+executor/worker_proc.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import pickle
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Callable
+
+import msgspec
+
+from executor.base import Executor
+from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RPCCall
+from executor.shm_queue import (DEFAULT_CHUNK_BYTES, DEFAULT_NUM_CHUNKS, ShmQueueClosed,
+                                ShmQueueHandle, ShmQueueReader, ShmQueueTimeout,
+                                ShmQueueWriter)
+from executor.shm_segment import unlink_segment
+from executor.worker_proc import NO_REPLY, SHUTDOWN, Ready, import_object, worker_main
+from mrv2.config import EngineConfig
+from mrv2.errors import EngineDeadError, WorkerStartupError
+from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_RANK = 0
+_STOP_GRACE_S = 3.0
+
+
+class RPCFuture(Future):
+    """A Future completed by whoever asks for it: `result()`, `exception()` and `done()` read
+    replies on the calling thread (done() without blocking). Callbacks run when it completes,
+    which is inside one of those calls (or at once when the executor fails); use them, not
+    `concurrent.futures.wait()`, which only watches. A sent RPC cannot be cancelled."""
+
+    def __init__(self, drive: Callable[[Future, float | None], None]) -> None:
+        super().__init__()
+        self._drive = drive
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._drive(self, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._drive(self, timeout)
+        return super().exception(timeout=0)
+
+    def done(self) -> bool:
+        if not super().done():
+            try:
+                self._drive(self, 0.0)
+            except Exception:  # a poll: failures surface through result()
+                pass
+        return super().done()
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _Call:
+    __slots__ = ("call_id", "method", "future", "reply_rank", "waiting", "results", "errors")
+
+    def __init__(self, call_id: int, method: str | None, future: RPCFuture, reply_rank: int,
+                 ranks: list[int]) -> None:
+        self.call_id, self.method, self.future = call_id, method, future
+        self.reply_rank, self.waiting = reply_rank, ranks
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+
+
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # already failed by the monitor
+        pass
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, *, worker_cls: str = "mrv2.worker:Worker",
+                 num_chunks: int = DEFAULT_NUM_CHUNKS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 startup_timeout_s: float = 300.0) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel_config.tensor_parallel_size
+        self.output_rank = OUTPUT_RANK
+        self._types = MethodTypes(import_object(worker_cls))
+        self._encoder = MsgpackEncoder()
+        self._ids = itertools.count()
+        self._pending: deque[_Call] = deque()
+        self._send_lock, self._reply_lock = threading.Lock(), threading.Lock()
+        self._pending_lock, self._state_lock = threading.Lock(), threading.Lock()
+        self._dead: str | None = None
+        self._closing = False
+        self._procs: list[mp.process.BaseProcess] = []
+        self._responses: list[ShmQueueReader] = []
+        self._response_names: list[str] = []
+        self._monitor: threading.Thread | None = None
+        ctx = mp.get_context("spawn")
+        self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
+        death_r, self._death_w = ctx.Pipe(duplex=False)
+        self._requests = ShmQueueWriter(self.world_size, num_chunks, chunk_bytes)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (ex := ref()) is not None and ex.shutdown())
+        try:
+            conns = []
+            for rank in range(self.world_size):
+                ready_r, ready_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=worker_main, name=f"mrv2-worker-{rank}", daemon=True,
+                                   args=(rank, config, worker_cls, self._requests.handle,
+                                         (num_chunks, chunk_bytes), ready_w, death_r))
+                proc.start()
+                ready_w.close()
+                self._procs.append(proc)
+                conns.append(ready_r)
+            death_r.close()
+            self._wait_ready(conns, startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch_workers, name="mrv2-worker-monitor",
+                                         daemon=True)
+        self._monitor.start()
+
+    # -- start-up and failure ------------------------------------------------------------------
+
+    def _wait_ready(self, conns: list, timeout: float) -> None:
+        handles: dict[int, ShmQueueHandle] = {}
+        deadline = time.monotonic() + timeout
+        while len(handles) < self.world_size:
+            waiting = [r for r in range(self.world_size) if r not in handles]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerStartupError(f"worker rank(s) {waiting} did not report ready within "
+                                         f"{timeout:.0f} s")
+            mp.connection.wait([conns[r] for r in waiting]
+                               + [self._procs[r].sentinel for r in waiting], timeout=left)
+            for r in waiting:
+                proc = self._procs[r]
+                if conns[r].poll():
+                    try:
+                        ready = msgspec.msgpack.decode(conns[r].recv_bytes(), type=Ready)
+                    except EOFError:
+                        ready = None
+                    if ready is not None and ready.error is None:
+                        handles[r] = ready.response
+                        self._response_names.append(ready.response.name)
+                        continue
+                    proc.join(1.0)
+                    error = ready.error if ready is not None else "(no message)"
+                    raise WorkerStartupError(
+                        f"worker rank {r} (pid {proc.pid}) failed to start:\n{error}", rank=r,
+                        remote_traceback=error)
+                if not proc.is_alive():
+                    raise WorkerStartupError(f"worker rank {r} (pid {proc.pid}) exited with code "
+                                             f"{proc.exitcode} before it reported ready", rank=r)
+        for conn in conns:
+            conn.close()
+        self._responses = [ShmQueueReader(handles[r], 0) for r in range(self.world_size)]
+
+    def _watch_workers(self) -> None:
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        ready = mp.connection.wait([*sentinels, self._wake_r])
+        if self._closing:
+            return
+        rank = min(sentinels[s] for s in ready if s in sentinels)
+        proc = self._procs[rank]
+        proc.join(0.1)
+        self._fail(f"worker rank {rank} (pid {proc.pid}) died unexpectedly (exit code "
+                   f"{proc.exitcode}); the engine cannot continue")
+
+    def _fail(self, reason: str) -> None:
+        with self._state_lock:
+            if self._dead is not None:
+                return
+            self._dead = reason
+        logger.error("MultiprocExecutor failed: %s", reason)
+        self._fail_pending()
+        self._requests.unlink()  # marks the queue closed: idle workers exit on their own
+        self._stop_workers(grace=0.5)
+        for name in self._response_names:
+            unlink_segment(name)
+
+    def _fail_pending(self) -> None:
+        with self._pending_lock:
+            pending = list(self._pending)
+        for call in pending:
+            _settle(call.future, error=EngineDeadError(self._dead))
+
+    def _abort(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _stop_workers(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+
+    @property
+    def is_failed(self) -> bool:
+        """True once a worker died or the executor was shut down."""
+        return self._dead is not None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    @property
+    def shm_names(self) -> list[str]:
+        """The shared-memory segments this executor's queues use (/dev/shm/<name> on Linux)."""
+        return [self._requests.name, *self._response_names]
+
+    # -- RPC -------------------------------------------------------------------------------------
+
+    def _submit(self, method: str | Callable, args: tuple, reply_rank: int,
+                timeout: float | None = None) -> RPCFuture:
+        function = None
+        if callable(method):
+            function, method = pickle.dumps(method), getattr(method, "__name__", "function")
+        ranks = list(range(self.world_size)) if reply_rank == ALL_RANKS else [reply_rank]
+        future = RPCFuture(self._drive)
+        with self._send_lock:
+            self._abort()
+            call_id = next(self._ids)
+            frames = self._encoder.encode(RPCCall(call_id, method, tuple(args), reply_rank,
+                                                  function))
+            call = _Call(call_id, None if function else method, future, reply_rank, ranks)
+            with self._pending_lock:
+                self._pending.append(call)
+            try:
+                self._requests.enqueue(frames, timeout=timeout, abort=self._abort)
+            except BaseException:
+                with self._pending_lock:
+                    self._pending.remove(call)
+                raise
+        return future
+
+    def _drive(self, future: Future, timeout: float | None) -> None:
+        """Read replies, oldest call first, until `future` is done."""
+        if Future.done(future):
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._reply_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"no reply within {timeout} s (another thread is reading)")
+        try:
+            while not Future.done(future):
+                with self._pending_lock:
+                    call = self._pending[0]
+                for rank in list(call.waiting):
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    try:
+                        frames = self._responses[rank].dequeue(timeout=left, abort=self._abort)
+                    except ShmQueueTimeout:
+                        raise TimeoutError(f"RPC {call.method!r} (call {call.call_id}): no reply "
+                                           f"from worker rank {rank} within {timeout} s") from None
+                    except ShmQueueClosed:  # the worker left its loop: it is exiting
+                        proc = self._procs[rank]
+                        proc.join(1.0)
+                        self._fail(f"worker rank {rank} (pid {proc.pid}) exited (exit code "
+                                   f"{proc.exitcode}) with call {call.call_id} unanswered")
+                        self._abort()
+                    reply, value = self._types.decode_reply(frames, call.method)
+                    if reply.call_id != call.call_id:
+                        self._fail(f"worker rank {rank} answered call {reply.call_id} while call "
+                                   f"{call.call_id} was expected")
+                        self._abort()
+                    if reply.error is not None:
+                        call.errors[rank] = reply.error.to_exception(rank)
+                    call.results[rank] = value
+                    call.waiting.remove(rank)
+                with self._pending_lock:
+                    self._pending.popleft()
+                if call.errors:
+                    _settle(call.future, error=call.errors[min(call.errors)])
+                elif call.reply_rank == ALL_RANKS:
+                    _settle(call.future, [call.results[r] for r in range(self.world_size)])
+                else:
+                    _settle(call.future, call.results[call.reply_rank])
+        except EngineDeadError:
+            self._fail_pending()
+            raise
+        finally:
+            self._reply_lock.release()
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (),
+                       timeout: float | None = None) -> list[Any]:
+        """`method(*args)` on every worker (a callable runs as `method(worker, *args)`, sent
+        pickled: keep it off the step path); one result per rank."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self._submit(method, args, ALL_RANKS, timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return future.result(left)
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> Future[None] | None:
+        future = self._submit("execute_model", (scheduler_output,), self.output_rank)
+        return future if non_block else future.result()
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False
+                      ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        future = self._submit("sample_tokens", (grammar_output,), self.output_rank)
+        return future if non_block else future.result()
+
+    def initialize(self) -> int:
+        try:
+            return super().initialize()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        with self._state_lock:
+            if self._closing:
+                return
+            self._closing = True
+            healthy = self._dead is None
+            if healthy:
+                self._dead = "the executor was shut down"
+        if healthy and self._send_lock.acquire(timeout=1.0):
+            try:
+                self._requests.enqueue(self._encoder.encode(
+                    RPCCall(-1, SHUTDOWN, (), NO_REPLY)), timeout=0.5)
+            except Exception:  # a full ring or a dead worker: the pipes and signals remain
+                pass
+            finally:
+                self._send_lock.release()
+        self._death_w.close()
+        self._wake_w.close()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(5.0)
+        self._stop_workers(grace=_STOP_GRACE_S)
+        self._fail_pending()
+        for queue in self._responses:
+            queue.close()
+        self._requests.close()
+        for name in self._response_names:
+            unlink_segment(name)
+        self._wake_r.close()

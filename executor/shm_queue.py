@@ -1,0 +1,410 @@
+"""Shared-memory message queue: one writer, N readers, a ring of chunks, ZMQ for big messages.
+
+Segment layout (one `multiprocessing.shared_memory` segment per queue, named
+`<prefix>_<pid>_<uuid>` so two engines on a machine never collide):
+
+    header    64 bytes         byte 0: closed (the writer has gone)
+    sleepers  N bytes (pad 64) reader r is blocked waiting for a wake-up
+    flags     num_chunks rows  [written, overflow, read_0 .. read_{N-1}], padded to 8 bytes
+    meta      num_chunks rows  [sequence number, bytes used] as int64
+    data      num_chunks x chunk_bytes
+
+Writer, chunk i: wait until it was never written or every reader has read it; write the
+payload and meta; fence; clear the read flags; fence; set `written`. Reader r, its chunk i:
+ready when `written` is set and `read_r` is clear; read; fence; set `read_r`. All state lives
+in the flags, so no wake-up can be lost.
+
+Waiting: spin briefly (`spin_s`, yielding the CPU), then wait in bounded steps. A waiting
+reader sets its `sleepers` byte, re-checks its chunk, and then blocks on its own Unix datagram
+socket (abstract namespace on Linux: no file) for at most `max_block_s`; a writer that finds a
+sleeper after publishing sends it a one-byte wake-up (a direct kernel wake-up, no I/O thread).
+Set-then-check on both sides, with a fence between, means that either the reader sees the
+message or the writer sees the sleeper; the bounded block is the safety net, and where abort
+callbacks and the closed flag are checked. A writer waiting for a free chunk sleeps with
+exponential back-off up to `max_sleep_s`.
+
+Segments are created by the writer and unlinked by it on close; readers attach without
+registering them with their resource tracker (executor/shm_segment.py).
+
+A message is a list of frames (see executor/serial.py), laid out in the chunk at 16-byte
+aligned offsets behind a small frame table; readers get private copies. A message that does not
+fit a chunk goes over a ZMQ XPUB/SUB socket on tcp://127.0.0.1 and its chunk is marked
+`overflow` (the chunk still orders and flow-controls it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import socket
+import struct
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from multiprocessing.shared_memory import SharedMemory
+
+import msgspec
+import zmq
+
+from executor.shm_segment import attach_segment, fence
+
+DEFAULT_NUM_CHUNKS = 10
+DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_SPIN_S = 5e-4
+DEFAULT_MAX_SLEEP_S = 5e-4
+DEFAULT_MAX_BLOCK_S = 0.02
+_HEADER_BYTES = 64
+_ALIGN = 16
+
+Frames = Sequence[bytes | bytearray | memoryview]
+Abort = Callable[[], None]  # called between sleeps; raises to abandon the wait
+
+
+class ShmQueueTimeout(TimeoutError):
+    """A wait on the queue exceeded its timeout."""
+
+
+class ShmQueueClosed(EOFError):
+    """The writer closed the queue and no message is left to read."""
+
+
+class ShmQueueHandle(msgspec.Struct, array_like=True, frozen=True):
+    """Everything a reader in another process needs to connect (msgpack- and pickle-able)."""
+
+    name: str
+    num_readers: int
+    num_chunks: int
+    chunk_bytes: int
+    zmq_address: str  # overflow messages (XPUB -> SUB)
+    wake_address: str  # wake-ups: reader r binds a datagram socket at wake_address + "-<r>"
+
+
+def _align(n: int, to: int = _ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def _wake_prefix(name: str) -> str:
+    """Where readers bind their wake-up sockets: the abstract namespace on Linux (nothing on
+    disk), a file in the temp dir elsewhere (removed by the reader on close)."""
+    if sys.platform.startswith("linux"):
+        return f"\0{name}-wake"
+    return os.path.join(tempfile.gettempdir(), f"{name}-wake")
+
+
+def _new_socket(kind: int) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+class _Ring:
+    """The segment, its layout, and the wait loop shared by writer and readers."""
+
+    def __init__(self, handle: ShmQueueHandle, shm: SharedMemory, sockets: list[zmq.Socket],
+                 spin_s: float, max_sleep_s: float, max_block_s: float) -> None:
+        self.handle, self._shm = handle, shm
+        self.name, self.num_readers = handle.name, handle.num_readers
+        self.num_chunks, self.chunk_bytes = handle.num_chunks, handle.chunk_bytes
+        self.spin_s, self.max_sleep_s, self.max_block_s = spin_s, max_sleep_s, max_block_s
+        self._sleepers, self._stride, self._meta_off, self._data_off = self._layout(
+            self.num_readers, self.num_chunks)
+        self._buf: memoryview | None = shm.buf
+        self._index = 0  # next chunk this end writes or reads
+        self._seq = 0  # sequence number of the next message
+        self._sockets = sockets
+
+    @staticmethod
+    def _layout(num_readers: int, num_chunks: int) -> tuple[int, int, int, int]:
+        """Offsets: sleepers, flag-row stride, meta, data."""
+        sleepers = _HEADER_BYTES
+        flags = sleepers + _align(num_readers, 64)
+        stride = _align(2 + num_readers, 8)
+        meta = flags + _align(num_chunks * stride, 64)
+        return sleepers, stride, meta, _align(meta + 16 * num_chunks, 64)
+
+    @classmethod
+    def segment_size(cls, num_readers: int, num_chunks: int, chunk_bytes: int) -> int:
+        return cls._layout(num_readers, num_chunks)[3] + num_chunks * chunk_bytes
+
+    def _flags(self, i: int) -> int:
+        return self._sleepers + _align(self.num_readers, 64) + i * self._stride
+
+    def _data(self, i: int) -> int:
+        return self._data_off + i * self.chunk_bytes
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None, abort: Abort | None,
+              on_timeout: Callable[[float], Exception],
+              on_idle: Callable[[], None] | None = None, block: Callable[[float], None] | None
+              = None) -> None:
+        """Spin, then sleep with back-off (or `block(seconds)` while that is given) until
+        `ready()`; `abort` and `on_idle` run between sleeps; past `timeout`, raise."""
+        if ready():
+            return
+        start = time.monotonic()
+        sleep = 1e-5
+        while not ready():
+            now = time.monotonic()
+            if timeout is not None and now - start >= timeout:
+                raise on_timeout(now - start)
+            if now - start < self.spin_s:
+                os.sched_yield()
+                continue
+            if abort is not None:
+                abort()
+            if on_idle is not None:
+                on_idle()
+            left = math.inf if timeout is None else timeout - (now - start)
+            if block is not None:
+                block(min(left, self.max_block_s))
+            else:
+                time.sleep(min(sleep, self.max_sleep_s, left))
+                sleep *= 2
+
+    def _close_mapping(self) -> None:
+        self._buf = None
+        try:
+            self._shm.close()
+        except BufferError:  # a view is still exported somewhere: the mapping dies with it
+            pass
+        for zmq_socket in self._sockets:
+            zmq_socket.close(linger=0)
+        self._sockets = []
+
+
+class ShmQueueWriter(_Ring):
+    """The writing end; creates (and on close unlinks) the segment."""
+
+    def __init__(self, num_readers: int, num_chunks: int = DEFAULT_NUM_CHUNKS,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, spin_s: float = DEFAULT_SPIN_S,
+                 max_sleep_s: float = DEFAULT_MAX_SLEEP_S, name_prefix: str = "mrv2") -> None:
+        if num_readers < 1 or num_chunks < 1 or chunk_bytes < 64:
+            raise ValueError(f"need num_readers >= 1, num_chunks >= 1 and chunk_bytes >= 64, "
+                             f"got {num_readers}, {num_chunks}, {chunk_bytes}")
+        name = f"{name_prefix}_{os.getpid()}_{uuid.uuid4().hex[:16]}"
+        size = self.segment_size(num_readers, num_chunks, chunk_bytes)
+        shm = SharedMemory(name=name, create=True, size=size)  # zero-filled
+        overflow = _new_socket(zmq.XPUB)
+        overflow.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per reader
+        overflow.setsockopt(zmq.SNDHWM, 0)  # never drop: the ring already bounds what is queued
+        handle = ShmQueueHandle(
+            name, num_readers, num_chunks, chunk_bytes,
+            f"tcp://127.0.0.1:{overflow.bind_to_random_port('tcp://127.0.0.1')}",
+            _wake_prefix(name))
+        super().__init__(handle, shm, [overflow], spin_s, max_sleep_s, DEFAULT_MAX_BLOCK_S)
+        self._overflow = overflow
+        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake.setblocking(False)
+        self._wake_addresses = [f"{handle.wake_address}-{r}" for r in range(num_readers)]
+        self._subscribers = 0
+        self._all_read = b"\x01" * num_readers
+        self._no_sleepers = bytes(num_readers)
+        self._closed = self._unlinked = False
+
+    def unread_by(self, i: int) -> list[int]:
+        """Readers that have not read chunk i (which is written)."""
+        off = self._flags(i) + 2
+        return [r for r in range(self.num_readers) if not self._buf[off + r]]
+
+    def enqueue(self, frames: Frames | bytes, timeout: float | None = None,
+                abort: Abort | None = None) -> None:
+        if self._closed:
+            raise ShmQueueClosed(f"shm queue {self.name} is closed")
+        if isinstance(frames, (bytes, bytearray, memoryview)):
+            frames = (frames,)
+        views = [memoryview(f).cast("B") for f in frames]
+        table = _align(8 + 8 * len(views))
+        offsets, end = [], table
+        for v in views:
+            offsets.append(end)
+            end = _align(end + v.nbytes)
+        i, seq, buf = self._index, self._seq, self._buf
+        flags, nr = self._flags(i), self.num_readers
+        start = time.monotonic()
+        self._wait(lambda: not buf[flags] or buf[flags + 2:flags + 2 + nr] == self._all_read,
+                   timeout, abort,
+                   lambda waited: ShmQueueTimeout(
+                       f"shm queue {self.name}: chunk {i} (message {seq - self.num_chunks}) is "
+                       f"still unread by reader(s) {self.unread_by(i)} of {nr} after "
+                       f"{waited:.2f} s"))
+        buf[flags] = 0
+        overflow = end > self.chunk_bytes
+        if overflow:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            self._await_subscribers(left, abort)
+            # Copied by zmq: the caller may reuse its buffers as soon as enqueue returns.
+            self._overflow.send_multipart([seq.to_bytes(8, "little"), *views])
+        else:
+            data = self._data(i)
+            struct.pack_into(f"<II{len(views)}Q", buf, data, len(views), 0,
+                             *(v.nbytes for v in views))
+            for v, o in zip(views, offsets):
+                buf[data + o:data + o + v.nbytes] = v
+        struct.pack_into("<qq", buf, self._meta_off + 16 * i, seq, 0 if overflow else end)
+        buf[flags + 1] = int(overflow)
+        fence()
+        buf[flags + 2:flags + 2 + nr] = bytes(nr)
+        fence()
+        buf[flags] = 1
+        self._index = (i + 1) % self.num_chunks
+        self._seq = seq + 1
+        fence()  # `written` before the sleepers check (a reader sets its byte, then checks)
+        if buf[self._sleepers:self._sleepers + nr] != self._no_sleepers:
+            self._wake_sleepers()
+
+    def _wake_sleepers(self) -> None:
+        buf = self._buf
+        for r, address in enumerate(self._wake_addresses):
+            if buf[self._sleepers + r]:
+                try:
+                    self._wake.sendto(b"\x01", address)
+                except OSError:  # not bound yet, gone, or its buffer is full of wake-ups
+                    pass
+
+    def _await_subscribers(self, timeout: float | None, abort: Abort | None) -> None:
+        def poll() -> None:
+            while self._overflow.poll(0):
+                event = self._overflow.recv()
+                self._subscribers += 1 if event[:1] == b"\x01" else -1
+
+        def on_timeout(waited: float) -> Exception:
+            return ShmQueueTimeout(
+                f"shm queue {self.name}: only {self._subscribers} of {self.num_readers} readers "
+                f"connected to the overflow socket {self.handle.zmq_address} after "
+                f"{waited:.2f} s")
+
+        self._wait(lambda: self._subscribers >= self.num_readers, timeout, abort, on_timeout,
+                   on_idle=poll)
+
+    def unlink(self) -> None:
+        """Mark the queue closed and remove its name; the mapping stays valid for this
+        process (safe while another thread is still inside enqueue)."""
+        if self._buf is not None:
+            self._buf[0] = 1
+            fence()
+            self._wake_sleepers()  # blocked readers see `closed` now, not after a block
+        if not self._unlinked:
+            self._unlinked = True
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Mark the queue closed (readers drain, then get ShmQueueClosed), unlink it and unmap
+        it. Idempotent."""
+        if self._closed:
+            return
+        self.unlink()
+        self._closed = True
+        self._close_mapping()
+        self._wake.close()
+
+
+class ShmQueueReader(_Ring):
+    """Reader `rank` of a queue created elsewhere (any process)."""
+
+    def __init__(self, handle: ShmQueueHandle, rank: int, *, spin_s: float = DEFAULT_SPIN_S,
+                 max_block_s: float = DEFAULT_MAX_BLOCK_S) -> None:
+        if not 0 <= rank < handle.num_readers:
+            raise ValueError(f"reader rank {rank} is outside [0, {handle.num_readers})")
+        self._overflow = _new_socket(zmq.SUB)
+        super().__init__(handle, attach_segment(handle.name), [self._overflow], spin_s,
+                         DEFAULT_MAX_SLEEP_S, max_block_s)
+        self.rank = rank
+        self._overflow.setsockopt(zmq.RCVHWM, 0)
+        self._overflow.setsockopt(zmq.SUBSCRIBE, b"")
+        self._overflow.connect(handle.zmq_address)
+        self._wake_address = f"{handle.wake_address}-{rank}"
+        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake.bind(self._wake_address)
+        self._asleep = self._sleepers + rank
+
+    def _block(self, seconds: float) -> None:
+        """Mark this reader asleep (the caller re-checks before the next block), then wait
+        for a wake-up for at most `seconds`."""
+        buf = self._buf
+        if not buf[self._asleep]:
+            buf[self._asleep] = 1
+            fence()
+            return  # re-check readiness once more before blocking: the writer may have missed us
+        if select.select([self._wake], [], [], seconds)[0]:
+            try:
+                while True:  # drain: one wake-up may stand for several messages
+                    self._wake.recv(16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass
+
+    def dequeue(self, timeout: float | None = None, abort: Abort | None = None
+                ) -> list[memoryview]:
+        """The next message's frames, in private writable buffers."""
+        if self._buf is None:
+            raise ShmQueueClosed(f"shm queue {self.name}: reader {self.rank} is closed")
+        i, seq, buf = self._index, self._seq, self._buf
+        flags, mine = self._flags(i), self._flags(i) + 2 + self.rank
+
+        def closed() -> None:
+            if buf[0] and not (buf[flags] and not buf[mine]):
+                raise ShmQueueClosed(f"shm queue {self.name} was closed by its writer")
+
+        start = time.monotonic()
+        try:
+            self._wait(lambda: buf[flags] and not buf[mine], timeout, abort,
+                       lambda waited: ShmQueueTimeout(
+                           f"shm queue {self.name}: reader {self.rank} waited {waited:.2f} s "
+                           f"for chunk {i} (message {seq}); the writer has not written it"),
+                       on_idle=closed, block=self._block)
+        finally:
+            buf[self._asleep] = 0
+        fence()
+        got_seq, nbytes = struct.unpack_from("<qq", buf, self._meta_off + 16 * i)
+        if got_seq != seq:
+            raise RuntimeError(f"shm queue {self.name}: reader {self.rank} expected message "
+                               f"{seq} in chunk {i}, found {got_seq}")
+        if buf[flags + 1]:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            frames = self._recv_overflow(i, seq, left, abort)
+        else:
+            data = self._data(i)
+            copy = bytearray(buf[data:data + nbytes])
+            frames = _split_frames(memoryview(copy))
+        fence()
+        buf[mine] = 1
+        self._index = (i + 1) % self.num_chunks
+        self._seq = seq + 1
+        return frames
+
+    def _recv_overflow(self, i: int, seq: int, timeout: float | None, abort: Abort | None
+                       ) -> list[memoryview]:
+        self._wait(lambda: bool(self._overflow.poll(0)), timeout, abort,
+                   lambda waited: ShmQueueTimeout(
+                       f"shm queue {self.name}: reader {self.rank} waited {waited:.2f} s for "
+                       f"overflow message {seq} of chunk {i} on {self.handle.zmq_address}"))
+        parts = self._overflow.recv_multipart(copy=False)
+        got = int.from_bytes(parts[0].bytes, "little")
+        if got != seq:
+            raise RuntimeError(f"shm queue {self.name}: reader {self.rank} expected overflow "
+                               f"message {seq}, got {got}")
+        return [part.buffer for part in parts[1:]]
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._close_mapping()
+            self._wake.close()
+            if not self._wake_address.startswith("\0"):  # a file outside Linux
+                try:
+                    os.unlink(self._wake_address)
+                except FileNotFoundError:
+                    pass
+
+
+def _split_frames(mv: memoryview) -> list[memoryview]:
+    (count,) = struct.unpack_from("<I", mv, 0)
+    lengths = struct.unpack_from(f"<{count}Q", mv, 8)
+    frames, pos = [], _align(8 + 8 * count)
+    for n in lengths:
+        frames.append(mv[pos:pos + n])
+        pos = _align(pos + n)
+    return frames

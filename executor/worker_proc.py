@@ -1,0 +1,139 @@
+"""The worker process: start-up handshake, the RPC loop, and the death pipe.
+
+`worker_main` runs in each spawned process. It builds the worker (`worker_cls`, a
+"module:Class" string, constructed with the engine config), attaches to the parent's broadcast
+queue as reader `rank`, creates its own reply queue, and reports `Ready` (with the reply
+queue's handle, or the start-up traceback) over a pipe. Then it runs calls in order until a
+shutdown message, a closed queue, or the parent's death. A thread blocks on the read end of the
+death pipe: the parent holds the only write end, so EOF there means the parent is gone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+
+from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RemoteError, RPCReply
+from executor.shm_queue import ShmQueueClosed, ShmQueueHandle, ShmQueueReader, ShmQueueWriter
+from mrv2.config import EngineConfig
+
+NO_REPLY = -2  # reply_rank of calls nobody answers
+SHUTDOWN = "__shutdown__"
+_PARENT_GONE_GRACE_S = 2.0
+
+
+class Ready(msgspec.Struct, array_like=True, frozen=True):
+    rank: int
+    pid: int
+    response: ShmQueueHandle | None = None
+    error: str | None = None
+
+
+def import_object(qualified: str) -> Any:
+    module, _, name = qualified.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _ParentGone(Exception):
+    pass
+
+
+def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
+                 queue_shape: tuple[int, int], ready_conn: multiprocessing.connection.Connection,
+                 death_conn: multiprocessing.connection.Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    parent_gone = threading.Event()
+
+    def watch_parent() -> None:
+        try:
+            death_conn.recv()  # the parent never sends: this returns only by EOF
+        except (EOFError, OSError):
+            pass
+        parent_gone.set()
+        time.sleep(_PARENT_GONE_GRACE_S)  # let the loop exit cleanly; then go regardless
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="mrv2-death-pipe", daemon=True).start()
+    requests = responses = None
+    try:
+        worker = import_object(worker_cls)(config)
+        requests = ShmQueueReader(rpc, rank)
+        responses = ShmQueueWriter(1, *queue_shape)
+        ready_conn.send_bytes(msgspec.msgpack.encode(
+            Ready(rank, os.getpid(), response=responses.handle)))
+    except BaseException:
+        error = traceback.format_exc()
+        try:
+            ready_conn.send_bytes(msgspec.msgpack.encode(Ready(rank, os.getpid(), error=error)))
+        except Exception:
+            print(error, file=sys.stderr)
+        for queue in (requests, responses):
+            if queue is not None:
+                queue.close()
+        sys.exit(1)
+    finally:
+        ready_conn.close()
+    try:
+        _serve(rank, worker, requests, responses, parent_gone)
+    finally:
+        requests.close()
+        responses.close()
+
+
+def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueueWriter,
+           parent_gone: threading.Event) -> None:
+    types, encoder = MethodTypes(type(worker)), MsgpackEncoder()
+
+    def abort() -> None:
+        if parent_gone.is_set():
+            raise _ParentGone
+
+    while True:
+        try:
+            frames = requests.dequeue(abort=abort)
+        except (ShmQueueClosed, _ParentGone):
+            return
+        call = types.decode_call(frames)
+        if call.method == SHUTDOWN:
+            return
+        result = error = None
+        try:
+            args = types.decode_args(call, frames)
+            if call.function is not None:
+                result = pickle.loads(call.function)(worker, *args)
+            elif call.method.startswith("_"):
+                raise AttributeError(f"{call.method!r} is private: not callable over RPC")
+            else:
+                result = getattr(worker, call.method)(*args)
+        except Exception as e:
+            error = RemoteError.from_exception(e, traceback.format_exc())
+        if call.reply_rank not in (ALL_RANKS, rank):
+            if error is not None:
+                # The parent expects nothing from this rank, so it cannot be told; the ranks
+                # are out of step now. Exit: the monitor fails the executor.
+                print(f"mrv2 worker rank {rank}: {call.method} failed and only rank "
+                      f"{call.reply_rank} replies; exiting\n{error.traceback}", file=sys.stderr)
+                sys.exit(1)
+            continue
+        try:
+            out = encoder.encode(RPCReply(call.call_id, rank, result, error))
+        except Exception as e:  # the result cannot travel
+            out = encoder.encode(RPCReply(call.call_id, rank, None, RemoteError.from_exception(
+                e, traceback.format_exc())))
+        try:
+            responses.enqueue(out, abort=abort)
+        except _ParentGone:
+            return
