@@ -74,8 +74,8 @@ class DecodeWorkload:
 
 def runner_host_step(runner: ModelRunner, out: SchedulerOutput, sampled: torch.Tensor) -> None:
     """The runner's host path of one step: state update, staged apply, inputs, post_update."""
-    runner._update_states(out)
-    batch, _ = runner._prepare_batch(out)
+    cached_slots = runner._update_states(out)
+    batch, _ = runner._prepare_batch(out, cached_slots)
     runner.requests.post_update(batch.idx_mapping, batch.num_scheduled, sampled)
     runner._make_output(batch, sampled).get_output()
 

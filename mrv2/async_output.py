@@ -43,5 +43,9 @@ class AsyncOutput:
             self._event.synchronize()
             self._device = None
         tokens = self._host.tolist()
-        sampled_token_ids = [[t] if s else [] for t, s in zip(tokens, self.is_sampling.tolist())]
+        if self.is_sampling.all():  # the common case: every row samples
+            sampled_token_ids = [[t] for t in tokens]
+        else:
+            sampled_token_ids = [[t] if s else []
+                                 for t, s in zip(tokens, self.is_sampling.tolist())]
         return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids)

@@ -67,12 +67,12 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self._execute_state is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
-        self._update_states(scheduler_output)
+        cached_slots = self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Finished and preempted requests were processed; phase 2 has nothing to sample.
             self._execute_state = ExecuteState(batch=None, hidden_states=None)
             return
-        batch, descriptor = self._prepare_batch(scheduler_output)
+        batch, descriptor = self._prepare_batch(scheduler_output, cached_slots)
         if descriptor is not None:
             # Replay reads the persistent buffers prepare_inputs just filled (padded).
             hidden = self.cudagraphs.replay(descriptor)[:batch.num_tokens]
@@ -82,7 +82,8 @@ class ModelRunner:
                                 batch.attn_metadata)
         self._execute_state = ExecuteState(batch=batch, hidden_states=hidden)
 
-    def _update_states(self, out: SchedulerOutput) -> None:
+    def _update_states(self, out: SchedulerOutput) -> np.ndarray:
+        """Apply the step's state changes; returns the slots of the cached (running) rows."""
         requests, tables = self.requests, self.block_tables
         for req_id in (*out.finished_req_ids, *out.preempted_req_ids):
             slot = requests.finish(req_id)
@@ -94,20 +95,27 @@ class ModelRunner:
             tables.append_block_ids(slot, new.block_ids, overwrite=True)
             self.sampling.add(slot, new.req_id, new.sampling_params)
         cached = out.scheduled_cached_reqs
+        slots = requests.slots_of(cached.req_ids)
         if cached.req_ids:
-            slots = requests.slots_of(cached.req_ids)
             tables.append_block_ids_batch(slots, cached.new_block_ids)
             requests.num_computed_host[slots] = cached.num_computed_tokens
         requests.apply_staged_writes()
         tables.apply_staged_writes()
         self.sampling.apply_staged_writes()
+        return slots
 
-    def _prepare_batch(self, out: SchedulerOutput
+    def _prepare_batch(self, out: SchedulerOutput, cached_slots: np.ndarray
                        ) -> tuple[InputBatch, BatchDescriptor | None]:
         req_ids = list(out.num_scheduled_tokens)
         num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int32,
                                     count=len(req_ids))
-        slots = self.requests.slots_of(req_ids)
+        num_cached = len(cached_slots)
+        # The scheduler sends running (cached) rows first: their slots are known already.
+        if req_ids[:num_cached] == out.scheduled_cached_reqs.req_ids:
+            slots = np.concatenate([cached_slots,
+                                    self.requests.slots_of(req_ids[num_cached:])])
+        else:
+            slots = self.requests.slots_of(req_ids)
         is_prefill = num_scheduled > 1
         if (is_prefill[:-1] & ~is_prefill[1:]).any():  # not decode-first yet
             order = decode_first_order(num_scheduled)
