@@ -89,8 +89,14 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # "uni": the worker runs in the engine core's process; "mp": worker processes fed over
+    # shared memory (vLLM's names).
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ConfigError(f"distributed_executor_backend="
+                              f"{self.distributed_executor_backend!r}: expected 'uni' or 'mp'")
         if self.tensor_parallel_size != 1:
             raise ConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")

@@ -30,6 +30,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = True
+    distributed_executor_backend: str = "uni"
     # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
     compilation_config: dict | CompilationConfig | None = None
     device: str | None = None
@@ -42,7 +43,9 @@ class EngineArgs:
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self.kv_cache_memory_gb,
                                    enable_prefix_caching=self.enable_prefix_caching)
-        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend)
         hf_config = load_hf_config(self.model)
         model_max_len = _derived_max_model_len(hf_config)
         max_model_len = model_max_len if self.max_model_len is None else self.max_model_len

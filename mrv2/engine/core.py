@@ -22,13 +22,23 @@ if TYPE_CHECKING:
     from executor.base import Executor
 
 
+def executor_class_for(config: EngineConfig) -> "type[Executor]":
+    if config.parallel_config.distributed_executor_backend == "mp":
+        from executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor
+    from executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_class: "type[Executor] | None" = None) -> None:
         # Imported here: `executor` imports mrv2, so a module-level import would be circular
         # for a process that imports `executor` first.
         if executor_class is None:
-            from executor.uniproc import UniProcExecutor as executor_class
+            executor_class = executor_class_for(config)
         self.config = config
         self.executor = executor_class(config)
         num_blocks = self.executor.initialize()
