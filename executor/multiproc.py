@@ -40,6 +40,7 @@ from executor.shm_queue import (DEFAULT_CHUNK_BYTES, DEFAULT_NUM_CHUNKS, ShmQueu
 from executor.shm_segment import unlink_segment
 from executor.worker_proc import NO_REPLY, SHUTDOWN, Ready, import_object, worker_main
 from mrv2.config import EngineConfig
+from mrv2.distributed import distributed_init_method
 from mrv2.errors import EngineDeadError, WorkerStartupError
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -106,6 +107,9 @@ class MultiprocExecutor(Executor):
                  startup_timeout_s: float = 300.0) -> None:
         super().__init__(config)
         self.world_size = config.parallel_config.tensor_parallel_size
+        # Where the tensor-parallel ranks meet (torch.distributed rendezvous); one rank needs none.
+        self.distributed_init_method = (distributed_init_method() if self.world_size > 1
+                                        else None)
         self.output_rank = OUTPUT_RANK
         self._types = MethodTypes(import_object(worker_cls))
         self._encoder = MsgpackEncoder()
@@ -131,7 +135,8 @@ class MultiprocExecutor(Executor):
                 ready_r, ready_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=worker_main, name=f"mrv2-worker-{rank}", daemon=True,
                                    args=(rank, config, worker_cls, self._requests.handle,
-                                         (num_chunks, chunk_bytes), ready_w, death_r))
+                                         (num_chunks, chunk_bytes), ready_w, death_r,
+                                         self.distributed_init_method))
                 proc.start()
                 ready_w.close()
                 self._procs.append(proc)

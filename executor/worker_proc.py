@@ -1,9 +1,12 @@
 """The worker process: start-up handshake, the RPC loop, and the death pipe.
 
 `worker_main` runs in each spawned process. It builds the worker (`worker_cls`, a
-"module:Class" string, constructed with the engine config), attaches to the parent's broadcast
+"module:Class" string, constructed with the engine config and, when its constructor takes
+them, its `rank`, `local_rank` and the `distributed_init_method` where the tensor-parallel
+ranks meet; the worker joins that group in `load_model`), attaches to the parent's broadcast
 queue as reader `rank`, creates its own reply queue, and reports `Ready` (with the reply
-queue's handle, or the start-up traceback) over a pipe. Then it runs calls in order until a
+queue's handle, or the start-up traceback) over a pipe. On the way out it calls the worker's
+`close()`, if it has one (which leaves the process group). Then it runs calls in order until a
 shutdown message, a closed queue, or the parent's death. A thread blocks on the read end of the
 death pipe: the parent holds the only write end, so EOF there means the parent is gone.
 """
@@ -11,6 +14,7 @@ death pipe: the parent holds the only write end, so EOF there means the parent i
 from __future__ import annotations
 
 import importlib
+import inspect
 import multiprocessing.connection
 import os
 import pickle
@@ -51,9 +55,26 @@ class _ParentGone(Exception):
     pass
 
 
+def make_worker(worker_cls: str, config: EngineConfig, rank: int,
+                distributed_init_method: str | None) -> Any:
+    """`worker_cls(config, rank=..., local_rank=..., distributed_init_method=...)`, passing only
+    the keywords its constructor accepts (a test double may take the config alone)."""
+    cls = import_object(worker_cls)
+    offered = {"rank": rank, "local_rank": rank,
+               "distributed_init_method": distributed_init_method}
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if takes_any or k in params}
+    return cls(config, **kwargs)
+
+
 def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
                  queue_shape: tuple[int, int], ready_conn: multiprocessing.connection.Connection,
-                 death_conn: multiprocessing.connection.Connection) -> None:
+                 death_conn: multiprocessing.connection.Connection,
+                 distributed_init_method: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     parent_gone = threading.Event()
 
@@ -69,7 +90,7 @@ def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueH
     threading.Thread(target=watch_parent, name="mrv2-death-pipe", daemon=True).start()
     requests = responses = None
     try:
-        worker = import_object(worker_cls)(config)
+        worker = make_worker(worker_cls, config, rank, distributed_init_method)
         requests = ShmQueueReader(rpc, rank)
         responses = ShmQueueWriter(1, *queue_shape)
         ready_conn.send_bytes(msgspec.msgpack.encode(
@@ -91,6 +112,12 @@ def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueH
     finally:
         requests.close()
         responses.close()
+        close = getattr(worker, "close", None)
+        if close is not None and not parent_gone.is_set():
+            try:
+                close()
+            except Exception:  # exiting anyway
+                traceback.print_exc()
 
 
 def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueueWriter,

@@ -88,18 +88,53 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """`tensor_parallel_size` worker ranks, each holding 1/tp of the heads, of the MLP and of
+    the vocabulary (mrv2/distributed.py, mrv2/models/layers/linear.py).
+
+    `distributed_executor_backend`: "uni" runs the worker in the engine core's process, "mp"
+    runs one worker process per rank fed over shared memory (vLLM's names). None picks "uni"
+    for one rank and "mp" for more; "uni" with more than one rank is refused.
+    """
+
     tensor_parallel_size: int = 1
-    # "uni": the worker runs in the engine core's process; "mp": worker processes fed over
-    # shared memory (vLLM's names).
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.distributed_executor_backend not in ("uni", "mp"):
-            raise ConfigError(f"distributed_executor_backend="
-                              f"{self.distributed_executor_backend!r}: expected 'uni' or 'mp'")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size={tp!r} must be a positive integer")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "mp" if tp > 1 else "uni")
+        elif backend not in ("uni", "mp"):
+            raise ConfigError(f"distributed_executor_backend={backend!r}: expected 'uni' or "
+                              f"'mp'")
+        elif backend == "uni" and tp > 1:
+            raise ConfigError(f"tensor_parallel_size={tp} needs one worker process per rank: "
+                              f"use distributed_executor_backend='mp' (or leave it unset), "
+                              f"not 'uni'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    def verify_model(self, model_config: ModelConfig) -> None:
+        """Refuse a model whose attention or KV heads the ranks cannot split evenly."""
+        tp = self.tensor_parallel_size
+        if tp == 1 or model_config.hf_config is None:
+            return
+        heads, kv_heads = model_config.num_attention_heads, model_config.num_kv_heads
+        for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if value % tp:
+                raise ConfigError(
+                    f"tensor_parallel_size={tp} does not divide the model's {what}={value} "
+                    f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}); choose a "
+                    f"tensor_parallel_size that divides both")
+        intermediate = getattr(model_config.hf_config, "intermediate_size", None)
+        if isinstance(intermediate, int) and intermediate % tp:
+            raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's "
+                              f"intermediate_size={intermediate} (the MLP is split evenly "
+                              f"over the ranks)")
 
 
 @dataclass(frozen=True)
@@ -189,6 +224,9 @@ class EngineConfig:
     parallel_config: ParallelConfig = ParallelConfig()
     compilation_config: CompilationConfig = CompilationConfig()
     device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.parallel_config.verify_model(self.model_config)
 
     @property
     def max_num_blocks_per_req(self) -> int:

@@ -1,6 +1,12 @@
 """Worker: one device's model, KV cache and runner.
 
-Start-up order: device -> model weights -> KV cache size -> KV cache tensors -> runner.
+Start-up order: device -> distributed group -> model weights -> KV cache size -> KV cache
+tensors -> runner.
+
+Under tensor parallelism there is one worker per rank (`rank`, `local_rank` = its device index
+on CUDA); each joins the group at `distributed_init_method` when it loads the model, holds its
+shard of the weights and a KV cache of its own kv heads only, and runs every step: the logits
+are all-gathered, so every rank samples the same tokens and its runner state stays in step.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ import logging
 
 import torch
 
-from mrv2 import platform
+from mrv2 import distributed, platform
 from mrv2.attention.backend import kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
 from mrv2.models.loader import load_model
@@ -20,9 +26,18 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int | None = None,
+                 distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.rank = rank
+        self.local_rank = rank if local_rank is None else local_rank
+        self.world_size = config.parallel_config.world_size
+        self.distributed_init_method = distributed_init_method
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"worker rank {rank} is outside a world of {self.world_size}")
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.world_size > 1:
+            self.device = torch.device("cuda", self.local_rank)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.num_kv_blocks = 0
@@ -30,14 +45,24 @@ class Worker:
     def load_model(self) -> None:
         if self.device.type == "cpu":
             # Intra-op threads = the machine's cores; torch's default may oversubscribe.
-            torch.set_num_threads(max(1, torch.get_num_threads()))
+            # Ranks on one machine share its cores.
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.world_size))
+        elif self.device.index is not None:  # a CUDA rank: its own device
+            torch.cuda.set_device(self.device)
+        distributed.init_distributed(self.rank, self.world_size, self.distributed_init_method,
+                                     self.device)
         self.model = load_model(self.config.model_config, self.device)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The kv heads this rank caches (its share under tensor parallelism)."""
+        return self.config.model_config.num_kv_heads // self.world_size
 
     @property
     def kv_block_bytes(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
         elem = torch.empty((), dtype=mc.dtype).element_size()
-        return 2 * mc.num_layers * cc.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * cc.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests use.
@@ -63,7 +88,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
-        shape = kv_cache_shape(num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = kv_cache_shape(num_blocks, cc.block_size, self.num_kv_heads, mc.head_dim)
         # Zeros, not empty: masked-out keys and values must never be NaN (0 * NaN = NaN).
         kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device)
                      for _ in range(mc.num_layers)]
@@ -72,6 +97,10 @@ class Worker:
         self.runner.capture_model()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                     num_blocks * self.kv_block_bytes / (1 << 20))
+
+    def close(self) -> None:
+        """Leave the tensor-parallel group (the worker process calls it on its way out)."""
+        distributed.destroy_distributed()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.runner.execute_model(scheduler_output)

@@ -58,11 +58,13 @@ def test_without_chunked_prefill_a_whole_prompt_must_fit() -> None:
     SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024, enable_chunked_prefill=True)
 
 
-@pytest.mark.parametrize("tp", [0, 2, 4])
-def test_tensor_parallel_other_than_one_refused(tp: int) -> None:
+@pytest.mark.parametrize("tp", [0, -1])
+def test_tensor_parallel_size_below_one_refused(tp: int) -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=tp)
     assert ParallelConfig().tensor_parallel_size == 1
+    # More ranks run one worker process each (tests/test_distributed.py).
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
 
 
 def make_engine_config(max_model_len: int, block_size: int) -> EngineConfig:

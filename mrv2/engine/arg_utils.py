@@ -30,7 +30,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = True
-    distributed_executor_backend: str = "uni"
+    # None: "uni" for tensor_parallel_size=1, "mp" (one worker process per rank) above.
+    distributed_executor_backend: str | None = None
     # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
     compilation_config: dict | CompilationConfig | None = None
     device: str | None = None

@@ -7,6 +7,12 @@ Differences are switches, not copies:
   `head_dim` from the config (it need not be hidden_size / num_heads).
 - `tie_word_embeddings` reuses the embedding matrix as the LM head.
 
+Tensor parallelism (mrv2/models/layers/linear.py): qkv_proj and gate_up_proj are column-
+parallel (each rank owns its q heads, its kv heads and its part of the MLP), o_proj and
+down_proj row-parallel (all_reduce), the embedding and the LM head vocab-parallel (the logits
+are all-gathered, so every rank samples from the same full logits). Norms and rotary tables are
+replicated. The rank and size come from `mrv2.distributed` when the model is built.
+
 The step is one flattened token batch [T]; attention reads/writes the paged KV cache.
 Parameter names follow the checkpoint except for the fused `qkv_proj` and `gate_up_proj`.
 """
@@ -21,8 +27,9 @@ from torch import nn
 
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.models.layers.linear import (Linear, MergedLinear, QKVLinear,
-                                       default_weight_loader, set_weight_attrs)
+from mrv2.models.layers.linear import (MergedLinear, ParallelLMHead, QKVLinear,
+                                       RowParallelLinear, VocabParallelEmbedding,
+                                       parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
 from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary,
                                        rope_parameters_from_config)
@@ -67,9 +74,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
-        self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -81,12 +88,15 @@ class LlamaAttention(nn.Module):
                  qk_norm: bool) -> None:
         super().__init__()
         hf = model_config.hf_config
-        self.num_heads = model_config.num_attention_heads
-        self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
-        self.qkv_proj = QKVLinear(hf.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hf.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVLinear(hf.hidden_size, self.head_dim,
+                                  model_config.num_attention_heads, model_config.num_kv_heads,
+                                  bias=qkv_bias)
+        # This rank's heads (all of them at tp=1).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(model_config.num_attention_heads * self.head_dim,
+                                        hf.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
@@ -141,12 +151,7 @@ class LlamaModel(nn.Module):
                  qk_norm: bool) -> None:
         super().__init__()
         hf = model_config.hf_config
-        # _weight skips nn.Embedding's random init; the loader overwrites every value.
-        self.embed_tokens = nn.Embedding(hf.vocab_size, hf.hidden_size,
-                                         _weight=torch.empty(hf.vocab_size, hf.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
-        set_weight_attrs(self.embed_tokens.weight, weight_loader=default_weight_loader,
-                         shard_ids=(None,))
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(model_config, qkv_bias, o_bias, qk_norm)
             for _ in range(model_config.num_layers))
@@ -185,8 +190,8 @@ class LlamaForCausalLM(nn.Module):
         self.model_config = model_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.model = LlamaModel(model_config, qkv_bias, o_bias, self.qk_norm)
-        self.lm_head: Linear | None = (
-            None if self.tie_word_embeddings else Linear(hf.hidden_size, hf.vocab_size))
+        self.lm_head: ParallelLMHead | None = (
+            None if self.tie_word_embeddings else ParallelLMHead(hf.vocab_size, hf.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata
@@ -195,10 +200,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return F.linear(hidden_states, weight).float()
+        """hidden [N, hidden] -> float32 logits [N, vocab], the full vocabulary on every rank
+        (all-gathered under tensor parallelism)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return parallel_logits(hidden_states, head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the names of the parameters whose

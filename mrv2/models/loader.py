@@ -117,14 +117,19 @@ def safetensors_files(model_path: str) -> list[str]:
                              f"{model_path!r} (only safetensors checkpoints are supported)")
 
 
-def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one tensor at a time, so peak memory is one tensor, not a shard."""
+def iterate_safetensors(model_path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield (name, tensor) one tensor at a time, so peak memory is one tensor, not a shard.
+
+    `lazy=True` yields safetensors slices (`get_slice`) instead: nothing is read until a
+    weight loader indexes one, so a tensor-parallel rank reads only its rows or columns. A
+    slice is valid until the next item is requested.
+    """
     from safetensors import safe_open
 
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 @contextmanager
@@ -148,7 +153,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     safetensors_files(model_config.model)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config)
-    loaded = model.load_weights(iterate_safetensors(model_config.model))
+    # Lazy slices: under tensor parallelism each rank reads only its shard of each tensor.
+    loaded = model.load_weights(iterate_safetensors(model_config.model, lazy=True))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.model!r} is missing weights for "

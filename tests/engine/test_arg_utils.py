@@ -140,7 +140,9 @@ def test_bad_dtype(tiny_llama):
     ({"block_size": 0}, "block_size=0"),
     ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb=0"),
     ({"kv_cache_memory_gb": -1.0}, "kv_cache_memory_gb=-1.0"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+     "tensor_parallel_size=2"),
 ])
 def test_cheap_checks_before_model_dir_is_read(tmp_path, kwargs, match):
     # The path does not exist: these errors must come first.

@@ -1,17 +1,30 @@
-"""Linear layers whose weights the loader fills from Hugging Face checkpoints.
+"""Linear layers whose weights the loader fills from Hugging Face checkpoints, sharded for
+tensor parallelism.
 
 Parameters are allocated with `torch.empty` (no random init: every value is overwritten by
 the loader, and random init of a multi-GB model is slow on CPU). Each parameter carries:
 
-- `weight_loader(param, loaded, shard_id=None)`: copies one checkpoint tensor into the
-  parameter, converting dtype and device;
+- `weight_loader(param, loaded, shard_id=None)`: copies this rank's part of one checkpoint
+  tensor into the parameter, converting dtype and device. `loaded` is a torch tensor or a
+  lazy safetensors slice (`safe_open(...).get_slice(name)`): a rank then reads only its rows
+  or columns from the file;
 - `shard_ids`: the shards that must all be loaded before the parameter counts as loaded
   (`(None,)` for an unfused parameter).
 
-Fused layers (`QKVLinear`, `MergedLinear`) store several checkpoint tensors stacked along the
-output dimension. The output-dim offset of each shard is computed in one place
-(`shard_range`) so that tensor parallelism can later narrow both the shard and the loaded
-tensor to this rank's part without touching callers.
+Tensor parallelism (Megatron style), rank r of tp:
+- column-parallel (`ColumnParallelLinear`, fused `QKVLinear` / `MergedLinear`): each rank holds
+  1/tp of the output rows *of every shard* (its q heads, its kv heads, its part of gate and of
+  up), so a rank's output splits exactly like the unsharded one;
+- row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds 1/tp of the input
+  columns; the partial products are summed with all_reduce and the bias is added once, after;
+- `VocabParallelEmbedding` / `ParallelLMHead`: each rank holds ceil(V/tp) vocabulary rows
+  (zero-padded at the end); embedding lookups outside the rank's range are masked to zero and
+  summed with all_reduce, and the LM head's logits are all-gathered, so every rank ends with the
+  same full [N, V] logits and samples the same tokens.
+
+The rank and size default to `mrv2.distributed` (set when a worker joins the group) and may be
+passed explicitly (unit tests shard without processes). With tp=1 every layer computes exactly
+what the unsharded layer did.
 """
 
 from __future__ import annotations
@@ -22,24 +35,83 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2 import distributed
+
 ShardId = Hashable
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+# -- checkpoint tensors: torch tensors or lazy safetensors slices ---------------------------------
+
+def tensor_shape(loaded: Any) -> tuple[int, ...]:
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())  # safetensors PySafeSlice
+
+
+def narrow(loaded: Any, dim: int, start: int, size: int) -> Any:
+    """Rows/columns [start, start + size) of `loaded` along `dim`; a lazy slice stays lazy."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return _LazyNarrow(loaded, dim, start, size)
+
+
+def materialize(loaded: Any) -> torch.Tensor:
+    """A torch tensor; a lazy slice reads only its selected part from the file here."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    if isinstance(loaded, _LazyNarrow):
+        return loaded.read()
+    shape = tensor_shape(loaded)
+    return loaded[tuple(slice(None) for _ in shape)] if shape else loaded[...]
+
+
+class _LazyNarrow:
+    """A narrowed view of a safetensors slice, read on `materialize` (one narrow at a time is
+    all the loaders need)."""
+
+    def __init__(self, base: Any, dim: int, start: int, size: int) -> None:
+        shape = tensor_shape(base)
+        dim = dim % len(shape)
+        self.base, self.dim, self.start, self.size = base, dim, start, size
+        self.shape = shape[:dim] + (size,) + shape[dim + 1:]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def read(self) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[self.dim] = slice(self.start, self.start + self.size)
+        return self.base[tuple(index)]
+
+
+def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    rank = distributed.get_tp_rank() if tp_rank is None else tp_rank
+    size = distributed.get_tp_size() if tp_size is None else tp_size
+    if not 0 <= rank < size:
+        raise ValueError(f"tp_rank={rank} is outside tp_size={size}")
+    return rank, size
+
+
+def _check_shape(param: nn.Parameter, loaded: Any, what: str) -> None:
+    if tuple(param.shape) != tensor_shape(loaded):
+        raise ValueError(f"{what}: checkpoint tensor has shape {tensor_shape(loaded)}, "
                          f"expected {tuple(param.shape)}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
+def _copy(target: torch.Tensor, loaded: Any) -> None:
+    with torch.no_grad():
+        target.copy_(materialize(loaded))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any,
                           shard_id: ShardId = None) -> None:
-    """Copy a whole tensor into `param` (dtype/device converted by `copy_`)."""
+    """Copy a whole tensor into `param` (dtype/device converted by `copy_`); replicated
+    parameters (norms, row-parallel biases) use it on every rank."""
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
                          f"got shard {shard_id!r}")
     _check_shape(param, loaded, "weight")
-    with torch.no_grad():
-        param.copy_(loaded)
+    _copy(param, loaded)
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
@@ -48,7 +120,7 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W: [output_size, input_size]."""
+    """y = x W^T (+ b), W: [output_size, input_size]; replicated on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -70,57 +142,175 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
+class ColumnParallelLinear(Linear):
+    """Output rows split over the ranks: rank r holds rows [r*O/tp, (r+1)*O/tp) of W and b.
+
+    `input_size`/`output_size` are the full (checkpoint) sizes; `output_size_per_partition` is
+    what this rank computes. No communication: the output stays split."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        per_rank = distributed.divide(output_size, self.tp_size, "output_size")
+        super().__init__(input_size, per_rank, bias)
+        self.output_size = output_size
+        self.output_size_per_partition = per_rank
+        for param in self.parameters(recurse=False):
+            set_weight_attrs(param, weight_loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any,
+                      shard_id: ShardId = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
+                             f"got shard {shard_id!r}")
+        full = (self.output_size, *param.shape[1:])
+        if tensor_shape(loaded) != full:
+            raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
+                             f"expected {full}")
+        per_rank = self.output_size_per_partition
+        _copy(param, narrow(loaded, 0, self.tp_rank * per_rank, per_rank))
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size_per_partition} "
+                f"(of {self.output_size}, rank {self.tp_rank}/{self.tp_size}), "
+                f"bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """Input columns split over the ranks: rank r holds columns [r*I/tp, (r+1)*I/tp) of W and
+    takes the matching slice of the input (the output of a column-parallel layer); the partial
+    products are summed with all_reduce, then the (replicated) bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = distributed.divide(input_size, self.tp_size,
+                                                           "input_size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition),
+                                   requires_grad=False)
+        set_weight_attrs(self.weight, weight_loader=self.weight_loader, shard_ids=(None,))
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(output_size),
+                                                          requires_grad=False)
+            set_weight_attrs(self.bias, weight_loader=default_weight_loader, shard_ids=(None,))
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any,
+                      shard_id: ShardId = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
+                             f"got shard {shard_id!r}")
+        full = (self.output_size, self.input_size)
+        if tensor_shape(loaded) != full:
+            raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
+                             f"expected {full}")
+        per_rank = self.input_size_per_partition
+        _copy(param, narrow(loaded, 1, self.tp_rank * per_rank, per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = distributed.tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size_per_partition} (of {self.input_size}, rank "
+                f"{self.tp_rank}/{self.tp_size}), out={self.output_size}, "
+                f"bias={self.bias is not None}")
+
+
 class _FusedLinear(Linear):
-    """A Linear whose output rows are the concatenation of named shards."""
+    """A column-parallel Linear whose output rows are the concatenation of named shards.
+
+    `shard_sizes` are the full (checkpoint) sizes; each rank holds 1/tp of every shard, stored
+    in the same shard order, so `shard_range` gives this rank's (offset, size) and the loaded
+    tensor is narrowed to rows [rank * size, (rank + 1) * size)."""
 
     def __init__(self, input_size: int, shard_sizes: dict[ShardId, int],
-                 bias: bool = False) -> None:
-        super().__init__(input_size, sum(shard_sizes.values()), bias)
+                 bias: bool = False, *, tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
         # Insertion order of shard_sizes is the row order in the fused weight.
-        self.shard_sizes = dict(shard_sizes)
+        self.full_shard_sizes = dict(shard_sizes)
+        local = {sid: distributed.divide(size, self.tp_size, f"shard {sid!r} size")
+                 for sid, size in shard_sizes.items()}
+        super().__init__(input_size, sum(local.values()), bias)
+        self.shard_sizes = local
         shard_ids = tuple(self.shard_sizes)
         for param in self.parameters(recurse=False):
             set_weight_attrs(param, weight_loader=self.weight_loader, shard_ids=shard_ids)
 
     def shard_range(self, shard_id: ShardId) -> tuple[int, int]:
-        """(offset, size) of `shard_id` along the output dimension of the fused parameter."""
-        if shard_id not in self.shard_sizes:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of "
-                             f"{list(self.shard_sizes)}")
+        """(offset, size) of `shard_id` along the output dimension of this rank's parameter."""
+        return self._range(self.shard_sizes, shard_id)
+
+    def checkpoint_shard_range(self, shard_id: ShardId) -> tuple[int, int]:
+        """(offset, size) of this rank's rows of `shard_id` in the unfused checkpoint tensor."""
+        _, size = self.shard_range(shard_id)
+        return self.tp_rank * size, size
+
+    @staticmethod
+    def _range(sizes: dict[ShardId, int], shard_id: ShardId) -> tuple[int, int]:
+        if shard_id not in sizes:
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(sizes)}")
         offset = 0
-        for sid, size in self.shard_sizes.items():
+        for sid, size in sizes.items():
             if sid == shard_id:
                 return offset, size
             offset += size
         raise AssertionError("unreachable")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId = None) -> None:
         if shard_id is None:
-            # A checkpoint that already stores the fused tensor.
-            default_weight_loader(param, loaded)
+            # A checkpoint that already stores the fused tensor (all shards, full sizes).
+            if self.tp_size == 1:
+                default_weight_loader(param, loaded)
+                return
+            full = (sum(self.full_shard_sizes.values()), *param.shape[1:])
+            if tensor_shape(loaded) != full:
+                raise ValueError(f"fused weight: checkpoint tensor has shape "
+                                 f"{tensor_shape(loaded)}, expected {full}")
+            for sid in self.shard_sizes:
+                full_offset, _ = self._range(self.full_shard_sizes, sid)
+                start, size = self.checkpoint_shard_range(sid)
+                offset, _ = self.shard_range(sid)
+                _copy(param.narrow(0, offset, size), narrow(loaded, 0, full_offset + start, size))
             return
         offset, size = self.shard_range(shard_id)
         # Output dim is dim 0 for both weight [out, in] and bias [out].
-        target = param.narrow(0, offset, size)
-        if tuple(target.shape) != tuple(loaded.shape):
+        full = (self.full_shard_sizes[shard_id], *param.shape[1:])
+        if tensor_shape(loaded) != full:
             raise ValueError(f"shard {shard_id!r}: checkpoint tensor has shape "
-                             f"{tuple(loaded.shape)}, expected {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(loaded)
+                             f"{tensor_shape(loaded)}, expected {full}")
+        start, _ = self.checkpoint_shard_range(shard_id)
+        _copy(param.narrow(0, offset, size), narrow(loaded, 0, start, size))
 
 
 class QKVLinear(_FusedLinear):
-    """Fused q/k/v projection: weight [(H + 2*KV) * D, hidden], rows ordered q, k, v."""
+    """Fused q/k/v projection: weight [(H + 2*KV) * D, hidden], rows ordered q, k, v.
+
+    Under tensor parallelism each rank holds H/tp query heads and KV/tp kv heads (the heads
+    [r*H/tp, (r+1)*H/tp) and [r*KV/tp, (r+1)*KV/tp)); `num_heads`/`num_kv_heads` are this
+    rank's counts."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, *, tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        rank, size = _tp(tp_rank, tp_size)
+        local_heads = distributed.divide(num_heads, size, "num_attention_heads")
+        local_kv = distributed.divide(num_kv_heads, size, "num_key_value_heads")
         super().__init__(hidden_size, {"q": num_heads * head_dim,
                                        "k": num_kv_heads * head_dim,
-                                       "v": num_kv_heads * head_dim}, bias)
+                                       "v": num_kv_heads * head_dim}, bias,
+                         tp_rank=rank, tp_size=size)
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = local_heads
+        self.num_kv_heads = local_kv
 
     @property
     def q_size(self) -> int:
@@ -131,15 +321,92 @@ class QKVLinear(_FusedLinear):
         return self.num_kv_heads * self.head_dim
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, H*D], k [T, KV*D], v [T, KV*D] (views of one matmul)."""
+        """x [T, hidden] -> q [T, H*D], k [T, KV*D], v [T, KV*D] (this rank's heads; views of
+        one matmul)."""
         qkv = self.forward(x)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
 class MergedLinear(_FusedLinear):
     """Several projections of the same input stacked along the output dim (e.g. gate_up:
-    shard 0 = gate_proj, shard 1 = up_proj)."""
+    shard 0 = gate_proj, shard 1 = up_proj). `output_sizes` are this rank's sizes."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, {i: size for i, size in enumerate(output_sizes)}, bias)
-        self.output_sizes = list(output_sizes)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        super().__init__(input_size, {i: size for i, size in enumerate(output_sizes)}, bias,
+                         tp_rank=tp_rank, tp_size=tp_size)
+        self.output_sizes = list(self.shard_sizes.values())
+
+
+def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """(start, rows, padded_rows): rank `tp_rank` holds vocabulary rows [start, start + rows)
+    in a parameter of `padded_rows` = ceil(V / tp) rows (the rest zero)."""
+    padded = -(-vocab_size // tp_size)
+    start = min(tp_rank * padded, vocab_size)
+    return start, min(padded, vocab_size - start), padded
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over the ranks: a rank looks up the ids in its
+    range, zeroes the others, and all_reduce sums the ranks' rows (exactly one is non-zero)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
+        self.vocab_start, self.vocab_rows, padded = vocab_range(vocab_size, self.tp_rank,
+                                                                self.tp_size)
+        self.num_embeddings_per_partition = padded
+        self.weight = nn.Parameter(torch.empty(padded, hidden_size), requires_grad=False)
+        set_weight_attrs(self.weight, weight_loader=self.weight_loader, shard_ids=(None,))
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any,
+                      shard_id: ShardId = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
+                             f"got shard {shard_id!r}")
+        full = (self.num_embeddings, param.shape[1])
+        if tensor_shape(loaded) != full:
+            raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
+                             f"expected {full}")
+        rows = self.vocab_rows
+        with torch.no_grad():
+            param[rows:].zero_()
+        if rows:
+            _copy(param.narrow(0, 0, rows), narrow(loaded, 0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return distributed.tp_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.num_embeddings} (rows {self.vocab_start}.."
+                f"{self.vocab_start + self.vocab_rows} on rank {self.tp_rank}/{self.tp_size}), "
+                f"dim={self.embedding_dim}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection with the vocabulary split like `VocabParallelEmbedding`:
+    `logits` computes this rank's [N, V/tp] and all-gathers them into the full [N, V], the same
+    on every rank."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise RuntimeError("ParallelLMHead is not an embedding; call logits(hidden_states)")
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return parallel_logits(hidden_states, self)
+
+
+def parallel_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
+    """hidden [N, hidden] -> float32 logits [N, V] through a vocab-split weight (an LM head or
+    the tied embedding)."""
+    logits = F.linear(hidden_states, head.weight)
+    if head.tp_size > 1:
+        logits = distributed.tp_all_gather(logits, dim=-1)[:, :head.num_embeddings]
+    return logits.float()

@@ -1,0 +1,110 @@
+"""Tensor-parallel process group: init, this rank's place, and the two collectives TP needs.
+
+One group per engine: every worker process is one tensor-parallel rank (`world_size ==
+tensor_parallel_size`). `init_distributed` is called once per worker before its model is built;
+the model's parallel layers read `get_tp_rank()` / `get_tp_size()` when constructed (or take an
+explicit rank/size, which the loader unit tests use without any process group).
+
+Gloo on CPU, NCCL on CUDA. With a world of one no process group is created and the
+collectives return their input, so tp=1 runs exactly the single-process code path.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+_GROUP_OWNED = False  # whether init_distributed created the default group (and must destroy it)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free at the moment of the call (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def distributed_init_method(host: str = "127.0.0.1", port: int | None = None) -> str:
+    """A `tcp://host:port` rendezvous address for `torch.distributed.init_process_group`."""
+    return f"tcp://{host}:{get_open_port(host) if port is None else port}"
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, init_method: str | None,
+                     device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the tensor-parallel group as `rank` of `world_size` (no-op group for one rank)."""
+    global _TP_RANK, _TP_SIZE, _GROUP_OWNED
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    if world_size > 1:
+        if init_method is None:
+            raise ValueError(f"world_size={world_size} needs a distributed init address")
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process")
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        _GROUP_OWNED = True
+        # A first collective makes a wrong address or a missing peer fail here, at start-up.
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe)
+        if int(probe.item()) != world_size:
+            raise RuntimeError(f"all_reduce probe gave {probe.item()}, expected {world_size}")
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def destroy_distributed() -> None:
+    global _TP_RANK, _TP_SIZE, _GROUP_OWNED
+    if _GROUP_OWNED and dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUP_OWNED = False
+    _TP_RANK, _TP_SIZE = 0, 1
+
+
+def get_tp_rank() -> int:
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    return _TP_SIZE
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the tensor-parallel ranks (in place when there is more than one)."""
+    if _TP_SIZE == 1:
+        return x
+    if not x.is_contiguous():
+        x = x.contiguous()
+    dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, rank order; the result is identical (bitwise)
+    on every rank."""
+    if _TP_SIZE == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=dim)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size="
+                         f"{denominator}")
+    return numerator // denominator
+
+
+__all__ = ["destroy_distributed", "distributed_init_method", "divide", "get_open_port",
+           "get_tp_rank", "get_tp_size", "init_distributed", "tp_all_gather", "tp_all_reduce"]
