@@ -14,9 +14,10 @@ from safetensors.torch import save_file
 
 from mrv2 import distributed
 from mrv2.config import ConfigError, ParallelConfig
-from mrv2.models.layers.linear import (ColumnParallelLinear, Linear, MergedLinear,
-                                       ParallelLMHead, QKVLinear, RowParallelLinear,
-                                       VocabParallelEmbedding, parallel_logits, vocab_range)
+from mrv2.models.layers.linear import (ColumnParallelLinear, Linear, MergedLinear, QKVLinear,
+                                       RowParallelLinear)
+from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
+                                                parallel_logits, vocab_range)
 
 TP = 2
 

@@ -27,9 +27,9 @@ from torch import nn
 
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.models.layers.linear import (MergedLinear, ParallelLMHead, QKVLinear,
-                                       RowParallelLinear, VocabParallelEmbedding,
-                                       parallel_logits)
+from mrv2.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
+                                                parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
 from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary,
                                        rope_parameters_from_config)

@@ -17,10 +17,7 @@ Tensor parallelism (Megatron style), rank r of tp:
   up), so a rank's output splits exactly like the unsharded one;
 - row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds 1/tp of the input
   columns; the partial products are summed with all_reduce and the bias is added once, after;
-- `VocabParallelEmbedding` / `ParallelLMHead`: each rank holds ceil(V/tp) vocabulary rows
-  (zero-padded at the end); embedding lookups outside the rank's range are masked to zero and
-  summed with all_reduce, and the LM head's logits are all-gathered, so every rank ends with the
-  same full [N, V] logits and samples the same tokens.
+- the vocabulary-parallel embedding and LM head live in `vocab_embedding.py`.
 
 The rank and size default to `mrv2.distributed` (set when a worker joins the group) and may be
 passed explicitly (unit tests shard without processes). With tp=1 every layer computes exactly
@@ -336,77 +333,3 @@ class MergedLinear(_FusedLinear):
         super().__init__(input_size, {i: size for i, size in enumerate(output_sizes)}, bias,
                          tp_rank=tp_rank, tp_size=tp_size)
         self.output_sizes = list(self.shard_sizes.values())
-
-
-def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
-    """(start, rows, padded_rows): rank `tp_rank` holds vocabulary rows [start, start + rows)
-    in a parameter of `padded_rows` = ceil(V / tp) rows (the rest zero)."""
-    padded = -(-vocab_size // tp_size)
-    start = min(tp_rank * padded, vocab_size)
-    return start, min(padded, vocab_size - start), padded
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding with the vocabulary split over the ranks: a rank looks up the ids in its
-    range, zeroes the others, and all_reduce sums the ranks' rows (exactly one is non-zero)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
-        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
-        self.vocab_start, self.vocab_rows, padded = vocab_range(vocab_size, self.tp_rank,
-                                                                self.tp_size)
-        self.num_embeddings_per_partition = padded
-        self.weight = nn.Parameter(torch.empty(padded, hidden_size), requires_grad=False)
-        set_weight_attrs(self.weight, weight_loader=self.weight_loader, shard_ids=(None,))
-
-    def weight_loader(self, param: nn.Parameter, loaded: Any,
-                      shard_id: ShardId = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
-                             f"got shard {shard_id!r}")
-        full = (self.num_embeddings, param.shape[1])
-        if tensor_shape(loaded) != full:
-            raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
-                             f"expected {full}")
-        rows = self.vocab_rows
-        with torch.no_grad():
-            param[rows:].zero_()
-        if rows:
-            _copy(param.narrow(0, 0, rows), narrow(loaded, 0, self.vocab_start, rows))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return distributed.tp_all_reduce(out)
-
-    def extra_repr(self) -> str:
-        return (f"vocab={self.num_embeddings} (rows {self.vocab_start}.."
-                f"{self.vocab_start + self.vocab_rows} on rank {self.tp_rank}/{self.tp_size}), "
-                f"dim={self.embedding_dim}")
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection with the vocabulary split like `VocabParallelEmbedding`:
-    `logits` computes this rank's [N, V/tp] and all-gathers them into the full [N, V], the same
-    on every rank."""
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        raise RuntimeError("ParallelLMHead is not an embedding; call logits(hidden_states)")
-
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return parallel_logits(hidden_states, self)
-
-
-def parallel_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
-    """hidden [N, hidden] -> float32 logits [N, V] through a vocab-split weight (an LM head or
-    the tied embedding)."""
-    logits = F.linear(hidden_states, head.weight)
-    if head.tp_size > 1:
-        logits = distributed.tp_all_gather(logits, dim=-1)[:, :head.num_embeddings]
-    return logits.float()
