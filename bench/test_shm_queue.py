@@ -30,6 +30,8 @@ def transports():
 
 
 def _record(benchmark, transport: str) -> None:
+    if benchmark.stats is None:  # --benchmark-disable: the case ran once, untimed
+        return
     data = sorted(benchmark.stats.stats.data)
     p50 = statistics.median(data)
     p99 = data[int(0.99 * (len(data) - 1))]
