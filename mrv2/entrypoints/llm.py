@@ -22,15 +22,24 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, seed: int = 0, kv_cache_memory_gb: float | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                 **kwargs: Any) -> None:
+                 multiprocess_core: bool = False, **kwargs: Any) -> None:
+        """`multiprocess_core=True` runs the engine core (scheduler + executor) in its own
+        (spawned) process, so a script must guard its entry point with
+        `if __name__ == "__main__":`. The default keeps the core in this process: offline it
+        measured faster (bench/test_engine_client.py). `shutdown()`, or interpreter exit,
+        stops the core process."""
         self.engine_args = EngineArgs(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
             kv_cache_memory_gb=kv_cache_memory_gb, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args)
+        self.llm_engine = LLMEngine(self.engine_args, multiprocess_core=multiprocess_core)
         self._request_counter = itertools.count()
         self.last_stats: dict[str, float] = {}
+
+    def shutdown(self) -> None:
+        """Release the engine (and stop the engine-core process, if any). Idempotent."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -124,12 +133,9 @@ class LLM:
                            "num_prompt_tokens": num_prompt_tokens,
                            "num_output_tokens": num_output_tokens}
         # Finished and aborted (stop string) requests still hold runner slots until the core
-        # tells the runner, and with async scheduling a step may still be in flight: a few
-        # empty steps drain both now rather than at the next call.
-        for _ in range(2 + engine.engine_core.max_steps_in_flight):
-            if not engine.engine_core.has_unfinished_requests():
-                break
-            engine.step()
+        # tells the runner, and with async scheduling a step may still be in flight: drain
+        # both now rather than at the next call.
+        engine.drain()
         return [finished[r] for r in request_ids]
 
 

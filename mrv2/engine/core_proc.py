@@ -1,0 +1,361 @@
+"""The engine core in its own process: a busy loop around EngineCore, driven over ZMQ.
+
+`run_engine_core` is the target of a spawned process (mrv2/engine/client.py starts it). The
+client binds two ipc sockets; the core connects a PULL socket to the input address and a PUSH
+socket to the output address. Every message is two frames, a one-byte type and a msgpack body
+(msgspec; nothing is pickled):
+
+    client -> core   ADD EngineCoreRequest | ABORT list[str] | UTILITY UtilityCall | SHUTDOWN
+    core -> client   OUTPUTS EngineCoreOutputs | UTILITY_RESULT UtilityResult | REJECTED RequestRejected
+                     | DEAD CoreDead (the core failed; the traceback, sent before it exits)
+
+Threads in the core process:
+- main: drains the input queue, steps the core while it has work, and blocks on the input queue
+  when it has none (an idle core uses no CPU); sends outputs. Only it touches the EngineCore.
+- input: receives and decodes messages into the input queue, overlapping with the step.
+- death pipe: the parent holds the only write end, so EOF means the parent is gone; the loop is
+  told to stop, and the process exits after a grace period regardless.
+
+Start-up: `CoreReady` over `ready_conn`, with the traceback text if the core could not be built.
+A request the scheduler refuses (`add_request` raised) is answered with REJECTED, not fatal.
+`CoreProcess` is the parent's side: spawn, wait for ready, stop.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from mrv2.errors import WorkerStartupError
+from mrv2.protocol import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from mrv2.engine.core import EngineCore
+
+# Message types: the first frame of every message.
+ADD, ABORT, UTILITY, SHUTDOWN = b"\x00", b"\x01", b"\x02", b"\x03"  # client -> core
+OUTPUTS, UTILITY_RESULT, REJECTED, DEAD = b"\x00", b"\x01", b"\x02", b"\x03"  # core -> client
+# Internal to the core process: put on the input queue, never sent.
+_PARENT_GONE, _BAD_INPUT = b"parent-gone", b"bad-input"
+
+PARENT_GONE_GRACE_S = 5.0
+OUTPUT_FLUSH_S = 3.0
+
+
+class UtilityCall(msgspec.Struct, array_like=True, frozen=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, frozen=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the exception's message, when the call raised
+    exc_type: str = ""
+    traceback: str = ""
+
+
+class RequestRejected(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    exc_type: str
+    message: str
+
+
+class CoreDead(msgspec.Struct, array_like=True, frozen=True):
+    reason: str
+
+
+class CoreReady(msgspec.Struct, array_like=True, frozen=True):
+    pid: int
+    error: str | None = None  # start-up traceback
+    exc_type: str = ""
+    num_kv_blocks: int = 0
+
+
+class CoreStats(msgspec.Struct, kw_only=True):
+    """What the `get_stats` utility returns: the scheduler's view of the core right now."""
+
+    num_running: int
+    num_waiting: int
+    num_unfinished: int  # requests the scheduler holds (running + waiting)
+    has_unfinished: bool  # ... or finished ids not yet sent to the runner, or steps in flight
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def core_stats(core: "EngineCore") -> CoreStats:
+    sched = core.scheduler
+    prefix = sched.prefix_cache_stats
+    return CoreStats(
+        num_running=sched.num_running, num_waiting=sched.num_waiting,
+        num_unfinished=sched.get_num_unfinished_requests(),
+        has_unfinished=core.has_unfinished_requests(), kv_cache_usage=sched.kv_cache_usage,
+        num_free_blocks=sched.kv_cache_manager.num_free_blocks,
+        num_kv_blocks=core.executor.num_kv_blocks, num_preemptions=sched.num_preemptions,
+        prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
+
+
+# Utility calls a client may make: name -> function(core, *args). Results must be msgpack-able.
+UTILITIES = {
+    "get_stats": core_stats,
+    "reset_prefix_cache": lambda core: core.scheduler.reset_prefix_cache(),
+    "echo": lambda core, *args: list(args),
+}
+
+
+def call_utility(core: "EngineCore", method: str, args: list[Any] | tuple = ()) -> Any:
+    function = UTILITIES.get(method)
+    if function is None:
+        raise AttributeError(f"unknown engine core utility {method!r}; "
+                             f"known: {', '.join(sorted(UTILITIES))}")
+    return function(core, *args)
+
+
+class EngineCoreProc:
+    """The core process's state: the EngineCore, its queues and its I/O threads."""
+
+    def __init__(self, core: "EngineCore", input_queue: queue.Queue, input_addr: str,
+                 output_addr: str) -> None:
+        self.core = core
+        self.input_queue = input_queue
+        self.stopping = False
+        self.ctx = zmq.Context()
+        input_socket = self.ctx.socket(zmq.PULL)
+        input_socket.setsockopt(zmq.RCVHWM, 0)
+        input_socket.connect(input_addr)
+        # Outputs are sent from the main thread: encoding and sending one step's outputs
+        # takes ~0.1 ms, less than handing them to an output thread that must then take the
+        # GIL from the step loop.
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
+        self.output_socket.connect(output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.input_thread = threading.Thread(target=self._input_loop, args=(input_socket,),
+                                             name="mrv2-core-input", daemon=True)
+        self.input_thread.start()
+
+    def _input_loop(self, sock: zmq.Socket) -> None:
+        """Receive and decode client messages into the input queue (overlapping the step)."""
+        decoders = {ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+                    ABORT: msgspec.msgpack.Decoder(list[str]),
+                    UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
+        try:
+            while True:
+                kind, body = sock.recv_multipart(copy=False)
+                kind = kind.bytes
+                if kind == SHUTDOWN:
+                    self.input_queue.put((SHUTDOWN, None))
+                    continue
+                self.input_queue.put((kind, decoders[kind].decode(body.buffer)))
+        except zmq.ContextTerminated:
+            pass
+        except Exception:
+            self.input_queue.put((_BAD_INPUT, traceback.format_exc()))
+        finally:
+            sock.close(linger=0)
+
+    def send(self, kind: bytes, message: Any) -> None:
+        self.output_socket.send_multipart((kind, self.encoder.encode(message)), copy=False)
+
+    # -- the busy loop ---------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        core = self.core
+        while not self.stopping:
+            # Idle: block until a message arrives (no spinning). Busy: take what is there.
+            while not self.stopping and not core.has_unfinished_requests():
+                self._handle(*self.input_queue.get())
+            while not self.stopping:
+                try:
+                    item = self.input_queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._handle(*item)
+            if self.stopping:
+                break
+            outputs = core.step()
+            if outputs.outputs:
+                self.send(OUTPUTS, outputs)
+
+    def _handle(self, kind: bytes, message: Any) -> None:
+        if kind == ADD:
+            try:
+                self.core.add_request(message)
+            except Exception as error:
+                self.send(REJECTED, RequestRejected(message.request_id, type(error).__name__,
+                                                    str(error)))
+        elif kind == ABORT:
+            self.core.abort_requests(message)
+        elif kind == UTILITY:
+            try:
+                result = call_utility(self.core, message.method, message.args)
+                reply = UtilityResult(message.call_id, result)
+            except Exception as error:
+                reply = UtilityResult(message.call_id, error=str(error),
+                                      exc_type=type(error).__name__,
+                                      traceback=traceback.format_exc())
+            self.send(UTILITY_RESULT, reply)
+        elif kind in (SHUTDOWN, _PARENT_GONE):
+            self.stopping = True
+        elif kind == _BAD_INPUT:
+            raise RuntimeError(f"undecodable message from the client:\n{message}")
+        else:
+            raise RuntimeError(f"unknown message type {kind!r}")
+
+    def send_dead(self, reason: str) -> None:
+        try:
+            self.send(DEAD, CoreDead(reason))
+        except Exception:  # the client is gone: nobody to tell
+            pass
+
+    def close(self) -> None:
+        """Close the sockets; what was sent is delivered within OUTPUT_FLUSH_S if the client
+        is there to take it."""
+        self.output_socket.close()  # lingers up to OUTPUT_FLUSH_S
+        self.ctx.term()  # the input thread's recv raises ContextTerminated and closes its socket
+
+
+def _watch_parent(death_conn: "Connection", input_queue: queue.Queue) -> None:
+    try:
+        death_conn.recv()  # the parent never sends: this returns only by EOF
+    except (EOFError, OSError):
+        pass
+    input_queue.put((_PARENT_GONE, None))
+    time.sleep(PARENT_GONE_GRACE_S)  # let the loop exit cleanly; then go regardless
+    os._exit(1)
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Connection",
+                    death_conn: "Connection", executor_class: type | None = None) -> None:
+    """Entry point of the engine-core process (spawn context)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, _raise_system_exit)  # terminate(): unwind, shut the executor
+    input_queue: queue.Queue = queue.Queue()
+    threading.Thread(target=_watch_parent, args=(death_conn, input_queue),
+                     name="mrv2-core-death-pipe", daemon=True).start()
+    core = proc = None
+    try:
+        from mrv2.engine.core import EngineCore
+
+        core = EngineCore(config, executor_class)
+        proc = EngineCoreProc(core, input_queue, input_addr, output_addr)
+        ready_conn.send_bytes(msgspec.msgpack.encode(
+            CoreReady(os.getpid(), num_kv_blocks=core.executor.num_kv_blocks)))
+    except BaseException as error:
+        text = traceback.format_exc()
+        try:
+            ready_conn.send_bytes(msgspec.msgpack.encode(
+                CoreReady(os.getpid(), error=text, exc_type=type(error).__name__)))
+        except Exception:
+            print(text, file=sys.stderr)
+        if core is not None:
+            core.shutdown()
+        sys.exit(1)
+    finally:
+        ready_conn.close()
+    exit_code = 0
+    try:
+        proc.run_busy_loop()
+    except SystemExit as stop:
+        exit_code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        exit_code = 1
+        text = traceback.format_exc()
+        print(f"mrv2 engine core failed:\n{text}", file=sys.stderr)
+        proc.send_dead(f"the engine core failed:\n{text}")
+    finally:
+        try:
+            core.shutdown()
+        finally:
+            proc.close()
+    # Everything this process owns is released; skip the interpreter's teardown (about a
+    # second of library finalizers) so that shutdown is quick.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+class CoreProcess:
+    """The parent's handle on an engine-core process: spawn, start-up handshake, stop.
+
+    The parent holds the only write end of the core's death pipe; `stop()` closes it, so the
+    core exits even if it never reads a SHUTDOWN message, then escalates to SIGTERM, SIGKILL.
+    """
+
+    def __init__(self, config, input_addr: str, output_addr: str,
+                 executor_class: type | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._ready_conn, ready_w = ctx.Pipe(duplex=False)
+        death_r, self._death_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
+                                args=(config, input_addr, output_addr, ready_w, death_r,
+                                      executor_class))
+        try:
+            self.proc.start()
+        finally:
+            ready_w.close()
+            death_r.close()
+
+    def wait_ready(self, timeout: float) -> CoreReady:
+        """The core's CoreReady; raises WorkerStartupError (with the core's traceback text)
+        if it failed, exited or did not answer within `timeout` seconds."""
+        proc, conn = self.proc, self._ready_conn
+        try:
+            multiprocessing.connection.wait([conn, proc.sentinel], timeout)
+            ready = None
+            if conn.poll():
+                try:
+                    ready = msgspec.msgpack.decode(conn.recv_bytes(), type=CoreReady)
+                except EOFError:
+                    pass
+                if ready is not None and ready.error is None:
+                    return ready
+                proc.join(2.0)
+            if ready is not None:
+                raise WorkerStartupError(
+                    f"the engine core process (pid {proc.pid}) failed to start:\n{ready.error}",
+                    exc_type=ready.exc_type, remote_traceback=ready.error)
+            if not proc.is_alive():
+                raise WorkerStartupError(f"the engine core process (pid {proc.pid}) exited "
+                                         f"(code {proc.exitcode}) before it reported ready")
+            raise WorkerStartupError(f"the engine core process (pid {proc.pid}) did not report "
+                                     f"ready within {timeout:.0f} s")
+        finally:
+            conn.close()
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the process to leave; then terminate, then kill it."""
+        self._death_w.close()
+        proc = self.proc
+        if proc.pid is None:
+            return
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
