@@ -12,28 +12,39 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.protocol import ModelRunnerOutput
+from mrv2.protocol import ModelRunnerOutput, SampleLogprobs
+from mrv2.sampler.logprobs import LogprobsTensors
 
 
 class AsyncOutput:
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, is_sampling: np.ndarray,
-                 copy_stream: "torch.cuda.Stream | None" = None) -> None:
+                 copy_stream: "torch.cuda.Stream | None" = None, *,
+                 logprobs: LogprobsTensors | None = None,
+                 num_logprobs: np.ndarray | None = None) -> None:
         self.req_ids = req_ids
         self.is_sampling = is_sampling
+        self.num_logprobs = num_logprobs
         self._event = None
+        device_tensors = [sampled]
+        if logprobs is not None:
+            device_tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
         if sampled.device.type == "cuda":
             assert copy_stream is not None, "a CUDA output needs a copy stream"
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                     for t in device_tensors]
             copy_stream.wait_stream(torch.cuda.current_stream(sampled.device))
             with torch.cuda.stream(copy_stream):
-                self._host.copy_(sampled, non_blocking=True)
-                sampled.record_stream(copy_stream)
+                for host, t in zip(hosts, device_tensors):
+                    host.copy_(t, non_blocking=True)
+                    t.record_stream(copy_stream)
                 self._event = torch.cuda.Event()
                 self._event.record(copy_stream)
-            self._device = sampled  # alive until the copy completes
+            self._device = device_tensors  # alive until the copy completes
         else:
-            self._host = sampled
+            hosts = device_tensors
             self._device = None
+        self._host = hosts[0]
+        self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[1:])
 
     def is_ready(self) -> bool:
         return self._event is None or self._event.query()
@@ -48,4 +59,12 @@ class AsyncOutput:
         else:
             sampled_token_ids = [[t] if s else []
                                  for t, s in zip(tokens, self.is_sampling.tolist())]
-        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids)
+        logprobs = None
+        if self._logprobs is not None:
+            assert self.num_logprobs is not None
+            # Rows that sampled nothing (a prefill chunk) report no logprobs either.
+            num = np.where(self.is_sampling, self.num_logprobs, -1)
+            logprobs = [None if row is None else SampleLogprobs(*row)
+                        for row in self._logprobs.to_lists(num)]
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids,
+                                 logprobs=logprobs)

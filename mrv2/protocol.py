@@ -59,11 +59,20 @@ class GrammarOutput(msgspec.Struct, array_like=True, frozen=True):
     bitmask: bytes | None = None
 
 
+class SampleLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """One sampled token's logprobs: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the sampled token (1 = most likely)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     req_ids: list[str]
     # One list per request; empty for a prefill chunk that did not finish its prompt.
     sampled_token_ids: list[list[int]]
-    logprobs: list[list[float]] | None = None
+    # Per request: None unless it asked for logprobs (and sampled this step).
+    logprobs: list[SampleLogprobs | None] | None = None
     num_nans: int = 0
 
 

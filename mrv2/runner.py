@@ -23,8 +23,7 @@ from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from mrv2.sampler import Sampler
-from mrv2.sampler.states import SamplingStates
+from mrv2.sampler import LogprobsTensors, Sampler, SamplingStates
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -51,10 +50,13 @@ class ModelRunner:
         self.requests = RequestState(sched.max_num_seqs, max_model_len, device)
         self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
                                         config.cache_config.block_size, device)
-        self.sampling = SamplingStates(sched.max_num_seqs, config.model_config.seed, device)
+        model_config = config.model_config
+        self.sampling = SamplingStates(sched.max_num_seqs, model_config.vocab_size,
+                                       model_config.seed, device,
+                                       eos_token_id=eos_token_id(model_config.hf_config))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     config.max_num_blocks_per_req, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.sampling)
         self.cudagraphs = CudaGraphManager(config.compilation_config,
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
@@ -93,7 +95,8 @@ class ModelRunner:
             slot = requests.add(new.req_id, len(new.prompt_token_ids), new.prefill_token_ids,
                                 new.num_computed_tokens)
             tables.append_block_ids(slot, new.block_ids, overwrite=True)
-            self.sampling.add(slot, new.req_id, new.sampling_params)
+            self.sampling.add(slot, new.req_id, new.sampling_params, new.prompt_token_ids,
+                              new.prefill_token_ids)
         cached = out.scheduled_cached_reqs
         slots = requests.slots_of(cached.req_ids)
         if cached.req_ids:
@@ -170,21 +173,31 @@ class ModelRunner:
             return EMPTY_OUTPUT
         batch = state.batch
         logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
-        sampling = self.sampling
         idx = batch.idx_mapping
-        sampled = self.sampler(
-            logits, sampling.temperature.tensor[idx], sampling.top_k.tensor[idx],
-            sampling.top_p.tensor[idx], sampling.min_p.tensor[idx], sampling.seed.tensor[idx],
-            # The position of the token being sampled keys its noise (invariant 7).
-            batch.positions[batch.logits_indices] + 1,
-            **sampling.batch_flags(batch.idx_mapping_np))
-        self.requests.post_update(idx, batch.num_scheduled, sampled)
-        return self._make_output(batch, sampled)
+        # The position of the token being sampled keys its noise (invariant 7) and counts the
+        # outputs so far (min_tokens).
+        positions = batch.positions[batch.logits_indices] + 1
+        out = self.sampler(logits, idx, batch.idx_mapping_np, positions)
+        self.requests.post_update(idx, batch.num_scheduled, out.sampled)
+        self.sampling.post_update(idx, batch.idx_mapping_np, positions, out.sampled)
+        return self._make_output(batch, out.sampled, out.logprobs)
 
-    def _make_output(self, batch: InputBatch, sampled: torch.Tensor) -> AsyncOutput:
+    def _make_output(self, batch: InputBatch, sampled: torch.Tensor,
+                     logprobs: LogprobsTensors | None = None) -> AsyncOutput:
         requests = self.requests
         slots = batch.idx_mapping_np
         requests.num_computed_host[slots] += batch.num_scheduled_np
         # A row samples once its prefill is complete; the host knows this from its mirrors.
         is_sampling = requests.num_computed_host[slots] >= requests.prefill_len_host[slots]
-        return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream)
+        num_logprobs = None if logprobs is None else self.sampling.num_logprobs(slots)
+        return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
+                           logprobs=logprobs, num_logprobs=num_logprobs)
+
+
+def eos_token_id(hf_config) -> int | None:
+    """The EOS id min_tokens masks: the one the input processor gives the scheduler (the first
+    of a list)."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos

@@ -2,13 +2,24 @@
 
 It is a msgspec Struct so that it crosses process boundaries inside the protocol structs
 without pickling. Every invalid value raises ``ValueError`` naming the field and the value.
+Checks that need the model's vocabulary size (token ids in ``logit_bias``,
+``allowed_token_ids`` and ``stop_token_ids``) live in ``validate_for_vocab``, which the input
+processor calls once it knows the model.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import msgspec
 
 MAX_LOGPROBS = 20
+# Per-request entries in logit_bias; the sampler's per-slot bias table is at most this wide.
+MAX_LOGIT_BIAS = 1024
+# Below this a temperature is treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by it
+# would make the noise irrelevant anyway, and very small values overflow float32.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -37,39 +48,84 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.n >= 1, "n", self.n, "must be at least 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be non-negative")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 (disable), 0 (disable) or at least 1")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
-               "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
-               "must be in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
-               "must be greater than 0")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be at least 1")
+        _check(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
+               self.temperature, "must be non-negative")
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
+               "must be in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+               "must be -1 (disable), 0 (disable) or at least 1")
+        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
+               "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
+        _check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+               "repetition_penalty", self.repetition_penalty, "must be finite and greater than 0")
+        if self.seed is not None:
+            _check(_is_int(self.seed), "seed", self.seed, "must be an integer or None")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be non-negative")
+            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                   self.max_tokens, "must be at least 1")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "must be non-negative")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must not exceed max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(0 <= value <= MAX_LOGPROBS, name, value, f"must be in [0, {MAX_LOGPROBS}]")
+                _check(_is_int(value) and 0 <= value <= MAX_LOGPROBS, name, value,
+                       f"must be in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None:
-            _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+            _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                    self.stop_token_ids, "must be non-negative token ids")
         if self.stop is not None:
-            _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+            _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+                   "must not contain empty strings")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(bias)} entries>",
+                   f"must have at most {MAX_LOGIT_BIAS} entries")
+            for token, value in bias.items():
+                _check(_is_int(token) and token >= 0, "logit_bias", {token: value},
+                       "keys must be non-negative token ids")
+                _check(_is_real(value) and math.isfinite(value), "logit_bias", {token: value},
+                       "values must be finite numbers")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
+                   "must not be empty (it would allow no token at all); use None for no limit")
+            _check(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", self.allowed_token_ids, "must be non-negative token ids")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: every token id must be below ``vocab_size``."""
+        for name in ("allowed_token_ids", "stop_token_ids"):
+            ids = getattr(self, name)
+            if ids:
+                bad = [t for t in ids if t >= vocab_size]
+                _check(not bad, name, bad,
+                       f"token ids must be below the vocabulary size {vocab_size}")
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if t >= vocab_size]
+            _check(not bad, "logit_bias", bad,
+                   f"token ids must be below the vocabulary size {vocab_size}")
 
     @property
     def sampling_type_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """An int or float that is not NaN (every range check below fails on NaN anyway)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:

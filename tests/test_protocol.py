@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from mrv2.protocol import (
+    SampleLogprobs,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -95,10 +96,12 @@ def test_grammar_output(bitmask: bytes | None) -> None:
 
 
 def test_model_runner_output() -> None:
+    lp = SampleLogprobs(token_ids=[5, 5, 9], logprobs=[-0.25, -0.25, -1.5], rank=1)
     out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], []],
-                            logprobs=[[-0.25, -1.5], []], num_nans=1)
+                            logprobs=[lp, None], num_nans=1)
     back = round_trip(out)
     assert back.sampled_token_ids == [[5], []]
+    assert back.logprobs == [lp, None]
     minimal = round_trip(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
     assert minimal.logprobs is None and minimal.num_nans == 0
 

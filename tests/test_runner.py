@@ -247,3 +247,84 @@ def test_preempted_request_resumes_from_prompt_plus_outputs(runner, hf_greedy):
     tokens += by_req(step(runner, sched({"a": len(history)}, new=[resumed])))["a"]
     tokens += by_req(step(runner, sched({"a": 1}, cached=[("a", [], len(history))])))["a"]
     assert tokens == hf_greedy(PROMPT_A, 5)
+
+
+def test_logprobs_match_transformers_log_softmax(runner, tiny_llama):
+    """Raw logprobs of the sampled token and the top-5 equal log_softmax of transformers' fp32
+    logits at the same positions, within 1e-4; a prefill chunk reports none."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(temperature=0.8, seed=3, logprobs=5, max_tokens=8)
+    greedy = SamplingParams(temperature=0.0, logprobs=2, presence_penalty=1.0, max_tokens=8)
+    first = step(runner, sched({"a": len(PROMPT_A), "b": 4},
+                               new=[new_req("a", PROMPT_A, [1], params),
+                                    new_req("b", PROMPT_B, [2], greedy)]))
+    assert first.logprobs[1] is None  # b is mid-prefill
+    tokens = {"a": list(first.sampled_token_ids[0]), "b": []}
+    logprobs = {"a": [first.logprobs[0]], "b": []}
+    step_out = step(runner, sched({"a": 1, "b": len(PROMPT_B) - 4},
+                                  cached=[("a", [], len(PROMPT_A)), ("b", [], 4)]))
+    for req_id, toks, lp in zip(step_out.req_ids, step_out.sampled_token_ids, step_out.logprobs):
+        tokens[req_id] += toks
+        logprobs[req_id].append(lp)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for req_id, prompt, k in (("a", PROMPT_A, 5), ("b", PROMPT_B, 2)):
+        seq = prompt + tokens[req_id]
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), dim=-1)
+        for i, (token, lp) in enumerate(zip(tokens[req_id], logprobs[req_id])):
+            row = ref[len(prompt) - 1 + i]
+            assert lp.token_ids[0] == token and len(lp.token_ids) == k + 1
+            assert abs(lp.logprobs[0] - row[token].item()) < 1e-4
+            assert lp.rank == int((row >= row[token]).sum())
+            top = row.topk(k)
+            assert lp.token_ids[1:] == top.indices.tolist()
+            assert max(abs(a - b) for a, b in zip(lp.logprobs[1:], top.values.tolist())) < 1e-4
+
+
+def test_penalties_and_bias_through_the_runner(runner, tiny_llama):
+    """Greedy with penalties and a bias equals a direct reference on transformers' logits
+    (the runner keeps the output counts on the device); allowed ids and min_tokens act on their
+    rows in the same batch."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    from mrv2.runner import eos_token_id
+
+    eos = eos_token_id(runner.config.model_config.hf_config)
+    penalised = SamplingParams(temperature=0.0, logit_bias={77: 3.0, 5: -1.0},
+                               frequency_penalty=0.7, presence_penalty=0.4,
+                               repetition_penalty=1.3, max_tokens=8)
+    allowed = SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[5, 6], max_tokens=8)
+    no_eos = SamplingParams(temperature=0.0, logit_bias={eos: 100.0}, min_tokens=2,
+                            max_tokens=8)
+    reqs = [new_req("pen", PROMPT_A, [1], penalised), new_req("allowed", PROMPT_B, [3], allowed),
+            new_req("eos", PROMPT_C, [4], no_eos)]
+    prompts = {"pen": PROMPT_A, "allowed": PROMPT_B, "eos": PROMPT_C}
+    out = by_req(step(runner, sched({r.req_id: len(r.prompt_token_ids) for r in reqs},
+                                    new=reqs)))
+    tokens = {k: list(v) for k, v in out.items()}
+    for i in range(4):
+        cached = [(k, [], len(prompts[k]) + i) for k in prompts]
+        for k, v in by_req(step(runner, sched({k: 1 for k in prompts}, cached=cached))).items():
+            tokens[k] += v
+    assert set(tokens["allowed"]) <= {5, 6}
+    assert eos not in tokens["eos"][:2] and tokens["eos"][2:] == [eos] * 3
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    seq, expected = list(PROMPT_A), []
+    for _ in range(5):
+        with torch.no_grad():
+            x = model(torch.tensor([seq])).logits[0, -1].double()
+        for t, b in penalised.logit_bias.items():
+            x[t] += b
+        counts = Counter(expected)
+        for t in set(PROMPT_A) | set(expected):
+            x[t] = x[t] / 1.3 if x[t] > 0 else x[t] * 1.3
+        for t, c in counts.items():
+            x[t] -= 0.7 * c + 0.4
+        expected.append(int(x.argmax()))
+        seq.append(expected[-1])
+    assert tokens["pen"] == expected
+    assert len(set(expected)) > 1  # the penalties did something a plain greedy run may not

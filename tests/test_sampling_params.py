@@ -7,7 +7,7 @@ import math
 import msgspec
 import pytest
 
-from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
+from mrv2.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -46,6 +46,19 @@ def test_defaults_match_vllm() -> None:
     ("stop_token_ids", [3, -1]),
     ("stop", ["ok", ""]),
     ("stop", ""),
+    ("top_k", 2.5),
+    ("min_p", math.nan),
+    ("top_p", math.nan),
+    ("presence_penalty", math.nan),
+    ("repetition_penalty", math.inf),
+    ("seed", 1.5),
+    ("logprobs", True),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {3: math.inf}),
+    ("logit_bias", {3: math.nan}),
+    ("logit_bias", {t: 0.0 for t in range(MAX_LOGIT_BIAS + 1)}),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [4, -2]),
 ])
 def test_invalid_values_raise_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
@@ -65,6 +78,8 @@ def test_min_tokens_above_max_tokens() -> None:
     dict(min_p=0.0), dict(min_p=1.0), dict(presence_penalty=-2.0), dict(presence_penalty=2.0),
     dict(frequency_penalty=2.0), dict(repetition_penalty=0.01), dict(max_tokens=1),
     dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0), dict(stop=[]),
+    dict(logit_bias={t: -100.0 for t in range(MAX_LOGIT_BIAS)}), dict(logit_bias={}),
+    dict(allowed_token_ids=[0]), dict(seed=-5), dict(seed=2**70),
 ])
 def test_boundary_values_are_accepted(kwargs: dict) -> None:
     SamplingParams(**kwargs)
@@ -75,7 +90,26 @@ def test_stop_string_becomes_list() -> None:
     assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
 
 
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {10: 1.0, 99_999: 2.0}),
+    ("allowed_token_ids", [5, 100_000]),
+    ("stop_token_ids", [100_001]),
+])
+def test_token_ids_outside_the_vocabulary(field: str, value: object) -> None:
+    params = SamplingParams(**{field: value})  # the vocabulary is unknown here
+    params.validate_for_vocab(200_000)
+    with pytest.raises(ValueError, match=rf"\b{field}\b.*vocabulary size 99999"):
+        params.validate_for_vocab(99_999)
+
+
+def test_validate_for_vocab_accepts_in_range_ids() -> None:
+    SamplingParams(logit_bias={0: 1.0, 9: -1.0}, allowed_token_ids=[9], stop_token_ids=[0, 9]
+                   ).validate_for_vocab(10)
+    SamplingParams().validate_for_vocab(1)
+
+
 def test_greedy() -> None:
+    assert SamplingParams(temperature=1e-6).sampling_type_greedy
     assert SamplingParams(temperature=0.0).sampling_type_greedy
     assert SamplingParams(top_k=1).sampling_type_greedy
     assert not SamplingParams(top_k=2).sampling_type_greedy

@@ -26,10 +26,9 @@ class UnsupportedParameterError(ValueError):
 
 
 # Fields whose non-default values the engine does not honour yet, with their defaults.
-_NOT_YET_SUPPORTED = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logprobs": None, "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None,
-}
+# logprobs: the runner produces them (ModelRunnerOutput.logprobs); refused until the scheduler
+# and the output processor carry them to CompletionOutput.logprobs.
+_NOT_YET_SUPPORTED = {"logprobs": None, "prompt_logprobs": None}
 
 
 class InputProcessor:
@@ -54,6 +53,7 @@ class InputProcessor:
             if value != default and value not in ([], {}):
                 raise UnsupportedParameterError(
                     f"SamplingParams.{name}={value!r} is not supported by this engine yet")
+        params.validate_for_vocab(self.config.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise UnsupportedParameterError(
                 f"SamplingParams.stop={params.stop!r} needs a tokenizer to detokenize the "

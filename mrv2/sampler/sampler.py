@@ -1,132 +1,77 @@
-"""The torch sampler used by the runner's phase 2 (sample_tokens) on CPU.
+"""The sampler: runner phase 2's logits -> tokens (+ logprobs), Triton on CUDA, torch on CPU.
 
-Pipeline per row, on a float32 copy of the logits (the caller's tensor is never modified):
+Pipeline per row, in place on a float32 copy of the logits (the caller's tensor is never
+modified), each stage skipped when no row of the batch uses it (``BatchFlags``, decided on the
+host from the states' mirrors, so nothing is read back from the device):
 
-    temperature == 0  -> greedy: argmax of the raw logits (ties -> lowest index, as torch.argmax)
-    otherwise         -> logits / temperature -> min-p -> top-k -> top-p
-                         -> argmax(logits + gumbel(seed, position, token))
+    allowed_token_ids (-inf elsewhere) -> logit_bias -> min_tokens (-inf on stop ids)
+    -> repetition / frequency / presence penalties
+    -> temperature == 0: greedy, argmax (ties -> lowest index, as torch.argmax)
+       otherwise: / temperature -> min-p -> top-k -> top-p
+                  -> argmax(logits + gumbel(seed, position, token))
 
 Gumbel-max sampling draws exactly from softmax(filtered logits), and the noise is a pure
-function of (seed, position, token index) (see noise.py), so a seeded request samples the same
-token whatever else is in the batch and wherever its row sits (DESIGN.md invariant 7).
+function of (seed, position, token index) (noise.py), so a seeded request samples the same
+token whatever else is in the batch and wherever its row sits (DESIGN.md invariant 7). Every
+per-row parameter is read from the per-slot tables through ``idx_mapping`` (states.py).
 
-The host passes ``any_*`` / ``all_*`` flags it already knows from the requests' sampling params,
-so that stages no row uses are skipped without reading a device value back (invariant 4). The
-flags must be truthful supersets: ``any_top_k=True`` when at least one row has top-k on, and so
-on. Per-row "off" values (top_k 0/-1, top_p 1, min_p 0) are honoured inside an enabled stage.
+Logprobs (logprobs.py): the sampled token's and the top-k, raw by default or processed
+(``logprobs_mode``), never through a ``[batch, vocab]`` log-softmax.
+
+CPU: the torch pipeline on row tiles, each stage on the rows that use it (sampler_torch.py).
+CUDA (or CPU under ``triton_interpreter()``): Triton kernels for the logits processing, the
+temperature + Gumbel-max sampling and the logprobs pass (sampler_triton.py); the filters stay
+in torch.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+
+import numpy as np
 from torch import Tensor
 
-from mrv2.sampler.filters import apply_min_p_, apply_top_k_top_p_
-from mrv2.sampler.noise import gumbel_noise
+from mrv2.sampler.logprobs import LogprobsTensors, check_logprobs_mode
+from mrv2.sampler.sampler_torch import sample_torch
+from mrv2.sampler.states import SamplingStates
+from mrv2.state import dispatch
 
-# Elements per row tile (see Sampler.__call__); tuned on a 2-core AVX2 machine, B=256, V=32000.
-TILE_ELEMS = 1 << 20
+
+@dataclass
+class SamplerOutput:
+    sampled: Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
 
 class Sampler:
-    """Stateless: every per-request input arrives as a [B] tensor each step."""
+    """Reads its parameters from ``states``; holds no per-request state of its own."""
 
-    def __call__(
-        self,
-        logits: Tensor,
-        temperature: Tensor,
-        top_k: Tensor,
-        top_p: Tensor,
-        min_p: Tensor,
-        seeds: Tensor,
-        positions: Tensor,
-        *,
-        any_top_k: bool,
-        any_top_p: bool,
-        any_min_p: bool,
-        all_greedy: bool,
-        all_random: bool,
-    ) -> Tensor:
-        """Sample one token per row.
+    def __init__(self, states: SamplingStates, logprobs_mode: str = "raw_logprobs") -> None:
+        check_logprobs_mode(logprobs_mode)
+        self.states = states
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray,
+                 positions: Tensor) -> SamplerOutput:
+        """Sample one token per batch row.
 
         Args:
             logits: [B, V], any float dtype.
-            temperature: [B] float32; 0 means greedy.
-            top_k: [B] int32; 0 or -1 disables.
-            top_p: [B] float32; 1.0 disables.
-            min_p: [B] float32; 0 disables.
-            seeds: [B] int64, the request's sampling seed.
-            positions: [B] int64, the position of the token being sampled.
-            any_top_k / any_top_p / any_min_p: some row uses that filter.
-            all_greedy / all_random: every row has temperature == 0 / > 0.
-
-        Returns:
-            [B] int64 token ids.
+            idx_mapping: [B] batch row -> slot (device); ``idx_mapping_np`` its host copy.
+            positions: [B] int64, the position of the token being sampled (it keys the noise
+                and counts the outputs so far for min_tokens).
         """
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
-        if all_greedy:
-            # Converting to float32 is exact and order-preserving, so the argmax (ties included)
-            # equals the float32 copy's; skipping the copy saves a [B, V] pass.
-            return logits.argmax(dim=-1)
+        assert logits.shape[1] == self.states.vocab_size, (
+            f"logits have {logits.shape[1]} columns, the states a vocabulary of "
+            f"{self.states.vocab_size}")
+        flags = self.states.batch_flags(idx_mapping_np)
+        if dispatch.kernel_impl(logits.device) == dispatch.CPU:
+            sampled, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np, positions,
+                                             self.states, flags, self.logprobs_mode)
+        else:
+            from mrv2.sampler.sampler_triton import sample_triton
 
-        num_rows, vocab_size = logits.shape
-        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-        # Row tiles keep every [rows, V] intermediate (float32 copy, int64 hash state, sort)
-        # cache-resident and small enough for the allocator to reuse: on CPU a fused pass over
-        # ~1M elements is several times faster than each op streaming the whole [B, V] batch.
-        # This loops over tiles (B * V / TILE_ELEMS of them), not rows; each tile is vectorised.
-        tile = max(1, TILE_ELEMS // max(vocab_size, 1))
-        for start in range(0, num_rows, tile):
-            rows = slice(start, start + tile)
-            out[rows] = _sample_tile(
-                logits[rows], temperature[rows], top_k[rows], top_p[rows], min_p[rows],
-                seeds[rows], positions[rows], any_top_k=any_top_k, any_top_p=any_top_p,
-                any_min_p=any_min_p, all_random=all_random,
-            )
-        return out
-
-
-def _sample_tile(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    min_p: Tensor,
-    seeds: Tensor,
-    positions: Tensor,
-    *,
-    any_top_k: bool,
-    any_top_p: bool,
-    any_min_p: bool,
-    all_random: bool,
-) -> Tensor:
-    """The sampler on a block of rows (see Sampler.__call__); rows never interact."""
-    x = logits.to(torch.float32, copy=True)
-    temperature = temperature.to(torch.float32)
-    greedy_tokens: Tensor | None = None
-    is_greedy: Tensor | None = None
-    if all_random:
-        scale = temperature
-    else:
-        is_greedy = temperature == 0.0
-        # Taken before any scaling or filtering: greedy rows ignore every other parameter.
-        greedy_tokens = x.argmax(dim=-1)
-        # Greedy rows still flow through the vectorised random path (their result is discarded
-        # below); a scale of 1 keeps them free of inf/nan from dividing by 0.
-        scale = torch.where(is_greedy, 1.0, temperature)
-    x.div_(scale.unsqueeze(1))
-
-    if any_min_p:
-        apply_min_p_(x, min_p)
-    if any_top_k or any_top_p:
-        # One sort serves both; a stage no row uses is not computed at all.
-        apply_top_k_top_p_(
-            x, top_k if any_top_k else None, top_p if any_top_p else None, skip_rows=is_greedy
-        )
-
-    # Gumbel-max: -inf (filtered) + finite noise stays -inf, so dropped tokens never win.
-    x.add_(gumbel_noise(seeds, positions, x.shape[-1]))
-    sampled = x.argmax(dim=-1)
-    if greedy_tokens is not None and is_greedy is not None:
-        sampled = torch.where(is_greedy, greedy_tokens, sampled)
-    return sampled
+            sampled, logprobs = sample_triton(logits, idx_mapping, positions, self.states,
+                                              flags, self.logprobs_mode)
+        return SamplerOutput(sampled, logprobs)

@@ -128,9 +128,7 @@ def test_vocab_edges_accepted(processor):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
-    ("repetition_penalty", 1.1), ("logprobs", 0), ("logprobs", 5),
-    ("prompt_logprobs", 1), ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]),
+    ("logprobs", 0), ("logprobs", 5), ("prompt_logprobs", 1),
 ])
 def test_unsupported_parameters(processor, field, value):
     params = SamplingParams(**{field: value})
@@ -138,10 +136,20 @@ def test_unsupported_parameters(processor, field, value):
         processor.process("r", "hello", params)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {2048: 1.0}), ("allowed_token_ids", [1, 2048]), ("stop_token_ids", [4096]),
+])
+def test_token_ids_outside_the_vocabulary_refused(processor, field, value):
+    with pytest.raises(ValueError, match=rf"{field}.*vocabulary size 2048"):
+        processor.process("r", "hello", SamplingParams(**{field: value}))
+
+
 def test_supported_parameters_accepted(processor):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3,
                             stop_token_ids=[4], ignore_eos=True, max_tokens=5, min_tokens=2,
-                            skip_special_tokens=False, stop=[], logit_bias={})
+                            skip_special_tokens=False, stop=[], logit_bias={3: 1.0},
+                            presence_penalty=0.5, frequency_penalty=-0.5,
+                            repetition_penalty=1.1, allowed_token_ids=[1, 2])
     request, _ = processor.process("r", "hello", params)
     assert request.sampling_params is params
     # n > 1, stop strings and include_stop_str_in_output are handled by the engine front end.
@@ -166,7 +174,7 @@ def test_params_must_be_sampling_params(processor):
 def test_parameters_checked_before_the_prompt(processor):
     # The unsupported parameter is reported even for a prompt that is also bad.
     with pytest.raises(UnsupportedParameterError):
-        processor.process("r", "", SamplingParams(presence_penalty=0.5))
+        processor.process("r", "", SamplingParams(logprobs=1))
 
 
 def test_eos_from_config(config, tokenizer):

@@ -156,7 +156,8 @@ def small_llm(tiny_llama):
     ({"prompt_token_ids": list(range(3, 103))}, None, PromptError, ["100", "64"]),
     ({"prompt_token_ids": [1, 10**7]}, None, PromptError, ["10000000", "vocabulary"]),
     (123, None, PromptError, ["int"]),
-    ("hi", SamplingParams(logit_bias={3: 1.0}), UnsupportedParameterError, ["logit_bias"]),
+    ("hi", SamplingParams(logprobs=1), UnsupportedParameterError, ["logprobs"]),
+    ("hi", SamplingParams(logit_bias={10**7: 1.0}), ValueError, ["logit_bias", "vocabulary"]),
 ])
 def test_bad_prompts_are_rejected_before_any_work(small_llm, prompt, params, error, words):
     good = {"prompt_token_ids": [5, 6, 7]}

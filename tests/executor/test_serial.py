@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from executor.serial import (ALL_RANKS, MethodTypes, MsgpackDecoder, MsgpackEncoder,
                              RemoteError, RPCCall, RPCReply)
 from mrv2.errors import WorkerError
-from mrv2.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
+from mrv2.protocol import (CachedRequestData, SampleLogprobs, EngineCoreOutput, EngineCoreOutputs,
                            EngineCoreRequest, FinishReason, GrammarOutput, ModelRunnerOutput,
                            NewRequestData, SchedulerOutput)
 from mrv2.sampling_params import SamplingParams
@@ -57,7 +57,10 @@ grammar_outputs = st.builds(GrammarOutput, req_ids=st.lists(ids, max_size=4),
 runner_outputs = st.builds(
     ModelRunnerOutput, req_ids=st.lists(ids, max_size=6),
     sampled_token_ids=st.lists(tokens, max_size=6),
-    logprobs=st.none() | st.lists(st.lists(st.floats(allow_nan=False), max_size=4), max_size=4),
+    logprobs=st.none() | st.lists(st.none() | st.builds(
+        SampleLogprobs, token_ids=tokens, logprobs=st.lists(st.floats(allow_nan=False),
+                                                            max_size=4),
+        rank=st.integers(1, 10**6)), max_size=4),
     num_nans=st.integers(0, 100))
 core_requests = st.builds(EngineCoreRequest, request_id=ids, prompt_token_ids=tokens,
                           sampling_params=sampling, eos_token_id=st.none() | st.integers(0, 10**5),

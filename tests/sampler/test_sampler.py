@@ -1,5 +1,6 @@
 """Sampler: greedy semantics, seeded batch invariance, and chi-square goodness of fit of the
-filtered distributions against an independent float64 reference."""
+filtered distributions against an independent float64 reference. Every call goes through the
+per-slot states, as the runner makes it (harness in conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,30 @@ import pytest
 import torch
 from torch import Tensor
 
-import mrv2.sampler.sampler as sampler_module
-from mrv2.sampler import Sampler
+import mrv2.sampler.sampler_torch as sampler_module
+from mrv2.sampling_params import SamplingParams
+from sampler_harness import make_batch
 
-SAMPLER = Sampler()
 N_DRAWS = 20_000
 
 
-def sample(logits: Tensor, temperature: float | list[float] = 1.0, top_k: int | list[int] = 0,
-           top_p: float | list[float] = 1.0, min_p: float | list[float] = 0.0,
-           seeds: Tensor | int = 0, positions: Tensor | int = 0) -> Tensor:
-    """Broadcast scalar params to the batch and derive the host flags the runner would."""
+def sample(logits: Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=0,
+           positions=0, *, triton: bool = False) -> Tensor:
+    """Per-row parameters (a scalar applies to every row). Rows whose parameters are all
+    scalars share one slot (idx_mapping all zeros); otherwise each row is its own request."""
     b = logits.shape[0]
-
-    def col(v: object, dtype: torch.dtype) -> Tensor:
-        t = v if isinstance(v, Tensor) else torch.tensor(v, dtype=dtype)
-        return t.to(dtype).expand(b).contiguous() if t.dim() == 0 else t.to(dtype)
-
-    temp, k = col(temperature, torch.float32), col(top_k, torch.int32)
-    p, m = col(top_p, torch.float32), col(min_p, torch.float32)
-    return SAMPLER(
-        logits, temp, k, p, m, col(seeds, torch.int64), col(positions, torch.int64),
-        any_top_k=bool((k > 0).any()), any_top_p=bool((p < 1).any()),
-        any_min_p=bool((m > 0).any()), all_greedy=bool((temp == 0).all()),
-        all_random=bool((temp > 0).all()),
-    )
+    columns = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds)
+    per_row = {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in columns.items()}
+    if all(not isinstance(v, list) for v in per_row.values()):
+        params = [SamplingParams(**per_row)]
+        idx = [0] * b
+    else:
+        rows = [{k: (v[i] if isinstance(v, list) else v) for k, v in per_row.items()}
+                for i in range(b)]
+        params = [SamplingParams(**r) for r in rows]
+        idx = list(range(b))
+    batch = make_batch(params, logits.shape[1], idx=idx, positions=positions)
+    return batch.sample(logits, triton=triton).sampled
 
 
 # --------------------------------------------------------------------------- greedy
@@ -207,3 +207,77 @@ def test_chi_square_has_power() -> None:
     tokens = sample(logits, temperature=0.9, seeds=1234, positions=torch.arange(N_DRAWS))
     counts = torch.bincount(tokens, minlength=len(LOGITS))
     assert chi_square_pvalue(counts, reference_probs(LOGITS, 1.0, 0, 1.0, 0.0)) < 1e-6
+
+
+def test_partial_sort_equals_full_sort() -> None:
+    """With max_top_k the filters sort only the top values; the kept set is bit-for-bit the
+    full sort's, so a row gives the same token whether its batch allowed the partial sort or
+    not (a top-p-only row forces the full sort)."""
+    from mrv2.sampler.filters import apply_top_k_top_p_
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 5000, generator=g) * 2
+    top_k = torch.randint(1, 200, (64,), generator=g)
+    top_p = torch.rand(64, generator=g) * 0.9 + 0.05
+    for p in (None, top_p):
+        full = apply_top_k_top_p_(x.clone(), top_k, p)
+        partial = apply_top_k_top_p_(x.clone(), top_k, p, max_top_k=int(top_k.max()))
+        assert torch.equal(full, partial)
+    # Through the sampler: the same seeded rows, next to a top-p-only row or not.
+    params = dict(temperature=0.9, top_k=top_k[:8], top_p=top_p[:8], seeds=torch.arange(8),
+                  positions=torch.arange(8))
+    alone = sample(x[:8], **params)
+    extra = dict(temperature=0.9, top_k=torch.cat([top_k[:8], torch.tensor([0])]),
+                 top_p=torch.cat([top_p[:8], torch.tensor([0.5])]), seeds=torch.arange(9),
+                 positions=torch.arange(9))
+    with_top_p_only_row = sample(torch.cat([x[:8], x[8:9]]), **extra)
+    assert torch.equal(with_top_p_only_row[:8], alone)
+
+
+@pytest.mark.parametrize("tile_elems", [1 << 20, 3000])
+def test_seeded_request_with_every_feature_is_batch_invariant(
+        tile_elems: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each seeded request alone, in a batch of 16 others, and at other batch positions and
+    slots: the same token and the same logprobs. Stages run on row subsets of each tile, so a
+    row is processed through other index paths alone than in a batch; the results must not
+    care."""
+    monkeypatch.setattr(sampler_module, "TILE_ELEMS", tile_elems)
+    vocab = 600
+    g = torch.Generator().manual_seed(21)
+    features = [
+        dict(), dict(top_k=20), dict(top_p=0.8), dict(min_p=0.05), dict(temperature=0.0),
+        dict(presence_penalty=1.0, frequency_penalty=0.5), dict(repetition_penalty=1.5),
+        dict(logit_bias={5: 3.0, 17: -2.0}), dict(allowed_token_ids=list(range(0, vocab, 4))),
+        dict(min_tokens=5, stop_token_ids=[1, 2]), dict(logprobs=4),
+        dict(temperature=0.0, repetition_penalty=1.2, logprobs=2),
+        dict(top_k=50, top_p=0.9, presence_penalty=0.5, logprobs=1),
+        dict(temperature=1.7, min_p=0.1, logit_bias={9: 1.0}), dict(top_k=3),
+        dict(allowed_token_ids=[3, 4, 5], logprobs=0), dict(frequency_penalty=-1.0, top_p=0.5),
+    ]
+    params = [SamplingParams(**{"temperature": 0.9, "seed": 77 * i, **f})
+              for i, f in enumerate(features)]
+    n = len(params)
+    prompts = [torch.randint(0, vocab, (3 + i,), generator=g).tolist() for i in range(n)]
+    outputs = [torch.randint(0, vocab, (i % 4,), generator=g).tolist() for i in range(n)]
+    logits = torch.randn(n, vocab, generator=g) * 2
+
+    def run(order: list[int], slots: list[int]):
+        batch = make_batch([params[i] for i in order], vocab,
+                           prompts=[prompts[i] for i in order],
+                           outputs=[outputs[i] for i in order], slots=slots,
+                           num_slots=max(slots) + 1, eos_token_id=2)
+        out = batch.sample(logits[order])
+        lp = out.logprobs
+        return {i: (out.sampled[r].item(),
+                    None if lp is None or params[i].logprobs is None
+                    else lp.logprobs[r, :params[i].logprobs + 1].tolist())
+                for r, i in enumerate(order)}
+
+    alone = {}
+    for i in range(n):
+        alone.update(run([i], [0]))
+    assert run(list(range(n)), list(range(n))) == alone
+    for trial in range(2):
+        order = torch.randperm(n, generator=g).tolist()
+        slots = torch.randperm(40, generator=g)[:n].tolist()
+        assert run(order, slots) == alone, f"permutation {trial}"

@@ -1,0 +1,111 @@
+"""The sampler on 256 decoding requests over a 32,000 and a 151,936-token vocabulary.
+
+Cases per vocabulary (one group each):
+
+- ``greedy``: every request greedy, no processing (the argmax fast path);
+- ``all_features``: every request random with temperature, top-k, top-p, min-p, all three
+  penalties, a 16-entry logit bias, min_tokens, 1,024 allowed_token_ids and 5 logprobs;
+- ``mixed``: a quarter greedy, a quarter plain temperature, a quarter top-k + top-p, a
+  quarter penalties + logprobs;
+- ``reference_multinomial``: the baseline in the same run, ``softmax(logits / T)`` then
+  ``torch.multinomial`` (no filters, not batch-invariant): compare the cases to it as ratios.
+
+A round is what the runner does per step: ``Sampler(...)`` then ``SamplingStates.post_update``
+(the penalty counts). On CPU the torch path runs; on CUDA the Triton one. Rounds are few: a
+151,936-token all-features round takes about a second on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2.platform import default_device
+from mrv2.sampler import Sampler, SamplingStates
+from mrv2.sampling_params import SamplingParams
+
+NUM_REQS = 256
+VOCABS = [32_000, 151_936]
+ROUNDS = 3
+
+
+def _params(case: str, i: int, vocab: int) -> SamplingParams:
+    seed = 1000 + i
+    if case == "greedy":
+        return SamplingParams(temperature=0.0)
+    if case == "all_features":
+        return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=seed,
+                              repetition_penalty=1.1, presence_penalty=0.3,
+                              frequency_penalty=0.2,
+                              logit_bias={(37 * j + i) % vocab: 0.5 for j in range(16)},
+                              min_tokens=4, stop_token_ids=[3],
+                              allowed_token_ids=list(range(i % 7, vocab, vocab // 1024))[:1024],
+                              logprobs=5)
+    # mixed
+    kind = i % 4
+    if kind == 0:
+        return SamplingParams(temperature=0.0)
+    if kind == 1:
+        return SamplingParams(temperature=0.7, seed=seed)
+    if kind == 2:
+        return SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=seed)
+    return SamplingParams(temperature=0.9, repetition_penalty=1.2, frequency_penalty=0.5,
+                          logprobs=3, seed=seed)
+
+
+class Workload:
+    def __init__(self, case: str, vocab: int) -> None:
+        device = default_device()
+        g = torch.Generator().manual_seed(vocab)
+        self.logits = (torch.randn(NUM_REQS, vocab, generator=g) * 3).to(device)
+        self.states = SamplingStates(NUM_REQS, vocab, engine_seed=0, device=device,
+                                     eos_token_id=2)
+        prompt = torch.randint(0, vocab, (256,), generator=g).tolist()
+        for i in range(NUM_REQS):
+            self.states.add(i, f"req-{i}", _params(case, i, vocab), prompt)
+        self.states.apply_staged_writes()
+        self.sampler = Sampler(self.states)
+        # Slots in a shuffled batch order, as a runner's batch is.
+        self.idx_np = torch.randperm(NUM_REQS, generator=g).numpy()
+        self.idx = torch.from_numpy(self.idx_np).to(device)
+        self.positions = torch.full((NUM_REQS,), len(prompt), dtype=torch.int64, device=device)
+
+    def step(self) -> torch.Tensor:
+        out = self.sampler(self.logits, self.idx, self.idx_np, self.positions)
+        self.states.post_update(self.idx, self.idx_np, self.positions, out.sampled)
+        self.positions += 1
+        return out.sampled
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("case", ["greedy", "all_features", "mixed"])
+def test_sampler(benchmark, case: str, vocab: int) -> None:
+    benchmark.group = f"sampler-{vocab}"
+    benchmark.extra_info.update(num_reqs=NUM_REQS, vocab=vocab)
+    workload = Workload(case, vocab)
+
+    def step() -> None:
+        workload.step()
+        _sync()
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_reference_multinomial(benchmark, vocab: int) -> None:
+    benchmark.group = f"sampler-{vocab}"
+    device = default_device()
+    logits = (torch.randn(NUM_REQS, vocab, generator=torch.Generator().manual_seed(vocab))
+              * 3).to(device)
+    temperature = torch.full((NUM_REQS, 1), 0.8, device=device)
+
+    def step() -> None:
+        torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)
+        _sync()
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)

@@ -1,0 +1,62 @@
+"""Harness for the sampler tests: per-slot states built from SamplingParams, and a call
+through the Sampler the way the runner makes it. Imported by module name (conftest.py puts
+this folder on sys.path, as bench/conftest.py does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mrv2.sampler import Sampler, SamplerOutput, SamplingStates
+from mrv2.sampling_params import SamplingParams
+from mrv2.state.dispatch import triton_interpreter
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Batch:
+    """Requests in slots; rows of a batch point at slots through ``idx``."""
+
+    states: SamplingStates
+    idx: Tensor
+    positions: Tensor
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def sample(self, logits: Tensor, *, mode: str = "raw_logprobs",
+               triton: bool = False) -> SamplerOutput:
+        sampler = Sampler(self.states, logprobs_mode=mode)
+        if triton:
+            with triton_interpreter():
+                return sampler(logits, self.idx, self.idx.numpy(), self.positions)
+        return sampler(logits, self.idx, self.idx.numpy(), self.positions)
+
+
+def make_batch(params: list[SamplingParams], vocab_size: int, *,
+               prompts: list[list[int]] | None = None,
+               outputs: list[list[int]] | None = None, positions=None, idx=None,
+               eos_token_id: int | None = None, num_slots: int | None = None,
+               slots: list[int] | None = None) -> Batch:
+    """One request per params (slot i unless ``slots``); row r samples slot ``idx[r]``
+    (default: row i -> request i) at ``positions[r]`` (default: right after its prefill)."""
+    n = len(params)
+    prompts = prompts if prompts is not None else [[1, 2, 3]] * n
+    outputs = outputs if outputs is not None else [[]] * n
+    slots = slots if slots is not None else list(range(n))
+    states = SamplingStates(num_slots or max(slots) + 1, vocab_size, engine_seed=0, device=CPU,
+                            eos_token_id=eos_token_id)
+    for i, p in enumerate(params):
+        states.add(slots[i], f"req-{i}", p, prompts[i], prompts[i] + outputs[i])
+    states.apply_staged_writes()
+    rows = torch.as_tensor(idx if idx is not None else slots, dtype=torch.int64)
+    if positions is None:
+        slot_of = {s: i for i, s in enumerate(slots)}
+        positions = [len(prompts[slot_of[s]]) + len(outputs[slot_of[s]]) for s in rows.tolist()]
+    return Batch(states, rows, torch.as_tensor(positions, dtype=torch.int64).expand(len(rows))
+                 .contiguous(), prompts)
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
