@@ -116,5 +116,5 @@ class Attention(nn.Module):
             from mrv2.attention import torch_paged
 
             torch_paged.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-            out = torch_paged.paged_attention(q, kv_cache, meta, self.scale)
+            out = torch_paged.paged_attention(q, kv_cache, meta, self.scale, k, v)
         return out.reshape(n, self.num_heads * self.head_dim)

@@ -1,10 +1,13 @@
 """Attention over the paged KV cache in plain torch: the CPU backend.
 
-Decode rows (one query token) are batched: their blocks are gathered into one padded
-`[rows, max_seq_len]` key/value tensor and masked by seq_len. Prefill chunks run one
+Decode rows (one query token) are batched. In float32 they run the numba kernel
+(`decode_numba`), which reads the cache in place; otherwise their blocks are gathered into one
+padded `[rows, max_seq_len]` key/value tensor and masked by seq_len. Prefill chunks run one
 `scaled_dot_product_attention` each, attending to the cached prefix plus their own tokens
 causally: query i of a chunk of length q in a sequence of length L sits at position
-L - q + i and sees keys 0 .. L - q + i.
+L - q + i and sees keys 0 .. L - q + i. A chunk with no cached prefix (q == L) attends to the
+step's own k/v when the caller passes them: the same values the cache now holds, without the
+gather.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mrv2.attention import decode_numba
 from mrv2.attention.backend import AttentionMetadata
 
 
@@ -29,30 +33,46 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q: [T, H, D] -> [T, H, D]; K/V for the step must already be in the cache."""
+                    scale: float, k: torch.Tensor | None = None,
+                    v: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D] -> [T, H, D]; K/V for the step must already be in the cache. `k`/`v`
+    [T, KV, D], when given, are this step's keys/values (as written to the cache)."""
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], kv_cache, meta, scale)
+        nd = meta.num_decodes
+        if decode_numba.supported(q, kv_cache):
+            out[:nd] = decode_numba.decode_attention(q[:nd], kv_cache, meta.block_tables,
+                                                     meta.seq_lens_cpu, scale)
+        else:
+            out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_cpu
+    # The step's own k/v equal what the cache holds only when no cast happened on the write.
+    own_kv = k is not None and v is not None and k.dtype == kv_cache.dtype
     for row in range(meta.num_decodes, meta.num_reqs):
         start, end = int(qsl[row]), int(qsl[row + 1])
         query_len, seq_len = end - start, int(meta.seq_lens_cpu[row])
+        qi = q[start:end].transpose(0, 1)  # [H, q, D]
+        if query_len == seq_len and own_kv:
+            o = F.scaled_dot_product_attention(
+                qi, k[start:end].transpose(0, 1).to(q.dtype),
+                v[start:end].transpose(0, 1).to(q.dtype), is_causal=True, scale=scale,
+                enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
+            continue
         num_blocks = -(-seq_len // block_size)
         block_ids = meta.block_tables[row, :num_blocks].long()
-        k = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [KV, L, D]
-        v = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)
-        qi = q[start:end].transpose(0, 1)  # [H, q, D]
+        kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [KV, L, D]
+        vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)
         if query_len == seq_len:
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
+            o = F.scaled_dot_product_attention(qi, kr, vr, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
+            o = F.scaled_dot_product_attention(qi, kr, vr, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
     return out

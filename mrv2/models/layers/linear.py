@@ -29,10 +29,10 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mrv2 import distributed
+from mrv2.models.layers import cpu_gemv
 
 ShardId = Hashable
 
@@ -133,7 +133,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemv.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -209,8 +209,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = distributed.tp_all_reduce(F.linear(x, self.weight))
+            return cpu_gemv.linear(x, self.weight, self.bias)
+        out = distributed.tp_all_reduce(cpu_gemv.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
