@@ -1,0 +1,96 @@
+"""The CPU kernels behind the decode-step gains, each next to what it replaced (same run):
+
+- `gemv`: one decode step's worth of W1 projections (8 layers + LM head, 127 MB of fp32
+  weights, more than the L3, so weights stream from DRAM as in a real step) at 1 and 4 rows,
+  the numba GEMV (`cpu_gemv.linear`) vs `F.linear`;
+- `decode-attention`: 32 decode rows of 256 tokens (W1's attention shape), the numba kernel
+  reading the paged cache in place vs the gather-then-einsum torch path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2.attention import AttentionMetadata, torch_paged
+from mrv2.attention.decode_numba import decode_attention
+from mrv2.models.layers import cpu_gemv
+
+# W1: hidden 512, 8 layers, q 512 + kv 2*256, intermediate 1408, vocab 16000.
+W1_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(16000, 512)]
+ROUNDS = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def w1_weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, k, generator=g) for n, k in W1_SHAPES]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("impl", ["numba_gemv", "torch_linear"])
+def test_gemv(benchmark, w1_weights, impl, rows):
+    benchmark.group = f"gemv-w1-step-{rows}rows"
+    nbytes = sum(w.numel() * 4 for w in w1_weights)
+    benchmark.extra_info.update(rows=rows, weight_bytes=nbytes, shapes="W1 x8 + lm_head",
+                                threads=2, seed=0)
+    g = torch.Generator().manual_seed(1)
+    xs = {k: torch.randn(rows, k, generator=g) for k in (512, 1408)}
+    fn = cpu_gemv.linear if impl == "numba_gemv" else F.linear
+    for w in w1_weights[-1:]:
+        torch.testing.assert_close(cpu_gemv.linear(xs[512], w), F.linear(xs[512], w),
+                                   rtol=1e-4, atol=1e-3)
+
+    def step() -> None:
+        with torch.inference_mode():
+            for w in w1_weights:
+                fn(xs[w.shape[1]], w)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+def _decode_case(rows: int = 32, seq_len: int = 256, block_size: int = 16):
+    g = torch.Generator().manual_seed(0)
+    kv_heads, heads, head_dim = 4, 8, 64
+    blocks_per_row = seq_len // block_size
+    num_blocks = rows * blocks_per_row + 1
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 is the null block
+    tables = perm.view(rows, blocks_per_row).to(torch.int32)
+    seq_lens = np.full(rows, seq_len, np.int32)
+    qsl = np.arange(rows + 1, dtype=np.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=rows, num_reqs=rows, num_decodes=rows,
+        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
+        block_tables=tables, slot_mapping=torch.zeros(rows, dtype=torch.int64),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_seq_len=seq_len)
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("impl", ["numba_in_place", "torch_gather"])
+def test_decode_attention(benchmark, impl):
+    benchmark.group = "decode-attention-32x256"
+    benchmark.extra_info.update(rows=32, seq_len=256, heads=8, kv_heads=4, head_dim=64,
+                                block_size=16, threads=2, seed=0)
+    q, cache, meta = _decode_case()
+    scale = 64 ** -0.5
+    expected = torch_paged._decode_attention(q, cache, meta, scale)
+    torch.testing.assert_close(decode_attention(q, cache, meta.block_tables,
+                                                meta.seq_lens_cpu, scale), expected,
+                               rtol=1e-4, atol=1e-5)
+    if impl == "numba_in_place":
+        fn = lambda: decode_attention(q, cache, meta.block_tables, meta.seq_lens_cpu, scale)  # noqa: E731
+    else:
+        fn = lambda: torch_paged._decode_attention(q, cache, meta, scale)  # noqa: E731
+    benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=2)
