@@ -3,10 +3,10 @@
 from mrv2.config import ConfigError
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.entrypoints.llm import LLM
-from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from mrv2.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from mrv2.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "EngineArgs",
-           "ConfigError", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput",
+           "Logprob", "EngineArgs", "ConfigError", "__version__"]

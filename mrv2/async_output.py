@@ -5,6 +5,9 @@ the compute stream's work so far, with a fresh event per step; `get_output()` wa
 event only. The device tensor is kept referenced (and recorded on the copy stream) until the
 copy is done, so the caching allocator cannot hand its memory to the next step early. On CPU
 the sampled tensor already is host memory and is read directly.
+
+The step's logprobs (sampled tokens' and, when some request asked, prompt positions') ride on
+the same copy.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.protocol import ModelRunnerOutput, SampleLogprobs
+from mrv2.protocol import ModelRunnerOutput, PromptLogprobsChunk, SampleLogprobs
 from mrv2.sampler.logprobs import LogprobsTensors
 
 
@@ -20,7 +23,11 @@ class AsyncOutput:
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, is_sampling: np.ndarray,
                  copy_stream: "torch.cuda.Stream | None" = None, *,
                  logprobs: LogprobsTensors | None = None,
-                 num_logprobs: np.ndarray | None = None) -> None:
+                 num_logprobs: np.ndarray | None = None,
+                 prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None
+                 ) -> None:
+        """``prompt_logprobs``: req_id -> (first prompt position, rows), see
+        sampler/prompt_logprobs.py."""
         self.req_ids = req_ids
         self.is_sampling = is_sampling
         self.num_logprobs = num_logprobs
@@ -28,6 +35,11 @@ class AsyncOutput:
         device_tensors = [sampled]
         if logprobs is not None:
             device_tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+        self._prompt_starts: dict[str, int] | None = None
+        if prompt_logprobs:
+            self._prompt_starts = {req_id: start for req_id, (start, _) in prompt_logprobs.items()}
+            for _, t in prompt_logprobs.values():
+                device_tensors += [t.token_ids, t.logprobs, t.ranks]
         if sampled.device.type == "cuda":
             assert copy_stream is not None, "a CUDA output needs a copy stream"
             hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -44,7 +56,9 @@ class AsyncOutput:
             hosts = device_tensors
             self._device = None
         self._host = hosts[0]
-        self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[1:])
+        num_sample = 0 if logprobs is None else 3
+        self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[1:4])
+        self._prompt_hosts = hosts[1 + num_sample:]  # 3 tensors per request, in dict order
 
     def is_ready(self) -> bool:
         return self._event is None or self._event.query()
@@ -66,5 +80,12 @@ class AsyncOutput:
             num = np.where(self.is_sampling, self.num_logprobs, -1)
             logprobs = [None if row is None else SampleLogprobs(*row)
                         for row in self._logprobs.to_lists(num)]
+        prompt = None
+        if self._prompt_starts is not None:
+            hosts = self._prompt_hosts
+            prompt = {req_id: PromptLogprobsChunk(start, hosts[3 * i].tolist(),
+                                                  hosts[3 * i + 1].tolist(),
+                                                  hosts[3 * i + 2].tolist())
+                      for i, (req_id, start) in enumerate(self._prompt_starts.items())}
         return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs=prompt)

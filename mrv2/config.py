@@ -16,6 +16,15 @@ class ConfigError(ValueError):
     """An engine argument is invalid. Raised before any model work starts."""
 
 
+def check_logprobs_mode(mode: str) -> None:
+    """ConfigError naming the allowed values unless `mode` is a logprobs_mode."""
+    from mrv2.sampler.logprobs import LOGPROBS_MODES  # the sampler defines what it computes
+
+    if mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode={mode!r} is invalid: expected one of "
+                          f"{', '.join(LOGPROBS_MODES)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -24,6 +33,13 @@ class ModelConfig:
     seed: int = 0
     # transformers PretrainedConfig, read through AutoConfig. Not compared or printed.
     hf_config: Any = field(default=None, compare=False, repr=False)
+    # What sample logprobs report (vLLM's names): "raw_logprobs" (the model's logits, before
+    # any processing), "processed_logprobs" (after bias, penalties, temperature and the
+    # filters: the distribution the token was drawn from), or the "*_logits" variants.
+    logprobs_mode: str = "raw_logprobs"
+
+    def __post_init__(self) -> None:
+        check_logprobs_mode(self.logprobs_mode)
 
     @property
     def architecture(self) -> str:

@@ -67,6 +67,24 @@ class SampleLogprobs(msgspec.Struct, array_like=True, frozen=True):
     rank: int  # rank of the sampled token (1 = most likely)
 
 
+class PromptLogprobsChunk(msgspec.Struct, array_like=True, frozen=True):
+    """Prompt logprobs of the prompt positions one step computed for one request.
+
+    Row i is prompt position ``start + i``: ``token_ids[i][0]`` is the actual next prompt token
+    (position ``start + i + 1``) with its logprob and ``ranks[i]``, then the top-k of the
+    position (their ranks are 1..k). Raw logprobs, whatever the logprobs_mode.
+    """
+
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ranks)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     req_ids: list[str]
     # One list per request; empty for a prefill chunk that did not finish its prompt.
@@ -74,6 +92,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # Per request: None unless it asked for logprobs (and sampled this step).
     logprobs: list[SampleLogprobs | None] | None = None
     num_nans: int = 0
+    # Requests that asked for prompt logprobs and computed prompt positions this step; None
+    # when no request of the batch did.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
 
 
 class FinishReason(enum.IntEnum):
@@ -99,6 +120,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: FinishReason | None = None
     # The stop token id that ended the request, when it was a stop_token_id.
     stop_reason: int | str | None = None
+    # One entry per new token (same length as new_token_ids); None unless it asked for logprobs.
+    new_logprobs: list[SampleLogprobs] | None = None
+    # The prompt positions computed this step; an output may carry only these (no new token)
+    # for a prefill chunk of a request that asked for prompt logprobs.
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,9 @@ Phase 1, `execute_model(scheduler_output)`: free finished slots, add new request
 block-table deltas of running ones, apply all staged writes, prepare inputs, run the forward.
 It returns nothing; what phase 2 needs is kept in an `ExecuteState`.
 Phase 2, `sample_tokens(grammar_output)`: logits of each row's last token, sampling, the
-on-device post_update, then the one device-to-host copy of the sampled tokens.
+on-device post_update, then the one device-to-host copy of the sampled tokens. When a request
+of the batch asked for prompt logprobs, phase 2 also computes the logits of its prompt
+positions (sampler/prompt_logprobs.py); otherwise nothing beyond the rows' last tokens is.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.sampler import LogprobsTensors, Sampler, SamplingStates
+from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -56,7 +59,8 @@ class ModelRunner:
                                        eos_token_id=eos_token_id(model_config.hf_config))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     config.max_num_blocks_per_req, device)
-        self.sampler = Sampler(self.sampling)
+        self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
+        self.prompt_logprobs = PromptLogprobsState(model_config.vocab_size, device)
         self.cudagraphs = CudaGraphManager(config.compilation_config,
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
@@ -91,12 +95,18 @@ class ModelRunner:
             slot = requests.finish(req_id)
             if slot is not None:
                 tables.clear_row(slot)
+            if self.prompt_logprobs:
+                self.prompt_logprobs.finish(req_id)
         for new in out.scheduled_new_reqs:
             slot = requests.add(new.req_id, len(new.prompt_token_ids), new.prefill_token_ids,
                                 new.num_computed_tokens)
             tables.append_block_ids(slot, new.block_ids, overwrite=True)
             self.sampling.add(slot, new.req_id, new.sampling_params, new.prompt_token_ids,
                               new.prefill_token_ids)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprobs.add(new.req_id, new.prompt_token_ids,
+                                         len(new.prefill_token_ids),
+                                         new.sampling_params.prompt_logprobs)
         cached = out.scheduled_cached_reqs
         slots = requests.slots_of(cached.req_ids)
         if cached.req_ids:
@@ -178,12 +188,21 @@ class ModelRunner:
         # outputs so far (min_tokens).
         positions = batch.positions[batch.logits_indices] + 1
         out = self.sampler(logits, idx, batch.idx_mapping_np, positions)
+        prompt_logprobs = None
+        if self.prompt_logprobs:  # only while some request still needs prompt rows
+            # num_computed_host still holds each row's count before this step (the start).
+            prompt_logprobs = self.prompt_logprobs.compute(
+                batch.req_ids, self.requests.num_computed_host[batch.idx_mapping_np],
+                batch.num_scheduled_np, batch.attn_metadata.query_start_loc_cpu,
+                state.hidden_states, self.model.compute_logits)
         self.requests.post_update(idx, batch.num_scheduled, out.sampled)
         self.sampling.post_update(idx, batch.idx_mapping_np, positions, out.sampled)
-        return self._make_output(batch, out.sampled, out.logprobs)
+        return self._make_output(batch, out.sampled, out.logprobs, prompt_logprobs)
 
     def _make_output(self, batch: InputBatch, sampled: torch.Tensor,
-                     logprobs: LogprobsTensors | None = None) -> AsyncOutput:
+                     logprobs: LogprobsTensors | None = None,
+                     prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None
+                     ) -> AsyncOutput:
         requests = self.requests
         slots = batch.idx_mapping_np
         requests.num_computed_host[slots] += batch.num_scheduled_np
@@ -191,7 +210,8 @@ class ModelRunner:
         is_sampling = requests.num_computed_host[slots] >= requests.prefill_len_host[slots]
         num_logprobs = None if logprobs is None else self.sampling.num_logprobs(slots)
         return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
-                           logprobs=logprobs, num_logprobs=num_logprobs)
+                           logprobs=logprobs, num_logprobs=num_logprobs,
+                           prompt_logprobs=prompt_logprobs)
 
 
 def eos_token_id(hf_config) -> int | None:

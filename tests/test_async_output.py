@@ -18,6 +18,26 @@ def test_cpu_output_reads_the_sampled_tensor():
     assert result.sampled_token_ids == [[5], [], [9]]
 
 
+def test_logprobs_and_prompt_logprobs_ride_on_the_output():
+    from mrv2.sampler import LogprobsTensors
+
+    sample = LogprobsTensors(torch.tensor([[5, 5], [7, 1]]), torch.tensor([[-0.5, -0.5],
+                                                                          [-2.0, -0.25]]),
+                             torch.tensor([1, 4]))
+    prompt = LogprobsTensors(torch.tensor([[3, 9], [4, 4]]), torch.tensor([[-1.0, -0.5],
+                                                                          [-0.1, -0.1]]),
+                             torch.tensor([2, 1]))
+    out = AsyncOutput(["a", "b"], torch.tensor([5, 7]), np.array([True, False]),
+                      logprobs=sample, num_logprobs=np.array([1, 0]),
+                      prompt_logprobs={"b": (6, prompt)}).get_output()
+    assert out.logprobs[0].token_ids == [5, 5] and out.logprobs[1] is None  # b mid-prefill
+    chunk = out.prompt_logprobs["b"]
+    assert (chunk.start, chunk.token_ids, chunk.ranks) == (6, [[3, 9], [4, 4]], [2, 1])
+    assert chunk.logprobs == [[-1.0, -0.5], [pytest.approx(-0.1)] * 2]
+    plain = AsyncOutput(["a"], torch.tensor([5]), np.array([True])).get_output()
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+
+
 def test_empty_batch():
     out = AsyncOutput([], torch.zeros(0, dtype=torch.int64), np.zeros(0, dtype=bool))
     assert out.get_output().sampled_token_ids == []

@@ -23,6 +23,14 @@ def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
 
 
+def test_logprobs_mode_validated() -> None:
+    assert ModelConfig("m", torch.float32, 8).logprobs_mode == "raw_logprobs"
+    assert ModelConfig("m", torch.float32, 8,
+                       logprobs_mode="processed_logprobs").logprobs_mode == "processed_logprobs"
+    with pytest.raises(ConfigError, match="logprobs_mode='x'.*raw_logprobs.*processed_logprobs"):
+        ModelConfig("m", torch.float32, 8, logprobs_mode="x")
+
+
 @pytest.mark.parametrize("block_size", [0, -4, 3, 6, 12, 24, 100])
 def test_block_size_must_be_a_power_of_two(block_size: int) -> None:
     with pytest.raises(ConfigError, match="block_size"):

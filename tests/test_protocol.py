@@ -15,6 +15,7 @@ from mrv2.protocol import (
     GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobsChunk,
     SchedulerOutput,
 )
 from mrv2.sampling_params import SamplingParams
@@ -129,6 +130,23 @@ def test_engine_core_output(reason: FinishReason | None, stop_reason: int | str 
     assert back.finish_reason is reason
     assert back.stop_reason == stop_reason
     assert type(back.stop_reason) is type(stop_reason)
+
+
+def test_logprobs_fields_round_trip() -> None:
+    """Sample and prompt logprobs cross both boundaries (worker -> core, core -> front end),
+    -inf (a filtered token) included."""
+    lp = SampleLogprobs(token_ids=[5, 2], logprobs=[-0.5, float("-inf")], rank=3)
+    prompt = PromptLogprobsChunk(start=4, token_ids=[[7, 1], [8, 8]],
+                                 logprobs=[[-2.0, -0.1], [-0.3, -0.3]], ranks=[9, 1])
+    assert prompt.num_rows == 2
+    back = round_trip(ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5]], logprobs=[lp],
+                                        prompt_logprobs={"a": prompt}))
+    assert back.prompt_logprobs == {"a": prompt}
+    out = round_trip(EngineCoreOutputs(outputs=[
+        EngineCoreOutput("a", [5], new_logprobs=[lp], new_prompt_logprobs=prompt),
+        EngineCoreOutput("b", [], new_prompt_logprobs=prompt)]))
+    assert out.outputs[0].new_logprobs[0].logprobs[1] == float("-inf")
+    assert out.outputs[1].new_logprobs is None and out.outputs[1].new_token_ids == []
 
 
 def test_engine_core_outputs() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from mrv2 import platform
 from mrv2.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig, ModelConfig,
-                         ParallelConfig, SchedulerConfig)
+                         ParallelConfig, SchedulerConfig, check_logprobs_mode)
 from mrv2.models.loader import load_hf_config, resolve_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
@@ -35,12 +35,15 @@ class EngineArgs:
     # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
     compilation_config: dict | CompilationConfig | None = None
     device: str | None = None
+    # "raw_logprobs" | "processed_logprobs" | "raw_logits" | "processed_logits" (vLLM's).
+    logprobs_mode: str = "raw_logprobs"
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device or platform.device_type()
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device={device!r}: expected 'cpu' or 'cuda'")
         # Cheap checks first, so they fail before the model directory is touched.
+        check_logprobs_mode(self.logprobs_mode)
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self.kv_cache_memory_gb,
                                    enable_prefix_caching=self.enable_prefix_caching)
@@ -58,7 +61,7 @@ class EngineArgs:
         model_config = ModelConfig(model=str(self.model),
                                    dtype=resolve_dtype(self.dtype, hf_config, device),
                                    max_model_len=max_model_len, seed=self.seed,
-                                   hf_config=hf_config)
+                                   hf_config=hf_config, logprobs_mode=self.logprobs_mode)
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)

@@ -106,8 +106,13 @@ def _merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
             continue
         prior.text += completion.text
         prior.token_ids = prior.token_ids + completion.token_ids
+        if prior.logprobs is not None or completion.logprobs is not None:
+            prior.logprobs = (prior.logprobs or []) + (completion.logprobs or [])
+        prior.cumulative_logprob = completion.cumulative_logprob
         prior.finish_reason, prior.stop_reason = completion.finish_reason, completion.stop_reason
     old.outputs = sorted(by_index.values(), key=lambda c: c.index)
+    if old.prompt_logprobs is None:
+        old.prompt_logprobs = new.prompt_logprobs
     old.finished = new.finished
     return old
 

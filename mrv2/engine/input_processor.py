@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from mrv2.config import EngineConfig
 from mrv2.protocol import EngineCoreRequest
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PromptType = Union[str, Mapping[str, Any]]
 
@@ -25,10 +25,6 @@ class UnsupportedParameterError(ValueError):
     """A SamplingParams field this engine does not implement yet was set."""
 
 
-# Fields whose non-default values the engine does not honour yet, with their defaults.
-# logprobs: the runner produces them (ModelRunnerOutput.logprobs); refused until the scheduler
-# and the output processor carry them to CompletionOutput.logprobs.
-_NOT_YET_SUPPORTED = {"logprobs": None, "prompt_logprobs": None}
 
 
 class InputProcessor:
@@ -48,11 +44,7 @@ class InputProcessor:
         """Returns the core request and the prompt text (None for token-id prompts)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        for name, default in _NOT_YET_SUPPORTED.items():
-            value = getattr(params, name)
-            if value != default and value not in ([], {}):
-                raise UnsupportedParameterError(
-                    f"SamplingParams.{name}={value!r} is not supported by this engine yet")
+        _check_logprobs(params)
         params.validate_for_vocab(self.config.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise UnsupportedParameterError(
@@ -98,3 +90,14 @@ class InputProcessor:
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+
+def _check_logprobs(params: SamplingParams) -> None:
+    """Again here: a field set after construction skipped SamplingParams' own check, and the
+    sampler's tables hold at most MAX_LOGPROBS per request."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be in "
+                             f"[0, {MAX_LOGPROBS}]")

@@ -230,9 +230,10 @@ class KVCacheManager:
 
         The hit never covers the last token (vLLM's max cache hit length is num_tokens - 1):
         that token must be computed so there are logits to sample from. Nothing is taken or
-        recorded here; `allocate_slots(..., new_computed_blocks=...)` takes the blocks.
+        recorded here; `allocate_slots(..., new_computed_blocks=...)` takes the blocks. A
+        request that needs every prompt position's logits (prompt logprobs) gets no hit.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         bs, pool, tokens = self.block_size, self.block_pool, request.all_token_ids
         max_blocks = (request.num_tokens - 1) // bs

@@ -11,6 +11,11 @@ gathered into one RequestOutput per parent per step, `outputs` ordered by index:
 A completion ended by a stop string is finished here, not in the core: `process_outputs`
 returns its id in `reqs_to_abort`, and the caller must abort it in the engine core so its KV
 blocks and runner slot are freed.
+
+Logprobs (engine/logprobs.py) are accumulated only for requests that asked: a completion's
+`logprobs` is always the slice of entries matching its `token_ids`. `prompt_logprobs` goes into
+every RequestOutput, except with DELTA: the first only. Outputs that carry only a prefill
+chunk's prompt logprobs (no token) are accumulated and produce no RequestOutput.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mrv2.engine.detokenizer import make_detokenizer
+from mrv2.engine.logprobs import RequestLogprobs, TokenTexts
 from mrv2.engine.stop_checker import CompletionText
-from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from mrv2.outputs import CompletionOutput, PromptLogprobs, RequestOutput, RequestOutputKind
 from mrv2.protocol import EngineCoreOutput, FinishReason
 from mrv2.sampling_params import SamplingParams
 
@@ -41,6 +47,10 @@ class ParentRequest:
     # Latest completion per index (CUMULATIVE, FINAL_ONLY).
     completions: list[CompletionOutput | None] = field(default_factory=list)
     unfinished: set[str] = field(default_factory=set)
+    # The prompt logprobs of the first child that completed its prompt (all children share
+    # the prompt); None until then, or when not asked for.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: sent once
 
     def __post_init__(self) -> None:
         self.completions = [None] * len(self.child_ids)
@@ -62,6 +72,7 @@ class RequestState:
     output_kind: RequestOutputKind
     text: CompletionText
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: RequestLogprobs | None = None  # None unless it asked for (prompt) logprobs
 
 
 @dataclass
@@ -76,6 +87,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}  # core request id -> state
         self.parents: dict[str, ParentRequest] = {}  # parent id -> parent (n > 1)
+        self.token_texts = TokenTexts(tokenizer)  # decoded_token of logprobs entries
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams,
@@ -101,9 +113,12 @@ class OutputProcessor:
         for index, rid in enumerate(ids):
             p = params if child_params is None else child_params[index]
             detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, p)
+            logprobs = None
+            if RequestLogprobs.wanted(p.logprobs, p.prompt_logprobs):
+                logprobs = RequestLogprobs(p.logprobs, p.prompt_logprobs, self.token_texts)
             self.requests[rid] = RequestState(
                 rid, index, parent, prompt, prompt_token_ids, p, output_kind,
-                CompletionText(detokenizer, p, streaming))
+                CompletionText(detokenizer, p, streaming), logprobs=logprobs)
         return ids
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
@@ -143,6 +158,12 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None:  # aborted or stopped by the front end while the core ran it
                 continue
+            logprobs = state.logprobs
+            if logprobs is not None:
+                logprobs.add_prompt(out.new_prompt_logprobs)
+                if not out.new_token_ids and not out.finished:
+                    continue  # a prefill chunk's prompt logprobs: nothing to show yet
+                logprobs.add_sample(out.new_logprobs, len(out.new_token_ids))
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             state.output_token_ids.extend(out.new_token_ids)
             stop_str = state.text.update(out.new_token_ids,
@@ -163,10 +184,15 @@ class OutputProcessor:
                     results.append(RequestOutput(
                         request_id=state.request_id, prompt=state.prompt,
                         prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                        finished=finished))
+                        finished=finished,
+                        prompt_logprobs=None if logprobs is None else logprobs.prompt_out(
+                            state.output_kind == RequestOutputKind.DELTA)))
                 continue
             if finished:
                 parent.unfinished.discard(state.request_id)
+            if (parent.prompt_logprobs is None and logprobs is not None
+                    and state.output_token_ids):  # its prompt logprobs are complete
+                parent.prompt_logprobs = logprobs.prompt_logprobs
             entry = moved.setdefault(parent.request_id, (parent, []))
             if completion is not None:
                 entry[1].append(completion)
@@ -186,8 +212,11 @@ class OutputProcessor:
         delta = kind == RequestOutputKind.DELTA
         text = state.text.next_text(finished, delta)
         token_ids = list(new_token_ids) if delta else list(state.output_token_ids)
+        logprobs = state.logprobs
         return CompletionOutput(
             index=state.index, text=text, token_ids=token_ids,
+            cumulative_logprob=None if logprobs is None else logprobs.cumulative_logprob,
+            logprobs=None if logprobs is None else logprobs.sample_out(delta, len(token_ids)),
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None)
 
@@ -207,6 +236,11 @@ class OutputProcessor:
                        for i, c in enumerate(parent.completions)]
         if not outputs:
             return None
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.output_kind == RequestOutputKind.DELTA:
+            if parent.prompt_logprobs_sent:
+                prompt_logprobs = None
+            parent.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outputs,
-                             finished=finished)
+                             finished=finished, prompt_logprobs=prompt_logprobs)

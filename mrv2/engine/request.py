@@ -106,6 +106,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need the logits of every prompt position, so a request that asked
+        for them computes its whole prompt (vLLM does the same). Once it sampled, its prompt
+        logprobs were delivered: a resumption may read the cache again."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The only way tokens are added: keeps output_token_ids and all_token_ids in step."""
         if isinstance(token_ids, int):

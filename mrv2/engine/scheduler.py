@@ -250,16 +250,30 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop checks, free finished requests.
 
-        Returns one output per request that got tokens or finished, in batch order.
+        Returns one output per request that got tokens or finished, in batch order, plus one
+        (without tokens) per prefill chunk that computed prompt logprobs. Logprobs travel with
+        their tokens: a dropped token's are dropped too.
         """
-        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        req_ids = model_runner_output.req_ids
+        sampled = dict(zip(req_ids, model_runner_output.sampled_token_ids))
+        # Only when some row asked for logprobs / prompt logprobs.
+        logprobs = (None if model_runner_output.logprobs is None
+                    else dict(zip(req_ids, model_runner_output.logprobs)))
+        prompt_logprobs = model_runner_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             token_ids = sampled.get(req_id)
-            # Aborted/finished since scheduling (not in `requests`) or preempted: drop.
-            if not token_ids or request is None or request.status != RequestStatus.RUNNING:
+            # Aborted/finished since scheduling (not in `requests`) or preempted: drop, with
+            # its logprobs (an async step past a stop samples a token nobody sees).
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            prompt_chunk = None if prompt_logprobs is None else prompt_logprobs.get(req_id)
+            if not token_ids:
+                if prompt_chunk is not None:  # a prefill chunk: its prompt logprobs only
+                    outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                                    new_prompt_logprobs=prompt_chunk))
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
@@ -273,9 +287,14 @@ class Scheduler:
             if request.is_finished:
                 finished.add(req_id)
                 self._free_finished(request)
+            new_logprobs = None
+            if logprobs is not None and (sample_logprobs := logprobs.get(req_id)) is not None:
+                # One sampled token per step (new_token_ids has exactly it): one entry.
+                new_logprobs = [sample_logprobs]
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=new_token_ids,
-                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason))
+                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                new_logprobs=new_logprobs, new_prompt_logprobs=prompt_chunk))
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs

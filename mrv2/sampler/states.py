@@ -141,7 +141,8 @@ class SamplingStates:
         greedy = params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
         # Greedy rows take the argmax path and ignore temperature and the filters.
         temperature = 0.0 if greedy else params.temperature
-        top_k = max(params.top_k, 0)
+        # k >= vocab keeps every token: stored as 0 (off), which also keeps it within int32.
+        top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         features = 0
         if not greedy:
             features |= ((TOP_K if 0 < top_k < vocab_size else 0)

@@ -45,6 +45,7 @@ def test_defaults(tiny_llama):
     assert config.parallel_config.tensor_parallel_size == 1
     assert config.compilation_config.cudagraph_mode == "NONE"
     assert config.model_config.hf_config.architectures == ["LlamaForCausalLM"]
+    assert config.model_config.logprobs_mode == "raw_logprobs"  # vLLM default
 
 
 def test_values_passed_through(tiny_llama):
@@ -59,6 +60,20 @@ def test_values_passed_through(tiny_llama):
     assert config.cache_config.enable_prefix_caching
     assert config.model_config.seed == 7
     assert config.max_num_blocks_per_req == 4  # ceil(100 / 32)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "raw_logits",
+                                  "processed_logits"])
+def test_logprobs_mode_reaches_the_sampler(tiny_llama, mode):
+    from mrv2.worker import Worker
+
+    config = EngineArgs(model=str(tiny_llama), max_model_len=64, max_num_seqs=2,
+                        logprobs_mode=mode, device="cpu").create_engine_config()
+    assert config.model_config.logprobs_mode == mode
+    worker = Worker(config)
+    worker.load_model()
+    worker.initialize_kv_cache(8)
+    assert worker.runner.sampler.logprobs_mode == mode
 
 
 def test_batched_tokens_default_covers_max_num_seqs(tiny_llama):
@@ -143,6 +158,8 @@ def test_bad_dtype(tiny_llama):
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
      "tensor_parallel_size=2"),
+    ({"logprobs_mode": "raw"}, "logprobs_mode='raw'.*raw_logprobs, raw_logits, "
+                               "processed_logprobs, processed_logits"),
 ])
 def test_cheap_checks_before_model_dir_is_read(tmp_path, kwargs, match):
     # The path does not exist: these errors must come first.

@@ -266,3 +266,26 @@ def test_killed_core_fails_every_generate(tiny_llama):
     client = asyncio.run(run())
     assert client.proc.exitcode == -signal.SIGKILL
     assert not os.path.exists(client.ipc_dir) and not mp.active_children()
+
+
+def test_merged_deltas_concatenate_logprobs():
+    from mrv2.engine.async_llm import _merge_delta
+    from mrv2.outputs import CompletionOutput, RequestOutput
+
+    def delta(ids, logprobs, prompt_logprobs=None, finish=None):
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1],
+                             outputs=[CompletionOutput(index=0, text="x" * len(ids),
+                                                       token_ids=ids, logprobs=logprobs,
+                                                       cumulative_logprob=-float(len(ids)),
+                                                       finish_reason=finish)],
+                             finished=finish is not None, prompt_logprobs=prompt_logprobs)
+
+    merged = _merge_delta(delta([5], [{5: -0.1}], prompt_logprobs=[None]),
+                          delta([6, 7], [{6: -0.2}, {7: -0.3}], finish="length"))
+    [completion] = merged.outputs
+    assert completion.token_ids == [5, 6, 7] and completion.text == "xxx"
+    assert completion.logprobs == [{5: -0.1}, {6: -0.2}, {7: -0.3}]
+    assert completion.cumulative_logprob == -2.0 and completion.finish_reason == "length"
+    assert merged.prompt_logprobs == [None] and merged.finished
+    plain = _merge_delta(delta([5], None), delta([6], None))
+    assert plain.outputs[0].logprobs is None

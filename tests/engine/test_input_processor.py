@@ -128,11 +128,24 @@ def test_vocab_edges_accepted(processor):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", 0), ("logprobs", 5), ("prompt_logprobs", 1),
+    ("logprobs", 0), ("logprobs", 5), ("logprobs", 20), ("prompt_logprobs", 0),
+    ("prompt_logprobs", 20),
 ])
-def test_unsupported_parameters(processor, field, value):
+def test_logprobs_accepted(processor, field, value):
     params = SamplingParams(**{field: value})
-    with pytest.raises(UnsupportedParameterError, match=field):
+    request, _ = processor.process("r", "hello", params)
+    assert getattr(request.sampling_params, field) == value
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 50), ("prompt_logprobs", 1.5),
+])
+def test_logprobs_out_of_range_refused(processor, field, value):
+    with pytest.raises(ValueError, match=rf"{field}.*\[0, 20\]"):
+        SamplingParams(**{field: value})
+    params = SamplingParams()
+    setattr(params, field, value)  # set after construction: the processor checks again
+    with pytest.raises(ValueError, match=rf"SamplingParams.{field}={value}.*\[0, 20\]"):
         processor.process("r", "hello", params)
 
 
@@ -172,9 +185,11 @@ def test_params_must_be_sampling_params(processor):
 
 
 def test_parameters_checked_before_the_prompt(processor):
-    # The unsupported parameter is reported even for a prompt that is also bad.
-    with pytest.raises(UnsupportedParameterError):
-        processor.process("r", "", SamplingParams(logprobs=1))
+    # The bad parameter is reported even for a prompt that is also bad.
+    params = SamplingParams()
+    params.logprobs = 21
+    with pytest.raises(ValueError, match="logprobs"):
+        processor.process("r", "", params)
 
 
 def test_eos_from_config(config, tokenizer):

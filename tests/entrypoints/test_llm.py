@@ -9,7 +9,7 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import ConfigError
-from mrv2.engine.input_processor import PromptError, UnsupportedParameterError
+from mrv2.engine.input_processor import PromptError
 
 PROMPT_LENS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 64, 100, 127, 128, 129, 200, 300]
 MAX_TOKENS = 64
@@ -111,6 +111,32 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_llama):
     assert a.outputs[0].token_ids != b.outputs[0].token_ids
 
 
+def test_seeded_request_alone_among_16_others_and_at_another_position(tiny_llama):
+    """Issue 4: a seeded request (temperature 0.8, seed 1234) draws the same tokens, with the
+    same logprobs, alone, first in a batch of 16 others and last in it."""
+    llm = LLM(str(tiny_llama), max_model_len=256, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.8, seed=1234, max_tokens=24, ignore_eos=True,
+                            logprobs=2)
+    prompt = "the seeded request's prompt"
+    rng = random.Random(0)
+    others = [{"prompt_token_ids": [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 90))]}
+              for _ in range(16)]
+    other_params = [SamplingParams(temperature=t, max_tokens=rng.randrange(4, 30),
+                                   top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, i]))
+                    for i, t in enumerate([0.0, 0.8, 1.0, 1.3] * 4)]
+    [alone] = llm.generate(prompt, params, use_tqdm=False)
+    first = llm.generate([prompt, *others], [params, *other_params], use_tqdm=False)[0]
+    last = llm.generate([*others, prompt], [*other_params, params], use_tqdm=False)[-1]
+    want = alone.outputs[0]
+    assert len(set(want.token_ids)) > 4  # really sampled
+    for got in (first.outputs[0], last.outputs[0]):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert list(a) == list(b)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"block_size": 12}, ConfigError, ["block_size=12", "power of two"]),
     ({"max_model_len": 10**6}, ConfigError, ["max_model_len=1000000"]),
@@ -144,6 +170,14 @@ def test_unsupported_architecture(tiny_model_factory, tmp_path):
     assert "GPT2LMHeadModel" in str(info.value) and "LlamaForCausalLM" in str(info.value)
 
 
+def _set_after_construction(**fields) -> SamplingParams:
+    """Params whose fields were changed after SamplingParams validated them."""
+    params = SamplingParams(max_tokens=4)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
 @pytest.fixture(scope="module")
 def small_llm(tiny_llama):
     return LLM(str(tiny_llama), max_model_len=64)
@@ -156,7 +190,7 @@ def small_llm(tiny_llama):
     ({"prompt_token_ids": list(range(3, 103))}, None, PromptError, ["100", "64"]),
     ({"prompt_token_ids": [1, 10**7]}, None, PromptError, ["10000000", "vocabulary"]),
     (123, None, PromptError, ["int"]),
-    ("hi", SamplingParams(logprobs=1), UnsupportedParameterError, ["logprobs"]),
+    ("hi", _set_after_construction(logprobs=21), ValueError, ["logprobs=21", "[0, 20]"]),
     ("hi", SamplingParams(logit_bias={10**7: 1.0}), ValueError, ["logit_bias", "vocabulary"]),
 ])
 def test_bad_prompts_are_rejected_before_any_work(small_llm, prompt, params, error, words):

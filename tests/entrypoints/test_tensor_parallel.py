@@ -83,6 +83,29 @@ def test_tp2_matches_tp1_and_transformers(tiny_model_factory, arch, extra, seede
         assert tp2[1] != tp2[0]  # the sampled run really sampled
 
 
+def test_tp2_logprobs_and_prompt_logprobs_match_tp1(tiny_model_factory):
+    """Every rank computes the prompt rows' logits too (the LM head all-gathers): a rank that
+    skipped them would hang the others."""
+    model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    results = []
+    for tp in (1, 2):
+        llm = LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=128,
+                  max_num_batched_tokens=32)
+        try:
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    for one, two in zip(*results):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs + one.prompt_logprobs[1:],
+                        two.outputs[0].logprobs + two.prompt_logprobs[1:]):
+            assert list(a) == list(b)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
 @pytest.mark.parametrize("tp, what", [(3, "num_attention_heads=4"),
                                       (4, "num_key_value_heads=2")])
 def test_tp_not_dividing_heads_refused(tiny_model_factory, tp, what):
