@@ -1,13 +1,16 @@
-"""The `mrv2` command line: `mrv2 generate` (offline generation).
+"""The `mrv2` command line: `mrv2 generate` (offline generation) and `mrv2 serve` (the
+OpenAI-compatible server, vLLM's flags).
 
-Without `--model`, `generate` uses the built-in tiny demo model (random weights, built
-locally on first use), so the command works on a fresh machine with no downloads.
+Without a model, both use the built-in tiny demo model (random weights, built locally on first
+use), so the commands work on a fresh machine with no downloads.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from mrv2.entrypoints.openai.cli_args import add_serve_args
 
 DEFAULT_PROMPTS = [
     "The quick brown fox",
@@ -44,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_serve_args(serve)
     return parser
 
 
@@ -83,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            from mrv2.entrypoints.openai.api_server import run_server
+
+            return run_server(args)
     except ValueError as error:  # bad input: a clear message, no traceback
         print(f"mrv2: error: {error}", file=sys.stderr)
         return 2

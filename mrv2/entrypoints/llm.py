@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.input_processor import PromptType
 from mrv2.engine.llm_engine import LLMEngine
+from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.outputs import RequestOutput
 from mrv2.sampling_params import SamplingParams
 
@@ -84,26 +85,8 @@ class LLM:
 
     def _render_chat(self, conversation, chat_template, add_generation_prompt,
                      continue_final_message, template_kwargs) -> dict[str, Any]:
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("LLM.chat needs a tokenizer with a chat template, and this model "
-                             "has no tokenizer")
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: pass chat_template=... to "
-                             "LLM.chat, or use LLM.generate with a formatted prompt")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be "
-                             "set")
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in conversation], tokenize=False, chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **template_kwargs)
-        # Templates that write the BOS themselves must not get a second one from the encoder;
-        # templates that leave it out (ChatML) rely on the encoder adding it.
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special_tokens = not (bos and text.startswith(bos))
-        token_ids = list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-        return {"prompt_token_ids": token_ids, "prompt": text}
+        return render_chat(self.get_tokenizer(), conversation, chat_template,
+                           add_generation_prompt, continue_final_message, template_kwargs)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -1,0 +1,150 @@
+"""The FastAPI app of `mrv2 serve`, and running it with uvicorn.
+
+The engine core runs in its own process (AsyncLLM); this process parses requests, tokenizes,
+detokenizes and streams, on one event loop. With `--api-key`, every `/v1` path needs
+`Authorization: Bearer KEY` (the other paths - health, metrics, tokenize, version - do not, as
+in vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from mrv2.engine.async_llm import AsyncLLM
+from mrv2.entrypoints.openai.cli_args import ServerConfig
+from mrv2.entrypoints.openai.errors import OpenAIError, from_validation_error, \
+    install_error_handlers
+from mrv2.entrypoints.openai.generation_config import default_sampling_params
+from mrv2.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, TokenizeRequest)
+from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
+from mrv2.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from mrv2.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+STATS_TIMEOUT_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (a BaseHTTPMiddleware would sit between a stream and its disconnect)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = OpenAIError("Incorrect or missing API key. Send it as "
+                                    "'Authorization: Bearer KEY'.", 401, code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def parse_body(raw_request: Request, model: type[M]) -> M:
+    body = await raw_request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def respond(result: dict[str, Any] | AsyncIterator[str]) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    from mrv2 import __version__
+
+    app = FastAPI(title="mrv2 OpenAI-compatible server", version=__version__)
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    metrics = ServerMetrics(config.model_name)
+    defaults = default_sampling_params(config.model, config.generation_config)
+    chat = OpenAIServingChat(engine, config, metrics, defaults)
+    completion = OpenAIServingCompletion(engine, config, metrics, defaults)
+    tokenization = OpenAIServingTokenization(chat)
+    app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, CompletionRequest)
+        return respond(await completion.create(request, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ChatCompletionRequest)
+        return respond(await chat.create(request, raw_request))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(tokenization.models())
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        return JSONResponse(tokenization.tokenize(await parse_body(raw_request,
+                                                                   TokenizeRequest)))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        return JSONResponse(tokenization.detokenize(await parse_body(raw_request,
+                                                                     DetokenizeRequest)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return OpenAIError(str(engine.dead_error), 503, code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        try:
+            stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - a dead engine still has API metrics
+            logger.debug("no engine stats for /metrics: %r", error)
+            stats = None
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    return app
+
+
+def run_server(args) -> int:
+    """`mrv2 serve`: build the engine, then serve until SIGINT / SIGTERM."""
+    import uvicorn
+
+    from mrv2.entrypoints.openai.cli_args import (engine_args_from, resolve_model,
+                                                  server_config_from)
+
+    model = resolve_model(args)
+    config = server_config_from(args, model)
+    default_sampling_params(model, config.generation_config)  # a bad value fails before loading
+    engine = AsyncLLM.from_engine_args(engine_args_from(args, model))
+    try:
+        app = build_app(engine, config)
+        uvicorn.run(app, host=config.host, port=config.port,
+                    log_level=config.uvicorn_log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,98 @@
+"""`mrv2 serve` flags, with vLLM's names, and what they become: EngineArgs + ServerConfig.
+
+This module stays light (no torch, FastAPI or engine import at module level): `mrv2 --help`
+builds every sub-parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mrv2.engine.arg_utils import EngineArgs
+
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    served_model_names: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    chat_template: str | None = None  # the template text (a --chat-template file is read)
+    generation_config: str = "auto"
+    uvicorn_log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry."""
+        return self.served_model_names[0]
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` sub-command's flags (the engine ones shared with `generate` come from
+    mrv2.entrypoints.cli.add_engine_args)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Hugging Face model directory (default: the built-in tiny model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 (or ${API_KEY_ENV})")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use; the first is the one responses carry")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True)
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template file, or the template itself")
+    parser.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
+                        help="auto: the model's generation_config.json gives default sampling "
+                             "parameters; vllm: OpenAI's defaults")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    model = args.model_tag or args.model
+    if model is None:
+        from mrv2.testing import default_demo_model_path
+
+        model = str(default_demo_model_path())
+        print(f"Using the built-in tiny model (random weights) at {model}", flush=True)
+    return model
+
+
+def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
+    from mrv2.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      block_size=args.block_size, seed=args.seed,
+                      kv_cache_memory_gb=args.kv_cache_memory_gb,
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      enable_prefix_caching=args.enable_prefix_caching,
+                      enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+
+
+def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
+    from mrv2.entrypoints.chat_utils import load_chat_template
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port")
+    return ServerConfig(model=model, served_model_names=args.served_model_name or [model],
+                        host=args.host, port=args.port,
+                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        chat_template=load_chat_template(args.chat_template),
+                        generation_config=args.generation_config,
+                        uvicorn_log_level=args.uvicorn_log_level)

@@ -1,0 +1,252 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields), and their
+SamplingParams.
+
+Unknown fields are refused (400 "Unrecognized request argument supplied"), as OpenAI's own API
+does: a misspelt parameter is an error, not silently ignored. Every OpenAI field a standard client
+sends is declared; those whose meaning this server does not implement (tools, response formats
+other than text, suffix, best_of > n) are refused by name rather than ignored. Numbers are
+bounded so that nothing a client sends can overflow when it crosses to the engine core, and
+NaN / infinity are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from mrv2.entrypoints.openai.errors import BadRequest
+from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
+
+INT64_MAX = 2**63 - 1
+# Samples per prompt: each is a request in the engine, so a huge n is refused, not queued.
+MAX_N = 128
+
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields completions and chat share."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra parameters (the client's `extra_body`).
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[TokenId] | None = None
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options can only be set when stream is true",
+                             param="stream_options")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int | None, *, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request with `max_tokens` (the caller's, once it knows the
+        prompt's length). Raises ValueError on a bad value."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        return SamplingParams(
+            n=self.n, presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_logit_bias(self.logit_bias), allowed_token_ids=self.allowed_token_ids)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with string keys; biases are clamped to [-100, 100]."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}",
+                             param="logit_bias") from None
+        if not 0 <= token <= INT64_MAX:
+            raise BadRequest(f"logit_bias key {key!r} is not a valid token id",
+                             param="logit_bias")
+        out[token] = min(max(value, -100.0), 100.0)
+    return out
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+    # vLLM's extra parameters.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+
+    def check(self) -> None:
+        self.check_stream_options()
+        if self.suffix:
+            raise BadRequest("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest(f"best_of={self.best_of} is not supported: only best_of == n",
+                             param="best_of")
+        if self.stream and self.prompt_logprobs is not None:
+            raise BadRequest("prompt_logprobs is not supported when streaming",
+                             param="prompt_logprobs")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+        # Echo with logprobs needs the prompt's logprobs too (they are part of the answer).
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs
+        return self.sampling_params(max_tokens, logprobs=self.logprobs,
+                                    prompt_logprobs=prompt_logprobs, defaults=defaults)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Clients send fields of their own in messages (name, tool_calls, refusal, ...): they are
+    # handed to the chat template, as vLLM does.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise BadRequest(f"message content of type {part.type!r} is not supported: "
+                                     f"only text", param="messages")
+                texts.append(part.text)
+            message["content"] = "\n".join(texts)
+        elif content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM's extra parameters.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # None: add the BOS only when the rendered template does not start with it.
+    add_special_tokens: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self.check_stream_options()
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise BadRequest(f"response_format {self.response_format.get('type')!r} is not "
+                             f"supported: only 'text'", param="response_format")
+        if self.tools or self.functions or self.function_call not in (None, "none", "auto"):
+            raise BadRequest("tool and function calling are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise BadRequest("tool_choice is not supported", param="tool_choice")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise BadRequest("add_generation_prompt and continue_final_message cannot both be "
+                             "true", param="continue_final_message")
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs=logprobs, defaults=defaults)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+

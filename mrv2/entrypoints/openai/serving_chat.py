@@ -1,0 +1,108 @@
+"""`POST /v1/chat/completions`: the conversation rendered with the chat template (the
+request's, `--chat-template`, or the tokenizer's), then one engine request with n samples."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from mrv2.entrypoints.chat_utils import render_chat
+from mrv2.entrypoints.openai.errors import BadRequest
+from mrv2.entrypoints.openai.logprobs import chat_logprobs
+from mrv2.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream, merge_streams,
+                                                    now, random_id, run_until_disconnected,
+                                                    sse, usage)
+
+ROLE = "assistant"
+
+
+class OpenAIServingChat(OpenAIServing):
+    def render(self, messages: list[ChatMessage], *, chat_template: str | None = None,
+               add_generation_prompt: bool = True, continue_final_message: bool = False,
+               chat_template_kwargs: dict[str, Any] | None = None,
+               add_special_tokens: bool | None = None) -> dict[str, Any]:
+        """{"prompt", "prompt_token_ids"}; a template that fails on these messages is a 400."""
+        self.check_tokenizer("chat")
+        conversation = [m.to_template_dict() for m in messages]
+        try:
+            return render_chat(self.tokenizer, conversation,
+                               chat_template or self.config.chat_template, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs, add_special_tokens)
+        except Exception as error:  # noqa: BLE001 - jinja raises many types on bad input
+            raise BadRequest(f"the chat template could not be applied: {error}",
+                             param="messages") from None
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request):
+        """A response dict, or (streaming) an async iterator of SSE strings."""
+        self.check_model(request.model)
+        request.check()
+        prompt = self.render(request.messages, chat_template=request.chat_template,
+                             add_generation_prompt=request.add_generation_prompt,
+                             continue_final_message=request.continue_final_message,
+                             chat_template_kwargs=request.chat_template_kwargs,
+                             add_special_tokens=request.add_special_tokens)
+        param = "max_completion_tokens" if request.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = self.max_tokens_for(len(prompt["prompt_token_ids"]),
+                                         request.requested_max_tokens(), param)
+        params = request.to_sampling_params(max_tokens, self.default_sampling)
+        self.engine.input_processor.process("validate", prompt, params)
+        request_id = random_id("chatcmpl")
+        stream = self.generate(prompt, params, request_id)
+        num_prompt = len(prompt["prompt_token_ids"]) * request.n
+        if request.stream:
+            return event_stream(self._stream(request, request_id, stream, num_prompt))
+        return await run_until_disconnected(
+            raw_request, self._full(request, request_id, stream, num_prompt))
+
+    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
+                  logprobs: list | None) -> dict | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(token_ids, logprobs or [], self.tokenizer, request.top_logprobs or 0)
+
+    async def _full(self, request: ChatCompletionRequest, request_id: str, stream,
+                    num_prompt: int) -> dict[str, Any]:
+        n = request.n
+        texts, token_ids = [""] * n, [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
+        finish: list[tuple[str | None, Any]] = [(None, None)] * n
+        async for _, output in merge_streams([stream]):
+            for c in output.outputs:
+                texts[c.index] += c.text
+                token_ids[c.index].extend(c.token_ids)
+                logprobs[c.index].extend(c.logprobs or [])
+                finish[c.index] = (c.finish_reason, c.stop_reason)
+        choices = [{"index": i, "message": {"role": ROLE, "content": texts[i]},
+                    "logprobs": self._logprobs(request, token_ids[i], logprobs[i]),
+                    "finish_reason": finish[i][0], "stop_reason": finish[i][1]}
+                   for i in range(n)]
+        return {"id": request_id, "object": "chat.completion", "created": now(),
+                "model": self.config.model_name, "choices": choices,
+                "usage": usage(num_prompt, sum(len(t) for t in token_ids))}
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, stream,
+                      num_prompt: int) -> AsyncIterator[str]:
+        created, model = now(), self.config.model_name
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": choices, **extra})
+
+        # The first chunk of every choice carries the role (OpenAI's and vLLM's order).
+        yield chunk([{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(request.n)])
+        num_generated = 0
+        async for _, output in merge_streams([stream]):
+            for c in output.outputs:
+                num_generated += len(c.token_ids)
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                              "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if request.include_usage():
+            yield chunk([], usage=usage(num_prompt, num_generated))

@@ -1,0 +1,110 @@
+"""The small endpoints (models, version, tokenize, detokenize, health), the server flags
+(--generation-config, --chat-template, --served-model-name) and a dead engine (503)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+import mrv2
+
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, RemoteServer
+
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+def test_models_and_version(server, client):
+    [card] = client.models.list().data
+    assert card.id == MODEL_NAME and card.object == "model" and card.owned_by == "mrv2"
+    assert card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/version").json() == {"version": mrv2.__version__}
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_tokenize_and_detokenize(server, tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    out = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello world"}).json()
+    assert out["tokens"] == tokenizer("hello world").input_ids
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_MODEL_LEN
+    bare = httpx.post(f"{server.url}/tokenize",
+                      json={"prompt": "hello world", "add_special_tokens": False,
+                            "return_token_strs": True}).json()
+    assert bare["tokens"] == out["tokens"][1:]
+    assert bare["token_strs"] == tokenizer.convert_ids_to_tokens(bare["tokens"])
+    chat = httpx.post(f"{server.url}/tokenize",
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat["tokens"] == tokenizer(rendered).input_ids
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": bare["tokens"]}).json()
+    assert text == {"prompt": "hello world"}
+
+
+@pytest.fixture(scope="module")
+def custom_server(tiny_llama, tmp_path_factory):
+    """Its own model copy whose generation_config.json sets sampling defaults, a chat
+    template file, two served names and no API key. Killed by the last test."""
+    root = tmp_path_factory.mktemp("custom")
+    model = root / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(max_new_tokens=3, temperature=0.0)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    template = root / "template.jinja"
+    template.write_text(TEMPLATE)
+    remote = RemoteServer(model, ["--max-model-len", "128", "--served-model-name", "a", "b",
+                                  "--chat-template", str(template),
+                                  "--generation-config", "auto", "--no-async-scheduling",
+                                  "--uvicorn-log-level", "warning"])
+    yield remote
+    remote.stop()
+
+
+def test_generation_config_defaults_and_chat_template(custom_server, tiny_llama):
+    client = custom_server.client(api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["a", "b"]
+    messages = [{"role": "user", "content": "hi"}]
+    # No max_tokens and no temperature: max_new_tokens=3 and greedy from generation_config.
+    first = client.chat.completions.create(model="b", messages=messages,
+                                           extra_body={"ignore_eos": True})
+    assert first.model == "a" and first.usage.completion_tokens == 3
+    again = client.chat.completions.create(model="a", messages=messages,
+                                           extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == first.choices[0].message.content
+    # The request's own values win, except that max_new_tokens caps max_tokens (as in vLLM).
+    sampled = client.chat.completions.create(model="a", messages=messages, temperature=1.0,
+                                             seed=3, n=2, max_tokens=5,
+                                             extra_body={"ignore_eos": True})
+    assert sampled.choices[0].message.content != sampled.choices[1].message.content
+    assert sampled.usage.completion_tokens == 2 * 3
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert first.usage.prompt_tokens == len(tokenizer("<<hi>>").input_ids)
+    tokens = httpx.post(f"{custom_server.url}/tokenize", json={"messages": messages}).json()
+    assert tokens["tokens"] == tokenizer("<<hi>>").input_ids
+    # Completions' default max_tokens (16) is capped too.
+    out = client.completions.create(model="a", prompt="hello", extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_health_is_503_once_the_engine_is_dead(custom_server):
+    assert httpx.get(f"{custom_server.url}/health").status_code == 200
+    os.kill(custom_server.core_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{custom_server.url}/health").status_code != 503:
+        assert time.monotonic() < deadline, "health did not turn 503"
+        time.sleep(0.1)
+    error = httpx.get(f"{custom_server.url}/health").json()["error"]
+    assert error["code"] == "engine_dead" and "died" in error["message"]
+    client = custom_server.client(api_key="unused")
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="a", prompt="hello")
+    assert info.value.status_code == 503
+    # The API process lives on: its own metrics still answer and parse.
+    assert "mrv2:prompt_tokens_total" in custom_server.metrics()

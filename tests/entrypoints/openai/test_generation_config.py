@@ -1,0 +1,29 @@
+"""`--generation-config auto|vllm`: default sampling parameters from generation_config.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mrv2.entrypoints.openai.generation_config import default_sampling_params
+
+
+def test_auto_reads_sampling_fields_and_vllm_reads_none(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.1,
+         "max_new_tokens": 64, "do_sample": True, "bos_token_id": 0, "eos_token_id": [1, 2]}))
+    assert default_sampling_params(str(tmp_path), "auto") == {
+        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
+        "repetition_penalty": 1.1, "max_tokens": 64}
+    assert default_sampling_params(str(tmp_path), "vllm") == {}
+
+
+def test_missing_or_broken_files_give_no_defaults(tmp_path):
+    assert default_sampling_params(str(tmp_path)) == {}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert default_sampling_params(str(tmp_path)) == {}
+    (tmp_path / "generation_config.json").write_text('{"temperature": "hot", "top_k": true}')
+    assert default_sampling_params(str(tmp_path)) == {}
+    with pytest.raises(ValueError, match="generation-config"):
+        default_sampling_params(str(tmp_path), "sometimes")

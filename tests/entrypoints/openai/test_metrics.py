@@ -1,0 +1,124 @@
+"""`/metrics`: Prometheus text that prometheus_client parses, the engine's gauges, the API
+process's counters and histograms, and disconnected clients leaving nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from mrv2.engine.core_proc import CoreStats
+from mrv2.entrypoints.openai.metrics import ServerMetrics
+
+from .conftest import API_KEY, MODEL_NAME
+
+STATS = CoreStats(num_running=3, num_waiting=2, num_unfinished=5, has_unfinished=True,
+                  kv_cache_usage=0.25, num_free_blocks=30, num_kv_blocks=40, num_preemptions=1,
+                  prefix_cache_queries=100, prefix_cache_hits=40)
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if "le" not in s.labels and "finished_reason" not in s.labels}
+
+
+def test_render_parses_and_carries_engine_and_request_metrics():
+    metrics = ServerMetrics("m")
+    timer = metrics.request_timer(num_prompt_tokens=7)
+    timer.on_tokens(1)
+    timer.on_tokens(3)
+    timer.on_completion_finished("length")
+    timer.on_request_finished(aborted=False)
+    aborted = metrics.request_timer(num_prompt_tokens=2)
+    aborted.on_request_finished(aborted=True)
+    values = _samples(metrics.render(STATS).decode())
+    assert values["mrv2:num_requests_running"] == 3
+    assert values["mrv2:num_requests_waiting"] == 2
+    assert values["mrv2:kv_cache_usage_perc"] == 0.25
+    assert values["mrv2:prefix_cache_queries_total"] == 100
+    assert values["mrv2:prefix_cache_hits_total"] == 40
+    assert values["mrv2:prefix_cache_hit_rate"] == 0.4
+    assert values["mrv2:num_preemptions_total"] == 1
+    assert values["mrv2:prompt_tokens_total"] == 9
+    assert values["mrv2:generation_tokens_total"] == 4
+    assert values["mrv2:time_to_first_token_seconds_count"] == 1
+    assert values["mrv2:time_per_output_token_seconds_count"] == 1
+    assert values["mrv2:e2e_request_latency_seconds_count"] == 1  # the aborted one is not
+    # Without engine stats (a dead engine) the API-side metrics remain.
+    without = _samples(metrics.render(None).decode())
+    assert "mrv2:num_requests_running" not in without
+    assert without["mrv2:prompt_tokens_total"] == 9
+
+
+def test_server_metrics_count_a_request(server, client):
+    before = server.metrics()
+    out = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5,
+                                    temperature=0.0, extra_body={"ignore_eos": True})
+    after = server.metrics()
+    assert after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"] == 5
+    assert after["mrv2:prompt_tokens_total"] - before["mrv2:prompt_tokens_total"] == \
+        out.usage.prompt_tokens
+    assert after["mrv2:e2e_request_latency_seconds_count"] == \
+        before["mrv2:e2e_request_latency_seconds_count"] + 1
+    assert after["mrv2:time_to_first_token_seconds_count"] == \
+        before["mrv2:time_to_first_token_seconds_count"] + 1
+    assert after["mrv2:prefix_cache_queries_total"] > before["mrv2:prefix_cache_queries_total"]
+    for name in ("mrv2:num_requests_running", "mrv2:num_requests_waiting",
+                 "mrv2:kv_cache_usage_perc", "mrv2:prefix_cache_hit_rate"):
+        assert name in after
+
+
+def _wait_idle(server, timeout_s: float = 15.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = server.metrics()
+        idle = values["mrv2:num_requests_running"] == 0 and \
+            values["mrv2:num_requests_waiting"] == 0 and values["mrv2:kv_cache_usage_perc"] == 0
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
+
+
+def test_disconnected_clients_are_aborted(server):
+    max_tokens = 450
+    body = {"model": MODEL_NAME, "prompt": "once upon a time", "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = _wait_idle(server)
+
+    async def leave_a_stream(http: httpx.AsyncClient, i: int) -> int:
+        chunks = 0
+        async with http.stream("POST", "/v1/completions", headers=headers,
+                               json={**body, "prompt": f"{i} once upon a time",
+                                     "stream": True}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 2:
+                    break  # leaving the block closes the connection mid-generation
+        return chunks
+
+    async def leave_a_request(http: httpx.AsyncClient) -> None:
+        try:
+            await http.post("/v1/completions", headers=headers, json=body, timeout=0.3)
+        except httpx.TimeoutException:
+            return
+        raise AssertionError("a 450-token request finished within 0.3 s")
+
+    async def main() -> list[int]:
+        limits = httpx.Limits(max_connections=50)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as http:
+            streams = [leave_a_stream(http, i) for i in range(20)]
+            plain = [leave_a_request(http) for _ in range(3)]
+            return (await asyncio.gather(*streams, *plain))[:20]
+
+    assert asyncio.run(main()) == [2] * 20
+    after = _wait_idle(server)
+    assert after["mrv2:num_requests_running"] == 0
+    assert after["mrv2:num_requests_waiting"] == 0
+    assert after["mrv2:kv_cache_usage_perc"] == 0
+    # Aborted, not run to the end: far fewer tokens than 23 full requests.
+    generated = after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"]
+    assert generated < 23 * max_tokens / 2, generated
