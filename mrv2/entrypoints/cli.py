@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
+    from mrv2.entrypoints.bench import add_bench_parser
+
+    add_bench_parser(sub)  # `mrv2 bench throughput | serve` (mrv2/entrypoints/bench/)
     return parser
 
 
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "bench":
+            from mrv2.entrypoints.bench import run_bench
+
+            return run_bench(args)
         if args.command == "serve":
             from mrv2.entrypoints.openai.api_server import run_server
 
