@@ -2,7 +2,9 @@
 
 - `gemv`: one decode step's worth of W1 projections (8 layers + LM head, 127 MB of fp32
   weights, more than the L3, so weights stream from DRAM as in a real step) at 1 and 4 rows,
-  the numba GEMV (`cpu_gemv.linear`) vs `F.linear`;
+  the numba GEMV (`cpu_gemv.gemv`) vs `F.linear`;
+- `linear`: the same step at 32 rows (W1's decode batch) and a 512-row prefill chunk,
+  `cpu_linear.linear` (oneDNN, weights packed once) vs `F.linear` (MKL);
 - `decode-attention`: 32 decode rows of 256 tokens (W1's attention shape), the numba kernel
   reading the paged cache in place vs the gather-then-einsum torch path.
 """
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from mrv2.attention import AttentionMetadata, torch_paged
 from mrv2.attention.decode_numba import decode_attention
-from mrv2.models.layers import cpu_gemv
+from mrv2.models.layers import cpu_gemv, cpu_linear
 
 # W1: hidden 512, 8 layers, q 512 + kv 2*256, intermediate 1408, vocab 16000.
 W1_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(16000, 512)]
@@ -46,9 +48,31 @@ def test_gemv(benchmark, w1_weights, impl, rows):
                                 threads=2, seed=0)
     g = torch.Generator().manual_seed(1)
     xs = {k: torch.randn(rows, k, generator=g) for k in (512, 1408)}
-    fn = cpu_gemv.linear if impl == "numba_gemv" else F.linear
+    fn = cpu_gemv.gemv if impl == "numba_gemv" else F.linear
     for w in w1_weights[-1:]:
-        torch.testing.assert_close(cpu_gemv.linear(xs[512], w), F.linear(xs[512], w),
+        torch.testing.assert_close(cpu_gemv.gemv(xs[512], w), F.linear(xs[512], w),
+                                   rtol=1e-4, atol=1e-3)
+
+    def step() -> None:
+        with torch.inference_mode():
+            for w in w1_weights:
+                fn(xs[w.shape[1]], w)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("rows", [32, 512])
+@pytest.mark.parametrize("impl", ["onednn_packed", "torch_linear"])
+def test_linear(benchmark, w1_weights, impl, rows):
+    benchmark.group = f"linear-w1-step-{rows}rows"
+    flops = sum(2 * rows * w.numel() for w in w1_weights)
+    benchmark.extra_info.update(rows=rows, gflop=flops / 1e9, shapes="W1 x8 + lm_head",
+                                threads=2, seed=0)
+    g = torch.Generator().manual_seed(1)
+    xs = {k: torch.randn(rows, k, generator=g) for k in (512, 1408)}
+    fn = cpu_linear.linear if impl == "onednn_packed" else F.linear
+    with torch.inference_mode():
+        torch.testing.assert_close(fn(xs[512], w1_weights[-1]), F.linear(xs[512], w1_weights[-1]),
                                    rtol=1e-4, atol=1e-3)
 
     def step() -> None:

@@ -4,8 +4,8 @@ Why: a decode step with 1-4 tokens is bound by reading the weights from DRAM, an
 behind `F.linear` reaches only ~8 GB/s on 2 cores for these shapes when the weights are not in
 cache (the whole model is larger than the L3). This kernel splits W's rows over the threads
 in chunks of 64 and reads each row once for all of x's rows: ~20 GB/s on the same machine
-(bench/test_model_layers.py). Larger batches are compute-bound, where BLAS wins: they keep
-`F.linear`.
+(bench/test_model_layers.py). Larger batches are compute-bound: cpu_linear.py sends them to
+oneDNN.
 
 Numerics: fp32 dot products in a different summation order than BLAS (~1e-7 relative).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from numba import njit, prange
 
 # At most this many rows of x take the GEMV path (measured: still ~2x BLAS at 4 rows).
@@ -36,18 +35,10 @@ def _gemv_kernel(x, w, out):
                 out[m, n] = acc
 
 
-def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_GEMV_ROWS and x.device.type == "cpu"
-            and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and not torch.is_grad_enabled())
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; x [M, K] with M <= MAX_GEMV_ROWS in float32 on CPU runs
-    the GEMV kernel."""
-    if not _use_gemv(x, weight):
-        return F.linear(x, weight, bias)
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) for float32 CPU tensors, a contiguous weight and a
+    few rows (the caller, cpu_linear.linear, checks)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     _gemv_kernel(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     if bias is not None:

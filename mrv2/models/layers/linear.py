@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from mrv2 import distributed
-from mrv2.models.layers import cpu_gemv
+from mrv2.models.layers import cpu_linear
 
 ShardId = Hashable
 
@@ -133,7 +133,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemv.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -209,8 +209,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return cpu_gemv.linear(x, self.weight, self.bias)
-        out = distributed.tp_all_reduce(cpu_gemv.linear(x, self.weight))
+            return cpu_linear.linear(x, self.weight, self.bias)
+        out = distributed.tp_all_reduce(cpu_linear.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mrv2 import distributed
-from mrv2.models.layers import cpu_gemv
+from mrv2.models.layers import cpu_linear
 from mrv2.models.layers.linear import (_tp, _copy, set_weight_attrs, tensor_shape, narrow)
 
 
@@ -84,7 +84,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 def parallel_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """hidden [N, hidden] -> float32 logits [N, V] through a vocab-split weight (an LM head or
     the tied embedding)."""
-    logits = cpu_gemv.linear(hidden_states, head.weight)
+    logits = cpu_linear.linear(hidden_states, head.weight)
     if head.tp_size > 1:
         logits = distributed.tp_all_gather(logits, dim=-1)[:, :head.num_embeddings]
     return logits.float()

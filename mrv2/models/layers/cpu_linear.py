@@ -1,0 +1,63 @@
+"""`F.linear` for float32 on CPU: the GEMV kernel for 1-4 rows, oneDNN with the weight packed
+once for more.
+
+Why oneDNN: torch's CPU `F.linear` calls MKL's sgemm, which on this AMD machine runs its AVX2
+code (~220 GFLOP/s on 2 cores at best, 100-170 at the 32-row shapes of a decode step) and repacks
+the weight on every call. oneDNN picks the widest ISA the CPU has (AVX-512 here) and, with the
+weight reordered into its blocked layout ahead of time, reaches 2-3x that from 1 row to 4096
+(bench/test_model_layers.py). A decode step of 1-4 rows is bound by streaming the weights from
+DRAM instead, where the numba GEMV (cpu_gemv.py) still does better end to end. Results agree
+with `F.linear` to ~1e-6 relative (another summation order).
+
+The packed copy is cached on the weight tensor itself and keyed by the tensor's version
+counter: a weight changed in place (loading, a test that rewrites it) is repacked at its next
+use, never served stale. The dense weight stays (embeddings, tied heads and the loaders read
+it), so packed layers hold their weights twice in host memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mrv2.models.layers import cpu_gemv
+
+_ATTR = "_mrv2_onednn_packed"  # (version, packed weight) on the weight tensor
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def _float32_cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.dim() == 2 and x.dim() == 2 and x.shape[0] > 0
+            and not torch.is_grad_enabled())
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight` [N, K], packed at first use and after any in-place
+    change of `weight`."""
+    cached = getattr(weight, _ATTR, None)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    setattr(weight, _ATTR, (weight._version, packed))
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; float32 CPU 2-D inputs outside autograd run the GEMV
+    kernel (at most `cpu_gemv.MAX_GEMV_ROWS` rows) or oneDNN."""
+    if not _float32_cpu_inference(x, weight):
+        return F.linear(x, weight, bias)
+    if x.shape[0] <= cpu_gemv.MAX_GEMV_ROWS and weight.is_contiguous():
+        return cpu_gemv.gemv(x, weight, bias)
+    if not _AVAILABLE:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias,
+                                              "none", [], "")
+
+
+_AVAILABLE = available()

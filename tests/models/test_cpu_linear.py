@@ -1,0 +1,60 @@
+"""cpu_linear.linear against F.linear on every path (GEMV, oneDNN packed, fallback), and the
+packed-weight cache's invalidation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2.models.layers import cpu_gemv, cpu_linear
+
+needs_onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_matches_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(130, 96, generator=gen)
+    b = torch.randn(130, generator=gen) if bias else None
+    torch.testing.assert_close(cpu_linear.linear(x, w, b), F.linear(x, w, b), rtol=1e-5,
+                               atol=1e-4)
+
+
+@needs_onednn
+@torch.no_grad()
+def test_packed_weight_is_cached_and_repacked_after_in_place_changes():
+    w = torch.randn(64, 32)
+    x = torch.randn(cpu_gemv.MAX_GEMV_ROWS + 3, 32)
+    first = cpu_linear.packed_weight(w)
+    assert cpu_linear.packed_weight(w) is first  # packed once
+    torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    w.mul_(-2.0)  # e.g. weights reloaded in place
+    assert cpu_linear.packed_weight(w) is not first
+    torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_parameters_and_strided_inputs():
+    layer = torch.nn.Linear(48, 40)
+    x = torch.randn(48, 10).t()  # [10, 48], not contiguous
+    torch.testing.assert_close(cpu_linear.linear(x, layer.weight, layer.bias), layer(x),
+                               rtol=1e-5, atol=1e-5)
+    wt = torch.randn(48, 40).t()  # a non-contiguous weight skips the GEMV
+    one = torch.randn(1, 48)
+    torch.testing.assert_close(cpu_linear.linear(one, wt), F.linear(one, wt), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_autograd_other_dtypes_and_shapes_use_f_linear():
+    w = torch.randn(16, 8)
+    x = torch.randn(6, 8, requires_grad=True)
+    cpu_linear.linear(x, w).sum().backward()  # grad mode: F.linear keeps the graph
+    assert x.grad is not None
+    with torch.no_grad():
+        for xi, wi in [(torch.randn(6, 8).double(), w.double()),
+                       (torch.randn(2, 3, 8), w), (torch.randn(0, 8), w)]:
+            torch.testing.assert_close(cpu_linear.linear(xi, wi), F.linear(xi, wi))
