@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import signal
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -129,6 +130,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_server(args) -> int:
     """`mrv2 serve`: build the engine, then serve until SIGINT / SIGTERM."""
     import uvicorn
@@ -140,6 +145,10 @@ def run_server(args) -> int:
     config = server_config_from(args, model)
     default_sampling_params(model, config.generation_config)  # a bad value fails before loading
     engine = AsyncLLM.from_engine_args(engine_args_from(args, model))
+    # uvicorn re-raises the SIGTERM / SIGINT it caught once it has shut down; with the default
+    # SIGTERM action that would kill this process before `finally` stops the engine core and
+    # removes its socket directory. Turned into SystemExit, the unwinding runs.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         app = build_app(engine, config)
         uvicorn.run(app, host=config.host, port=config.port,

@@ -8,6 +8,7 @@ most of the cost); tests that break a server (killing its core) start their own.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +40,11 @@ class RemoteServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mrv2-serve-", suffix=".log",
                                                delete=False)
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        # A private TMPDIR: the engine core's socket directory lands there, so a test can
+        # check that stopping the server removed it.
+        self.tmpdir = tempfile.mkdtemp(prefix="mrv2-serve-tmp-")
+        self.leftovers: list[str] = []
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TMPDIR=self.tmpdir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mrv2.entrypoints.cli", "serve", str(model),
              "--port", str(self.port), *args],
@@ -118,6 +123,8 @@ class RemoteServer:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
+        self.leftovers = sorted(os.listdir(self.tmpdir))
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def _children(pid: int) -> list[int]:

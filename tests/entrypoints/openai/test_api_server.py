@@ -93,6 +93,16 @@ def test_generation_config_defaults_and_chat_template(custom_server, tiny_llama)
     assert out.usage.completion_tokens == 3
 
 
+def test_sigterm_stops_the_core_and_removes_its_socket_directory(tiny_llama):
+    remote = RemoteServer(tiny_llama, ["--max-model-len", "64", "--uvicorn-log-level",
+                                       "warning"])
+    core = remote.core_pid()
+    assert any(name.startswith("mrv2-core-") for name in os.listdir(remote.tmpdir))
+    remote.stop()  # SIGTERM, as a service manager would
+    assert remote.leftovers == []
+    assert not os.path.exists(f"/proc/{core}")
+
+
 def test_health_is_503_once_the_engine_is_dead(custom_server):
     assert httpx.get(f"{custom_server.url}/health").status_code == 200
     os.kill(custom_server.core_pid(), signal.SIGKILL)
