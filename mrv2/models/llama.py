@@ -27,6 +27,7 @@ from torch import nn
 
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
+from mrv2.models.layers import cpu_fused
 from mrv2.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
@@ -79,7 +80,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_fused.supported(gate_up):
+            return self.down_proj(cpu_fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

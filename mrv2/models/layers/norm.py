@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mrv2.models.layers import cpu_fused
 from mrv2.models.layers.linear import default_weight_loader, set_weight_attrs
 
 
@@ -33,6 +34,8 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), where the
         second value is the residual stream the next layer adds its output to."""
+        if cpu_fused.supported(x, self.weight, *(() if residual is None else (residual,))):
+            return cpu_fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         # Added in the activation dtype, as transformers' `residual + hidden_states`.
