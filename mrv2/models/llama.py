@@ -69,6 +69,11 @@ def check_no_sliding_window(model_config: ModelConfig) -> None:
             f"not implement sliding-window attention yet. Set max_model_len <= {window}.")
 
 
+# On CPU the MLP runs long batches in row chunks whose [rows, 2I] float32 intermediate is
+# about this size (a quarter of this machine's 32 MiB L3).
+CPU_CHUNK_BYTES = 8 << 20
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  hidden_act: str) -> None:
@@ -80,6 +85,23 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.cpu_chunk_rows
+        if x.device.type == "cpu" and x.shape[0] > rows:
+            # A prefill's [T, 2I] intermediate is far larger than the caches (46 MB for 4096
+            # tokens of W1) and costs page faults and DRAM round trips; chunks of rows keep
+            # it in the L3 (measured: -5% end to end on W1).
+            out = x.new_empty(x.shape[0], x.shape[1])
+            for start in range(0, x.shape[0], rows):
+                out[start:start + rows] = self._forward(x[start:start + rows])
+            return out
+        return self._forward(x)
+
+    @property
+    def cpu_chunk_rows(self) -> int:
+        """Rows per chunk on CPU: the gate/up intermediate stays within CPU_CHUNK_BYTES."""
+        return max(128, CPU_CHUNK_BYTES // (8 * self.intermediate_size))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if cpu_fused.supported(gate_up):
             return self.down_proj(cpu_fused.silu_and_mul(gate_up))
