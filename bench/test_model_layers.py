@@ -83,12 +83,13 @@ def test_linear(benchmark, w1_weights, impl, rows):
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 
 
-def _decode_case(rows: int = 32, seq_len: int = 256, block_size: int = 16):
+def _decode_case(rows: int = 32, seq_len: int = 256, block_size: int = 16, layers: int = 1):
     g = torch.Generator().manual_seed(0)
     kv_heads, heads, head_dim = 4, 8, 64
     blocks_per_row = seq_len // block_size
     num_blocks = rows * blocks_per_row + 1
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    caches = [torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+              for _ in range(layers)]
     perm = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 is the null block
     tables = perm.view(rows, blocks_per_row).to(torch.int32)
     seq_lens = np.full(rows, seq_len, np.int32)
@@ -99,22 +100,29 @@ def _decode_case(rows: int = 32, seq_len: int = 256, block_size: int = 16):
         block_tables=tables, slot_mapping=torch.zeros(rows, dtype=torch.int64),
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_seq_len=seq_len)
     q = torch.randn(rows, heads, head_dim, generator=g)
-    return q, cache, meta
+    return q, caches, meta
 
 
+# 1 layer: the cache (16 MiB) stays in the L3; 8 layers (134 MiB): every step reads from DRAM,
+# as W1's decode does, where the kernel's prefetching counts.
+@pytest.mark.parametrize("layers", [1, 8])
 @pytest.mark.parametrize("impl", ["numba_in_place", "torch_gather"])
-def test_decode_attention(benchmark, impl):
-    benchmark.group = "decode-attention-32x256"
+def test_decode_attention(benchmark, impl, layers):
+    benchmark.group = f"decode-attention-32x256-{layers}layers"
     benchmark.extra_info.update(rows=32, seq_len=256, heads=8, kv_heads=4, head_dim=64,
-                                block_size=16, threads=2, seed=0)
-    q, cache, meta = _decode_case()
+                                block_size=16, layers=layers, threads=2, seed=0)
+    q, caches, meta = _decode_case(layers=layers)
     scale = 64 ** -0.5
-    expected = torch_paged._decode_attention(q, cache, meta, scale)
-    torch.testing.assert_close(decode_attention(q, cache, meta.block_tables,
+    expected = torch_paged._decode_attention(q, caches[0], meta, scale)
+    torch.testing.assert_close(decode_attention(q, caches[0], meta.block_tables,
                                                 meta.seq_lens_cpu, scale), expected,
                                rtol=1e-4, atol=1e-5)
-    if impl == "numba_in_place":
-        fn = lambda: decode_attention(q, cache, meta.block_tables, meta.seq_lens_cpu, scale)  # noqa: E731
-    else:
-        fn = lambda: torch_paged._decode_attention(q, cache, meta, scale)  # noqa: E731
-    benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=2)
+
+    def step() -> None:
+        for cache in caches:
+            if impl == "numba_in_place":
+                decode_attention(q, cache, meta.block_tables, meta.seq_lens_cpu, scale)
+            else:
+                torch_paged._decode_attention(q, cache, meta, scale)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
