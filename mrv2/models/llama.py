@@ -27,7 +27,7 @@ from torch import nn
 
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.models.layers import cpu_fused
+from mrv2.models.layers import cpu_decode, cpu_fused
 from mrv2.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
@@ -162,6 +162,8 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
+        if cpu_decode.applies(self, hidden, kv_cache, meta):
+            return cpu_decode.decode_layer(self, cos_sin, hidden, residual, kv_cache, meta)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -1,0 +1,73 @@
+"""The fused decode layer against the module path: same tokens and logprobs through the
+engine, and it stays off wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2 import LLM, SamplingParams
+from mrv2.models.layers import cpu_decode
+
+
+def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:
+    calls = {"n": 0}
+    real = cpu_decode.decode_layer
+
+    def counted(*args):
+        calls["n"] += 1
+        return real(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_decode, "decode_layer", counted)
+        if not fused:
+            m.setattr(cpu_decode, "applies", lambda *args: False)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, calls["n"]
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3, cpu_decode.MAX_ROWS])
+def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, monkeypatch):
+    llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    assert fused_calls > 0 and plain_calls == 0
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(la) == list(lb)
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    llm.shutdown()
+
+
+def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monkeypatch):
+    # More rows than MAX_ROWS: never called.
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=64)
+    prompts = [{"prompt_token_ids": [7 + i, 8, 9]} for i in range(cpu_decode.MAX_ROWS + 2)]
+    _, calls = _generate(llm, prompts, True, monkeypatch)
+    assert calls == 0
+    llm.shutdown()
+    # Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) keep the module path.
+    for arch in ("qwen2", "qwen3"):
+        llm = LLM(str(tiny_model_factory(arch)), max_model_len=64)
+        _, calls = _generate(llm, [{"prompt_token_ids": [5, 6, 7]}], True, monkeypatch)
+        assert calls == 0, arch
+        llm.shutdown()
+
+
+def test_off_with_autograd_or_other_dtypes(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=64)
+    layer = llm.llm_engine.engine_core.executor.worker.runner.model.model.layers[0]
+    llm.shutdown()
+
+    class Meta:
+        num_decodes = num_reqs = num_actual_tokens = 1
+
+    cache = torch.zeros(2, 4, 16, 2, 8)
+    with torch.no_grad():
+        assert cpu_decode.applies(layer, torch.zeros(1, 64), cache, Meta)
+        assert not cpu_decode.applies(layer, torch.zeros(1, 64).double(), cache, Meta)
+        assert not cpu_decode.applies(layer, torch.zeros(1, 64), cache.half(), Meta)
+    assert not cpu_decode.applies(layer, torch.zeros(1, 64), cache, Meta)  # grad mode
