@@ -65,11 +65,11 @@ class DecodeWorkload:
         # A new block for every request when its next token starts one.
         needs_block = self.num_computed % BLOCK_SIZE == 0
         new_blocks = [self._take_blocks(r, 1) if needs_block else [] for r in self.req_ids]
-        cached = CachedRequestData(self.req_ids, new_blocks, [self.num_computed] * self.num_reqs)
+        cached = CachedRequestData.build(self.req_ids, new_blocks, [self.num_computed] * self.num_reqs)
         return self._output([], cached)
 
     def _output(self, new: list[NewRequestData], cached: CachedRequestData) -> SchedulerOutput:
-        return SchedulerOutput(new, cached, {r: 1 for r in self.req_ids}, self.num_reqs)
+        return SchedulerOutput.build(new, cached, {r: 1 for r in self.req_ids}, self.num_reqs)
 
 
 def runner_host_step(runner: ModelRunner, out: SchedulerOutput, sampled: torch.Tensor) -> None:

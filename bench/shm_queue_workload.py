@@ -21,8 +21,11 @@ import os
 import tempfile
 import uuid
 
+import numpy as np
+
 from executor.serial import MethodTypes, MsgpackEncoder, RPCCall, RPCReply
 from executor.shm_queue import DEFAULT_SPIN_S, ShmQueueReader, ShmQueueWriter
+from mrv2.packed import int32_bytes, ones_int32_bytes
 from mrv2.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 
@@ -32,17 +35,19 @@ def decode_step(num_reqs: int, step: int = 0) -> SchedulerOutput:
     req_ids = [f"cmpl-{i:08x}-0" for i in range(num_reqs)]
     computed = [100 + i % 300 + step for i in range(num_reqs)]
     new_blocks = [[1000 + i] if c % 16 == 0 else [] for i, c in enumerate(computed)]
-    return SchedulerOutput(
+    return SchedulerOutput.build(
         scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData(req_ids=req_ids, new_block_ids=new_blocks,
+        scheduled_cached_reqs=CachedRequestData.build(req_ids=req_ids, new_block_ids=new_blocks,
                                                 num_computed_tokens=computed),
         num_scheduled_tokens=dict.fromkeys(req_ids, 1), total_num_scheduled_tokens=num_reqs)
 
 
 def runner_output(sched: SchedulerOutput) -> ModelRunnerOutput:
-    req_ids = list(sched.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[i % 2000] for i in
-                                                                  range(len(req_ids))])
+    """What the runner replies for a decode step: one sampled token per request (a stand-in
+    for the sampler's tensor), the request ids passed through in batch order."""
+    n = sched.num_reqs
+    return ModelRunnerOutput(sched.req_ids_packed, n, int32_bytes(np.arange(n, dtype=np.int32)),
+                             ones_int32_bytes(n))
 
 
 def msgpack_sizes(sched: SchedulerOutput) -> dict[str, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mrv2.packed import int32_bytes, ones_int32_bytes, pack_ids
 from mrv2.protocol import ModelRunnerOutput, PromptLogprobsChunk, SampleLogprobs
 from mrv2.sampler.logprobs import LogprobsTensors
 
@@ -67,12 +68,13 @@ class AsyncOutput:
         if self._event is not None:
             self._event.synchronize()
             self._device = None
-        tokens = self._host.tolist()
+        tokens = self._host.numpy().reshape(-1)
+        # One token per sampling row; a prefill chunk that did not finish its prompt has none.
         if self.is_sampling.all():  # the common case: every row samples
-            sampled_token_ids = [[t] for t in tokens]
+            sampled, num_sampled = tokens, ones_int32_bytes(len(tokens))
         else:
-            sampled_token_ids = [[t] if s else []
-                                 for t, s in zip(tokens, self.is_sampling.tolist())]
+            sampled = tokens[self.is_sampling]
+            num_sampled = int32_bytes(self.is_sampling.astype(np.int32))
         logprobs = None
         if self._logprobs is not None:
             assert self.num_logprobs is not None
@@ -87,5 +89,6 @@ class AsyncOutput:
                                                   hosts[3 * i + 1].tolist(),
                                                   hosts[3 * i + 2].tolist())
                       for i, (req_id, start) in enumerate(self._prompt_starts.items())}
-        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids,
-                                 logprobs=logprobs, prompt_logprobs=prompt)
+        return ModelRunnerOutput(pack_ids(self.req_ids), len(self.req_ids), int32_bytes(sampled),
+                                 num_sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt)

@@ -8,9 +8,13 @@ front end <-> engine core (`EngineCoreRequest`, `EngineCoreOutputs`). Nothing is
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 
 import msgspec
+import numpy as np
 
+from mrv2.packed import (int32_bytes, int32_view, is_id_prefix, pack_ids, pack_ragged,
+                         unpack_ids, unpack_ragged)
 from mrv2.sampling_params import SamplingParams
 
 
@@ -27,25 +31,95 @@ class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):
-    """Running requests, as parallel lists. `new_block_ids` holds only the delta of this step."""
+    """Running requests, packed (mrv2/packed.py): ids, then per request its count of tokens
+    computed before this step and only this step's delta of new block ids. Build with
+    `build`; read through the properties."""
 
-    req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []
-    num_computed_tokens: list[int] = []
+    req_ids_packed: bytes = b""
+    num_reqs: int = 0
+    num_computed_tokens_i32: bytes = b""
+    new_block_ids_i32: bytes = b""  # flat, request after request
+    num_new_blocks_i32: bytes = b""
+
+    @classmethod
+    def build(cls, req_ids: Sequence[str], new_block_ids: Sequence[Sequence[int]],
+              num_computed_tokens: Sequence[int] | np.ndarray) -> CachedRequestData:
+        if not len(req_ids) == len(new_block_ids) == len(num_computed_tokens):
+            raise ValueError(f"{len(req_ids)} ids, {len(new_block_ids)} block-id lists and "
+                             f"{len(num_computed_tokens)} computed counts")
+        flat, counts = pack_ragged(new_block_ids)
+        return cls(pack_ids(req_ids), len(req_ids), int32_bytes(num_computed_tokens), flat,
+                   counts)
 
     @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
+    def req_ids(self) -> list[str]:
+        """A new list on each access: split once and keep it."""
+        return unpack_ids(self.req_ids_packed, self.num_reqs)
+
+    @property
+    def num_computed_tokens(self) -> np.ndarray:
+        return int32_view(self.num_computed_tokens_i32)
+
+    @property
+    def new_block_ids_flat(self) -> np.ndarray:
+        return int32_view(self.new_block_ids_i32)
+
+    @property
+    def num_new_blocks(self) -> np.ndarray:
+        return int32_view(self.num_new_blocks_i32)
+
+    @property
+    def new_block_ids(self) -> list[list[int]]:
+        return unpack_ragged(self.new_block_ids_flat, self.num_new_blocks)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
+    """One step. The scheduled requests in batch order (running requests first, so the ids
+    of `scheduled_cached_reqs` are a prefix), with their token counts. Build with `build`."""
+
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    # Insertion order is the batch order: running requests (decodes) first.
-    num_scheduled_tokens: dict[str, int]
+    req_ids_packed: bytes
+    num_reqs: int
+    num_scheduled_i32: bytes
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+
+    @classmethod
+    def build(cls, scheduled_new_reqs: list[NewRequestData],
+              scheduled_cached_reqs: CachedRequestData,
+              num_scheduled_tokens: Mapping[str, int], total_num_scheduled_tokens: int,
+              finished_req_ids: list[str] | None = None,
+              preempted_req_ids: list[str] | None = None) -> SchedulerOutput:
+        """`num_scheduled_tokens`: req_id -> tokens, in batch order (insertion order)."""
+        return cls(scheduled_new_reqs, scheduled_cached_reqs,
+                   pack_ids(list(num_scheduled_tokens)), len(num_scheduled_tokens),
+                   int32_bytes(list(num_scheduled_tokens.values())),
+                   total_num_scheduled_tokens, finished_req_ids or [], preempted_req_ids or [])
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Batch order; a new list on each access."""
+        return unpack_ids(self.req_ids_packed, self.num_reqs)
+
+    @property
+    def num_scheduled(self) -> np.ndarray:
+        """Tokens per request, batch order (int32, read-only)."""
+        return int32_view(self.num_scheduled_i32)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """req_id -> tokens in batch order, for consumers off the step path."""
+        return dict(zip(self.req_ids, self.num_scheduled.tolist()))
+
+    @property
+    def cached_reqs_lead(self) -> bool:
+        """Whether the running requests are the first rows of the batch (the scheduler's
+        order), so their slots need no second lookup."""
+        cached = self.scheduled_cached_reqs
+        return is_id_prefix(self.req_ids_packed, self.num_reqs, cached.req_ids_packed,
+                            cached.num_reqs)
 
     @property
     def is_empty(self) -> bool:
@@ -86,15 +160,48 @@ class PromptLogprobsChunk(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
-    req_ids: list[str]
-    # One list per request; empty for a prefill chunk that did not finish its prompt.
-    sampled_token_ids: list[list[int]]
+    """One step's results in batch order, packed (mrv2/packed.py). Build with `build`."""
+
+    req_ids_packed: bytes
+    num_reqs: int
+    # Flat, request after request; a prefill chunk that did not finish its prompt has none.
+    sampled_i32: bytes
+    num_sampled_i32: bytes
     # Per request: None unless it asked for logprobs (and sampled this step).
     logprobs: list[SampleLogprobs | None] | None = None
     num_nans: int = 0
     # Requests that asked for prompt logprobs and computed prompt positions this step; None
     # when no request of the batch did.
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+
+    @classmethod
+    def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
+              logprobs: list[SampleLogprobs | None] | None = None, num_nans: int = 0,
+              prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+              ) -> ModelRunnerOutput:
+        if len(req_ids) != len(sampled_token_ids):
+            raise ValueError(f"{len(req_ids)} ids and {len(sampled_token_ids)} token lists")
+        flat, counts = pack_ragged(sampled_token_ids)
+        return cls(pack_ids(req_ids), len(req_ids), flat, counts, logprobs, num_nans,
+                   prompt_logprobs)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """A new list on each access: split once and keep it."""
+        return unpack_ids(self.req_ids_packed, self.num_reqs)
+
+    @property
+    def sampled(self) -> np.ndarray:
+        return int32_view(self.sampled_i32)
+
+    @property
+    def num_sampled(self) -> np.ndarray:
+        return int32_view(self.num_sampled_i32)
+
+    @property
+    def sampled_token_ids(self) -> list[list[int]]:
+        """One list per request (a new one on each access)."""
+        return unpack_ragged(self.sampled, self.num_sampled)
 
 
 class FinishReason(enum.IntEnum):

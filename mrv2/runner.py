@@ -30,7 +30,7 @@ from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
-EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+EMPTY_OUTPUT = ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[])
 
 
 @dataclass
@@ -109,8 +109,8 @@ class ModelRunner:
                                          new.sampling_params.prompt_logprobs)
         cached = out.scheduled_cached_reqs
         slots = requests.slots_of(cached.req_ids)
-        if cached.req_ids:
-            tables.append_block_ids_batch(slots, cached.new_block_ids)
+        if cached.num_reqs:
+            tables.append_block_id_runs(slots, cached.num_new_blocks, cached.new_block_ids_flat)
             requests.num_computed_host[slots] = cached.num_computed_tokens
         requests.apply_staged_writes()
         tables.apply_staged_writes()
@@ -119,12 +119,11 @@ class ModelRunner:
 
     def _prepare_batch(self, out: SchedulerOutput, cached_slots: np.ndarray
                        ) -> tuple[InputBatch, BatchDescriptor | None]:
-        req_ids = list(out.num_scheduled_tokens)
-        num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int32,
-                                    count=len(req_ids))
+        req_ids = out.req_ids
+        num_scheduled = out.num_scheduled.copy()  # the message's view is read-only
         num_cached = len(cached_slots)
         # The scheduler sends running (cached) rows first: their slots are known already.
-        if req_ids[:num_cached] == out.scheduled_cached_reqs.req_ids:
+        if out.cached_reqs_lead:
             slots = np.concatenate([cached_slots,
                                     self.requests.slots_of(req_ids[num_cached:])])
         else:

@@ -56,19 +56,38 @@ def test_structs_are_array_like() -> None:
 
 
 def test_cached_request_data() -> None:
-    cached = CachedRequestData(req_ids=["a", "b"], new_block_ids=[[3], []],
-                               num_computed_tokens=[10, 4])
-    assert round_trip(cached).num_reqs == 2
+    cached = CachedRequestData.build(req_ids=["a", "b"], new_block_ids=[[3], []],
+                                     num_computed_tokens=[10, 4])
+    back = round_trip(cached)
+    assert back.num_reqs == 2 and back.req_ids == ["a", "b"]
+    assert back.new_block_ids == [[3], []] and back.num_computed_tokens.tolist() == [10, 4]
+    assert back.new_block_ids_flat.tolist() == [3] and back.num_new_blocks.tolist() == [1, 0]
     empty = round_trip(CachedRequestData())
-    assert empty.num_reqs == 0 and empty.new_block_ids == []
-    # Mutable defaults are not shared between instances.
+    assert empty.num_reqs == 0 and empty.new_block_ids == [] and empty.req_ids == []
+    # The list views are fresh objects: mutating one never touches the message.
     assert CachedRequestData().req_ids is not CachedRequestData().req_ids
+    with pytest.raises(ValueError, match="2 ids, 1 block-id lists"):
+        CachedRequestData.build(["a", "b"], [[]], [1, 2])
+    with pytest.raises(ValueError, match="NUL"):
+        CachedRequestData.build(["a\0b"], [[]], [1])
+
+
+def test_step_structs_are_compact_on_the_wire() -> None:
+    """256 decodes cost a handful of msgpack objects, not hundreds: ids travel as one UTF-8
+    blob, per-request numbers as int32 bytes (the step's serialisation cost)."""
+    ids = [f"cmpl-{i:08x}-0" for i in range(256)]
+    out = SchedulerOutput.build([], CachedRequestData.build(ids, [[]] * 256, [100] * 256),
+                                dict.fromkeys(ids, 1), 256)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(out))
+    assert raw[1][0] == raw[2] == "\0".join(ids).encode()
+    assert isinstance(raw[4], bytes) and len(raw[4]) == 4 * 256
+    assert not out.num_scheduled.flags.writeable  # a read-only view of the frozen message
 
 
 def test_scheduler_output_keeps_batch_order() -> None:
-    out = SchedulerOutput(
+    out = SchedulerOutput.build(
         scheduled_new_reqs=[new_request("n1"), new_request("n2", max_tokens=4)],
-        scheduled_cached_reqs=CachedRequestData(req_ids=["z", "a"], new_block_ids=[[], [5]],
+        scheduled_cached_reqs=CachedRequestData.build(req_ids=["z", "a"], new_block_ids=[[], [5]],
                                                 num_computed_tokens=[7, 12]),
         num_scheduled_tokens={"z": 1, "a": 1, "n2": 3, "n1": 2},
         total_num_scheduled_tokens=7,
@@ -78,12 +97,16 @@ def test_scheduler_output_keeps_batch_order() -> None:
     back = round_trip(out)
     # Insertion order of num_scheduled_tokens is the batch order.
     assert list(back.num_scheduled_tokens) == ["z", "a", "n2", "n1"]
+    assert back.req_ids == ["z", "a", "n2", "n1"] and back.num_scheduled.tolist() == [1, 1, 3, 2]
+    assert back.cached_reqs_lead  # running requests are the first rows
+    reordered = SchedulerOutput.build([], out.scheduled_cached_reqs, {"a": 1, "z": 1}, 2)
+    assert not reordered.cached_reqs_lead
     assert back.scheduled_new_reqs[1].sampling_params.max_tokens == 4
     assert not back.is_empty
 
 
 def test_empty_scheduler_output() -> None:
-    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+    out = SchedulerOutput.build(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
                           num_scheduled_tokens={}, total_num_scheduled_tokens=0)
     back = round_trip(out)
     assert back.is_empty
@@ -98,12 +121,13 @@ def test_grammar_output(bitmask: bytes | None) -> None:
 
 def test_model_runner_output() -> None:
     lp = SampleLogprobs(token_ids=[5, 5, 9], logprobs=[-0.25, -0.25, -1.5], rank=1)
-    out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], []],
+    out = ModelRunnerOutput.build(req_ids=["a", "b"], sampled_token_ids=[[5], []],
                             logprobs=[lp, None], num_nans=1)
     back = round_trip(out)
-    assert back.sampled_token_ids == [[5], []]
+    assert back.sampled_token_ids == [[5], []] and back.req_ids == ["a", "b"]
+    assert back.sampled.tolist() == [5] and back.num_sampled.tolist() == [1, 0]
     assert back.logprobs == [lp, None]
-    minimal = round_trip(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+    minimal = round_trip(ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[]))
     assert minimal.logprobs is None and minimal.num_nans == 0
 
 
@@ -139,7 +163,7 @@ def test_logprobs_fields_round_trip() -> None:
     prompt = PromptLogprobsChunk(start=4, token_ids=[[7, 1], [8, 8]],
                                  logprobs=[[-2.0, -0.1], [-0.3, -0.3]], ranks=[9, 1])
     assert prompt.num_rows == 2
-    back = round_trip(ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5]], logprobs=[lp],
+    back = round_trip(ModelRunnerOutput.build(req_ids=["a"], sampled_token_ids=[[5]], logprobs=[lp],
                                         prompt_logprobs={"a": prompt}))
     assert back.prompt_logprobs == {"a": prompt}
     out = round_trip(EngineCoreOutputs(outputs=[

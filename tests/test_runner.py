@@ -68,9 +68,9 @@ def sched(num_scheduled: dict[str, int], new: list[NewRequestData] = (),
           cached: list[tuple[str, list[int], int]] = (), finished: list[str] = ()
           ) -> SchedulerOutput:
     """cached: (req_id, block ids new this step, num_computed_tokens before this step)."""
-    return SchedulerOutput(
+    return SchedulerOutput.build(
         scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=CachedRequestData(req_ids=[c[0] for c in cached],
+        scheduled_cached_reqs=CachedRequestData.build(req_ids=[c[0] for c in cached],
                                                 new_block_ids=[list(c[1]) for c in cached],
                                                 num_computed_tokens=[c[2] for c in cached]),
         num_scheduled_tokens=dict(num_scheduled),
@@ -235,7 +235,7 @@ def test_preempted_request_resumes_from_prompt_plus_outputs(runner, hf_greedy):
     for i in range(2):
         tokens += by_req(step(runner, sched({"a": 1}, cached=[("a", [], len(PROMPT_A) + i)])))["a"]
     # Preempted: the step carries only the id; the slot is freed.
-    runner.execute_model(SchedulerOutput(
+    runner.execute_model(SchedulerOutput.build(
         scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
         num_scheduled_tokens={}, total_num_scheduled_tokens=0, preempted_req_ids=["a"]))
     assert runner.sample_tokens(None).req_ids == []

@@ -152,12 +152,12 @@ def test_prepared_inputs_match_list_reference(steps):
             prefill = ref.tokens[req_id][:ref.prefill_len[req_id]]
             new_data.append(NewRequestData(req_id, ref.prompt[req_id], prefill, GREEDY, blocks,
                                            ref.computed[req_id]))
-        cached = CachedRequestData(
+        cached = CachedRequestData.build(
             cached_ids, [ref.take_blocks(r, ref.computed[r] + scheduled[r]) for r in cached_ids],
             [ref.computed[r] for r in cached_ids])
         # Batch order as the scheduler sends it: running (cached) first, then new.
         order = cached_ids + [r for r in new_reqs if r in scheduled]
-        out = SchedulerOutput(new_data, cached, {r: scheduled[r] for r in order},
+        out = SchedulerOutput.build(new_data, cached, {r: scheduled[r] for r in order},
                               sum(scheduled.values()), finished, preempted_now)
         model.calls.clear()
         runner.execute_model(out)

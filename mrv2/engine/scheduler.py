@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from mrv2.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from mrv2.engine.request import Request, RequestStatus
+from mrv2.packed import check_id
 from mrv2.protocol import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                            NewRequestData, SchedulerOutput)
 
@@ -61,6 +62,7 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already queued")
+        check_id(req_id)  # step messages pack the ids (mrv2/packed.py)
         prompt_len = request.num_prompt_tokens
         if prompt_len == 0:
             raise ValueError(f"request {req_id!r} has an empty prompt")
@@ -214,9 +216,9 @@ class Scheduler:
             budget -= num_new
             scheduled.append(request)
 
-        output = SchedulerOutput(
+        output = SchedulerOutput.build(
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=CachedRequestData(
+            scheduled_cached_reqs=CachedRequestData.build(
                 req_ids=cached_ids, new_block_ids=cached_new_blocks,
                 num_computed_tokens=cached_num_computed),
             num_scheduled_tokens=num_scheduled,
@@ -262,7 +264,7 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id in scheduler_output.req_ids:
             request = self.requests.get(req_id)
             token_ids = sampled.get(req_id)
             # Aborted/finished since scheduling (not in `requests`) or preempted: drop, with

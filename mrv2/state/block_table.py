@@ -43,10 +43,20 @@ class BlockTables:
                                block_ids: Sequence[Sequence[int]]) -> None:
         """`append_block_ids(slot, ids)` for many distinct slots at once, vectorised: the
         running requests' deltas of one step. Empty deltas stage nothing."""
-        slots = np.asarray(slots, dtype=np.int64)
         lengths = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
-        if len(slots) != len(lengths):
-            raise ValueError(f"{len(slots)} slots and {len(lengths)} block-id lists")
+        values = np.fromiter(chain.from_iterable(block_ids), dtype=np.int32,
+                             count=int(lengths.sum()))
+        self.append_block_id_runs(slots, lengths, values)
+
+    def append_block_id_runs(self, slots: np.ndarray, lengths: np.ndarray,
+                             values: np.ndarray) -> None:
+        """`append_block_ids_batch` with the deltas flat: `values` holds `lengths[i]` ids for
+        `slots[i]`, slot after slot (the packed form of CachedRequestData)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if len(slots) != len(lengths) or lengths.sum() != len(values):
+            raise ValueError(f"{len(slots)} slots, {len(lengths)} block-id counts summing to "
+                             f"{int(lengths.sum())} and {len(values)} block ids")
         has_new = lengths > 0
         if not has_new.any():
             return
@@ -57,9 +67,7 @@ class BlockTables:
             bad = int(np.argmax(ends > self.max_num_blocks))
             raise ValueError(f"slot {slots[bad]} would hold {ends[bad]} blocks, more than the "
                              f"{self.max_num_blocks} a request of max_model_len can use")
-        values = np.fromiter(chain.from_iterable(block_ids), dtype=np.int32,
-                             count=int(lengths.sum()))
-        self.table.stage_runs(slots, starts, lengths, values)
+        self.table.stage_runs(slots, starts, lengths, np.asarray(values, dtype=np.int32))
         self.num_blocks[slots] = ends
 
     def clear_row(self, slot: int) -> None:

@@ -136,18 +136,18 @@ def test_scheduler_carries_prompt_chunks_and_sample_logprobs():
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 4}
     c0 = chunk(0, [11, 12, 13, 14])
-    [o] = sched.update_from_output(out, ModelRunnerOutput(["a"], [[]], [None],
+    [o] = sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[]], [None],
                                                           prompt_logprobs={"a": c0}))
     assert o.new_token_ids == [] and o.new_prompt_logprobs == c0 and o.new_logprobs is None
     out = sched.schedule()
     c1 = chunk(4, [15])
-    [o] = sched.update_from_output(out, ModelRunnerOutput(["a"], [[7]], [lp(7, 8)],
+    [o] = sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[7]], [lp(7, 8)],
                                                           prompt_logprobs={"a": c1}))
     assert (o.new_token_ids, o.new_logprobs, o.new_prompt_logprobs) == ([7], [lp(7, 8)], c1)
     out = sched.schedule()
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     # Output of a request finished meanwhile is dropped, logprobs included.
-    assert sched.update_from_output(out, ModelRunnerOutput(["a"], [[9]], [lp(9)])) == []
+    assert sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[9]], [lp(9)])) == []
 
 
 def test_prompt_logprobs_skip_the_prefix_cache_until_the_request_sampled():
@@ -155,7 +155,7 @@ def test_prompt_logprobs_skip_the_prefix_cache_until_the_request_sampled():
     prompt = list(range(10, 23))
     sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1), eos_token_id=1))
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["a"], [[5]]))
+    sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[5]]))
     manager = sched.kv_cache_manager
     plain = Request("b", prompt, SamplingParams(max_tokens=1))
     asking = Request("c", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))

@@ -122,7 +122,7 @@ class FakeRunner:
             assert 0 not in blocks and len(blocks) == len(set(blocks))
             for i, b in enumerate(blocks):  # a shared block sits at one index in every list
                 assert index_of.setdefault(b, i) == i
-        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+        return ModelRunnerOutput.build(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
 
     def _drop(self, rid: str) -> None:
         self.tokens.pop(rid, None)
@@ -344,6 +344,8 @@ def test_add_request_guards() -> None:
     sched.add_request(make_request("ok", 12, max_tokens=5))  # 16 tokens ever get KV
     with pytest.raises(ValueError, match="already"):
         sched.add_request(make_request("ok", 3))
+    with pytest.raises(ValueError, match="NUL"):  # step messages pack ids NUL-separated
+        sched.add_request(make_request("bad\0id", 3))
     assert sched.get_num_unfinished_requests() == 1
 
 

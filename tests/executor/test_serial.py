@@ -29,7 +29,9 @@ def round_trip(obj: Any, type: Any = Any, **encoder_kwargs) -> Any:
 
 # -- protocol structs (property-based) ---------------------------------------------------------
 
-ids = st.text(min_size=1, max_size=12)
+# Request ids hold no NUL and no lone surrogate (the scheduler refuses them: mrv2/packed.py).
+PACKABLE = st.characters(blacklist_characters="\0", blacklist_categories=("Cs",))
+ids = st.text(PACKABLE, min_size=1, max_size=12)
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=20)
 sampling = st.builds(
     SamplingParams, temperature=st.floats(0, 2), top_p=st.floats(0.01, 1.0),
@@ -43,25 +45,25 @@ new_reqs = st.builds(NewRequestData, req_id=ids, prompt_token_ids=tokens,
                      prefill_token_ids=tokens, sampling_params=sampling, block_ids=tokens,
                      num_computed_tokens=st.integers(0, 10**6))
 cached = st.integers(0, 6).flatmap(lambda n: st.builds(
-    CachedRequestData, req_ids=st.lists(ids, min_size=n, max_size=n),
+    CachedRequestData.build, req_ids=st.lists(ids, min_size=n, max_size=n),
     new_block_ids=st.lists(tokens, min_size=n, max_size=n),
     num_computed_tokens=st.lists(st.integers(0, 10**6), min_size=n, max_size=n)))
 scheduler_outputs = st.builds(
-    SchedulerOutput, scheduled_new_reqs=st.lists(new_reqs, max_size=4),
+    SchedulerOutput.build, scheduled_new_reqs=st.lists(new_reqs, max_size=4),
     scheduled_cached_reqs=cached,
     num_scheduled_tokens=st.dictionaries(ids, st.integers(1, 2048), max_size=8),
     total_num_scheduled_tokens=st.integers(0, 10**5), finished_req_ids=st.lists(ids, max_size=4),
     preempted_req_ids=st.lists(ids, max_size=4))
 grammar_outputs = st.builds(GrammarOutput, req_ids=st.lists(ids, max_size=4),
                             bitmask=st.none() | st.binary(max_size=64))
-runner_outputs = st.builds(
-    ModelRunnerOutput, req_ids=st.lists(ids, max_size=6),
-    sampled_token_ids=st.lists(tokens, max_size=6),
+runner_outputs = st.integers(0, 6).flatmap(lambda n: st.builds(
+    ModelRunnerOutput.build, req_ids=st.lists(ids, min_size=n, max_size=n),
+    sampled_token_ids=st.lists(tokens, min_size=n, max_size=n),
     logprobs=st.none() | st.lists(st.none() | st.builds(
         SampleLogprobs, token_ids=tokens, logprobs=st.lists(st.floats(allow_nan=False),
                                                             max_size=4),
         rank=st.integers(1, 10**6)), max_size=4),
-    num_nans=st.integers(0, 100))
+    num_nans=st.integers(0, 100)))
 core_requests = st.builds(EngineCoreRequest, request_id=ids, prompt_token_ids=tokens,
                           sampling_params=sampling, eos_token_id=st.none() | st.integers(0, 10**5),
                           arrival_time=st.floats(0, 1e10))
@@ -232,7 +234,7 @@ def test_method_types_decode_args_and_results():
     with pytest.raises(msgspec.ValidationError):
         types.decode_args(types.decode_call(frames), frames)
 
-    out = ModelRunnerOutput(["a", "b"], [[1], [2, 3]])
+    out = ModelRunnerOutput.build(["a", "b"], [[1], [2, 3]])
     reply, value = types.decode_reply(enc.encode(RPCReply(2, 0, out)), "sample_tokens")
     assert (reply.call_id, reply.rank) == (2, 0) and value == out
     assert isinstance(value, ModelRunnerOutput)

@@ -43,15 +43,15 @@ def prefill(params: dict[str, SamplingParams] | None = None) -> SchedulerOutput:
                           block_ids=[i + 1], num_computed_tokens=0)
            for i, (r, p) in enumerate(PROMPTS.items())]
     num = {r: len(p) for r, p in PROMPTS.items()}
-    return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
+    return SchedulerOutput.build(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
                            num_scheduled_tokens=num, total_num_scheduled_tokens=sum(num.values()))
 
 
 def decode(i: int, finished: list[str] = ()) -> SchedulerOutput:
     ids = [r for r in PROMPTS if r not in finished]
-    return SchedulerOutput(
+    return SchedulerOutput.build(
         scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData(
+        scheduled_cached_reqs=CachedRequestData.build(
             req_ids=ids, new_block_ids=[[] for _ in ids],
             num_computed_tokens=[len(PROMPTS[r]) + i for r in ids]),
         num_scheduled_tokens={r: 1 for r in ids}, total_num_scheduled_tokens=len(ids),
@@ -83,10 +83,10 @@ def test_collective_rpc_returns_one_result_per_worker(executor):
     # Phase 2 needs a pending phase 1; through collective_rpc the error reaches the caller.
     with pytest.raises(RuntimeError, match="without a pending execute_model"):
         executor.collective_rpc("sample_tokens", (None,))
-    empty = SchedulerOutput([], CachedRequestData(), {}, 0)
+    empty = SchedulerOutput.build([], CachedRequestData(), {}, 0)
     assert executor.collective_rpc("execute_model", (empty,)) == [None]
     assert executor.collective_rpc("sample_tokens", (None,)) == [
-        ModelRunnerOutput(req_ids=[], sampled_token_ids=[])]
+        ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[])]
 
 
 def test_blocking_step(executor):

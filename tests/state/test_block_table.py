@@ -130,6 +130,22 @@ def test_append_block_ids_batch_equals_one_by_one() -> None:
     assert batched.num_blocks.tolist() == one_by_one.num_blocks.tolist() == [2, 4, 3, 1]
 
 
+def test_append_block_id_runs_equals_the_list_form() -> None:
+    """The packed form (CachedRequestData: flat ids + a count per slot) stages the same."""
+    deltas = [[5, 6], [], [7]]
+    by_lists, by_runs = make_tables(), make_tables()
+    slots = np.array([2, 0, 1])
+    by_lists.append_block_ids_batch(slots, deltas)
+    by_runs.append_block_id_runs(slots, np.array([2, 0, 1], np.int32),
+                                 np.array([5, 6, 7], np.int32))
+    for t in (by_lists, by_runs):
+        t.apply_staged_writes()
+    assert by_runs.num_blocks.tolist() == by_lists.num_blocks.tolist() == [0, 1, 2, 0]
+    assert by_runs.table.tensor.tolist() == by_lists.table.tensor.tolist()
+    with pytest.raises(ValueError, match="summing to 3 and 2 block ids"):
+        by_runs.append_block_id_runs(slots, np.array([2, 0, 1]), np.array([5, 6]))
+
+
 def test_append_block_ids_batch_overflow_raises_and_stages_nothing() -> None:
     tables = make_tables(max_blocks=3)
     tables.append_block_ids(1, [1, 2])
