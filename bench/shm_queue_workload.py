@@ -67,7 +67,9 @@ RAW = b"RAW"
 
 def _raw_reply(request: memoryview | bytes) -> bytes | None:
     """For a raw request (RAW + 4-byte reply size + padding): the reply bytes."""
-    if bytes(request[:3]) != RAW:
+    # First byte first: an RPC message starts with a msgpack array header, never with "R"
+    # (the mp_queue server tells the two apart by type, as cheaply).
+    if request[0] != RAW[0] or bytes(request[:3]) != RAW:
         return None
     return bytes(int.from_bytes(request[3:7], "little"))
 

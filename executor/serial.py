@@ -122,6 +122,10 @@ class MsgpackDecoder:
     def decode(self, frames: Buffer | msgspec.Raw | Sequence[Buffer | msgspec.Raw]) -> Any:
         if isinstance(frames, (bytes, bytearray, memoryview, msgspec.Raw)):
             frames = (frames,)
+        return self.decode_frames(frames)
+
+    def decode_frames(self, frames: Sequence[Buffer | msgspec.Raw]) -> Any:
+        """`decode` of a message already split into frames (body first)."""
         self._frames = frames
         try:
             return self._decoder.decode(frames[0])
@@ -246,6 +250,10 @@ class MethodTypes:
     def __init__(self, target: type | None) -> None:
         self.target = target
         self._args: dict[tuple[str, int], MsgpackDecoder] = {}
+        # (method, first byte of the encoded arguments) -> decoder: the first byte of a
+        # msgpack array of up to 15 items is its length, so a step's arguments pick their
+        # decoder with one lookup (longer arrays fall back to `args_decoder`).
+        self._args_by_head: dict[tuple[str, int], MsgpackDecoder] = {}
         self._results: dict[str, MsgpackDecoder] = {}
         self._any = MsgpackDecoder()
 
@@ -283,10 +291,16 @@ class MethodTypes:
         return _CALL_DECODER.decode(frames[0])
 
     def decode_args(self, call: _RPCCallWire, frames: Sequence[Buffer]) -> tuple:
-        raw_args = [call.args, *frames[1:]]
+        raw_args = (call.args,) if len(frames) == 1 else [call.args, *frames[1:]]
         if call.function is not None:
             return tuple(self._any.decode(raw_args))
-        return self.args_decoder(call.method, _array_len(call.args)).decode(raw_args)
+        key = (call.method, memoryview(call.args)[0])
+        decoder = self._args_by_head.get(key)
+        if decoder is None:
+            decoder = self.args_decoder(call.method, _array_len(call.args))
+            if 0x90 <= key[1] <= 0x9F:  # fixarray: the byte is the length
+                self._args_by_head[key] = decoder
+        return decoder.decode_frames(raw_args)
 
     def decode_reply(self, frames: Sequence[Buffer], method: str | None
                      ) -> tuple[_RPCReplyWire, Any]:
@@ -294,7 +308,11 @@ class MethodTypes:
         reply = _REPLY_DECODER.decode(frames[0])
         if reply.error is not None:
             return reply, None
-        return reply, self.result_decoder(method).decode([reply.result, *frames[1:]])
+        decoder = self._results.get(method) if method is not None else None
+        if decoder is None:
+            decoder = self.result_decoder(method)
+        return reply, decoder.decode_frames(
+            (reply.result,) if len(frames) == 1 else [reply.result, *frames[1:]])
 
 
 _CALL_DECODER = msgspec.msgpack.Decoder(_RPCCallWire)

@@ -9,10 +9,11 @@ Segment layout (one `multiprocessing.shared_memory` segment per queue, named
     meta      num_chunks rows  [sequence number, bytes used] as int64
     data      num_chunks x chunk_bytes
 
-Writer, chunk i: wait until it was never written or every reader has read it; write the
-payload and meta; fence; clear the read flags; fence; set `written`. Reader r, its chunk i:
-ready when `written` is set and `read_r` is clear; read; fence; set `read_r`. All state lives
-in the flags, so no wake-up can be lost.
+Writer, chunk i: wait until it was never written or every reader has read it (no reader
+takes such a chunk for a message); write the payload and meta; fence; clear the read flags
+and set `written` (publish); fence; check the sleepers. Reader r, its chunk i: ready when
+`written` is set and `read_r` is clear; fence; read; fence; set `read_r`. All state lives in
+the flags, so no wake-up can be lost.
 
 Waiting: spin briefly (`spin_s`, yielding the CPU), then wait in bounded steps. A waiting
 reader sets its `sleepers` byte, re-checks its chunk, and then blocks on its own Unix datagram
@@ -49,13 +50,16 @@ from multiprocessing.shared_memory import SharedMemory
 import msgspec
 import zmq
 
-from executor.shm_segment import attach_segment, fence
+from executor.shm_segment import attach_segment, fence, fence_acquire, fence_release
 
 DEFAULT_NUM_CHUNKS = 10
 DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_SPIN_S = 5e-4
 DEFAULT_MAX_SLEEP_S = 5e-4
 DEFAULT_MAX_BLOCK_S = 0.02
+# The first part of the spin only re-checks (a yield costs about 0.5 us, a good share of a
+# step's round trip); the rest yields the CPU between checks.
+_BUSY_SPIN_S = 5e-5
 _HEADER_BYTES = 64
 _ALIGN = 16
 
@@ -112,6 +116,10 @@ class _Ring:
         self._sleepers, self._stride, self._meta_off, self._data_off = self._layout(
             self.num_readers, self.num_chunks)
         self._buf: memoryview | None = shm.buf
+        # Per-chunk offsets, computed once: the step path does no layout arithmetic.
+        self._flag_offs = [self._flags(i) for i in range(self.num_chunks)]
+        self._meta_offs = [self._meta_off + 16 * i for i in range(self.num_chunks)]
+        self._data_offs = [self._data(i) for i in range(self.num_chunks)]
         self._index = 0  # next chunk this end writes or reads
         self._seq = 0  # sequence number of the next message
         self._sockets = sockets
@@ -150,7 +158,8 @@ class _Ring:
             if timeout is not None and now - start >= timeout:
                 raise on_timeout(now - start)
             if now - start < self.spin_s:
-                os.sched_yield()
+                if now - start >= _BUSY_SPIN_S:
+                    os.sched_yield()
                 continue
             if abort is not None:
                 abort()
@@ -200,7 +209,7 @@ class ShmQueueWriter(_Ring):
         self._wake_addresses = [f"{handle.wake_address}-{r}" for r in range(num_readers)]
         self._subscribers = 0
         self._all_read = b"\x01" * num_readers
-        self._no_sleepers = bytes(num_readers)
+        self._none_read = self._no_sleepers = bytes(num_readers)
         self._closed = self._unlinked = False
 
     def unread_by(self, i: int) -> list[int]:
@@ -214,45 +223,61 @@ class ShmQueueWriter(_Ring):
             raise ShmQueueClosed(f"shm queue {self.name} is closed")
         if isinstance(frames, (bytes, bytearray, memoryview)):
             frames = (frames,)
-        views = [memoryview(f).cast("B") for f in frames]
-        table = _align(8 + 8 * len(views))
-        offsets, end = [], table
-        for v in views:
-            offsets.append(end)
-            end = _align(end + v.nbytes)
-        i, seq, buf = self._index, self._seq, self._buf
-        flags, nr = self._flags(i), self.num_readers
-        start = time.monotonic()
+        # bytes copy into the segment as they are; anything else as its raw bytes.
+        if len(frames) == 1:  # the common case, laid out without a loop
+            f = frames[0]
+            views = (f if type(f) is bytes else memoryview(f).cast("B"),)
+            offsets, end = None, _ONE_FRAME_AT + len(views[0])
+        else:
+            views, offsets, end = _layout_frames(frames)
+        i, seq, buf, nr = self._index, self._seq, self._buf, self.num_readers
+        flags = self._flag_offs[i]
+        start = None if timeout is None else time.monotonic()
+        if buf[flags] and buf[flags + 2:flags + 2 + nr] != self._all_read:
+            self._wait_until_read(i, seq, timeout, abort)
+        # Chunk i is free: never written, or `written` and every read flag set, which no
+        # reader takes for a message. It stays so until the read flags are cleared below.
+        overflow = end > self.chunk_bytes
+        if overflow:
+            left = None if start is None else max(0.0, timeout - (time.monotonic() - start))
+            self._await_subscribers(left, abort)
+            # Copied by zmq: the caller may reuse its buffers as soon as enqueue returns.
+            self._overflow.send_multipart([seq.to_bytes(8, "little"), *views])
+        else:
+            data = self._data_offs[i]
+            if offsets is None:
+                _ONE_FRAME_TABLE.pack_into(buf, data, 1, 0, end - _ONE_FRAME_AT)
+                buf[data + _ONE_FRAME_AT:data + end] = views[0]
+            else:
+                _frame_table(len(views)).pack_into(buf, data, len(views), 0, *map(len, views))
+                for v, o in zip(views, offsets):
+                    buf[data + o:data + o + len(v)] = v
+        _META.pack_into(buf, self._meta_offs[i], seq, 0 if overflow else end)
+        buf[flags + 1] = overflow
+        fence_acquire()  # payload and meta before the publishing stores
+        fence_release()
+        # Publish: on the first lap `written` does (the read flags are clear already), on
+        # later laps clearing the read flags does (`written` stays set). Either order of
+        # the two stores is safe: a reader needs both, and both follow the payload.
+        buf[flags + 2:flags + 2 + nr] = self._none_read
+        buf[flags] = 1
+        self._index = i + 1 if i + 1 < self.num_chunks else 0
+        self._seq = seq + 1
+        fence_acquire()  # publish before the sleepers check (a reader sets its byte, then
+        fence_release()  # checks): either it sees the message or we see it asleep
+        if buf[self._sleepers:self._sleepers + nr] != self._no_sleepers:
+            self._wake_sleepers()
+
+    def _wait_until_read(self, i: int, seq: int, timeout: float | None,
+                         abort: Abort | None) -> None:
+        """Wait until every reader has read chunk i (the ring is full)."""
+        buf, flags, nr = self._buf, self._flag_offs[i], self.num_readers
         self._wait(lambda: not buf[flags] or buf[flags + 2:flags + 2 + nr] == self._all_read,
                    timeout, abort,
                    lambda waited: ShmQueueTimeout(
                        f"shm queue {self.name}: chunk {i} (message {seq - self.num_chunks}) is "
                        f"still unread by reader(s) {self.unread_by(i)} of {nr} after "
                        f"{waited:.2f} s"))
-        buf[flags] = 0
-        overflow = end > self.chunk_bytes
-        if overflow:
-            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            self._await_subscribers(left, abort)
-            # Copied by zmq: the caller may reuse its buffers as soon as enqueue returns.
-            self._overflow.send_multipart([seq.to_bytes(8, "little"), *views])
-        else:
-            data = self._data(i)
-            struct.pack_into(f"<II{len(views)}Q", buf, data, len(views), 0,
-                             *(v.nbytes for v in views))
-            for v, o in zip(views, offsets):
-                buf[data + o:data + o + v.nbytes] = v
-        struct.pack_into("<qq", buf, self._meta_off + 16 * i, seq, 0 if overflow else end)
-        buf[flags + 1] = int(overflow)
-        fence()
-        buf[flags + 2:flags + 2 + nr] = bytes(nr)
-        fence()
-        buf[flags] = 1
-        self._index = (i + 1) % self.num_chunks
-        self._seq = seq + 1
-        fence()  # `written` before the sleepers check (a reader sets its byte, then checks)
-        if buf[self._sleepers:self._sleepers + nr] != self._no_sleepers:
-            self._wake_sleepers()
 
     def _wake_sleepers(self) -> None:
         buf = self._buf
@@ -340,16 +365,49 @@ class ShmQueueReader(_Ring):
     def dequeue(self, timeout: float | None = None, abort: Abort | None = None
                 ) -> list[memoryview]:
         """The next message's frames, in private writable buffers."""
-        if self._buf is None:
+        buf = self._buf
+        if buf is None:
             raise ShmQueueClosed(f"shm queue {self.name}: reader {self.rank} is closed")
-        i, seq, buf = self._index, self._seq, self._buf
-        flags, mine = self._flags(i), self._flags(i) + 2 + self.rank
+        i, seq = self._index, self._seq
+        flags = self._flag_offs[i]
+        mine = flags + 2 + self.rank
+        start = None if timeout is None else time.monotonic()
+        if not buf[flags] or buf[mine]:  # not written yet, or still last lap's (read)
+            self._wait_until_written(i, seq, timeout, abort)
+        fence_acquire()  # the flags before the payload
+        fence_release()
+        got_seq, nbytes = _META.unpack_from(buf, self._meta_offs[i])
+        if got_seq != seq:
+            raise RuntimeError(f"shm queue {self.name}: reader {self.rank} expected message "
+                               f"{seq} in chunk {i}, found {got_seq}")
+        if buf[flags + 1]:
+            left = None if start is None else max(0.0, timeout - (time.monotonic() - start))
+            frames = self._recv_overflow(i, seq, left, abort)
+        else:
+            data = self._data_offs[i]
+            copy = memoryview(bytearray(buf[data:data + nbytes]))
+            count, _, first = _ONE_FRAME_TABLE.unpack_from(copy) if nbytes >= 16 else (0, 0, 0)
+            frames = ([copy[_ONE_FRAME_AT:_ONE_FRAME_AT + first]] if count == 1
+                      else _split_frames(copy))
+        fence_acquire()  # done reading before the writer may reuse the chunk
+        fence_release()
+        buf[mine] = 1
+        self._index = i + 1 if i + 1 < self.num_chunks else 0
+        self._seq = seq + 1
+        return frames
+
+    def _wait_until_written(self, i: int, seq: int, timeout: float | None,
+                            abort: Abort | None) -> None:
+        """Spin, then block with wake-ups, until chunk i holds a message this reader has not
+        read; ShmQueueClosed once the writer has gone and nothing is left."""
+        buf = self._buf
+        flags = self._flag_offs[i]
+        mine = flags + 2 + self.rank
 
         def closed() -> None:
             if buf[0] and not (buf[flags] and not buf[mine]):
                 raise ShmQueueClosed(f"shm queue {self.name} was closed by its writer")
 
-        start = time.monotonic()
         try:
             self._wait(lambda: buf[flags] and not buf[mine], timeout, abort,
                        lambda waited: ShmQueueTimeout(
@@ -358,23 +416,6 @@ class ShmQueueReader(_Ring):
                        on_idle=closed, block=self._block)
         finally:
             buf[self._asleep] = 0
-        fence()
-        got_seq, nbytes = struct.unpack_from("<qq", buf, self._meta_off + 16 * i)
-        if got_seq != seq:
-            raise RuntimeError(f"shm queue {self.name}: reader {self.rank} expected message "
-                               f"{seq} in chunk {i}, found {got_seq}")
-        if buf[flags + 1]:
-            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            frames = self._recv_overflow(i, seq, left, abort)
-        else:
-            data = self._data(i)
-            copy = bytearray(buf[data:data + nbytes])
-            frames = _split_frames(memoryview(copy))
-        fence()
-        buf[mine] = 1
-        self._index = (i + 1) % self.num_chunks
-        self._seq = seq + 1
-        return frames
 
     def _recv_overflow(self, i: int, seq: int, timeout: float | None, abort: Abort | None
                        ) -> list[memoryview]:
@@ -400,11 +441,39 @@ class ShmQueueReader(_Ring):
                     pass
 
 
+_META = struct.Struct("<qq")  # per chunk: sequence number, bytes used (0: overflow)
+_COUNT = struct.Struct("<I")
+_FRAME_TABLES: dict[int, struct.Struct] = {}
+
+
+def _frame_table(count: int) -> struct.Struct:
+    """Frame table of a chunk: frame count, padding, then each frame's length."""
+    table = _FRAME_TABLES.get(count)
+    if table is None:
+        table = _FRAME_TABLES[count] = struct.Struct(f"<II{count}Q")
+    return table
+
+
+_ONE_FRAME_TABLE = _frame_table(1)
+_ONE_FRAME_AT = _align(_ONE_FRAME_TABLE.size)  # where a message's only frame starts
+
+
+def _layout_frames(frames: Frames) -> tuple[list, list[int], int]:
+    """Views of the frames' bytes, their offsets behind the frame table (16-byte aligned), and
+    the bytes the message uses in a chunk."""
+    views = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
+    offsets, end = [], _align(8 + 8 * len(views))
+    for v in views:
+        offsets.append(end)
+        end = _align(end + len(v))
+    return views, offsets, end
+
+
 def _split_frames(mv: memoryview) -> list[memoryview]:
-    (count,) = struct.unpack_from("<I", mv, 0)
-    lengths = struct.unpack_from(f"<{count}Q", mv, 8)
-    frames, pos = [], _align(8 + 8 * count)
+    (count,) = _COUNT.unpack_from(mv, 0)
+    lengths = _frame_table(count).unpack_from(mv, 0)[2:]
+    frames, pos = [], (8 + 8 * count + _ALIGN - 1) & -_ALIGN
     for n in lengths:
         frames.append(mv[pos:pos + n])
-        pos = _align(pos + n)
+        pos = (pos + n + _ALIGN - 1) & -_ALIGN
     return frames

@@ -68,7 +68,9 @@ class AsyncOutput:
         if self._event is not None:
             self._event.synchronize()
             self._device = None
-        tokens = self._host.numpy().reshape(-1)
+        # Token ids are below the vocabulary size: int32 holds them (no overflow check, which
+        # would cost more than the rest of this method on a 256-row step).
+        tokens = self._host.numpy().reshape(-1).astype(np.int32)
         # One token per sampling row; a prefill chunk that did not finish its prompt has none.
         if self.is_sampling.all():  # the common case: every row samples
             sampled, num_sampled = tokens, ones_int32_bytes(len(tokens))

@@ -256,3 +256,17 @@ def test_remote_errors_rebuild_their_type_with_the_remote_traceback():
     unknown = RemoteError("no_such_module", "Boom", "it broke", "tb").to_exception(rank=1)
     assert isinstance(unknown, WorkerError) and unknown.rank == 1
     assert "no_such_module.Boom: it broke" in str(unknown) and unknown.remote_traceback == "tb"
+
+
+@pytest.mark.parametrize("num_args", [0, 1, 2, 15, 16, 17])
+def test_decode_args_picks_the_decoder_by_argument_count(num_args):
+    """The decoder cache is keyed by the arguments' first byte (a fixarray's length): each
+    count gets its own decoder, typed where the method has hints, also past 15 arguments."""
+    types, enc = MethodTypes(Target), MsgpackEncoder()
+    for _ in range(2):  # a miss, then the cached decoder
+        args = (7, *range(num_args - 1)) if num_args else ()
+        frames = enc.encode(RPCCall(1, "initialize_kv_cache", args))
+        assert types.decode_args(types.decode_call(frames), frames) == args
+    frames = enc.encode(RPCCall(2, "initialize_kv_cache", ("seven",)))
+    with pytest.raises(msgspec.ValidationError):  # still typed after other counts were cached
+        types.decode_args(types.decode_call(frames), frames)

@@ -125,6 +125,26 @@ def test_frames_are_aligned_private_and_writable(writer):
     r.close()
 
 
+def test_one_frame_and_no_frame_messages(writer):
+    """The one-frame fast path (bytes, bytearray, a typed memoryview, sent bare or in a list,
+    in a chunk or over ZMQ) and a message of no frames, over several laps of the ring."""
+    import numpy as np
+    w = writer(1, num_chunks=2)
+    r = ShmQueueReader(w.handle, 0)
+    ints = np.arange(5, dtype=np.int32)
+    cases = [(b"x" * 40, [b"x" * 40]), ([bytearray(b"ab")], [b"ab"]), (b"", [b""]),
+             (memoryview(ints), [ints.tobytes()]), ([], []),
+             ([bytes(3 * CHUNK)], [bytes(3 * CHUNK)])]
+    for _ in range(3):
+        for message, expected in cases:
+            w.enqueue(message, timeout=5)
+            got = r.dequeue(timeout=5)
+            assert [bytes(f) for f in got] == expected
+            if sum(map(len, expected)) < CHUNK:  # in a chunk: aligned (ZMQ's are its own)
+                assert all(np.frombuffer(f, np.uint8).ctypes.data % 16 == 0 for f in got)
+    r.close()
+
+
 def test_tensors_through_the_queue_decode_in_place(writer):
     import numpy as np
     import torch
