@@ -6,11 +6,12 @@ Segment layout (one `multiprocessing.shared_memory` segment per queue, named
     header    64 bytes         byte 0: closed (the writer has gone)
     sleepers  N bytes (pad 64) reader r is blocked waiting for a wake-up
     flags     num_chunks rows  [written, overflow, read_0 .. read_{N-1}], padded to 8 bytes
-    meta      num_chunks rows  [sequence number, bytes used] as int64
-    data      num_chunks x chunk_bytes
+    data      num_chunks x chunk_bytes, each starting with the message's header:
+              sequence number, bytes used (int64 each), frame count, pad (uint32 each),
+              frame lengths (uint64 each); then the frames, 16-byte aligned
 
 Writer, chunk i: wait until it was never written or every reader has read it (no reader
-takes such a chunk for a message); write the payload and meta; fence; clear the read flags
+takes such a chunk for a message); write the header and payload; fence; clear the read flags
 and set `written` (publish); fence; check the sleepers. Reader r, its chunk i: ready when
 `written` is set and `read_r` is clear; fence; read; fence; set `read_r`. All state lives in
 the flags, so no wake-up can be lost.
@@ -28,7 +29,8 @@ Segments are created by the writer and unlinked by it on close; readers attach w
 registering them with their resource tracker (executor/shm_segment.py).
 
 A message is a list of frames (see executor/serial.py), laid out in the chunk at 16-byte
-aligned offsets behind a small frame table; readers get private copies. A message that does not
+aligned offsets behind its header; readers get private copies (a one-frame message: a copy
+of the frame alone). A message that does not
 fit a chunk goes over a ZMQ XPUB/SUB socket on tcp://127.0.0.1 and its chunk is marked
 `overflow` (the chunk still orders and flow-controls it).
 """
@@ -113,29 +115,27 @@ class _Ring:
         self.name, self.num_readers = handle.name, handle.num_readers
         self.num_chunks, self.chunk_bytes = handle.num_chunks, handle.chunk_bytes
         self.spin_s, self.max_sleep_s, self.max_block_s = spin_s, max_sleep_s, max_block_s
-        self._sleepers, self._stride, self._meta_off, self._data_off = self._layout(
-            self.num_readers, self.num_chunks)
+        self._sleepers, self._stride, self._data_off = self._layout(self.num_readers,
+                                                                    self.num_chunks)
         self._buf: memoryview | None = shm.buf
         # Per-chunk offsets, computed once: the step path does no layout arithmetic.
         self._flag_offs = [self._flags(i) for i in range(self.num_chunks)]
-        self._meta_offs = [self._meta_off + 16 * i for i in range(self.num_chunks)]
         self._data_offs = [self._data(i) for i in range(self.num_chunks)]
         self._index = 0  # next chunk this end writes or reads
         self._seq = 0  # sequence number of the next message
         self._sockets = sockets
 
     @staticmethod
-    def _layout(num_readers: int, num_chunks: int) -> tuple[int, int, int, int]:
-        """Offsets: sleepers, flag-row stride, meta, data."""
+    def _layout(num_readers: int, num_chunks: int) -> tuple[int, int, int]:
+        """Offsets: sleepers, flag-row stride, data."""
         sleepers = _HEADER_BYTES
         flags = sleepers + _align(num_readers, 64)
         stride = _align(2 + num_readers, 8)
-        meta = flags + _align(num_chunks * stride, 64)
-        return sleepers, stride, meta, _align(meta + 16 * num_chunks, 64)
+        return sleepers, stride, flags + _align(num_chunks * stride, 64)
 
     @classmethod
     def segment_size(cls, num_readers: int, num_chunks: int, chunk_bytes: int) -> int:
-        return cls._layout(num_readers, num_chunks)[3] + num_chunks * chunk_bytes
+        return cls._layout(num_readers, num_chunks)[2] + num_chunks * chunk_bytes
 
     def _flags(self, i: int) -> int:
         return self._sleepers + _align(self.num_readers, 64) + i * self._stride
@@ -210,6 +210,12 @@ class ShmQueueWriter(_Ring):
         self._subscribers = 0
         self._all_read = b"\x01" * num_readers
         self._none_read = self._no_sleepers = bytes(num_readers)
+        # Views of each chunk's read flags and of the sleepers bytes, made once: comparing or
+        # assigning a standing view costs a third of slicing the segment each time. Released
+        # before the mapping is closed.
+        buf, nr = self._buf, num_readers
+        self._read_flags = [buf[f + 2:f + 2 + nr] for f in self._flag_offs]
+        self._asleep_flags = buf[self._sleepers:self._sleepers + nr]
         self._closed = self._unlinked = False
 
     def unread_by(self, i: int) -> list[int]:
@@ -230,42 +236,40 @@ class ShmQueueWriter(_Ring):
             offsets, end = None, _ONE_FRAME_AT + len(views[0])
         else:
             views, offsets, end = _layout_frames(frames)
-        i, seq, buf, nr = self._index, self._seq, self._buf, self.num_readers
-        flags = self._flag_offs[i]
+        i, seq, buf = self._index, self._seq, self._buf
+        flags, read_flags = self._flag_offs[i], self._read_flags[i]
         start = None if timeout is None else time.monotonic()
-        if buf[flags] and buf[flags + 2:flags + 2 + nr] != self._all_read:
+        if buf[flags] and read_flags != self._all_read:
             self._wait_until_read(i, seq, timeout, abort)
         # Chunk i is free: never written, or `written` and every read flag set, which no
         # reader takes for a message. It stays so until the read flags are cleared below.
-        overflow = end > self.chunk_bytes
+        data, overflow = self._data_offs[i], end > self.chunk_bytes
         if overflow:
             left = None if start is None else max(0.0, timeout - (time.monotonic() - start))
             self._await_subscribers(left, abort)
             # Copied by zmq: the caller may reuse its buffers as soon as enqueue returns.
             self._overflow.send_multipart([seq.to_bytes(8, "little"), *views])
+            _HEADER.pack_into(buf, data, seq, 0, 0)
+        elif offsets is None:
+            _ONE_FRAME_HEADER.pack_into(buf, data, seq, end, 1, end - _ONE_FRAME_AT)
+            buf[data + _ONE_FRAME_AT:data + end] = views[0]
         else:
-            data = self._data_offs[i]
-            if offsets is None:
-                _ONE_FRAME_TABLE.pack_into(buf, data, 1, 0, end - _ONE_FRAME_AT)
-                buf[data + _ONE_FRAME_AT:data + end] = views[0]
-            else:
-                _frame_table(len(views)).pack_into(buf, data, len(views), 0, *map(len, views))
-                for v, o in zip(views, offsets):
-                    buf[data + o:data + o + len(v)] = v
-        _META.pack_into(buf, self._meta_offs[i], seq, 0 if overflow else end)
+            _header(len(views)).pack_into(buf, data, seq, end, len(views), *map(len, views))
+            for v, o in zip(views, offsets):
+                buf[data + o:data + o + len(v)] = v
         buf[flags + 1] = overflow
-        fence_acquire()  # payload and meta before the publishing stores
+        fence_acquire()  # header and payload before the publishing stores
         fence_release()
         # Publish: on the first lap `written` does (the read flags are clear already), on
         # later laps clearing the read flags does (`written` stays set). Either order of
         # the two stores is safe: a reader needs both, and both follow the payload.
-        buf[flags + 2:flags + 2 + nr] = self._none_read
+        read_flags[:] = self._none_read
         buf[flags] = 1
         self._index = i + 1 if i + 1 < self.num_chunks else 0
         self._seq = seq + 1
         fence_acquire()  # publish before the sleepers check (a reader sets its byte, then
         fence_release()  # checks): either it sees the message or we see it asleep
-        if buf[self._sleepers:self._sleepers + nr] != self._no_sleepers:
+        if self._asleep_flags != self._no_sleepers:
             self._wake_sleepers()
 
     def _wait_until_read(self, i: int, seq: int, timeout: float | None,
@@ -324,6 +328,8 @@ class ShmQueueWriter(_Ring):
             return
         self.unlink()
         self._closed = True
+        for view in (*self._read_flags, self._asleep_flags):
+            view.release()
         self._close_mapping()
         self._wake.close()
 
@@ -376,7 +382,10 @@ class ShmQueueReader(_Ring):
             self._wait_until_written(i, seq, timeout, abort)
         fence_acquire()  # the flags before the payload
         fence_release()
-        got_seq, nbytes = _META.unpack_from(buf, self._meta_offs[i])
+        data = self._data_offs[i]
+        # Reads the first frame's length too: always inside the chunk, meaningless (and
+        # unused) unless the count is 1.
+        got_seq, nbytes, count, first = _ONE_FRAME_HEADER.unpack_from(buf, data)
         if got_seq != seq:
             raise RuntimeError(f"shm queue {self.name}: reader {self.rank} expected message "
                                f"{seq} in chunk {i}, found {got_seq}")
@@ -384,11 +393,11 @@ class ShmQueueReader(_Ring):
             left = None if start is None else max(0.0, timeout - (time.monotonic() - start))
             frames = self._recv_overflow(i, seq, left, abort)
         else:
-            data = self._data_offs[i]
-            copy = memoryview(bytearray(buf[data:data + nbytes]))
-            count, _, first = _ONE_FRAME_TABLE.unpack_from(copy) if nbytes >= 16 else (0, 0, 0)
-            frames = ([copy[_ONE_FRAME_AT:_ONE_FRAME_AT + first]] if count == 1
-                      else _split_frames(copy))
+            if count == 1:
+                start_at = data + _ONE_FRAME_AT
+                frames = [memoryview(bytearray(buf[start_at:start_at + first]))]
+            else:
+                frames = _split_frames(memoryview(bytearray(buf[data:data + nbytes])), count)
         fence_acquire()  # done reading before the writer may reuse the chunk
         fence_release()
         buf[mine] = 1
@@ -441,39 +450,39 @@ class ShmQueueReader(_Ring):
                     pass
 
 
-_META = struct.Struct("<qq")  # per chunk: sequence number, bytes used (0: overflow)
-_COUNT = struct.Struct("<I")
-_FRAME_TABLES: dict[int, struct.Struct] = {}
+# A message's header at the start of its chunk: sequence number, bytes used (0: overflow),
+# frame count (padded to 8 bytes), then one length per frame.
+_HEADER = struct.Struct("<qqI4x")
+_HEADERS: dict[int, struct.Struct] = {}
 
 
-def _frame_table(count: int) -> struct.Struct:
-    """Frame table of a chunk: frame count, padding, then each frame's length."""
-    table = _FRAME_TABLES.get(count)
-    if table is None:
-        table = _FRAME_TABLES[count] = struct.Struct(f"<II{count}Q")
-    return table
+def _header(count: int) -> struct.Struct:
+    header = _HEADERS.get(count)
+    if header is None:
+        header = _HEADERS[count] = struct.Struct(f"{_HEADER.format}{count}Q")
+    return header
 
 
-_ONE_FRAME_TABLE = _frame_table(1)
-_ONE_FRAME_AT = _align(_ONE_FRAME_TABLE.size)  # where a message's only frame starts
+_ONE_FRAME_HEADER = _header(1)
+_ONE_FRAME_AT = _align(_ONE_FRAME_HEADER.size)  # where a message's only frame starts
 
 
 def _layout_frames(frames: Frames) -> tuple[list, list[int], int]:
-    """Views of the frames' bytes, their offsets behind the frame table (16-byte aligned), and
+    """Views of the frames' bytes, their offsets behind the header (16-byte aligned), and
     the bytes the message uses in a chunk."""
     views = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
-    offsets, end = [], _align(8 + 8 * len(views))
+    offsets, end = [], _align(_header(len(views)).size)
     for v in views:
         offsets.append(end)
         end = _align(end + len(v))
     return views, offsets, end
 
 
-def _split_frames(mv: memoryview) -> list[memoryview]:
-    (count,) = _COUNT.unpack_from(mv, 0)
-    lengths = _frame_table(count).unpack_from(mv, 0)[2:]
-    frames, pos = [], (8 + 8 * count + _ALIGN - 1) & -_ALIGN
+def _split_frames(mv: memoryview, count: int) -> list[memoryview]:
+    """The frames of a private copy of a message (header included)."""
+    lengths = _header(count).unpack_from(mv, 0)[3:]
+    frames, pos = [], _align(_header(count).size)
     for n in lengths:
         frames.append(mv[pos:pos + n])
-        pos = (pos + n + _ALIGN - 1) & -_ALIGN
+        pos = _align(pos + n)
     return frames
