@@ -37,60 +37,27 @@ fit a chunk goes over a ZMQ XPUB/SUB socket on tcp://127.0.0.1 and its chunk is 
 
 from __future__ import annotations
 
-import math
 import os
 import select
 import socket
-import struct
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from multiprocessing.shared_memory import SharedMemory
 
-import msgspec
 import zmq
 
+from executor.shm_ring import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BLOCK_S, DEFAULT_MAX_SLEEP_S,
+                                DEFAULT_NUM_CHUNKS, DEFAULT_SPIN_S, MESSAGE_HEADER, ONE_FRAME_AT,
+                                ONE_FRAME_HEADER, QUICK_CHECKS, Abort, Frames, Ring,
+                                ShmQueueClosed, ShmQueueHandle, ShmQueueTimeout, layout_frames,
+                                message_header, split_frames)
 from executor.shm_segment import attach_segment, fence, fence_acquire, fence_release
 
-DEFAULT_NUM_CHUNKS = 10
-DEFAULT_CHUNK_BYTES = 16 << 20
-DEFAULT_SPIN_S = 5e-4
-DEFAULT_MAX_SLEEP_S = 5e-4
-DEFAULT_MAX_BLOCK_S = 0.02
-# The first part of the spin only re-checks (a yield costs about 0.5 us, a good share of a
-# step's round trip); the rest yields the CPU between checks.
-_BUSY_SPIN_S = 5e-5
-_QUICK_CHECKS = range(200)  # a reader's inline re-checks before its wait loop (~10 us)
-_HEADER_BYTES = 64
-_ALIGN = 16
-
-Frames = Sequence[bytes | bytearray | memoryview]
-Abort = Callable[[], None]  # called between sleeps; raises to abandon the wait
-
-
-class ShmQueueTimeout(TimeoutError):
-    """A wait on the queue exceeded its timeout."""
-
-
-class ShmQueueClosed(EOFError):
-    """The writer closed the queue and no message is left to read."""
-
-
-class ShmQueueHandle(msgspec.Struct, array_like=True, frozen=True):
-    """Everything a reader in another process needs to connect (msgpack- and pickle-able)."""
-
-    name: str
-    num_readers: int
-    num_chunks: int
-    chunk_bytes: int
-    zmq_address: str  # overflow messages (XPUB -> SUB)
-    wake_address: str  # wake-ups: reader r binds a datagram socket at wake_address + "-<r>"
-
-
-def _align(n: int, to: int = _ALIGN) -> int:
-    return (n + to - 1) // to * to
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MAX_BLOCK_S", "DEFAULT_MAX_SLEEP_S",
+           "DEFAULT_NUM_CHUNKS", "DEFAULT_SPIN_S", "ShmQueueClosed", "ShmQueueHandle",
+           "ShmQueueReader", "ShmQueueTimeout", "ShmQueueWriter"]
 
 
 def _wake_prefix(name: str) -> str:
@@ -107,84 +74,7 @@ def _new_socket(kind: int) -> zmq.Socket:
     return sock
 
 
-class _Ring:
-    """The segment, its layout, and the wait loop shared by writer and readers."""
-
-    def __init__(self, handle: ShmQueueHandle, shm: SharedMemory, sockets: list[zmq.Socket],
-                 spin_s: float, max_sleep_s: float, max_block_s: float) -> None:
-        self.handle, self._shm = handle, shm
-        self.name, self.num_readers = handle.name, handle.num_readers
-        self.num_chunks, self.chunk_bytes = handle.num_chunks, handle.chunk_bytes
-        self.spin_s, self.max_sleep_s, self.max_block_s = spin_s, max_sleep_s, max_block_s
-        self._sleepers, self._stride, self._data_off = self._layout(self.num_readers,
-                                                                    self.num_chunks)
-        self._buf: memoryview | None = shm.buf
-        # Per-chunk offsets, computed once: the step path does no layout arithmetic.
-        self._flag_offs = [self._flags(i) for i in range(self.num_chunks)]
-        self._data_offs = [self._data(i) for i in range(self.num_chunks)]
-        self._index = 0  # next chunk this end writes or reads
-        self._seq = 0  # sequence number of the next message
-        self._sockets = sockets
-
-    @staticmethod
-    def _layout(num_readers: int, num_chunks: int) -> tuple[int, int, int]:
-        """Offsets: sleepers, flag-row stride, data."""
-        sleepers = _HEADER_BYTES
-        flags = sleepers + _align(num_readers, 64)
-        stride = _align(2 + num_readers, 8)
-        return sleepers, stride, flags + _align(num_chunks * stride, 64)
-
-    @classmethod
-    def segment_size(cls, num_readers: int, num_chunks: int, chunk_bytes: int) -> int:
-        return cls._layout(num_readers, num_chunks)[2] + num_chunks * chunk_bytes
-
-    def _flags(self, i: int) -> int:
-        return self._sleepers + _align(self.num_readers, 64) + i * self._stride
-
-    def _data(self, i: int) -> int:
-        return self._data_off + i * self.chunk_bytes
-
-    def _wait(self, ready: Callable[[], bool], timeout: float | None, abort: Abort | None,
-              on_timeout: Callable[[float], Exception],
-              on_idle: Callable[[], None] | None = None, block: Callable[[float], None] | None
-              = None) -> None:
-        """Spin, then sleep with back-off (or `block(seconds)` while that is given) until
-        `ready()`; `abort` and `on_idle` run between sleeps; past `timeout`, raise."""
-        if ready():
-            return
-        start = time.monotonic()
-        sleep = 1e-5
-        while not ready():
-            now = time.monotonic()
-            if timeout is not None and now - start >= timeout:
-                raise on_timeout(now - start)
-            if now - start < self.spin_s:
-                if now - start >= _BUSY_SPIN_S:
-                    os.sched_yield()
-                continue
-            if abort is not None:
-                abort()
-            if on_idle is not None:
-                on_idle()
-            left = math.inf if timeout is None else timeout - (now - start)
-            if block is not None:
-                block(min(left, self.max_block_s))
-            else:
-                time.sleep(min(sleep, self.max_sleep_s, left))
-                sleep *= 2
-
-    def _close_mapping(self) -> None:
-        self._buf = None
-        try:
-            self._shm.close()
-        except BufferError:  # a view is still exported somewhere: the mapping dies with it
-            pass
-        for zmq_socket in self._sockets:
-            zmq_socket.close(linger=0)
-        self._sockets = []
-
-
-class ShmQueueWriter(_Ring):
+class ShmQueueWriter(Ring):
     """The writing end; creates (and on close unlinks) the segment."""
 
     def __init__(self, num_readers: int, num_chunks: int = DEFAULT_NUM_CHUNKS,
@@ -234,9 +124,9 @@ class ShmQueueWriter(_Ring):
         if len(frames) == 1:  # the common case, laid out without a loop
             f = frames[0]
             views = (f if type(f) is bytes else memoryview(f).cast("B"),)
-            offsets, end = None, _ONE_FRAME_AT + len(views[0])
+            offsets, end = None, ONE_FRAME_AT + len(views[0])
         else:
-            views, offsets, end = _layout_frames(frames)
+            views, offsets, end = layout_frames(frames)
         i, seq, buf = self._index, self._seq, self._buf
         flags, read_flags = self._flag_offs[i], self._read_flags[i]
         start = None if timeout is None else time.monotonic()
@@ -250,12 +140,12 @@ class ShmQueueWriter(_Ring):
             self._await_subscribers(left, abort)
             # Copied by zmq: the caller may reuse its buffers as soon as enqueue returns.
             self._overflow.send_multipart([seq.to_bytes(8, "little"), *views])
-            _HEADER.pack_into(buf, data, seq, 0, 0)
+            MESSAGE_HEADER.pack_into(buf, data, seq, 0, 0)
         elif offsets is None:
-            _ONE_FRAME_HEADER.pack_into(buf, data, seq, end, 1, end - _ONE_FRAME_AT)
-            buf[data + _ONE_FRAME_AT:data + end] = views[0]
+            ONE_FRAME_HEADER.pack_into(buf, data, seq, end, 1, end - ONE_FRAME_AT)
+            buf[data + ONE_FRAME_AT:data + end] = views[0]
         else:
-            _header(len(views)).pack_into(buf, data, seq, end, len(views), *map(len, views))
+            message_header(len(views)).pack_into(buf, data, seq, end, len(views), *map(len, views))
             for v, o in zip(views, offsets):
                 buf[data + o:data + o + len(v)] = v
         buf[flags + 1] = overflow
@@ -335,7 +225,7 @@ class ShmQueueWriter(_Ring):
         self._wake.close()
 
 
-class ShmQueueReader(_Ring):
+class ShmQueueReader(Ring):
     """Reader `rank` of a queue created elsewhere (any process)."""
 
     def __init__(self, handle: ShmQueueHandle, rank: int, *, spin_s: float = DEFAULT_SPIN_S,
@@ -382,7 +272,7 @@ class ShmQueueReader(_Ring):
         if not buf[flags] or buf[mine]:  # not written yet, or still last lap's (read)
             # A step's reply usually lands within microseconds: re-check inline first (about
             # 50 ns a check), before the wait loop and its closures and clock reads.
-            for _ in _QUICK_CHECKS:
+            for _ in QUICK_CHECKS:
                 if buf[flags] and not buf[mine]:
                     break
             else:
@@ -392,7 +282,7 @@ class ShmQueueReader(_Ring):
         data = self._data_offs[i]
         # Reads the first frame's length too: always inside the chunk, meaningless (and
         # unused) unless the count is 1.
-        got_seq, nbytes, count, first = _ONE_FRAME_HEADER.unpack_from(buf, data)
+        got_seq, nbytes, count, first = ONE_FRAME_HEADER.unpack_from(buf, data)
         if got_seq != seq:
             raise RuntimeError(f"shm queue {self.name}: reader {self.rank} expected message "
                                f"{seq} in chunk {i}, found {got_seq}")
@@ -400,10 +290,10 @@ class ShmQueueReader(_Ring):
             left = None if start is None else max(0.0, timeout - (time.monotonic() - start))
             frames = self._recv_overflow(i, seq, left, abort)
         elif count == 1:
-            start_at = data + _ONE_FRAME_AT
+            start_at = data + ONE_FRAME_AT
             frames = [memoryview(bytearray(buf[start_at:start_at + first]))]
         else:
-            frames = _split_frames(memoryview(bytearray(buf[data:data + nbytes])), count)
+            frames = split_frames(memoryview(bytearray(buf[data:data + nbytes])), count)
         fence_acquire()  # done reading before the writer may reuse the chunk
         fence_release()
         buf[mine] = 1
@@ -454,41 +344,3 @@ class ShmQueueReader(_Ring):
                     os.unlink(self._wake_address)
                 except FileNotFoundError:
                     pass
-
-
-# A message's header at the start of its chunk: sequence number, bytes used (0: overflow),
-# frame count (padded to 8 bytes), then one length per frame.
-_HEADER = struct.Struct("<qqI4x")
-_HEADERS: dict[int, struct.Struct] = {}
-
-
-def _header(count: int) -> struct.Struct:
-    header = _HEADERS.get(count)
-    if header is None:
-        header = _HEADERS[count] = struct.Struct(f"{_HEADER.format}{count}Q")
-    return header
-
-
-_ONE_FRAME_HEADER = _header(1)
-_ONE_FRAME_AT = _align(_ONE_FRAME_HEADER.size)  # where a message's only frame starts
-
-
-def _layout_frames(frames: Frames) -> tuple[list, list[int], int]:
-    """Views of the frames' bytes, their offsets behind the header (16-byte aligned), and
-    the bytes the message uses in a chunk."""
-    views = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
-    offsets, end = [], _align(_header(len(views)).size)
-    for v in views:
-        offsets.append(end)
-        end = _align(end + len(v))
-    return views, offsets, end
-
-
-def _split_frames(mv: memoryview, count: int) -> list[memoryview]:
-    """The frames of a private copy of a message (header included)."""
-    lengths = _header(count).unpack_from(mv, 0)[3:]
-    frames, pos = [], _align(_header(count).size)
-    for n in lengths:
-        frames.append(mv[pos:pos + n])
-        pos = _align(pos + n)
-    return frames
