@@ -28,25 +28,27 @@ class Batch:
     def sample(self, logits: Tensor, *, mode: str = "raw_logprobs",
                triton: bool = False) -> SamplerOutput:
         sampler = Sampler(self.states, logprobs_mode=mode)
+        idx_np = self.idx.cpu().numpy()
         if triton:
             with triton_interpreter():
-                return sampler(logits, self.idx, self.idx.numpy(), self.positions)
-        return sampler(logits, self.idx, self.idx.numpy(), self.positions)
+                return sampler(logits, self.idx, idx_np, self.positions)
+        return sampler(logits, self.idx, idx_np, self.positions)
 
 
 def make_batch(params: list[SamplingParams], vocab_size: int, *,
                prompts: list[list[int]] | None = None,
                outputs: list[list[int]] | None = None, positions=None, idx=None,
                eos_token_id: int | None = None, num_slots: int | None = None,
-               slots: list[int] | None = None) -> Batch:
+               slots: list[int] | None = None, device: torch.device = CPU) -> Batch:
     """One request per params (slot i unless ``slots``); row r samples slot ``idx[r]``
-    (default: row i -> request i) at ``positions[r]`` (default: right after its prefill)."""
+    (default: row i -> request i) at ``positions[r]`` (default: right after its prefill).
+    ``device`` holds the states and the batch tensors (CUDA: the compiled Triton path)."""
     n = len(params)
     prompts = prompts if prompts is not None else [[1, 2, 3]] * n
     outputs = outputs if outputs is not None else [[]] * n
     slots = slots if slots is not None else list(range(n))
-    states = SamplingStates(num_slots or max(slots) + 1, vocab_size, engine_seed=0, device=CPU,
-                            eos_token_id=eos_token_id)
+    states = SamplingStates(num_slots or max(slots) + 1, vocab_size, engine_seed=0,
+                            device=device, eos_token_id=eos_token_id)
     for i, p in enumerate(params):
         states.add(slots[i], f"req-{i}", p, prompts[i], prompts[i] + outputs[i])
     states.apply_staged_writes()
@@ -54,8 +56,8 @@ def make_batch(params: list[SamplingParams], vocab_size: int, *,
     if positions is None:
         slot_of = {s: i for i, s in enumerate(slots)}
         positions = [len(prompts[slot_of[s]]) + len(outputs[slot_of[s]]) for s in rows.tolist()]
-    return Batch(states, rows, torch.as_tensor(positions, dtype=torch.int64).expand(len(rows))
-                 .contiguous(), prompts)
+    positions = torch.as_tensor(positions, dtype=torch.int64).expand(len(rows)).contiguous()
+    return Batch(states, rows.to(device), positions.to(device), prompts)
 
 
 def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> Tensor:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from sampler_harness import make_batch, random_logits
 
 V = 20
@@ -136,6 +136,34 @@ def test_output_counts_follow_sampled_tokens(triton: bool) -> None:
         assert counts[row].tolist() == expected.tolist(), row
     # Row 2 finished its prefill at position 3: it sampled at positions 3, 4 and 5.
     assert len(produced[2]) == 3
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_logit_bias_of_1024_entries_matches_reference(triton: bool) -> None:
+    """A full-width bias (MAX_LOGIT_BIAS entries) next to a short one in the widened table:
+    each row's top-20 processed logits and its greedy token against ``logits + bias``; the
+    short row's unused table entries change nothing."""
+    vocab = 3000
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randperm(vocab, generator=g)[:MAX_LOGIT_BIAS].tolist()
+    values = (torch.rand(MAX_LOGIT_BIAS, generator=g) * 20 - 10).tolist()
+    params = [SamplingParams(temperature=0.0, logprobs=20, logit_bias={ids[0]: 7.0, 11: -3.0}),
+              SamplingParams(temperature=0.0, logprobs=20, logit_bias=dict(zip(ids, values))),
+              SamplingParams(temperature=0.0, logprobs=20)]
+    batch = make_batch(params, vocab, slots=[2, 0, 1])
+    assert batch.states.bias.bias.width == MAX_LOGIT_BIAS
+    logits = random_logits(3, vocab, seed=8)
+    out = batch.sample(logits, mode="processed_logits", triton=triton)
+    for row, p in enumerate(params):
+        expected = logits[row].double()
+        for t, b in (p.logit_bias or {}).items():
+            expected[t] += b
+        top = expected.topk(20)
+        assert out.logprobs.token_ids[row, 1:].tolist() == top.indices.tolist(), row
+        torch.testing.assert_close(out.logprobs.logprobs[row, 1:].double(), top.values,
+                                   rtol=0, atol=1e-5)
+        assert out.sampled[row].item() == int(expected.argmax())
+    assert len(set(out.logprobs.token_ids[1, 1:].tolist()) & set(ids)) >= 15  # bias decides
 
 
 def test_min_tokens_blocks_eos_until_reached() -> None:

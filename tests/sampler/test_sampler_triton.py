@@ -160,10 +160,11 @@ def test_logprobs_kernel_equals_torch(dtype: torch.dtype, as_logits: bool) -> No
     torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_whole_sampler_triton_equals_torch(mode: str) -> None:
-    """Every feature on in one mixed batch: same tokens, same logprobs."""
-    vocab = 400
+def check_whole_sampler(mode: str, vocab: int, device: torch.device, *, triton: bool,
+                        atol: float) -> None:
+    """Every feature on in one mixed batch: the Triton path (interpreted on CPU with
+    ``triton``, compiled on a CUDA ``device``) gives the torch path's tokens, ranks and
+    sampled ids, and its logprobs within ``atol``."""
     params = [p.clone(temperature=t, seed=i, logprobs=i % 4 * 5)
               for i, (p, t) in enumerate(zip(PROCESSING * 2, [0.0, 0.7, 1.3, 0.0, 0.9, 1.0,
                                                               0.5, 0.0, 1.1, 0.8, 0.0, 2.0]))]
@@ -171,15 +172,29 @@ def test_whole_sampler_triton_equals_torch(mode: str) -> None:
     params[6] = params[6].clone(min_p=0.05)
     g = torch.Generator().manual_seed(5)
     outputs = [torch.randint(0, vocab, (i % 5,), generator=g).tolist() for i in range(12)]
-    batch = make_batch(params, vocab, outputs=outputs, eos_token_id=11)
     logits = random_logits(12, vocab, seed=5)
-    ref = batch.sample(logits, mode=mode)
-    got = batch.sample(logits, mode=mode, triton=True)
-    assert torch.equal(got.sampled, ref.sampled)
-    assert torch.equal(got.logprobs.ranks, ref.logprobs.ranks)
-    assert torch.equal(got.logprobs.token_ids[:, 0], ref.logprobs.token_ids[:, 0])
-    torch.testing.assert_close(got.logprobs.logprobs, ref.logprobs.logprobs, rtol=0,
-                               atol=1e-5)
+    ref = make_batch(params, vocab, outputs=outputs, eos_token_id=11).sample(logits, mode=mode)
+    batch = make_batch(params, vocab, outputs=outputs, eos_token_id=11, device=device)
+    got = batch.sample(logits.to(device), mode=mode, triton=triton)
+    assert torch.equal(got.sampled.cpu(), ref.sampled)
+    assert torch.equal(got.logprobs.ranks.cpu(), ref.logprobs.ranks)
+    assert torch.equal(got.logprobs.token_ids[:, 0].cpu(), ref.logprobs.token_ids[:, 0])
+    torch.testing.assert_close(got.logprobs.logprobs.cpu(), ref.logprobs.logprobs, rtol=0,
+                               atol=atol)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_whole_sampler_triton_equals_torch(mode: str) -> None:
+    check_whole_sampler(mode, 400, torch.device("cpu"), triton=True, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_compiled_sampler_on_cuda_equals_torch_on_cpu(mode: str) -> None:
+    """The compiled kernels on a GPU over a 151,936-token vocabulary (many vocab blocks).
+    Logprobs within 1e-4: GPU exp/log and a fused multiply-subtract differ by ulps."""
+    check_whole_sampler(mode, 151_936, torch.device("cuda"), triton=False, atol=1e-4)
 
 
 def test_triton_seeded_rows_are_batch_invariant() -> None:
