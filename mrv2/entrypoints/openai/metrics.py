@@ -103,7 +103,8 @@ class ServerMetrics:
                                      labels, registry=registry)
         self.generation_tokens = Counter("mrv2:generation_tokens", "Generated tokens.", labels,
                                          registry=registry)
-        self.request_success = Counter("mrv2:request_success", "Finished completions (samples) by reason.",
+        self.request_success = Counter("mrv2:request_success",
+                                       "Finished completions (samples) by reason.",
                                        ["model_name", "finished_reason"], registry=registry)
         self.ttft = Histogram("mrv2:time_to_first_token_seconds", "Time to the first token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=registry)

@@ -70,6 +70,11 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk too (vLLM's `continuous_usage_stats`; only with
+        include_usage, as in vLLM)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
+
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
 

@@ -52,7 +52,8 @@ class OpenAIServingChat(OpenAIServing):
         self.engine.input_processor.process("validate", prompt, params)
         request_id = random_id("chatcmpl")
         stream = self.generate(prompt, params, request_id)
-        num_prompt = len(prompt["prompt_token_ids"]) * request.n
+        # Usage counts the prompt once, whatever n is (OpenAI's and vLLM's count).
+        num_prompt = len(prompt["prompt_token_ids"])
         if request.stream:
             return event_stream(self._stream(request, request_id, stream, num_prompt))
         return await run_until_disconnected(
@@ -88,21 +89,29 @@ class OpenAIServingChat(OpenAIServing):
                       num_prompt: int) -> AsyncIterator[str]:
         created, model = now(), self.config.model_name
 
+        continuous = request.continuous_usage()
+        generated = [0] * request.n  # tokens so far per choice
+
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                         "model": model, "choices": choices, **extra})
 
+        def chunk_usage(index: int) -> dict[str, Any]:
+            # continuous_usage_stats: the prompt and this choice's tokens so far (vLLM's).
+            return {"usage": usage(num_prompt, generated[index])} if continuous else {}
+
         # The first chunk of every choice carries the role (OpenAI's and vLLM's order).
-        yield chunk([{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(request.n)])
-        num_generated = 0
+        for i in range(request.n):
+            yield chunk([{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
+                          "finish_reason": None}], **chunk_usage(i))
         async for _, output in merge_streams([stream]):
             for c in output.outputs:
-                num_generated += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
                               "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                            **chunk_usage(c.index))
         if request.include_usage():
-            yield chunk([], usage=usage(num_prompt, num_generated))
+            yield chunk([], usage=usage(num_prompt, sum(generated)))

@@ -121,28 +121,28 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        choice),
                             "finish_reason": choice.finish_reason,
                             "stop_reason": choice.stop_reason})
-        num_prompt = sum(len(p["prompt_token_ids"]) for p in prompts) * n
         return {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.config.model_name, "choices": out,
-                "usage": usage(num_prompt, num_generated)}
+                "usage": usage(_num_prompt_tokens(prompts), num_generated)}
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list,
                       params: list[SamplingParams], streams: list) -> AsyncIterator[str]:
         n, created, model = request.n, now(), self.config.model_name
-        started: set[tuple[int, int]] = set()
+        # Tokens generated so far per (prompt, sample); a key is present once its first
+        # chunk (which carries the echo) was built.
+        generated: dict[tuple[int, int], int] = {}
         builders: dict[tuple[int, int], CompletionLogprobs] = {}
-        num_generated = 0
         async for i, output in merge_streams(streams):
             for completion in output.outputs:
                 key = (i, completion.index)
                 prefix, prompt_part = "", None
-                if key not in started:
-                    started.add(key)
+                if key not in generated:
+                    generated[key] = 0
                     if request.echo:
                         prefix = self._prompt_text(prompts[i])
                         ids = prompts[i]["prompt_token_ids"]
                         prompt_part = (ids, output.prompt_logprobs or [None] * len(ids))
-                num_generated += len(completion.token_ids)
+                generated[key] += len(completion.token_ids)
                 if not (prefix or completion.text or completion.token_ids
                         or completion.finish_reason):
                     continue
@@ -155,10 +155,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = {"index": i * n + completion.index, "text": prefix + completion.text,
                           "logprobs": logprobs, "finish_reason": completion.finish_reason,
                           "stop_reason": completion.stop_reason}
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": model, "choices": [choice]})
+                chunk = {"id": request_id, "object": "text_completion", "created": created,
+                         "model": model, "choices": [choice]}
+                if request.continuous_usage():  # this sample's prompt and tokens so far
+                    chunk["usage"] = usage(len(prompts[i]["prompt_token_ids"]), generated[key])
+                yield sse(chunk)
         if request.include_usage():
-            num_prompt = sum(len(p["prompt_token_ids"]) for p in prompts) * n
             yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": model, "choices": [], "usage": usage(num_prompt, num_generated)})
+                       "model": model, "choices": [],
+                       "usage": usage(_num_prompt_tokens(prompts), sum(generated.values()))})
+
+
+def _num_prompt_tokens(prompts: list[dict[str, Any]]) -> int:
+    """Usage's prompt_tokens: each prompt once, whatever n is (OpenAI's and vLLM's count)."""
+    return sum(len(p["prompt_token_ids"]) for p in prompts)
 

@@ -48,9 +48,9 @@ def test_tokenize_and_detokenize(server, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def custom_server(tiny_llama, tmp_path_factory):
-    """Its own model copy whose generation_config.json sets sampling defaults, a chat
-    template file, two served names and no API key. Killed by the last test."""
+def custom_model(tiny_llama, tmp_path_factory):
+    """A model copy whose generation_config.json makes sampling greedy and caps max_tokens at
+    3, and a chat template file next to it."""
     root = tmp_path_factory.mktemp("custom")
     model = root / "model"
     shutil.copytree(tiny_llama, model)
@@ -59,6 +59,14 @@ def custom_server(tiny_llama, tmp_path_factory):
     (model / "generation_config.json").write_text(json.dumps(config))
     template = root / "template.jinja"
     template.write_text(TEMPLATE)
+    return model, template
+
+
+@pytest.fixture(scope="module")
+def custom_server(custom_model):
+    """The custom model, its chat template file, two served names and no API key. Killed by
+    the last test."""
+    model, template = custom_model
     remote = RemoteServer(model, ["--max-model-len", "128", "--served-model-name", "a", "b",
                                   "--chat-template", str(template),
                                   "--generation-config", "auto", "--no-async-scheduling",
@@ -91,6 +99,28 @@ def test_generation_config_defaults_and_chat_template(custom_server, tiny_llama)
     # Completions' default max_tokens (16) is capped too.
     out = client.completions.create(model="a", prompt="hello", extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
+
+
+def test_generation_config_vllm_ignores_the_models_defaults(custom_model):
+    remote = RemoteServer(custom_model[0], ["--max-model-len", "128", "--generation-config",
+                                            "vllm", "--uvicorn-log-level", "warning"])
+    try:
+        client = remote.client(api_key="unused")
+        model = client.models.list().data[0].id
+        # Not capped at max_new_tokens=3: completions' own default (16), and the request's.
+        out = client.completions.create(model=model, prompt="hello",
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 16
+        chat = client.chat.completions.create(model=model, max_tokens=5,
+                                              messages=[{"role": "user", "content": "hi"}],
+                                              extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 5
+        # Not greedy: OpenAI's temperature 1 samples two different completions.
+        sampled = client.completions.create(model=model, prompt="hello", n=2, seed=1,
+                                            max_tokens=8, extra_body={"ignore_eos": True})
+        assert sampled.choices[0].text != sampled.choices[1].text
+    finally:
+        remote.stop()
 
 
 def test_sigterm_stops_the_core_and_removes_its_socket_directory(tiny_llama):

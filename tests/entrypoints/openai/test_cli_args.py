@@ -23,6 +23,12 @@ def test_defaults():
     engine = engine_args_from(args, "/m")
     assert engine.enable_prefix_caching and engine.async_scheduling
     assert not engine.enforce_eager and engine.tensor_parallel_size == 1
+    # vLLM's defaults: context and batched tokens from the model / scheduler, 256 sequences,
+    # 16-token blocks, dtype from the checkpoint, seed 0.
+    assert (engine.max_model_len, engine.max_num_batched_tokens) == (None, None)
+    assert (engine.max_num_seqs, engine.block_size, engine.dtype, engine.seed) == \
+        (256, 16, "auto", 0)
+    assert args.tensor_parallel_size == parse("/m", "-tp", "1").tensor_parallel_size
 
 
 def test_vllm_flag_names(tmp_path, monkeypatch):

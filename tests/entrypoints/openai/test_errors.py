@@ -105,6 +105,11 @@ def test_missing_or_wrong_api_key_is_401(server):
     with pytest.raises(openai.AuthenticationError) as info:
         server.client(api_key="wrong").completions.create(model=MODEL_NAME, prompt="hi")
     assert info.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError) as info:  # no Authorization header at all
+        server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"Authorization": openai.Omit()})
+    assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
     response = httpx.post(f"{server.url}{COMPLETIONS}", json=VALID[COMPLETIONS])
     assert response.status_code == 401 and set(response.json()["error"]) == ENVELOPE_KEYS
     # Paths outside /v1 need no key (as in vLLM).

@@ -4,15 +4,17 @@ process's counters and histograms, and disconnected clients leaving nothing runn
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2.engine.core_proc import CoreStats
 from mrv2.entrypoints.openai.metrics import ServerMetrics
 
-from .conftest import API_KEY, MODEL_NAME
+from .conftest import API_KEY, MODEL_NAME, SERVER_ARGS, RemoteServer
 
 STATS = CoreStats(num_running=3, num_waiting=2, num_unfinished=5, has_unfinished=True,
                   kv_cache_usage=0.25, num_free_blocks=30, num_kv_blocks=40, num_preemptions=1,
@@ -64,6 +66,8 @@ def test_server_metrics_count_a_request(server, client):
         before["mrv2:e2e_request_latency_seconds_count"] + 1
     assert after["mrv2:time_to_first_token_seconds_count"] == \
         before["mrv2:time_to_first_token_seconds_count"] + 1
+    assert after["mrv2:time_per_output_token_seconds_count"] == \
+        before["mrv2:time_per_output_token_seconds_count"] + 1
     assert after["mrv2:prefix_cache_queries_total"] > before["mrv2:prefix_cache_queries_total"]
     for name in ("mrv2:num_requests_running", "mrv2:num_requests_waiting",
                  "mrv2:kv_cache_usage_perc", "mrv2:prefix_cache_hit_rate"):
@@ -81,8 +85,33 @@ def _wait_idle(server, timeout_s: float = 15.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def test_disconnected_clients_are_aborted(server):
+# The disconnect test's server: a KV pool of this many blocks holds the 23 requests while
+# they are aborted early (~1-4 blocks each), but not if they ran on to 450 tokens (29 blocks
+# each): then the engine core must preempt. Run to the end, they would also finish within
+# seconds on this tiny model and leave the pool empty, so "idle afterwards" alone would not
+# prove that the core was told to abort; "no preemption" does.
+POOL_BLOCKS = 400
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(tiny_llama):
+    config = json.loads((tiny_llama / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = 2 * config["num_hidden_layers"] * BLOCK_SIZE * \
+        config["num_key_value_heads"] * head_dim * 4  # float32 on CPU
+    remote = RemoteServer(tiny_llama, [*SERVER_ARGS, "--block-size", str(BLOCK_SIZE),
+                                       "--kv-cache-memory-gb",
+                                       repr(POOL_BLOCKS * block_bytes / 2**30)])
+    yield remote
+    remote.stop()
+
+
+def test_disconnected_clients_are_aborted(small_pool_server):
+    server = small_pool_server
     max_tokens = 450
+    # 23 requests run to the end would need far more than the pool: the core would preempt.
+    assert 23 * -(-(max_tokens + 8) // BLOCK_SIZE) > 1.5 * POOL_BLOCKS
     body = {"model": MODEL_NAME, "prompt": "once upon a time", "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -119,6 +148,8 @@ def test_disconnected_clients_are_aborted(server):
     assert after["mrv2:num_requests_running"] == 0
     assert after["mrv2:num_requests_waiting"] == 0
     assert after["mrv2:kv_cache_usage_perc"] == 0
+    # The core stopped them: they never grew enough to need a preemption.
+    assert after["mrv2:num_preemptions_total"] == before["mrv2:num_preemptions_total"]
     # Aborted, not run to the end: far fewer tokens than 23 full requests.
     generated = after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"]
     assert generated < 23 * max_tokens / 2, generated

@@ -89,6 +89,13 @@ def test_n_seed_and_stop(client):
                                          extra_body={"ignore_eos": True})
     assert out.choices[0].message.content == text[:text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CONVERSATION,
+                                                 max_tokens=12, temperature=0.0, stop=stop,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[:text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # Usage counts the prompt once whatever n is (OpenAI and vLLM do).
+    assert first.usage.prompt_tokens == base.usage.prompt_tokens
 
 
 def test_request_chat_template_and_generation_prompt(client, local):

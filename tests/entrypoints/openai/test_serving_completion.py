@@ -105,6 +105,42 @@ def test_stop_strings(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_streaming_holds_back_stop_strings_that_span_tokens(client):
+    """A stop string that starts at the end of one token and ends in the next: its first part
+    must be held back while streaming, never sent and then found to be after the cut."""
+    prompt = "the quick brown fox"
+    base = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                     temperature=0.0, logprobs=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    tokens, text = base.logprobs.tokens, base.text
+    assert "".join(tokens) == text
+    ends = [sum(len(t) for t in tokens[:j + 1]) for j in range(len(tokens) - 1)
+            if tokens[j] and tokens[j + 1]]
+    assert len(ends) >= 3, tokens
+    for end in ends[:4]:
+        stop = text[end - 1:end + 1]
+        cut = text[:text.index(stop)]
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                                temperature=0.0, stop=[stop], stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks) == cut, (stop, tokens)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_usage_counts_each_prompt_once(client):
+    kwargs = dict(model=MODEL_NAME, max_tokens=3, temperature=1.0, seed=3,
+                  extra_body={"ignore_eos": True})
+    two = client.completions.create(prompt=[5, 6, 7, 8], n=2, **kwargs).usage
+    assert (two.prompt_tokens, two.completion_tokens, two.total_tokens) == (4, 6, 10)
+    both = client.completions.create(prompt=[[5, 6, 7, 8], [9, 10]], n=2, **kwargs).usage
+    assert (both.prompt_tokens, both.completion_tokens, both.total_tokens) == (6, 12, 18)
+    streamed = list(client.completions.create(prompt=[[5, 6, 7, 8], [9, 10]], n=2, stream=True,
+                                              stream_options={"include_usage": True},
+                                              **kwargs))[-1].usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (6, 12)
+
+
 def test_extra_body_parameters(client, local):
     prompt = "import os"
     extra = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "ignore_eos": True,
@@ -127,6 +163,12 @@ def test_extra_body_parameters(client, local):
                                         extra_body={"stop_token_ids": [300]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].model_extra.get("stop_reason") == 300
+    assert stopped.usage.completion_tokens == 1
+    # min_tokens keeps the stop token out of the first 3 tokens: it stops at the 4th.
+    held = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                     temperature=0.0, logit_bias={"300": 100},
+                                     extra_body={"stop_token_ids": [300], "min_tokens": 3})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
 
 
 def test_echo(client, local):

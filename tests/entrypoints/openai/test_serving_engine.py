@@ -1,10 +1,13 @@
-"""What the endpoints share: the context-length rule, merging streams, error events."""
+"""What the endpoints share: the context-length rule, merging streams, error events, and
+server-sent events as they go over the wire."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from mrv2.entrypoints.openai.cli_args import ServerConfig
@@ -12,6 +15,8 @@ from mrv2.entrypoints.openai.errors import BadRequest, OpenAIError
 from mrv2.entrypoints.openai.metrics import ServerMetrics
 from mrv2.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, event_stream,
                                                     merge_streams, sse)
+
+from .conftest import MODEL_NAME
 
 
 def serving(max_model_len: int = 100, defaults: dict | None = None) -> OpenAIServing:
@@ -70,3 +75,61 @@ def test_event_stream_ends_with_done_even_after_an_error():
     assert asyncio.run(collect(_items(sse({"a": 1})))) == ['data: {"a":1}\n\n', SSE_DONE]
     out = asyncio.run(collect(_items(sse({"a": 1}), fail=ValueError("bad value"))))
     assert out[-1] == SSE_DONE and '"bad value"' in out[1] and '"error"' in out[1]
+
+
+# -- server-sent events on the wire (a real server, raw HTTP) ------------------------------
+
+def _events(server, path: str, body: dict) -> list:
+    """The stream's events, checked for SSE framing: each is one `data: ` line then a blank
+    line; the last is `data: [DONE]` and comes once. Returns the other events' JSON."""
+    with httpx.stream("POST", f"{server.url}{path}", json=body, headers=server.headers(),
+                      timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), raw[:500]
+    payloads = [e[len("data: "):] for e in events]
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+COMPLETION = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 6, "temperature": 0.0,
+              "ignore_eos": True, "stream": True, "n": 2, "seed": 1}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+        "temperature": 0.0, "ignore_eos": True, "stream": True, "n": 2}
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION),
+                                        ("/v1/chat/completions", CHAT)])
+def test_sse_framing_and_usage_chunk_only_when_asked(server, path, body):
+    plain = _events(server, path, body)
+    assert plain and all("usage" not in c and c["choices"] for c in plain)
+    with_usage = _events(server, path, {**body, "stream_options": {"include_usage": True}})
+    *choices, last = with_usage
+    assert all("usage" not in c and c["choices"] for c in choices)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * 6
+    # Usage counts the prompt once whatever n is (OpenAI and vLLM do).
+    single = _events(server, path, {**body, "n": 1, "stream_options": {"include_usage": True}})
+    assert last["usage"]["prompt_tokens"] == single[-1]["usage"]["prompt_tokens"]
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 12
+    if path == "/v1/chat/completions":
+        # Each choice's first chunk carries the role, and no later chunk does.
+        seen: set[int] = set()
+        for c in plain:
+            [choice] = c["choices"]
+            assert ("role" in choice["delta"]) == (choice["index"] not in seen)
+            seen.add(choice["index"])
+        assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION),
+                                        ("/v1/chat/completions", CHAT)])
+def test_continuous_usage_stats(server, path, body):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *choices, last = _events(server, path, {**body, "n": 1, "stream_options": options})
+    counts = [c["usage"]["completion_tokens"] for c in choices]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in choices)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
