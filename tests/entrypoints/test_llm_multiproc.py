@@ -3,6 +3,7 @@ and a dead worker surfaces as EngineDeadError instead of a hang."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -18,30 +19,77 @@ PROMPTS = [{"prompt_token_ids": [5 + i, 17, 300 + 7 * i, 42]} for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def leftovers(worker_pids: list[int], shm_names: list[str], shm_before: set[str]) -> list[str]:
+    """Worker processes still running, and /dev/shm entries of this engine still there: its
+    queues' segments, any segment named after this process or a worker (`mrv2_<pid>_...`),
+    and any semaphore created since `shm_before`."""
+    owners = [os.getpid(), *worker_pids]
+    entries = set(os.listdir("/dev/shm"))
+    ours = sorted(n for n in entries if n in shm_names
+                  or any(n.startswith(f"mrv2_{pid}_") for pid in owners)
+                  or (n.startswith("sem.") and n not in shm_before))
+    return ([f"process {pid}" for pid in worker_pids if _alive(pid)]
+            + [f"process {p.pid} ({p.name})" for p in mp.active_children()
+               if p.pid in worker_pids] + [f"/dev/shm/{n}" for n in ours])
+
+
+def wait_for_no_leftovers(worker_pids: list[int], shm_names: list[str], shm_before: set[str],
+                          within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := leftovers(worker_pids, shm_names, shm_before)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"left behind: {left}"
+
+
 def test_mp_backend_matches_in_process_and_dies_loudly(tiny_llama):
     uni = LLM(str(tiny_llama), max_model_len=2048)
     want = [o.outputs[0].token_ids for o in uni.generate(PROMPTS, GREEDY, use_tqdm=False)]
     uni.llm_engine.shutdown()
 
+    shm_before = set(os.listdir("/dev/shm"))
     llm = LLM(str(tiny_llama), max_model_len=2048, distributed_executor_backend="mp")
     executor = llm.llm_engine.engine_core.executor
+    [pid] = pids = executor.worker_pids
+    shm_names = executor.shm_names
+    assert len(shm_names) == 2 and all(os.path.exists(f"/dev/shm/{n}") for n in shm_names)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert got == want
 
-        [pid] = executor.worker_pids
         # 8 requests of ~2000 tokens run for seconds; the worker dies early in that.
-        killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Timer(0.5, kill)
         long = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
         killer.start()
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match=f"pid {pid}"):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 8, long, use_tqdm=False)
-        assert time.monotonic() - start < 0.5 + 5.0
+        raised_at = time.monotonic()
+        killer.join()
+        assert killed_at and raised_at - killed_at[0] < 5.0
+        # Nothing is left once the error is out, even before (or without) shutdown.
+        wait_for_no_leftovers(pids, shm_names, shm_before)
+        start = time.monotonic()
         with pytest.raises(EngineDeadError):  # later calls fail at once
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 1.0
     finally:
         llm.llm_engine.shutdown()
+    assert not leftovers(pids, shm_names, shm_before)
 
 
 def test_unknown_executor_backend(tiny_llama):

@@ -4,6 +4,7 @@ counts the ranks cannot split are refused before any worker starts."""
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 import signal
@@ -47,6 +48,21 @@ def _hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
+def _assert_sharded(executor, model_dir, tp: int) -> None:
+    """Each rank holds its 1/tp of the heads and of the vocabulary (equal outputs alone would
+    not show that the ranks split the work)."""
+    from safetensors import safe_open
+
+    heads = executor.collective_rpc(operator.attrgetter("model.model.layers.0.self_attn"
+                                                        ".num_heads"))
+    assert heads == [4 // tp] * tp
+    shards = executor.collective_rpc(operator.attrgetter("model.model.embed_tokens.weight"))
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    assert all(s.shape[0] < table.shape[0] for s in shards)
+    assert torch.equal(torch.cat(shards)[:table.shape[0]], table)
+
+
 def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
     """One LLM, one generate per SamplingParams; the token ids of each."""
     llm = LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=128)
@@ -54,6 +70,7 @@ def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
         if tp > 1:
             executor = llm.llm_engine.engine_core.executor
             assert len(executor.worker_pids) == tp
+            _assert_sharded(executor, model_dir, tp)
         results = []
         for params in params_list:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -126,6 +143,8 @@ def test_tp2_rank_killed_raises_engine_dead(tiny_model_factory):
     model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
     llm = LLM(str(model_dir), tensor_parallel_size=2, max_model_len=2048)
     pids = llm.llm_engine.engine_core.executor.worker_pids
+    shm_names = llm.llm_engine.engine_core.executor.shm_names
+    assert len(shm_names) == 3  # the broadcast queue and one reply queue per rank
     try:
         killer = threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL))
         long = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -149,3 +168,7 @@ def test_tp2_rank_killed_raises_engine_dead(tiny_model_factory):
             break
         time.sleep(0.1)
     assert not alive, f"worker processes left: {alive}"
+    owners = (os.getpid(), *pids)
+    left = [n for n in os.listdir("/dev/shm")
+            if n in shm_names or n.startswith(tuple(f"mrv2_{pid}_" for pid in owners))]
+    assert not left, f"left in /dev/shm: {left}"

@@ -11,6 +11,7 @@ import dataclasses
 import multiprocessing as mp
 import operator
 import os
+import pickle
 import shutil
 import signal
 import threading
@@ -29,6 +30,8 @@ from mrv2.sampling_params import SamplingParams
 PROMPTS = {"a": [5, 17, 300, 42, 1000, 7, 8], "b": [900, 33, 12, 1500, 64],
            "c": [1, 2, 3], "d": list(range(100, 140))}
 MAX_TOKENS = {"a": 12, "b": 5, "c": 20, "d": 9}
+# Stopping a worker that ignores the shutdown message: terminate after a grace, then kill.
+_STOP_BUDGET_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,7 @@ def test_greedy_tokens_match_in_process_executor(engine, reference):
     assert {r.removeprefix("again-"): t for r, t in again.items()} == reference
 
 
-def test_two_phase_step_with_futures(engine, reference):
+def test_two_phase_step_with_futures(engine, reference, monkeypatch):
     ex = engine.executor
 
     def step():
@@ -133,8 +136,15 @@ def test_two_phase_step_with_futures(engine, reference):
         return EngineCoreOutputs(outputs=engine.scheduler.update_from_output(sched, out))
 
     add_requests(engine, prefix="fut-")
-    tokens = collect(engine, step)
+    with monkeypatch.context() as patched:  # nothing on the step path is pickled
+        for name in ("dumps", "loads", "dump", "load"):
+            patched.setattr(pickle, name, _no_pickle)
+        tokens = collect(engine, step)
     assert {r.removeprefix("fut-"): t for r, t in tokens.items()} == reference
+
+
+def _no_pickle(*args, **kwargs):
+    raise AssertionError("pickle used on the step path")
 
 
 def test_collective_rpc(engine):
@@ -269,5 +279,21 @@ def test_startup_error_before_ready_carries_the_traceback(config):
         MultiprocExecutor(bad)
     assert isinstance(info.value, WorkerError)
     assert "nonsense" in info.value.remote_traceback and "Traceback" in str(info.value)
+    assert set(mp.active_children()) <= children
+    assert not [n for n in shm_entries() - before if n.startswith(("mrv2_", "sem."))]
+
+
+def test_startup_timeout_names_the_silent_rank_and_stops_it(config, tmp_path, monkeypatch):
+    """A worker that never reports ready (stuck in its constructor) fails the start after
+    `startup_timeout_s`, not never; it is stopped and nothing is left."""
+    (tmp_path / "stuck_worker.py").write_text(
+        "import time\n\n\nclass StuckWorker:\n    def __init__(self, config):\n"
+        "        time.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned children get the parent's sys.path
+    before, children = shm_entries(), set(mp.active_children())
+    start = time.monotonic()
+    with pytest.raises(WorkerStartupError, match=r"rank\(s\) \[0\] did not report ready within"):
+        MultiprocExecutor(config, worker_cls="stuck_worker:StuckWorker", startup_timeout_s=3.0)
+    assert time.monotonic() - start < 3.0 + _STOP_BUDGET_S
     assert set(mp.active_children()) <= children
     assert not [n for n in shm_entries() - before if n.startswith(("mrv2_", "sem."))]

@@ -14,10 +14,13 @@ from hypothesis import strategies as st
 
 from executor.serial import (ALL_RANKS, MethodTypes, MsgpackDecoder, MsgpackEncoder,
                              RemoteError, RPCCall, RPCReply)
+from executor.shm_queue import ShmQueueHandle
+from executor.worker_proc import Ready
+from mrv2 import protocol
 from mrv2.errors import WorkerError
-from mrv2.protocol import (CachedRequestData, SampleLogprobs, EngineCoreOutput, EngineCoreOutputs,
+from mrv2.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
                            EngineCoreRequest, FinishReason, GrammarOutput, ModelRunnerOutput,
-                           NewRequestData, SchedulerOutput)
+                           NewRequestData, PromptLogprobsChunk, SampleLogprobs, SchedulerOutput)
 from mrv2.sampling_params import SamplingParams
 
 
@@ -33,14 +36,23 @@ def round_trip(obj: Any, type: Any = Any, **encoder_kwargs) -> Any:
 PACKABLE = st.characters(blacklist_characters="\0", blacklist_categories=("Cs",))
 ids = st.text(PACKABLE, min_size=1, max_size=12)
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=20)
+floats = st.floats(allow_nan=False)  # +-inf included (a filtered token's logprob); NaN != NaN
+# Every field away from its default some of the time: SamplingParams omits defaults on the wire.
+# min_tokens <= 1 <= max_tokens keeps the pair valid.
 sampling = st.builds(
-    SamplingParams, temperature=st.floats(0, 2), top_p=st.floats(0.01, 1.0),
+    SamplingParams, n=st.integers(1, 4), presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2), repetition_penalty=st.floats(0.01, 10),
+    temperature=st.floats(0, 2), top_p=st.floats(0.01, 1.0),
     top_k=st.integers(-1, 100), min_p=st.floats(0, 1), seed=st.none() | st.integers(0, 2**63 - 1),
     stop=st.none() | st.lists(st.text(min_size=1, max_size=5), max_size=3),
     stop_token_ids=st.none() | tokens, max_tokens=st.none() | st.integers(1, 4096),
-    logprobs=st.none() | st.integers(0, 20), ignore_eos=st.booleans(),
+    min_tokens=st.integers(0, 1), logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20), ignore_eos=st.booleans(),
+    skip_special_tokens=st.booleans(), spaces_between_special_tokens=st.booleans(),
+    include_stop_str_in_output=st.booleans(),
     logit_bias=st.none() | st.dictionaries(st.integers(0, 50000), st.floats(-100, 100),
-                                           max_size=3))
+                                           max_size=3),
+    allowed_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=5))
 new_reqs = st.builds(NewRequestData, req_id=ids, prompt_token_ids=tokens,
                      prefill_token_ids=tokens, sampling_params=sampling, block_ids=tokens,
                      num_computed_tokens=st.integers(0, 10**6))
@@ -56,35 +68,68 @@ scheduler_outputs = st.builds(
     preempted_req_ids=st.lists(ids, max_size=4))
 grammar_outputs = st.builds(GrammarOutput, req_ids=st.lists(ids, max_size=4),
                             bitmask=st.none() | st.binary(max_size=64))
+sample_logprobs = st.builds(SampleLogprobs, token_ids=tokens,
+                            logprobs=st.lists(floats, max_size=4), rank=st.integers(1, 10**6))
+prompt_chunks = st.integers(0, 4).flatmap(lambda n: st.builds(
+    PromptLogprobsChunk, start=st.integers(0, 10**6),
+    token_ids=st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=4), min_size=n,
+                       max_size=n),
+    logprobs=st.lists(st.lists(floats, min_size=1, max_size=4), min_size=n, max_size=n),
+    ranks=st.lists(st.integers(1, 10**6), min_size=n, max_size=n)))
 runner_outputs = st.integers(0, 6).flatmap(lambda n: st.builds(
     ModelRunnerOutput.build, req_ids=st.lists(ids, min_size=n, max_size=n),
     sampled_token_ids=st.lists(tokens, min_size=n, max_size=n),
-    logprobs=st.none() | st.lists(st.none() | st.builds(
-        SampleLogprobs, token_ids=tokens, logprobs=st.lists(st.floats(allow_nan=False),
-                                                            max_size=4),
-        rank=st.integers(1, 10**6)), max_size=4),
-    num_nans=st.integers(0, 100)))
+    logprobs=st.none() | st.lists(st.none() | sample_logprobs, max_size=4),
+    num_nans=st.integers(0, 100),
+    prompt_logprobs=st.none() | st.dictionaries(ids, prompt_chunks, max_size=3)))
 core_requests = st.builds(EngineCoreRequest, request_id=ids, prompt_token_ids=tokens,
                           sampling_params=sampling, eos_token_id=st.none() | st.integers(0, 10**5),
                           arrival_time=st.floats(0, 1e10))
-core_outputs = st.builds(EngineCoreOutputs, outputs=st.lists(st.builds(
+core_output = st.builds(
     EngineCoreOutput, request_id=ids, new_token_ids=tokens,
     finish_reason=st.none() | st.sampled_from(FinishReason),
-    stop_reason=st.none() | st.integers(0, 10**5) | st.text(max_size=5)), max_size=4),
-    timestamp=st.floats(0, 1e10))
-ALL_STRUCTS = st.one_of(scheduler_outputs, grammar_outputs, runner_outputs, core_requests,
-                        core_outputs, new_reqs, cached)
+    stop_reason=st.none() | st.integers(0, 10**5) | st.text(max_size=5),
+    new_logprobs=st.none() | st.lists(sample_logprobs, max_size=3),
+    new_prompt_logprobs=st.none() | prompt_chunks)
+core_outputs = st.builds(EngineCoreOutputs, outputs=st.lists(core_output, max_size=4),
+                         timestamp=st.floats(0, 1e10))
+queue_handles = st.builds(ShmQueueHandle, name=ids, num_readers=st.integers(1, 8),
+                          num_chunks=st.integers(1, 64), chunk_bytes=st.integers(64, 2**31),
+                          zmq_address=ids, wake_address=ids)
+# One strategy per struct that crosses a process boundary: every struct of mrv2/protocol.py
+# (test_every_protocol_struct_has_a_strategy keeps this complete), the structs nested in them,
+# and the executor's own (start-up handshake, queue handles, remote errors).
+STRATEGIES: dict[type, st.SearchStrategy] = {
+    NewRequestData: new_reqs, CachedRequestData: cached, SchedulerOutput: scheduler_outputs,
+    GrammarOutput: grammar_outputs, SampleLogprobs: sample_logprobs,
+    PromptLogprobsChunk: prompt_chunks, ModelRunnerOutput: runner_outputs,
+    EngineCoreRequest: core_requests, EngineCoreOutput: core_output,
+    EngineCoreOutputs: core_outputs, SamplingParams: sampling, ShmQueueHandle: queue_handles,
+    RemoteError: st.builds(RemoteError, ids, ids, st.text(max_size=20), st.text(max_size=40)),
+    Ready: st.builds(Ready, rank=st.integers(0, 7), pid=st.integers(1, 2**22),
+                     response=st.none() | queue_handles, error=st.none() | st.text(max_size=40)),
+}
 
 
-@settings(max_examples=150, deadline=None)
-@given(ALL_STRUCTS)
-def test_every_protocol_struct_round_trips(obj):
-    back = round_trip(obj, type(obj))
-    assert back == obj and type(back) is type(obj)
+def test_every_protocol_struct_has_a_strategy():
+    defined = {obj for obj in vars(protocol).values() if isinstance(obj, type)
+               and issubclass(obj, msgspec.Struct) and obj.__module__ == protocol.__name__}
+    assert len(defined) >= 10
+    assert not defined - set(STRATEGIES), "add a strategy for each new protocol struct"
+
+
+@pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda cls: cls.__name__)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_every_protocol_struct_round_trips(cls, data):
+    obj = data.draw(STRATEGIES[cls])
+    assert type(obj) is cls
+    back = round_trip(obj, cls)
+    assert back == obj and type(back) is cls
     if isinstance(obj, SchedulerOutput):  # dict order is the batch order
         assert list(back.num_scheduled_tokens) == list(obj.num_scheduled_tokens)
     # The single-buffer form decodes the same.
-    assert MsgpackDecoder(type(obj)).decode(MsgpackEncoder().encode_bytes(obj)) == obj
+    assert MsgpackDecoder(cls).decode(MsgpackEncoder().encode_bytes(obj)) == obj
 
 
 @settings(max_examples=50, deadline=None)
