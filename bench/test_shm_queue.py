@@ -3,7 +3,9 @@ dequeue and decode the reply) for a SchedulerOutput of 256 decode requests: the 
 queue against a plain ZMQ socket and pickle over multiprocessing.Queue, in the same run; then
 the same sizes as opaque bytes (the transport alone). extra_info: message sizes, p50/p99, and
 for the baselines `p50_over_shm` (their median over the shm queue's, same run). Compare those
-ratios, never numbers from another day."""
+ratios, never numbers from another day. The step case records in `meets_target` whether the
+mp.Queue ratio reaches MIN_SPEEDUP_OVER_MP_QUEUE; it does not assert it, because on 2 cores any
+other load shares a core with the reader and inflates the shm queue's median."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from shm_queue_workload import (TRANSPORTS, decode_step, msgpack_sizes, raw_requ
 
 NUM_REQS = 256
 ROUNDS = 2000
+# Issue 6's bar: the shm step round trip's median at least this many times below pickle over
+# multiprocessing.Queue's, measured in the same run on idle cores.
+MIN_SPEEDUP_OVER_MP_QUEUE = 10.0
 _SHM_P50: dict[str, float] = {}  # group -> the shm queue's median in this run
 
 
@@ -54,6 +59,9 @@ def test_step_round_trip(benchmark, transports, transport):
     result = benchmark.pedantic(t.round_trip, args=(sched,), rounds=ROUNDS, warmup_rounds=50)
     assert result == expected
     _record(benchmark, transport)
+    ratio = benchmark.extra_info.get("p50_over_shm")
+    if transport == "mp_queue" and ratio is not None:
+        benchmark.extra_info["meets_target"] = ratio >= MIN_SPEEDUP_OVER_MP_QUEUE
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
