@@ -162,8 +162,6 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
-        if cpu_decode.applies(self, hidden, kv_cache, meta):
-            return cpu_decode.decode_layer(self, cos_sin, hidden, residual, kv_cache, meta)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -195,6 +193,8 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # cos/sin gathered once per step and shared by every layer.
         cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        if cpu_decode.applies(self, hidden, kv_caches, meta):
+            return cpu_decode.decode_model(self, cos_sin, hidden, kv_caches, meta)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], meta)

@@ -1,5 +1,5 @@
-"""The fused decode layer against the module path: same tokens and logprobs through the
-engine, and it stays off wherever it does not apply."""
+"""The fused decode stack against the module path: same tokens and logprobs through the
+engine, it stays off wherever it does not apply, and its cached views follow the tensors."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from mrv2.models.layers import cpu_decode
 
 def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:
     calls = {"n": 0}
-    real = cpu_decode.decode_layer
+    real = cpu_decode.decode_model
 
     def counted(*args):
         calls["n"] += 1
         return real(*args)
 
     with monkeypatch.context() as m:
-        m.setattr(cpu_decode, "decode_layer", counted)
+        m.setattr(cpu_decode, "decode_model", counted)
         if not fused:
             m.setattr(cpu_decode, "applies", lambda *args: False)
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -59,15 +59,34 @@ def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monke
 
 def test_off_with_autograd_or_other_dtypes(tiny_llama):
     llm = LLM(str(tiny_llama), max_model_len=64)
-    layer = llm.llm_engine.engine_core.executor.worker.runner.model.model.layers[0]
+    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
     llm.shutdown()
 
     class Meta:
         num_decodes = num_reqs = num_actual_tokens = 1
 
-    cache = torch.zeros(2, 4, 16, 2, 8)
+    caches = [torch.zeros(2, 4, 16, 2, 8) for _ in model.layers]
     with torch.no_grad():
-        assert cpu_decode.applies(layer, torch.zeros(1, 64), cache, Meta)
-        assert not cpu_decode.applies(layer, torch.zeros(1, 64).double(), cache, Meta)
-        assert not cpu_decode.applies(layer, torch.zeros(1, 64), cache.half(), Meta)
-    assert not cpu_decode.applies(layer, torch.zeros(1, 64), cache, Meta)  # grad mode
+        assert cpu_decode.applies(model, torch.zeros(1, 64), caches, Meta)
+        assert not cpu_decode.applies(model, torch.zeros(1, 64).double(), caches, Meta)
+        assert not cpu_decode.applies(model, torch.zeros(1, 64), [c.half() for c in caches],
+                                      Meta)
+    assert not cpu_decode.applies(model, torch.zeros(1, 64), caches, Meta)  # grad mode
+
+
+def test_views_follow_new_weight_storage(tiny_llama, monkeypatch):
+    """A parameter given new storage after the first decode step is read from its new
+    storage: the cached views are rebuilt, never left pointing at the old memory."""
+    llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False)
+    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
+    prompts = [{"prompt_token_ids": list(range(5, 25))}]
+    before, _ = _generate(llm, prompts, True, monkeypatch)
+    weight = model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.data = torch.zeros_like(weight) + 0.05  # new storage, other values
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, _ = _generate(llm, prompts, False, monkeypatch)
+    llm.shutdown()
+    assert fused_calls > 0
+    assert fused[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert fused[0].outputs[0].token_ids != before[0].outputs[0].token_ids

@@ -1,24 +1,27 @@
-"""One Llama decoder layer for a decode step of a few rows, as one numba call (float32, CPU).
+"""Every Llama decoder layer and the final norm for a decode step of a few rows, as one numba
+call (float32, CPU).
 
 Why: a decode step of 1-4 tokens is bound by streaming the weights (the GEMVs run at the
-memory bandwidth), and what is left is per-op overhead: a layer is about fifteen torch /
-numba calls (two norms, four projections, rotary twice, the KV write, attention, SiLU-and-mul)
-at 3-10 us each, 0.6-1 ms of a 4 ms W3 step. Here the whole layer is one call whose parallel
-parts (the projections, attention) are parallel loops inside it.
+memory bandwidth), and what is left is per-op overhead. Op by op (two norms, four
+projections, rotary twice, the KV write, attention, SiLU-and-mul: about fifteen torch / numba
+calls per layer at 3-10 us each) it was 0.6-1 ms of a 4 ms W3 step; one call per layer still
+cost ~40 us of Python and argument unboxing per layer (~0.3 ms of a 2.8 ms W3 step). Here
+the whole stack is one call: the weights and KV caches reach it as numba typed lists of views
+built once, and its parallel parts (the projections, attention) are parallel loops inside it.
 
 The arithmetic is the same as the module path (cpu_fused, cpu_gemv, decode_numba): RMSNorm in
 float32 then the weight multiply, rotate-half rotary, SiLU(gate) * up, attention over the
 paged cache after this step's K/V are written.
 
-Used only where it applies (`applies`): CPU float32, one tensor-parallel rank, no biases, no
-per-head q/k norm, every row a decode row (one token), at most MAX_ROWS rows.
+Used only where it applies (`applies`): CPU float32, one tensor-parallel rank, no biases and
+no per-head q/k norm in any layer, every row a decode row (one token), at most MAX_ROWS rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, typed
 
 from mrv2.attention.backend import TORCH, attention_backend
 from mrv2.attention.decode_numba import _decode_kernel
@@ -75,7 +78,24 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     _gemv_kernel(act, w_down, out)
 
 
-_NO_RESIDUAL = np.empty((0, 0), dtype=np.float32)
+@njit(fastmath=True, error_model="numpy", cache=True)
+def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
+                  final_eps, cos, sin, kv_caches, block_tables, seq_lens, slots, num_heads,
+                  num_kv_heads, head_dim, scale, kv_per_item, out):
+    rows, hidden_size = hidden.shape
+    x = hidden
+    residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
+    for i in range(len(w_qkvs)):
+        layer_out = np.empty((rows, hidden_size), dtype=np.float32)
+        residual_out = np.empty((rows, hidden_size), dtype=np.float32)
+        kv = kv_caches[i]
+        _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
+                      w_downs[i], cos, sin, kv[0], kv[1], block_tables, seq_lens, slots,
+                      num_heads, num_kv_heads, head_dim, scale, kv_per_item, layer_out,
+                      residual_out)
+        x, residual = layer_out, residual_out
+    summed = np.empty((rows, hidden_size), dtype=np.float32)
+    _add_rms_norm(x, residual, final_norm, final_eps, out, summed)
 
 
 def _layer_qualifies(layer) -> bool:
@@ -92,44 +112,101 @@ def _layer_qualifies(layer) -> bool:
                     for w in weights))
 
 
-def applies(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
-    """Whether `decode_layer` computes this step of `layer`: a decode step (every row one
-    token) of at most MAX_ROWS rows on the CPU (torch attention backend) in float32."""
+def _model_qualifies(model) -> bool:
+    """Every layer qualifies, all with one norm eps (the kernel takes one), and the final
+    norm is float32 on the CPU."""
+    layers = list(model.layers)
+    norm = model.norm.weight
+    return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
+            and len({layer.input_layernorm.eps for layer in layers}) == 1
+            and norm.device.type == "cpu" and norm.dtype == torch.float32)
+
+
+def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> bool:
+    """Whether `decode_model` computes this step of `model` (a LlamaModel): a decode step
+    (every row one token) of at most MAX_ROWS rows on the CPU (torch attention backend) in
+    float32."""
     rows = hidden.shape[0]
     if not (0 < rows <= MAX_ROWS and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
-            and hidden.dtype == torch.float32 and kv_cache.dtype == torch.float32
-            and kv_cache.is_contiguous() and not torch.is_grad_enabled()
-            and attention_backend(hidden.device) == TORCH):
+            and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
+            and attention_backend(hidden.device) == TORCH
+            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches)):
         return False
-    qualifies = layer.__dict__.get("_cpu_decode_qualifies")
+    qualifies = model.__dict__.get("_cpu_decode_qualifies")
     if qualifies is None:
-        qualifies = layer.__dict__["_cpu_decode_qualifies"] = _layer_qualifies(layer)
+        qualifies = model.__dict__["_cpu_decode_qualifies"] = _model_qualifies(model)
     return qualifies
 
 
-def decode_layer(layer, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                 residual: torch.Tensor | None, kv_cache: torch.Tensor, meta
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`LlamaDecoderLayer.forward` for a decode step (`applies` holds): returns (the layer's
-    MLP output, the residual stream before adding it)."""
-    attn = layer.self_attn
+def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor the kernel reads through a standing view."""
+    out = [model.norm.weight, *kv_caches]
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight]
+    return out
+
+
+def _views(tensors) -> typed.List:
+    return typed.List([t.detach().numpy() for t in tensors])
+
+
+class _StackArgs:
+    """The kernel's typed lists of weight and cache views, built once per (weights, caches).
+
+    The views share memory with the tensors, so in-place weight changes are seen; `key` is
+    every tensor's data pointer, checked each step (~4 us), so a parameter given new storage
+    (`param.data = ...`) or another cache list rebuilds the lists instead of reading stale
+    memory. Parameter objects themselves are assumed to stay (they are created once, with
+    the model)."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor]) -> None:
+        layers = list(model.layers)
+        self.kv_caches_list = kv_caches
+        self.tensors = _stack_tensors(model, kv_caches)
+        self.key = self.current_key()
+        self.ln1s = _views(layer.input_layernorm.weight for layer in layers)
+        self.ln2s = _views(layer.post_attention_layernorm.weight for layer in layers)
+        self.w_qkvs = _views(layer.self_attn.qkv_proj.weight for layer in layers)
+        self.w_os = _views(layer.self_attn.o_proj.weight for layer in layers)
+        self.w_gate_ups = _views(layer.mlp.gate_up_proj.weight for layer in layers)
+        self.w_downs = _views(layer.mlp.down_proj.weight for layer in layers)
+        self.kv_caches = _views(kv_caches)
+        self.final_norm = model.norm.weight.detach().numpy()
+
+    def current_key(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.tensors)
+
+    @classmethod
+    def of(cls, model, kv_caches: list[torch.Tensor]) -> "_StackArgs":
+        args = model.__dict__.get("_cpu_decode_args")
+        if (args is None or args.kv_caches_list is not kv_caches
+                or args.key != args.current_key()):
+            args = model.__dict__["_cpu_decode_args"] = cls(model, kv_caches)
+        return args
+
+
+def decode_model(model, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+    """`LlamaModel.forward` after the embedding for a decode step (`applies` holds): every
+    layer, writing this step's K/V into `kv_caches`, then the final norm -> [rows, hidden]."""
+    args = _StackArgs.of(model, kv_caches)
+    attn = model.layers[0].self_attn
     rows = hidden.shape[0]
     out = torch.empty_like(hidden)
-    residual_out = torch.empty_like(hidden)
     cos, sin = cos_sin
+    # Few rows: one (row, kv head) per work item, so both threads get attention work.
     kv_per_item = attn.num_kv_heads if rows >= 4 else 1
-    _decode_layer(
-        hidden.numpy(), _NO_RESIDUAL if residual is None else residual.numpy(),
-        layer.input_layernorm.weight.detach().numpy(),
-        layer.post_attention_layernorm.weight.detach().numpy(),
-        np.float32(layer.input_layernorm.eps),
-        attn.qkv_proj.weight.detach().numpy(), attn.o_proj.weight.detach().numpy(),
-        layer.mlp.gate_up_proj.weight.detach().numpy(),
-        layer.mlp.down_proj.weight.detach().numpy(), cos.numpy(), sin.numpy(),
-        kv_cache[0].numpy(), kv_cache[1].numpy(), meta.block_tables.numpy(),
+    _decode_model(
+        hidden.contiguous().numpy(), args.ln1s, args.ln2s,
+        np.float32(model.layers[0].input_layernorm.eps), args.w_qkvs, args.w_os,
+        args.w_gate_ups, args.w_downs, args.final_norm, np.float32(model.norm.eps),
+        cos.contiguous().numpy(), sin.contiguous().numpy(), args.kv_caches,
+        meta.block_tables.numpy(),
         np.ascontiguousarray(meta.seq_lens_cpu[:rows], dtype=np.int32),
-        meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads,
-        attn.head_dim, np.float32(attn.attn.scale), kv_per_item, out.numpy(),
-        residual_out.numpy())
-    return out, residual_out
+        meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        np.float32(attn.attn.scale), kv_per_item, out.numpy())
+    return out
