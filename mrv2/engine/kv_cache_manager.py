@@ -265,13 +265,24 @@ class KVCacheManager:
         With caching on, full blocks up to the end of the new tokens (known tokens only) are
         registered, so later requests can hit them.
         """
+        req_id = request.request_id
+        if not new_computed_blocks:
+            # Fast path (a decode step, 15 of 16 steps): the tokens fit in the blocks the
+            # request holds and no block fills up within its known tokens, so there is
+            # nothing to allocate or register.
+            blocks = self._req_to_blocks.get(req_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if (blocks is not None and 0 <= num_new_tokens and total <= self.max_model_len
+                    and total <= len(blocks) * self.block_size
+                    and (not self.enable_caching or min(total, request.num_tokens)
+                         // self.block_size <= self._num_cached_blocks.get(req_id, 0))):
+                return []
         hits = new_computed_blocks or ()
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         if num_new_tokens < 0 or total > self.max_model_len:
             raise ValueError(f"{request.request_id!r}: cannot allocate {num_new_tokens} tokens "
                              f"after {num_computed} (max_model_len={self.max_model_len})")
-        req_id = request.request_id
         blocks = self._req_to_blocks.get(req_id)
         if hits and blocks:
             raise ValueError(f"{req_id!r}: prefix hits for a request that already holds blocks")

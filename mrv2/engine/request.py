@@ -116,7 +116,9 @@ class Request:
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """The only way tokens are added: keeps output_token_ids and all_token_ids in step."""
         if isinstance(token_ids, int):
-            token_ids = (token_ids,)
+            self.output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            return
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
             self._all_token_ids.append(token_id)

@@ -154,18 +154,21 @@ class Scheduler:
         # 1. Running requests, oldest first. Victims are popped from the tail, so a victim is
         # never a request already scheduled in this step (those sit before `idx`).
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            request = self.running[idx]
-            known = request.num_tokens + request.num_output_placeholders
+        running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
+        max_model_len = self.max_model_len
+        while idx < len(running) and budget > 0:
+            request = running[idx]
+            placeholders = request.num_output_placeholders
+            known = len(request.all_token_ids) + placeholders
             num_new = min(known - request.num_computed_tokens, budget)
             # Nothing to run: its last step's output never arrived, or (async) the steps in
             # flight already produce every token it may still generate.
-            if num_new <= 0 or (request.num_output_placeholders and (
-                    request.num_output_tokens + request.num_output_placeholders
-                    >= request.max_tokens or known >= self.max_model_len)):
+            if num_new <= 0 or (placeholders and (
+                    len(request.output_token_ids) + placeholders >= request.max_tokens
+                    or known >= max_model_len)):
                 idx += 1
                 continue
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -226,10 +229,11 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted_ids)
         self._finished_req_ids = []  # a fresh list: the output keeps the old one
+        async_scheduling = self.async_scheduling
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
-            if (self.async_scheduling and request.num_computed_tokens
-                    >= request.num_tokens + request.num_output_placeholders):
+            if (async_scheduling and request.num_computed_tokens
+                    >= len(request.all_token_ids) + request.num_output_placeholders):
                 # This step reaches the end of the known tokens: it samples one.
                 request.num_output_placeholders += 1
         return output
@@ -264,12 +268,13 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
+        requests, running_status = self.requests, RequestStatus.RUNNING
         for req_id in scheduler_output.req_ids:
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             token_ids = sampled.get(req_id)
             # Aborted/finished since scheduling (not in `requests`) or preempted: drop, with
             # its logprobs (an async step past a stop samples a token nobody sees).
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != running_status:
                 continue
             prompt_chunk = None if prompt_logprobs is None else prompt_logprobs.get(req_id)
             if not token_ids:
@@ -280,13 +285,18 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(token_ids))
-            new_token_ids: list[int] = []
-            for token_id in token_ids:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
-                    break  # tokens past a stop are dropped
-            if request.is_finished:
+            if len(token_ids) == 1:  # the common case: one token, no list to grow
+                request.append_output_token_ids(token_ids[0])
+                new_token_ids = token_ids
+                self._check_stop(request)
+            else:
+                new_token_ids = []
+                for token_id in token_ids:
+                    request.append_output_token_ids(token_id)
+                    new_token_ids.append(token_id)
+                    if self._check_stop(request):
+                        break  # tokens past a stop are dropped
+            if request.status != running_status:
                 finished.add(req_id)
                 self._free_finished(request)
             new_logprobs = None
@@ -303,14 +313,16 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> bool:
         """vLLM's check_stop, after each appended token. Length wins over a stop token."""
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len):
+        output_token_ids = request.output_token_ids
+        num_output = len(output_token_ids)
+        if (num_output >= request.max_tokens
+                or len(request.all_token_ids) >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             return False
-        last = request.output_token_ids[-1]
+        last = output_token_ids[-1]
         if not params.ignore_eos and last == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
