@@ -6,7 +6,9 @@
 - `linear`: the same step at 32 rows (W1's decode batch) and a 512-row prefill chunk,
   `cpu_linear.linear` (oneDNN, weights packed once) vs `F.linear` (MKL);
 - `decode-attention`: 32 decode rows of 256 tokens (W1's attention shape), the numba kernel
-  reading the paged cache in place vs the gather-then-einsum torch path.
+  reading the paged cache in place vs the gather-then-einsum torch path;
+- `silu-and-mul`: W1's decode step (32 rows x 1408, 8 layers), the fused kernel with the
+  vectorised `numba_exp.exp32` vs the same loop with numba's scalar libm exp.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from numba import njit
 
 from mrv2.attention import AttentionMetadata, torch_paged
 from mrv2.attention.decode_numba import decode_attention
-from mrv2.models.layers import cpu_gemv, cpu_linear
+from mrv2.models.layers import cpu_fused, cpu_gemv, cpu_linear
 
 # W1: hidden 512, 8 layers, q 512 + kv 2*256, intermediate 1408, vocab 16000.
 W1_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(16000, 512)]
@@ -124,5 +127,36 @@ def test_decode_attention(benchmark, impl, layers):
                 decode_attention(q, cache, meta.block_tables, meta.seq_lens_cpu, scale)
             else:
                 torch_paged._decode_attention(q, cache, meta, scale)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+@njit(fastmath=True, error_model="numpy", cache=True)
+def _silu_and_mul_libm(gate_up, width, out):
+    """cpu_fused's SiLU-and-mul with numba's np.exp (a scalar libm call), the baseline."""
+    for r in range(gate_up.shape[0]):
+        for i in range(width):
+            g = gate_up[r, i]
+            out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[r, width + i]
+
+
+# W1's decode step: 32 rows of the [32, 2 * 1408] gate/up output, 8 layers.
+@pytest.mark.parametrize("impl", ["exp32", "libm_exp"])
+def test_silu_and_mul(benchmark, impl):
+    benchmark.group = "silu-and-mul-w1-step-32rows"
+    benchmark.extra_info.update(rows=32, intermediate=1408, layers=8, threads=1, seed=0)
+    g = torch.Generator().manual_seed(0)
+    gate_ups = [torch.randn(32, 2 * 1408, generator=g) * 4 for _ in range(8)]
+    expected = F.silu(gate_ups[0][:, :1408]) * gate_ups[0][:, 1408:]
+    torch.testing.assert_close(cpu_fused.silu_and_mul(gate_ups[0]), expected,
+                               rtol=1e-5, atol=1e-6)
+    out = np.empty((32, 1408), np.float32)
+
+    def step() -> None:
+        for gate_up in gate_ups:
+            if impl == "exp32":
+                cpu_fused.silu_and_mul(gate_up)
+            else:
+                _silu_and_mul_libm(gate_up.numpy(), 1408, out)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
