@@ -6,6 +6,11 @@ pytest-benchmark), so both see the same machine state; `extra_info["mrv2_over_hf
 median(HF seconds) / median(mrv2 seconds): the speed-up, higher is better. Targets: W1 >= 2.0,
 W2 >= 1.6, W3 >= 3.0.
 
+Next to it, `limit_s` is the workload's roofline lower bound (bench/roofline.py: FLOPs against
+the measured fp32 GEMM rate, bytes against the measured read bandwidth, both measured
+right before the case, before its engines are built) and `mrv2_over_limit` / `hf_over_limit` are limit_s / median
+seconds: the fraction of the limit each engine reaches (<= 1, higher is closer).
+
 Under `--benchmark-disable` (CI) the workloads shrink to 2 layers and a few tokens
 (`Workload.reduced`): the case still runs both engines end to end, in seconds.
 """
@@ -17,6 +22,7 @@ import statistics
 import pytest
 
 from e2e_workload import WORKLOADS, HFRunner, Mrv2Runner, throughput_info
+from roofline import machine_rates, workload_limit
 
 ROUNDS = 3
 
@@ -26,6 +32,8 @@ def test_offline_vs_hf(benchmark, name):
     workload = WORKLOADS[name]
     if benchmark.disabled:
         workload = workload.reduced()
+    # Right before this case, before its engines exist: the bandwidth drifts within minutes.
+    rates = machine_rates(quick=benchmark.disabled)
     benchmark.group = f"e2e-{name}"
     mrv2, hf = Mrv2Runner(workload), HFRunner(workload)
     try:
@@ -47,3 +55,9 @@ def test_offline_vs_hf(benchmark, name):
     benchmark.extra_info.update(throughput_info(workload, mrv2_median))
     benchmark.extra_info.update(hf_median_s=hf_median, mrv2_median_s=mrv2_median,
                                 mrv2_over_hf=hf_median / mrv2_median, rounds=ROUNDS)
+    limit = workload_limit(workload, rates)
+    benchmark.extra_info.update(limit_s=limit.limit_s, limit_decode_bound=limit.decode_bound,
+                                mrv2_over_limit=limit.limit_s / mrv2_median,
+                                hf_over_limit=limit.limit_s / hf_median,
+                                gemm_gflop_per_s=rates.gemm_flops_per_s / 1e9,
+                                read_gb_per_s=rates.read_bytes_per_s / 1e9)
