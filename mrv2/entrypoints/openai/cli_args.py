@@ -53,9 +53,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=True)
     parser.add_argument("--chat-template", default=None,
                         help="a chat template file, or the template itself")
-    parser.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
+    parser.add_argument("--generation-config", default="auto",
                         help="auto: the model's generation_config.json gives default sampling "
-                             "parameters; vllm: OpenAI's defaults")
+                             "parameters; vllm: OpenAI's defaults; a folder path: the "
+                             "generation_config.json in that folder")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
 
@@ -85,11 +86,13 @@ def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
 
 def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
     from mrv2.entrypoints.chat_utils import load_chat_template
+    from mrv2.entrypoints.openai.generation_config import check_mode
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
+    check_mode(args.generation_config)
     return ServerConfig(model=model, served_model_names=args.served_model_name or [model],
                         host=args.host, port=args.port,
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

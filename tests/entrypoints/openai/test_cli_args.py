@@ -61,9 +61,12 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys):
         == "{{ x }}"
     with pytest.raises(ValueError, match="two models"):
         server_config_from(parse("/a", "--model", "/b"), "/a")
-    with pytest.raises(SystemExit):
-        parse("/m", "--generation-config", "bogus")
-    capsys.readouterr()
+    with pytest.raises(ValueError, match="generation-config"):
+        server_config_from(parse("/m", "--generation-config", "bogus"), "/m")
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text("{}")
+    assert server_config_from(parse("/m", "--generation-config", str(tmp_path / "gen")),
+                              "/m").generation_config == str(tmp_path / "gen")
     code = main(["serve", str(tmp_path / "missing")])
     assert code == 2
     err = capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""`--generation-config auto|vllm`: default sampling parameters from generation_config.json."""
+"""`--generation-config auto|vllm|FOLDER`: default sampling parameters from a
+generation_config.json."""
 
 from __future__ import annotations
 
@@ -26,4 +27,19 @@ def test_missing_or_broken_files_give_no_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": "hot", "top_k": true}')
     assert default_sampling_params(str(tmp_path)) == {}
     with pytest.raises(ValueError, match="generation-config"):
-        default_sampling_params(str(tmp_path), "sometimes")
+        default_sampling_params(str(tmp_path), "sometimes")  # not a folder
+
+
+def test_a_folder_path_reads_that_folders_file(tmp_path):
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir(), other.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_k": 5}))
+    assert default_sampling_params(str(model), str(other)) == {"temperature": 0.2, "top_k": 5}
+    # Named explicitly, so a folder without the file or a broken file is an error.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not"):
+        default_sampling_params(str(model), str(tmp_path / "empty"))
+    (other / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        default_sampling_params(str(model), str(other))
