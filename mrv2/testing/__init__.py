@@ -1,4 +1,5 @@
-"""Test and demo fixtures: seeded random-weight HF models and a locally trained tokenizer.
+"""Test and demo fixtures: seeded random-weight HF models, a locally trained tokenizer, and a
+real `mrv2 serve` process (ServerProcess).
 
 Nothing here downloads anything. Names are resolved lazily so that importing the tokenizer
 helpers does not pull in torch and transformers.
@@ -10,16 +11,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mrv2.testing.server import ServerProcess, free_port
     from mrv2.testing.tiny_model import SUPPORTED_ARCHS, default_demo_model_path, make_tiny_model
     from mrv2.testing.tokenizer import cache_dir, get_tokenizer_dir
 
-__all__ = ["SUPPORTED_ARCHS", "cache_dir", "default_demo_model_path", "get_tokenizer_dir",
-           "make_tiny_model"]
+__all__ = ["SUPPORTED_ARCHS", "ServerProcess", "cache_dir", "default_demo_model_path",
+           "free_port", "get_tokenizer_dir", "make_tiny_model"]
 
 _WHERE = {
     "SUPPORTED_ARCHS": "mrv2.testing.tiny_model",
     "default_demo_model_path": "mrv2.testing.tiny_model",
     "make_tiny_model": "mrv2.testing.tiny_model",
+    "ServerProcess": "mrv2.testing.server",
+    "free_port": "mrv2.testing.server",
     "cache_dir": "mrv2.testing.tokenizer",
     "get_tokenizer_dir": "mrv2.testing.tokenizer",
 }
