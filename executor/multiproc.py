@@ -339,7 +339,10 @@ class MultiprocExecutor(Executor):
 
     def initialize(self) -> int:
         try:
-            return super().initialize()
+            num_blocks = super().initialize()
+            # A worker process holds this engine for its whole life (mrv2/heap.py).
+            self.collective_rpc(_freeze_worker_heap)
+            return num_blocks
         except BaseException:
             self.shutdown()
             raise
@@ -372,3 +375,9 @@ class MultiprocExecutor(Executor):
         for name in self._response_names:
             unlink_segment(name)
         self._wake_r.close()
+
+
+def _freeze_worker_heap(worker: object) -> None:
+    from mrv2.heap import freeze_startup_objects
+
+    freeze_startup_objects()

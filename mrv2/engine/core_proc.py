@@ -259,11 +259,13 @@ def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Conn
     core = proc = None
     try:
         from mrv2.engine.core import EngineCore
+        from mrv2.heap import freeze_startup_objects
 
         core = EngineCore(config, executor_class)
         proc = EngineCoreProc(core, input_queue, input_addr, output_addr)
         ready_conn.send_bytes(msgspec.msgpack.encode(
             CoreReady(os.getpid(), num_kv_blocks=core.executor.num_kv_blocks)))
+        freeze_startup_objects()  # this process holds one engine for its life (mrv2/heap.py)
     except BaseException as error:
         text = traceback.format_exc()
         try:

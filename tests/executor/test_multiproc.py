@@ -165,6 +165,15 @@ def test_collective_rpc(engine):
     assert not ex.is_failed
 
 
+def test_worker_heap_is_frozen_after_startup(engine):
+    # Worker processes hold one engine for life: initialize froze their startup objects
+    # (mrv2/heap.py); the parent, which builds many engines in this test run, is not frozen.
+    from mrv2.heap import frozen_object_count
+
+    assert all(n > 1000 for n in engine.executor.collective_rpc(frozen_object_count))
+    assert frozen_object_count() == 0
+
+
 def test_rpc_timeout_then_late_reply_is_matched(engine):
     ex = engine.executor
     (pid,) = ex.worker_pids
