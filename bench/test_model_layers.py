@@ -8,7 +8,9 @@
 - `decode-attention`: 32 decode rows of 256 tokens (W1's attention shape), the numba kernel
   reading the paged cache in place vs the gather-then-einsum torch path;
 - `silu-and-mul`: W1's decode step (32 rows x 1408, 8 layers), the fused kernel with the
-  vectorised `numba_exp.exp32` vs the same loop with numba's scalar libm exp.
+  vectorised `numba_exp.exp32` vs the same loop with numba's scalar libm exp;
+- `norm-rotary`: one W2 prefill layer's norms and q/k rotary (4096 rows), the fused kernels
+  in parallel row chunks vs the torch formulations.
 """
 
 from __future__ import annotations
@@ -160,3 +162,58 @@ def test_silu_and_mul(benchmark, impl):
                 _silu_and_mul_libm(gate_up.numpy(), 1408, out)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+def _torch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's torch formulation (norm.py's fallback): the baseline."""
+    summed = x + residual
+    return weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)), summed
+
+
+def _torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  head_dim: int) -> torch.Tensor:
+    shape = x.shape
+    x = x.reshape(shape[0], -1, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos[:, None, :]) + (rotated * sin[:, None, :])).reshape(shape)
+
+
+# W2's prefill: 32 prompts x 128 tokens = 4096 rows of hidden 1024 (16 MB per tensor, far past
+# the L3), q of 16 heads x 64; one layer's two norms and q/k rotary.
+@pytest.mark.parametrize("impl", ["fused_parallel", "torch_ops"])
+def test_prefill_norm_and_rotary(benchmark, impl):
+    benchmark.group = "norm-rotary-w2-prefill-4096rows"
+    rows, hidden, head_dim = 4096, 1024, 64
+    benchmark.extra_info.update(rows=rows, hidden=hidden, heads=16, kv_heads=8,
+                                head_dim=head_dim, threads=2, seed=0)
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    weight = torch.rand(hidden, generator=g) + 0.5
+    qkv = torch.randn(rows, 2 * hidden, generator=g)
+    q, k = qkv[:, :hidden], qkv[:, hidden:hidden + hidden // 2]  # strided views, as split
+    angles = torch.rand(rows, head_dim // 2, generator=g) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_fused.rms_norm(x, weight, 1e-5, residual),
+                                   _torch_rms_norm(x, residual, weight, 1e-5),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cpu_fused.rotary(q, cos, sin, head_dim),
+                                   _torch_rotary(q, cos, sin, head_dim), rtol=1e-5, atol=1e-5)
+
+    def layer() -> None:
+        with torch.inference_mode():
+            for _ in range(2):
+                if impl == "fused_parallel":
+                    cpu_fused.rms_norm(x, weight, 1e-5, residual)
+                else:
+                    _torch_rms_norm(x, residual, weight, 1e-5)
+            for t in (q, k):
+                if impl == "fused_parallel":
+                    cpu_fused.rotary(t, cos, sin, head_dim)
+                else:
+                    _torch_rotary(t, cos, sin, head_dim)
+
+    benchmark.pedantic(layer, rounds=ROUNDS, warmup_rounds=2)

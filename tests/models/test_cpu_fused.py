@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from mrv2.models.layers import cpu_fused
 from mrv2.models.layers.rotary import rotate_half
 
-ROWS = [1, 7, cpu_fused.MAX_ROWS]
+# Serial sizes, then the parallel row-chunk form (a partial last chunk included).
+ROWS = [1, 7, cpu_fused.MAX_ROWS, cpu_fused.MAX_ROWS + 1, 1000]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -60,11 +61,27 @@ def test_silu_and_mul(rows):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_parallel_form_is_taken_beyond_max_rows(monkeypatch):
+    calls = []
+    real = cpu_fused._add_rms_norm_rows
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(cpu_fused, "_add_rms_norm_rows", counted)
+    weight = torch.ones(8)
+    with torch.no_grad():
+        cpu_fused.rms_norm(torch.ones(cpu_fused.MAX_ROWS, 8), weight, 1e-5)
+        cpu_fused.rms_norm(torch.ones(cpu_fused.MAX_ROWS + 1, 8), weight, 1e-5)
+    assert calls == [cpu_fused.MAX_ROWS + 1]
+
+
 def test_supported_only_for_float32_cpu_inference():
     x = torch.zeros(2, 4)
     with torch.no_grad():
         assert cpu_fused.supported(x, x)
         assert not cpu_fused.supported(x, x.double())
         assert not cpu_fused.supported(torch.zeros(2, 2, 4))
-        assert not cpu_fused.supported(torch.zeros(cpu_fused.MAX_ROWS + 1, 4))
+        assert cpu_fused.supported(torch.zeros(4096, 4))  # prefills: the parallel form
     assert not cpu_fused.supported(x)  # autograd on: the torch path keeps the graph

@@ -3,9 +3,12 @@ rotary embedding and SiLU-and-mul.
 
 Why: at decode sizes (1-32 rows of a few hundred floats) each torch op costs a few
 microseconds of dispatch and allocation, and RMSNorm is ~6 ops, rotary ~8 per tensor: about
-80 us per layer, a tenth of a W3 decode step. One numba call per op does the same arithmetic
-in one pass. Only small batches take them (`MAX_ROWS`): for a prefill, torch's vectorised,
-threaded ops are faster than these loops (measured end to end on W1 and W3).
+80 us per layer, a tenth of a W3 decode step. At prefill sizes (thousands of rows, tensors far
+larger than the L3) the same torch ops are memory-bound passes over 16 MB tensors: RMSNorm
+reads and writes its tensor ~5 times, rotary ~8 times; they were a third of W2's prefill
+(torch.profiler: aten::mul/add/pow/cat). One numba call per op does the same arithmetic in one
+pass: single-threaded up to `MAX_ROWS` rows (starting the thread pool would cost more than the
+work), over row chunks in parallel beyond.
 
 Numerics: float32 throughout like the torch path (transformers' order: normalise, then the
 weight multiply; rotary as x*cos + rotate_half(x)*sin); sums run in another order (~1e-7
@@ -16,13 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from mrv2.numba_exp import exp32
 
-# Batches of at most this many rows take the fused kernels (single-threaded: starting the
-# thread pool would cost more than the work).
+# Batches of at most this many rows run single-threaded; larger ones in parallel row chunks.
 MAX_ROWS = 64
+_CHUNK_ROWS = 16  # rows per parallel task
 
 
 def _add_rms_norm_body(x, residual, weight, eps, out, residual_out):
@@ -68,10 +71,35 @@ _silu_and_mul = njit(**_OPTS)(_silu_and_mul_body)
 _NO_RESIDUAL = np.empty((0, 0), dtype=np.float32)
 
 
+# The parallel forms: each task runs the serial kernel on a chunk of rows (a [0, 0] residual
+# sliced stays [0, 0], so "no residual" passes through).
+@njit(parallel=True, **_OPTS)
+def _add_rms_norm_rows(x, residual, weight, eps, out, residual_out):
+    rows = x.shape[0]
+    for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
+        lo, hi = c * _CHUNK_ROWS, min(rows, (c + 1) * _CHUNK_ROWS)
+        _add_rms_norm(x[lo:hi], residual[lo:hi], weight, eps, out[lo:hi], residual_out[lo:hi])
+
+
+@njit(parallel=True, **_OPTS)
+def _rotary_rows(x, cos, sin, head_dim, out):
+    rows = x.shape[0]
+    for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
+        lo, hi = c * _CHUNK_ROWS, min(rows, (c + 1) * _CHUNK_ROWS)
+        _rotary(x[lo:hi], cos[lo:hi], sin[lo:hi], head_dim, out[lo:hi])
+
+
+@njit(parallel=True, **_OPTS)
+def _silu_and_mul_rows(gate_up, width, out):
+    rows = gate_up.shape[0]
+    for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
+        lo, hi = c * _CHUNK_ROWS, min(rows, (c + 1) * _CHUNK_ROWS)
+        _silu_and_mul(gate_up[lo:hi], width, out[lo:hi])
+
+
 def supported(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """The kernels take a 2-D `x` of at most MAX_ROWS rows and float32 CPU tensors, outside
-    autograd."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()
+    """The kernels take a 2-D `x` and float32 CPU tensors, outside autograd."""
+    return (x.dim() == 2 and not torch.is_grad_enabled()
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, *others)))
 
 
@@ -88,7 +116,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x [T, H] -> weight * norm(x); with `residual`: (norm(x + residual), x + residual)."""
     out = torch.empty(x.shape, dtype=torch.float32)
     res_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
-    _add_rms_norm(
+    kernel = _add_rms_norm if x.shape[0] <= MAX_ROWS else _add_rms_norm_rows
+    kernel(
         _np2d(x), _NO_RESIDUAL if residual is None else _np2d(residual),
         weight.detach().numpy(), np.float32(eps), out.numpy(),
         _NO_RESIDUAL if res_out is None else res_out.numpy())
@@ -99,7 +128,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            head_dim: int) -> torch.Tensor:
     """x [T, N*D], cos/sin [T, D] (rotate-half layout) -> rotated [T, N*D]."""
     out = torch.empty(x.shape, dtype=torch.float32)
-    _rotary(_np2d(x), _np2d(cos), _np2d(sin), head_dim, out.numpy())
+    kernel = _rotary if x.shape[0] <= MAX_ROWS else _rotary_rows
+    kernel(_np2d(x), _np2d(cos), _np2d(sin), head_dim, out.numpy())
     return out
 
 
@@ -107,5 +137,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
     width = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
-    _silu_and_mul(_np2d(gate_up), width, out.numpy())
+    kernel = _silu_and_mul if gate_up.shape[0] <= MAX_ROWS else _silu_and_mul_rows
+    kernel(_np2d(gate_up), width, out.numpy())
     return out
