@@ -127,7 +127,8 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    # 0 only with echo: score the prompt (lm-eval's loglikelihood requests), generate nothing.
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -147,9 +148,19 @@ class CompletionRequest(SamplingRequest):
         if self.stream and self.prompt_logprobs is not None:
             raise BadRequest("prompt_logprobs is not supported when streaming",
                              param="prompt_logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens must be at least 1 (0 only with echo, to score the "
+                             "prompt)", param="max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens=0 with echo: the answer is the prompt (and its logprobs) alone."""
+        return self.echo and self.max_tokens == 0
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        # An echo-only request still runs one step: the prefill that computes the prompt's
+        # logprobs samples a token, which the response drops (vLLM does the same).
+        return 1 if self.echo_only else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None = None,
                            defaults: dict[str, Any] | None = None) -> SamplingParams:

@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = []
         for prompt in prompts:
             max_tokens = self.max_tokens_for(len(prompt["prompt_token_ids"]),
-                                             request.max_tokens)
+                                             request.requested_max_tokens())
             params.append(request.to_sampling_params(max_tokens, self.default_sampling))
             self.engine.input_processor.process("validate", prompt, params[-1])
         request_id = random_id("cmpl")
@@ -106,6 +106,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs[i] = output.prompt_logprobs
             for completion in output.outputs:
                 choice = choices[i][completion.index]
+                if request.echo_only:  # the sampled token is not part of the answer
+                    choice.finish_reason = completion.finish_reason and "length"
+                    continue
                 choice.text += completion.text
                 choice.token_ids.extend(completion.token_ids)
                 choice.logprobs.extend(completion.logprobs or [])
@@ -134,6 +137,8 @@ class OpenAIServingCompletion(OpenAIServing):
         builders: dict[tuple[int, int], CompletionLogprobs] = {}
         async for i, output in merge_streams(streams):
             for completion in output.outputs:
+                if request.echo_only:  # the sampled token is not part of the answer
+                    completion = _EchoOnly(completion.index, completion.finish_reason and "length")
                 key = (i, completion.index)
                 prefix, prompt_part = "", None
                 if key not in generated:
@@ -164,6 +169,18 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse({"id": request_id, "object": "text_completion", "created": created,
                        "model": model, "choices": [],
                        "usage": usage(_num_prompt_tokens(prompts), sum(generated.values()))})
+
+
+@dataclass
+class _EchoOnly:
+    """What an echo-only request streams of a completion: nothing generated, its end."""
+
+    index: int
+    finish_reason: str | None
+    text: str = ""
+    token_ids: tuple = ()
+    logprobs: None = None
+    stop_reason: None = None
 
 
 def _num_prompt_tokens(prompts: list[dict[str, Any]]) -> int:

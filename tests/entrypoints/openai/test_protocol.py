@@ -64,7 +64,7 @@ def test_chat_logprobs_and_max_completion_tokens():
     {"prompt": "x", "n": 0}, {"prompt": "x", "n": 10**6},
     {"prompt": "x", "seed": 2**64}, {"prompt": "x", "temperature": float("nan")},
     {"prompt": [1, "a"]}, {"prompt": [True]}, {"prompt": [-1]},
-    {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "logprobs": 21},
+    {"prompt": "x", "max_tokens": -1}, {"prompt": "x", "logprobs": 21},
     {"prompt": "x", "stop_token_ids": [-1]},
 ])
 def test_invalid_completion_bodies(body):
@@ -77,6 +77,7 @@ def test_invalid_completion_bodies(body):
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ])
 def test_completion_refusals_name_the_field(body, param):
     with pytest.raises(BadRequest) as info:

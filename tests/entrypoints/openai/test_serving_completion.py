@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import openai
 import pytest
 
 from mrv2 import LLM, SamplingParams
@@ -218,3 +219,29 @@ def test_logprobs_with_echo_include_the_prompt(client):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v is not None for v in lp.token_logprobs[1:])
     assert "".join(lp.tokens).endswith(out.choices[0].text[len("hello world"):])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(client):
+    """lm-eval's loglikelihood request: echo, max_tokens=0, logprobs; nothing generated."""
+    scored = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=0,
+                                       temperature=0.0, logprobs=2, echo=True)
+    generated = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=1,
+                                          temperature=0.0, logprobs=2, echo=True)
+    choice, num_prompt = scored.choices[0], scored.usage.prompt_tokens
+    assert choice.text == "hello world" and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == num_prompt
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    # The prompt part equals what an echo with one generated token reports for it.
+    assert lp.token_logprobs == generated.choices[0].logprobs.token_logprobs[:num_prompt]
+    # Streaming: the prompt, then the end, no generated text.
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="hello world",
+                                            max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "hello world"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_max_tokens_0_without_echo_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=0)
