@@ -53,7 +53,7 @@ from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.async_llm import AsyncLLM
 from mrv2.entrypoints.bench.dataset import random_token_prompts
 from mrv2.entrypoints.bench.serve import run_benchmark
-from mrv2.entrypoints.bench.serve_client import RequestResult
+from mrv2.entrypoints.bench.serve_client import ChunkClock, RequestResult
 from mrv2.entrypoints.bench.serve_metrics import compute_metrics
 from mrv2.entrypoints.cli import build_parser
 from mrv2.entrypoints.openai.cli_args import (ServerConfig, engine_args_from, resolve_model,
@@ -112,24 +112,18 @@ async def engine_completion(engine: AsyncLLM, prompt: list[int], params: Samplin
     """`stream_completion`'s timing, over `AsyncLLM.generate` instead of HTTP. Unlike the
     HTTP client it raises on failure: a broken baseline must fail the case."""
     result = RequestResult(prompt_len=len(prompt))
-    start = last = time.perf_counter()
-    chunks = tokens = 0
+    clock = ChunkClock(result)
+    tokens = 0
     async for output in engine.generate({"prompt_token_ids": prompt}, params, request_id,
                                         RequestOutputKind.DELTA):
         completion = output.outputs[0]
         tokens += len(completion.token_ids)
         if not completion.text:
             continue  # the HTTP client skips these chunks too (partial character held back)
-        now = time.perf_counter()
-        if chunks == 0:
-            result.ttft = now - start
-        else:
-            result.itl.append(now - last)
-        last = now
-        chunks += 1
-    result.latency = time.perf_counter() - start
+        clock.content_chunk()
+    clock.finish()
     result.output_tokens = tokens
-    result.success = chunks > 0
+    result.success = clock.chunks > 0
     return result
 
 

@@ -285,17 +285,14 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(token_ids))
-            if len(token_ids) == 1:  # the common case: one token, no list to grow
-                request.append_output_token_ids(token_ids[0])
-                new_token_ids = token_ids
-                self._check_stop(request)
-            else:
-                new_token_ids = []
-                for token_id in token_ids:
-                    request.append_output_token_ids(token_id)
-                    new_token_ids.append(token_id)
-                    if self._check_stop(request):
-                        break  # tokens past a stop are dropped
+            kept = 0
+            for token_id in token_ids:
+                request.append_output_token_ids(token_id)
+                kept += 1
+                if self._check_stop(request):
+                    break  # tokens past a stop are dropped
+            # Usually every token is kept (one per step): the list itself, not a copy.
+            new_token_ids = token_ids if kept == len(token_ids) else token_ids[:kept]
             if request.status != running_status:
                 finished.add(req_id)
                 self._free_finished(request)

@@ -3,7 +3,6 @@ and a dead worker surfaces as EngineDeadError instead of a hang."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -14,41 +13,10 @@ import pytest
 from mrv2 import LLM, SamplingParams
 from mrv2.config import ConfigError
 from mrv2.errors import EngineDeadError
+from mrv2.testing.leftovers import engine_leftovers, wait_for_no_leftovers
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 300 + 7 * i, 42]} for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie nobody reaped yet counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def leftovers(worker_pids: list[int], shm_names: list[str], shm_before: set[str]) -> list[str]:
-    """Worker processes still running, and /dev/shm entries of this engine still there: its
-    queues' segments, any segment named after this process or a worker (`mrv2_<pid>_...`),
-    and any semaphore created since `shm_before`."""
-    owners = [os.getpid(), *worker_pids]
-    entries = set(os.listdir("/dev/shm"))
-    ours = sorted(n for n in entries if n in shm_names
-                  or any(n.startswith(f"mrv2_{pid}_") for pid in owners)
-                  or (n.startswith("sem.") and n not in shm_before))
-    return ([f"process {pid}" for pid in worker_pids if _alive(pid)]
-            + [f"process {p.pid} ({p.name})" for p in mp.active_children()
-               if p.pid in worker_pids] + [f"/dev/shm/{n}" for n in ours])
-
-
-def wait_for_no_leftovers(worker_pids: list[int], shm_names: list[str], shm_before: set[str],
-                          within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while (left := leftovers(worker_pids, shm_names, shm_before)) and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"left behind: {left}"
 
 
 def test_mp_backend_matches_in_process_and_dies_loudly(tiny_llama):
@@ -89,7 +57,7 @@ def test_mp_backend_matches_in_process_and_dies_loudly(tiny_llama):
         assert time.monotonic() - start < 1.0
     finally:
         llm.llm_engine.shutdown()
-    assert not leftovers(pids, shm_names, shm_before)
+    assert not engine_leftovers(pids, shm_names, shm_before)
 
 
 def test_unknown_executor_backend(tiny_llama):

@@ -17,6 +17,7 @@ import torch
 from mrv2 import LLM, SamplingParams
 from mrv2.config import ConfigError
 from mrv2.errors import EngineDeadError
+from mrv2.testing.leftovers import wait_for_no_leftovers
 
 MAX_TOKENS = 16
 # Lengths around the block size (16) and a multi-block prompt.
@@ -155,20 +156,4 @@ def test_tp2_rank_killed_raises_engine_dead(tiny_model_factory):
         assert time.monotonic() - start < 0.5 + 5.0
     finally:
         llm.shutdown()
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            break
-        time.sleep(0.1)
-    assert not alive, f"worker processes left: {alive}"
-    owners = (os.getpid(), *pids)
-    left = [n for n in os.listdir("/dev/shm")
-            if n in shm_names or n.startswith(tuple(f"mrv2_{pid}_" for pid in owners))]
-    assert not left, f"left in /dev/shm: {left}"
+    wait_for_no_leftovers(pids, shm_names)

@@ -26,6 +26,7 @@ from mrv2.engine.core import EngineCore
 from mrv2.errors import EngineDeadError, WorkerError, WorkerStartupError
 from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, ModelRunnerOutput
 from mrv2.sampling_params import SamplingParams
+from mrv2.testing.leftovers import engine_leftovers, process_alive
 
 PROMPTS = {"a": [5, 17, 300, 42, 1000, 7, 8], "b": [900, 33, 12, 1500, 64],
            "c": [1, 2, 3], "d": list(range(100, 140))}
@@ -44,13 +45,8 @@ def shm_entries() -> set[str]:
 
 
 def assert_nothing_left(executor: MultiprocExecutor, shm_before: set[str]) -> None:
-    pids = executor.worker_pids
-    assert not [pid for pid in pids if _alive(pid)]
-    assert not [p for p in mp.active_children() if p.pid in pids]
-    new = shm_entries() - shm_before
-    ours = [n for n in new if n.startswith("sem.")
-            or any(n.startswith(f"mrv2_{pid}_") for pid in [os.getpid(), *pids])]
-    assert not ours, f"left in /dev/shm: {ours}"
+    left = engine_leftovers(executor.worker_pids, executor.shm_names, shm_before)
+    assert not left, f"left behind: {left}"
 
 
 class Engines:
@@ -234,10 +230,10 @@ def test_killed_worker_fails_pending_and_later_calls_fast(engines):
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
-        if _alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGKILL)
         core.shutdown()
-    assert_nothing_left(ex, before - set(ex.shm_names))
+    assert_nothing_left(ex, before)
 
 
 def test_worker_exits_when_the_parent_pipe_closes(engines):
@@ -248,22 +244,13 @@ def test_worker_exits_when_the_parent_pipe_closes(engines):
     (pid,) = ex.worker_pids
     ex._death_w.close()
     deadline = time.monotonic() + 10
-    while _alive(pid):
+    while process_alive(pid):
         assert time.monotonic() < deadline, "the worker outlived its parent's pipe"
         time.sleep(0.05)
     with pytest.raises(EngineDeadError):
         ex.collective_rpc("determine_num_kv_blocks", timeout=10)
     core.shutdown()
-    assert_nothing_left(ex, before - set(ex.shm_names))
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie that nobody reaped yet counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert_nothing_left(ex, before)
 
 
 def test_startup_error_in_load_model_raises_the_workers_error(tiny_llama, tmp_path):

@@ -19,6 +19,28 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between later content chunks
 
 
+class ChunkClock:
+    """Times one stream into `result`: TTFT at the first content chunk, the gaps between later
+    ones, the latency at the end; `chunks` counts the content chunks."""
+
+    def __init__(self, result: RequestResult) -> None:
+        self.result = result
+        self.start = self.last = time.perf_counter()
+        self.chunks = 0
+
+    def content_chunk(self) -> None:
+        now = time.perf_counter()
+        if self.chunks == 0:
+            self.result.ttft = now - self.start
+        else:
+            self.result.itl.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+
+    def finish(self) -> None:
+        self.result.latency = time.perf_counter() - self.start
+
+
 async def first_model(client: Any, base_url: str) -> str:
     response = await client.get(f"{base_url}/v1/models")
     response.raise_for_status()
@@ -35,8 +57,7 @@ async def stream_completion(client: Any, base_url: str, model: str, prompt: list
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     result = RequestResult(prompt_len=len(prompt))
-    start = last = time.perf_counter()
-    chunks = 0
+    clock = ChunkClock(result)
     usage_tokens = None
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=payload) as response:
@@ -56,19 +77,13 @@ async def stream_completion(client: Any, base_url: str, model: str, prompt: list
                 choices = event.get("choices") or []
                 if not choices or not choices[0].get("text"):
                     continue  # usage-only chunk, or text held back (partial character)
-                now = time.perf_counter()
-                if chunks == 0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks += 1
+                clock.content_chunk()
     except Exception as error:  # noqa: BLE001 - a benchmark reports failures, it goes on
         result.error = f"{type(error).__name__}: {error}"
         return result
-    result.latency = time.perf_counter() - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    result.success = chunks > 0
+    clock.finish()
+    result.output_tokens = usage_tokens if usage_tokens is not None else clock.chunks
+    result.success = clock.chunks > 0
     if not result.success:
         result.error = "no content chunk received"
     return result

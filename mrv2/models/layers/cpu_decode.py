@@ -139,8 +139,13 @@ def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) ->
     return qualifies
 
 
+_PER_LAYER = 6  # the weights `_stack_tensors` lists per layer, in this order:
+# input norm, post-attention norm, qkv, o, gate_up, down
+
+
 def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every tensor the kernel reads through a standing view."""
+    """Every tensor the kernel reads through a standing view: the final norm, the caches,
+    then `_PER_LAYER` weights per layer."""
     out = [model.norm.weight, *kv_caches]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -164,18 +169,14 @@ class _StackArgs:
     the model)."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor]) -> None:
-        layers = list(model.layers)
         self.kv_caches_list = kv_caches
         self.tensors = _stack_tensors(model, kv_caches)
         self.key = self.current_key()
-        self.ln1s = _views(layer.input_layernorm.weight for layer in layers)
-        self.ln2s = _views(layer.post_attention_layernorm.weight for layer in layers)
-        self.w_qkvs = _views(layer.self_attn.qkv_proj.weight for layer in layers)
-        self.w_os = _views(layer.self_attn.o_proj.weight for layer in layers)
-        self.w_gate_ups = _views(layer.mlp.gate_up_proj.weight for layer in layers)
-        self.w_downs = _views(layer.mlp.down_proj.weight for layer in layers)
+        weights = self.tensors[1 + len(kv_caches):]
+        (self.ln1s, self.ln2s, self.w_qkvs, self.w_os, self.w_gate_ups,
+         self.w_downs) = (_views(weights[i::_PER_LAYER]) for i in range(_PER_LAYER))
         self.kv_caches = _views(kv_caches)
-        self.final_norm = model.norm.weight.detach().numpy()
+        self.final_norm = self.tensors[0].detach().numpy()
 
     def current_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)

@@ -1,0 +1,47 @@
+"""What an engine with worker processes can leave behind after it stops or dies: running
+worker processes, and its /dev/shm segments and semaphores. For the tests that kill workers
+and check that shutdown cleaned up."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Collection
+
+
+def process_alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def engine_leftovers(worker_pids: Collection[int], shm_names: Collection[str],
+                     shm_before: Collection[str] | None = None) -> list[str]:
+    """Worker processes still running, and /dev/shm entries of this engine still there: its
+    queues' segments (`shm_names`) and any segment named after this process or a worker
+    (`mrv2_<pid>_...`). With `shm_before` (the entries before the engine started), only
+    entries created since count, and new semaphores count too."""
+    owners = tuple(f"mrv2_{pid}_" for pid in (os.getpid(), *worker_pids))
+    entries = set(os.listdir("/dev/shm"))
+    if shm_before is not None:
+        entries -= set(shm_before) - set(shm_names)
+    ours = sorted(n for n in entries if n in shm_names or n.startswith(owners)
+                  or (shm_before is not None and n.startswith("sem.")))
+    return ([f"process {pid}" for pid in worker_pids if process_alive(pid)]
+            + [f"process {p.pid} ({p.name})" for p in mp.active_children()
+               if p.pid in worker_pids] + [f"/dev/shm/{n}" for n in ours])
+
+
+def wait_for_no_leftovers(worker_pids: Collection[int], shm_names: Collection[str],
+                          shm_before: Collection[str] | None = None,
+                          within_s: float = 5.0) -> None:
+    """AssertionError naming what is still there after `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while (left := engine_leftovers(worker_pids, shm_names, shm_before)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"left behind: {left}"

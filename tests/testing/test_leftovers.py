@@ -1,0 +1,32 @@
+"""engine_leftovers: a live child process and an engine-named /dev/shm segment are reported,
+entries that existed before are not, and nothing is once they are gone."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from multiprocessing import shared_memory
+
+from mrv2.testing.leftovers import engine_leftovers, process_alive, wait_for_no_leftovers
+
+
+def test_reports_a_live_worker_and_an_engine_segment_until_they_are_gone():
+    before = set(os.listdir("/dev/shm"))
+    worker = mp.get_context("spawn").Process(target=time.sleep, args=(30,))
+    worker.start()
+    shm = shared_memory.SharedMemory(name=f"mrv2_{os.getpid()}_leftover_test", create=True,
+                                     size=64)
+    try:
+        assert process_alive(worker.pid)
+        left = engine_leftovers([worker.pid], [], before)
+        assert f"process {worker.pid}" in left and f"/dev/shm/{shm.name}" in left
+        # Entries older than the engine are not its leftovers.
+        assert f"/dev/shm/{shm.name}" not in engine_leftovers([], [], before | {shm.name})
+    finally:
+        worker.kill()
+        worker.join()
+        shm.close()
+        shm.unlink()
+    assert not process_alive(worker.pid)
+    wait_for_no_leftovers([worker.pid], [shm.name], before, within_s=1.0)
