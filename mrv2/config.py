@@ -27,10 +27,13 @@ def check_logprobs_mode(mode: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # A local Hugging Face model directory or GGUF file (Hub ids are resolved to one first).
     model: str
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    # Where the tokenizer comes from (a directory or GGUF file); None: the model.
+    tokenizer: str | None = None
     # transformers PretrainedConfig, read through AutoConfig. Not compared or printed.
     hf_config: Any = field(default=None, compare=False, repr=False)
     # What sample logprobs report (vLLM's names): "raw_logprobs" (the model's logits, before
@@ -40,6 +43,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.model if self.tokenizer is None else self.tokenizer
 
     @property
     def architecture(self) -> str:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from mrv2 import platform
 from mrv2.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig, ModelConfig,
                          ParallelConfig, SchedulerConfig, check_logprobs_mode)
+from mrv2.models.gguf import GGUFError, has_tokenizer, is_gguf_path, open_gguf
+from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import load_hf_config, resolve_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
@@ -18,6 +20,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 @dataclass
 class EngineArgs:
+    # A local model directory or GGUF file, a Hub id ("org/name"), or a GGUF file in a Hub
+    # repo ("org/name/file.gguf"); mrv2/models/hub.py resolves it.
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -37,6 +41,15 @@ class EngineArgs:
     device: str | None = None
     # "raw_logprobs" | "processed_logprobs" | "raw_logits" | "processed_logits" (vLLM's).
     logprobs_mode: str = "raw_logprobs"
+    # A tokenizer directory or Hub id that replaces the model's own (vLLM's --tokenizer).
+    tokenizer: str | None = None
+    # A directory or Hub id whose config.json replaces the model's config (a GGUF file's).
+    hf_config_path: str | None = None
+    # Hub revision (branch, tag or commit) of the model, and of the tokenizer (default: the
+    # model's); the Hub cache directory (vLLM's --download-dir).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device or platform.device_type()
@@ -50,7 +63,8 @@ class EngineArgs:
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
-        hf_config = load_hf_config(self.model)
+        model_path, tokenizer_path, hf_config_path = self._resolve_paths()
+        hf_config = load_hf_config(model_path, hf_config_path)
         model_max_len = _derived_max_model_len(hf_config)
         max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len < 1:
@@ -58,7 +72,7 @@ class EngineArgs:
         if max_model_len > model_max_len:
             raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
                               f"maximum context of {model_max_len} tokens")
-        model_config = ModelConfig(model=str(self.model),
+        model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
                                    dtype=resolve_dtype(self.dtype, hf_config, device),
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config, logprobs_mode=self.logprobs_mode)
@@ -75,6 +89,24 @@ class EngineArgs:
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
                             compilation_config=compilation_config, device=device)
 
+    def _resolve_paths(self) -> tuple[str, str | None, str | None]:
+        """Local paths of the model, the tokenizer (None: the model's) and the config override
+        (None: the model's), Hub ids downloaded; a GGUF file without a tokenizer needs one."""
+        def resolve(name: str, revision: str | None, what: str) -> str:
+            return resolve_model_path(str(name), revision=revision,
+                                      download_dir=self.download_dir, what=what)
+
+        model = resolve(self.model, self.revision, "model")
+        tokenizer = config = None
+        if self.tokenizer is not None:
+            tokenizer = resolve(self.tokenizer, self.tokenizer_revision or self.revision,
+                                "tokenizer")
+        if self.hf_config_path is not None:
+            config = resolve(self.hf_config_path, self.revision, "tokenizer")
+        if tokenizer is None and is_gguf_path(model) and not has_tokenizer(open_gguf(model)):
+            raise GGUFError(f"{model}: the file holds no tokenizer; pass one with "
+                            f"tokenizer= / --tokenizer (a directory or Hub id)")
+        return model, tokenizer, config
 
     def _compilation_config(self) -> CompilationConfig:
         value = self.compilation_config

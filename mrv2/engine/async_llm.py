@@ -125,7 +125,7 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(config, executor_class=executor_class,
                                          startup_timeout_s=startup_timeout_s)
         try:
-            self.tokenizer = load_tokenizer(config.model_config.model)
+            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
             self.input_processor = InputProcessor(config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:

@@ -30,15 +30,21 @@ from mrv2.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_path: str):
-    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
+def load_tokenizer(path: str):
+    """The tokenizer of a model directory or GGUF file (`ModelConfig.tokenizer_path`), or None
+    when a directory has none (token-id prompts only; a GGUF file without one was refused
+    when the engine config was built)."""
     from transformers import AutoTokenizer
 
+    from mrv2.models.gguf import gguf_tokenizer, is_gguf_path, open_gguf
+
+    if is_gguf_path(path):
+        return gguf_tokenizer(open_gguf(path))
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
         logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work",
-                       model_path, error)
+                       path, error)
         return None
 
 
@@ -69,7 +75,7 @@ class LLMEngine:
             self.core_client = InprocClient(self.config)
             self.engine_core = self.core_client.engine_core
         try:
-            self.tokenizer = load_tokenizer(self.config.model_config.model)
+            self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_path)
         except BaseException:
             self.core_client.shutdown()
             raise

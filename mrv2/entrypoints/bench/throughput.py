@@ -30,19 +30,17 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
 def run_throughput(args: argparse.Namespace) -> int:
     from mrv2 import LLM, SamplingParams
 
-    model = args.model
-    if model is None:
-        from mrv2.testing import default_demo_model_path
+    from mrv2.entrypoints.openai.cli_args import checkpoint_args
+    from mrv2.models.builtin import default_model
 
-        model = str(default_demo_model_path())
-        print(f"Using the built-in tiny model (random weights) at {model}")
+    model = default_model(args.model)
     if args.output_len < 1:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
     max_model_len = args.max_model_len or args.input_len + args.output_len
     llm = LLM(model, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, seed=args.seed,
-              kv_cache_memory_gb=args.kv_cache_memory_gb)
+              kv_cache_memory_gb=args.kv_cache_memory_gb, **checkpoint_args(args))
     try:
         vocab_size = _vocab_size(llm)
         prompts = random_token_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)

@@ -38,7 +38,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` sub-command's flags (the engine ones shared with `generate` come from
     mrv2.entrypoints.cli.add_engine_args)."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="Hugging Face model directory (default: the built-in tiny model)")
+                        help="model directory, GGUF file or Hub id (default: the built-in "
+                             "SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
@@ -62,13 +63,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    model = args.model_tag or args.model
-    if model is None:
-        from mrv2.testing import default_demo_model_path
+    from mrv2.models.builtin import default_model
 
-        model = str(default_demo_model_path())
-        print(f"Using the built-in tiny model (random weights) at {model}", flush=True)
-    return model
+    return default_model(args.model_tag or args.model)
 
 
 def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
@@ -81,7 +78,15 @@ def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
                       kv_cache_memory_gb=args.kv_cache_memory_gb,
                       tensor_parallel_size=args.tensor_parallel_size,
                       enable_prefix_caching=args.enable_prefix_caching,
-                      enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+                      enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                      **checkpoint_args(args))
+
+
+def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
+    """EngineArgs fields of the checkpoint flags that `generate`, `serve` and `bench` share
+    (mrv2.entrypoints.cli.add_engine_args)."""
+    return {name: getattr(args, name) for name in
+            ("tokenizer", "hf_config_path", "revision", "tokenizer_revision", "download_dir")}
 
 
 def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:

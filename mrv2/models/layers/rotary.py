@@ -43,6 +43,11 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params["original_max_position_embeddings"] = (
             getattr(hf_config, "original_max_position_embeddings", None)
             or hf_config.max_position_embeddings)
+    # Per-frequency divisors of inv_freq (llama.cpp's `rope_freqs` tensor, how its converter
+    # writes Llama 3.1's rope scaling; set on configs read from GGUF files).
+    factors = getattr(hf_config, "rope_freq_factors", None)
+    if factors is not None:
+        params["freq_factors"] = list(factors)
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor",
                                                           None))
     if partial is not None and partial != 1.0:
@@ -61,9 +66,15 @@ def compute_inv_freq(head_dim: int, rope_parameters: dict[str, Any]) -> torch.Te
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64,
                                             device="cpu").to(torch.float32) / dim))
     if rope_type == "linear":
-        return inv_freq / float(rope_parameters["factor"])
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_parameters)
+        inv_freq = inv_freq / float(rope_parameters["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+    factors = rope_parameters.get("freq_factors")
+    if factors is not None:
+        if len(factors) != dim // 2:
+            raise ValueError(f"{len(factors)} rope frequency factors for head_dim={dim} "
+                             f"({dim // 2} expected)")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq
 
 

@@ -1,0 +1,146 @@
+"""A GGUF file's metadata as a transformers config, the form the rest of mrv2 reads.
+
+llama.cpp's converter (`convert_hf_to_gguf.py`) writes the Hugging Face hyperparameters under
+its own key names (`gguf.Keys`); this maps them back for the architectures mrv2 implements.
+What the converter changes on the way, and how it is undone:
+
+- Llama and Mistral are both written as "llama" (a Mistral file's `sliding_window` survives as
+  `llama.attention.sliding_window` when the converter wrote one).
+- `attention_bias`, `mlp_bias` and `tie_word_embeddings` are not written: they are read off the
+  tensors present (a bias tensor; no `output.weight` means the LM head is the embedding).
+- Llama 3.1's "llama3" rope scaling is written as a `rope_freqs` tensor of per-frequency
+  divisors, not as keys: the divisors become `config.rope_freq_factors`, which the rotary
+  embedding applies (mrv2/models/layers/rotary.py). "linear" scaling is written as keys.
+- Every end-of-generation id the file names (eos, eot, eom) becomes `eos_token_id`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError
+from mrv2.models.registry import UnsupportedModelError
+
+# GGUF architecture -> (transformers config class, mrv2/HF architecture name).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# The rope scaling types of llama.cpp's metadata that mrv2's rotary embedding implements.
+_ROPE_SCALING = {"none": "default", "linear": "linear"}
+_EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+             "tokenizer.ggml.eom_token_id")
+
+
+def _torch_dtype_name(ckpt: GGUFCheckpoint) -> str:
+    """The dtype the checkpoint's matrices were stored in, as a config `dtype`: what
+    `dtype="auto"` picks on CUDA (quantized files dequantize to float16, as in vLLM)."""
+    types = {rec.type_name for rec in ckpt.tensors.values() if len(rec.shape) == 2}
+    if types <= {"F32"}:
+        return "float32"
+    if types <= {"BF16", "F32"}:
+        return "bfloat16"
+    return "float16"
+
+
+def eos_token_ids(ckpt: GGUFCheckpoint) -> list[int]:
+    """Every end-of-generation id the file names, the primary eos first."""
+    ids: list[int] = []
+    for key in _EOG_KEYS:
+        value = ckpt.fields.get(key)
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    return ids
+
+
+def _rope_parameters(ckpt: GGUFCheckpoint, head_dim: int) -> dict[str, Any]:
+    from gguf import Keys
+
+    theta = float(ckpt.arch_field(Keys.Rope.FREQ_BASE, 10000.0))
+    rope_dim = ckpt.arch_field(Keys.Rope.DIMENSION_COUNT, head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(
+            f"{ckpt.path}: rotary dimension {rope_dim} differs from head_dim {head_dim} "
+            f"(partial rotary embeddings are not supported)")
+    scaling = ckpt.arch_field(Keys.Rope.SCALING_TYPE, "none")
+    if scaling not in _ROPE_SCALING:
+        raise UnsupportedModelError(
+            f"{ckpt.path}: rope scaling type {scaling!r} is not supported; supported: "
+            f"{', '.join(_ROPE_SCALING)} (and llama3 rope factors)")
+    params: dict[str, Any] = {"rope_type": _ROPE_SCALING[scaling], "rope_theta": theta}
+    if scaling == "linear":
+        params["factor"] = float(ckpt.require(Keys.Rope.SCALING_FACTOR))
+    return params
+
+
+def _rope_freq_factors(ckpt: GGUFCheckpoint, head_dim: int) -> list[float] | None:
+    from gguf.quants import dequantize
+
+    record = ckpt.tensors.get(ROPE_FREQS_TENSOR)
+    if record is None:
+        return None
+    factors = dequantize(record.data, record.tensor_type).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise GGUFError(f"{ckpt.path}: {ROPE_FREQS_TENSOR} has {factors.shape[0]} entries, "
+                        f"head_dim // 2 = {head_dim // 2} expected")
+    return np.asarray(factors, dtype=np.float32).tolist()
+
+
+def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
+    """The transformers PretrainedConfig the checkpoint was converted from."""
+    import transformers
+    from gguf import Keys
+
+    arch = ckpt.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{ckpt.path}: GGUF architecture {arch!r} is not supported; supported GGUF "
+            f"architectures: {', '.join(GGUF_ARCHITECTURES)}")
+    config_class, architecture = GGUF_ARCHITECTURES[arch]
+    hidden = int(ckpt.require(Keys.LLM.EMBEDDING_LENGTH))
+    heads = int(ckpt.require(Keys.Attention.HEAD_COUNT))
+    head_dim = int(ckpt.arch_field(Keys.Attention.KEY_LENGTH, hidden // heads))
+    embed = ckpt.tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{ckpt.path}: no token_embd.weight tensor")
+    tensor_names = ckpt.tensors.keys()
+    eos = eos_token_ids(ckpt)
+    kwargs: dict[str, Any] = dict(
+        architectures=[architecture],
+        hidden_size=hidden,
+        num_hidden_layers=int(ckpt.require(Keys.LLM.BLOCK_COUNT)),
+        intermediate_size=int(ckpt.require(Keys.LLM.FEED_FORWARD_LENGTH)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(ckpt.arch_field(Keys.Attention.HEAD_COUNT_KV, heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(ckpt.require(Keys.LLM.CONTEXT_LENGTH)),
+        rms_norm_eps=float(ckpt.arch_field(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+        # The embedding's rows, not llama.vocab_size: the weights decide what can be looked up.
+        vocab_size=embed.shape[0],
+        rope_parameters=_rope_parameters(ckpt, head_dim),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=ckpt.fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None),
+        pad_token_id=ckpt.fields.get("tokenizer.ggml.padding_token_id"),
+        dtype=_torch_dtype_name(ckpt),
+    )
+    if arch == "llama":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
+    window = ckpt.arch_field(Keys.Attention.SLIDING_WINDOW)
+    if window:
+        kwargs["sliding_window"] = int(window)
+    elif arch in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = False
+    config = getattr(transformers, config_class)(**kwargs)
+    factors = _rope_freq_factors(ckpt, head_dim)
+    if factors is not None:
+        config.rope_freq_factors = factors
+    name = ckpt.fields.get("general.name")
+    if isinstance(name, str):
+        config._name_or_path = name
+    return config

@@ -1,0 +1,120 @@
+"""A GGUF checkpoint's tensors under the Hugging Face names the model's `load_weights` takes.
+
+Names are mapped with the `gguf` package's own tensor-name map (`gguf.get_tensor_name_map`),
+run backwards: every Hugging Face name the architecture can have is mapped forwards once, and
+the file's names are looked up in the result. A file tensor with no Hugging Face counterpart is
+an error, as an unknown safetensors name is.
+
+Each tensor is yielded as a `GGUFWeight`: a lazy slice in the form of a safetensors slice
+(`get_shape()`, indexing), so the weight loaders of mrv2/models/layers read it unchanged and a
+tensor-parallel rank dequantizes only its own rows. It keeps the stored blocks and type
+(`record`), so a linear that computes on quantized weights can take them as they are instead.
+
+The llama converter permutes the rows of q_proj and k_proj (weights and biases) so that
+llama.cpp's rotary, which rotates adjacent pairs, sees them in its order; `GGUFWeight` undoes the
+permutation when it dequantizes (Qwen2/Qwen3 are written unpermuted).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError, GGUFTensorRecord
+from mrv2.models.gguf.config import ROPE_FREQS_TENSOR
+
+# Tensors the config consumed (they are not parameters).
+_CONFIG_TENSORS = (ROPE_FREQS_TENSOR,)
+# Hugging Face module names per layer (weights and biases are the same names + suffix).
+_LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+                  "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+_MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+# GGUF architectures whose converter permutes q/k rows (convert_hf_to_gguf.LlamaModel.permute).
+_PERMUTED_ARCHS = ("llama",)
+
+
+@functools.lru_cache(maxsize=16)
+def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF module name -> Hugging Face module name, e.g. "blk.0.attn_q" -> the q_proj's."""
+    import gguf
+
+    arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
+    name_map = gguf.get_tensor_name_map(arch_ids[arch], num_layers)
+    hf_names = list(_MODEL_MODULES) + [f"model.layers.{i}.{module}"
+                                       for i in range(num_layers) for module in _LAYER_MODULES]
+    mapping: dict[str, str] = {}
+    for hf_name in hf_names:
+        gguf_name = name_map.get_name(hf_name)
+        if gguf_name is not None:
+            mapping[gguf_name] = hf_name
+    return mapping
+
+
+def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of the llama converter's q/k permutation, per head: its rows
+    (h, 2, D/2) -> (h, D/2, 2) order becomes Hugging Face's (h, 2, D/2) again."""
+    shape = rows.shape
+    per_head = shape[0] // num_heads
+    return (rows.reshape(num_heads, per_head // 2, 2, *shape[1:]).swapaxes(1, 2)
+            .reshape(shape))
+
+
+class GGUFWeight:
+    """One checkpoint tensor, dequantized to float32 on indexing (rows only, when possible)."""
+
+    def __init__(self, record: GGUFTensorRecord, permuted_heads: int | None = None) -> None:
+        self.record = record
+        # Set for a permuted q/k tensor: the number of heads its rows are grouped in.
+        self.permuted_heads = permuted_heads
+
+    def get_shape(self) -> list[int]:
+        return list(self.record.shape)
+
+    def _rows(self, rows: slice) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        record = self.record
+        data = record.data if len(record.shape) == 1 else record.data[rows]
+        values = dequantize(data, record.tensor_type)
+        return values.reshape(-1) if len(record.shape) == 1 else values
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows_only = (self.permuted_heads is None and len(self.record.shape) == 2
+                     and isinstance(index[0], slice)
+                     and all(i == slice(None) for i in index[1:]))
+        if rows_only:
+            values = self._rows(index[0])
+        else:
+            values = self._rows(slice(None))
+            if self.permuted_heads is not None:
+                values = unpermute_rows(values, self.permuted_heads)
+            values = values[index]
+        # dequantize returns views of the read-only memory map for F32; torch needs its own
+        # writable array (the loader copies it into the parameter right away).
+        return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+
+
+def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple[str, GGUFWeight]]:
+    """(Hugging Face name, GGUFWeight) for every tensor of the checkpoint."""
+    arch = ckpt.architecture
+    names = gguf_to_hf_names(arch, hf_config.num_hidden_layers)
+    heads = {"self_attn.q_proj": hf_config.num_attention_heads,
+             "self_attn.k_proj": getattr(hf_config, "num_key_value_heads", None)
+             or hf_config.num_attention_heads}
+    for name, record in ckpt.tensors.items():
+        if name in _CONFIG_TENSORS:
+            continue
+        module, _, suffix = name.rpartition(".")
+        hf_module = names.get(module)
+        if hf_module is None or suffix not in ("weight", "bias"):
+            raise GGUFError(f"{record.file}: tensor {name!r} has no counterpart in a "
+                            f"{hf_config.architectures[0]} model")
+        permuted = None
+        if arch in _PERMUTED_ARCHS:
+            permuted = heads.get(hf_module.split(".", 3)[-1])
+        yield f"{hf_module}.{suffix}", GGUFWeight(record, permuted)
