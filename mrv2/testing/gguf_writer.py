@@ -1,0 +1,401 @@
+"""Write a Hugging Face model directory as GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does.
+
+The GGUF loader is tested against these files, so they must carry every change the converter
+makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
+mistral, qwen2, qwen3; converter classes ``LlamaModel``, ``Qwen2Model``, ``Qwen3Model`` in
+``conversion/``) and serialises with the ``gguf`` package's ``GGUFWriter``; nothing here encodes
+GGUF bytes itself. Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
+
+Reproduced, by converter function:
+  * ``get_model_architecture`` / ``@ModelBase.register``: Llama and Mistral -> ``llama``, Qwen2 ->
+    ``qwen2``, Qwen3 -> ``qwen3``; ``ModelBase.load_hparams``: hparams = AutoConfig(...).to_dict().
+  * ``index_tensors``: parts in sorted file order, tensors sorted by name within a part.
+  * ``LlamaModel.modify_tensors`` + ``LlamaModel.permute``: llama/mistral q_proj (n_head) and
+    k_proj (n_kv_head) weights and biases are permuted to llama.cpp's rotary layout; qwen is not.
+  * ``ModelBase.modify_tensors`` / ``map_tensor_name``: names via ``gguf.get_tensor_name_map``.
+    A tied checkpoint has no lm_head tensor, so the file has no ``output.weight``.
+  * ``LlamaModel.generate_extra_tensors``: llama3 rope scaling adds ``rope_freqs.weight`` (F32),
+    written first, as the converter's ``chain(generate_extra_tensors(), get_tensors())`` does.
+  * ``ModelBase.prepare_tensors``: 1-D tensors, ``*_norm.weight`` and non-``.weight`` tensors are
+    F32; other tensors get the requested type; a ``gguf.QuantError`` (row length not a multiple of
+    the block size) falls back to F16, as the converter's ``except gguf.QuantError`` does.
+  * ``TextModel.set_gguf_parameters`` (+ ``LlamaModel``'s vocab_size and rope.dimension_count):
+    hyperparameters, rope scaling keys (linear, yarn; llama3 only via rope_freqs), key/value_length
+    whenever the config has ``head_dim``, file_type. ``ModelBase.prepare_metadata``: general.type,
+    ``gguf.Metadata`` (general.name = directory name, size_label), quantization_version.
+  * ``TextModel._set_vocab_gpt2`` + ``get_vocab_base``: tokens, NORMAL/CONTROL/USER_DEFINED/UNUSED
+    types, ``[PAD{i}]`` past the tokenizer's vocab, merges, special ids, add_bos, chat template (the
+    last four through ``gguf.SpecialVocab`` itself, as the converter does).
+
+Deliberate differences:
+  * ``tokenizer.ggml.pre``: the converter hashes the tokenization of a probe string and raises
+    NotImplementedError for any tokenizer it has not been taught (mrv2's locally trained one is
+    never known). We name the pre-tokenizer the tokenizer.json pipeline actually is (see
+    :func:`bpe_pre_name`), which is the name the converter's table gives real models with the same
+    pipeline and what llama.cpp and transformers read to choose the split regex.
+  * Types past the converter's --outtype choices (Q4_0, Q4_1, Q5_0, Q5_1) are written the same way
+    as its Q8_0 (``gguf.quants.quantize`` for every eligible tensor); llama-quantize would instead
+    keep some tensors (e.g. output.weight) at a higher type. K-quants are not offered: gguf 0.19's
+    quants.py can dequantize them but not quantize them.
+  * Splits: the shard boundaries are chosen here so that exactly ``num_splits`` files come out
+    (``GGUFWriter``'s ``split_max_tensors`` cannot give every count, e.g. 8 files of 21 tensors);
+    names, ``split.*`` keys and the metadata-in-the-first-file-only layout are GGUFWriter's,
+    identical to ``gguf-split``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+# Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
+_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "BF16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+    "Q5_0": (gguf.GGMLQuantizationType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
+    "Q5_1": (gguf.GGMLQuantizationType.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
+}
+WRITABLE_TYPES: tuple[str, ...] = tuple(_TYPES)
+
+# HF architecture -> (GGUF arch, undo_permute), as the converter's registered classes set them.
+_ARCHS: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
+    "LlamaForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
+    "MistralForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
+    "Qwen2ForCausalLM": (gguf.MODEL_ARCH.QWEN2, False),
+    "Qwen3ForCausalLM": (gguf.MODEL_ARCH.QWEN3, False),
+}
+
+# Split regexes of known BPE pre-tokenizers -> llama.cpp's `pre` name for them.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+                r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+
+
+def permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """``LlamaModel.permute``: rows of each head go from HF's half-split rotary layout (the first
+    half of a head's dims pairs with the second half) to llama.cpp's interleaved pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def load_hparams(model_dir: Path) -> dict[str, Any]:
+    """``ModelBase.load_hparams`` + ``TextModel.__init__``'s text_config merge."""
+    from transformers import AutoConfig
+
+    hparams = AutoConfig.from_pretrained(model_dir, trust_remote_code=False).to_dict()
+    if "text_config" in hparams:
+        hparams = {**hparams, **hparams["text_config"]}
+    return hparams
+
+
+_BLOCK_COUNT_KEYS = ["n_layers", "num_hidden_layers", "n_layer", "num_layers"]
+
+
+def _find(hparams: dict[str, Any], keys: list[str]) -> Any:
+    """``ModelBase.find_hparam(keys, optional=True)``: the first key present wins."""
+    return next((hparams[k] for k in keys if k in hparams), None)
+
+
+def rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
+    """``TextModel.__init__``: rope_parameters (or legacy rope_scaling) with the global rope keys
+    mirrored into it."""
+    rope = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
+    if "full_attention" not in rope and "sliding_attention" not in rope:
+        theta = _find(hparams, ["global_rope_theta", "rope_global_theta", "rope_theta_global",
+                                "rope_theta", "rotary_emb_base"])
+        if "rope_theta" not in rope and theta is not None:
+            rope["rope_theta"] = theta
+        if "rope_type" not in rope and rope.get("type") is not None:
+            rope["rope_type"] = rope["type"]
+        omax = hparams.get("original_max_position_embeddings")
+        if "original_max_position_embeddings" not in rope and omax is not None:
+            rope["original_max_position_embeddings"] = omax
+    return rope.get("full_attention", rope)
+
+
+def llama3_rope_factors(hparams: dict[str, Any], rope: dict[str, Any]) -> torch.Tensor | None:
+    """``LlamaModel.generate_extra_tensors``: the per-frequency divisors of llama3 rope scaling
+    (the ``rope_freqs.weight`` tensor), or None when the rope is not llama3."""
+    if rope.get("rope_type", "").lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``index_tensors`` order: part files sorted (from the index when there is one), tensors
+    sorted by name within a part."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        parts = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        parts = sorted(p.name for p in model_dir.glob("model*.safetensors"))
+    if not parts:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    for part in parts:
+        with safe_open(str(model_dir / part), "pt") as st:
+            for name in sorted(st.keys()):
+                yield name, st.get_tensor(name)
+
+
+def _tensor_type(new_name: str, n_dims: int,
+                 requested: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """``prepare_tensors``' type choice for the tensors these archs have."""
+    if n_dims <= 1 or new_name.endswith("_norm.weight") or not new_name.endswith(".weight"):
+        return gguf.GGMLQuantizationType.F32  # llama.cpp reads norms, biases and rope_freqs as F32
+    return requested
+
+
+def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_ARCH,
+                     undo_permute: bool, requested: gguf.GGMLQuantizationType,
+                     ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
+    """``prepare_tensors``: every tensor as (GGUF name, data, type), in the converter's order."""
+    tensor_map = gguf.get_tensor_name_map(arch, _find(hparams, _BLOCK_COUNT_KEYS))
+    n_head, n_kv_head = hparams["num_attention_heads"], hparams["num_key_value_heads"]
+    named: list[tuple[str, torch.Tensor]] = []  # (GGUF name, tensor)
+    if arch == gguf.MODEL_ARCH.LLAMA and (
+            factors := llama3_rope_factors(hparams, rope_parameters(hparams))) is not None:
+        named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors))
+    for name, data_torch in _hf_tensors(model_dir):
+        if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
+            continue
+        if data_torch.dtype not in (torch.float16, torch.float32):
+            data_torch = data_torch.to(torch.float32)
+        if undo_permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data_torch = permute(data_torch, n_head, n_head)
+        if undo_permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data_torch = permute(data_torch, n_head, n_kv_head)
+        new_name = tensor_map.get_name(key=name, try_suffixes=(".weight", ".bias"))
+        if new_name is None:
+            raise ValueError(f"Can not map tensor {name!r}")
+        named.append((new_name, data_torch))
+    out = []
+    for new_name, data_torch in named:
+        data = data_torch.numpy()
+        qtype = _tensor_type(new_name, data.ndim, requested)
+        try:
+            qdata = gguf.quants.quantize(data, qtype)
+        except gguf.QuantError:  # row length not a multiple of the block size: converter's fallback
+            qtype = gguf.GGMLQuantizationType.F16
+            qdata = gguf.quants.quantize(data, qtype)
+        out.append((new_name, qdata, qtype))
+    return out
+
+
+def _add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MODEL_ARCH,
+                 ftype: gguf.LlamaFileType) -> None:
+    """``TextModel.set_gguf_parameters`` (the keys these archs have), then LlamaModel's extras."""
+    writer.add_block_count(_find(hparams, _BLOCK_COUNT_KEYS))
+    if (n_ctx := _find(hparams, ["max_position_embeddings", "n_ctx", "n_positions", "max_length",
+                                 "max_sequence_length", "model_max_length"])) is not None:
+        writer.add_context_length(n_ctx)
+    if (n_embd := _find(hparams, ["hidden_size", "n_embd", "dim"])) is not None:
+        writer.add_embedding_length(n_embd)
+    if (n_ff := _find(hparams, ["prefix_dense_intermediate_size", "dense_intermediate_size",
+                                "intermediate_size", "n_inner", "hidden_dim"])) is not None:
+        writer.add_feed_forward_length(n_ff)
+    if (n_head := _find(hparams, ["num_attention_heads", "n_head", "n_heads"])) is not None:
+        writer.add_head_count(n_head)
+    if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
+        writer.add_head_count_kv(n_head_kv)
+    if hparams.get("is_causal") is False:
+        writer.add_causal_attention(False)
+    rope = rope_parameters(hparams)
+    rope_type, factor = rope.get("rope_type"), rope.get("factor")
+    if rope_type == "linear" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
+    elif rope_type == "yarn" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if (ext := rope.get("extrapolation_factor")) is not None:
+            writer.add_rope_scaling_yarn_ext_factor(ext)
+        if (attn := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
+            writer.add_rope_scaling_yarn_attn_factor(attn)
+        if (beta_fast := rope.get("beta_fast")) is not None:
+            writer.add_rope_scaling_yarn_beta_fast(beta_fast)
+        if (beta_slow := rope.get("beta_slow")) is not None:
+            writer.add_rope_scaling_yarn_beta_slow(beta_slow)
+    elif rope_type in ("su", "longrope"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+    # "default" (an unknown type to the converter, it only warns), "dynamic": no keys;
+    # "llama3": the rope_freqs tensor instead.
+    if (theta := rope.get("rope_theta")) is not None:
+        writer.add_rope_freq_base(theta)
+    if (eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
+        writer.add_layer_norm_rms_eps(eps)
+    if (head_dim := hparams.get("head_dim")) is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(ftype)
+    if arch == gguf.MODEL_ARCH.LLAMA:  # LlamaModel.set_gguf_parameters
+        writer.add_vocab_size(hparams["vocab_size"])
+        writer.add_rope_dimension_count(
+            hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"])
+
+
+def bpe_pre_name(tokenizer_json: dict[str, Any]) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE tokenizer.json: which regex splits
+    text before the merges (the converter identifies it by hashing a probe tokenization, which only
+    works for tokenizers in its table)."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
+        return "gpt-2"  # ByteLevel's built-in regex is GPT-2's
+    if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
+            and not steps[1].get("use_regex", True)):
+        name = _SPLIT_PRE.get(steps[0].get("pattern", {}).get("Regex"))
+        if name is not None:
+            return name
+    raise NotImplementedError(f"BPE pre-tokenizer not recognized: {json.dumps(pre)[:200]}")
+
+
+def _add_vocab(writer: gguf.GGUFWriter, model_dir: Path, hparams: dict[str, Any]) -> None:
+    """``_set_vocab_gpt2`` with ``get_vocab_base``'s token list and types."""
+    from transformers import AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = hparams.get("vocab_size", len(tokenizer.vocab))
+    if max(tokenizer.vocab.values()) >= vocab_size:
+        raise ValueError(f"tokenizer ids reach past vocab_size {vocab_size}")
+    pre = bpe_pre_name(json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")))
+    reverse_vocab = {id_: tok for tok, id_ in tokenizer.vocab.items()}
+    added_vocab = tokenizer.get_added_vocab()
+    added_decoder = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    toktypes: list[int] = []
+    for i in range(vocab_size):
+        if i not in reverse_vocab:
+            tokens.append(f"[PAD{i}]")
+            toktypes.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse_vocab[i]
+        if token in added_vocab:
+            # llama.cpp assumes CONTROL and USER_DEFINED tokens are pre-normalized.
+            if not added_decoder[i].normalized:
+                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+            if added_decoder[i].special or _looks_special(token):
+                toktypes.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                toktypes.append(gguf.TokenType.USER_DEFINED)
+        else:
+            toktypes.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(toktypes)
+    gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
+
+
+def _looks_special(token: str) -> bool:
+    """``TextModel.does_token_look_special``."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+            or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
+def _shard_starts(num_tensors: int, num_splits: int) -> list[int]:
+    """Tensor indices that open a new file: contiguous, balanced runs, every file non-empty."""
+    if not 1 <= num_splits <= num_tensors:
+        raise ValueError(f"num_splits must be in 1..{num_tensors} (the tensor count), "
+                         f"got {num_splits}")
+    return [i * num_tensors // num_splits for i in range(1, num_splits)]
+
+
+def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "F16",
+               num_splits: int = 1) -> list[Path]:
+    """Write the HF model in model_dir as GGUF the way convert_hf_to_gguf.py does; returns the
+    file(s) written.
+
+    ``tensor_type`` is one of :data:`WRITABLE_TYPES`. With ``num_splits > 1`` the files are
+    ``<stem>-0000i-of-0000N.gguf`` next to ``out_path`` (gguf-split's names), metadata in the
+    first, ``split.no`` / ``split.count`` / ``split.tensors.count`` in each.
+    """
+    if tensor_type not in _TYPES:
+        raise ValueError(f"tensor_type {tensor_type!r} not writable; one of {WRITABLE_TYPES}")
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    hparams = load_hparams(model_dir)
+    hf_arch = (hparams.get("architectures") or [None])[0]
+    if hf_arch not in _ARCHS:
+        raise ValueError(f"architecture {hf_arch!r} not supported; one of {list(_ARCHS)}")
+    arch, undo_permute = _ARCHS[hf_arch]
+    qtype, ftype = _TYPES[tensor_type]
+
+    converted = _convert_tensors(model_dir, hparams, arch, undo_permute, qtype)
+    starts = set(_shard_starts(len(converted), num_splits))  # before writing anything
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+    for i, (name, data, dtype) in enumerate(converted):
+        if i in starts:
+            writer.tensors.append({})  # a new file; GGUFWriter's own split does the same
+        writer.add_tensor(name, data, raw_dtype=dtype)
+
+    # ModelBase.prepare_metadata, then TextModel.prepare_metadata's set_vocab.
+    total, shared, expert, expert_count = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, model_dir, None, total)
+    if metadata.name is None:
+        metadata.name = model_dir.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, expert, expert_count)
+    writer.add_type(gguf.GGUFType.MODEL)
+    metadata.set_gguf_meta_model(writer)
+    _add_hparams(writer, hparams, arch, ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if arch == gguf.MODEL_ARCH.LLAMA:  # LlamaModel.set_vocab, before _set_vocab_gpt2
+        tok_config = model_dir / "tokenizer_config.json"
+        config = json.loads(tok_config.read_text(encoding="utf-8")) if tok_config.is_file() else {}
+        if (add_prefix_space := config.get("add_prefix_space")) is not None:
+            writer.add_add_space_prefix(add_prefix_space)
+    _add_vocab(writer, model_dir, hparams)
+
+    # Written in a scratch dir and renamed into place: a reader never sees a partial file.
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
+    try:
+        writer.write_header_to_file(path=scratch / out_path.name)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        files = writer.format_shard_names(out_path)
+        for f in files:
+            os.replace(scratch / f.name, f)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return files
