@@ -59,7 +59,7 @@ class Workload:
         g = torch.Generator().manual_seed(vocab)
         self.logits = (torch.randn(NUM_REQS, vocab, generator=g) * 3).to(device)
         self.states = SamplingStates(NUM_REQS, vocab, engine_seed=0, device=device,
-                                     eos_token_id=2)
+                                     eos_token_ids=(2,))
         prompt = torch.randint(0, vocab, (256,), generator=g).tolist()
         for i in range(NUM_REQS):
             self.states.add(i, f"req-{i}", _params(case, i, vocab), prompt)

@@ -28,6 +28,9 @@ class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The request's primary EOS, which min_tokens masks with the model's EOS ids (the runner
+    # knows those, but not a tokenizer-only EOS).
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):
@@ -217,8 +220,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # The primary EOS: ends the request (unless ignore_eos) with stop_reason None.
     eos_token_id: int | None
     arrival_time: float
+    # The model's other EOS ids (mrv2/models/generation_config.py): end the request (unless
+    # ignore_eos) like stop_token_ids, stop_reason = the id (as vLLM). Never holds eos_token_id.
+    eos_stop_token_ids: tuple[int, ...] = ()
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):

@@ -24,6 +24,7 @@ from mrv2.cudagraph import BatchDescriptor, CudaGraphManager
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.sampler import LogprobsTensors, Sampler, SamplingStates
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
@@ -56,7 +57,8 @@ class ModelRunner:
         model_config = config.model_config
         self.sampling = SamplingStates(sched.max_num_seqs, model_config.vocab_size,
                                        model_config.seed, device,
-                                       eos_token_id=eos_token_id(model_config.hf_config))
+                                       eos_token_ids=eos_token_ids(model_config.hf_config,
+                                                                   model_config.model))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     config.max_num_blocks_per_req, device)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
@@ -102,7 +104,7 @@ class ModelRunner:
                                 new.num_computed_tokens)
             tables.append_block_ids(slot, new.block_ids, overwrite=True)
             self.sampling.add(slot, new.req_id, new.sampling_params, new.prompt_token_ids,
-                              new.prefill_token_ids)
+                              new.prefill_token_ids, eos_token_id=new.eos_token_id)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs.add(new.req_id, new.prompt_token_ids,
                                          len(new.prefill_token_ids),
@@ -211,12 +213,3 @@ class ModelRunner:
         return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
                            logprobs=logprobs, num_logprobs=num_logprobs,
                            prompt_logprobs=prompt_logprobs)
-
-
-def eos_token_id(hf_config) -> int | None:
-    """The EOS id min_tokens masks: the one the input processor gives the scheduler (the first
-    of a list)."""
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return eos

@@ -48,11 +48,13 @@ def test_new_request_data_with_nested_sampling_params() -> None:
     assert back.sampling_params.seed == 7
     assert back.sampling_params.logit_bias == {5: -2.0}
     assert back.prefill_token_ids == [1, 2, 3, 9, 8]
+    assert back.eos_token_id is None
+    assert round_trip(msgspec.structs.replace(new_request(), eos_token_id=4)).eos_token_id == 4
 
 
 def test_structs_are_array_like() -> None:
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(new_request()))
-    assert isinstance(raw, list) and raw[0] == "r0" and raw[-1] == 2
+    assert isinstance(raw, list) and raw[0] == "r0" and raw[5:] == [2, None]
 
 
 def test_cached_request_data() -> None:
@@ -137,9 +139,11 @@ def test_engine_core_request() -> None:
                             eos_token_id=None, arrival_time=1234.5)
     back = round_trip(req)
     assert back.sampling_params.stop == ["\n"]
-    round_trip(EngineCoreRequest(request_id="x", prompt_token_ids=[0],
-                                 sampling_params=SamplingParams(), eos_token_id=2,
-                                 arrival_time=0.0))
+    assert back.eos_stop_token_ids == ()
+    back = round_trip(EngineCoreRequest(request_id="x", prompt_token_ids=[0],
+                                        sampling_params=SamplingParams(), eos_token_id=2,
+                                        arrival_time=0.0, eos_stop_token_ids=(5, 9)))
+    assert back.eos_stop_token_ids == (5, 9)  # a tuple again: the stop check's membership test
 
 
 @pytest.mark.parametrize("reason, stop_reason", [

@@ -290,9 +290,10 @@ def test_penalties_and_bias_through_the_runner(runner, tiny_llama):
 
     from transformers import AutoModelForCausalLM
 
-    from mrv2.runner import eos_token_id
+    from mrv2.models.generation_config import eos_token_ids
 
-    eos = eos_token_id(runner.config.model_config.hf_config)
+    model_config = runner.config.model_config
+    eos = eos_token_ids(model_config.hf_config, model_config.model)[0]
     penalised = SamplingParams(temperature=0.0, logit_bias={77: 3.0, 5: -1.0},
                                frequency_penalty=0.7, presence_penalty=0.4,
                                repetition_penalty=1.3, max_tokens=8)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from mrv2.config import EngineConfig
+from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import EngineCoreRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -31,13 +32,14 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        hf = config.model_config.hf_config
-        eos = getattr(hf, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is None and tokenizer is not None:
-            eos = tokenizer.eos_token_id
-        self.eos_token_id: int | None = eos
+        model_config = config.model_config
+        eos_ids = eos_token_ids(model_config.hf_config, model_config.model,
+                                getattr(tokenizer, "eos_token_id", None))
+        # The primary EOS (the tokenizer's, else the config's first) ends a request with
+        # stop_reason None; the model's other EOS ids end it like stop_token_ids, reporting
+        # the id (vLLM adds them to the request's stop_token_ids). One shared tuple.
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.eos_stop_token_ids: tuple[int, ...] = eos_ids[1:]
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
@@ -54,7 +56,8 @@ class InputProcessor:
         self._check_prompt(token_ids)
         request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,
                                     sampling_params=params, eos_token_id=self.eos_token_id,
-                                    arrival_time=time.time())
+                                    arrival_time=time.time(),
+                                    eos_stop_token_ids=self.eos_stop_token_ids)
         return request, text
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -50,12 +50,16 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
-                 arrival_time: float = 0.0, max_model_len: int | None = None) -> None:
+                 arrival_time: float = 0.0, max_model_len: int | None = None,
+                 eos_stop_token_ids: tuple[int, ...] = ()) -> None:
         self.request_id = request_id
         # Copied: the caller's list (or a frozen protocol struct's list) must not alias ours.
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        # The model's other EOS ids (EngineCoreRequest.eos_stop_token_ids): a small tuple (the
+        # input processor's own, in process); the stop check tests membership once per token.
+        self.eos_stop_token_ids = tuple(eos_stop_token_ids)
         self.arrival_time = arrival_time
 
         if sampling_params.max_tokens is not None:
@@ -75,7 +79,8 @@ class Request:
         # of all_token_ids, so they are never hashed or cached.
         self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
-        # The stop token id that finished the request (None for EOS, length or abort).
+        # The stop token id that finished the request: a stop_token_id or one of
+        # eos_stop_token_ids (None for the primary EOS, length or abort).
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
 
@@ -83,7 +88,8 @@ class Request:
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":
         return cls(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                    sampling_params=req.sampling_params, eos_token_id=req.eos_token_id,
-                   arrival_time=req.arrival_time, max_model_len=max_model_len)
+                   arrival_time=req.arrival_time, max_model_len=max_model_len,
+                   eos_stop_token_ids=req.eos_stop_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

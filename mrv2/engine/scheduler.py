@@ -214,7 +214,8 @@ class Scheduler:
                 prefill_token_ids=list(request.all_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_computed_tokens=request.num_computed_tokens))
+                num_computed_tokens=request.num_computed_tokens,
+                eos_token_id=request.eos_token_id))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             scheduled.append(request)
@@ -320,9 +321,14 @@ class Scheduler:
         if num_output < params.min_tokens:
             return False
         last = output_token_ids[-1]
-        if not params.ignore_eos and last == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
+        if not params.ignore_eos:
+            if last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in request.eos_stop_token_ids:  # the model's other EOS ids (vLLM)
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
         if params.stop_token_ids and last in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last

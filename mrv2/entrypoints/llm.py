@@ -14,6 +14,8 @@ from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.input_processor import PromptType
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.entrypoints.chat_utils import render_chat
+from mrv2.entrypoints.openai.generation_config import check_mode as check_generation_config_mode
+from mrv2.entrypoints.openai.generation_config import default_sampling_params
 from mrv2.outputs import RequestOutput
 from mrv2.sampling_params import SamplingParams
 
@@ -23,18 +25,29 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, seed: int = 0, kv_cache_memory_gb: float | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                 multiprocess_core: bool = False, **kwargs: Any) -> None:
+                 multiprocess_core: bool = False, generation_config: str = "auto",
+                 **kwargs: Any) -> None:
         """`multiprocess_core=True` runs the engine core (scheduler + executor) in its own
         (spawned) process, so a script must guard its entry point with
         `if __name__ == "__main__":`. The default keeps the core in this process: offline it
         measured faster (bench/test_engine_client.py). `shutdown()`, or interpreter exit,
-        stops the core process."""
+        stops the core process. `generation_config` ("auto": the model's
+        generation_config.json, "vllm": none, or a folder holding one; as the server's
+        `--generation-config`) gives the sampling params `generate` uses when given none."""
+        check_generation_config_mode(generation_config)  # a bad value fails before loading
         self.engine_args = EngineArgs(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
             kv_cache_memory_gb=kv_cache_memory_gb, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args, multiprocess_core=multiprocess_core)
+        try:
+            # By SamplingParams field name; the server reads its defaults the same way.
+            self._sampling_defaults = default_sampling_params(
+                self.llm_engine.config.model_config.model, generation_config)
+        except BaseException:
+            self.llm_engine.shutdown()  # a broken folder's file: stop the core process too
+            raise
         self._request_counter = itertools.count()
         self.last_stats: dict[str, float] = {}
 
@@ -45,15 +58,22 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params `generate` and `chat` use when given none (vLLM's): the
+        generation config's temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens (as max_tokens) over SamplingParams' defaults. A new object each call."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in input order. Every prompt is validated before any is added."""
+        """Outputs in input order. Every prompt is validated before any is added. No
+        `sampling_params`: `get_default_sampling_params()`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -76,7 +96,8 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
         list of conversations, rendered with the tokenizer's chat template (or
-        `chat_template`). Returns one RequestOutput per conversation, as `generate` does."""
+        `chat_template`). Returns one RequestOutput per conversation, as `generate` does (and
+        with its default sampling params)."""
         conversations = _as_conversations(messages)
         prompts = [self._render_chat(conversation, chat_template, add_generation_prompt,
                                      continue_final_message, chat_template_kwargs or {})

@@ -12,6 +12,7 @@ The one per-step device update is ``post_update``: the output-token counts of th
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,12 +101,13 @@ class SamplingStates:
     }
 
     def __init__(self, max_num_seqs: int, vocab_size: int, engine_seed: int,
-                 device: torch.device, eos_token_id: int | None = None) -> None:
+                 device: torch.device, eos_token_ids: Sequence[int] = ()) -> None:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
         self.engine_seed = engine_seed
         self.device = device
-        self.eos_token_id = eos_token_id
+        # The model's EOS ids (mrv2/models/generation_config.py): min_tokens masks every one.
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         # Each scalar table has a device tensor (``self.<name>``, a StagedWriteTensor) and a
         # host mirror (``self.<name>_host``). ``add`` writes only the mirrors and remembers the
         # slot; ``apply_staged_writes`` stages the dirty slots of every table in one
@@ -125,12 +127,13 @@ class SamplingStates:
         self.num_logprobs_host = np.full(max_num_seqs, -1, dtype=np.int8)
 
     def add(self, slot: int, req_id: str, params: SamplingParams, prompt_token_ids,
-            prefill_token_ids=None, *, eos_token_id: int | None = -1) -> None:
+            prefill_token_ids=None, *, eos_token_id: int | None = None) -> None:
         """Stage the slot's parameters for a new (or resumed) request.
 
         ``prefill_token_ids`` is the prompt plus the outputs produced before a preemption
         (defaults to the prompt); those outputs count for the penalties and min_tokens.
-        ``eos_token_id`` overrides the states' default EOS for this request (-1: default).
+        ``eos_token_id`` is the request's primary EOS: min_tokens masks it with the model's
+        EOS ids (it may be a tokenizer-only EOS the model's config does not name).
         """
         if not 0 <= slot < self.max_num_seqs:
             raise IndexError(f"slot {slot} is outside [0, {self.max_num_seqs})")
@@ -152,12 +155,13 @@ class SamplingStates:
             features |= LOGIT_BIAS
         if params.allowed_token_ids is not None:
             features |= ALLOWED
-        eos = self.eos_token_id if eos_token_id == -1 else eos_token_id
         stop_ids: list[int] = []
         if params.min_tokens > 0 and prefill_len - prompt_len < params.min_tokens:
             stop_ids = list(params.stop_token_ids or ())
-            if eos is not None and not params.ignore_eos:
-                stop_ids.append(eos)
+            if not params.ignore_eos:
+                stop_ids.extend(self.eos_token_ids)
+                if eos_token_id is not None:
+                    stop_ids.append(eos_token_id)
             stop_ids = sorted({t for t in stop_ids if 0 <= t < vocab_size})
             if stop_ids:
                 features |= MIN_TOKENS

@@ -34,11 +34,14 @@ def processor(config, tokenizer) -> InputProcessor:
     return InputProcessor(config, tokenizer)
 
 
-def with_eos(config, eos):
+def with_eos(config, eos, model=None):
+    """`config` whose hf_config names `eos` (and whose model path is `model`, when given)."""
     hf = copy.deepcopy(config.model_config.hf_config)
     hf.eos_token_id = eos
-    return dataclasses.replace(config,
-                               model_config=dataclasses.replace(config.model_config, hf_config=hf))
+    model_config = dataclasses.replace(config.model_config, hf_config=hf,
+                                       model=config.model_config.model if model is None
+                                       else str(model))
+    return dataclasses.replace(config, model_config=model_config)
 
 
 def test_text_prompt(processor, tokenizer):
@@ -195,18 +198,40 @@ def test_parameters_checked_before_the_prompt(processor):
 def test_eos_from_config(config, tokenizer):
     assert config.model_config.hf_config.eos_token_id == 1
     assert InputProcessor(config, tokenizer).eos_token_id == 1
+    assert InputProcessor(config, tokenizer).eos_stop_token_ids == ()
     assert InputProcessor(config, None).eos_token_id == 1
-    assert InputProcessor(with_eos(config, [5, 6]), tokenizer).eos_token_id == 5
+    # The tokenizer's EOS is the primary one (vLLM); the config's others stop like stop ids.
+    processor = InputProcessor(with_eos(config, [5, 6]), tokenizer)
+    assert (processor.eos_token_id, processor.eos_stop_token_ids) == (1, (5, 6))
+    request, _ = processor.process("r", {"prompt_token_ids": [3]}, SamplingParams())
+    assert (request.eos_token_id, request.eos_stop_token_ids) == (1, (5, 6))
+    processor = InputProcessor(with_eos(config, [5, 6]), None)
+    assert (processor.eos_token_id, processor.eos_stop_token_ids) == (5, (6, 1))
 
 
-def test_eos_from_tokenizer_when_config_has_none(config):
+def test_eos_from_generation_config(config, tmp_path):
+    """generation_config.json's EOS ids join the config's; without a tokenizer the config's
+    first is the primary one. A single-file model (GGUF) has no generation_config.json."""
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [9, 5, 10]}')
+    processor = InputProcessor(with_eos(config, 5, tmp_path), None)
+    assert (processor.eos_token_id, processor.eos_stop_token_ids) == (5, (9, 10))
+    processor = InputProcessor(with_eos(config, None, tmp_path), None)
+    assert (processor.eos_token_id, processor.eos_stop_token_ids) == (9, (5, 10))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    processor = InputProcessor(with_eos(config, [3, 4], gguf), None)
+    assert (processor.eos_token_id, processor.eos_stop_token_ids) == (3, (4,))
+
+
+def test_eos_from_tokenizer_when_config_has_none(config, tmp_path):
     fake_tokenizer = SimpleNamespace(eos_token_id=7)
-    assert InputProcessor(with_eos(config, None), fake_tokenizer).eos_token_id == 7
-    assert InputProcessor(with_eos(config, []), fake_tokenizer).eos_token_id == 7
-    assert InputProcessor(with_eos(config, None), None).eos_token_id is None
-    request, _ = InputProcessor(with_eos(config, None), None).process(
+    # tmp_path: a model folder without generation_config.json.
+    assert InputProcessor(with_eos(config, None, tmp_path), fake_tokenizer).eos_token_id == 7
+    assert InputProcessor(with_eos(config, [], tmp_path), fake_tokenizer).eos_token_id == 7
+    assert InputProcessor(with_eos(config, None, tmp_path), None).eos_token_id is None
+    request, _ = InputProcessor(with_eos(config, None, tmp_path), None).process(
         "r", {"prompt_token_ids": [3]}, SamplingParams())
-    assert request.eos_token_id is None
+    assert request.eos_token_id is None and request.eos_stop_token_ids == ()
 
 
 def test_text_prompt_without_tokenizer(config):

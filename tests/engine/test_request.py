@@ -43,8 +43,10 @@ def test_max_tokens_resolution() -> None:
 def test_from_engine_core_request() -> None:
     params = SamplingParams(max_tokens=None, temperature=0.0)
     core_req = EngineCoreRequest(request_id="x", prompt_token_ids=[4, 5, 6, 7],
-                                 sampling_params=params, eos_token_id=3, arrival_time=12.0)
+                                 sampling_params=params, eos_token_id=3, arrival_time=12.0,
+                                 eos_stop_token_ids=(8, 9))
     req = Request.from_engine_core_request(core_req, max_model_len=32)
+    assert req.eos_stop_token_ids == (8, 9)
     assert req.request_id == "x"
     assert req.prompt_token_ids == [4, 5, 6, 7]
     assert req.prompt_token_ids is not core_req.prompt_token_ids

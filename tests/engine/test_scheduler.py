@@ -47,12 +47,14 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32,
 
 
 def make_request(req_id: str, prompt_len: int, max_tokens: int | None = 8,
-                 max_model_len: int = 64, prefix: list[int] = (), **params) -> Request:
+                 max_model_len: int = 64, prefix: list[int] = (),
+                 eos_stop_token_ids: tuple[int, ...] = (), **params) -> Request:
     """A prompt of `prompt_len` tokens: `prefix`, then tokens unique to the request."""
     prompt = list(prefix[:prompt_len])
     prompt += [token_for(req_id, p) for p in range(len(prompt), prompt_len)]
     return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=EOS, max_model_len=max_model_len)
+                   eos_token_id=EOS, max_model_len=max_model_len,
+                   eos_stop_token_ids=eos_stop_token_ids)
 
 
 class FakeRunner:
@@ -291,6 +293,14 @@ def eos_at(position: int, token: int = EOS) -> TokenFn:
     ({"stop_token_ids": [77]}, eos_at(5, 77), 2, (FinishReason.STOP, 77)),
     ({"stop_token_ids": [77], "min_tokens": 2}, eos_at(4, 77), 8, (FinishReason.LENGTH, None)),
     ({}, eos_at(11), 8, (FinishReason.LENGTH, None)),  # max_tokens wins over a final EOS
+    # The model's other EOS ids stop like stop_token_ids, reporting the id (as vLLM).
+    ({"eos_stop_token_ids": (55, 66)}, eos_at(5, 66), 2, (FinishReason.STOP, 66)),
+    ({"eos_stop_token_ids": (55, 66), "ignore_eos": True}, eos_at(5, 66), 8,
+     (FinishReason.LENGTH, None)),
+    ({"eos_stop_token_ids": (66,), "min_tokens": 3}, eos_at(5, 66), 8,
+     (FinishReason.LENGTH, None)),
+    ({"eos_stop_token_ids": (66,), "min_tokens": 2}, eos_at(5, 66), 2,
+     (FinishReason.STOP, 66)),
 ])
 def test_stop_conditions(params: dict, fn: TokenFn, n_out: int, reason: tuple) -> None:
     sched, runner = make_scheduler(), FakeRunner(4, token_fn=fn)
@@ -298,6 +308,13 @@ def test_stop_conditions(params: dict, fn: TokenFn, n_out: int, reason: tuple) -
     results, finish, _ = run_all(sched, runner, {0: [req]})
     assert len(results["r"]) == n_out and finish["r"] == reason
     assert req.stop_reason == reason[1]
+
+
+def test_new_request_data_carries_the_primary_eos() -> None:
+    """The runner masks the request's own EOS for min_tokens (it may be a tokenizer-only one)."""
+    sched = make_scheduler()
+    sched.add_request(make_request("r", 4))
+    assert [n.eos_token_id for n in sched.schedule().scheduled_new_reqs] == [EOS]
 
 
 def test_max_model_len_caps_generation() -> None:

@@ -48,7 +48,8 @@ def make_batch(params: list[SamplingParams], vocab_size: int, *,
     outputs = outputs if outputs is not None else [[]] * n
     slots = slots if slots is not None else list(range(n))
     states = SamplingStates(num_slots or max(slots) + 1, vocab_size, engine_seed=0,
-                            device=device, eos_token_id=eos_token_id)
+                            device=device,
+                            eos_token_ids=() if eos_token_id is None else (eos_token_id,))
     for i, p in enumerate(params):
         states.add(slots[i], f"req-{i}", p, prompts[i], prompts[i] + outputs[i])
     states.apply_staged_writes()

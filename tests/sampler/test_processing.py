@@ -177,12 +177,13 @@ def test_min_tokens_blocks_eos_until_reached() -> None:
                            positions=[len(prompt) + num_output])
         token = batch.sample(logits).sampled.item()
         assert (token == EOS) == (num_output >= 3), num_output
-    # A per-request EOS overrides the states' default: here there is none to mask.
-    batch = make_batch([params], V, prompts=[prompt], eos_token_id=EOS,
+    # Without a model EOS, the request's own EOS (a tokenizer-only one) is masked.
+    batch = make_batch([params], V, prompts=[prompt], eos_token_id=None,
                        positions=[len(prompt)])
-    batch.states.add(0, "no-eos", params, prompt, eos_token_id=None)
-    batch.states.apply_staged_writes()
     assert batch.sample(logits).sampled.item() == EOS
+    batch.states.add(0, "own-eos", params, prompt, eos_token_id=EOS)
+    batch.states.apply_staged_writes()
+    assert batch.sample(logits).sampled.item() != EOS
 
 
 def test_allowed_token_ids_restrict_random_sampling() -> None:

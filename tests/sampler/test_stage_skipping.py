@@ -143,7 +143,7 @@ def test_no_dense_vocab_table_while_no_request_uses_penalties() -> None:
     ``vocab / 32`` words per slot). The first request with a penalty allocates the counts."""
     num_slots, vocab = 32, 50_000
     states = SamplingStates(num_slots, vocab, engine_seed=0, device=torch.device("cpu"),
-                            eos_token_id=EOS)
+                            eos_token_ids=(EOS,))
     kinds = [dict(temperature=0.0), dict(top_k=20, top_p=0.9, min_p=0.01),
              dict(logit_bias={5: 2.0, 9: -1.0}), dict(allowed_token_ids=list(range(0, vocab, 7))),
              dict(min_tokens=4, stop_token_ids=[11]), dict(logprobs=5)]

@@ -122,7 +122,7 @@ def test_same_slot_twice_in_one_step_keeps_the_last() -> None:
 
 
 def test_batch_flags_per_batch_subset() -> None:
-    states = make_states(9, eos_token_id=0)
+    states = make_states(9, eos_token_ids=(0,))
     states.add(0, "greedy", SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1), [1])
     states.add(1, "plain", SamplingParams(temperature=1.0), [1])
     states.add(2, "topk", SamplingParams(temperature=1.0, top_k=10), [1])
@@ -159,7 +159,7 @@ def test_batch_flags_per_batch_subset() -> None:
 def test_min_tokens_without_stop_ids_is_off() -> None:
     """min_tokens masks EOS + stop_token_ids; with ignore_eos and no stop ids nothing is masked,
     and a resumed request that already has min_tokens outputs needs no masking either."""
-    states = make_states(3, eos_token_id=2)
+    states = make_states(3, eos_token_ids=(2,))
     states.add(0, "a", SamplingParams(min_tokens=4, ignore_eos=True), [1])
     states.add(1, "b", SamplingParams(min_tokens=2), [1], [1, 5, 6])
     states.add(2, "c", SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[9, 9, 500]),
@@ -170,6 +170,25 @@ def test_min_tokens_without_stop_ids_is_off() -> None:
     # Duplicates and ids outside the vocabulary (100 here) are dropped.
     assert states.bias.stop_ids.lengths.tensor[2].item() == 1
     assert states.bias.stop_ids.ids[2, 0].item() == 9
+
+
+def test_min_tokens_masks_every_eos_id() -> None:
+    """Every EOS id of the model and the request's own (primary) EOS are stop ids for
+    min_tokens, with the request's stop_token_ids; ignore_eos leaves only the stop_token_ids."""
+    states = make_states(3, eos_token_ids=(2, 7, 11))
+    states.add(0, "a", SamplingParams(min_tokens=3, stop_token_ids=[40]), [1], eos_token_id=50)
+    states.add(1, "b", SamplingParams(min_tokens=3, stop_token_ids=[40], ignore_eos=True), [1],
+               eos_token_id=50)
+    states.add(2, "c", SamplingParams(min_tokens=3), [1], eos_token_id=7)  # already a model EOS
+    states.apply_staged_writes()
+
+    def stop_ids(slot: int) -> list[int]:
+        n = states.bias.stop_ids.lengths.tensor[slot].item()
+        return states.bias.stop_ids.ids[slot, :n].tolist()
+
+    assert stop_ids(0) == [2, 7, 11, 40, 50]
+    assert stop_ids(1) == [40]
+    assert stop_ids(2) == [2, 7, 11]
 
 
 def test_optional_tables_are_allocated_on_first_use() -> None:
