@@ -157,3 +157,21 @@ def test_tp2_rank_killed_raises_engine_dead(tiny_model_factory):
     finally:
         llm.shutdown()
     wait_for_no_leftovers(pids, shm_names)
+
+
+def test_tp2_gguf_matches_tp1(tiny_gguf_factory):
+    """GGUF weights shard like safetensors ones: llama's permuted q/k rows are un-permuted
+    before a rank takes its heads, quantized rows are dequantized per rank."""
+    path = tiny_gguf_factory("llama", "Q8_0", num_heads=4, num_kv_heads=2)
+    prompts = _prompts()
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=128)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        heads = executor.collective_rpc(operator.attrgetter("model.model.layers.0.self_attn"
+                                                            ".num_heads"))
+        assert heads == [2, 2]
+        tp2 = [list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert tp2 == _run(path, 1, prompts, [GREEDY])[0]

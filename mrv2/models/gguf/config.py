@@ -123,12 +123,13 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         vocab_size=embed.shape[0],
         rope_parameters=_rope_parameters(ckpt, head_dim),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=ckpt.fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None),
         pad_token_id=ckpt.fields.get("tokenizer.ggml.padding_token_id"),
         dtype=_torch_dtype_name(ckpt),
     )
+    if arch != "qwen2":  # Qwen2 always has q/k/v biases and no attention_bias switch
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     window = ckpt.arch_field(Keys.Attention.SLIDING_WINDOW)

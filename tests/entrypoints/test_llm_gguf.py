@@ -1,0 +1,185 @@
+"""The built-in SmolLM2-135M-Instruct Q4_1 GGUF end to end: greedy tokens equal transformers'
+on the same file (its own GGUF loader, float32), through chunked prefill, prefix-cache hits and
+the OpenAI server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2 import LLM, SamplingParams
+from mrv2.models.builtin import builtin_model_path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+    "Give me one tip for sleeping better.",
+    "What is the boiling point of water in Celsius?",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    # A 64-token budget splits every chat prompt (~35-45 tokens) of a batch of 8 over several
+    # steps: the prefills are chunked.
+    llm = LLM(str(builtin_model_path()), max_model_len=512, max_num_batched_tokens=64,
+              kv_cache_memory_gb=0.1)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2: LLM) -> list[list[int]]:
+    tokenizer = smollm2.get_tokenizer()
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                          add_generation_prompt=True, return_dict=False)
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(chat_prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, EOS included, as mrv2 reports them."""
+    from transformers import AutoModelForCausalLM
+
+    path = builtin_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    out = []
+    with torch.no_grad():
+        for prompt in chat_prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False)[0, len(prompt):].tolist()
+            out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
+    return out
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_greedy_tokens_equal_transformers_with_chunked_prefill(smollm2, chat_prompts, reference):
+    assert _greedy(smollm2, chat_prompts) == reference
+
+
+def test_prefix_hits_give_the_same_tokens(smollm2, chat_prompts, reference):
+    stats = smollm2.llm_engine.engine_core.scheduler.prefix_cache_stats
+    hits_before = stats.hits
+    # Same prompts again (cached), and in reverse order next to each other.
+    assert _greedy(smollm2, chat_prompts) == reference
+    assert stats.hits - hits_before >= 16 * len(chat_prompts)  # the shared system prompt at least
+    assert _greedy(smollm2, chat_prompts[::-1]) == reference[::-1]
+
+
+def test_chat_answers_paris(smollm2):
+    output = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def test_server_answers_as_transformers(smollm2, reference):
+    import httpx
+
+    from mrv2.testing import ServerProcess
+
+    tokenizer = smollm2.get_tokenizer()
+    with ServerProcess(builtin_model_path(), ["--max-model-len", "512",
+                                              "--kv-cache-memory-gb", "0.1"]) as server:
+        for question, expected in zip(QUESTIONS[:3], reference[:3]):
+            body = {"model": str(builtin_model_path()), "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0, "messages": [{"role": "user", "content": question}]}
+            reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            assert choice["message"]["content"] == tokenizer.decode(expected,
+                                                                    skip_special_tokens=True)
+            assert choice["finish_reason"] == ("stop" if len(expected) < MAX_TOKENS
+                                               else "length")
+
+
+# -- the random-weight test models written as GGUF by llama.cpp's converter's rules ---------------
+
+PROMPTS = [[5, 17, 300, 42, 9], [1000, 3, 3, 3, 77, 12, 400, 8, 1500], [250]]
+TINY_TOKENS = 12
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+def _mrv2_tokens(model: str, **kwargs) -> list[list[int]]:
+    llm = LLM(model, max_model_len=256, kv_cache_memory_gb=0.02, **kwargs)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(temperature=0.0, max_tokens=TINY_TOKENS,
+                                              ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _hf_tokens(model) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=TINY_TOKENS,
+                                 min_new_tokens=TINY_TOKENS, do_sample=False)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def _hf_from_gguf(path, config_dir=None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # transformers reads no key_length for qwen3 (it would assume head_dim 128): give it the
+    # source config; the weights still come from the GGUF file alone.
+    config = AutoConfig.from_pretrained(config_dir) if config_dir is not None else None
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("tensor_type", ["F16", "Q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_gguf_greedy_equals_transformers_on_the_same_file(
+        tiny_model_factory, tiny_gguf_factory, arch, tensor_type):
+    path = tiny_gguf_factory(arch, tensor_type)
+    config_dir = tiny_model_factory(arch) if arch == "qwen3" else None
+    assert _mrv2_tokens(str(path)) == _hf_tokens(_hf_from_gguf(path, config_dir))
+
+
+def test_split_gguf_gives_the_tokens_of_the_single_file(tiny_gguf_factory):
+    assert (_mrv2_tokens(str(tiny_gguf_factory("qwen2", "Q8_0", num_splits=3)))
+            == _mrv2_tokens(str(tiny_gguf_factory("qwen2", "Q8_0"))))
+
+
+def test_llama3_rope_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_factory):
+    """transformers ignores the rope_freqs tensor of a GGUF; mrv2 applies it, so an F32 file
+    gives the tokens of the original (safetensors) model, which transformers runs."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, max_position_embeddings=4096)
+    path = tiny_gguf_factory("llama", "F32", rope_scaling=LLAMA3_ROPE,
+                             max_position_embeddings=4096)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    assert _mrv2_tokens(str(path)) == _hf_tokens(hf)
+
+
+def test_gguf_with_tokenizer_and_config_overrides(tiny_model_factory, tiny_gguf_factory):
+    source = tiny_model_factory("qwen3")
+    path = tiny_gguf_factory("qwen3", "F16")
+    llm = LLM(str(path), tokenizer=str(source), hf_config_path=str(source), max_model_len=128,
+              kv_cache_memory_gb=0.02)
+    try:
+        config = llm.llm_engine.config.model_config
+        assert config.tokenizer_path == str(source)
+        assert config.hf_config.name_or_path == str(source)
+        assert llm.generate("hello world", SamplingParams(max_tokens=3, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
