@@ -204,3 +204,41 @@ def test_cudagraph_mode_resolves_to_none_on_cpu(tiny_llama, value):
 def test_bad_compilation_config(tiny_llama, value, words):
     with pytest.raises(ConfigError, match=words):
         EngineArgs(model=str(tiny_llama), compilation_config=value).create_engine_config()
+
+
+# -- Hub ids, offline, from a Hub cache the test writes ----------------------------------------
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    return cache
+
+
+def test_hub_ids_resolve_through_the_cache(offline_hub, tiny_model_factory, tiny_gguf_factory):
+    from mrv2.testing.hub_cache import cache_model_dir, cache_repo
+
+    snapshot = cache_model_dir(offline_hub, "org/tiny", tiny_model_factory("qwen2"))
+    gguf = tiny_gguf_factory("qwen2", "Q8_0")
+    cache_repo(offline_hub, "org/tiny-GGUF", {"tiny-Q8_0.gguf": gguf.read_bytes()})
+    config = EngineArgs(model="org/tiny", download_dir=str(offline_hub)).create_engine_config()
+    assert config.model_config.model == str(snapshot)
+    assert config.model_config.architecture == "Qwen2ForCausalLM"
+    config = EngineArgs(model="org/tiny-GGUF/tiny-Q8_0.gguf", tokenizer="org/tiny",
+                        download_dir=str(offline_hub)).create_engine_config()
+    assert config.model_config.model.endswith("tiny-Q8_0.gguf")
+    assert config.model_config.tokenizer_path == str(snapshot)
+
+
+def test_uncached_hub_id_offline_is_refused_before_loading(offline_hub):
+    from mrv2.models.loader import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="org/absent"):
+        EngineArgs(model="org/absent", download_dir=str(offline_hub)).create_engine_config()
+    with pytest.raises(ModelNotFoundError, match="org/absent"):
+        EngineArgs(model="org/absent/model.gguf",
+                   download_dir=str(offline_hub)).create_engine_config()

@@ -5,8 +5,6 @@ network: every test either runs offline (HF_HUB_OFFLINE) or replaces the downloa
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,35 +17,10 @@ from huggingface_hub import constants, errors
 from mrv2.models.hub import (MODEL_ALLOW_PATTERNS, TOKENIZER_ALLOW_PATTERNS, hub_offline,
                              resolve_model_path)
 from mrv2.models.loader import ModelNotFoundError, load_hf_config
+from mrv2.testing.hub_cache import COMMIT_MAIN, cache_repo
 
-COMMIT_MAIN = "a" * 40
 COMMIT_V2 = "b" * 40
 CONFIG = b'{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'
-
-
-def cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], *, commit: str = COMMIT_MAIN,
-               refs: tuple[str, ...] = ("main",), symlinks: bool = True) -> Path:
-    """Write one snapshot of `repo_id` the way huggingface_hub lays out its cache, and return
-    the snapshot directory: refs/<ref> holds the commit hash (no newline: huggingface_hub reads
-    it verbatim), snapshots/<commit>/<file> is a relative symlink to blobs/<sha256>, or a plain
-    file where symlinks are unavailable (huggingface_hub's Windows fallback, also accepted)."""
-    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo_dir / "snapshots" / commit
-    for name, data in files.items():
-        target = snapshot / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if symlinks:
-            blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
-            blob.parent.mkdir(parents=True, exist_ok=True)
-            blob.write_bytes(data)
-            os.symlink(os.path.relpath(blob, target.parent), target)
-        else:
-            target.write_bytes(data)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for ref in refs:
-        (repo_dir / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-        (repo_dir / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture
