@@ -35,3 +35,27 @@ def test_console_script_entry_point_runs(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "does not exist" in result.stderr or "not found" in result.stderr
+
+
+def test_generate_without_a_model_chats_with_the_builtin_model(capsys):
+    code = main(["generate", "--max-tokens", "12", "--no-progress", "--max-model-len", "256",
+                 "--kv-cache-memory-gb", "0.05"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Using the built-in model SmolLM2-135M-Instruct" in out
+    assert "Prompt: 'What is the capital of France?'" in out
+    assert "Paris" in out.split("Prompt: ")[1]  # the first answer
+    assert out.count("Prompt: ") == 4 and "Throughput: " in out
+
+
+def test_checkpoint_flags_reach_the_engine_args():
+    from mrv2.entrypoints.cli import build_parser
+    from mrv2.entrypoints.openai.cli_args import engine_args_from
+
+    args = build_parser().parse_args(
+        ["serve", "org/model/file.gguf", "--tokenizer", "org/tok", "--hf-config-path", "cfg",
+         "--revision", "v2", "--tokenizer-revision", "v3", "--download-dir", "/cache"])
+    engine = engine_args_from(args, args.model_tag)
+    assert (engine.model, engine.tokenizer, engine.hf_config_path, engine.revision,
+            engine.tokenizer_revision, engine.download_dir) == (
+        "org/model/file.gguf", "org/tok", "cfg", "v2", "v3", "/cache")
