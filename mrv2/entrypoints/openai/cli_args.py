@@ -98,7 +98,12 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
     check_mode(args.generation_config)
-    return ServerConfig(model=model, served_model_names=args.served_model_name or [model],
+    names = args.served_model_name or [model]
+    if not (args.served_model_name or args.model_tag or args.model):
+        from mrv2.models.builtin import BUILTIN_SERVED_NAME
+
+        names = [BUILTIN_SERVED_NAME, model]  # the built-in model: a short name, and its path
+    return ServerConfig(model=model, served_model_names=names,
                         host=args.host, port=args.port,
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         chat_template=load_chat_template(args.chat_template),

@@ -71,3 +71,15 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("mrv2: error: ") and "Traceback" not in err
+
+
+def test_builtin_model_is_the_default_and_answers_to_a_short_name(capsys):
+    from mrv2.models.builtin import BUILTIN_SERVED_NAME, builtin_model_path
+
+    args = parse()
+    model = resolve_model(args)
+    assert model == str(builtin_model_path())
+    assert "Using the built-in model" in capsys.readouterr().out
+    config = server_config_from(args, model)
+    assert config.served_model_names == [BUILTIN_SERVED_NAME, model]
+    assert config.model_name == BUILTIN_SERVED_NAME
