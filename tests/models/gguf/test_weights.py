@@ -79,3 +79,19 @@ def test_weight_keeps_the_stored_blocks(tiny_gguf_factory):
         "model.layers.0.mlp.down_proj.weight"]
     assert isinstance(weight, GGUFWeight)
     assert weight.record.type_name == "Q8_0" and weight.record.data.dtype == np.uint8
+
+
+@pytest.mark.parametrize("tensor_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_every_writable_type_loads_by_rows(tiny_model_factory, tiny_gguf_factory, tensor_type):
+    """Each block layout: a rank's rows equal the same rows of the whole tensor, and the whole
+    is within the type's error of the source."""
+    source = _source_tensors(tiny_model_factory("qwen2"))
+    ckpt = open_gguf(tiny_gguf_factory("qwen2", tensor_type))
+    weights = dict(iterate_gguf_weights(ckpt, gguf_hf_config(ckpt)))
+    weight = weights["model.layers.1.mlp.up_proj.weight"]
+    assert weight.record.type_name == tensor_type
+    whole = materialize(weight)
+    rows = whole.shape[0] // 2
+    assert torch.equal(materialize(narrow(weight, 0, rows, rows)), whole[rows:])
+    expected = source["model.layers.1.mlp.up_proj.weight"].float()
+    assert (whole - expected).norm() / expected.norm() < 0.15
