@@ -41,8 +41,8 @@ def _check_model_dir(model_path: str) -> None:
     if not os.path.exists(model_path):
         raise ModelNotFoundError(f"model path {model_path!r} does not exist")
     if not os.path.isdir(model_path):
-        raise ModelNotFoundError(f"model path {model_path!r} is neither a directory nor a "
-                                 f".gguf file")
+        raise ModelNotFoundError(f"model path {model_path!r} is not a directory (nor a "
+                                 f".gguf file)")
 
 
 def load_hf_config(model_path: str, hf_config_path: str | None = None) -> Any:

@@ -20,7 +20,7 @@ QUESTIONS = [
     "Give me one tip for sleeping better.",
     "What is the boiling point of water in Celsius?",
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_server_answers_as_transformers(smollm2, reference):
     tokenizer = smollm2.get_tokenizer()
     with ServerProcess(builtin_model_path(), ["--max-model-len", "512",
                                               "--kv-cache-memory-gb", "0.1"]) as server:
-        for question, expected in zip(QUESTIONS[:3], reference[:3]):
+        for question, expected in zip(QUESTIONS[:2], reference[:2]):
             body = {"model": str(builtin_model_path()), "max_tokens": MAX_TOKENS,
                     "temperature": 0.0, "messages": [{"role": "user", "content": question}]}
             reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
