@@ -73,21 +73,24 @@ def set_threads() -> None:
 
 
 class Mrv2Runner:
-    """An LLM built once; `run()` generates the workload and returns seconds."""
+    """An LLM built once (or `llm`, one built by the caller, with prefix caching off and room
+    for the workload); `run()` generates the workload and returns seconds."""
 
-    def __init__(self, w: Workload, **engine_kwargs: Any) -> None:
+    def __init__(self, w: Workload, llm: Any = None, **engine_kwargs: Any) -> None:
         from mrv2 import LLM, SamplingParams
 
         set_threads()
         self.w = w
         self.prompts = [{"prompt_token_ids": p} for p in make_prompts(w)]
         self.params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
-        # Prefix caching off: every timed run repeats the warm-up's prompts, and a cache hit
-        # would skip the prefill that transformers has to compute.
-        kwargs = dict(dtype="float32", max_model_len=w.input_len + w.output_len + 16,
-                      max_num_seqs=max(w.num_prompts, 1), seed=0, enable_prefix_caching=False)
-        kwargs.update(engine_kwargs)
-        self.llm = LLM(str(model_dir(w)), **kwargs)
+        if llm is None:
+            # Prefix caching off: every timed run repeats the warm-up's prompts, and a cache hit
+            # would skip the prefill that transformers has to compute.
+            kwargs = dict(dtype="float32", max_model_len=w.input_len + w.output_len + 16,
+                          max_num_seqs=max(w.num_prompts, 1), seed=0, enable_prefix_caching=False)
+            kwargs.update(engine_kwargs)
+            llm = LLM(str(model_dir(w)), **kwargs)
+        self.llm = llm
         set_threads()  # the worker sets threads from the core count; pin it for the ratio
 
     def run(self) -> float:
@@ -104,15 +107,18 @@ class Mrv2Runner:
 
 class HFRunner:
     """transformers' `generate`: batch of all prompts, left padding (all prompts have the same
-    length, so the mask is all ones), greedy, exactly output_len new tokens."""
+    length, so the mask is all ones), greedy, exactly output_len new tokens. `model`: one
+    loaded by the caller (float32, eval) instead of the workload's seeded model."""
 
-    def __init__(self, w: Workload) -> None:
+    def __init__(self, w: Workload, model: torch.nn.Module | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         set_threads()
         self.w = w
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir(w)),
-                                                          dtype=torch.float32).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir(w)),
+                                                         dtype=torch.float32).eval()
+        self.model = model
         self.input_ids = torch.tensor(make_prompts(w), dtype=torch.long)
         self.attention_mask = torch.ones_like(self.input_ids)
 
