@@ -1,17 +1,13 @@
 """The built-in SmolLM2-135M-Instruct GGUF (Q4_1) for the GGUF benchmarks: the e2e workload of
 its shapes, transformers' float32 load of the same file, and its safetensors twin.
 
-The twin is the GGUF as transformers dequantizes it (float32), written with `save_pretrained`
-(safetensors, config without the GGUF quantization_config, the tokenizer transformers reads off
-the file) under mrv2.testing's cache dir, keyed by the GGUF file's name and size. It is built
-once (a minute or so: transformers' GGUF load and tokenizer conversion are slow) and published
-atomically, so concurrent first runs are safe. mrv2 loading the twin and the GGUF builds the
-same float32 model from the same file, one through the safetensors path, one dequantizing.
+The twin (mrv2/testing/gguf_twin.py) is the GGUF as transformers dequantizes it, saved as
+float32 safetensors: mrv2 loading the twin and the GGUF builds the same float32 model from the
+same file, one through the safetensors path, one dequantizing.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +15,6 @@ import torch
 
 from e2e_workload import Workload, set_threads
 
-TWIN_FORMAT = 1  # bump when the twin's files change for the same GGUF
 OUTPUT_LEN = 128
 INPUT_LEN = 128
 
@@ -52,12 +47,10 @@ def gguf_path() -> Path:
 
 def load_hf_gguf(path: Path | None = None) -> torch.nn.Module:
     """transformers' float32 model of the GGUF file (dequantized at load), eval mode."""
-    from transformers import AutoModelForCausalLM
+    from mrv2.testing.gguf_twin import load_hf_gguf as load
 
-    path = path or gguf_path()
     set_threads()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    return load(path or gguf_path())
 
 
 def load_hf_dir(model_dir: Path) -> torch.nn.Module:
@@ -67,48 +60,9 @@ def load_hf_dir(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-def twin_dir(path: Path | None = None) -> Path:
-    from mrv2.testing import cache_dir
-
-    path = path or gguf_path()
-    return (cache_dir() / "models" /
-            f"gguf-twin-v{TWIN_FORMAT}-{path.stem}-{path.stat().st_size}")
-
-
 def safetensors_twin(path: Path | None = None,
                      hf_model: torch.nn.Module | None = None) -> Path:
-    """The GGUF's safetensors twin directory (built on first use; see the module docstring).
-    `hf_model`: the GGUF already loaded by `load_hf_gguf`, to skip loading it again."""
-    from transformers import AutoTokenizer
+    """The GGUF's safetensors twin (mrv2/testing/gguf_twin.py), built on first use."""
+    from mrv2.testing.gguf_twin import safetensors_twin as twin
 
-    from mrv2.testing.tokenizer import make_temp_dir, publish_dir
-
-    path = path or gguf_path()
-    final = twin_dir(path)
-    if (final / "config.json").is_file():
-        return final
-    model = hf_model if hf_model is not None else load_hf_gguf(path)
-    tmp = make_temp_dir(final)
-    try:
-        # Without the `kernels` package transformers dequantizes every weight (plain float32
-        # nn.Linear), but keeps its GGUF quantizer, which refuses to save, and the GGUF marker
-        # in the config: hide both so the twin is a plain float32 checkpoint.
-        packed = [n for n, m in model.named_modules() if type(m).__name__.startswith("Gguf")]
-        assert not packed, f"weights left packed by transformers: {packed[:3]}"
-        quantizer = getattr(model, "hf_quantizer", None)
-        quant_config = getattr(model.config, "quantization_config", None)
-        model.hf_quantizer = None
-        if quant_config is not None:
-            del model.config.quantization_config
-        try:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-        finally:
-            model.hf_quantizer = quantizer
-            if quant_config is not None:
-                model.config.quantization_config = quant_config
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
-            str(tmp))
-        publish_dir(tmp, final)  # losing the race is fine: the winner's files are the same
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return twin(path or gguf_path(), hf_model)

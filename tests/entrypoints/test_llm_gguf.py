@@ -46,8 +46,11 @@ def reference(chat_prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens for each prompt, EOS included, as mrv2 reports them."""
     from transformers import AutoModelForCausalLM
 
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+    from mrv2.testing.gguf_twin import safetensors_twin
+
+    # transformers' own load of the file, kept on disk after the first run (its GGUF path
+    # takes tens of seconds; the twin reloads bit for bit in a fraction of one).
+    model = AutoModelForCausalLM.from_pretrained(safetensors_twin(builtin_model_path()),
                                                  dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     out = []

@@ -31,9 +31,12 @@ def test_tokenizer_equals_the_source_tokenizer(tiny_model_factory, tiny_gguf_fac
 def test_builtin_model_tokenizer_matches_transformers():
     from mrv2.models.builtin import builtin_model_path
 
+    from mrv2.testing.gguf_twin import safetensors_twin
+
     path = builtin_model_path()
     tokenizer = gguf_tokenizer(open_gguf(path))
-    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers' GGUF tokenizer of the file, as saved in its twin.
+    reference = AutoTokenizer.from_pretrained(safetensors_twin(path))
     messages = [{"role": "user", "content": "What is the capital of France? 😀 Ünïcödé"}]
     assert (tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
             == reference.apply_chat_template(messages, add_generation_prompt=True,
