@@ -6,22 +6,25 @@ decode rows (query length 1) first, then prefill chunks. Each layer's KV cache i
 flat slot `slot_mapping[t]` = block_id * block_size + offset, and -1 means "do not write"
 (graph padding).
 
-Which backend runs (DESIGN.md section 5) follows the tensors' device: CUDA tensors use the
-Triton paged attention (`triton_paged`, CUDA-graph capturable: it reads only the metadata's
-device tensors), CPU tensors the torch one (`torch_paged`, which reads the host copies).
-Tests force a backend with `forced_backend()`; the Triton one runs on CPU tensors only under
-`mrv2.state.dispatch.triton_interpreter()` (see `triton_on_cpu()`).
+Which backend runs (DESIGN.md section 5) is decided by `mrv2.platform.kernel_impl`, like
+every other kernel: CUDA tensors use the Triton paged attention (`triton_paged`, CUDA-graph
+capturable: it reads only the metadata's device tensors), CPU tensors the torch one
+(`torch_paged`, which reads the host copies). Tests force a backend with `forced_backend()`,
+this module's name for `mrv2.platform.forced_impl()` (the torch backend runs on any device, so
+the override holds on CUDA tensors too); the Triton one runs on CPU tensors only under
+`mrv2.platform.triton_interpreter()` (see `triton_on_cpu()`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
+
+from mrv2 import platform
 
 
 @dataclass
@@ -41,38 +44,28 @@ class AttentionMetadata:
 
 
 TORCH = "torch"
-TRITON = "triton"
+TRITON = platform.TRITON
 
-_forced_backend: str | None = None
+# Attention's names for the two kernel families.
+_BACKEND = {platform.TRITON: TRITON, platform.CPU: TORCH}
+_IMPL = {TRITON: platform.TRITON, TORCH: platform.CPU, None: None}
 
 
 def attention_backend(device: torch.device) -> str:
     """TRITON for CUDA tensors, TORCH for CPU tensors, unless `forced_backend()` says."""
-    if _forced_backend is not None:
-        return _forced_backend
-    return TRITON if device.type == "cuda" else TORCH
+    return _BACKEND[platform.kernel_impl(device, portable_cpu_impl=True)]
 
 
-@contextmanager
-def forced_backend(name: str | None) -> Iterator[None]:
+def forced_backend(name: str | None) -> AbstractContextManager[None]:
     """Use backend `name` (TRITON or TORCH; None = by device) inside the block (tests)."""
-    global _forced_backend
-    if name not in (None, TORCH, TRITON):
+    if name not in _IMPL:
         raise ValueError(f"backend must be {TORCH!r}, {TRITON!r} or None, got {name!r}")
-    previous, _forced_backend = _forced_backend, name
-    try:
-        yield
-    finally:
-        _forced_backend = previous
+    return platform.forced_impl(_IMPL[name])
 
 
-@contextmanager
-def triton_on_cpu() -> Iterator[None]:
+def triton_on_cpu() -> AbstractContextManager[None]:
     """The Triton backend on CPU tensors, interpreted (slow: tests with tiny shapes)."""
-    from mrv2.state.dispatch import triton_interpreter
-
-    with triton_interpreter(), forced_backend(TRITON):
-        yield
+    return platform.triton_interpreter()
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

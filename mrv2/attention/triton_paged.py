@@ -26,7 +26,7 @@ dots (no TF32); fp16/bf16 inputs round the probabilities to their dtype for the 
 as flash attention does. (Triton's interpreter computes bf16 `tl.dot` wrongly, so bf16 is
 checked on CUDA only; fp16 and fp32 run under the interpreter too.)
 
-Kernels are plain functions jitted per mode by `mrv2.state.dispatch.triton_kernel`, so tests
+Kernels are plain functions jitted per mode by `mrv2.platform.triton_kernel`, so tests
 run them under the interpreter on CPU tensors. They use only `tl` builtins: no `tl.zeros`,
 `tl.cdiv`, `tl.max` or `tl.sum` (Triton's own jitted helpers, which the interpreter cannot call
 once triton was imported in compiled mode); reductions go through `tl.reduce` with Triton's
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -146,7 +146,7 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
 def _check(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"Triton paged attention on {x.device} tensors runs only under "
-                           f"mrv2.state.dispatch.triton_interpreter()")
+                           f"mrv2.platform.triton_interpreter()")
 
 
 def _check_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:

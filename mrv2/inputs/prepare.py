@@ -23,7 +23,7 @@ from mrv2.attention.backend import AttentionMetadata
 from mrv2.inputs import prepare_numba
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
-from mrv2.state import dispatch
+from mrv2 import platform
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -67,7 +67,7 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
                          f"max_model_len={state.max_model_len}")
 
     idx_mapping = buffers.idx_mapping[:num_reqs]
-    if dispatch.kernel_impl(buffers.input_ids.device) == dispatch.CPU:
+    if platform.kernel_impl(buffers.input_ids.device) == platform.CPU:
         # One call, the block-table gather included.
         prepare_numba.prepare_inputs(
             idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens_padded,

@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mrv2.sampler.logprobs import LogprobsTensors
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 
 def _logprobs_kernel(src_ptr, src_stride, sampled_ptr, block_max_ptr, block_sum_ptr,

@@ -13,7 +13,7 @@ results are bit-for-bit equal; compiled for a GPU, ``x - freq * count`` may fuse
 (within float tolerance). The division by the repetition penalty is ``div_rn`` (IEEE
 round-to-nearest, like torch), not Triton's default approximate division.
 
-Kernels use only ``tl`` builtins (see mrv2/state/dispatch.py).
+Kernels use only ``tl`` builtins (see mrv2/platform.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton.language as tl
 from torch import Tensor
 
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 
 def _sparse_kernel(x_ptr, x_stride, idx_mapping_ptr, pos_ptr,

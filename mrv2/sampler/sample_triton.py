@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mrv2.sampler.noise import UNIFORM_BITS
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 # Globals a kernel reads must be constexpr.
 _UNIFORM_SCALE = tl.constexpr(2.0 ** -UNIFORM_BITS)
@@ -46,7 +46,7 @@ def _gumbel_argmax_kernel(x_ptr, x_stride, idx_mapping_ptr, temperature_ptr, see
         if APPLY_TEMPERATURE:
             x = tl.math.div_rn(x, temperature)
         # row_key = mix64(mix64(seed + GAMMA) ^ position), the splitmix64 finaliser inlined
-        # (kernels call no helper functions; see mrv2/state/dispatch.py).
+        # (kernels call no helper functions; see mrv2/platform.py).
         z = tl.load(seed_ptr + slot).to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB

@@ -34,7 +34,7 @@ from torch import Tensor
 from mrv2.sampler.logprobs import LogprobsTensors, check_logprobs_mode
 from mrv2.sampler.sampler_torch import sample_torch
 from mrv2.sampler.states import SamplingStates
-from mrv2.state import dispatch
+from mrv2 import platform
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Sampler:
             f"logits have {logits.shape[1]} columns, the states a vocabulary of "
             f"{self.states.vocab_size}")
         flags = self.states.batch_flags(idx_mapping_np)
-        if dispatch.kernel_impl(logits.device) == dispatch.CPU:
+        if platform.kernel_impl(logits.device) == platform.CPU:
             sampled, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np, positions,
                                              self.states, flags, self.logprobs_mode)
         else:

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from mrv2.state import dispatch
+from mrv2 import platform
 from mrv2.state.staged import StagedWriteTensor
 
 # Row padding points at block 0, the null block the KV cache manager never hands out.
@@ -87,7 +87,7 @@ class BlockTables:
         if not num_rows <= num_rows_padded <= out.shape[0]:
             raise ValueError(f"cannot pad {num_rows} rows to {num_rows_padded} in a buffer of "
                              f"{out.shape[0]}")
-        if dispatch.kernel_impl(out.device) == dispatch.CPU:
+        if platform.kernel_impl(out.device) == platform.CPU:
             from mrv2.state.block_table_numba import gather_rows
 
             gather_rows(self.table.numpy, np.ascontiguousarray(idx_mapping.numpy(), np.int64),

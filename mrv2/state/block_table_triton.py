@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 BLOCK = 512
 

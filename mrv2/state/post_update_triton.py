@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 
 def _post_update_kernel(idx_mapping_ptr, num_scheduled_ptr, sampled_ptr, num_computed_ptr,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.state import dispatch
+from mrv2 import platform
 from mrv2.state.staged import StagedWriteTensor
 
 
@@ -101,7 +101,7 @@ class RequestState:
         """
         tensors = (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
                    self.token_ids)
-        if dispatch.kernel_impl(idx_mapping.device) == dispatch.CPU:
+        if platform.kernel_impl(idx_mapping.device) == platform.CPU:
             from mrv2.state.post_update_numba import post_update
 
             post_update(_host_array(idx_mapping, np.int64), _host_array(num_scheduled, np.int32),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.state import dispatch
+from mrv2 import platform
 from mrv2.state.host_staging import HostStaging
 
 # Same-size integer dtypes: kernels copy bits, so one kernel per item size serves every dtype.
@@ -130,7 +130,7 @@ class StagedWriteTensor:
         self._num_runs = self._num_values = 0
         starts, lengths = self._starts[:k], self._lengths[:k]
         values = self._values[:m].view(self._bits_np)
-        if dispatch.kernel_impl(self.tensor.device) == dispatch.CPU:
+        if platform.kernel_impl(self.tensor.device) == platform.CPU:
             from mrv2.state.staged_numba import apply_runs
 
             apply_runs(self._flat_bits_np, starts, lengths, values)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from mrv2.state.dispatch import triton_kernel
+from mrv2.platform import triton_kernel
 
 BLOCK = 256
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
-from mrv2.state import dispatch
+from mrv2 import platform as dispatch
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from mrv2.sampler import Sampler, SamplerOutput, SamplingStates
 from mrv2.sampling_params import SamplingParams
-from mrv2.state.dispatch import triton_interpreter
+from mrv2.platform import triton_interpreter
 
 CPU = torch.device("cpu")
 

@@ -24,7 +24,7 @@ from mrv2.sampler.penalties_triton import apply_dense_, apply_sparse_
 from mrv2.sampler.sample_triton import gumbel_block_argmax, gumbel_sample
 from mrv2.sampler.slot_tables import unpack_token_bits
 from mrv2.sampling_params import SamplingParams
-from mrv2.state.dispatch import triton_interpreter
+from mrv2.platform import triton_interpreter
 from sampler_harness import make_batch, random_logits
 
 

@@ -12,7 +12,7 @@ import torch
 # interpreter, so the kernels must not use them.
 import triton.language  # noqa: F401
 
-from mrv2.state import dispatch
+from mrv2 import platform as dispatch
 from mrv2.state.block_table import NULL_BLOCK_ID, BlockTables
 
 CPU = torch.device("cpu")

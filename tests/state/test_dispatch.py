@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrv2.state import dispatch
+from mrv2 import platform as dispatch
 
 CPU = torch.device("cpu")
 
@@ -77,7 +77,7 @@ def test_cpu_path_works_without_triton() -> None:
         import torch
         from mrv2.inputs.buffers import InputBuffers
         from mrv2.inputs.prepare import prepare_inputs
-        from mrv2.state import dispatch
+        from mrv2 import platform as dispatch
         from mrv2.state.block_table import BlockTables
         from mrv2.state.requests import RequestState
 

@@ -14,7 +14,7 @@ import torch
 # interpreter, so the kernels must not use them.
 import triton.language  # noqa: F401
 
-from mrv2.state import dispatch
+from mrv2 import platform as dispatch
 from mrv2.state.requests import RequestState
 
 CPU = torch.device("cpu")

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mrv2.state import dispatch, staged_numba
+from mrv2 import platform as dispatch
+from mrv2.state import staged_numba
 from mrv2.state.host_staging import HostStaging
 from mrv2.state.staged import StagedWriteTensor, last_write_per_element, runs_overlap
 
