@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from numba import njit
 
-from mrv2.attention import AttentionMetadata, torch_paged
+from mrv2.attention import AttentionMetadata
+from mrv2.attention import paged_torch as torch_paged
 from mrv2.attention.decode_numba import decode_attention
 from mrv2.models.layers import cpu_fused, cpu_gemv, cpu_linear
 

@@ -7,9 +7,9 @@ flat slot `slot_mapping[t]` = block_id * block_size + offset, and -1 means "do n
 (graph padding).
 
 Which backend runs (DESIGN.md section 5) is decided by `mrv2.platform.kernel_impl`, like
-every other kernel: CUDA tensors use the Triton paged attention (`triton_paged`, CUDA-graph
+every other kernel: CUDA tensors use the Triton paged attention (`paged_triton`, CUDA-graph
 capturable: it reads only the metadata's device tensors), CPU tensors the torch one
-(`torch_paged`, which reads the host copies). Tests force a backend with `forced_backend()`,
+(`paged_torch`, which reads the host copies). Tests force a backend with `forced_backend()`,
 this module's name for `mrv2.platform.forced_impl()` (the torch backend runs on any device, so
 the override holds on CUDA tensors too); the Triton one runs on CPU tensors only under
 `mrv2.platform.triton_interpreter()` (see `triton_on_cpu()`).
@@ -99,15 +99,15 @@ class Attention(nn.Module):
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)
         v = v[:n].view(n, self.num_kv_heads, self.head_dim)
         if attention_backend(q.device) == TRITON:
-            from mrv2.attention import triton_paged
+            from mrv2.attention import paged_triton
 
-            triton_paged.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-            out = triton_paged.paged_attention(
+            paged_triton.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
+            out = paged_triton.paged_attention(
                 q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
                 uniform_decode=meta.num_decodes == meta.num_reqs)
         else:
-            from mrv2.attention import torch_paged
+            from mrv2.attention import paged_torch
 
-            torch_paged.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-            out = torch_paged.paged_attention(q, kv_cache, meta, self.scale, k, v)
+            paged_torch.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
+            out = paged_torch.paged_attention(q, kv_cache, meta, self.scale, k, v)
         return out.reshape(n, self.num_heads * self.head_dim)

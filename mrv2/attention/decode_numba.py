@@ -7,7 +7,7 @@ values where they lie, once, block by block. A work item is one row (all its hea
 key/value row is read as one contiguous run, which matters once the cache is larger than the
 L3) or, with fewer rows than 2 per thread, one (row, kv head) so both threads have work. The
 query heads of a kv head's group (GQA) share each loaded key/value row. The blocks two ahead
-are prefetched while one is computed (numba_prefetch.py), a token's share of the lines per
+are prefetched while one is computed (prefetch_numba.py), a token's share of the lines per
 token computed: spread out like this rather than a whole block's 256 lines at once, 32 rows of
 256 tokens over 8 layers (from DRAM) take 3.1-3.8 ms instead of 5.4-5.7 ms.
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from mrv2.attention.numba_prefetch import CACHE_LINE_BYTES, prefetch_at
+from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 from mrv2.numba_exp import exp32
 
 # Blocks prefetched ahead of the one being computed (measured best among 1, 2 and 4).

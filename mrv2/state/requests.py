@@ -102,12 +102,12 @@ class RequestState:
         tensors = (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
                    self.token_ids)
         if platform.kernel_impl(idx_mapping.device) == platform.CPU:
-            from mrv2.state.post_update_numba import post_update
+            from mrv2.state.requests_numba import post_update
 
             post_update(_host_array(idx_mapping, np.int64), _host_array(num_scheduled, np.int32),
                         _host_array(sampled, np.int64), *(t.numpy for t in tensors))
         else:
-            from mrv2.state.post_update_triton import post_update
+            from mrv2.state.requests_triton import post_update
 
             post_update(idx_mapping, num_scheduled, sampled.contiguous(),
                         *(t.tensor for t in tensors))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mrv2.attention import Attention, AttentionMetadata
-from mrv2.attention.torch_paged import paged_attention, write_kv
+from mrv2.attention.paged_torch import paged_attention, write_kv
 
 
 def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -7,7 +7,7 @@ import pytest
 from numba import njit
 from numba.core.errors import TypingError
 
-from mrv2.attention.numba_prefetch import CACHE_LINE_BYTES, prefetch_at
+from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 
 
 @njit

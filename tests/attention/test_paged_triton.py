@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.attention import torch_paged, triton_paged
+from mrv2.attention import paged_torch as torch_paged
+from mrv2.attention import paged_triton as triton_paged
 from mrv2.attention.backend import AttentionMetadata, triton_on_cpu
 
 HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS = 16, 4, 48, 4
