@@ -20,28 +20,25 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import multiprocessing as mp
-import multiprocessing.connection
 import pickle
 import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Callable
 
-import msgspec
-
 from executor.base import Executor
+from executor.process import (pipe, settle, spawn, stop_processes, wait_ready,
+                               watch_processes)
 from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RPCCall
 from executor.shm_queue import (DEFAULT_CHUNK_BYTES, DEFAULT_NUM_CHUNKS, ShmQueueClosed,
-                                ShmQueueHandle, ShmQueueReader, ShmQueueTimeout,
-                                ShmQueueWriter)
+                                ShmQueueReader, ShmQueueTimeout, ShmQueueWriter)
 from executor.shm_segment import unlink_segment
 from executor.worker_proc import NO_REPLY, SHUTDOWN, Ready, import_object, worker_main
 from mrv2.config import EngineConfig
 from mrv2.distributed import distributed_init_method
-from mrv2.errors import EngineDeadError, WorkerStartupError
+from executor.errors import EngineDeadError
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -91,16 +88,6 @@ class _Call:
         self.errors: dict[int, BaseException] = {}
 
 
-def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:  # already failed by the monitor
-        pass
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, *, worker_cls: str = "mrv2.worker:Worker",
                  num_chunks: int = DEFAULT_NUM_CHUNKS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -119,83 +106,52 @@ class MultiprocExecutor(Executor):
         self._pending_lock, self._state_lock = threading.Lock(), threading.Lock()
         self._dead: str | None = None
         self._closing = False
-        self._procs: list[mp.process.BaseProcess] = []
+        self._procs: list = []
         self._responses: list[ShmQueueReader] = []
         self._response_names: list[str] = []
         self._monitor: threading.Thread | None = None
-        ctx = mp.get_context("spawn")
-        self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
-        death_r, self._death_w = ctx.Pipe(duplex=False)
+        self._wake_r, self._wake_w = pipe()
+        death_r, self._death_w = pipe()
         self._requests = ShmQueueWriter(self.world_size, num_chunks, chunk_bytes)
         ref = weakref.ref(self)
         atexit.register(lambda: (ex := ref()) is not None and ex.shutdown())
         try:
             conns = []
             for rank in range(self.world_size):
-                ready_r, ready_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=worker_main, name=f"mrv2-worker-{rank}", daemon=True,
-                                   args=(rank, config, worker_cls, self._requests.handle,
-                                         (num_chunks, chunk_bytes), ready_w, death_r,
-                                         self.distributed_init_method))
-                proc.start()
-                ready_w.close()
-                self._procs.append(proc)
+                ready_r, ready_w = pipe()
+                self._procs.append(spawn(
+                    worker_main, (rank, config, worker_cls, self._requests.handle,
+                                  (num_chunks, chunk_bytes), ready_w, death_r,
+                                  self.distributed_init_method),
+                    name=f"mrv2-worker-{rank}", daemon=True, child_ends=(ready_w,)))
                 conns.append(ready_r)
             death_r.close()
             self._wait_ready(conns, startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
-        self._monitor = threading.Thread(target=self._watch_workers, name="mrv2-worker-monitor",
-                                         daemon=True)
-        self._monitor.start()
+        self._monitor = self._watch_workers()
 
     # -- start-up and failure ------------------------------------------------------------------
 
     def _wait_ready(self, conns: list, timeout: float) -> None:
-        handles: dict[int, ShmQueueHandle] = {}
-        deadline = time.monotonic() + timeout
-        while len(handles) < self.world_size:
-            waiting = [r for r in range(self.world_size) if r not in handles]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerStartupError(f"worker rank(s) {waiting} did not report ready within "
-                                         f"{timeout:.0f} s")
-            mp.connection.wait([conns[r] for r in waiting]
-                               + [self._procs[r].sentinel for r in waiting], timeout=left)
-            for r in waiting:
-                proc = self._procs[r]
-                if conns[r].poll():
-                    try:
-                        ready = msgspec.msgpack.decode(conns[r].recv_bytes(), type=Ready)
-                    except EOFError:
-                        ready = None
-                    if ready is not None and ready.error is None:
-                        handles[r] = ready.response
-                        self._response_names.append(ready.response.name)
-                        continue
-                    proc.join(1.0)
-                    error = ready.error if ready is not None else "(no message)"
-                    raise WorkerStartupError(
-                        f"worker rank {r} (pid {proc.pid}) failed to start:\n{error}", rank=r,
-                        remote_traceback=error)
-                if not proc.is_alive():
-                    raise WorkerStartupError(f"worker rank {r} (pid {proc.pid}) exited with code "
-                                             f"{proc.exitcode} before it reported ready", rank=r)
-        for conn in conns:
-            conn.close()
-        self._responses = [ShmQueueReader(handles[r], 0) for r in range(self.world_size)]
+        readies = wait_ready(
+            self._procs, conns, Ready, timeout,
+            names=[f"worker rank {r}" for r in range(self.world_size)],
+            timeout_message=lambda waiting: f"worker rank(s) {waiting}", with_rank=True,
+            on_ready=lambda r, ready: self._response_names.append(ready.response.name))
+        self._responses = [ShmQueueReader(ready.response, 0) for ready in readies]
 
-    def _watch_workers(self) -> None:
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
-        ready = mp.connection.wait([*sentinels, self._wake_r])
-        if self._closing:
-            return
-        rank = min(sentinels[s] for s in ready if s in sentinels)
-        proc = self._procs[rank]
-        proc.join(0.1)
-        self._fail(f"worker rank {rank} (pid {proc.pid}) died unexpectedly (exit code "
-                   f"{proc.exitcode}); the engine cannot continue")
+    def _watch_workers(self) -> threading.Thread:
+        def on_exit(rank: int) -> None:
+            if self._closing:
+                return
+            proc = self._procs[rank]
+            proc.join(0.1)
+            self._fail(f"worker rank {rank} (pid {proc.pid}) died unexpectedly (exit code "
+                       f"{proc.exitcode}); the engine cannot continue")
+
+        return watch_processes(self._procs, self._wake_r, on_exit, name="mrv2-worker-monitor")
 
     def _fail(self, reason: str) -> None:
         with self._state_lock:
@@ -213,24 +169,14 @@ class MultiprocExecutor(Executor):
         with self._pending_lock:
             pending = list(self._pending)
         for call in pending:
-            _settle(call.future, error=EngineDeadError(self._dead))
+            settle(call.future, error=EngineDeadError(self._dead))
 
     def _abort(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
     def _stop_workers(self, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self._procs:
-            proc.join(1.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
+        stop_processes(self._procs, grace)
 
     @property
     def is_failed(self) -> bool:
@@ -307,11 +253,11 @@ class MultiprocExecutor(Executor):
                 with self._pending_lock:
                     self._pending.popleft()
                 if call.errors:
-                    _settle(call.future, error=call.errors[min(call.errors)])
+                    settle(call.future, error=call.errors[min(call.errors)])
                 elif call.reply_rank == ALL_RANKS:
-                    _settle(call.future, [call.results[r] for r in range(self.world_size)])
+                    settle(call.future, [call.results[r] for r in range(self.world_size)])
                 else:
-                    _settle(call.future, call.results[call.reply_rank])
+                    settle(call.future, call.results[call.reply_rank])
         except EngineDeadError:
             self._fail_pending()
             raise

@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import torch
 
-from mrv2.errors import WorkerError
+from executor.errors import WorkerError
 
 EXT_NDARRAY = 1
 EXT_TENSOR = 2

@@ -21,12 +21,12 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
 import msgspec
 
+from executor.process import report_ready, watch_parent
 from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RemoteError, RPCReply
 from executor.shm_queue import ShmQueueClosed, ShmQueueHandle, ShmQueueReader, ShmQueueWriter
 from mrv2.config import EngineConfig
@@ -77,30 +77,16 @@ def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueH
                  distributed_init_method: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     parent_gone = threading.Event()
-
-    def watch_parent() -> None:
-        try:
-            death_conn.recv()  # the parent never sends: this returns only by EOF
-        except (EOFError, OSError):
-            pass
-        parent_gone.set()
-        time.sleep(_PARENT_GONE_GRACE_S)  # let the loop exit cleanly; then go regardless
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, name="mrv2-death-pipe", daemon=True).start()
+    watch_parent(death_conn, parent_gone.set, _PARENT_GONE_GRACE_S, name="mrv2-death-pipe")
     requests = responses = None
     try:
         worker = make_worker(worker_cls, config, rank, distributed_init_method)
         requests = ShmQueueReader(rpc, rank)
         responses = ShmQueueWriter(1, *queue_shape)
-        ready_conn.send_bytes(msgspec.msgpack.encode(
-            Ready(rank, os.getpid(), response=responses.handle)))
+        report_ready(ready_conn, Ready(rank, os.getpid(), response=responses.handle))
     except BaseException:
         error = traceback.format_exc()
-        try:
-            ready_conn.send_bytes(msgspec.msgpack.encode(Ready(rank, os.getpid(), error=error)))
-        except Exception:
-            print(error, file=sys.stderr)
+        report_ready(ready_conn, Ready(rank, os.getpid(), error=error), error)
         for queue in (requests, responses):
             if queue is not None:
                 queue.close()

@@ -25,20 +25,20 @@ import atexit
 import itertools
 import logging
 import multiprocessing as mp
-import multiprocessing.connection
 import queue
 import shutil
 import tempfile
 import threading
 import time
 import traceback
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from executor.process import pipe, settle, watch_processes
 from mrv2.config import EngineConfig
 from mrv2.engine.core_proc import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
                                    UTILITY_RESULT, CoreDead, CoreProcess, CoreStats,
@@ -130,18 +130,6 @@ def _shutdown_live_clients() -> None:
         client.shutdown()
 
 
-def _settle(future, result: Any = None, error: BaseException | None = None) -> None:
-    try:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
-
-
 def _utility_value(method: str, reply: UtilityResult) -> Any:
     if reply.error is not None:
         raise WorkerError(f"engine core utility {method!r} raised {reply.exc_type}: "
@@ -180,7 +168,7 @@ class _MPClientBase(EngineCoreClient):
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(output_addr)
-        self._wake_r, self._wake_w = mp.get_context("spawn").Pipe(duplex=False)
+        self._wake_r, self._wake_w = pipe()
         self._init_io()
         _LIVE_CLIENTS.add(self)
         try:
@@ -189,9 +177,8 @@ class _MPClientBase(EngineCoreClient):
         except BaseException:
             self.shutdown()
             raise
-        self._monitor = threading.Thread(target=self._watch_process, name="mrv2-core-monitor",
-                                         daemon=True)
-        self._monitor.start()
+        self._monitor = watch_processes([self.proc], self._wake_r, self._on_exit,
+                                        name="mrv2-core-monitor")
 
     @property
     def proc(self) -> mp.process.BaseProcess | None:
@@ -199,9 +186,8 @@ class _MPClientBase(EngineCoreClient):
 
     # -- failure -----------------------------------------------------------------------------
 
-    def _watch_process(self) -> None:
+    def _on_exit(self, _index: int) -> None:
         proc = self.proc
-        multiprocessing.connection.wait([proc.sentinel, self._wake_r])
         if self._closed:
             return
         self._dead_event.wait(DEAD_REPORT_GRACE_S)
@@ -234,7 +220,7 @@ class _MPClientBase(EngineCoreClient):
     def _fail_utility_calls(self) -> None:
         error = EngineDeadError(self._dead)
         for future in list(self._utility.values()):
-            _settle(future, error=error)
+            settle(future, error=error)
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -250,7 +236,7 @@ class _MPClientBase(EngineCoreClient):
         elif kind == UTILITY_RESULT:
             future = self._utility.get(message.call_id)
             if future is not None:
-                _settle(future, message)
+                settle(future, message)
         elif kind == REJECTED:
             self._put_output(RequestRejectedError(message.request_id, message.message,
                                                   message.exc_type))

@@ -23,21 +23,19 @@ A request the scheduler refuses (`add_request` raised) is answered with REJECTED
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
-from mrv2.errors import WorkerStartupError
+from executor.process import (pipe, report_ready, spawn, stop_processes, wait_ready,
+                              watch_parent)
 from mrv2.protocol import EngineCoreRequest
 
 if TYPE_CHECKING:
@@ -234,16 +232,6 @@ class EngineCoreProc:
         self.ctx.term()  # the input thread's recv raises ContextTerminated and closes its socket
 
 
-def _watch_parent(death_conn: "Connection", input_queue: queue.Queue) -> None:
-    try:
-        death_conn.recv()  # the parent never sends: this returns only by EOF
-    except (EOFError, OSError):
-        pass
-    input_queue.put((_PARENT_GONE, None))
-    time.sleep(PARENT_GONE_GRACE_S)  # let the loop exit cleanly; then go regardless
-    os._exit(1)
-
-
 def _raise_system_exit(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -254,8 +242,8 @@ def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, _raise_system_exit)  # terminate(): unwind, shut the executor
     input_queue: queue.Queue = queue.Queue()
-    threading.Thread(target=_watch_parent, args=(death_conn, input_queue),
-                     name="mrv2-core-death-pipe", daemon=True).start()
+    watch_parent(death_conn, lambda: input_queue.put((_PARENT_GONE, None)),
+                 PARENT_GONE_GRACE_S, name="mrv2-core-death-pipe")
     core = proc = None
     try:
         from mrv2.engine.core import EngineCore
@@ -263,16 +251,13 @@ def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Conn
 
         core = EngineCore(config, executor_class)
         proc = EngineCoreProc(core, input_queue, input_addr, output_addr)
-        ready_conn.send_bytes(msgspec.msgpack.encode(
-            CoreReady(os.getpid(), num_kv_blocks=core.executor.num_kv_blocks)))
+        report_ready(ready_conn, CoreReady(os.getpid(),
+                                           num_kv_blocks=core.executor.num_kv_blocks))
         freeze_startup_objects()  # this process holds one engine for its life (mrv2/heap.py)
     except BaseException as error:
         text = traceback.format_exc()
-        try:
-            ready_conn.send_bytes(msgspec.msgpack.encode(
-                CoreReady(os.getpid(), error=text, exc_type=type(error).__name__)))
-        except Exception:
-            print(text, file=sys.stderr)
+        report_ready(ready_conn, CoreReady(os.getpid(), error=text,
+                                           exc_type=type(error).__name__), text)
         if core is not None:
             core.shutdown()
         sys.exit(1)
@@ -309,55 +294,21 @@ class CoreProcess:
 
     def __init__(self, config, input_addr: str, output_addr: str,
                  executor_class: type | None = None) -> None:
-        ctx = mp.get_context("spawn")
-        self._ready_conn, ready_w = ctx.Pipe(duplex=False)
-        death_r, self._death_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=run_engine_core, name="mrv2-engine-core",
-                                args=(config, input_addr, output_addr, ready_w, death_r,
-                                      executor_class))
-        try:
-            self.proc.start()
-        finally:
-            ready_w.close()
-            death_r.close()
+        self._ready_conn, ready_w = pipe()
+        death_r, self._death_w = pipe()
+        self.proc = spawn(run_engine_core, (config, input_addr, output_addr, ready_w, death_r,
+                                            executor_class),
+                          name="mrv2-engine-core", child_ends=(ready_w, death_r))
 
     def wait_ready(self, timeout: float) -> CoreReady:
         """The core's CoreReady; raises WorkerStartupError (with the core's traceback text)
         if it failed, exited or did not answer within `timeout` seconds."""
-        proc, conn = self.proc, self._ready_conn
-        try:
-            multiprocessing.connection.wait([conn, proc.sentinel], timeout)
-            ready = None
-            if conn.poll():
-                try:
-                    ready = msgspec.msgpack.decode(conn.recv_bytes(), type=CoreReady)
-                except EOFError:
-                    pass
-                if ready is not None and ready.error is None:
-                    return ready
-                proc.join(2.0)
-            if ready is not None:
-                raise WorkerStartupError(
-                    f"the engine core process (pid {proc.pid}) failed to start:\n{ready.error}",
-                    exc_type=ready.exc_type, remote_traceback=ready.error)
-            if not proc.is_alive():
-                raise WorkerStartupError(f"the engine core process (pid {proc.pid}) exited "
-                                         f"(code {proc.exitcode}) before it reported ready")
-            raise WorkerStartupError(f"the engine core process (pid {proc.pid}) did not report "
-                                     f"ready within {timeout:.0f} s")
-        finally:
-            conn.close()
+        name = "the engine core process"
+        return wait_ready([self.proc], [self._ready_conn], CoreReady, timeout, names=[name],
+                          timeout_message=lambda _: f"{name} (pid {self.proc.pid})",
+                          join_s=2.0)[0]
 
     def stop(self, grace_s: float) -> None:
         """Wait up to `grace_s` for the process to leave; then terminate, then kill it."""
         self._death_w.close()
-        proc = self.proc
-        if proc.pid is None:
-            return
-        proc.join(grace_s)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(2.0)
+        stop_processes([self.proc], grace_s, join_s=2.0)

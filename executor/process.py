@@ -1,0 +1,186 @@
+"""Process helpers shared by the engine-core client (mrv2/engine/client.py, core_proc.py) and
+the multiprocess executor (executor/multiproc.py, worker_proc.py).
+
+Parent side:
+- `pipe()` / `spawn()`: spawn-context pipes and processes; the pipe ends handed to the child
+  are closed in the parent once it started.
+- `wait_ready()`: the start-up handshake. Each child sends one msgpack message over its ready
+  pipe (a struct with an `error` field: None, or the start-up traceback text); a child that
+  reports an error, exits or stays silent past the timeout raises `WorkerStartupError`.
+- `watch_processes()`: a monitor thread that waits on the children's sentinels and a wake-up
+  pipe (its write end is closed on shutdown) and reports the first child that exited.
+- `stop_processes()`: join within a grace period, then SIGTERM, then SIGKILL.
+- `settle()`: complete a future once (concurrent or asyncio); later attempts are ignored, so a
+  monitor failing a future and a reader completing it cannot both win.
+
+Child side:
+- `watch_parent()`: the death pipe. The parent holds the only write end, so EOF on the read end
+  means the parent is gone: `on_gone()` is called and the process exits after a grace period
+  regardless.
+- `report_ready()`: send the start-up message (printing the traceback where the pipe is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import sys
+import threading
+import time
+from concurrent.futures import InvalidStateError
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from executor.errors import WorkerStartupError
+
+SPAWN = mp.get_context("spawn")
+
+
+def pipe() -> tuple[multiprocessing.connection.Connection, multiprocessing.connection.Connection]:
+    """A one-way pipe: (read end, write end)."""
+    return SPAWN.Pipe(duplex=False)
+
+
+def spawn(target: Callable, args: tuple, *, name: str, daemon: bool = False,
+          child_ends: Sequence[multiprocessing.connection.Connection] = ()
+          ) -> mp.process.BaseProcess:
+    """Start `target(*args)` in a spawned process; close `child_ends` here once it started."""
+    proc = SPAWN.Process(target=target, name=name, daemon=daemon, args=args)
+    try:
+        proc.start()
+    finally:
+        for conn in child_ends:
+            conn.close()
+    return proc
+
+
+def settle(future: Any, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete `future` with `result` or `error` unless it is already done."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except (InvalidStateError, asyncio.InvalidStateError):  # already settled
+        pass
+
+
+def wait_ready(procs: Sequence[mp.process.BaseProcess], conns: Sequence, ready_type: type,
+               timeout: float, *, names: Sequence[str],
+               timeout_message: Callable[[list[int]], str], with_rank: bool = False,
+               join_s: float = 1.0, on_ready: Callable[[int, Any], None] | None = None
+               ) -> list[Any]:
+    """Every child's ready message, in order; raises `WorkerStartupError` when one reports an
+    error, exits first, or the `timeout` passes. `names[i]` names child i in messages; the ready
+    pipes are closed on return."""
+    readies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(readies) < len(procs):
+            waiting = [i for i in range(len(procs)) if i not in readies]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerStartupError(f"{timeout_message(waiting)} did not report ready "
+                                         f"within {timeout:.0f} s")
+            mp.connection.wait([conns[i] for i in waiting]
+                               + [procs[i].sentinel for i in waiting], timeout=left)
+            for i in waiting:
+                proc, rank = procs[i], (i if with_rank else None)
+                if conns[i].poll():
+                    try:
+                        ready = msgspec.msgpack.decode(conns[i].recv_bytes(), type=ready_type)
+                    except EOFError:
+                        ready = None
+                    if ready is not None and ready.error is None:
+                        readies[i] = ready
+                        if on_ready is not None:
+                            on_ready(i, ready)
+                        continue
+                    proc.join(join_s)
+                    if ready is not None:
+                        raise WorkerStartupError(
+                            f"{names[i]} (pid {proc.pid}) failed to start:\n{ready.error}",
+                            rank=rank, exc_type=getattr(ready, "exc_type", ""),
+                            remote_traceback=ready.error)
+                if not proc.is_alive():
+                    raise WorkerStartupError(f"{names[i]} (pid {proc.pid}) exited with code "
+                                             f"{proc.exitcode} before it reported ready",
+                                             rank=rank)
+    finally:
+        for conn in conns:
+            conn.close()
+    return [readies[i] for i in range(len(procs))]
+
+
+def watch_processes(procs: Sequence[mp.process.BaseProcess],
+                    wake: multiprocessing.connection.Connection,
+                    on_exit: Callable[[int], None], *, name: str) -> threading.Thread:
+    """Start a daemon thread that waits until a child exits or `wake` is readable (its write
+    end closed); then calls `on_exit(i)` for the lowest-numbered child that exited, if any."""
+
+    def watch() -> None:
+        sentinels = {proc.sentinel: i for i, proc in enumerate(procs)}
+        fired = mp.connection.wait([*sentinels, wake])
+        exited = [sentinels[s] for s in fired if s in sentinels]
+        if exited:
+            on_exit(min(exited))
+
+    thread = threading.Thread(target=watch, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_processes(procs: Sequence[mp.process.BaseProcess], grace_s: float,
+                   join_s: float = 1.0) -> None:
+    """Wait up to `grace_s` (in all) for the children to leave; then terminate, then kill the
+    ones still alive, waiting up to `join_s` after each signal."""
+    procs = [proc for proc in procs if proc.pid is not None]  # never started: nothing to stop
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(join_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(join_s)
+
+
+# -- child side ----------------------------------------------------------------------------------
+
+
+def watch_parent(death_conn: multiprocessing.connection.Connection, on_gone: Callable[[], None],
+                 grace_s: float, *, name: str) -> threading.Thread:
+    """Start a daemon thread that returns from the death pipe only at EOF (the parent never
+    sends): then `on_gone()`, and after `grace_s` the process exits regardless."""
+
+    def watch() -> None:
+        try:
+            death_conn.recv()
+        except (EOFError, OSError):
+            pass
+        on_gone()
+        time.sleep(grace_s)  # let the loop exit cleanly; then go regardless
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def report_ready(conn: multiprocessing.connection.Connection, message: Any,
+                 error_text: str | None = None) -> None:
+    """Send the start-up message. With `error_text` (a failed start-up) a broken pipe is not an
+    error: the text is printed to stderr instead."""
+    if error_text is None:
+        conn.send_bytes(msgspec.msgpack.encode(message))
+        return
+    try:
+        conn.send_bytes(msgspec.msgpack.encode(message))
+    except Exception:
+        print(error_text, file=sys.stderr)
