@@ -10,7 +10,8 @@
 
 The wide tables are allocated on first use (slot_tables.py). The torch functions modify a
 float32 ``[rows, vocab]`` tile in place and take the rows' table entries already gathered
-through the batch-row -> slot mapping; the Triton versions are in penalties_triton.py.
+through the batch-row -> slot mapping; the Triton versions are in bias_triton.py (logit bias,
+min_tokens) and penalties_triton.py (allowed_token_ids, fused with the penalties).
 """
 
 from __future__ import annotations

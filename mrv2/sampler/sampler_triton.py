@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mrv2.sampler.bias_triton import apply_sparse_
 from mrv2.sampler.filters import apply_min_p_, apply_top_k_top_p_
 from mrv2.sampler.logprobs import LogprobsTensors
 from mrv2.sampler.logprobs_triton import compute_logprobs_triton
 from mrv2.sampler.noise_triton import gumbel_sample
-from mrv2.sampler.penalties_triton import apply_dense_, apply_sparse_
+from mrv2.sampler.penalties_triton import apply_dense_
 from mrv2.sampler.states import BatchFlags, SamplingStates
 
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from mrv2.sampler.bias import apply_allowed_, apply_logit_bias_, apply_min_tokens_
+from mrv2.sampler.bias_triton import apply_sparse_
 from mrv2.sampler.logprobs import compute_logprobs
 from mrv2.sampler.logprobs_triton import compute_logprobs_triton
 from mrv2.sampler.noise import gumbel_noise
 from mrv2.sampler.noise_triton import gumbel_block_argmax, gumbel_sample
 from mrv2.sampler.penalties import apply_penalties_
-from mrv2.sampler.penalties_triton import apply_dense_, apply_sparse_
+from mrv2.sampler.penalties_triton import apply_dense_
 from mrv2.sampler.slot_tables import unpack_token_bits
 from mrv2.sampling_params import SamplingParams
 from mrv2.platform import triton_interpreter
