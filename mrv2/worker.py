@@ -18,6 +18,7 @@ import torch
 from mrv2 import distributed, platform
 from mrv2.attention.backend import kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
+from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner import ModelRunner
@@ -52,6 +53,8 @@ class Worker:
         distributed.init_distributed(self.rank, self.world_size, self.distributed_init_method,
                                      self.device)
         self.model = load_model(self.config.model_config, self.device)
+        if self.device.type == "cpu":
+            cpu_fast_paths.attach(self.model)
 
     @property
     def num_kv_heads(self) -> int:

@@ -27,7 +27,7 @@ from torch import nn
 
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.models.layers import cpu_decode, cpu_fused
+from mrv2.models.layers.activation import silu_and_mul
 from mrv2.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
@@ -69,11 +69,6 @@ def check_no_sliding_window(model_config: ModelConfig) -> None:
             f"not implement sliding-window attention yet. Set max_model_len <= {window}.")
 
 
-# On CPU the MLP runs long batches in row chunks whose [rows, 2I] float32 intermediate is
-# about this size (a quarter of this machine's 32 MiB L3).
-CPU_CHUNK_BYTES = 8 << 20
-
-
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  hidden_act: str) -> None:
@@ -85,28 +80,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.cpu_chunk_rows
-        if x.device.type == "cpu" and x.shape[0] > rows:
-            # A prefill's [T, 2I] intermediate is far larger than the caches (46 MB for 4096
-            # tokens of W1) and costs page faults and DRAM round trips; chunks of rows keep
-            # it in the L3 (measured: -5% end to end on W1).
-            out = x.new_empty(x.shape[0], x.shape[1])
-            for start in range(0, x.shape[0], rows):
-                out[start:start + rows] = self._forward(x[start:start + rows])
-            return out
-        return self._forward(x)
-
-    @property
-    def cpu_chunk_rows(self) -> int:
-        """Rows per chunk on CPU: the gate/up intermediate stays within CPU_CHUNK_BYTES."""
-        return max(128, CPU_CHUNK_BYTES // (8 * self.intermediate_size))
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_fused.supported(gate_up):
-            return self.down_proj(cpu_fused.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -193,8 +167,11 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # cos/sin gathered once per step and shared by every layer.
         cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
-        if cpu_decode.applies(self, hidden, kv_caches, meta):
-            return cpu_decode.decode_model(self, cos_sin, hidden, kv_caches, meta)
+        return self.forward_layers(cos_sin, hidden, kv_caches, meta)
+
+    def forward_layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                       kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Every decoder layer, then the final norm: embedded [T, hidden] -> [T, hidden]."""
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], meta)

@@ -191,20 +191,3 @@ def test_qwen2_use_sliding_window_is_refused(tiny_model_factory) -> None:
 def test_unexpected_checkpoint_tensor_raises(case: Case) -> None:
     with pytest.raises(ValueError, match="no matching parameter"):
         case.model.load_weights([("model.layers.0.mlp.extra.weight", torch.zeros(1))])
-
-
-@torch.no_grad()
-def test_mlp_row_chunks_equal_one_pass(monkeypatch):
-    """A long CPU batch runs the MLP in row chunks; the result is the one-pass result."""
-    from mrv2.models import llama
-
-    mlp = llama.LlamaMLP(32, 48, bias=False, hidden_act="silu")
-    g = torch.Generator().manual_seed(0)
-    mlp.gate_up_proj.weight.copy_(torch.randn(96, 32, generator=g) * 0.2)
-    mlp.down_proj.weight.copy_(torch.randn(32, 48, generator=g) * 0.2)
-    x = torch.randn(300, 32, generator=g)
-    monkeypatch.setattr(llama, "CPU_CHUNK_BYTES", 8 * 48 * 128)  # 128-row chunks
-    assert mlp.cpu_chunk_rows == 128
-    chunked = mlp(x)
-    monkeypatch.setattr(llama, "CPU_CHUNK_BYTES", 1 << 40)
-    torch.testing.assert_close(chunked, mlp(x), rtol=1e-6, atol=1e-6)

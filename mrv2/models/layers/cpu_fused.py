@@ -2,13 +2,14 @@
 rotary embedding and SiLU-and-mul.
 
 Why: at decode sizes (1-32 rows of a few hundred floats) each torch op costs a few
-microseconds of dispatch and allocation, and RMSNorm is ~6 ops, rotary ~8 per tensor: about
-80 us per layer, a tenth of a W3 decode step. At prefill sizes (thousands of rows, tensors far
-larger than the L3) the same torch ops are memory-bound passes over 16 MB tensors: RMSNorm
-reads and writes its tensor ~5 times, rotary ~8 times; they were a third of W2's prefill
-(torch.profiler: aten::mul/add/pow/cat). One numba call per op does the same arithmetic in one
+microseconds of dispatch and allocation, and RMSNorm is ~6 ops, rotary ~8 per tensor. At
+prefill sizes (thousands of rows, tensors far larger than the caches) the same torch ops are
+memory-bound passes: RMSNorm reads and writes its tensor ~5 times, rotary ~8 times
+(bench/README.md has the measurements). One numba call per op does the same arithmetic in one
 pass: single-threaded up to `MAX_ROWS` rows (starting the thread pool would cost more than the
-work), over row chunks in parallel beyond.
+work), over row chunks in parallel beyond. `add_rms_norm_kernel`, `rotary_kernel` and
+`silu_and_mul_kernel` are the serial numba kernels themselves, for callers that are numba code
+(models/cpu/decode.py).
 
 Numerics: float32 throughout like the torch path (transformers' order: normalise, then the
 weight multiply; rotary as x*cos + rotate_half(x)*sin); sums run in another order (~1e-7
@@ -65,9 +66,9 @@ def _silu_and_mul_body(gate_up, width, out):
 
 
 _OPTS = dict(fastmath=True, error_model="numpy", cache=True)
-_add_rms_norm = njit(**_OPTS)(_add_rms_norm_body)
-_rotary = njit(**_OPTS)(_rotary_body)
-_silu_and_mul = njit(**_OPTS)(_silu_and_mul_body)
+add_rms_norm_kernel = njit(**_OPTS)(_add_rms_norm_body)
+rotary_kernel = njit(**_OPTS)(_rotary_body)
+silu_and_mul_kernel = njit(**_OPTS)(_silu_and_mul_body)
 _NO_RESIDUAL = np.empty((0, 0), dtype=np.float32)
 
 
@@ -78,7 +79,8 @@ def _add_rms_norm_rows(x, residual, weight, eps, out, residual_out):
     rows = x.shape[0]
     for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
         lo, hi = c * _CHUNK_ROWS, min(rows, (c + 1) * _CHUNK_ROWS)
-        _add_rms_norm(x[lo:hi], residual[lo:hi], weight, eps, out[lo:hi], residual_out[lo:hi])
+        add_rms_norm_kernel(x[lo:hi], residual[lo:hi], weight, eps, out[lo:hi],
+                            residual_out[lo:hi])
 
 
 @njit(parallel=True, **_OPTS)
@@ -86,7 +88,7 @@ def _rotary_rows(x, cos, sin, head_dim, out):
     rows = x.shape[0]
     for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
         lo, hi = c * _CHUNK_ROWS, min(rows, (c + 1) * _CHUNK_ROWS)
-        _rotary(x[lo:hi], cos[lo:hi], sin[lo:hi], head_dim, out[lo:hi])
+        rotary_kernel(x[lo:hi], cos[lo:hi], sin[lo:hi], head_dim, out[lo:hi])
 
 
 @njit(parallel=True, **_OPTS)
@@ -94,7 +96,7 @@ def _silu_and_mul_rows(gate_up, width, out):
     rows = gate_up.shape[0]
     for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
         lo, hi = c * _CHUNK_ROWS, min(rows, (c + 1) * _CHUNK_ROWS)
-        _silu_and_mul(gate_up[lo:hi], width, out[lo:hi])
+        silu_and_mul_kernel(gate_up[lo:hi], width, out[lo:hi])
 
 
 def supported(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -116,7 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x [T, H] -> weight * norm(x); with `residual`: (norm(x + residual), x + residual)."""
     out = torch.empty(x.shape, dtype=torch.float32)
     res_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
-    kernel = _add_rms_norm if x.shape[0] <= MAX_ROWS else _add_rms_norm_rows
+    kernel = add_rms_norm_kernel if x.shape[0] <= MAX_ROWS else _add_rms_norm_rows
     kernel(
         _np2d(x), _NO_RESIDUAL if residual is None else _np2d(residual),
         weight.detach().numpy(), np.float32(eps), out.numpy(),
@@ -128,7 +130,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            head_dim: int) -> torch.Tensor:
     """x [T, N*D], cos/sin [T, D] (rotate-half layout) -> rotated [T, N*D]."""
     out = torch.empty(x.shape, dtype=torch.float32)
-    kernel = _rotary if x.shape[0] <= MAX_ROWS else _rotary_rows
+    kernel = rotary_kernel if x.shape[0] <= MAX_ROWS else _rotary_rows
     kernel(_np2d(x), _np2d(cos), _np2d(sin), head_dim, out.numpy())
     return out
 
@@ -137,6 +139,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
     width = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
-    kernel = _silu_and_mul if gate_up.shape[0] <= MAX_ROWS else _silu_and_mul_rows
+    kernel = silu_and_mul_kernel if gate_up.shape[0] <= MAX_ROWS else _silu_and_mul_rows
     kernel(_np2d(gate_up), width, out.numpy())
     return out

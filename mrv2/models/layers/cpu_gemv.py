@@ -22,7 +22,7 @@ _CHUNK = 64  # weight rows per parallel task
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gemv_kernel(x, w, out):
+def gemv_kernel(x, w, out):
     rows, k_dim = x.shape
     n_dim = w.shape[0]
     num_chunks = (n_dim + _CHUNK - 1) // _CHUNK
@@ -40,7 +40,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] @ weight[N, K]^T (+ bias) for float32 CPU tensors, a contiguous weight and a
     few rows (the caller, cpu_linear.linear, checks)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    _gemv_kernel(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
+    gemv_kernel(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     if bias is not None:
         out += bias
     return out

@@ -4,8 +4,8 @@ call (float32, CPU).
 Why: a decode step of 1-4 tokens is bound by streaming the weights (the GEMVs run at the
 memory bandwidth), and what is left is per-op overhead. Op by op (two norms, four
 projections, rotary twice, the KV write, attention, SiLU-and-mul: about fifteen torch / numba
-calls per layer at 3-10 us each) it was 0.6-1 ms of a 4 ms W3 step; one call per layer still
-cost ~40 us of Python and argument unboxing per layer (~0.3 ms of a 2.8 ms W3 step). Here
+calls per layer) that overhead is a large share of a small model's step, and even one call per
+layer pays Python and argument unboxing per layer (bench/README.md has the measurements). Here
 the whole stack is one call: the weights and KV caches reach it as numba typed lists of views
 built once, and its parallel parts (the projections, attention) are parallel loops inside it.
 
@@ -13,8 +13,10 @@ The arithmetic is the same as the module path (cpu_fused, cpu_gemv, decode_numba
 float32 then the weight multiply, rotate-half rotary, SiLU(gate) * up, attention over the
 paged cache after this step's K/V are written.
 
-Used only where it applies (`applies`): CPU float32, one tensor-parallel rank, no biases and
-no per-head q/k norm in any layer, every row a decode row (one token), at most MAX_ROWS rows.
+`attach` gives a loaded LlamaModel whose layers `qualify` (float32 CPU weights, one
+tensor-parallel rank, no biases and no per-head q/k norm in any layer) a `FusedDecode` as its
+`forward_layers`; it runs the fused stack for the steps where `applies` holds (every row a
+decode row, one token, at most MAX_ROWS rows) and the model's own layers otherwise.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from numba import njit, typed
 
 from mrv2.attention.backend import TORCH, attention_backend
 from mrv2.attention.decode_numba import _decode_kernel
-from mrv2.models.layers.cpu_fused import _add_rms_norm, _rotary, _silu_and_mul
-from mrv2.models.layers.cpu_gemv import _gemv_kernel
+from mrv2.models.layers.cpu_fused import add_rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+from mrv2.models.layers.cpu_gemv import gemv_kernel
 
 MAX_ROWS = 4
 
@@ -53,29 +55,29 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     rows, hidden_size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     normed = np.empty((rows, hidden_size), dtype=np.float32)
-    _add_rms_norm(hidden, residual, ln1, eps, normed, residual_out)
+    add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
     if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
         residual_out[:] = hidden
     qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
-    _gemv_kernel(normed, w_qkv, qkv)
+    gemv_kernel(normed, w_qkv, qkv)
     q = np.empty((rows, q_size), dtype=np.float32)
     k = np.empty((rows, kv_size), dtype=np.float32)
-    _rotary(qkv[:, :q_size], cos, sin, head_dim, q)
-    _rotary(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
+    rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
+    rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
     _write_kv(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     _decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item)
     o = np.empty((rows, hidden_size), dtype=np.float32)
-    _gemv_kernel(attn.reshape(rows, q_size), w_o, o)
+    gemv_kernel(attn.reshape(rows, q_size), w_o, o)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
-    _add_rms_norm(o, residual_out.copy(), ln2, eps, normed, summed)
+    add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
     residual_out[:] = summed
     gate_up = np.empty((rows, w_gate_up.shape[0]), dtype=np.float32)
-    _gemv_kernel(normed, w_gate_up, gate_up)
+    gemv_kernel(normed, w_gate_up, gate_up)
     act = np.empty((rows, w_gate_up.shape[0] // 2), dtype=np.float32)
-    _silu_and_mul(gate_up, w_gate_up.shape[0] // 2, act)
-    _gemv_kernel(act, w_down, out)
+    silu_and_mul_kernel(gate_up, w_gate_up.shape[0] // 2, act)
+    gemv_kernel(act, w_down, out)
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
@@ -95,7 +97,7 @@ def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, fi
                       residual_out)
         x, residual = layer_out, residual_out
     summed = np.empty((rows, hidden_size), dtype=np.float32)
-    _add_rms_norm(x, residual, final_norm, final_eps, out, summed)
+    add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
 
 
 def _layer_qualifies(layer) -> bool:
@@ -112,9 +114,9 @@ def _layer_qualifies(layer) -> bool:
                     for w in weights))
 
 
-def _model_qualifies(model) -> bool:
-    """Every layer qualifies, all with one norm eps (the kernel takes one), and the final
-    norm is float32 on the CPU."""
+def qualifies(model) -> bool:
+    """Whether the fused stack can run `model` (a LlamaModel): every layer qualifies, all with
+    one norm eps (the kernel takes one), and the final norm is float32 on the CPU."""
     layers = list(model.layers)
     norm = model.norm.weight
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
@@ -123,20 +125,15 @@ def _model_qualifies(model) -> bool:
 
 
 def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> bool:
-    """Whether `decode_model` computes this step of `model` (a LlamaModel): a decode step
-    (every row one token) of at most MAX_ROWS rows on the CPU (torch attention backend) in
-    float32."""
+    """Whether `decode_model` computes this step of `model` (a LlamaModel that `qualifies`):
+    a decode step (every row one token) of at most MAX_ROWS rows on the CPU (torch attention
+    backend) in float32."""
     rows = hidden.shape[0]
-    if not (0 < rows <= MAX_ROWS and meta.num_decodes == meta.num_reqs == rows
+    return (0 < rows <= MAX_ROWS and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
             and attention_backend(hidden.device) == TORCH
-            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches)):
-        return False
-    qualifies = model.__dict__.get("_cpu_decode_qualifies")
-    if qualifies is None:
-        qualifies = model.__dict__["_cpu_decode_qualifies"] = _model_qualifies(model)
-    return qualifies
+            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches))
 
 
 _PER_LAYER = 6  # the weights `_stack_tensors` lists per layer, in this order:
@@ -181,20 +178,16 @@ class _StackArgs:
     def current_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)
 
-    @classmethod
-    def of(cls, model, kv_caches: list[torch.Tensor]) -> "_StackArgs":
-        args = model.__dict__.get("_cpu_decode_args")
-        if (args is None or args.kv_caches_list is not kv_caches
-                or args.key != args.current_key()):
-            args = model.__dict__["_cpu_decode_args"] = cls(model, kv_caches)
-        return args
+    def current(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether these lists still view `kv_caches` and the model's current storage."""
+        return self.kv_caches_list is kv_caches and self.key == self.current_key()
 
 
-def decode_model(model, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-    """`LlamaModel.forward` after the embedding for a decode step (`applies` holds): every
-    layer, writing this step's K/V into `kv_caches`, then the final norm -> [rows, hidden]."""
-    args = _StackArgs.of(model, kv_caches)
+def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+    """`LlamaModel.forward_layers` for a decode step (`applies` holds), with `args` built for
+    `kv_caches`: every layer, writing this step's K/V into `kv_caches`, then the final norm
+    -> [rows, hidden]."""
     attn = model.layers[0].self_attn
     rows = hidden.shape[0]
     out = torch.empty_like(hidden)
@@ -211,3 +204,32 @@ def decode_model(model, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torc
         meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
         np.float32(attn.attn.scale), kv_per_item, out.numpy())
     return out
+
+
+class FusedDecode:
+    """`forward_layers` of one qualifying LlamaModel: the fused stack where `applies` holds,
+    the model's own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
+    the caches or any tensor's storage change."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.forward_layers = type(model).forward_layers.__get__(model)  # the module path
+        self.args: _StackArgs | None = None
+
+    def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        model = self.model
+        if not applies(model, hidden, kv_caches, meta):
+            return self.forward_layers(cos_sin, hidden, kv_caches, meta)
+        if self.args is None or not self.args.current(kv_caches):
+            self.args = _StackArgs(model, kv_caches)
+        return decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)
+
+
+def attach(model) -> FusedDecode | None:
+    """Route `model`'s (a LlamaModel's) decode steps through the fused stack when it
+    `qualifies` (checked once, on the loaded weights); returns the attached path, or None."""
+    if not qualifies(model):
+        return None
+    fused = model.forward_layers = FusedDecode(model)
+    return fused

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.models.layers import cpu_decode
+from mrv2.models.cpu import decode as cpu_decode
 
 
 def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:

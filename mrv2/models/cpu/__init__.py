@@ -1,0 +1,39 @@
+"""CPU fast paths, attached to a loaded model from outside its classes.
+
+The model files describe architectures; `attach` (called by the worker on a CPU device, after
+the weights are loaded) overrides a few forwards of one loaded Llama-family model:
+
+- every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`);
+- `LlamaModel.forward_layers` runs decode steps of a few float32 rows as one numba call for the
+  whole decoder stack (`decode`), when the model's layers qualify.
+
+What was attached is returned as a `CpuFastPaths`; nothing is cached on the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from mrv2.models.cpu import decode, mlp_chunks
+from mrv2.models.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class CpuFastPaths:
+    mlps: list[mlp_chunks.ChunkedMLP]
+    decode: decode.FusedDecode | None  # None: the model does not qualify
+
+
+def attach(model: nn.Module) -> CpuFastPaths | None:
+    """Attach the CPU fast paths to `model` (a model built by `load_model` on the CPU, its
+    weights loaded); None for a model without a LlamaModel."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel):
+        return None
+    mlps = [mlp_chunks.attach(layer.mlp) for layer in inner.layers]
+    return CpuFastPaths(mlps, decode.attach(inner))
+
+
+__all__ = ["CpuFastPaths", "attach"]

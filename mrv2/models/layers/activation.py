@@ -1,0 +1,17 @@
+"""SiLU-and-mul, the gated activation of the Llama-family MLP: gate_up [T, 2I] -> silu(gate) *
+up [T, I]. float32 CPU tensors outside autograd run the fused numba kernel (cpu_fused), any
+other tensor the torch ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mrv2.models.layers import cpu_fused
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if cpu_fused.supported(gate_up):
+        return cpu_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
