@@ -2,13 +2,15 @@
 
 Everything here is a msgspec Struct encoded with msgpack: scheduler -> worker
 (`SchedulerOutput`, `GrammarOutput`), worker -> scheduler (`ModelRunnerOutput`) and
-front end <-> engine core (`EngineCoreRequest`, `EngineCoreOutputs`). Nothing is pickled.
+front end <-> engine core (`EngineCoreRequest`, `EngineCoreOutputs`, the utility calls, the
+core's start-up and failure reports, and the one framing of those messages). Nothing is pickled.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -248,3 +250,86 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, frozen=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Front end <-> engine-core process (mrv2/engine/client.py <-> mrv2/engine/core_proc.py)
+
+
+class UtilityCall(msgspec.Struct, array_like=True, frozen=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, frozen=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the exception's message, when the call raised
+    exc_type: str = ""
+    traceback: str = ""
+
+
+class RequestRejected(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    exc_type: str
+    message: str
+
+
+class CoreDead(msgspec.Struct, array_like=True, frozen=True):
+    reason: str
+
+
+class CoreReady(msgspec.Struct, array_like=True, frozen=True):
+    """The core's start-up message, over its ready pipe (not a socket)."""
+
+    pid: int
+    error: str | None = None  # start-up traceback
+    exc_type: str = ""
+    num_kv_blocks: int = 0
+
+
+class CoreStats(msgspec.Struct, kw_only=True):
+    """What the `get_stats` utility returns: the scheduler's view of the core right now."""
+
+    num_running: int
+    num_waiting: int
+    num_unfinished: int  # requests the scheduler holds (running + waiting)
+    has_unfinished: bool  # ... or finished ids not yet sent to the runner, or steps in flight
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+# The one framing of core <-> client messages: two ZMQ frames, a one-byte message code and the
+# msgpack body. Every code names one message type in both directions (no byte is used twice),
+# so a frame read on the wrong socket fails to decode instead of passing for another message.
+ADD, ABORT, UTILITY, SHUTDOWN = b"\x00", b"\x01", b"\x02", b"\x03"  # client -> core
+OUTPUTS, UTILITY_RESULT, REJECTED, DEAD = b"\x10", b"\x11", b"\x12", b"\x13"  # core -> client
+
+CORE_MESSAGES: dict[bytes, Any] = {
+    ADD: EngineCoreRequest, ABORT: list[str], UTILITY: UtilityCall, SHUTDOWN: None,
+    OUTPUTS: EngineCoreOutputs, UTILITY_RESULT: UtilityResult, REJECTED: RequestRejected,
+    DEAD: CoreDead}
+
+
+class CoreFraming:
+    """Encodes and decodes core <-> client messages as `(code, body)` frames. A body-less
+    message (SHUTDOWN) has an empty body and decodes to None."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoders = {code: msgspec.msgpack.Decoder(body)
+                          for code, body in CORE_MESSAGES.items() if body is not None}
+
+    def encode(self, code: bytes, message: Any = None) -> tuple[bytes, bytes]:
+        return code, b"" if message is None else self._encoder.encode(message)
+
+    def decode(self, code: bytes, body: Any) -> Any:
+        """The message of one received `(code, body)` pair; KeyError for an unknown code."""
+        if CORE_MESSAGES[code] is None:
+            return None
+        return self._decoders[code].decode(body)

@@ -27,12 +27,12 @@ import msgspec
 from mrv2.config import EngineConfig
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient, RequestRejectedError
-from mrv2.engine.core_proc import CoreStats
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.llm_engine import child_sampling_params, load_tokenizer, user_request_id
 from mrv2.engine.output import OutputProcessor
 from mrv2.errors import EngineDeadError
 from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from mrv2.protocol import CoreStats
 from mrv2.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -40,12 +40,11 @@ import zmq.asyncio
 
 from executor.process import pipe, settle, watch_processes
 from mrv2.config import EngineConfig
-from mrv2.engine.core_proc import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
-                                   UTILITY_RESULT, CoreDead, CoreProcess, CoreStats,
-                                   RequestRejected, UtilityCall, UtilityResult, call_utility,
-                                   core_stats)
+from mrv2.engine.core_proc import CoreProcess, call_utility, core_stats
 from mrv2.errors import EngineDeadError, WorkerError
-from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest
+from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
+                           UTILITY_RESULT, CoreFraming, CoreStats, EngineCoreOutputs,
+                           EngineCoreRequest, UtilityCall, UtilityResult)
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +149,7 @@ class _MPClientBase(EngineCoreClient):
         self._dead_event = threading.Event()
         self._ids = itertools.count()
         self._utility: dict[int, Any] = {}  # call id -> future of its UtilityResult
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoders = {OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
-                          UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult),
-                          REJECTED: msgspec.msgpack.Decoder(RequestRejected),
-                          DEAD: msgspec.msgpack.Decoder(CoreDead)}
+        self._framing = CoreFraming()
         self.process: CoreProcess | None = None
         self._monitor: threading.Thread | None = None
         self.ipc_dir = tempfile.mkdtemp(prefix="mrv2-core-")
@@ -225,12 +220,14 @@ class _MPClientBase(EngineCoreClient):
     # -- messages ----------------------------------------------------------------------------
 
     def _encode(self, kind: bytes, message: Any) -> tuple[bytes, bytes]:
-        return kind, self._encoder.encode(message)
+        return self._framing.encode(kind, message)
 
     def _dispatch(self, frames) -> None:
         """Route one message from the core (on the reader thread or task)."""
         kind = frames[0].bytes
-        message = self._decoders[kind].decode(frames[1].buffer)
+        if kind not in (OUTPUTS, UTILITY_RESULT, REJECTED, DEAD):
+            raise ValueError(f"message type {kind!r} is not one the engine core sends")
+        message = self._framing.decode(kind, frames[1].buffer)
         if kind == OUTPUTS:
             self._put_output(message)
         elif kind == UTILITY_RESULT:
@@ -282,7 +279,7 @@ class _MPClientBase(EngineCoreClient):
 
     def _send_shutdown(self) -> None:
         sock = zmq.Socket.shadow(self.input_socket.underlying)
-        sock.send_multipart((SHUTDOWN, b""), flags=zmq.NOBLOCK)
+        sock.send_multipart(self._framing.encode(SHUTDOWN), flags=zmq.NOBLOCK)
 
     # -- subclass I/O ------------------------------------------------------------------------
 

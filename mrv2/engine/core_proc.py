@@ -2,8 +2,9 @@
 
 `run_engine_core` is the target of a spawned process (mrv2/engine/client.py starts it). The
 client binds two ipc sockets; the core connects a PULL socket to the input address and a PUSH
-socket to the output address. Every message is two frames, a one-byte type and a msgpack body
-(msgspec; nothing is pickled):
+socket to the output address. Every message is two frames, a one-byte code and a msgpack body
+(msgspec; nothing is pickled); the codes, the types and their framing (`CoreFraming`) are in
+mrv2/protocol.py:
 
     client -> core   ADD EngineCoreRequest | ABORT list[str] | UTILITY UtilityCall | SHUTDOWN
     core -> client   OUTPUTS EngineCoreOutputs | UTILITY_RESULT UtilityResult | REJECTED RequestRejected
@@ -31,72 +32,24 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import zmq
 
 from executor.process import (pipe, report_ready, spawn, stop_processes, wait_ready,
                               watch_parent)
-from mrv2.protocol import EngineCoreRequest
+from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
+                           UTILITY_RESULT, CoreDead, CoreFraming, CoreReady, CoreStats,
+                           RequestRejected, UtilityResult)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from mrv2.engine.core import EngineCore
 
-# Message types: the first frame of every message.
-ADD, ABORT, UTILITY, SHUTDOWN = b"\x00", b"\x01", b"\x02", b"\x03"  # client -> core
-OUTPUTS, UTILITY_RESULT, REJECTED, DEAD = b"\x00", b"\x01", b"\x02", b"\x03"  # core -> client
 # Internal to the core process: put on the input queue, never sent.
 _PARENT_GONE, _BAD_INPUT = b"parent-gone", b"bad-input"
 
 PARENT_GONE_GRACE_S = 5.0
 OUTPUT_FLUSH_S = 3.0
-
-
-class UtilityCall(msgspec.Struct, array_like=True, frozen=True):
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class UtilityResult(msgspec.Struct, array_like=True, frozen=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None  # the exception's message, when the call raised
-    exc_type: str = ""
-    traceback: str = ""
-
-
-class RequestRejected(msgspec.Struct, array_like=True, frozen=True):
-    request_id: str
-    exc_type: str
-    message: str
-
-
-class CoreDead(msgspec.Struct, array_like=True, frozen=True):
-    reason: str
-
-
-class CoreReady(msgspec.Struct, array_like=True, frozen=True):
-    pid: int
-    error: str | None = None  # start-up traceback
-    exc_type: str = ""
-    num_kv_blocks: int = 0
-
-
-class CoreStats(msgspec.Struct, kw_only=True):
-    """What the `get_stats` utility returns: the scheduler's view of the core right now."""
-
-    num_running: int
-    num_waiting: int
-    num_unfinished: int  # requests the scheduler holds (running + waiting)
-    has_unfinished: bool  # ... or finished ids not yet sent to the runner, or steps in flight
-    kv_cache_usage: float  # fraction of KV blocks held by requests
-    num_free_blocks: int
-    num_kv_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 def core_stats(core: "EngineCore") -> CoreStats:
@@ -146,24 +99,21 @@ class EngineCoreProc:
         self.output_socket.setsockopt(zmq.SNDHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
         self.output_socket.connect(output_addr)
-        self.encoder = msgspec.msgpack.Encoder()
+        self.framing = CoreFraming()
         self.input_thread = threading.Thread(target=self._input_loop, args=(input_socket,),
                                              name="mrv2-core-input", daemon=True)
         self.input_thread.start()
 
     def _input_loop(self, sock: zmq.Socket) -> None:
         """Receive and decode client messages into the input queue (overlapping the step)."""
-        decoders = {ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-                    ABORT: msgspec.msgpack.Decoder(list[str]),
-                    UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
+        framing = CoreFraming()  # this thread's decoders
         try:
             while True:
                 kind, body = sock.recv_multipart(copy=False)
                 kind = kind.bytes
-                if kind == SHUTDOWN:
-                    self.input_queue.put((SHUTDOWN, None))
-                    continue
-                self.input_queue.put((kind, decoders[kind].decode(body.buffer)))
+                if kind not in (ADD, ABORT, UTILITY, SHUTDOWN):
+                    raise ValueError(f"message type {kind!r} is not one a client sends")
+                self.input_queue.put((kind, framing.decode(kind, body.buffer)))
         except zmq.ContextTerminated:
             pass
         except Exception:
@@ -172,7 +122,7 @@ class EngineCoreProc:
             sock.close(linger=0)
 
     def send(self, kind: bytes, message: Any) -> None:
-        self.output_socket.send_multipart((kind, self.encoder.encode(message)), copy=False)
+        self.output_socket.send_multipart(self.framing.encode(kind, message), copy=False)
 
     # -- the busy loop ---------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mrv2.engine.core_proc import CoreStats
 from mrv2.entrypoints.openai.metrics import ServerMetrics
+from mrv2.protocol import CoreStats
 
 from .conftest import API_KEY, MODEL_NAME, SERVER_ARGS, RemoteServer
 
