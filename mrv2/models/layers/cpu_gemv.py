@@ -1,11 +1,10 @@
 """y = x W^T for a few rows of x on CPU (float32): a numba GEMV that streams W once.
 
 Why: a decode step with 1-4 tokens is bound by reading the weights from DRAM, and the BLAS
-behind `F.linear` reaches only ~8 GB/s on 2 cores for these shapes when the weights are not in
-cache (the whole model is larger than the L3). This kernel splits W's rows over the threads
-in chunks of 64 and reads each row once for all of x's rows: ~20 GB/s on the same machine
-(bench/test_model_layers.py). Larger batches are compute-bound: cpu_linear.py sends them to
-oneDNN.
+behind `F.linear` reads them well below the memory bandwidth for these shapes when the weights
+are not in cache (the whole model is larger than the caches). This kernel splits W's rows over
+the threads in chunks of 64 and reads each row once for all of x's rows (bench/README.md has
+the measured rates). Larger batches are compute-bound: cpu_linear.py sends them to oneDNN.
 
 Numerics: fp32 dot products in a different summation order than BLAS (~1e-7 relative).
 """
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-# At most this many rows of x take the GEMV path (measured: still ~2x BLAS at 4 rows).
+# At most this many rows of x take the GEMV path (still faster than BLAS there: bench/README.md).
 MAX_GEMV_ROWS = 4
 _CHUNK = 64  # weight rows per parallel task
 

@@ -1,12 +1,11 @@
 """`F.linear` for float32 on CPU: the GEMV kernel for 1-4 rows, oneDNN with the weight packed
 once for more.
 
-Why oneDNN: torch's CPU `F.linear` calls MKL's sgemm, which on this AMD machine runs its AVX2
-code (~220 GFLOP/s on 2 cores at best, 100-170 at the 32-row shapes of a decode step) and repacks
-the weight on every call. oneDNN picks the widest ISA the CPU has (AVX-512 here) and, with the
-weight reordered into its blocked layout ahead of time, reaches 2-3x that from 1 row to 4096
-(bench/test_model_layers.py). A decode step of 1-4 rows is bound by streaming the weights from
-DRAM instead, where the numba GEMV (cpu_gemv.py) still does better end to end. Results agree
+Why oneDNN: torch's CPU `F.linear` calls MKL's sgemm, which on AMD CPUs runs its AVX2 code and
+repacks the weight on every call. oneDNN picks the widest ISA the CPU has and, with the weight
+reordered into its blocked layout ahead of time, is several times faster from 1 row to 4096
+(bench/README.md has the figures). A decode step of 1-4 rows is bound by streaming the weights
+from DRAM instead, where the numba GEMV (cpu_gemv.py) still does better end to end. Results agree
 with `F.linear` to ~1e-6 relative (another summation order).
 
 The packed copy is cached on the weight tensor itself and keyed by the tensor's version
