@@ -18,9 +18,11 @@ from executor.shm_queue import ShmQueueHandle
 from executor.worker_proc import Ready
 from mrv2 import protocol
 from mrv2.errors import WorkerError
-from mrv2.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
-                           EngineCoreRequest, FinishReason, GrammarOutput, ModelRunnerOutput,
-                           NewRequestData, PromptLogprobsChunk, SampleLogprobs, SchedulerOutput)
+from mrv2.protocol import (CachedRequestData, CoreDead, CoreReady, CoreStats, EngineCoreOutput,
+                           EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
+                           ModelRunnerOutput, NewRequestData, PromptLogprobsChunk,
+                           RequestRejected, SampleLogprobs, SchedulerOutput, UtilityCall,
+                           UtilityResult)
 from mrv2.sampling_params import SamplingParams
 
 
@@ -96,6 +98,7 @@ core_outputs = st.builds(EngineCoreOutputs, outputs=st.lists(core_output, max_si
 queue_handles = st.builds(ShmQueueHandle, name=ids, num_readers=st.integers(1, 8),
                           num_chunks=st.integers(1, 64), chunk_bytes=st.integers(64, 2**31),
                           zmq_address=ids, wake_address=ids)
+counts = st.integers(0, 2**20)
 # One strategy per struct that crosses a process boundary: every struct of mrv2/protocol.py
 # (test_every_protocol_struct_has_a_strategy keeps this complete), the structs nested in them,
 # and the executor's own (start-up handshake, queue handles, remote errors).
@@ -108,6 +111,22 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     RemoteError: st.builds(RemoteError, ids, ids, st.text(max_size=20), st.text(max_size=40)),
     Ready: st.builds(Ready, rank=st.integers(0, 7), pid=st.integers(1, 2**22),
                      response=st.none() | queue_handles, error=st.none() | st.text(max_size=40)),
+    # Front end <-> engine-core process (moved here from mrv2/engine/core_proc.py).
+    UtilityCall: st.builds(UtilityCall, st.integers(0, 2**31), ids,
+                           st.lists(st.integers(0, 2**31) | st.text(max_size=8), max_size=3)),
+    UtilityResult: st.builds(UtilityResult, st.integers(0, 2**31),
+                             st.none() | st.integers(0, 2**31) | st.text(max_size=8),
+                             st.none() | st.text(max_size=20), st.text(max_size=12),
+                             st.text(max_size=40)),
+    RequestRejected: st.builds(RequestRejected, ids, ids, st.text(max_size=20)),
+    CoreDead: st.builds(CoreDead, st.text(max_size=40)),
+    CoreReady: st.builds(CoreReady, st.integers(1, 2**22), st.none() | st.text(max_size=40),
+                         st.text(max_size=12), st.integers(0, 2**20)),
+    CoreStats: st.builds(CoreStats, num_running=counts, num_waiting=counts,
+                         num_unfinished=counts, has_unfinished=st.booleans(),
+                         kv_cache_usage=st.floats(0.0, 1.0), num_free_blocks=counts,
+                         num_kv_blocks=counts, num_preemptions=counts,
+                         prefix_cache_queries=counts, prefix_cache_hits=counts),
 }
 
 
