@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mrv2.config import EngineConfig
-from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
+    from mrv2.config import EngineConfig
+    from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):

@@ -26,20 +26,21 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from executor.base import Executor
-from executor.process import (pipe, settle, spawn, stop_processes, wait_ready,
-                               watch_processes)
+from executor.errors import EngineDeadError
+from executor.process import (distributed_init_method, pipe, settle, spawn, stop_processes,
+                              wait_ready, watch_processes)
 from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RPCCall
 from executor.shm_queue import (DEFAULT_CHUNK_BYTES, DEFAULT_NUM_CHUNKS, ShmQueueClosed,
                                 ShmQueueReader, ShmQueueTimeout, ShmQueueWriter)
 from executor.shm_segment import unlink_segment
-from executor.worker_proc import NO_REPLY, SHUTDOWN, Ready, import_object, worker_main
-from mrv2.config import EngineConfig
-from mrv2.distributed import distributed_init_method
-from executor.errors import EngineDeadError
-from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from executor.worker_proc import NO_REPLY, SHUTDOWN_METHOD, Ready, import_object, worker_main
+
+if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
+    from mrv2.config import EngineConfig
+    from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class MultiprocExecutor(Executor):
     def initialize(self) -> int:
         try:
             num_blocks = super().initialize()
-            # A worker process holds this engine for its whole life (mrv2/heap.py).
+            # A worker process holds this engine for its whole life (executor/heap.py).
             self.collective_rpc(_freeze_worker_heap)
             return num_blocks
         except BaseException:
@@ -304,7 +305,7 @@ class MultiprocExecutor(Executor):
         if healthy and self._send_lock.acquire(timeout=1.0):
             try:
                 self._requests.enqueue(self._encoder.encode(
-                    RPCCall(-1, SHUTDOWN, (), NO_REPLY)), timeout=0.5)
+                    RPCCall(-1, SHUTDOWN_METHOD, (), NO_REPLY)), timeout=0.5)
             except Exception:  # a full ring or a dead worker: the pipes and signals remain
                 pass
             finally:
@@ -324,6 +325,6 @@ class MultiprocExecutor(Executor):
 
 
 def _freeze_worker_heap(worker: object) -> None:
-    from mrv2.heap import freeze_startup_objects
+    from executor.heap import freeze_startup_objects
 
     freeze_startup_objects()

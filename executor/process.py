@@ -10,6 +10,8 @@ Parent side:
 - `watch_processes()`: a monitor thread that waits on the children's sentinels and a wake-up
   pipe (its write end is closed on shutdown) and reports the first child that exited.
 - `stop_processes()`: join within a grace period, then SIGTERM, then SIGKILL.
+- `distributed_init_method()`: a free `tcp://host:port` where the children's process group
+  meets (torch.distributed rendezvous).
 - `settle()`: complete a future once (concurrent or asyncio); later attempts are ignored, so a
   monitor failing a future and a reader completing it cannot both win.
 
@@ -26,6 +28,7 @@ import asyncio
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import socket
 import sys
 import threading
 import time
@@ -55,6 +58,18 @@ def spawn(target: Callable, args: tuple, *, name: str, daemon: bool = False,
         for conn in child_ends:
             conn.close()
     return proc
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free at the moment of the call (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def distributed_init_method(host: str = "127.0.0.1", port: int | None = None) -> str:
+    """A `tcp://host:port` rendezvous address for `torch.distributed.init_process_group`."""
+    return f"tcp://{host}:{get_open_port(host) if port is None else port}"
 
 
 def settle(future: Any, result: Any = None, error: BaseException | None = None) -> None:

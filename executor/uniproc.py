@@ -7,12 +7,14 @@ executors through one interface.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executor.base import Executor
-from mrv2.config import EngineConfig
-from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from mrv2.worker import Worker
+from executor.worker_proc import make_worker
+
+if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
+    from mrv2.config import EngineConfig
+    from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 def _done(value: Any = None, error: BaseException | None = None) -> Future:
@@ -25,9 +27,9 @@ def _done(value: Any = None, error: BaseException | None = None) -> Future:
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, worker_cls: str = "mrv2.worker:Worker") -> None:
         super().__init__(config)
-        self.worker = Worker(config)
+        self.worker = make_worker(worker_cls, config, 0, None)
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None
                        ) -> list[Any]:

@@ -22,17 +22,19 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from executor.process import report_ready, watch_parent
 from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RemoteError, RPCReply
 from executor.shm_queue import ShmQueueClosed, ShmQueueHandle, ShmQueueReader, ShmQueueWriter
-from mrv2.config import EngineConfig
+
+if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
+    from mrv2.config import EngineConfig
 
 NO_REPLY = -2  # reply_rank of calls nobody answers
-SHUTDOWN = "__shutdown__"
+SHUTDOWN_METHOD = "__shutdown__"  # the method name of the call that ends the worker loop
 _PARENT_GONE_GRACE_S = 2.0
 
 
@@ -120,7 +122,7 @@ def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueue
         except (ShmQueueClosed, _ParentGone):
             return
         call = types.decode_call(frames)
-        if call.method == SHUTDOWN:
+        if call.method == SHUTDOWN_METHOD:
             return
         result = error = None
         try:

@@ -11,29 +11,18 @@ collectives return their input, so tp=1 runs exactly the single-process code pat
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from executor.process import distributed_init_method, get_open_port
 
 _TP_RANK = 0
 _TP_SIZE = 1
 _GROUP_OWNED = False  # whether init_distributed created the default group (and must destroy it)
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def get_open_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free at the moment of the call (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def distributed_init_method(host: str = "127.0.0.1", port: int | None = None) -> str:
-    """A `tcp://host:port` rendezvous address for `torch.distributed.init_process_group`."""
-    return f"tcp://{host}:{get_open_port(host) if port is None else port}"
 
 
 def backend_for(device: torch.device) -> str:

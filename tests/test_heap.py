@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from mrv2.heap import freeze_startup_objects
+from executor.heap import freeze_startup_objects
 
 
 class _Node:

@@ -196,14 +196,14 @@ def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Conn
                  PARENT_GONE_GRACE_S, name="mrv2-core-death-pipe")
     core = proc = None
     try:
+        from executor.heap import freeze_startup_objects
         from mrv2.engine.core import EngineCore
-        from mrv2.heap import freeze_startup_objects
 
         core = EngineCore(config, executor_class)
         proc = EngineCoreProc(core, input_queue, input_addr, output_addr)
         report_ready(ready_conn, CoreReady(os.getpid(),
                                            num_kv_blocks=core.executor.num_kv_blocks))
-        freeze_startup_objects()  # this process holds one engine for its life (mrv2/heap.py)
+        freeze_startup_objects()  # this process holds one engine for its life (executor/heap.py)
     except BaseException as error:
         text = traceback.format_exc()
         report_ready(ready_conn, CoreReady(os.getpid(), error=text,

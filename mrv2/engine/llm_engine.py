@@ -147,7 +147,7 @@ class LLMEngine:
             self.step()
 
     def get_stats(self):
-        """The core's scheduler stats (mrv2.engine.core_proc.CoreStats)."""
+        """The core's scheduler stats (mrv2.protocol.CoreStats)."""
         return self.core_client.get_stats()
 
     def shutdown(self) -> None:

@@ -163,8 +163,8 @@ def test_collective_rpc(engine):
 
 def test_worker_heap_is_frozen_after_startup(engine):
     # Worker processes hold one engine for life: initialize froze their startup objects
-    # (mrv2/heap.py); the parent, which builds many engines in this test run, is not frozen.
-    from mrv2.heap import frozen_object_count
+    # (executor/heap.py); the parent, which builds many engines in this test run, is not frozen.
+    from executor.heap import frozen_object_count
 
     assert all(n > 1000 for n in engine.executor.collective_rpc(frozen_object_count))
     assert frozen_object_count() == 0

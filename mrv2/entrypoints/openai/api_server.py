@@ -140,7 +140,7 @@ def run_server(args) -> int:
 
     from mrv2.entrypoints.openai.cli_args import (engine_args_from, resolve_model,
                                                   server_config_from)
-    from mrv2.heap import freeze_startup_objects
+    from executor.heap import freeze_startup_objects
 
     model = resolve_model(args)
     config = server_config_from(args, model)
@@ -152,7 +152,7 @@ def run_server(args) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         app = build_app(engine, config)
-        freeze_startup_objects()  # this process serves one engine for its life (mrv2/heap.py)
+        freeze_startup_objects()  # this process serves one engine for its life (executor/heap.py)
         uvicorn.run(app, host=config.host, port=config.port,
                     log_level=config.uvicorn_log_level,
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
