@@ -32,11 +32,12 @@ from executor.base import Executor
 from executor.errors import EngineDeadError
 from executor.process import (distributed_init_method, pipe, settle, spawn, stop_processes,
                               wait_ready, watch_processes)
-from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RPCCall
+from executor.serial import (ALL_RANKS, NO_REPLY, SHUTDOWN_METHOD, MethodTypes, MsgpackEncoder,
+                             Ready, RPCCall)
 from executor.shm_queue import (DEFAULT_CHUNK_BYTES, DEFAULT_NUM_CHUNKS, ShmQueueClosed,
                                 ShmQueueReader, ShmQueueTimeout, ShmQueueWriter)
 from executor.shm_segment import unlink_segment
-from executor.worker_proc import NO_REPLY, SHUTDOWN_METHOD, Ready, import_object, worker_main
+from executor.worker_proc import import_object, worker_main
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
     from mrv2.config import EngineConfig

@@ -9,7 +9,9 @@ array bytes that a transport can write without copying them into the body. Decod
 out-of-band frames with `np.frombuffer` / `torch.frombuffer`: no copy, as long as the frame is
 writable and (for torch) aligned; otherwise the bytes are copied once. Nothing is pickled.
 
-RPC envelopes (`RPCCall`, `RPCReply`) carry a method name and its arguments. Arguments and
+RPC envelopes (`RPCCall`, `RPCReply`, `RemoteError`; and `Ready`, a worker's start-up message)
+are every executor message type that crosses a process boundary; the engine's own messages are
+in mrv2/protocol.py. `RPCCall` and `RPCReply` carry a method name and its arguments. Arguments and
 results are decoded against the target method's type hints (`MethodTypes`), so a
 `SchedulerOutput` argument arrives as a `SchedulerOutput`, not as a list.
 """
@@ -28,10 +30,13 @@ import numpy as np
 import torch
 
 from executor.errors import WorkerError
+from executor.shm_ring import ShmQueueHandle
 
 EXT_NDARRAY = 1
 EXT_TENSOR = 2
 ALL_RANKS = -1
+NO_REPLY = -2  # reply_rank of calls nobody answers
+SHUTDOWN_METHOD = "__shutdown__"  # the method name of the call that ends the worker loop
 
 Buffer = bytes | bytearray | memoryview
 
@@ -160,7 +165,16 @@ def _dec_hook(type: Any, obj: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# RPC envelopes
+# RPC envelopes, and a worker's start-up message
+
+
+class Ready(msgspec.Struct, array_like=True, frozen=True):
+    """A worker's start-up report over its ready pipe: its reply queue, or the traceback."""
+
+    rank: int
+    pid: int
+    response: ShmQueueHandle | None = None
+    error: str | None = None
 
 
 class RemoteError(msgspec.Struct, array_like=True, frozen=True):

@@ -1,5 +1,8 @@
 """UniProcExecutor: the worker lives in the caller's process.
 
+The worker class is named by `worker_cls` ("module:Class", mrv2's Worker by default) and
+imported on construction, as MultiprocExecutor's workers do: executor imports nothing from mrv2.
+
 `non_block=True` returns an already-completed future, so the engine core drives both
 executors through one interface.
 """

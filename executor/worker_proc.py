@@ -24,25 +24,15 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from executor.process import report_ready, watch_parent
-from executor.serial import ALL_RANKS, MethodTypes, MsgpackEncoder, RemoteError, RPCReply
+from executor.serial import (ALL_RANKS, SHUTDOWN_METHOD, MethodTypes, MsgpackEncoder, Ready,
+                             RemoteError, RPCReply)
 from executor.shm_queue import ShmQueueClosed, ShmQueueHandle, ShmQueueReader, ShmQueueWriter
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
     from mrv2.config import EngineConfig
 
-NO_REPLY = -2  # reply_rank of calls nobody answers
-SHUTDOWN_METHOD = "__shutdown__"  # the method name of the call that ends the worker loop
 _PARENT_GONE_GRACE_S = 2.0
-
-
-class Ready(msgspec.Struct, array_like=True, frozen=True):
-    rank: int
-    pid: int
-    response: ShmQueueHandle | None = None
-    error: str | None = None
 
 
 def import_object(qualified: str) -> Any:

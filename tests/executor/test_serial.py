@@ -12,10 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.serial import (ALL_RANKS, MethodTypes, MsgpackDecoder, MsgpackEncoder,
+from executor.serial import (ALL_RANKS, MethodTypes, MsgpackDecoder, MsgpackEncoder, Ready,
                              RemoteError, RPCCall, RPCReply)
 from executor.shm_queue import ShmQueueHandle
-from executor.worker_proc import Ready
 from mrv2 import protocol
 from mrv2.errors import WorkerError
 from mrv2.protocol import (CachedRequestData, CoreDead, CoreReady, CoreStats, EngineCoreOutput,
