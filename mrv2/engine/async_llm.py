@@ -26,7 +26,8 @@ import msgspec
 
 from mrv2.config import EngineConfig
 from mrv2.engine.arg_utils import EngineArgs
-from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, AsyncMPClient, RequestRejectedError
+from mrv2.engine.async_client import AsyncMPClient
+from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, RequestRejectedError
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.llm_engine import child_sampling_params, load_tokenizer, user_request_id
 from mrv2.engine.output import OutputProcessor

@@ -4,8 +4,8 @@
 - `MPClient`: starts `run_engine_core` (mrv2/engine/core_proc.py) in a spawned process and talks
   to it over ZMQ ipc sockets with msgspec messages. A reader thread decodes outputs into a
   queue, so decoding overlaps the caller; `get_output()` takes the next batch from it.
-- `AsyncMPClient`: the same over zmq.asyncio, for an event loop (AsyncLLM). Its reader is a task
-  on the loop that first uses it.
+- `AsyncMPClient` (mrv2/engine/async_client.py): the same over zmq.asyncio, for an event loop
+  (AsyncLLM). `MPClientBase` here holds what the two share: the process, sockets and failure.
 
 Requests are sent without waiting for an answer. A request the core refuses comes back as a
 `RequestRejectedError`, raised by the `get_output` that reaches it (in process, `add_request`
@@ -20,7 +20,6 @@ the sockets and removes the ipc directory; it is idempotent and also runs at int
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import logging
@@ -54,7 +53,7 @@ SHUTDOWN_GRACE_S = 5.0
 # carries the traceback) before failing the client with the bare exit code.
 DEAD_REPORT_GRACE_S = 1.0
 SEND_POLL_MS = 100
-_DEAD = object()  # queued to wake readers when the client dies
+CLIENT_DEAD = object()  # queued to wake readers when the client dies
 
 
 class RequestRejectedError(ValueError):
@@ -120,7 +119,7 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-_LIVE_CLIENTS: set["_MPClientBase"] = set()
+_LIVE_CLIENTS: set["MPClientBase"] = set()
 
 
 @atexit.register
@@ -129,7 +128,7 @@ def _shutdown_live_clients() -> None:
         client.shutdown()
 
 
-def _utility_value(method: str, reply: UtilityResult) -> Any:
+def utility_value(method: str, reply: UtilityResult) -> Any:
     if reply.error is not None:
         raise WorkerError(f"engine core utility {method!r} raised {reply.exc_type}: "
                           f"{reply.error}", exc_type=reply.exc_type,
@@ -137,7 +136,7 @@ def _utility_value(method: str, reply: UtilityResult) -> Any:
     return reply.result
 
 
-class _MPClientBase(EngineCoreClient):
+class MPClientBase(EngineCoreClient):
     """The core process and its transport; subclasses add sync or asyncio I/O."""
 
     def __init__(self, config: EngineConfig, *, asyncio_mode: bool,
@@ -242,8 +241,8 @@ class _MPClientBase(EngineCoreClient):
 
     def _unwrap(self, item: Any) -> EngineCoreOutputs:
         """What a reader took from the output queue: outputs, or the error to raise."""
-        if item is _DEAD:
-            self._put_output(_DEAD)  # for the next waiter
+        if item is CLIENT_DEAD:
+            self._put_output(CLIENT_DEAD)  # for the next waiter
             raise EngineDeadError(self._dead)
         if isinstance(item, RequestRejectedError):
             raise item
@@ -296,7 +295,7 @@ class _MPClientBase(EngineCoreClient):
         raise NotImplementedError
 
 
-class MPClient(_MPClientBase):
+class MPClient(MPClientBase):
     """Synchronous client of an engine-core process. Thread-safe."""
 
     def __init__(self, config: EngineConfig, *, executor_class: type | None = None,
@@ -336,7 +335,7 @@ class MPClient(_MPClientBase):
         self._outputs.put(item)
 
     def _wake_waiters(self) -> None:
-        self._outputs.put(_DEAD)
+        self._outputs.put(CLIENT_DEAD)
         self._fail_utility_calls()
 
     def _close_io(self) -> None:
@@ -391,116 +390,4 @@ class MPClient(_MPClientBase):
             reply = future.result(timeout)
         finally:
             self._utility.pop(call_id, None)
-        return _utility_value(method, reply)
-
-
-class AsyncMPClient(_MPClientBase):
-    """asyncio client of an engine-core process. Use it from one event loop; its reader task
-    starts on the loop that first awaits it."""
-
-    def __init__(self, config: EngineConfig, *, executor_class: type | None = None,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
-        super().__init__(config, asyncio_mode=True, executor_class=executor_class,
-                         startup_timeout_s=startup_timeout_s)
-
-    def _init_io(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue | None = None
-        self._task: asyncio.Task | None = None
-
-    def _ensure_reader(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._loop is not loop or self._task.done():
-            self._loop, self._queue = loop, asyncio.Queue()
-            self._task = loop.create_task(self._read_outputs(), name="mrv2-client-output")
-        return loop
-
-    async def _read_outputs(self) -> None:
-        try:
-            while True:
-                self._dispatch(await self.output_socket.recv_multipart(copy=False))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            if not self._closed:
-                self._fail(f"the client could not read the engine core's output:\n"
-                           f"{traceback.format_exc()}")
-
-    def _put_output(self, item: Any) -> None:
-        self._queue.put_nowait(item)
-
-    def _wake_waiters(self) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return  # nobody waits; later calls check `_dead` first
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._wake_now()
-        else:
-            try:
-                loop.call_soon_threadsafe(self._wake_now)
-            except RuntimeError:  # closed meanwhile
-                pass
-
-    def _wake_now(self) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(_DEAD)
-        self._fail_utility_calls()
-
-    def _close_io(self) -> None:
-        task, loop = self._task, self._loop
-        if task is not None and not task.done() and loop is not None and not loop.is_closed():
-            try:
-                on_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                on_loop = False
-            if on_loop:
-                task.cancel()
-            else:
-                loop.call_soon_threadsafe(task.cancel)
-        self.input_socket.close(linger=0)
-        self.output_socket.close(linger=0)
-        self.ctx.term()
-
-    async def _send(self, kind: bytes, message: Any) -> None:
-        self._check_alive()
-        frames = self._encode(kind, message)
-        while True:
-            try:
-                await self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:  # no connected peer (yet, or any more)
-                await self.input_socket.poll(SEND_POLL_MS, zmq.POLLOUT)
-                self._check_alive()
-
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._send(ADD, request)
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids:
-            await self._send(ABORT, list(request_ids))
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        self._check_alive()
-        self._ensure_reader()
-        return self._unwrap(await self._queue.get())
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        self._check_alive()
-        loop = self._ensure_reader()
-        call_id = next(self._ids)
-        future = loop.create_future()
-        self._utility[call_id] = future
-        try:
-            await self._send(UTILITY, UtilityCall(call_id, method, list(args)))
-            reply = await future
-        finally:
-            self._utility.pop(call_id, None)
-        return _utility_value(method, reply)
-
-    async def get_stats_async(self) -> CoreStats:
-        return msgspec.convert(await self.call_utility_async("get_stats"), CoreStats)
-
+        return utility_value(method, reply)
