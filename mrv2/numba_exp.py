@@ -13,7 +13,7 @@ for x > 88 (not inf): both harmless where it is used (softmax terms, SiLU's 1 + 
 
 Caching: kernels compiled with `cache=True` inline exp32, and numba keys each cache entry on
 the kernel's own file only; after editing this file, delete the `__pycache__/*.nbi|*.nbc`
-entries of decode_numba.py, cpu_fused.py and cpu_decode.py (a fresh checkout has none).
+entries of decode_numba.py, cpu_fused.py and models/cpu/decode.py (a fresh checkout has none).
 """
 
 from __future__ import annotations

@@ -26,11 +26,6 @@ from torch import Tensor
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
-def check_logprobs_mode(mode: str) -> None:
-    if mode not in LOGPROBS_MODES:
-        raise ValueError(f"logprobs_mode={mode!r} is invalid: expected one of {LOGPROBS_MODES}")
-
-
 @dataclass
 class LogprobsTensors:
     """Per batch row: column 0 is the sampled token, columns 1..k the top-k (k = the largest

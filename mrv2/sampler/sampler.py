@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
-from mrv2.sampler.logprobs import LogprobsTensors, check_logprobs_mode
+from mrv2.config import check_logprobs_mode
+from mrv2.sampler.logprobs import LogprobsTensors
 from mrv2.sampler.sampler_torch import sample_torch
 from mrv2.sampler.states import SamplingStates
 from mrv2 import platform
