@@ -39,8 +39,7 @@ Deliberate differences:
     quants.py can dequantize them but not quantize them.
   * Splits: the shard boundaries are chosen here so that exactly ``num_splits`` files come out
     (``GGUFWriter``'s ``split_max_tensors`` cannot give every count, e.g. 8 files of 21 tensors);
-    names, ``split.*`` keys and the metadata-in-the-first-file-only layout are GGUFWriter's,
-    identical to ``gguf-split``'s.
+    names, ``split.*`` keys and metadata-in-the-first-file-only are GGUFWriter's (gguf-split's).
 """
 
 from __future__ import annotations
