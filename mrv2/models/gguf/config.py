@@ -47,7 +47,7 @@ def _torch_dtype_name(ckpt: GGUFCheckpoint) -> str:
     return "float16"
 
 
-def eos_token_ids(ckpt: GGUFCheckpoint) -> list[int]:
+def end_of_generation_ids(ckpt: GGUFCheckpoint) -> list[int]:
     """Every end-of-generation id the file names, the primary eos first."""
     ids: list[int] = []
     for key in _EOG_KEYS:
@@ -108,7 +108,7 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     if embed is None:
         raise GGUFError(f"{ckpt.path}: no token_embd.weight tensor")
     tensor_names = ckpt.tensors.keys()
-    eos = eos_token_ids(ckpt)
+    eos = end_of_generation_ids(ckpt)
     kwargs: dict[str, Any] = dict(
         architectures=[architecture],
         hidden_size=hidden,
