@@ -58,17 +58,7 @@ class AsyncMPClient(MPClientBase):
         loop = self._loop
         if loop is None or loop.is_closed():
             return  # nobody waits; later calls check `_dead` first
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._wake_now()
-        else:
-            try:
-                loop.call_soon_threadsafe(self._wake_now)
-            except RuntimeError:  # closed meanwhile
-                pass
+        _call_on_loop(loop, self._wake_now)
 
     def _wake_now(self) -> None:
         if self._queue is not None:
@@ -78,14 +68,7 @@ class AsyncMPClient(MPClientBase):
     def _close_io(self) -> None:
         task, loop = self._task, self._loop
         if task is not None and not task.done() and loop is not None and not loop.is_closed():
-            try:
-                on_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                on_loop = False
-            if on_loop:
-                task.cancel()
-            else:
-                loop.call_soon_threadsafe(task.cancel)
+            _call_on_loop(loop, task.cancel)
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.ctx.term()
@@ -129,3 +112,18 @@ class AsyncMPClient(MPClientBase):
     async def get_stats_async(self) -> CoreStats:
         return msgspec.convert(await self.call_utility_async("get_stats"), CoreStats)
 
+
+def _call_on_loop(loop: asyncio.AbstractEventLoop, function) -> None:
+    """Run `function` now when called on `loop`'s thread, else schedule it there (nothing when
+    the loop closed meanwhile)."""
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        function()
+        return
+    try:
+        loop.call_soon_threadsafe(function)
+    except RuntimeError:  # closed meanwhile
+        pass
