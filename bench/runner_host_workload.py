@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from mrv2.async_output import AsyncOutput
 from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mrv2.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from mrv2.runner import ModelRunner
@@ -77,7 +78,9 @@ def runner_host_step(runner: ModelRunner, out: SchedulerOutput, sampled: torch.T
     cached_slots = runner._update_states(out)
     batch, _ = runner._prepare_batch(out, cached_slots)
     runner.requests.post_update(batch.idx_mapping, batch.num_scheduled, sampled)
-    runner._make_output(batch, sampled).get_output()
+    is_sampling = runner.requests.advance_num_computed_host(batch.idx_mapping_np,
+                                                            batch.num_scheduled_np)
+    AsyncOutput(batch.req_ids, sampled, is_sampling, copy_stream=None).get_output()
 
 
 def make_runner(num_reqs: int) -> ModelRunner:

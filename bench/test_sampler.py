@@ -23,6 +23,7 @@ import torch
 from mrv2.platform import default_device
 from mrv2.sampler import Sampler, SamplingStates
 from mrv2.sampling_params import SamplingParams
+from mrv2.state.requests import RequestState
 
 NUM_REQS = 256
 VOCABS = [32_000, 151_936]
@@ -58,11 +59,13 @@ class Workload:
         device = default_device()
         g = torch.Generator().manual_seed(vocab)
         self.logits = (torch.randn(NUM_REQS, vocab, generator=g) * 3).to(device)
-        self.states = SamplingStates(NUM_REQS, vocab, engine_seed=0, device=device,
-                                     eos_token_ids=(2,))
         prompt = torch.randint(0, vocab, (256,), generator=g).tolist()
+        requests = RequestState(NUM_REQS, len(prompt) + 1, device)
+        self.states = SamplingStates(requests, vocab, engine_seed=0, eos_token_ids=(2,))
         for i in range(NUM_REQS):
-            self.states.add(i, f"req-{i}", _params(case, i, vocab), prompt)
+            slot = requests.add(f"req-{i}", len(prompt), prompt, num_computed_tokens=len(prompt))
+            self.states.add(slot, f"req-{i}", _params(case, i, vocab), prompt)
+        requests.apply_staged_writes()
         self.states.apply_staged_writes()
         self.sampler = Sampler(self.states)
         # Slots in a shuffled batch order, as a runner's batch is.

@@ -26,7 +26,7 @@ from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
 from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from mrv2.sampler import LogprobsTensors, Sampler, SamplingStates
+from mrv2.sampler import Sampler, SamplingStates
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
@@ -55,8 +55,8 @@ class ModelRunner:
         self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
                                         config.cache_config.block_size, device)
         model_config = config.model_config
-        self.sampling = SamplingStates(sched.max_num_seqs, model_config.vocab_size,
-                                       model_config.seed, device,
+        self.sampling = SamplingStates(self.requests, model_config.vocab_size,
+                                       model_config.seed,
                                        eos_token_ids=eos_token_ids(model_config.hf_config,
                                                                    model_config.model))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -113,7 +113,7 @@ class ModelRunner:
         slots = requests.slots_of(cached.req_ids)
         if cached.num_reqs:
             tables.append_block_id_runs(slots, cached.num_new_blocks, cached.new_block_ids_flat)
-            requests.num_computed_host[slots] = cached.num_computed_tokens
+            requests.set_num_computed_host(slots, cached.num_computed_tokens)
         requests.apply_staged_writes()
         tables.apply_staged_writes()
         self.sampling.apply_staged_writes()
@@ -169,14 +169,13 @@ class ModelRunner:
 
     # ---- phase 2 -------------------------------------------------------------------------
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
-        """Phase 2, waiting for the step's output copy."""
-        output = self.sample_tokens_async(grammar_output)
+        """Phase 2; returns once the step's output copy has landed on the host."""
+        output = self._sample_and_start_copy(grammar_output)
         return output if isinstance(output, ModelRunnerOutput) else output.get_output()
 
     @torch.inference_mode()
-    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None
-                            ) -> AsyncOutput | ModelRunnerOutput:
-        """Phase 2 without waiting: the output copy may still be in flight."""
+    def _sample_and_start_copy(self, grammar_output: GrammarOutput | None
+                               ) -> AsyncOutput | ModelRunnerOutput:
         state, self._execute_state = self._execute_state, None
         if state is None:
             raise RuntimeError("sample_tokens called without a pending execute_model")
@@ -198,18 +197,11 @@ class ModelRunner:
                 state.hidden_states, self.model.compute_logits)
         self.requests.post_update(idx, batch.num_scheduled, out.sampled)
         self.sampling.post_update(idx, batch.idx_mapping_np, positions, out.sampled)
-        return self._make_output(batch, out.sampled, out.logprobs, prompt_logprobs)
-
-    def _make_output(self, batch: InputBatch, sampled: torch.Tensor,
-                     logprobs: LogprobsTensors | None = None,
-                     prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None
-                     ) -> AsyncOutput:
-        requests = self.requests
-        slots = batch.idx_mapping_np
-        requests.num_computed_host[slots] += batch.num_scheduled_np
         # A row samples once its prefill is complete; the host knows this from its mirrors.
-        is_sampling = requests.num_computed_host[slots] >= requests.prefill_len_host[slots]
-        num_logprobs = None if logprobs is None else self.sampling.num_logprobs(slots)
-        return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
-                           logprobs=logprobs, num_logprobs=num_logprobs,
+        is_sampling = self.requests.advance_num_computed_host(batch.idx_mapping_np,
+                                                              batch.num_scheduled_np)
+        num_logprobs = (None if out.logprobs is None
+                        else self.sampling.num_logprobs(batch.idx_mapping_np))
+        return AsyncOutput(batch.req_ids, out.sampled, is_sampling, self._copy_stream,
+                           logprobs=out.logprobs, num_logprobs=num_logprobs,
                            prompt_logprobs=prompt_logprobs)

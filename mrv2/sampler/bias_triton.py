@@ -52,12 +52,13 @@ def apply_sparse_(x: Tensor, idx_mapping: Tensor, positions: Tensor, states, *,
     if num_rows == 0 or not (apply_bias or apply_stop):
         return
     bias, stop = states.bias.bias, states.bias.stop_ids
-    dummy_i = states.prompt_len.tensor  # any int32 tensor: never read when its stage is off
+    dummy_i = states.min_tokens.tensor  # any int32 tensor: never read when its stage is off
     dummy_f = states.temperature.tensor
     triton_kernel(_sparse_kernel)[(num_rows,)](
         x, x.stride(0), idx_mapping, positions,
         bias.lengths.tensor, bias.ids if apply_bias else dummy_i,
         bias.values if apply_bias else dummy_f, bias.width if apply_bias else 0,
         stop.lengths.tensor, stop.ids if apply_stop else dummy_i,
-        stop.width if apply_stop else 0, states.min_tokens.tensor, states.prompt_len.tensor,
+        stop.width if apply_stop else 0, states.min_tokens.tensor,
+        states.requests.prompt_len.tensor,
         APPLY_BIAS=apply_bias, APPLY_STOP=apply_stop, BLOCK=block)

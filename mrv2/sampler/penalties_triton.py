@@ -73,7 +73,7 @@ def apply_dense_(x: Tensor, idx_mapping: Tensor, states, *, apply_allowed: bool,
     allowed = states.bias.allowed.words if apply_allowed else None
     counts = states.penalties.output_counts if apply_penalties else None
     prompt = states.penalties.prompt_mask.words if apply_penalties else None
-    dummy = states.prompt_len.tensor.view(1, -1)
+    dummy = states.min_tokens.tensor.view(1, -1)
     allowed = dummy if allowed is None else allowed
     counts = dummy if counts is None else counts
     prompt = dummy if prompt is None else prompt

@@ -165,7 +165,7 @@ def _process_tile_(x: Tensor, rows: _Rows, states: SamplingStates, flags: BatchF
             sub, bias.bias.ids[slots], bias.bias.values[slots], bias.bias.lengths.tensor[slots]))
     if flags.any_min_tokens:
         assert bias.stop_ids.ids is not None
-        num_output = rows.positions - states.prompt_len.tensor[idx]
+        num_output = rows.positions - states.requests.prompt_len.tensor[idx]
         under = num_output < states.min_tokens.tensor[idx]
         sel = _select((feats & MIN_TOKENS) != 0, device)
         if sel is not None:

@@ -22,6 +22,7 @@ from torch import Tensor
 from mrv2.sampler.bias import LogitBiasState
 from mrv2.sampler.penalties import PenaltyState
 from mrv2.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from mrv2.state.requests import RequestState
 from mrv2.state.staged import StagedWriteTensor
 
 _SEED_MASK = (1 << 63) - 1
@@ -96,12 +97,14 @@ class SamplingStates:
         "presence_penalty": (np.float32, 0.0),
         "frequency_penalty": (np.float32, 0.0),
         "min_tokens": (np.int32, 0),  # 0 also when the request has no stop id to mask
-        "prompt_len": (np.int32, 0),
-        "prefill_len": (np.int32, 0),
     }
 
-    def __init__(self, max_num_seqs: int, vocab_size: int, engine_seed: int,
-                 device: torch.device, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, requests: RequestState, vocab_size: int, engine_seed: int,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        # The slots' lengths (prompt_len for min_tokens, prefill_len for "did this row
+        # sample") are read from their one owner, never copied here.
+        self.requests = requests
+        max_num_seqs, device = requests.max_num_seqs, requests.device
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
         self.engine_seed = engine_seed
@@ -185,8 +188,6 @@ class SamplingStates:
         self.presence_penalty_host[slot] = params.presence_penalty
         self.frequency_penalty_host[slot] = params.frequency_penalty
         self.min_tokens_host[slot] = params.min_tokens if stop_ids else 0
-        self.prompt_len_host[slot] = prompt_len
-        self.prefill_len_host[slot] = prefill_len
         self._dirty.append(slot)
         self.greedy_host[slot] = greedy
         self.features_host[slot] = features
@@ -242,5 +243,5 @@ class SamplingStates:
             return
         if not np.bitwise_or.reduce(self.features_host[idx_mapping_np]) & PENALTIES:
             return
-        did_sample = positions >= self.prefill_len.tensor[idx_mapping]
+        did_sample = positions >= self.requests.prefill_len.tensor[idx_mapping]
         self.penalties.count_sampled(idx_mapping, sampled, did_sample)

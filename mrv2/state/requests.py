@@ -2,9 +2,11 @@
 
 A request owns one slot from `add` to `finish`; slots are never moved or compacted, so a
 request's rows in every per-slot tensor stay put for its whole life. Free slots form a stack.
-Device tensors hold the truth for what sampling advances (num_computed, last_sampled,
-total_len); the host keeps what it needs for shapes and outputs (prefill_len, and the
-scheduler's num_computed, which is an exact mirror while scheduling is synchronous).
+This class is the one owner of every per-slot length and counter; other states (the
+sampler's, the prompt-logprobs one) read them here. Device tensors hold the truth for what
+sampling advances (num_computed, last_sampled, total_len); the host mirrors hold what shapes
+and outputs need (prompt_len, prefill_len, and num_computed: the scheduler's count at the
+start of each step, advanced by `advance_num_computed_host` when the step's output is made).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class RequestState:
 
         # Token history: prefill tokens (prompt + outputs when resumed), then sampled tokens.
         self.token_ids = zeros(max_num_seqs, max_model_len)
+        self.prompt_len = zeros(max_num_seqs)
         self.prefill_len = zeros(max_num_seqs)
         self.num_computed = zeros(max_num_seqs)
         self.total_len = zeros(max_num_seqs)
@@ -64,6 +67,7 @@ class RequestState:
         slot = self._free_slots.pop()
         self.req_id_to_slot[req_id] = slot
         self.token_ids.stage_write(slot, 0, prefill_token_ids)
+        self.prompt_len.stage_set(slot, prompt_len)
         self.prefill_len.stage_set(slot, prefill_len)
         self.num_computed.stage_set(slot, num_computed_tokens)
         self.total_len.stage_set(slot, prefill_len)
@@ -85,8 +89,22 @@ class RequestState:
             self._free_slots.append(slot)
         return slot
 
+    def set_num_computed_host(self, slots: np.ndarray, num_computed: np.ndarray) -> None:
+        """The scheduler's counts for running requests at the start of a step.
+
+        Only the host mirror: the device count was already advanced by `post_update`.
+        """
+        self.num_computed_host[slots] = num_computed
+
+    def advance_num_computed_host(self, slots: np.ndarray, num_scheduled: np.ndarray
+                                  ) -> np.ndarray:
+        """Count the step's scheduled tokens on the host mirror, as `post_update` does on the
+        device; returns which rows sampled a token (their prefill is now complete)."""
+        self.num_computed_host[slots] += num_scheduled
+        return self.num_computed_host[slots] >= self.prefill_len_host[slots]
+
     def apply_staged_writes(self) -> None:
-        for staged in (self.token_ids, self.prefill_len, self.num_computed, self.total_len,
+        for staged in (self.token_ids, self.prompt_len, self.prefill_len, self.num_computed, self.total_len,
                        self.last_sampled):
             staged.apply()
 

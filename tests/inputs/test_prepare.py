@@ -105,7 +105,7 @@ class World:
         sampled = torch.tensor([t for _, _, t in steps], dtype=torch.int64, device=device)
         self.state.post_update(torch.from_numpy(slots).to(device),
                                torch.from_numpy(num_scheduled).to(device), sampled)
-        self.state.num_computed_host[slots] += num_scheduled
+        self.state.advance_num_computed_host(slots, num_scheduled)
         for req, (_, n, token) in zip(reqs, steps):
             req.num_computed += n
             if req.num_computed >= req.prefill_len:
@@ -485,7 +485,7 @@ def test_row_past_max_model_len_raises(impl) -> None:
     w.ensure_blocks(req, MAX_MODEL_LEN)
     w.apply()
     check_against_reference(w, w.prepare({"a": 1}), {"a": 1})  # exactly full is fine
-    w.state.num_computed_host[req.slot] = MAX_MODEL_LEN
+    w.state.set_num_computed_host(np.array([req.slot]), np.array([MAX_MODEL_LEN]))
     with pytest.raises(ValueError):
         w.prepare({"a": 1})
 

@@ -113,7 +113,7 @@ def test_processing_kernels_equal_torch(sparse_block: int, dense_block: int) -> 
     apply_logit_bias_(ref, bias.bias.ids[idx], bias.bias.values[idx],
                       bias.bias.lengths.tensor[idx])
     apply_min_tokens_(ref, bias.stop_ids.ids[idx], bias.stop_ids.lengths.tensor[idx],
-                      positions - states.prompt_len.tensor[idx] < states.min_tokens.tensor[idx])
+                      positions - states.requests.prompt_len.tensor[idx] < states.min_tokens.tensor[idx])
     apply_penalties_(ref, pen.output_counts[idx],
                      unpack_token_bits(pen.prompt_mask.words[idx], vocab),
                      states.repetition_penalty.tensor[idx], states.presence_penalty.tensor[idx],

@@ -17,9 +17,9 @@ import torch
 
 import mrv2.sampler.sampler_torch as torch_path
 import mrv2.sampler.sampler_triton as triton_path
-from mrv2.sampler import Sampler, SamplingStates
+from mrv2.sampler import Sampler
 from mrv2.sampling_params import SamplingParams
-from sampler_harness import make_batch, random_logits
+from sampler_harness import make_batch, new_states, random_logits
 
 V = 300
 EOS = 2
@@ -142,8 +142,7 @@ def test_no_dense_vocab_table_while_no_request_uses_penalties() -> None:
     sampler reaches ``max_num_seqs * vocab / 8`` elements (the allowed-ids bitmask is
     ``vocab / 32`` words per slot). The first request with a penalty allocates the counts."""
     num_slots, vocab = 32, 50_000
-    states = SamplingStates(num_slots, vocab, engine_seed=0, device=torch.device("cpu"),
-                            eos_token_ids=(EOS,))
+    states = new_states(num_slots, vocab, eos_token_ids=(EOS,))
     kinds = [dict(temperature=0.0), dict(top_k=20, top_p=0.9, min_p=0.01),
              dict(logit_bias={5: 2.0, 9: -1.0}), dict(allowed_token_ids=list(range(0, vocab, 7))),
              dict(min_tokens=4, stop_token_ids=[11]), dict(logprobs=5)]

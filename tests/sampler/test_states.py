@@ -10,8 +10,8 @@ import torch
 
 from mrv2.sampler.states import BatchFlags, SamplingStates, request_seed
 from mrv2.sampling_params import SamplingParams
+from sampler_harness import new_states
 
-CPU = torch.device("cpu")
 
 
 def test_request_seed_is_stable_and_differs_per_request() -> None:
@@ -39,8 +39,7 @@ def test_explicit_seed_is_respected() -> None:
 
 
 def make_states(num_slots: int, vocab_size: int = 100, **kwargs) -> SamplingStates:
-    return SamplingStates(num_slots, vocab_size, engine_seed=kwargs.pop("engine_seed", 3),
-                          device=CPU, **kwargs)
+    return new_states(num_slots, vocab_size, engine_seed=kwargs.pop("engine_seed", 3), **kwargs)
 
 
 def test_add_stages_and_apply_writes_every_table() -> None:
@@ -53,7 +52,7 @@ def test_add_stages_and_apply_writes_every_table() -> None:
     states.apply_staged_writes()
     expected = dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=11,
                     repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
-                    min_tokens=2, prompt_len=3, prefill_len=4)
+                    min_tokens=2)
     for name, value in expected.items():
         assert getattr(states, name).tensor[2].item() == pytest.approx(value), name
         assert getattr(states, f"{name}_host")[2] == pytest.approx(value), name

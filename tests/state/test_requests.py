@@ -45,6 +45,7 @@ def test_add_stages_and_apply_writes_the_row() -> None:
     assert state.token_ids.tensor[0].sum().item() == 0
     state.apply_staged_writes()
     assert state.token_ids.tensor[0, :4].tolist() == [5, 6, 7, 8]
+    assert state.prompt_len.tensor[0].item() == 3
     assert state.prefill_len.tensor[0].item() == 4
     assert state.num_computed.tensor[0].item() == 1
     assert state.total_len.tensor[0].item() == 4
@@ -54,6 +55,21 @@ def test_add_stages_and_apply_writes_the_row() -> None:
     assert state.num_computed_host[0] == 1
     assert state.req_id_to_slot == {"a": 0}
     assert state.num_active == 1 and state.num_free_slots == 3
+
+
+def test_host_mirror_follows_the_scheduler_then_the_step() -> None:
+    """The runner sets running rows' counts from the scheduler, then advances them by the
+    step's scheduled tokens; a row sampled once its prefill is complete, as on the device."""
+    state = make_state()
+    a = state.add("a", 3, [5, 6, 7, 8], 0)
+    b = state.add("b", 2, [1, 2], 0)
+    slots = np.array([a, b])
+    state.set_num_computed_host(slots, np.array([2, 1]))
+    assert state.num_computed_host[slots].tolist() == [2, 1]
+    is_sampling = state.advance_num_computed_host(slots, np.array([1, 1], dtype=np.int32))
+    assert state.num_computed_host[slots].tolist() == [3, 2]
+    assert is_sampling.tolist() == [False, True]
+    assert state.advance_num_computed_host(slots[:1], np.array([1])).tolist() == [True]
 
 
 def test_slots_never_move() -> None:
