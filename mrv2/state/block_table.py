@@ -8,9 +8,6 @@ numba on CPU); prepare_inputs computes the flat KV slot of every token in its ow
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Sequence
-
 import numpy as np
 import torch
 
@@ -39,19 +36,12 @@ class BlockTables:
         self.table.stage_write(slot, start, block_ids)
         self.num_blocks[slot] = start + len(block_ids)
 
-    def append_block_ids_batch(self, slots: np.ndarray,
-                               block_ids: Sequence[Sequence[int]]) -> None:
-        """`append_block_ids(slot, ids)` for many distinct slots at once, vectorised: the
-        running requests' deltas of one step. Empty deltas stage nothing."""
-        lengths = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
-        values = np.fromiter(chain.from_iterable(block_ids), dtype=np.int32,
-                             count=int(lengths.sum()))
-        self.append_block_id_runs(slots, lengths, values)
-
     def append_block_id_runs(self, slots: np.ndarray, lengths: np.ndarray,
                              values: np.ndarray) -> None:
-        """`append_block_ids_batch` with the deltas flat: `values` holds `lengths[i]` ids for
-        `slots[i]`, slot after slot (the packed form of CachedRequestData)."""
+        """`append_block_ids(slot, ids)` for many distinct slots at once, vectorised (the running
+        requests' deltas of one step), with the deltas flat: `values` holds `lengths[i]` ids for
+        `slots[i]`, slot after slot (the packed form of CachedRequestData). Empty deltas stage
+        nothing."""
         slots = np.asarray(slots, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         if len(slots) != len(lengths) or lengths.sum() != len(values):
@@ -97,18 +87,3 @@ class BlockTables:
 
             gather_rows(self.table.tensor, idx_mapping, num_rows, num_rows_padded, out)
         return out[:num_rows_padded]
-
-    def compute_slot_mapping(self, token_slots: torch.Tensor, positions: torch.Tensor,
-                             out: torch.Tensor) -> torch.Tensor:
-        """Flat KV slot of each token: table[slot, pos // block_size] * block_size + offset.
-
-        `out` beyond the real tokens is filled with -1 so padded tokens write nothing. A
-        standalone helper (torch ops, any device): prepare_inputs computes the slot mapping in
-        its own kernel.
-        """
-        num_tokens = positions.shape[0]
-        block_ids = self.table.tensor[token_slots, positions // self.block_size]
-        torch.add(block_ids.long() * self.block_size, positions % self.block_size,
-                  out=out[:num_tokens])
-        out[num_tokens:].fill_(-1)
-        return out[:num_tokens]

@@ -1,6 +1,6 @@
 """BlockTables: staged deltas, overwrite on (re)add, gather in batch order (with padded rows),
-slot mapping. Every test runs with the numba CPU kernels and with the Triton kernels
-(interpreted on CPU tensors)."""
+and the torch slot-mapping reference (block_table_helpers.py). Every test runs with the numba
+CPU kernels and with the Triton kernels (interpreted on CPU tensors)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import triton.language  # noqa: F401
 
 from mrv2 import platform as dispatch
 from mrv2.state.block_table import NULL_BLOCK_ID, BlockTables
+
+from block_table_helpers import append_block_ids_batch, compute_slot_mapping
+from staged_helpers import num_staged
 
 CPU = torch.device("cpu")
 
@@ -39,16 +42,16 @@ def test_starts_as_null_blocks() -> None:
 def test_append_stages_only_the_delta() -> None:
     tables = make_tables()
     tables.append_block_ids(1, [5, 6])
-    assert tables.table.num_staged == 1
+    assert num_staged(tables.table) == 1
     assert tables.num_blocks[1] == 2
     assert tables.table.tensor[1].tolist() == [0, 0, 0, 0]  # staged, not yet written
     tables.apply_staged_writes()
-    assert tables.table.num_staged == 0
+    assert num_staged(tables.table) == 0
     assert tables.table.tensor[1].tolist() == [5, 6, 0, 0]
     # Mark the already-written entries: a delta append must not touch them.
     tables.table.tensor[1, :2] = -7
     tables.append_block_ids(1, [8])
-    assert tables.table.num_staged == 1
+    assert num_staged(tables.table) == 1
     tables.apply_staged_writes()
     assert tables.table.tensor[1].tolist() == [-7, -7, 8, 0]
     assert tables.num_blocks[1] == 3
@@ -59,7 +62,7 @@ def test_empty_append_stages_nothing() -> None:
     tables.append_block_ids(0, [3])
     tables.apply_staged_writes()
     tables.append_block_ids(0, [])
-    assert tables.table.num_staged == 0
+    assert num_staged(tables.table) == 0
     assert tables.num_blocks[0] == 1
 
 
@@ -68,7 +71,7 @@ def test_several_rows_one_apply() -> None:
     tables.append_block_ids(0, [1, 2])
     tables.append_block_ids(2, [3])
     tables.append_block_ids(0, [4])
-    assert tables.table.num_staged == 3
+    assert num_staged(tables.table) == 3
     tables.apply_staged_writes()
     assert tables.table.tensor.tolist() == [[1, 2, 4, 0], [0, 0, 0, 0], [3, 0, 0, 0],
                                             [0, 0, 0, 0]]
@@ -104,7 +107,7 @@ def test_overflow_beyond_max_blocks_raises() -> None:
     with pytest.raises(ValueError):
         tables.append_block_ids(0, [3, 4])
     assert tables.num_blocks[0] == 2
-    assert tables.table.num_staged == 1  # the refused append staged nothing
+    assert num_staged(tables.table) == 1  # the refused append staged nothing
     with pytest.raises(ValueError):
         tables.append_block_ids(1, [1, 2, 3, 4], overwrite=True)
     tables.append_block_ids(0, [3])  # exactly full is fine
@@ -121,8 +124,8 @@ def test_append_block_ids_batch_equals_one_by_one() -> None:
     deltas = {2: [7, 8], 0: [], 3: [9], 1: [4, 5, 6, 10]}
     for slot, ids in deltas.items():
         one_by_one.append_block_ids(slot, ids)
-    batched.append_block_ids_batch(np.array(list(deltas)), list(deltas.values()))
-    assert batched.table.num_staged == one_by_one.table.num_staged == 3
+    append_block_ids_batch(batched, np.array(list(deltas)), list(deltas.values()))
+    assert num_staged(batched.table) == num_staged(one_by_one.table) == 3
     for tables in (one_by_one, batched):
         tables.apply_staged_writes()
     assert batched.table.tensor.tolist() == one_by_one.table.tensor.tolist() == [
@@ -135,7 +138,7 @@ def test_append_block_id_runs_equals_the_list_form() -> None:
     deltas = [[5, 6], [], [7]]
     by_lists, by_runs = make_tables(), make_tables()
     slots = np.array([2, 0, 1])
-    by_lists.append_block_ids_batch(slots, deltas)
+    append_block_ids_batch(by_lists, slots, deltas)
     by_runs.append_block_id_runs(slots, np.array([2, 0, 1], np.int32),
                                  np.array([5, 6, 7], np.int32))
     for t in (by_lists, by_runs):
@@ -151,13 +154,13 @@ def test_append_block_ids_batch_overflow_raises_and_stages_nothing() -> None:
     tables.append_block_ids(1, [1, 2])
     tables.apply_staged_writes()
     with pytest.raises(ValueError, match="slot 1"):
-        tables.append_block_ids_batch(np.array([0, 1]), [[5], [6, 7]])
-    assert tables.table.num_staged == 0
+        append_block_ids_batch(tables, np.array([0, 1]), [[5], [6, 7]])
+    assert num_staged(tables.table) == 0
     assert tables.num_blocks.tolist() == [0, 2, 0, 0]
     with pytest.raises(ValueError):
-        tables.append_block_ids_batch(np.array([0]), [[1], [2]])
-    tables.append_block_ids_batch(np.array([0, 1]), [[], []])
-    assert tables.table.num_staged == 0
+        append_block_ids_batch(tables, np.array([0]), [[1], [2]])
+    append_block_ids_batch(tables, np.array([0, 1]), [[], []])
+    assert num_staged(tables.table) == 0
 
 
 def test_gather_block_tables_in_batch_order_into_persistent_buffer() -> None:
@@ -225,7 +228,7 @@ def test_compute_slot_mapping_formula_and_padding() -> None:
     token_slots = torch.tensor([2, 2, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
     positions = torch.tensor([4, 7, 3, 4, 5, 6, 7, 8], dtype=torch.int64)
     out = torch.zeros(12, dtype=torch.int64)
-    mapping = tables.compute_slot_mapping(token_slots, positions, out)
+    mapping = compute_slot_mapping(tables, token_slots, positions, out)
     expected = [block_ids[s][p // block_size] * block_size + p % block_size
                 for s, p in zip(token_slots.tolist(), positions.tolist())]
     assert mapping.tolist() == expected
@@ -233,7 +236,7 @@ def test_compute_slot_mapping_formula_and_padding() -> None:
     assert mapping.data_ptr() == out.data_ptr()
     assert out[8:].tolist() == [-1] * 4
     # A shorter step pads the stale tail with -1 again.
-    mapping = tables.compute_slot_mapping(token_slots[:2], positions[:2], out)
+    mapping = compute_slot_mapping(tables, token_slots[:2], positions[:2], out)
     assert mapping.tolist() == expected[:2]
     assert out[2:].tolist() == [-1] * 10
 
@@ -241,7 +244,7 @@ def test_compute_slot_mapping_formula_and_padding() -> None:
 def test_compute_slot_mapping_no_tokens() -> None:
     tables = make_tables()
     out = torch.zeros(5, dtype=torch.int64)
-    mapping = tables.compute_slot_mapping(torch.zeros(0, dtype=torch.int64),
-                                          torch.zeros(0, dtype=torch.int64), out)
+    mapping = compute_slot_mapping(tables, torch.zeros(0, dtype=torch.int64),
+                                   torch.zeros(0, dtype=torch.int64), out)
     assert mapping.numel() == 0
     assert out.tolist() == [-1] * 5
