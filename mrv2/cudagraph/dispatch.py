@@ -50,8 +50,6 @@ class CudaGraphDispatcher:
             raise ValueError(f"max_num_tokens={max_num_tokens} and max_num_reqs={max_num_reqs} "
                              f"must be positive")
         self.mode = compilation_config.cudagraph_mode
-        self.max_num_tokens = max_num_tokens
-        self.max_num_reqs = max_num_reqs
         sizes = compilation_config.capture_sizes if self.mode != "NONE" else ()
         decode_sizes = [s for s in sizes if s <= min(max_num_tokens, max_num_reqs)]
         mixed_sizes = [s for s in sizes if s <= max_num_tokens] if self.mode == "FULL" else []
@@ -64,11 +62,6 @@ class CudaGraphDispatcher:
         self.descriptors: tuple[BatchDescriptor, ...] = tuple(sorted(
             decode + mixed, key=lambda d: (d.num_tokens, d.num_reqs, not d.uniform_decode),
             reverse=True))
-
-    @property
-    def max_capture_size(self) -> int:
-        """Largest num_tokens any graph serves (0: none)."""
-        return max((d.num_tokens for d in self.descriptors), default=0)
 
     def dispatch(self, num_tokens: int, num_reqs: int,
                  uniform_decode: bool) -> BatchDescriptor | None:

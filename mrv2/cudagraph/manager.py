@@ -26,7 +26,8 @@ share one memory pool (`torch.cuda.graph_pool_handle()`); they are captured larg
 smaller graphs reuse the pool's blocks. Graphs never run concurrently, so sharing is safe.
 
 On CPU (or with enforce_eager, or mode "NONE") the config resolves to "NONE": no descriptors,
-`dispatch` returns None, `padded_sizes` returns the real sizes and `capture` does nothing.
+the dispatcher serves no batch, `padded_sizes` returns the real sizes and `capture` does
+nothing.
 """
 
 from __future__ import annotations
@@ -45,29 +46,19 @@ class CudaGraphManager:
         self.device = torch.device(device)
         # resolve() is idempotent: an already-resolved config (e.g. with enforce_eager
         # applied by EngineArgs) comes back unchanged.
-        self.compilation_config = compilation_config.resolve(self.device, max_num_tokens,
-                                                             max_num_reqs)
-        self.dispatcher = CudaGraphDispatcher(self.compilation_config, max_num_tokens,
-                                              max_num_reqs)
-        # Bound once: the per-step calls go straight to the table lookups.
-        self.dispatch = self.dispatcher.dispatch
+        self.dispatcher = CudaGraphDispatcher(
+            compilation_config.resolve(self.device, max_num_tokens, max_num_reqs),
+            max_num_tokens, max_num_reqs)
+        # Bound once: the per-step call goes straight to the table lookups.
         self.padded_sizes = self.dispatcher.padded_sizes
         self._pool = None
         self._graphs: dict[BatchDescriptor, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[BatchDescriptor, torch.Tensor] = {}
 
     @property
-    def mode(self) -> str:
-        return self.compilation_config.cudagraph_mode
-
-    @property
     def descriptors(self) -> tuple[BatchDescriptor, ...]:
         """Every descriptor to capture, largest first."""
         return self.dispatcher.descriptors
-
-    @property
-    def captured(self) -> bool:
-        return bool(self._graphs)
 
     def capture(self, run_fn: Callable[[BatchDescriptor], torch.Tensor],
                 warmup: bool = True) -> None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# The helpers (cudagraph_helpers.py) live next to the tests and are imported by name.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

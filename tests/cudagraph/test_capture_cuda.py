@@ -82,7 +82,7 @@ def test_full_replay_equals_eager() -> None:
     gen = torch.Generator().manual_seed(1)
     step = _TinyStep()
     manager = CudaGraphManager(CompilationConfig("FULL", SIZES), MAX_TOKENS, MAX_REQS, "cuda")
-    assert manager.mode == "FULL"
+    assert manager.dispatcher.mode == "FULL"
     with torch.inference_mode():
         manager.capture(step.run_fn)
         # Warm-up then capture per descriptor, largest first.

@@ -11,6 +11,8 @@ import torch
 from mrv2.config import CompilationConfig, ConfigError
 from mrv2.cudagraph import BatchDescriptor, CudaGraphDispatcher, CudaGraphManager
 
+from cudagraph_helpers import captured, max_capture_size
+
 DEFAULT_SIZES = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
 
 
@@ -194,7 +196,7 @@ def test_full_mixed_rows_pad_to_min_of_size_and_max_reqs() -> None:
 
 def test_none_mode_never_dispatches() -> None:
     table = CudaGraphDispatcher(CompilationConfig("NONE", (1, 2, 4)), 16, 16)
-    assert table.descriptors == () and table.max_capture_size == 0
+    assert table.descriptors == () and max_capture_size(table) == 0
     for n in range(1, 17):
         assert table.padded_sizes(n, n, True) == (n, n, None)
         assert table.padded_sizes(n, 1, False) == (n, 1, None)
@@ -215,7 +217,7 @@ def test_capture_order_is_largest_first() -> None:
     table = CudaGraphDispatcher(CompilationConfig("FULL"), 300, 40)
     sizes = [d.num_tokens for d in table.descriptors]
     assert sizes == sorted(sizes, reverse=True)
-    assert table.max_capture_size == sizes[0] == 288
+    assert max_capture_size(table) == sizes[0] == 288
     assert len(set(table.descriptors)) == len(table.descriptors)
     assert sum(d.uniform_decode for d in table.descriptors) == 8  # 1 2 4 8 16 24 32 40
 
@@ -233,16 +235,16 @@ def test_batch_descriptor_frozen_hashable() -> None:
 @pytest.mark.parametrize("mode", CompilationConfig.MODES)
 def test_manager_on_cpu_runs_eagerly(mode: str) -> None:
     manager = CudaGraphManager(CompilationConfig(cudagraph_mode=mode), 2048, 256, "cpu")
-    assert manager.mode == "NONE" and manager.descriptors == ()
+    assert manager.dispatcher.mode == "NONE" and manager.descriptors == ()
     for n in (1, 3, 8, 512):
-        assert manager.dispatch(n, n, True) is None
+        assert manager.dispatcher.dispatch(n, n, True) is None
         assert manager.padded_sizes(n, 1, False) == (n, 1, None)
 
     def run_fn(desc: BatchDescriptor) -> torch.Tensor:
         raise AssertionError("capture must not run anything on CPU")
 
     manager.capture(run_fn)
-    assert not manager.captured
+    assert not captured(manager)
     with pytest.raises(KeyError):
         manager.replay(BatchDescriptor(1, 1, True))
 
@@ -271,7 +273,7 @@ def test_manager_capture_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     manager = CudaGraphManager(CompilationConfig("FULL", (1, 2, 4, 8)), 8, 4, "cuda")
-    assert manager.mode == "FULL"
+    assert manager.dispatcher.mode == "FULL"
     expected = [BatchDescriptor(8, 4, False), BatchDescriptor(4, 4, False),
                 BatchDescriptor(4, 4, True), BatchDescriptor(2, 2, False),
                 BatchDescriptor(2, 2, True), BatchDescriptor(1, 1, False),
@@ -291,7 +293,7 @@ def test_manager_capture_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
     for desc in expected:
         want += [("run", desc), ("begin", pool), ("run", desc), ("end", pool)]
     assert events == want
-    assert manager.captured
+    assert captured(manager)
     for desc in expected:
         out = manager.replay(desc)
         assert out is outputs[desc]  # the output captured for it, not a copy
