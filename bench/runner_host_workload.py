@@ -31,8 +31,7 @@ def make_config(num_reqs: int) -> EngineConfig:
                                  max_model_len=MAX_MODEL_LEN, hf_config=hf),
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
-                                         max_num_batched_tokens=max(num_reqs, PROMPT_LEN),
-                                         max_model_len=MAX_MODEL_LEN))
+                                         max_num_batched_tokens=max(num_reqs, PROMPT_LEN)))
 
 
 class DecodeWorkload:

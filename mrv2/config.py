@@ -92,7 +92,6 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while step N runs; tokens not sampled yet are placeholders.
     async_scheduling: bool = True
@@ -103,10 +102,6 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
-                f"max_model_len={self.max_model_len} and chunked prefill is disabled")
 
 
 @dataclass(frozen=True)
@@ -250,6 +245,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.parallel_config.verify_model(self.model_config)
+        # max_model_len lives in model_config only; the scheduler's budget is checked here.
+        sched, max_model_len = self.scheduler_config, self.model_config.max_model_len
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
+                f"max_model_len={max_model_len} and chunked prefill is disabled")
 
     @property
     def max_num_blocks_per_req(self) -> int:

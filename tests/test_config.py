@@ -59,11 +59,17 @@ def test_scheduler_config_limits() -> None:
 
 
 def test_without_chunked_prefill_a_whole_prompt_must_fit() -> None:
+    def config(budget: int, chunked: bool) -> EngineConfig:
+        return EngineConfig(
+            model_config=ModelConfig(model="tiny", dtype=torch.float32, max_model_len=1024),
+            cache_config=CacheConfig(),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=budget,
+                                             enable_chunked_prefill=chunked))
+
     with pytest.raises(ConfigError, match="chunked prefill"):
-        SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024,
-                        enable_chunked_prefill=False)
-    SchedulerConfig(max_num_batched_tokens=1024, max_model_len=1024, enable_chunked_prefill=False)
-    SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024, enable_chunked_prefill=True)
+        config(512, chunked=False)
+    config(1024, chunked=False)
+    config(512, chunked=True)
 
 
 @pytest.mark.parametrize("tp", [0, -1])
@@ -79,7 +85,7 @@ def make_engine_config(max_model_len: int, block_size: int) -> EngineConfig:
     return EngineConfig(
         model_config=ModelConfig(model="tiny", dtype=torch.float32, max_model_len=max_model_len),
         cache_config=CacheConfig(block_size=block_size),
-        scheduler_config=SchedulerConfig(max_model_len=max_model_len),
+        scheduler_config=SchedulerConfig(),
     )
 
 

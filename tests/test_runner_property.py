@@ -61,8 +61,7 @@ def make_runner() -> tuple[ModelRunner, RecorderModel]:
     config = EngineConfig(
         model_config=ModelConfig("none", torch.float32, MAX_LEN, hf_config=hf),
         cache_config=CacheConfig(block_size=BLOCK),
-        scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS,
-                                         max_model_len=MAX_LEN))
+        scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS))
     model = RecorderModel()
     return ModelRunner(config, model, [], torch.device("cpu")), model
 

@@ -81,7 +81,6 @@ class EngineArgs:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
-                                           max_model_len=max_model_len,
                                            async_scheduling=self.async_scheduling)
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)

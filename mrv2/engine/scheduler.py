@@ -41,8 +41,7 @@ class Scheduler:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
-        # The smaller of the two limits: the runner's buffers are sized by the model's.
-        self.max_model_len = min(sched.max_model_len, config.model_config.max_model_len)
+        self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, self.block_size, self.max_model_len,

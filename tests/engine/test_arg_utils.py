@@ -41,7 +41,7 @@ def test_defaults(tiny_llama):
     assert config.cache_config.enable_prefix_caching  # vLLM default: on
     assert config.scheduler_config.max_num_seqs == 256
     assert config.scheduler_config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
-    assert config.scheduler_config.max_model_len == 2048
+    assert config.model_config.max_model_len == 2048
     assert config.parallel_config.tensor_parallel_size == 1
     assert config.compilation_config.cudagraph_mode == "NONE"
     assert config.model_config.hf_config.architectures == ["LlamaForCausalLM"]
@@ -52,7 +52,7 @@ def test_values_passed_through(tiny_llama):
     config = EngineArgs(model=str(tiny_llama), max_model_len=100, max_num_seqs=8,
                         max_num_batched_tokens=64, block_size=32, seed=7, kv_cache_memory_gb=0.5,
                         enable_prefix_caching=True, device="cpu").create_engine_config()
-    assert config.model_config.max_model_len == config.scheduler_config.max_model_len == 100
+    assert config.model_config.max_model_len == 100
     assert config.scheduler_config.max_num_seqs == 8
     assert config.scheduler_config.max_num_batched_tokens == 64
     assert config.cache_config.block_size == 32

@@ -125,7 +125,7 @@ def make_scheduler(budget: int = 4) -> Scheduler:
         model_config=ModelConfig(model="fake", dtype=torch.float32, max_model_len=64),
         cache_config=CacheConfig(block_size=4),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                                         max_model_len=64, async_scheduling=False))
+                                         async_scheduling=False))
     return Scheduler(config, 32)
 
 

@@ -41,7 +41,6 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=budget,
-                                         max_model_len=max_model_len,
                                          enable_chunked_prefill=chunked))
     return Scheduler(config, num_blocks)
 
