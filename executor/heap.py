@@ -22,8 +22,3 @@ def freeze_startup_objects() -> None:
     """Collect what is garbage now (so it is freed, not frozen), then freeze the rest."""
     gc.collect()
     gc.freeze()
-
-
-def frozen_object_count(_worker: object = None) -> int:
-    """Objects in the permanent generation (0 until a freeze); callable as a worker RPC."""
-    return gc.get_freeze_count()

@@ -181,11 +181,6 @@ class MultiprocExecutor(Executor):
         stop_processes(self._procs, grace)
 
     @property
-    def is_failed(self) -> bool:
-        """True once a worker died or the executor was shut down."""
-        return self._dead is not None
-
-    @property
     def worker_pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 

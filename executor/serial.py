@@ -87,11 +87,6 @@ class MsgpackEncoder:
             self._frames = None
         return frames
 
-    def encode_bytes(self, obj: Any) -> bytes:
-        """One buffer, arrays inline: for sockets and files that want a single message."""
-        self._frames = None
-        return self._encoder.encode(obj)
-
     def _enc_hook(self, obj: Any) -> msgspec.msgpack.Ext:
         if isinstance(obj, np.ndarray):
             code, (dtype, shape, data) = EXT_NDARRAY, _raw_bytes_numpy(obj)

@@ -28,6 +28,8 @@ from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, M
 from mrv2.sampling_params import SamplingParams
 from mrv2.testing.leftovers import engine_leftovers, process_alive
 
+from executor_helpers import is_failed
+
 PROMPTS = {"a": [5, 17, 300, 42, 1000, 7, 8], "b": [900, 33, 12, 1500, 64],
            "c": [1, 2, 3], "d": list(range(100, 140))}
 MAX_TOKENS = {"a": 12, "b": 5, "c": 20, "d": 9}
@@ -57,7 +59,7 @@ class Engines:
         self.config, self.started, self._shared = config, [], None
 
     def shared(self) -> EngineCore:
-        if self._shared is None or self._shared.executor.is_failed:
+        if self._shared is None or is_failed(self._shared.executor):
             self._shared = EngineCore(self.config, executor_class=MultiprocExecutor)
             self.started.append(self._shared)
         return self._shared
@@ -158,13 +160,13 @@ def test_collective_rpc(engine):
     # Phase 2 with nothing pending, non-blocking: the error comes through the future.
     future = ex.sample_tokens(None, non_block=True)
     assert isinstance(future.exception(timeout=30), RuntimeError)
-    assert not ex.is_failed
+    assert not is_failed(ex)
 
 
 def test_worker_heap_is_frozen_after_startup(engine):
     # Worker processes hold one engine for life: initialize froze their startup objects
     # (executor/heap.py); the parent, which builds many engines in this test run, is not frozen.
-    from executor.heap import frozen_object_count
+    from executor_helpers import frozen_object_count
 
     assert all(n > 1000 for n in engine.executor.collective_rpc(frozen_object_count))
     assert frozen_object_count() == 0
@@ -217,7 +219,7 @@ def test_killed_worker_fails_pending_and_later_calls_fast(engines):
         thread.join(10)
         assert time.monotonic() - killed < 5
         assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
-        assert ex.is_failed
+        assert is_failed(ex)
         start = time.monotonic()
         with pytest.raises(EngineDeadError):
             ex.sample_tokens(GrammarOutput(), non_block=True)
