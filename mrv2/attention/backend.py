@@ -9,15 +9,14 @@ flat slot `slot_mapping[t]` = block_id * block_size + offset, and -1 means "do n
 Which backend runs (DESIGN.md section 5) is decided by `mrv2.platform.kernel_impl`, like
 every other kernel: CUDA tensors use the Triton paged attention (`paged_triton`, CUDA-graph
 capturable: it reads only the metadata's device tensors), CPU tensors the torch one
-(`paged_torch`, which reads the host copies). Tests force a backend with `forced_backend()`,
-this module's name for `mrv2.platform.forced_impl()` (the torch backend runs on any device, so
-the override holds on CUDA tensors too); the Triton one runs on CPU tensors only under
-`mrv2.platform.triton_interpreter()` (see `triton_on_cpu()`).
+(`paged_torch`, which reads the host copies). Tests force a backend with
+`mrv2.platform.forced_impl()` (the torch backend runs on any device, so the override holds on
+CUDA tensors too); the Triton one runs on CPU tensors only under
+`mrv2.platform.triton_interpreter()`.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,24 +47,11 @@ TRITON = platform.TRITON
 
 # Attention's names for the two kernel families.
 _BACKEND = {platform.TRITON: TRITON, platform.CPU: TORCH}
-_IMPL = {TRITON: platform.TRITON, TORCH: platform.CPU, None: None}
 
 
 def attention_backend(device: torch.device) -> str:
-    """TRITON for CUDA tensors, TORCH for CPU tensors, unless `forced_backend()` says."""
+    """TRITON for CUDA tensors, TORCH for CPU tensors, unless `platform.forced_impl()` says."""
     return _BACKEND[platform.kernel_impl(device, portable_cpu_impl=True)]
-
-
-def forced_backend(name: str | None) -> AbstractContextManager[None]:
-    """Use backend `name` (TRITON or TORCH; None = by device) inside the block (tests)."""
-    if name not in _IMPL:
-        raise ValueError(f"backend must be {TORCH!r}, {TRITON!r} or None, got {name!r}")
-    return platform.forced_impl(_IMPL[name])
-
-
-def triton_on_cpu() -> AbstractContextManager[None]:
-    """The Triton backend on CPU tensors, interpreted (slow: tests with tiny shapes)."""
-    return platform.triton_interpreter()
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -13,6 +13,8 @@ import torch
 from mrv2.attention import backend
 from mrv2.attention.backend import Attention, AttentionMetadata, kv_cache_shape
 
+from attention_helpers import forced_backend, triton_on_cpu
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 8
 
 
@@ -92,14 +94,14 @@ def test_backend_follows_the_device_unless_forced():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert backend.attention_backend(cpu) == backend.TORCH
     assert backend.attention_backend(cuda) == backend.TRITON
-    with backend.forced_backend(backend.TRITON):
+    with forced_backend(backend.TRITON):
         assert backend.attention_backend(cpu) == backend.TRITON
-        with backend.forced_backend(backend.TORCH):
+        with forced_backend(backend.TORCH):
             assert backend.attention_backend(cuda) == backend.TORCH
         assert backend.attention_backend(cpu) == backend.TRITON
     assert backend.attention_backend(cpu) == backend.TORCH
     with pytest.raises(ValueError):
-        with backend.forced_backend("cuda"):
+        with forced_backend("cuda"):
             pass
 
 
@@ -157,7 +159,7 @@ def test_triton_backend_matches_torch_backend(padded: bool):
         def pad(x):
             return torch.cat([x, torch.full((pad_tokens, x.shape[1]), 1e4)])
 
-        with backend.triton_on_cpu():
+        with triton_on_cpu():
             out = attn(pad(q), pad(k), pad(v), triton_cache, meta)
         assert out.shape == (n + pad_tokens, NUM_HEADS * HEAD_DIM)
         assert (out[:n] - expected).abs().max().item() <= 1e-5

@@ -15,7 +15,9 @@ import torch
 
 from mrv2.attention import paged_torch as torch_paged
 from mrv2.attention import paged_triton as triton_paged
-from mrv2.attention.backend import AttentionMetadata, triton_on_cpu
+from mrv2.attention.backend import AttentionMetadata
+
+from attention_helpers import triton_on_cpu
 
 HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS = 16, 4, 48, 4
 SCALE = HEAD_DIM ** -0.5
