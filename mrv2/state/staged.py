@@ -53,10 +53,6 @@ class StagedWriteTensor:
         self._staging: HostStaging | None = None
 
     @property
-    def num_staged(self) -> int:
-        return self._num_runs
-
-    @property
     def numpy(self) -> np.ndarray:
         """The CPU tensor as a numpy array (shared memory); CUDA tensors have none."""
         if self._numpy is None:

@@ -11,6 +11,7 @@ import torch
 from mrv2.sampler.states import BatchFlags, SamplingStates, request_seed
 from mrv2.sampling_params import SamplingParams
 from sampler_harness import new_states
+from staged_helpers import num_staged
 
 
 
@@ -56,7 +57,7 @@ def test_add_stages_and_apply_writes_every_table() -> None:
     for name, value in expected.items():
         assert getattr(states, name).tensor[2].item() == pytest.approx(value), name
         assert getattr(states, f"{name}_host")[2] == pytest.approx(value), name
-        assert getattr(states, name).num_staged == 0
+        assert num_staged(getattr(states, name)) == 0
     # Other slots keep the values of an empty slot.
     assert states.temperature.tensor[[0, 1, 3]].tolist() == [0.0, 0.0, 0.0]
     assert states.top_p.tensor[[0, 1, 3]].tolist() == [1.0, 1.0, 1.0]
