@@ -18,20 +18,8 @@ class InputBatch:
     num_scheduled: torch.Tensor  # [num_reqs] int32
     num_scheduled_np: np.ndarray
     num_tokens: int  # real tokens
+    # Padded to num_tokens_padded for graph replay (DESIGN.md invariant 6).
     input_ids: torch.Tensor  # [num_tokens_padded] int32 (padding: 0)
     positions: torch.Tensor  # [num_tokens_padded] int64 (padding: 0)
     logits_indices: torch.Tensor  # [num_reqs]: last token of each row
-    attn_metadata: AttentionMetadata
-    # Sizes the step is padded to for graph replay (DESIGN.md invariant 6); None = real sizes.
-    num_tokens_padded: int | None = None
-    num_reqs_padded: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_tokens_padded is None:
-            self.num_tokens_padded = self.num_tokens
-        if self.num_reqs_padded is None:
-            self.num_reqs_padded = len(self.req_ids)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
+    attn_metadata: AttentionMetadata  # rows padded to num_reqs_padded

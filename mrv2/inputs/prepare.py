@@ -98,8 +98,7 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
                       num_scheduled_np=num_scheduled_np, num_tokens=num_tokens,
                       input_ids=buffers.input_ids[:num_tokens_padded],
                       positions=buffers.positions[:num_tokens_padded],
-                      logits_indices=buffers.logits_indices[:num_reqs], attn_metadata=metadata,
-                      num_tokens_padded=num_tokens_padded, num_reqs_padded=num_reqs_padded)
+                      logits_indices=buffers.logits_indices[:num_reqs], attn_metadata=metadata)
 
 
 def _prepare_triton(idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray,

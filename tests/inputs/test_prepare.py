@@ -29,6 +29,8 @@ from mrv2 import platform as dispatch
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
+from input_batch_helpers import num_reqs, num_reqs_padded, num_tokens_padded
+
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -144,10 +146,10 @@ def check_against_reference(world: World, batch: InputBatch, scheduled: dict[str
     """Real rows and tokens against the reference; padded ones against invariant 6."""
     ref = reference(world, batch.req_ids, scheduled)
     meta = batch.attn_metadata
-    n, r = batch.num_tokens, batch.num_reqs
-    n_pad, r_pad = batch.num_tokens_padded, batch.num_reqs_padded
+    n, r = batch.num_tokens, num_reqs(batch)
+    n_pad, r_pad = num_tokens_padded(batch), num_reqs_padded(batch)
     assert batch.num_tokens == meta.num_actual_tokens == len(ref["input_ids"])
-    assert batch.num_reqs == meta.num_reqs == len(scheduled)
+    assert num_reqs(batch) == meta.num_reqs == len(scheduled)
     assert sorted(batch.req_ids) == sorted(scheduled)
     assert batch.input_ids.tolist() == ref["input_ids"] + [0] * (n_pad - n)
     assert batch.positions.tolist() == ref["positions"] + [0] * (n_pad - n)
@@ -420,8 +422,8 @@ def test_padding_follows_invariant_6(impl) -> None:
         getattr(w.buffers, name).fill_(55)
     batch = w.prepare(scheduled, num_tokens_padded=16, num_reqs_padded=6)
     meta = batch.attn_metadata
-    assert (batch.num_tokens, batch.num_tokens_padded) == (10, 16)
-    assert (batch.num_reqs, batch.num_reqs_padded) == (4, 6)
+    assert (batch.num_tokens, num_tokens_padded(batch)) == (10, 16)
+    assert (num_reqs(batch), num_reqs_padded(batch)) == (4, 6)
     assert meta.num_actual_tokens == 10 and meta.num_reqs == 4
     assert batch.input_ids.shape == batch.positions.shape == meta.slot_mapping.shape == (16,)
     assert meta.query_start_loc.tolist() == [0, 1, 2, 7, 10, 10, 10]
