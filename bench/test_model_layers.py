@@ -24,7 +24,7 @@ from numba import njit
 from mrv2.attention import AttentionMetadata
 from mrv2.attention import paged_torch as torch_paged
 from mrv2.attention.decode_numba import decode_attention
-from mrv2.models.layers import cpu_fused, cpu_gemv, cpu_linear
+from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, norm_numba, rotary_numba
 
 # W1: hidden 512, 8 layers, q 512 + kv 2*256, intermediate 1408, vocab 16000.
 W1_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(16000, 512)]
@@ -136,7 +136,7 @@ def test_decode_attention(benchmark, impl, layers):
 
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _silu_and_mul_libm(gate_up, width, out):
-    """cpu_fused's SiLU-and-mul with numba's np.exp (a scalar libm call), the baseline."""
+    """activation_numba's SiLU-and-mul with numba's np.exp (a scalar libm call), the baseline."""
     for r in range(gate_up.shape[0]):
         for i in range(width):
             g = gate_up[r, i]
@@ -151,14 +151,14 @@ def test_silu_and_mul(benchmark, impl):
     g = torch.Generator().manual_seed(0)
     gate_ups = [torch.randn(32, 2 * 1408, generator=g) * 4 for _ in range(8)]
     expected = F.silu(gate_ups[0][:, :1408]) * gate_ups[0][:, 1408:]
-    torch.testing.assert_close(cpu_fused.silu_and_mul(gate_ups[0]), expected,
+    torch.testing.assert_close(activation_numba.silu_and_mul(gate_ups[0]), expected,
                                rtol=1e-5, atol=1e-6)
     out = np.empty((32, 1408), np.float32)
 
     def step() -> None:
         for gate_up in gate_ups:
             if impl == "exp32":
-                cpu_fused.silu_and_mul(gate_up)
+                activation_numba.silu_and_mul(gate_up)
             else:
                 _silu_and_mul_libm(gate_up.numpy(), 1408, out)
 
@@ -198,22 +198,22 @@ def test_prefill_norm_and_rotary(benchmark, impl):
     cos = torch.cat([angles.cos(), angles.cos()], -1)
     sin = torch.cat([angles.sin(), angles.sin()], -1)
     with torch.inference_mode():
-        torch.testing.assert_close(cpu_fused.rms_norm(x, weight, 1e-5, residual),
+        torch.testing.assert_close(norm_numba.rms_norm(x, weight, 1e-5, residual),
                                    _torch_rms_norm(x, residual, weight, 1e-5),
                                    rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cpu_fused.rotary(q, cos, sin, head_dim),
+        torch.testing.assert_close(rotary_numba.apply_rotary(q, cos, sin, head_dim),
                                    _torch_rotary(q, cos, sin, head_dim), rtol=1e-5, atol=1e-5)
 
     def layer() -> None:
         with torch.inference_mode():
             for _ in range(2):
                 if impl == "fused_parallel":
-                    cpu_fused.rms_norm(x, weight, 1e-5, residual)
+                    norm_numba.rms_norm(x, weight, 1e-5, residual)
                 else:
                     _torch_rms_norm(x, residual, weight, 1e-5)
             for t in (q, k):
                 if impl == "fused_parallel":
-                    cpu_fused.rotary(t, cos, sin, head_dim)
+                    rotary_numba.apply_rotary(t, cos, sin, head_dim)
                 else:
                     _torch_rotary(t, cos, sin, head_dim)
 

@@ -48,54 +48,54 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be at least 1")
-        _check(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
+        _require(_is_int(self.n) and self.n >= 1, "n", self.n, "must be at least 1")
+        _require(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
                self.temperature, "must be non-negative")
-        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
+        _require(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
                "must be in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "must be -1 (disable), 0 (disable) or at least 1")
-        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
+        _require(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
                "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
-        _check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+            _require(_is_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
+        _require(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
                "repetition_penalty", self.repetition_penalty, "must be finite and greater than 0")
         if self.seed is not None:
-            _check(_is_int(self.seed), "seed", self.seed, "must be an integer or None")
+            _require(_is_int(self.seed), "seed", self.seed, "must be an integer or None")
         if self.max_tokens is not None:
-            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+            _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                    self.max_tokens, "must be at least 1")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
                "must be non-negative")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+            _require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must not exceed max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(_is_int(value) and 0 <= value <= MAX_LOGPROBS, name, value,
+                _require(_is_int(value) and 0 <= value <= MAX_LOGPROBS, name, value,
                        f"must be in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None:
-            _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+            _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                    self.stop_token_ids, "must be non-negative token ids")
         if self.stop is not None:
-            _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+            _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                    "must not contain empty strings")
         if self.logit_bias is not None:
             bias = self.logit_bias
-            _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(bias)} entries>",
+            _require(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(bias)} entries>",
                    f"must have at most {MAX_LOGIT_BIAS} entries")
             for token, value in bias.items():
-                _check(_is_int(token) and token >= 0, "logit_bias", {token: value},
+                _require(_is_int(token) and token >= 0, "logit_bias", {token: value},
                        "keys must be non-negative token ids")
-                _check(_is_real(value) and math.isfinite(value), "logit_bias", {token: value},
+                _require(_is_real(value) and math.isfinite(value), "logit_bias", {token: value},
                        "values must be finite numbers")
         if self.allowed_token_ids is not None:
-            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
+            _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
                    "must not be empty (it would allow no token at all); use None for no limit")
-            _check(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+            _require(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
                    "allowed_token_ids", self.allowed_token_ids, "must be non-negative token ids")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
@@ -104,11 +104,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ids = getattr(self, name)
             if ids:
                 bad = [t for t in ids if t >= vocab_size]
-                _check(not bad, name, bad,
+                _require(not bad, name, bad,
                        f"token ids must be below the vocabulary size {vocab_size}")
         if self.logit_bias:
             bad = [t for t in self.logit_bias if t >= vocab_size]
-            _check(not bad, "logit_bias", bad,
+            _require(not bad, "logit_bias", bad,
                    f"token ids must be below the vocabulary size {vocab_size}")
 
     @property
@@ -128,6 +128,6 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
-def _check(ok: bool, name: str, value: object, why: str) -> None:
+def _require(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {why}")

@@ -24,7 +24,7 @@ import torch
 from numba import njit, prange
 
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
-from mrv2.numba_exp import exp32
+from mrv2.models.layers.numba_exp import exp32
 
 # Blocks prefetched ahead of the one being computed (measured best among 1, 2 and 4).
 PREFETCH_DISTANCE = 2

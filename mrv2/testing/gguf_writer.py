@@ -58,7 +58,7 @@ import torch
 from safetensors import safe_open
 
 # Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
-_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+_GGML_TYPE_OF: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "BF16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
@@ -68,10 +68,10 @@ _TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "Q5_0": (gguf.GGMLQuantizationType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
     "Q5_1": (gguf.GGMLQuantizationType.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
 }
-WRITABLE_TYPES: tuple[str, ...] = tuple(_TYPES)
+WRITABLE_TYPES: tuple[str, ...] = tuple(_GGML_TYPE_OF)
 
 # HF architecture -> (GGUF arch, undo_permute), as the converter's registered classes set them.
-_ARCHS: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
+_GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "LlamaForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
     "MistralForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
     "Qwen2ForCausalLM": (gguf.MODEL_ARCH.QWEN2, False),
@@ -348,15 +348,15 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
     ``<stem>-0000i-of-0000N.gguf`` next to ``out_path`` (gguf-split's names), metadata in the
     first, ``split.no`` / ``split.count`` / ``split.tensors.count`` in each.
     """
-    if tensor_type not in _TYPES:
+    if tensor_type not in _GGML_TYPE_OF:
         raise ValueError(f"tensor_type {tensor_type!r} not writable; one of {WRITABLE_TYPES}")
     model_dir, out_path = Path(model_dir), Path(out_path)
     hparams = load_hparams(model_dir)
     hf_arch = (hparams.get("architectures") or [None])[0]
-    if hf_arch not in _ARCHS:
-        raise ValueError(f"architecture {hf_arch!r} not supported; one of {list(_ARCHS)}")
-    arch, undo_permute = _ARCHS[hf_arch]
-    qtype, ftype = _TYPES[tensor_type]
+    if hf_arch not in _GGUF_ARCH_OF:
+        raise ValueError(f"architecture {hf_arch!r} not supported; one of {list(_GGUF_ARCH_OF)}")
+    arch, undo_permute = _GGUF_ARCH_OF[hf_arch]
+    qtype, ftype = _GGML_TYPE_OF[tensor_type]
 
     converted = _convert_tensors(model_dir, hparams, arch, undo_permute, qtype)
     starts = set(_shard_starts(len(converted), num_splits))  # before writing anything

@@ -41,7 +41,7 @@ _ARCHS: dict[str, tuple[str, str]] = {
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
 MANIFEST = "mrv2_tiny.json"
-_FORMAT_VERSION = 1  # bump when the files written for the same parameters change
+_MODEL_FILES_VERSION = 1  # bump when the files written for the same parameters change
 LOGIT_STD = 3.0      # target std of the final logits across the vocab
 NORM_STD = 0.1       # RMSNorm weights ~ 1 + NORM_STD * N(0, 1)
 BIAS_STD = 0.2       # q/k/v biases (qwen2): a dropped bias shows; larger ones flatten attention
@@ -224,7 +224,7 @@ def make_tiny_model(
     )
     # Round-trip through JSON so the comparison with a manifest read from disk is exact.
     manifest = json.loads(json.dumps({
-        "format": _FORMAT_VERSION, "params": params, "tokenizer": tok_key,
+        "format": _MODEL_FILES_VERSION, "params": params, "tokenizer": tok_key,
         "transformers": importlib.metadata.version("transformers"),
     }))
     out = Path(path).absolute()

@@ -61,7 +61,7 @@ _CORPUS_FILES = (
     "warnings.py", "weakref.py",
 )
 _MIN_CORPUS_BYTES = 500_000
-_FORMAT_VERSION = 2  # bump when the produced files change for the same inputs
+_TOKENIZER_FILES_VERSION = 2  # bump when the produced files change for the same inputs
 
 
 def cache_dir() -> Path:
@@ -112,7 +112,7 @@ def _corpus_digest() -> str:
 def tokenizer_key(vocab_size: int = DEFAULT_VOCAB_SIZE) -> str:
     """Cache key of the tokenizer that :func:`get_tokenizer_dir` returns for ``vocab_size``."""
     params = {
-        "format": _FORMAT_VERSION, "vocab_size": vocab_size, "special": SPECIAL_TOKENS,
+        "format": _TOKENIZER_FILES_VERSION, "vocab_size": vocab_size, "special": SPECIAL_TOKENS,
         "chat_template": CHAT_TEMPLATE, "corpus": _corpus_digest(),
         "python": platform.python_version(), "tokenizers": tokenizers.__version__,
     }

@@ -22,10 +22,10 @@ from mrv2.errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 # OpenAI's `type` per status class.
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error",
-          503: "service_unavailable_error"}
+_ERROR_TYPE_OF_STATUS = {
+    400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+    503: "service_unavailable_error"}
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)=")
 
 
@@ -36,7 +36,7 @@ class OpenAIError(Exception):
                  code: str | None = None, type: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500
+        self.type = type or _ERROR_TYPE_OF_STATUS.get(status, "server_error" if status >= 500
                                        else "invalid_request_error")
 
     def body(self) -> dict:

@@ -32,8 +32,8 @@ def attach(model: nn.Module) -> CpuFastPaths | None:
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel):
         return None
-    mlps = [mlp_chunks.attach(layer.mlp) for layer in inner.layers]
-    return CpuFastPaths(mlps, decode.attach(inner))
+    mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp) for layer in inner.layers]
+    return CpuFastPaths(mlps, decode.attach_fused_decode(inner))
 
 
 __all__ = ["CpuFastPaths", "attach"]

@@ -9,14 +9,14 @@ layer pays Python and argument unboxing per layer (bench/README.md has the measu
 the whole stack is one call: the weights and KV caches reach it as numba typed lists of views
 built once, and its parallel parts (the projections, attention) are parallel loops inside it.
 
-The arithmetic is the same as the module path (cpu_fused, cpu_gemv, decode_numba): RMSNorm in
+The arithmetic is the same as the module path (norm_numba, rotary_numba, activation_numba, cpu_gemv, decode_numba): RMSNorm in
 float32 then the weight multiply, rotate-half rotary, SiLU(gate) * up, attention over the
 paged cache after this step's K/V are written.
 
 `attach` gives a loaded LlamaModel whose layers `qualify` (float32 CPU weights, one
 tensor-parallel rank, no biases and no per-head q/k norm in any layer) a `FusedDecode` as its
 `forward_layers`; it runs the fused stack for the steps where `applies` holds (every row a
-decode row, one token, at most MAX_ROWS rows) and the model's own layers otherwise.
+decode row, one token, at most MAX_DECODE_ROWS rows) and the model's own layers otherwise.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from numba import njit, typed
 
 from mrv2.attention.backend import TORCH, attention_backend
 from mrv2.attention.decode_numba import _decode_kernel
-from mrv2.models.layers.cpu_fused import add_rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+from mrv2.models.layers.activation_numba import silu_and_mul_kernel
+from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.cpu_gemv import gemv_kernel
 
-MAX_ROWS = 4
+MAX_DECODE_ROWS = 4
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
@@ -126,10 +128,10 @@ def qualifies(model) -> bool:
 
 def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> bool:
     """Whether `decode_model` computes this step of `model` (a LlamaModel that `qualifies`):
-    a decode step (every row one token) of at most MAX_ROWS rows on the CPU (torch attention
+    a decode step (every row one token) of at most MAX_DECODE_ROWS rows on the CPU (torch attention
     backend) in float32."""
     rows = hidden.shape[0]
-    return (0 < rows <= MAX_ROWS and meta.num_decodes == meta.num_reqs == rows
+    return (0 < rows <= MAX_DECODE_ROWS and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
             and attention_backend(hidden.device) == TORCH
@@ -226,7 +228,7 @@ class FusedDecode:
         return decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)
 
 
-def attach(model) -> FusedDecode | None:
+def attach_fused_decode(model) -> FusedDecode | None:
     """Route `model`'s (a LlamaModel's) decode steps through the fused stack when it
     `qualifies` (checked once, on the loaded weights); returns the attached path, or None."""
     if not qualifies(model):

@@ -36,7 +36,7 @@ class ChunkedMLP:
         return self.forward(x)
 
 
-def attach(mlp) -> ChunkedMLP:
+def attach_chunked_mlp(mlp) -> ChunkedMLP:
     """Run `mlp` (a LlamaMLP) in row chunks on long CPU batches."""
     chunked = mlp.forward = ChunkedMLP(mlp)
     return chunked

@@ -1,5 +1,5 @@
 """SiLU-and-mul, the gated activation of the Llama-family MLP: gate_up [T, 2I] -> silu(gate) *
-up [T, I]. float32 CPU tensors outside autograd run the fused numba kernel (cpu_fused), any
+up [T, I]. float32 CPU tensors outside autograd run the fused numba kernel (activation_numba.py), any
 other tensor the torch ops."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mrv2.models.layers import cpu_fused
+from mrv2.models.layers import activation_numba
+from mrv2.models.layers.numba_rows import float32_cpu_inference
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if cpu_fused.supported(gate_up):
-        return cpu_fused.silu_and_mul(gate_up)
+    if float32_cpu_inference(gate_up):
+        return activation_numba.silu_and_mul(gate_up)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mrv2.models.layers import cpu_fused
 from mrv2.models.layers.linear import default_weight_loader, set_weight_attrs
+from mrv2.models.layers.norm_numba import rms_norm
+from mrv2.models.layers.numba_rows import float32_cpu_inference
 
 
 class RMSNorm(nn.Module):
@@ -34,8 +35,8 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), where the
         second value is the residual stream the next layer adds its output to."""
-        if cpu_fused.supported(x, self.weight, *(() if residual is None else (residual,))):
-            return cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+        if float32_cpu_inference(x, self.weight, *(() if residual is None else (residual,))):
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         # Added in the activation dtype, as transformers' `residual + hidden_states`.

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mrv2.models.layers import cpu_fused
+from mrv2.models.layers import rotary_numba
+from mrv2.models.layers.numba_rows import float32_cpu_inference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
@@ -105,8 +106,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  head_dim: int) -> torch.Tensor:
     """x [T, N*D], cos/sin [T, D] -> rotated x [T, N*D] (same dtype as x)."""
-    if cpu_fused.supported(x, cos, sin):
-        return cpu_fused.rotary(x, cos, sin, head_dim)
+    if float32_cpu_inference(x, cos, sin):
+        return rotary_numba.apply_rotary(x, cos, sin, head_dim)
     shape = x.shape
     x = x.reshape(shape[0], -1, head_dim)
     # Same expression order as transformers' apply_rotary_pos_emb.

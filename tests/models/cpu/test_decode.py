@@ -27,7 +27,7 @@ def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:
     return outputs, calls["n"]
 
 
-@pytest.mark.parametrize("num_prompts", [1, 3, cpu_decode.MAX_ROWS])
+@pytest.mark.parametrize("num_prompts", [1, 3, cpu_decode.MAX_DECODE_ROWS])
 def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, monkeypatch):
     llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
@@ -45,7 +45,7 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
 def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monkeypatch):
     # More rows than MAX_ROWS: never called.
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=64)
-    prompts = [{"prompt_token_ids": [7 + i, 8, 9]} for i in range(cpu_decode.MAX_ROWS + 2)]
+    prompts = [{"prompt_token_ids": [7 + i, 8, 9]} for i in range(cpu_decode.MAX_DECODE_ROWS + 2)]
     _, calls = _generate(llm, prompts, True, monkeypatch)
     assert calls == 0
     llm.shutdown()

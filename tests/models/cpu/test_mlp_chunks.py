@@ -17,7 +17,7 @@ def test_mlp_row_chunks_equal_one_pass(monkeypatch):
     mlp.gate_up_proj.weight.copy_(torch.randn(96, 32, generator=g) * 0.2)
     mlp.down_proj.weight.copy_(torch.randn(32, 48, generator=g) * 0.2)
     x = torch.randn(300, 32, generator=g)
-    mlp_chunks.attach(mlp)
+    mlp_chunks.attach_chunked_mlp(mlp)
     monkeypatch.setattr(mlp_chunks, "CHUNK_BYTES", 8 * 48 * 128)  # 128-row chunks
     assert mlp_chunks.chunk_rows(mlp) == 128
     chunked = mlp(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mrv2.numba_exp import exp32
+from mrv2.models.layers.numba_exp import exp32
 
 
 @njit(fastmath=True, error_model="numpy", cache=False)

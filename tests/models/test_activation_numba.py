@@ -1,0 +1,26 @@
+"""The SiLU-and-mul numba twin against the torch ops, over the range where exp overflows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2.models.layers import activation_numba
+from mrv2.models.layers.numba_rows import SERIAL_MAX_ROWS
+
+# Serial sizes, then the parallel row-chunk form (a partial last chunk included).
+ROWS = [1, 7, SERIAL_MAX_ROWS, SERIAL_MAX_ROWS + 1, 1000]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@torch.no_grad()
+def test_silu_and_mul(rows):
+    gate_up = torch.randn(rows, 2 * 40, generator=_gen(rows)) * 8  # large |x|: exp overflow
+    gate, up = gate_up.split(40, -1)
+    torch.testing.assert_close(activation_numba.silu_and_mul(gate_up), F.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
