@@ -22,14 +22,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-import msgspec
-
 from mrv2.config import EngineConfig
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.async_client import AsyncMPClient
 from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, RequestRejectedError
 from mrv2.engine.input_processor import InputProcessor, PromptType
-from mrv2.engine.llm_engine import child_sampling_params, load_tokenizer, user_request_id
+from mrv2.engine.llm_engine import (child_sampling_params, core_requests, load_tokenizer,
+                                     user_request_id)
 from mrv2.engine.output import OutputProcessor
 from mrv2.errors import EngineDeadError
 from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -185,13 +184,9 @@ class AsyncLLM:
         self._streams[request_id] = stream
         sent: list[str] = []
         try:
-            for index, core_id in enumerate(core_ids):
-                core_request = request
-                if children is not None:
-                    core_request = msgspec.structs.replace(
-                        request, request_id=core_id, sampling_params=children[index])
+            for core_request in core_requests(request, core_ids, children):
                 await self.engine_core.add_request_async(core_request)
-                sent.append(core_id)
+                sent.append(core_request.request_id)
         except BaseException:
             self._streams.pop(request_id, None)
             self.output_processor.abort_requests([request_id])

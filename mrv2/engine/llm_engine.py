@@ -25,6 +25,7 @@ from mrv2.engine.core import EngineCore
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.output import OutputProcessor
 from mrv2.outputs import RequestOutput, RequestOutputKind
+from mrv2.protocol import EngineCoreRequest
 from mrv2.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,16 @@ def child_sampling_params(params: SamplingParams) -> list[SamplingParams]:
         child = params.clone(n=1)
         return [child] * params.n
     return [params.clone(n=1, seed=params.seed + i) for i in range(params.n)]
+
+
+def core_requests(request: EngineCoreRequest, core_ids: list[str],
+                  children: list[SamplingParams] | None) -> list[EngineCoreRequest]:
+    """What the core receives for one user request: itself, or one request per sample of
+    n > 1 (ids `core_ids`, params `children`)."""
+    if children is None:
+        return [request]
+    return [msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
+            for core_id, child in zip(core_ids, children)]
 
 
 def user_request_id(output_processor: OutputProcessor, core_request_id: str) -> str:
@@ -98,13 +109,9 @@ class LLMEngine:
             request_id, text, request.prompt_token_ids, params, output_kind, children)
         added: list[str] = []
         try:
-            for index, core_id in enumerate(core_ids):
-                core_request = request
-                if children is not None:
-                    core_request = msgspec.structs.replace(
-                        request, request_id=core_id, sampling_params=children[index])
+            for core_request in core_requests(request, core_ids, children):
                 self.core_client.add_request(core_request)
-                added.append(core_id)
+                added.append(core_request.request_id)
         except BaseException:
             self.output_processor.abort_requests([request_id])
             if added and not self.core_client.is_dead:

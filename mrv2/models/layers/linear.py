@@ -116,6 +116,15 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
         setattr(param, key, value)
 
 
+def register_replicated_bias(module: nn.Module, size: int, bias: bool) -> None:
+    """`module.bias`: a [size] parameter every rank loads whole, or None without a bias."""
+    if bias:
+        module.bias = nn.Parameter(torch.empty(size), requires_grad=False)
+        set_weight_attrs(module.bias, weight_loader=default_weight_loader, shard_ids=(None,))
+    else:
+        module.register_parameter("bias", None)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), W: [output_size, input_size]; replicated on every rank."""
 
@@ -125,12 +134,7 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         set_weight_attrs(self.weight, weight_loader=default_weight_loader, shard_ids=(None,))
-        if bias:
-            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(output_size),
-                                                          requires_grad=False)
-            set_weight_attrs(self.bias, weight_loader=default_weight_loader, shard_ids=(None,))
-        else:
-            self.register_parameter("bias", None)
+        register_replicated_bias(self, output_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear.linear(x, self.weight, self.bias)
@@ -188,12 +192,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition),
                                    requires_grad=False)
         set_weight_attrs(self.weight, weight_loader=self.weight_loader, shard_ids=(None,))
-        if bias:
-            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(output_size),
-                                                          requires_grad=False)
-            set_weight_attrs(self.bias, weight_loader=default_weight_loader, shard_ids=(None,))
-        else:
-            self.register_parameter("bias", None)
+        register_replicated_bias(self, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId = None) -> None:
