@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mrv2.packed import int32_bytes, ones_int32_bytes, pack_ids
-from mrv2.protocol import ModelRunnerOutput, PromptLogprobsChunk, SampleLogprobs
+from mrv2.protocol import ModelRunnerOutput, PromptLogprobsChunk, SampledTokenLogprobs
 from mrv2.sampler.logprobs import LogprobsTensors
 
 
@@ -82,7 +82,7 @@ class AsyncOutput:
             assert self.num_logprobs is not None
             # Rows that sampled nothing (a prefill chunk) report no logprobs either.
             num = np.where(self.is_sampling, self.num_logprobs, -1)
-            logprobs = [None if row is None else SampleLogprobs(*row)
+            logprobs = [None if row is None else SampledTokenLogprobs(*row)
                         for row in self._logprobs.to_lists(num)]
         prompt = None
         if self._prompt_starts is not None:

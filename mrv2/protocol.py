@@ -119,7 +119,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
         return dict(zip(self.req_ids, self.num_scheduled.tolist()))
 
     @property
-    def cached_reqs_lead(self) -> bool:
+    def cached_rows_first(self) -> bool:
         """Whether the running requests are the first rows of the batch (the scheduler's
         order), so their slots need no second lookup."""
         cached = self.scheduled_cached_reqs
@@ -138,7 +138,7 @@ class GrammarOutput(msgspec.Struct, array_like=True, frozen=True):
     bitmask: bytes | None = None
 
 
-class SampleLogprobs(msgspec.Struct, array_like=True, frozen=True):
+class SampledTokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
     """One sampled token's logprobs: the sampled token first, then the top-k."""
 
     token_ids: list[int]
@@ -173,7 +173,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     sampled_i32: bytes
     num_sampled_i32: bytes
     # Per request: None unless it asked for logprobs (and sampled this step).
-    logprobs: list[SampleLogprobs | None] | None = None
+    logprobs: list[SampledTokenLogprobs | None] | None = None
     num_nans: int = 0
     # Requests that asked for prompt logprobs and computed prompt positions this step; None
     # when no request of the batch did.
@@ -181,7 +181,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
-              logprobs: list[SampleLogprobs | None] | None = None, num_nans: int = 0,
+              logprobs: list[SampledTokenLogprobs | None] | None = None, num_nans: int = 0,
               prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
               ) -> ModelRunnerOutput:
         if len(req_ids) != len(sampled_token_ids):
@@ -237,7 +237,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     # The stop token id that ended the request, when it was a stop_token_id.
     stop_reason: int | str | None = None
     # One entry per new token (same length as new_token_ids); None unless it asked for logprobs.
-    new_logprobs: list[SampleLogprobs] | None = None
+    new_logprobs: list[SampledTokenLogprobs] | None = None
     # The prompt positions computed this step; an output may carry only these (no new token)
     # for a prefill chunk of a request that asked for prompt logprobs.
     new_prompt_logprobs: PromptLogprobsChunk | None = None

@@ -125,7 +125,7 @@ class ModelRunner:
         num_scheduled = out.num_scheduled.copy()  # the message's view is read-only
         num_cached = len(cached_slots)
         # The scheduler sends running (cached) rows first: their slots are known already.
-        if out.cached_reqs_lead:
+        if out.cached_rows_first:
             slots = np.concatenate([cached_slots,
                                     self.requests.slots_of(req_ids[num_cached:])])
         else:

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from mrv2.protocol import (
-    SampleLogprobs,
+    SampledTokenLogprobs,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -100,9 +100,9 @@ def test_scheduler_output_keeps_batch_order() -> None:
     # Insertion order of num_scheduled_tokens is the batch order.
     assert list(back.num_scheduled_tokens) == ["z", "a", "n2", "n1"]
     assert back.req_ids == ["z", "a", "n2", "n1"] and back.num_scheduled.tolist() == [1, 1, 3, 2]
-    assert back.cached_reqs_lead  # running requests are the first rows
+    assert back.cached_rows_first  # running requests are the first rows
     reordered = SchedulerOutput.build([], out.scheduled_cached_reqs, {"a": 1, "z": 1}, 2)
-    assert not reordered.cached_reqs_lead
+    assert not reordered.cached_rows_first
     assert back.scheduled_new_reqs[1].sampling_params.max_tokens == 4
     assert not back.is_empty
 
@@ -122,7 +122,7 @@ def test_grammar_output(bitmask: bytes | None) -> None:
 
 
 def test_model_runner_output() -> None:
-    lp = SampleLogprobs(token_ids=[5, 5, 9], logprobs=[-0.25, -0.25, -1.5], rank=1)
+    lp = SampledTokenLogprobs(token_ids=[5, 5, 9], logprobs=[-0.25, -0.25, -1.5], rank=1)
     out = ModelRunnerOutput.build(req_ids=["a", "b"], sampled_token_ids=[[5], []],
                             logprobs=[lp, None], num_nans=1)
     back = round_trip(out)
@@ -163,7 +163,7 @@ def test_engine_core_output(reason: FinishReason | None, stop_reason: int | str 
 def test_logprobs_fields_round_trip() -> None:
     """Sample and prompt logprobs cross both boundaries (worker -> core, core -> front end),
     -inf (a filtered token) included."""
-    lp = SampleLogprobs(token_ids=[5, 2], logprobs=[-0.5, float("-inf")], rank=3)
+    lp = SampledTokenLogprobs(token_ids=[5, 2], logprobs=[-0.5, float("-inf")], rank=3)
     prompt = PromptLogprobsChunk(start=4, token_ids=[[7, 1], [8, 8]],
                                  logprobs=[[-2.0, -0.1], [-0.3, -0.3]], ranks=[9, 1])
     assert prompt.num_rows == 2

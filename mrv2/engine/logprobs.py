@@ -1,4 +1,4 @@
-"""Front-end logprobs of one completion: the core's per-token `SampleLogprobs` and per-chunk
+"""Front-end logprobs of one completion: the core's per-token `SampledTokenLogprobs` and per-chunk
 `PromptLogprobsChunk`s turned into vLLM's user-facing lists of ``{token id: Logprob}``.
 
 Each dict holds the sampled (or actual prompt) token first, then the top-k, in the runner's
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from mrv2.outputs import Logprob, PromptLogprobs, SampleLogprobs, TokenLogprobs
 from mrv2.protocol import PromptLogprobsChunk
-from mrv2.protocol import SampleLogprobs as SampleLogprobsWire
+from mrv2.protocol import SampledTokenLogprobs
 
 
 class TokenTexts:
@@ -82,7 +82,7 @@ class RequestLogprobs:
             self.prompt_logprobs.append(
                 make_logprob_dict(ids, chunk.logprobs[i], chunk.ranks[i], texts(ids)))
 
-    def add_sample(self, new_logprobs: list[SampleLogprobsWire] | None,
+    def add_sample(self, new_logprobs: list[SampledTokenLogprobs] | None,
                    num_new_tokens: int) -> None:
         """The logprobs of a step's new tokens (one per token)."""
         if self.logprobs is None or (num_new_tokens == 0 and not new_logprobs):

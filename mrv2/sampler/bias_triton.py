@@ -2,8 +2,8 @@
 which are the reference; the allowed_token_ids stage is fused into penalties_triton.py's dense
 kernel).
 
-``apply_sparse_``: logit bias and min_tokens stop ids; one program per batch row, reading the
-row's per-slot lists (a few ids each, at most 1024). It reads every parameter through
+``apply_bias_and_min_tokens_``: logit bias and min_tokens stop ids; one program per batch row,
+reading the row's per-slot lists (a few ids each, at most 1024). It reads every parameter through
 ``idx_mapping`` and modifies the float32 logits in place. Float operations are the torch
 versions', in the same order: under the interpreter the results are bit-for-bit equal.
 
@@ -45,7 +45,7 @@ def _sparse_kernel(x_ptr, x_stride, idx_mapping_ptr, pos_ptr,
                 tl.store(x_row + ids, tl.full([BLOCK], float("-inf"), tl.float32), mask=mask)
 
 
-def apply_sparse_(x: Tensor, idx_mapping: Tensor, positions: Tensor, states, *,
+def apply_bias_and_min_tokens_(x: Tensor, idx_mapping: Tensor, positions: Tensor, states, *,
                   apply_bias: bool, apply_stop: bool, block: int = 128) -> None:
     """Logit bias and/or min_tokens stop ids on float32 ``x`` [B, V], in place."""
     num_rows = x.shape[0]

@@ -2,8 +2,8 @@
 bias.py hold the torch versions, which are the reference; logit bias and min_tokens are in
 bias_triton.py).
 
-``apply_dense_``: allowed_token_ids and the three penalties; one program per (row, vocab
-block), reading the slot's bitmask words and output counts. A row with neither feature loads
+``apply_allowed_and_penalties_``: allowed_token_ids and the three penalties; one program per
+(row, vocab block), reading the slot's bitmask words and output counts. A row with neither feature loads
 its parameters and stores nothing.
 
 It reads every parameter through ``idx_mapping`` and modifies the float32 logits in place.
@@ -64,7 +64,7 @@ def _dense_kernel(x_ptr, x_stride, idx_mapping_ptr, vocab_size,
         tl.store(x_row + offs, x, mask=mask)
 
 
-def apply_dense_(x: Tensor, idx_mapping: Tensor, states, *, apply_allowed: bool,
+def apply_allowed_and_penalties_(x: Tensor, idx_mapping: Tensor, states, *, apply_allowed: bool,
                  apply_penalties: bool, block: int = 1024) -> None:
     """allowed_token_ids and/or the penalties on float32 ``x`` [B, V], in place."""
     num_rows, vocab_size = x.shape

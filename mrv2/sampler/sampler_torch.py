@@ -33,11 +33,11 @@ from mrv2.sampler.states import (ALLOWED, LOGIT_BIAS, MIN_TOKENS, PENALTIES, Bat
 # Elements per row tile; tuned on a 2-core AVX2 machine, B=256, V=32000.
 TILE_ELEMS = 1 << 20
 
-Rows = slice | Tensor  # all rows of a tile, or the indices of some of them
+RowSelection = slice | Tensor  # all rows of a tile, or the indices of some of them
 
 
 @dataclass
-class _Rows:
+class _RowParams:
     """Per-row inputs of a batch or tile: device tensors gathered once through idx_mapping,
     and host arrays from the mirrors (``*_np``)."""
 
@@ -52,11 +52,11 @@ class _Rows:
     features_np: np.ndarray
     num_logprobs_np: np.ndarray
 
-    def __getitem__(self, rows: slice) -> "_Rows":
-        return _Rows(**{name: getattr(self, name)[rows] for name in self.__dataclass_fields__})
+    def __getitem__(self, rows: slice) -> "_RowParams":
+        return _RowParams(**{name: getattr(self, name)[rows] for name in self.__dataclass_fields__})
 
 
-def _select(mask: np.ndarray, device: torch.device) -> Rows | None:
+def _select(mask: np.ndarray, device: torch.device) -> RowSelection | None:
     """The rows where ``mask`` holds: all of them as a slice, some as an index tensor, or
     None."""
     if mask.all():
@@ -66,7 +66,7 @@ def _select(mask: np.ndarray, device: torch.device) -> Rows | None:
     return torch.from_numpy(np.flatnonzero(mask)).to(device)
 
 
-def _on_rows(x: Tensor, rows: Rows, fn: Callable[[Tensor, Rows], None]) -> None:
+def _on_rows(x: Tensor, rows: RowSelection, fn: Callable[[Tensor, RowSelection], None]) -> None:
     """Run the in-place stage ``fn(x_rows, rows)`` on some rows of ``x``."""
     if isinstance(rows, slice):
         fn(x, rows)
@@ -120,7 +120,7 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
         return sampled, lp_out
 
     idx = idx_mapping.long()
-    batch = _Rows(idx=idx, positions=positions.long(),
+    batch = _RowParams(idx=idx, positions=positions.long(),
                   temperature=states.temperature.tensor[idx], top_k=states.top_k.tensor[idx],
                   top_p=states.top_p.tensor[idx], min_p=states.min_p.tensor[idx],
                   seed=states.seed.tensor[idx], greedy_np=states.greedy_host[idx_mapping_np],
@@ -143,7 +143,7 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
     return out, lp_out
 
 
-def _process_tile_(x: Tensor, rows: _Rows, states: SamplingStates, flags: BatchFlags) -> None:
+def _process_tile_(x: Tensor, rows: _RowParams, states: SamplingStates, flags: BatchFlags) -> None:
     """Allowed ids, logit bias, min_tokens and penalties on one tile, in place; each stage on
     the rows whose request uses it."""
     idx, vocab_size, device = rows.idx, x.shape[1], x.device
@@ -183,7 +183,7 @@ def _process_tile_(x: Tensor, rows: _Rows, states: SamplingStates, flags: BatchF
             states.frequency_penalty.tensor[slots] if freq_pres else None))
 
 
-def _sample_tile(x: Tensor, rows: _Rows, flags: BatchFlags, *, keep_processed: bool) -> Tensor:
+def _sample_tile(x: Tensor, rows: _RowParams, flags: BatchFlags, *, keep_processed: bool) -> Tensor:
     """Greedy rows: argmax of the processed logits. Random rows: / temperature, filters, then
     Gumbel-max. With ``keep_processed``, ``x``'s random rows are left temperature-scaled and
     filtered (greedy rows: processed logits as they are), for processed logprobs."""

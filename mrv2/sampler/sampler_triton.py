@@ -2,7 +2,7 @@
 
 Same pipeline and results as the torch path in sampler.py, on the whole batch at once:
 
-    float32 copy -> apply_sparse_ (bias, min_tokens) -> apply_dense_ (allowed, penalties)
+    float32 copy -> apply_bias_and_min_tokens_ -> apply_allowed_and_penalties_
     -> [filters in use or processed logprobs: / temperature, min-p, top-k/top-p in torch]
     -> gumbel_sample (temperature fused in when it was not applied above)
     -> logprobs pass over the raw logits or the processed copy
@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mrv2.sampler.bias_triton import apply_sparse_
+from mrv2.sampler.bias_triton import apply_bias_and_min_tokens_
 from mrv2.sampler.filters import apply_min_p_, apply_top_k_top_p_
 from mrv2.sampler.logprobs import LogprobsTensors
 from mrv2.sampler.logprobs_triton import compute_logprobs_triton
 from mrv2.sampler.noise_triton import gumbel_sample
-from mrv2.sampler.penalties_triton import apply_dense_
+from mrv2.sampler.penalties_triton import apply_allowed_and_penalties_
 from mrv2.sampler.states import BatchFlags, SamplingStates
 
 
@@ -38,11 +38,12 @@ def sample_triton(logits: Tensor, idx_mapping: Tensor, positions: Tensor,
     else:
         x = logits.to(torch.float32, copy=True)
         if flags.any_logit_bias or flags.any_min_tokens:
-            apply_sparse_(x, idx_mapping, positions, states, apply_bias=flags.any_logit_bias,
-                          apply_stop=flags.any_min_tokens)
+            apply_bias_and_min_tokens_(x, idx_mapping, positions, states,
+                                       apply_bias=flags.any_logit_bias,
+                                       apply_stop=flags.any_min_tokens)
         if flags.any_allowed or flags.any_penalties:
-            apply_dense_(x, idx_mapping, states, apply_allowed=flags.any_allowed,
-                         apply_penalties=flags.any_penalties)
+            apply_allowed_and_penalties_(x, idx_mapping, states, apply_allowed=flags.any_allowed,
+                                         apply_penalties=flags.any_penalties)
         prescale = not flags.all_greedy and (flags.any_filter or (want_logprobs and processed))
         if prescale:
             _scale_and_filter_(x, idx_mapping, states, flags)

@@ -104,8 +104,8 @@ class RequestState:
         return self.num_computed_host[slots] >= self.prefill_len_host[slots]
 
     def apply_staged_writes(self) -> None:
-        for staged in (self.token_ids, self.prompt_len, self.prefill_len, self.num_computed, self.total_len,
-                       self.last_sampled):
+        for staged in (self.token_ids, self.prompt_len, self.prefill_len, self.num_computed,
+                       self.total_len, self.last_sampled):
             staged.apply()
 
     def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor,

@@ -13,7 +13,7 @@ from mrv2.engine.request import Request, RequestStatus
 from mrv2.engine.scheduler import Scheduler
 from mrv2.outputs import Logprob, RequestOutputKind
 from mrv2.protocol import (EngineCoreOutput, FinishReason, ModelRunnerOutput,
-                           PromptLogprobsChunk, SampleLogprobs)
+                           PromptLogprobsChunk, SampledTokenLogprobs)
 from mrv2.sampling_params import SamplingParams
 
 DELTA, CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE
@@ -28,10 +28,10 @@ class FakeTokenizer:
         return f"<{ids[0]}>"
 
 
-def lp(token: int, *top: int, rank: int = 1) -> SampleLogprobs:
+def lp(token: int, *top: int, rank: int = 1) -> SampledTokenLogprobs:
     ids = [token, *top]
     # A token's value depends on the token only, as in real logprobs.
-    return SampleLogprobs(token_ids=ids, logprobs=[-t / 100 for t in ids], rank=rank)
+    return SampledTokenLogprobs(token_ids=ids, logprobs=[-t / 100 for t in ids], rank=rank)
 
 
 def chunk(start: int, tokens: list[int]) -> PromptLogprobsChunk:

@@ -20,7 +20,7 @@ from mrv2.errors import WorkerError
 from mrv2.protocol import (CachedRequestData, CoreDead, CoreReady, CoreStats, EngineCoreOutput,
                            EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
                            ModelRunnerOutput, NewRequestData, PromptLogprobsChunk,
-                           RequestRejected, SampleLogprobs, SchedulerOutput, UtilityCall,
+                           RequestRejected, SampledTokenLogprobs, SchedulerOutput, UtilityCall,
                            UtilityResult)
 from mrv2.sampling_params import SamplingParams
 
@@ -69,7 +69,7 @@ scheduler_outputs = st.builds(
     preempted_req_ids=st.lists(ids, max_size=4))
 grammar_outputs = st.builds(GrammarOutput, req_ids=st.lists(ids, max_size=4),
                             bitmask=st.none() | st.binary(max_size=64))
-sample_logprobs = st.builds(SampleLogprobs, token_ids=tokens,
+sample_logprobs = st.builds(SampledTokenLogprobs, token_ids=tokens,
                             logprobs=st.lists(floats, max_size=4), rank=st.integers(1, 10**6))
 prompt_chunks = st.integers(0, 4).flatmap(lambda n: st.builds(
     PromptLogprobsChunk, start=st.integers(0, 10**6),
@@ -103,7 +103,7 @@ counts = st.integers(0, 2**20)
 # and the executor's own (start-up handshake, queue handles, remote errors).
 STRATEGIES: dict[type, st.SearchStrategy] = {
     NewRequestData: new_reqs, CachedRequestData: cached, SchedulerOutput: scheduler_outputs,
-    GrammarOutput: grammar_outputs, SampleLogprobs: sample_logprobs,
+    GrammarOutput: grammar_outputs, SampledTokenLogprobs: sample_logprobs,
     PromptLogprobsChunk: prompt_chunks, ModelRunnerOutput: runner_outputs,
     EngineCoreRequest: core_requests, EngineCoreOutput: core_output,
     EngineCoreOutputs: core_outputs, SamplingParams: sampling, ShmQueueHandle: queue_handles,

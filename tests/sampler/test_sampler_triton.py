@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from mrv2.sampler.bias import apply_allowed_, apply_logit_bias_, apply_min_tokens_
-from mrv2.sampler.bias_triton import apply_sparse_
+from mrv2.sampler.bias_triton import apply_bias_and_min_tokens_
 from mrv2.sampler.logprobs import compute_logprobs
 from mrv2.sampler.logprobs_triton import compute_logprobs_triton
 from mrv2.sampler.noise import gumbel_noise
 from mrv2.sampler.noise_triton import gumbel_block_argmax, gumbel_sample
 from mrv2.sampler.penalties import apply_penalties_
-from mrv2.sampler.penalties_triton import apply_dense_
+from mrv2.sampler.penalties_triton import apply_allowed_and_penalties_
 from mrv2.sampler.slot_tables import unpack_token_bits
 from mrv2.sampling_params import SamplingParams
 from mrv2.platform import triton_interpreter
@@ -113,7 +113,8 @@ def test_processing_kernels_equal_torch(sparse_block: int, dense_block: int) -> 
     apply_logit_bias_(ref, bias.bias.ids[idx], bias.bias.values[idx],
                       bias.bias.lengths.tensor[idx])
     apply_min_tokens_(ref, bias.stop_ids.ids[idx], bias.stop_ids.lengths.tensor[idx],
-                      positions - states.requests.prompt_len.tensor[idx] < states.min_tokens.tensor[idx])
+                      positions - states.requests.prompt_len.tensor[idx]
+                      < states.min_tokens.tensor[idx])
     apply_penalties_(ref, pen.output_counts[idx],
                      unpack_token_bits(pen.prompt_mask.words[idx], vocab),
                      states.repetition_penalty.tensor[idx], states.presence_penalty.tensor[idx],
@@ -122,10 +123,10 @@ def test_processing_kernels_equal_torch(sparse_block: int, dense_block: int) -> 
 
     got = x.clone()
     with triton_interpreter():
-        apply_sparse_(got, idx, positions, states, apply_bias=True, apply_stop=True,
-                      block=sparse_block)
-        apply_dense_(got, idx, states, apply_allowed=True, apply_penalties=True,
-                     block=dense_block)
+        apply_bias_and_min_tokens_(got, idx, positions, states, apply_bias=True,
+                                   apply_stop=True, block=sparse_block)
+        apply_allowed_and_penalties_(got, idx, states, apply_allowed=True,
+                                     apply_penalties=True, block=dense_block)
     assert torch.equal(got, ref)
 
 
@@ -135,11 +136,11 @@ def test_processing_kernels_honour_disabled_stages() -> None:
     x = random_logits(3, vocab, seed=3)
     only_bias = x.clone()
     with triton_interpreter():
-        apply_sparse_(only_bias, batch.idx, batch.positions, batch.states, apply_bias=True,
-                      apply_stop=False)
+        apply_bias_and_min_tokens_(only_bias, batch.idx, batch.positions, batch.states,
+                                   apply_bias=True, apply_stop=False)
         only_pen = x.clone()
-        apply_dense_(only_pen, batch.idx, batch.states, apply_allowed=False,
-                     apply_penalties=True, block=64)
+        apply_allowed_and_penalties_(only_pen, batch.idx, batch.states, apply_allowed=False,
+                                     apply_penalties=True, block=64)
     changed_bias = (only_bias != x).any(-1).tolist()
     assert changed_bias == [True, False, True]
     assert bool(torch.isfinite(only_bias).all())  # no stop id masked

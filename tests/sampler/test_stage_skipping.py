@@ -87,8 +87,8 @@ def test_torch_path_greedy_batch_draws_no_noise(monkeypatch: pytest.MonkeyPatch)
 
 def test_triton_path_skips_unused_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     log: dict[str, list[dict]] = {}
-    names = ["apply_sparse_", "apply_dense_", "_scale_and_filter_", "gumbel_sample",
-             "compute_logprobs_triton"]
+    names = ["apply_bias_and_min_tokens_", "apply_allowed_and_penalties_", "_scale_and_filter_",
+             "gumbel_sample", "compute_logprobs_triton"]
     counts = count_calls(monkeypatch, triton_path, names, log)
     logits = random_logits(len(STAGES), V, seed=3)
 
@@ -103,13 +103,13 @@ def test_triton_path_skips_unused_stages(monkeypatch: pytest.MonkeyPatch) -> Non
     # Plain temperature: only the fused temperature + Gumbel kernel.
     assert run([random_params(1), SamplingParams(temperature=0.0)]) == Counter(gumbel_sample=1)
     # Logit bias only: the sparse kernel with the stop-id part off; no dense kernel.
-    assert run([random_params(1, logit_bias={4: 1.0})]) == Counter(apply_sparse_=1,
-                                                                    gumbel_sample=1)
-    assert log["apply_sparse_"] == [dict(apply_bias=True, apply_stop=False)]
+    assert run([random_params(1, logit_bias={4: 1.0})]) == Counter(
+        apply_bias_and_min_tokens_=1, gumbel_sample=1)
+    assert log["apply_bias_and_min_tokens_"] == [dict(apply_bias=True, apply_stop=False)]
     # Penalties only: the dense kernel with the allowed-ids part off.
-    assert run([random_params(1, presence_penalty=0.5)]) == Counter(apply_dense_=1,
-                                                                     gumbel_sample=1)
-    assert log["apply_dense_"] == [dict(apply_allowed=False, apply_penalties=True)]
+    assert run([random_params(1, presence_penalty=0.5)]) == Counter(
+        apply_allowed_and_penalties_=1, gumbel_sample=1)
+    assert log["apply_allowed_and_penalties_"] == [dict(apply_allowed=False, apply_penalties=True)]
     # Everything on: every stage runs once (positive control).
     every = [random_params(i, **kw) for i, (_, kw) in enumerate(STAGES.values())]
     assert run(every) == Counter({name: 1 for name in names})

@@ -1,6 +1,6 @@
 """SiLU-and-mul, the gated activation of the Llama-family MLP: gate_up [T, 2I] -> silu(gate) *
-up [T, I]. float32 CPU tensors outside autograd run the fused numba kernel (activation_numba.py), any
-other tensor the torch ops."""
+up [T, I]. float32 CPU tensors outside autograd run the fused numba twin (activation_numba.py),
+any other tensor the torch ops."""
 
 from __future__ import annotations
 

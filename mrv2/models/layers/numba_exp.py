@@ -9,11 +9,13 @@ loop over it vectorises like any multiply-add loop.
 
 Accuracy: within 3e-7 relative (2.5 ulp) of the exact value over [-87.3, 88]
 (tests/models/test_numba_exp.py); inputs are clamped to that range, so exp32(x) is ~1.2e-38
-for x < -87.3 (not 0) and ~1.65e38 for x > 88 (not inf): both harmless where it is used (softmax terms, SiLU's 1 + exp(-x)).
+for x < -87.3 (not 0) and ~1.65e38 for x > 88 (not inf): both harmless where it is used
+(softmax terms, SiLU's 1 + exp(-x)).
 
 Caching: kernels compiled with `cache=True` inline exp32, and numba keys each cache entry on
 the kernel's own file only; after editing this file, delete the `__pycache__/*.nbi|*.nbc`
-entries of attention/decode_numba.py, activation_numba.py and models/cpu/decode.py (a fresh checkout has none).
+entries of attention/decode_numba.py, activation_numba.py and models/cpu/decode.py (a fresh
+checkout has none).
 """
 
 from __future__ import annotations
