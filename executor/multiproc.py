@@ -180,15 +180,6 @@ class MultiprocExecutor(Executor):
     def _stop_workers(self, grace: float) -> None:
         stop_processes(self._procs, grace)
 
-    @property
-    def worker_pids(self) -> list[int]:
-        return [proc.pid for proc in self._procs]
-
-    @property
-    def shm_names(self) -> list[str]:
-        """The shared-memory segments this executor's queues use (/dev/shm/<name> on Linux)."""
-        return [self._requests.name, *self._response_names]
-
     # -- RPC -------------------------------------------------------------------------------------
 
     def _submit(self, method: str | Callable, args: tuple, reply_rank: int,

@@ -15,6 +15,8 @@ from mrv2.config import ConfigError
 from mrv2.errors import EngineDeadError
 from mrv2.testing.leftovers import engine_leftovers, wait_for_no_leftovers
 
+import executor_helpers
+
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 300 + 7 * i, 42]} for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -27,8 +29,8 @@ def test_mp_backend_matches_in_process_and_dies_loudly(tiny_llama):
     shm_before = set(os.listdir("/dev/shm"))
     llm = LLM(str(tiny_llama), max_model_len=2048, distributed_executor_backend="mp")
     executor = llm.llm_engine.engine_core.executor
-    [pid] = pids = executor.worker_pids
-    shm_names = executor.shm_names
+    [pid] = pids = executor_helpers.worker_pids(executor)
+    shm_names = executor_helpers.shm_names(executor)
     assert len(shm_names) == 2 and all(os.path.exists(f"/dev/shm/{n}") for n in shm_names)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

@@ -19,6 +19,8 @@ from mrv2.config import ConfigError
 from mrv2.errors import EngineDeadError
 from mrv2.testing.leftovers import wait_for_no_leftovers
 
+import executor_helpers
+
 MAX_TOKENS = 16
 # Lengths around the block size (16) and a multi-block prompt.
 PROMPT_LENS = [1, 4, 15, 17, 40]
@@ -70,7 +72,7 @@ def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
     try:
         if tp > 1:
             executor = llm.llm_engine.engine_core.executor
-            assert len(executor.worker_pids) == tp
+            assert len(executor_helpers.worker_pids(executor)) == tp
             _assert_sharded(executor, model_dir, tp)
         results = []
         for params in params_list:
@@ -143,8 +145,8 @@ def test_tp2_rank_killed_raises_engine_dead(tiny_model_factory):
     # The surviving rank blocks in a collective; the executor must still fail fast and stop it.
     model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
     llm = LLM(str(model_dir), tensor_parallel_size=2, max_model_len=2048)
-    pids = llm.llm_engine.engine_core.executor.worker_pids
-    shm_names = llm.llm_engine.engine_core.executor.shm_names
+    pids = executor_helpers.worker_pids(llm.llm_engine.engine_core.executor)
+    shm_names = executor_helpers.shm_names(llm.llm_engine.engine_core.executor)
     assert len(shm_names) == 3  # the broadcast queue and one reply queue per rank
     try:
         killer = threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL))

@@ -28,7 +28,7 @@ from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, M
 from mrv2.sampling_params import SamplingParams
 from mrv2.testing.leftovers import engine_leftovers, process_alive
 
-from executor_helpers import is_failed
+from executor_helpers import is_failed, shm_names, worker_pids
 
 PROMPTS = {"a": [5, 17, 300, 42, 1000, 7, 8], "b": [900, 33, 12, 1500, 64],
            "c": [1, 2, 3], "d": list(range(100, 140))}
@@ -47,7 +47,7 @@ def shm_entries() -> set[str]:
 
 
 def assert_nothing_left(executor: MultiprocExecutor, shm_before: set[str]) -> None:
-    left = engine_leftovers(executor.worker_pids, executor.shm_names, shm_before)
+    left = engine_leftovers(worker_pids(executor), shm_names(executor), shm_before)
     assert not left, f"left behind: {left}"
 
 
@@ -174,7 +174,7 @@ def test_worker_heap_is_frozen_after_startup(engine):
 
 def test_rpc_timeout_then_late_reply_is_matched(engine):
     ex = engine.executor
-    (pid,) = ex.worker_pids
+    (pid,) = worker_pids(ex)
     os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(TimeoutError, match="determine_num_kv_blocks"):
@@ -190,7 +190,7 @@ def test_killed_worker_fails_pending_and_later_calls_fast(engines):
     before = shm_entries()
     core = engines.take()
     ex = core.executor
-    (pid,) = ex.worker_pids
+    (pid,) = worker_pids(ex)
     try:
         add_requests(core)
         for _ in range(3):
@@ -243,7 +243,7 @@ def test_worker_exits_when_the_parent_pipe_closes(engines):
     before = shm_entries()
     core = engines.take()
     ex = core.executor
-    (pid,) = ex.worker_pids
+    (pid,) = worker_pids(ex)
     ex._death_w.close()
     deadline = time.monotonic() + 10
     while process_alive(pid):
