@@ -23,9 +23,9 @@ import uuid
 
 import numpy as np
 
+from executor.packed import int32_bytes, ones_int32_bytes
 from executor.serial import MethodTypes, MsgpackEncoder, RPCCall, RPCReply
 from executor.shm_queue import DEFAULT_SPIN_S, ShmQueueReader, ShmQueueWriter
-from mrv2.packed import int32_bytes, ones_int32_bytes
 from mrv2.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.packed import int32_bytes, ones_int32_bytes, pack_ids
+from executor.packed import int32_bytes, ones_int32_bytes, pack_ids
 from mrv2.protocol import ModelRunnerOutput, PromptLogprobsChunk, SampledTokenLogprobs
 from mrv2.sampler.logprobs import LogprobsTensors
 

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mrv2.packed import (int32_bytes, int32_view, is_id_prefix, pack_ids, pack_ragged,
-                         unpack_ids, unpack_ragged)
+from executor.packed import (int32_bytes, int32_view, is_id_prefix, pack_ids, pack_ragged,
+                             unpack_ids, unpack_ragged)
 from mrv2.sampling_params import SamplingParams
 
 
@@ -36,7 +36,7 @@ class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):
-    """Running requests, packed (mrv2/packed.py): ids, then per request its count of tokens
+    """Running requests, packed (executor/packed.py): ids, then per request its count of tokens
     computed before this step and only this step's delta of new block ids. Build with
     `build`; read through the properties."""
 
@@ -165,7 +165,7 @@ class PromptLogprobsChunk(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
-    """One step's results in batch order, packed (mrv2/packed.py). Build with `build`."""
+    """One step's results in batch order, packed (executor/packed.py). Build with `build`."""
 
     req_ids_packed: bytes
     num_reqs: int
@@ -253,7 +253,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, frozen=True):
 
 
 # ----------------------------------------------------------------------------------------------
-# Front end <-> engine-core process (mrv2/engine/client.py <-> mrv2/engine/core_proc.py)
+# Front end <-> engine-core process (mrv2/engine/client.py <-> mrv2/core/core_proc.py)
 
 
 class UtilityCall(msgspec.Struct, array_like=True, frozen=True):

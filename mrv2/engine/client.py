@@ -1,7 +1,7 @@
 """Engine-core clients: one interface over an in-process EngineCore or an engine-core process.
 
 - `InprocClient`: the EngineCore in the caller's process; `get_output()` runs one step.
-- `MPClient`: starts `run_engine_core` (mrv2/engine/core_proc.py) in a spawned process and talks
+- `MPClient`: starts `run_engine_core` (mrv2/core/core_proc.py) in a spawned process and talks
   to it over ZMQ ipc sockets with msgspec messages. A reader thread decodes outputs into a
   queue, so decoding overlaps the caller; `get_output()` takes the next batch from it.
 - `AsyncMPClient` (mrv2/engine/async_client.py): the same over zmq.asyncio, for an event loop
@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from executor.process import pipe, settle, watch_processes
 from mrv2.config import EngineConfig
-from mrv2.engine.core_proc import CoreProcess, call_utility, core_stats
+from mrv2.core.core_proc import CoreProcess, call_utility, core_stats
 from mrv2.errors import EngineDeadError, WorkerError
 from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
                            UTILITY_RESULT, CoreFraming, CoreStats, EngineCoreOutputs,
@@ -95,7 +95,7 @@ class EngineCoreClient:
 
 class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
-        from mrv2.engine.core import EngineCore
+        from mrv2.core.engine_core import EngineCore
 
         self.engine_core = EngineCore(config, executor_class)
 

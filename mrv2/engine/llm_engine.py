@@ -19,11 +19,11 @@ import logging
 
 import msgspec
 
+from mrv2.core.engine_core import EngineCore
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.client import InprocClient, MPClient, RequestRejectedError
-from mrv2.engine.core import EngineCore
 from mrv2.engine.input_processor import InputProcessor, PromptType
-from mrv2.engine.output import OutputProcessor
+from mrv2.engine.output_processor import OutputProcessor
 from mrv2.outputs import RequestOutput, RequestOutputKind
 from mrv2.protocol import EngineCoreRequest
 from mrv2.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ import pytest
 
 from mrv2.engine.arg_utils import EngineArgs  # isort: skip
 from executor.multiproc import MultiprocExecutor  # isort: skip
-from mrv2.engine.core import EngineCore
+from mrv2.core.engine_core import EngineCore
 from mrv2.errors import EngineDeadError, WorkerError, WorkerStartupError
 from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, ModelRunnerOutput
 from mrv2.sampling_params import SamplingParams

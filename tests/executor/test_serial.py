@@ -33,7 +33,7 @@ def round_trip(obj: Any, type: Any = Any, **encoder_kwargs) -> Any:
 
 # -- protocol structs (property-based) ---------------------------------------------------------
 
-# Request ids hold no NUL and no lone surrogate (the scheduler refuses them: mrv2/packed.py).
+# Request ids hold no NUL and no lone surrogate (the scheduler refuses them: executor/packed.py).
 PACKABLE = st.characters(blacklist_characters="\0", blacklist_categories=("Cs",))
 ids = st.text(PACKABLE, min_size=1, max_size=12)
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=20)
@@ -110,7 +110,7 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     RemoteError: st.builds(RemoteError, ids, ids, st.text(max_size=20), st.text(max_size=40)),
     Ready: st.builds(Ready, rank=st.integers(0, 7), pid=st.integers(1, 2**22),
                      response=st.none() | queue_handles, error=st.none() | st.text(max_size=40)),
-    # Front end <-> engine-core process (moved here from mrv2/engine/core_proc.py).
+    # Front end <-> engine-core process (the core process side: mrv2/core/core_proc.py).
     UtilityCall: st.builds(UtilityCall, st.integers(0, 2**31), ids,
                            st.lists(st.integers(0, 2**31) | st.text(max_size=8), max_size=3)),
     UtilityResult: st.builds(UtilityResult, st.integers(0, 2**31),

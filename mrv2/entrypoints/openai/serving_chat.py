@@ -10,7 +10,7 @@ from fastapi import Request
 
 from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.logprobs import chat_logprobs
+from mrv2.entrypoints.openai.logprobs_format import chat_logprobs
 from mrv2.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream, merge_streams,
                                                     now, random_id, run_until_disconnected,

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.logprobs import CompletionLogprobs
+from mrv2.entrypoints.openai.logprobs_format import CompletionLogprobs
 from mrv2.entrypoints.openai.protocol import CompletionRequest
 from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream, merge_streams,
                                                     now, random_id, run_until_disconnected,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mrv2.core.engine_core import EngineCore
 from mrv2.engine.arg_utils import EngineArgs
-from mrv2.engine.core import EngineCore
 from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from mrv2.sampling_params import SamplingParams
 

@@ -20,8 +20,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from mrv2.engine.request import Request, RequestStatus
-from mrv2.engine.scheduler import Scheduler
+from mrv2.core.request import Request, RequestStatus
+from mrv2.core.scheduler import Scheduler
 from mrv2.protocol import FinishReason, ModelRunnerOutput, SchedulerOutput
 from mrv2.sampling_params import SamplingParams
 

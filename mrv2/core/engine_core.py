@@ -14,8 +14,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from mrv2.config import EngineConfig
-from mrv2.engine.request import Request, RequestStatus
-from mrv2.engine.scheduler import Scheduler
+from mrv2.core.request import Request, RequestStatus
+from mrv2.core.scheduler import Scheduler
 from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, SchedulerOutput
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Front-end side of outputs: detokenize, apply stop strings, build RequestOutputs.
 
-One `RequestState` per engine-core request. A request with n > 1 is a `ParentRequest` whose n
+One `RequestOutputState` per engine-core request. A request with n > 1 is a `ParentRequest` whose n
 children (core ids `f"{i}_{parent_id}"`) run as independent core requests; their outputs are
 gathered into one RequestOutput per parent per step, `outputs` ordered by index:
 
@@ -12,7 +12,7 @@ A completion ended by a stop string is finished here, not in the core: `process_
 returns its id in `reqs_to_abort`, and the caller must abort it in the engine core so its KV
 blocks and runner slot are freed.
 
-Logprobs (engine/logprobs.py) are accumulated only for requests that asked: a completion's
+Logprobs (engine/request_logprobs.py) are accumulated only for requests that asked: a completion's
 `logprobs` is always the slice of entries matching its `token_ids`. `prompt_logprobs` goes into
 every RequestOutput, except with DELTA: the first only. Outputs that carry only a prefill
 chunk's prompt logprobs (no token) are accumulated and produce no RequestOutput.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mrv2.engine.detokenizer import make_detokenizer
-from mrv2.engine.logprobs import RequestLogprobs, TokenTexts
+from mrv2.engine.request_logprobs import RequestLogprobs, TokenTexts
 from mrv2.engine.stop_checker import CompletionText
 from mrv2.outputs import CompletionOutput, PromptLogprobs, RequestOutput, RequestOutputKind
 from mrv2.protocol import EngineCoreOutput, FinishReason
@@ -62,7 +62,7 @@ class ParentRequest:
 
 
 @dataclass
-class RequestState:
+class RequestOutputState:
     request_id: str
     index: int
     parent: ParentRequest | None
@@ -85,7 +85,7 @@ class OutputProcessorOutput:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestState] = {}  # core request id -> state
+        self.requests: dict[str, RequestOutputState] = {}  # core request id -> state
         self.parents: dict[str, ParentRequest] = {}  # parent id -> parent (n > 1)
         self.token_texts = TokenTexts(tokenizer)  # decoded_token of logprobs entries
 
@@ -116,7 +116,7 @@ class OutputProcessor:
             logprobs = None
             if RequestLogprobs.wanted(p.logprobs, p.prompt_logprobs):
                 logprobs = RequestLogprobs(p.logprobs, p.prompt_logprobs, self.token_texts)
-            self.requests[rid] = RequestState(
+            self.requests[rid] = RequestOutputState(
                 rid, index, parent, prompt, prompt_token_ids, p, output_kind,
                 CompletionText(detokenizer, p, streaming), logprobs=logprobs)
         return ids
@@ -202,7 +202,7 @@ class OutputProcessor:
                 results.append(output)
         return OutputProcessorOutput(results, reqs_to_abort)
 
-    def _make_completion(self, state: RequestState, new_token_ids: list[int],
+    def _make_completion(self, state: RequestOutputState, new_token_ids: list[int],
                          finish_reason: FinishReason | None,
                          stop_reason: int | str | None) -> CompletionOutput | None:
         finished = finish_reason is not None

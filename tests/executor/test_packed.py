@@ -1,4 +1,4 @@
-"""mrv2/packed.py: the compact per-step encodings round-trip exactly and refuse what they
+"""executor/packed.py: the compact per-step encodings round-trip exactly and refuse what they
 cannot represent."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mrv2.packed import (check_id, int32_bytes, int32_view, is_id_prefix, ones_int32_bytes, pack_ids,
-                         pack_ragged, unpack_ids, unpack_ragged)
+from executor.packed import (check_id, int32_bytes, int32_view, is_id_prefix, ones_int32_bytes,
+                             pack_ids, pack_ragged, unpack_ids, unpack_ragged)
 
 # What request ids may hold (mrv2/packed.check_id): no NUL, no lone surrogate.
 PACKABLE = st.characters(blacklist_characters="\0", blacklist_categories=("Cs",))

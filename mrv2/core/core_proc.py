@@ -43,7 +43,7 @@ from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILIT
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-    from mrv2.engine.core import EngineCore
+    from mrv2.core.engine_core import EngineCore
 
 # Internal to the core process: put on the input queue, never sent.
 _PARENT_GONE, _BAD_INPUT = b"parent-gone", b"bad-input"
@@ -197,7 +197,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Conn
     core = proc = None
     try:
         from executor.heap import freeze_startup_objects
-        from mrv2.engine.core import EngineCore
+        from mrv2.core.engine_core import EngineCore
 
         core = EngineCore(config, executor_class)
         proc = EngineCoreProc(core, input_queue, input_addr, output_addr)

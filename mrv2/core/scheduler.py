@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from mrv2.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from mrv2.engine.request import Request, RequestStatus
-from mrv2.packed import check_id
+from executor.packed import check_id
+from mrv2.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from mrv2.core.request import Request, RequestStatus
 from mrv2.protocol import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                            NewRequestData, SchedulerOutput)
 
@@ -61,7 +61,7 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already queued")
-        check_id(req_id)  # step messages pack the ids (mrv2/packed.py)
+        check_id(req_id)  # step messages pack the ids (executor/packed.py)
         prompt_len = request.num_prompt_tokens
         if prompt_len == 0:
             raise ValueError(f"request {req_id!r} has an empty prompt")

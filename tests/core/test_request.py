@@ -1,6 +1,6 @@
 import pytest
 
-from mrv2.engine.request import Request, RequestStatus
+from mrv2.core.request import Request, RequestStatus
 from mrv2.protocol import EngineCoreRequest, FinishReason
 from mrv2.sampling_params import SamplingParams
 

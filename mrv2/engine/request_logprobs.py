@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mrv2.outputs import Logprob, PromptLogprobs, SampleLogprobs, TokenLogprobs
-from mrv2.protocol import PromptLogprobsChunk
-from mrv2.protocol import SampledTokenLogprobs
+from mrv2.protocol import PromptLogprobsChunk, SampledTokenLogprobs
 
 
 class TokenTexts:

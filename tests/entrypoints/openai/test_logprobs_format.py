@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mrv2.entrypoints.openai.logprobs import MIN_LOGPROB, CompletionLogprobs, chat_logprobs
+from mrv2.entrypoints.openai.logprobs_format import MIN_LOGPROB, CompletionLogprobs, chat_logprobs
 
 
 @dataclass

@@ -3,9 +3,9 @@ import struct
 
 import pytest
 
-from mrv2.engine import block_hash
-from mrv2.engine.kv_cache_manager import NULL_BLOCK_ID, BlockPool, KVCacheManager, PrefixCacheStats
-from mrv2.engine.request import Request
+from mrv2.core import block_hash
+from mrv2.core.kv_cache_manager import NULL_BLOCK_ID, BlockPool, KVCacheManager, PrefixCacheStats
+from mrv2.core.request import Request
 from mrv2.sampling_params import SamplingParams
 
 

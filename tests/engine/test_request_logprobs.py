@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from mrv2.engine.logprobs import RequestLogprobs, TokenTexts, make_logprob_dict
-from mrv2.engine.output import OutputProcessor
-from mrv2.engine.request import Request, RequestStatus
-from mrv2.engine.scheduler import Scheduler
+from mrv2.core.request import Request, RequestStatus
+from mrv2.core.scheduler import Scheduler
+from mrv2.engine.output_processor import OutputProcessor
+from mrv2.engine.request_logprobs import RequestLogprobs, TokenTexts, make_logprob_dict
 from mrv2.outputs import Logprob, RequestOutputKind
-from mrv2.protocol import (EngineCoreOutput, FinishReason, ModelRunnerOutput,
-                           PromptLogprobsChunk, SampledTokenLogprobs)
+from mrv2.protocol import (EngineCoreOutput, FinishReason, ModelRunnerOutput, PromptLogprobsChunk,
+                           SampledTokenLogprobs)
 from mrv2.sampling_params import SamplingParams
 
 DELTA, CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mrv2.engine.output import OutputProcessor, child_request_id
+from mrv2.engine.output_processor import OutputProcessor, child_request_id
 from mrv2.outputs import RequestOutput, RequestOutputKind
 from mrv2.protocol import EngineCoreOutput, FinishReason
 from mrv2.sampling_params import SamplingParams

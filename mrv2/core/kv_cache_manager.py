@@ -37,9 +37,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from mrv2.engine import block_hash
-from mrv2.engine.block_hash import ROOT_HASH, BlockHash
-from mrv2.engine.request import Request
+from mrv2.core import block_hash
+from mrv2.core.block_hash import ROOT_HASH, BlockHash
+from mrv2.core.request import Request
 
 NULL_BLOCK_ID = 0
 
