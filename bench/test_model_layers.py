@@ -104,7 +104,7 @@ def _decode_case(rows: int = 32, seq_len: int = 256, block_size: int = 16, layer
         num_actual_tokens=rows, num_reqs=rows, num_decodes=rows,
         query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
         block_tables=tables, slot_mapping=torch.zeros(rows, dtype=torch.int64),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_seq_len=seq_len)
+        query_start_loc_np=qsl, seq_lens_np=seq_lens, max_seq_len=seq_len)
     q = torch.randn(rows, heads, head_dim, generator=g)
     return q, caches, meta
 
@@ -121,13 +121,13 @@ def test_decode_attention(benchmark, impl, layers):
     scale = 64 ** -0.5
     expected = torch_paged._decode_attention(q, caches[0], meta, scale)
     torch.testing.assert_close(decode_attention(q, caches[0], meta.block_tables,
-                                                meta.seq_lens_cpu, scale), expected,
+                                                meta.seq_lens_np, scale), expected,
                                rtol=1e-4, atol=1e-5)
 
     def step() -> None:
         for cache in caches:
             if impl == "numba_in_place":
-                decode_attention(q, cache, meta.block_tables, meta.seq_lens_cpu, scale)
+                decode_attention(q, cache, meta.block_tables, meta.seq_lens_np, scale)
             else:
                 torch_paged._decode_attention(q, cache, meta, scale)
 

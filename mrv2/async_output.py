@@ -56,13 +56,10 @@ class AsyncOutput:
         else:
             hosts = device_tensors
             self._device = None
-        self._host = hosts[0]
+        self._sampled_host = hosts[0]
         num_sample = 0 if logprobs is None else 3
         self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[1:4])
         self._prompt_hosts = hosts[1 + num_sample:]  # 3 tensors per request, in dict order
-
-    def is_ready(self) -> bool:
-        return self._event is None or self._event.query()
 
     def get_output(self) -> ModelRunnerOutput:
         if self._event is not None:
@@ -70,7 +67,7 @@ class AsyncOutput:
             self._device = None
         # Token ids are below the vocabulary size: int32 holds them (no overflow check, which
         # would cost more than the rest of this method on a 256-row step).
-        tokens = self._host.numpy().reshape(-1).astype(np.int32)
+        tokens = self._sampled_host.numpy().reshape(-1).astype(np.int32)
         # One token per sampling row; a prefill chunk that did not finish its prompt has none.
         if self.is_sampling.all():  # the common case: every row samples
             sampled, num_sampled = tokens, ones_int32_bytes(len(tokens))

@@ -19,6 +19,10 @@ from executor.packed import (int32_bytes, int32_view, is_id_prefix, pack_ids, pa
                              unpack_ids, unpack_ragged)
 from mrv2.sampling_params import SamplingParams
 
+# Block 0 is the null block: the KV cache manager never hands it to a request, and block-table
+# rows are padded with it (a padded row's KV writes land there and are never read).
+NULL_BLOCK_ID = 0
+
 
 class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
     """A request the runner has not seen yet (or is resuming after preemption)."""

@@ -160,8 +160,8 @@ class ModelRunner:
                 num_actual_tokens=n, num_reqs=r, num_decodes=r if desc.uniform_decode else 0,
                 query_start_loc=buffers.query_start_loc[:r + 1], seq_lens=buffers.seq_lens[:r],
                 block_tables=buffers.block_tables[:r], slot_mapping=buffers.slot_mapping[:n],
-                query_start_loc_cpu=np.zeros(r + 1, np.int32),
-                seq_lens_cpu=np.zeros(r, np.int32), max_seq_len=max_len)
+                query_start_loc_np=np.zeros(r + 1, np.int32),
+                seq_lens_np=np.zeros(r, np.int32), max_seq_len=max_len)
             return self.model(buffers.input_ids[:n], buffers.positions[:n], self.kv_caches,
                               meta)
 
@@ -193,7 +193,7 @@ class ModelRunner:
             # num_computed_host still holds each row's count before this step (the start).
             prompt_logprobs = self.prompt_logprobs.compute(
                 batch.req_ids, self.requests.num_computed_host[batch.idx_mapping_np],
-                batch.num_scheduled_np, batch.attn_metadata.query_start_loc_cpu,
+                batch.num_scheduled_np, batch.attn_metadata.query_start_loc_np,
                 state.hidden_states, self.model.compute_logits)
         self.requests.post_update(idx, batch.num_scheduled, out.sampled)
         self.sampling.post_update(idx, batch.idx_mapping_np, positions, out.sampled)

@@ -12,7 +12,6 @@ from mrv2.async_output import AsyncOutput
 def test_cpu_output_reads_the_sampled_tensor():
     sampled = torch.tensor([5, 7, 9])
     out = AsyncOutput(["a", "b", "c"], sampled, np.array([True, False, True]))
-    assert out.is_ready()
     result = out.get_output()
     assert result.req_ids == ["a", "b", "c"]
     assert result.sampled_token_ids == [[5], [], [9]]

@@ -37,7 +37,7 @@ class RecorderModel:
             "positions": positions[:meta.num_actual_tokens].tolist(),
             "query_start_loc": meta.query_start_loc[:r + 1].tolist(),
             "seq_lens": meta.seq_lens[:r].tolist(),
-            "seq_lens_cpu": meta.seq_lens_cpu[:r].tolist(),
+            "seq_lens_np": meta.seq_lens_np[:r].tolist(),
             "slot_mapping": meta.slot_mapping[:meta.num_actual_tokens].tolist(),
             "block_tables": meta.block_tables[:r].tolist(),
             "num_decodes": meta.num_decodes,
@@ -181,7 +181,7 @@ def test_prepared_inputs_match_list_reference(steps):
         (got,) = model.calls
         for key in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
             assert got[key] == exp[key], key
-        assert got["seq_lens_cpu"] == exp["seq_lens"]
+        assert got["seq_lens_np"] == exp["seq_lens"]
         assert got["num_decodes"] == sum(scheduled[r] == 1 for r in batch)
         for row, req_id in zip(got["block_tables"], batch):
             blocks = ref.blocks[req_id]

@@ -37,21 +37,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, batch order
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = skip
     # Host copies for shapes: the step loop never reads a device tensor back.
-    query_start_loc_cpu: np.ndarray
-    seq_lens_cpu: np.ndarray
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
     max_seq_len: int
 
 
-TORCH = "torch"
-TRITON = platform.TRITON
-
-# Attention's names for the two kernel families.
-_BACKEND = {platform.TRITON: TRITON, platform.CPU: TORCH}
-
-
 def attention_backend(device: torch.device) -> str:
-    """TRITON for CUDA tensors, TORCH for CPU tensors, unless `platform.forced_impl()` says."""
-    return _BACKEND[platform.kernel_impl(device, portable_cpu_impl=True)]
+    """platform.TRITON for CUDA tensors, platform.CPU (the torch twin, paged_torch.py) for any
+    other, unless `platform.forced_impl()` says."""
+    return platform.kernel_impl(device, portable_cpu_impl=True)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -84,7 +78,7 @@ class Attention(nn.Module):
         q = q[:n].view(n, self.num_heads, self.head_dim)
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)
         v = v[:n].view(n, self.num_kv_heads, self.head_dim)
-        if attention_backend(q.device) == TRITON:
+        if attention_backend(q.device) == platform.TRITON:
             from mrv2.attention import paged_triton
 
             paged_triton.write_kv(k, v, kv_cache, meta.slot_mapping[:n])

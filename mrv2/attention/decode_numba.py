@@ -37,7 +37,7 @@ def _prefetch_range(cache, block, start, stop):
 
 
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item):
+def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item):
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -139,7 +139,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     tables = block_tables[:rows].numpy()
     num_kv_heads = kv_cache.shape[3]
     kv_per_item = num_kv_heads if rows >= 2 * numba.get_num_threads() else 1
-    _decode_kernel(q.contiguous().numpy(), k_np, v_np, tables,
+    decode_kernel(q.contiguous().numpy(), k_np, v_np, tables,
                    np.ascontiguousarray(seq_lens[:rows], dtype=np.int32), np.float32(scale),
                    out.numpy(), kv_per_item)
     return out

@@ -42,17 +42,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         nd = meta.num_decodes
         if decode_numba.supported(q, kv_cache):
             out[:nd] = decode_numba.decode_attention(q[:nd], kv_cache, meta.block_tables,
-                                                     meta.seq_lens_cpu, scale)
+                                                     meta.seq_lens_np, scale)
         else:
             out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size = k_cache.shape[1]
-    qsl = meta.query_start_loc_cpu
+    qsl = meta.query_start_loc_np
     # The step's own k/v equal what the cache holds only when no cast happened on the write.
     own_kv = k is not None and v is not None and k.dtype == kv_cache.dtype
     for row in range(meta.num_decodes, meta.num_reqs):
         start, end = int(qsl[row]), int(qsl[row + 1])
-        query_len, seq_len = end - start, int(meta.seq_lens_cpu[row])
+        query_len, seq_len = end - start, int(meta.seq_lens_np[row])
         qi = q[start:end].transpose(0, 1)  # [H, q, D]
         if query_len == seq_len and own_kv:
             o = F.scaled_dot_product_attention(
@@ -83,7 +83,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     rows, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(meta.seq_lens_cpu[:rows].max())
+    max_len = int(meta.seq_lens_np[:rows].max())
     num_blocks = -(-max_len // block_size)
     block_ids = meta.block_tables[:rows, :num_blocks].long()
     k = k_cache[block_ids].view(rows, num_blocks * block_size, num_kv_heads, head_dim)

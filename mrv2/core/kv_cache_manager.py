@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from mrv2.core import block_hash
 from mrv2.core.block_hash import ROOT_HASH, BlockHash
 from mrv2.core.request import Request
-
-NULL_BLOCK_ID = 0
+from mrv2.protocol import NULL_BLOCK_ID
 
 HashFn = Callable[[BlockHash, Sequence[int]], BlockHash]
 

@@ -89,8 +89,8 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
         seq_lens=buffers.seq_lens[:num_reqs_padded],
         block_tables=tables,
         slot_mapping=buffers.slot_mapping[:num_tokens_padded],
-        query_start_loc_cpu=query_start_loc_np,
-        seq_lens_cpu=seq_lens_np,
+        query_start_loc_np=query_start_loc_np,
+        seq_lens_np=seq_lens_np,
         max_seq_len=max_seq_len,
     )
     return InputBatch(req_ids=req_ids, idx_mapping=idx_mapping, idx_mapping_np=idx_mapping_np,

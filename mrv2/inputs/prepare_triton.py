@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mrv2.platform import triton_kernel
 
-BLOCK = 256
+TOKEN_TILE = 256  # tokens per loop iteration of a program
 
 
 def _prepare_inputs_kernel(
@@ -86,4 +86,4 @@ def prepare_inputs(packed: torch.Tensor, num_reqs: int, num_reqs_padded: int, nu
         slot_mapping.shape[0], num_computed, prefill_len, last_sampled, token_ids,
         token_ids.shape[1], block_table, block_table.shape[1], block_size, idx_mapping,
         num_scheduled, query_start_loc, seq_lens, logits_indices, input_ids, positions,
-        slot_mapping, BLOCK=BLOCK)
+        slot_mapping, BLOCK=TOKEN_TILE)

@@ -12,10 +12,8 @@ import numpy as np
 import torch
 
 from mrv2 import platform
+from mrv2.protocol import NULL_BLOCK_ID
 from mrv2.state.staged import StagedWriteTensor
-
-# Row padding points at block 0, the null block the KV cache manager never hands out.
-NULL_BLOCK_ID = 0
 
 
 class BlockTables:

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from mrv2.platform import triton_kernel
 
-BLOCK = 512
+COLUMN_TILE = 512  # block-table columns per program
 
 
 def _gather_rows_kernel(table_ptr, idx_mapping_ptr, out_ptr, num_rows, num_cols,
@@ -34,6 +34,6 @@ def gather_rows(table: torch.Tensor, idx_mapping: torch.Tensor, num_rows: int,
     if num_rows_padded == 0:
         return
     num_cols = table.shape[1]
-    grid = (num_rows_padded, triton.cdiv(num_cols, BLOCK))
+    grid = (num_rows_padded, triton.cdiv(num_cols, COLUMN_TILE))
     triton_kernel(_gather_rows_kernel)[grid](table, idx_mapping, out, num_rows, num_cols,
-                                             BLOCK=BLOCK)
+                                             BLOCK=COLUMN_TILE)

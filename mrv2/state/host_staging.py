@@ -23,8 +23,8 @@ class HostStaging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
-        self._host: list[torch.Tensor | None] = [None, None]
-        self._host_np: list[np.ndarray | None] = [None, None]
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._pinned_np: list[np.ndarray | None] = [None, None]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._current = 0
         self._device_buf: torch.Tensor | None = None
@@ -36,14 +36,14 @@ class HostStaging:
         if event is not None:
             event.synchronize()
             self._events[i] = None
-        host = self._host[i]
+        host = self._pinned[i]
         if host is None or host.numel() < nbytes:
             # A buffer an in-flight copy still reads stays alive: the pinned allocator defers
             # its reuse until that copy's stream has passed it.
             host = torch.empty(_grow(nbytes), dtype=torch.uint8, pin_memory=self._cuda)
-            self._host[i] = host
-            self._host_np[i] = host.numpy()
-        return self._host_np[i]
+            self._pinned[i] = host
+            self._pinned_np[i] = host.numpy()
+        return self._pinned_np[i]
 
     def upload(self, nbytes: int) -> torch.Tensor:
         """Copy the first `nbytes` of the buffer just filled to the device; returns the device
@@ -56,7 +56,7 @@ class HostStaging:
             dev = self._device_buf = torch.empty(_grow(nbytes), dtype=torch.uint8,
                                                  device=self.device)
         out = dev[:nbytes]
-        out.copy_(self._host[i][:nbytes], non_blocking=True)
+        out.copy_(self._pinned[i][:nbytes], non_blocking=True)
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))

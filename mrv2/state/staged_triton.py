@@ -11,7 +11,7 @@ import triton.language as tl
 
 from mrv2.platform import triton_kernel
 
-BLOCK = 256
+RUN_TILE = 256  # elements of a run per loop iteration
 
 
 def _apply_runs_kernel(dst_ptr, meta_ptr, values_ptr, num_runs, BLOCK: tl.constexpr):
@@ -29,4 +29,4 @@ def _apply_runs_kernel(dst_ptr, meta_ptr, values_ptr, num_runs, BLOCK: tl.conste
 def apply_runs(dst: torch.Tensor, meta: torch.Tensor, values: torch.Tensor,
                num_runs: int) -> None:
     """dst: flat destination; meta: [3 * num_runs] int64; values: same dtype as dst."""
-    triton_kernel(_apply_runs_kernel)[(num_runs,)](dst, meta, values, num_runs, BLOCK=BLOCK)
+    triton_kernel(_apply_runs_kernel)[(num_runs,)](dst, meta, values, num_runs, BLOCK=RUN_TILE)

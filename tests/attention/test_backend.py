@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from mrv2 import platform
 from mrv2.attention import backend
 from mrv2.attention.backend import Attention, AttentionMetadata, kv_cache_shape
 
-from attention_helpers import forced_backend, triton_on_cpu
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 8
 
@@ -39,7 +39,7 @@ def metadata(query_lens: list[int], seq_lens: list[int], block_table: list[int],
         num_decodes=sum(1 for q in query_lens if q == 1),
         query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq),
         block_tables=tables, slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq, max_seq_len=int(seq.max()))
+        query_start_loc_np=qsl, seq_lens_np=seq, max_seq_len=int(seq.max()))
 
 
 def dense_causal(q, k, v, scale):
@@ -92,17 +92,15 @@ def test_prefill_then_decode_matches_dense_reference():
 
 def test_backend_follows_the_device_unless_forced():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert backend.attention_backend(cpu) == backend.TORCH
-    assert backend.attention_backend(cuda) == backend.TRITON
-    with forced_backend(backend.TRITON):
-        assert backend.attention_backend(cpu) == backend.TRITON
-        with forced_backend(backend.TORCH):
-            assert backend.attention_backend(cuda) == backend.TORCH
-        assert backend.attention_backend(cpu) == backend.TRITON
-    assert backend.attention_backend(cpu) == backend.TORCH
-    with pytest.raises(ValueError):
-        with forced_backend("cuda"):
-            pass
+    assert backend.attention_backend(cpu) == platform.CPU
+    assert backend.attention_backend(cuda) == platform.TRITON
+    with platform.forced_impl(platform.TRITON):
+        assert backend.attention_backend(cpu) == platform.TRITON
+        # The torch twin runs on any device, so the override holds on CUDA tensors too.
+        with platform.forced_impl(platform.CPU):
+            assert backend.attention_backend(cuda) == platform.CPU
+        assert backend.attention_backend(cpu) == platform.TRITON
+    assert backend.attention_backend(cpu) == platform.CPU
 
 
 def _two_steps(gen: torch.Generator):
@@ -136,8 +134,8 @@ def _meta(slots, query_lens, seq_lens, tables, pad_rows=0, pad_tokens=0, host=Tr
         query_start_loc=torch.from_numpy(qsl_dev), seq_lens=torch.from_numpy(seq),
         block_tables=torch.tensor(tables + [[0, 0]] * pad_rows, dtype=torch.int32),
         slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
-        query_start_loc_cpu=qsl_dev if host else np.zeros(rows + 1, np.int32),
-        seq_lens_cpu=seq if host else np.zeros(rows, np.int32),
+        query_start_loc_np=qsl_dev if host else np.zeros(rows + 1, np.int32),
+        seq_lens_np=seq if host else np.zeros(rows, np.int32),
         max_seq_len=int(seq.max()) if host else 64)
 
 
@@ -159,7 +157,7 @@ def test_triton_backend_matches_torch_backend(padded: bool):
         def pad(x):
             return torch.cat([x, torch.full((pad_tokens, x.shape[1]), 1e4)])
 
-        with triton_on_cpu():
+        with platform.triton_interpreter():
             out = attn(pad(q), pad(k), pad(v), triton_cache, meta)
         assert out.shape == (n + pad_tokens, NUM_HEADS * HEAD_DIM)
         assert (out[:n] - expected).abs().max().item() <= 1e-5

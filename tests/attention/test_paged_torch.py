@@ -47,7 +47,7 @@ def _build_step(seq_lens: list[int], query_lens: list[int], block_size: int, num
         num_decodes=_leading_ones(query_lens),
         query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(sl),
         block_tables=tables, slot_mapping=torch.cat(slot_rows),
-        query_start_loc_cpu=qsl, seq_lens_cpu=sl, max_seq_len=int(sl.max()))
+        query_start_loc_np=qsl, seq_lens_np=sl, max_seq_len=int(sl.max()))
     return meta, torch.cat(prefix_slots)
 
 

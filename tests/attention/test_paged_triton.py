@@ -1,7 +1,7 @@
 """Triton paged attention and KV write vs the torch (CPU) backend.
 
-The kernels run under TRITON_INTERPRET=1 on CPU tensors (`triton_on_cpu()`), so shapes are
-tiny: ~20 tokens, head_dim 16, block_size 4. The `cuda` test runs them compiled on a GPU, in
+The kernels run under TRITON_INTERPRET=1 on CPU tensors (`platform.triton_interpreter()`), so
+shapes are tiny: ~20 tokens, head_dim 16, block_size 4. The `cuda` test runs them compiled on a GPU, in
 bf16 and fp32, eagerly and replayed from a CUDA graph.
 """
 
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from mrv2 import platform
 from mrv2.attention import paged_torch as torch_paged
 from mrv2.attention import paged_triton as triton_paged
 from mrv2.attention.backend import AttentionMetadata
 
-from attention_helpers import triton_on_cpu
 
 HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS = 16, 4, 48, 4
 SCALE = HEAD_DIM ** -0.5
@@ -69,8 +69,8 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, see
         num_actual_tokens=num_tokens, num_reqs=len(seq_lens), num_decodes=num_decodes,
         query_start_loc=torch.from_numpy(qsl).to(device),
         seq_lens=torch.from_numpy(sl).to(device), block_tables=tables.to(device),
-        slot_mapping=torch.cat(new_slots).to(device), query_start_loc_cpu=qsl,
-        seq_lens_cpu=sl, max_seq_len=int(sl.max()))
+        slot_mapping=torch.cat(new_slots).to(device), query_start_loc_np=qsl,
+        seq_lens_np=sl, max_seq_len=int(sl.max()))
     return Step(randn(num_tokens, num_heads, head_dim).to(device),
                 randn(num_tokens, num_kv_heads, head_dim).to(device),
                 randn(num_tokens, num_kv_heads, head_dim).to(device), kv_cache.to(device), meta)
@@ -130,7 +130,7 @@ def run_triton(step: Step, inputs: dict[str, torch.Tensor], **tiles
 def check(step: Step, extra_rows: int = 0, extra_tokens: int = 0, tol: float = 1e-5,
           **tiles) -> None:
     ref_out, ref_cache = reference(step)
-    with triton_on_cpu():
+    with platform.triton_interpreter():
         out, cache = run_triton(step, padded_inputs(step, extra_rows, extra_tokens), **tiles)
     n = step.meta.num_actual_tokens
     # Only the real slots changed, to exactly the values the torch write stores.
@@ -178,7 +178,7 @@ def test_half_precision() -> None:
     as_fp32 = Step(step.q.float(), step.k.float(), step.v.float(), step.kv_cache.float(),
                    step.meta)
     ref_out, ref_cache = reference(as_fp32)
-    with triton_on_cpu():
+    with platform.triton_interpreter():
         out, cache = run_triton(step, padded_inputs(step, 0, 0))
     assert out.dtype == torch.float16
     assert torch.equal(cache.float(), ref_cache)
@@ -197,7 +197,7 @@ def test_write_kv_strided_inputs_skip_negative_slots() -> None:
     cache = torch.randn(2, 8, BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen)
     expected = cache.clone()
     torch_paged.write_kv(k, v, expected, slots)
-    with triton_on_cpu():
+    with platform.triton_interpreter():
         triton_paged.write_kv(k, v, cache, slots)
     assert torch.equal(cache, expected)
 
@@ -215,7 +215,7 @@ def test_needs_the_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rejects_bad_shapes() -> None:
     step = make_step(*DECODE, num_kv_heads=2, seed=0)
     meta = step.meta
-    with triton_on_cpu():
+    with platform.triton_interpreter():
         with pytest.raises(ValueError, match="power of two"):
             triton_paged.paged_attention(step.q[..., :12], step.kv_cache[..., :12],
                                          meta.query_start_loc, meta.seq_lens,

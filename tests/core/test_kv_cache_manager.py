@@ -4,7 +4,8 @@ import struct
 import pytest
 
 from mrv2.core import block_hash
-from mrv2.core.kv_cache_manager import NULL_BLOCK_ID, BlockPool, KVCacheManager, PrefixCacheStats
+from mrv2.core.kv_cache_manager import BlockPool, KVCacheManager, PrefixCacheStats
+from mrv2.protocol import NULL_BLOCK_ID
 from mrv2.core.request import Request
 from mrv2.sampling_params import SamplingParams
 

@@ -42,8 +42,8 @@ def _metadata(qsl: np.ndarray, seq_lens: np.ndarray, tables: torch.Tensor,
     return AttentionMetadata(
         num_actual_tokens=num_tokens, num_reqs=len(seq_lens), num_decodes=num_decodes,
         query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
-        block_tables=tables, slot_mapping=slot_mapping, query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens, max_seq_len=int(seq_lens.max()))
+        block_tables=tables, slot_mapping=slot_mapping, query_start_loc_np=qsl,
+        seq_lens_np=seq_lens, max_seq_len=int(seq_lens.max()))
 
 
 def _pad(qsl, seq_lens, tables, slot_mapping, num_tokens_padded: int, num_reqs_padded: int):

@@ -155,9 +155,9 @@ def check_against_reference(world: World, batch: InputBatch, scheduled: dict[str
     assert batch.positions.tolist() == ref["positions"] + [0] * (n_pad - n)
     padded_qsl = ref["query_start_loc"] + [n] * (r_pad - r)
     assert meta.query_start_loc.tolist() == padded_qsl
-    assert meta.query_start_loc_cpu.tolist() == padded_qsl
+    assert meta.query_start_loc_np.tolist() == padded_qsl
     assert meta.seq_lens.tolist() == ref["seq_lens"] + [0] * (r_pad - r)
-    assert meta.seq_lens_cpu.tolist() == ref["seq_lens"] + [0] * (r_pad - r)
+    assert meta.seq_lens_np.tolist() == ref["seq_lens"] + [0] * (r_pad - r)
     assert meta.max_seq_len == max(ref["seq_lens"])
     assert meta.slot_mapping.tolist() == ref["slot_mapping"] + [-1] * (n_pad - n)
     assert batch.logits_indices.tolist() == ref["logits_indices"]
@@ -242,9 +242,9 @@ def test_mixed_batch_matches_hand_computed_values(impl) -> None:
     assert batch.positions.tolist() == [6, 9, 4, 5, 6, 7, 8, 0, 1, 2]
     meta = batch.attn_metadata
     assert meta.query_start_loc.tolist() == [0, 1, 2, 7, 10]
-    assert meta.query_start_loc_cpu.tolist() == [0, 1, 2, 7, 10]
+    assert meta.query_start_loc_np.tolist() == [0, 1, 2, 7, 10]
     assert meta.seq_lens.tolist() == [7, 10, 9, 3]
-    assert meta.seq_lens_cpu.tolist() == [7, 10, 9, 3]
+    assert meta.seq_lens_np.tolist() == [7, 10, 9, 3]
     assert meta.max_seq_len == 10
     assert meta.num_decodes == 2
     assert meta.num_actual_tokens == batch.num_tokens == 10

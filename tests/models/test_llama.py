@@ -114,7 +114,7 @@ def _step(case: Case, tables: list[list[int]], rows: list[tuple[int, int, int]],
         num_actual_tokens=num_actual, num_reqs=len(rows), num_decodes=num_decodes,
         query_start_loc=torch.from_numpy(qsl_np), seq_lens=torch.from_numpy(sl_np),
         block_tables=block_tables, slot_mapping=torch.cat(slots).long(),
-        query_start_loc_cpu=qsl_np, seq_lens_cpu=sl_np, max_seq_len=int(sl_np.max()))
+        query_start_loc_np=qsl_np, seq_lens_np=sl_np, max_seq_len=int(sl_np.max()))
     with torch.no_grad():
         hidden = case.model(torch.cat(ids), torch.cat(pos), kv_caches, meta)
         assert hidden.shape == (num_actual + num_pad, case.model_config.hf_config.hidden_size)

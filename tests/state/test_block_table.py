@@ -13,7 +13,8 @@ import torch
 import triton.language  # noqa: F401
 
 from mrv2 import platform as dispatch
-from mrv2.state.block_table import NULL_BLOCK_ID, BlockTables
+from mrv2.protocol import NULL_BLOCK_ID
+from mrv2.state.block_table import BlockTables
 
 from block_table_helpers import append_block_ids_batch, compute_slot_mapping
 from staged_helpers import num_staged

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from numba import njit, typed
 
-from mrv2.attention.backend import TORCH, attention_backend
-from mrv2.attention.decode_numba import _decode_kernel
+from mrv2 import platform
+from mrv2.attention.backend import attention_backend
+from mrv2.attention.decode_numba import decode_kernel
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.rotary_numba import rotary_kernel
@@ -68,7 +69,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
     _write_kv(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
-    _decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
+    decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     gemv_kernel(attn.reshape(rows, q_size), w_o, o)
@@ -134,7 +135,7 @@ def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) ->
     return (0 < rows <= MAX_DECODE_ROWS and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
-            and attention_backend(hidden.device) == TORCH
+            and attention_backend(hidden.device) == platform.CPU
             and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches))
 
 
@@ -202,7 +203,7 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
         args.w_gate_ups, args.w_downs, args.final_norm, np.float32(model.norm.eps),
         cos.contiguous().numpy(), sin.contiguous().numpy(), args.kv_caches,
         meta.block_tables.numpy(),
-        np.ascontiguousarray(meta.seq_lens_cpu[:rows], dtype=np.int32),
+        np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32),
         meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
         np.float32(attn.attn.scale), kv_per_item, out.numpy())
     return out
