@@ -1,6 +1,13 @@
-"""Device choice: MRV2_DEVICE override, CUDA availability, caching, KV cache budget."""
+"""Device choice (MRV2_DEVICE override, CUDA availability, caching, KV cache budget) and kernel
+choice: CPU tensors use the CPU twins, CUDA tensors Triton; Triton is imported lazily, and the
+test override runs Triton interpreted (TRITON_INTERPRET=1) on CPU tensors."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +93,92 @@ def test_gpu_kv_cache_default_is_a_fraction_of_free_memory(
     expected = int(10_000 * platform.DEFAULT_GPU_KV_CACHE_FRACTION)
     assert platform.default_kv_cache_bytes(device) == expected
     assert seen == [device]
+
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_tensors_use_cpu_kernels_unless_forced() -> None:
+    assert platform.kernel_impl(CPU) == platform.CPU
+    with platform.forced_impl(platform.TRITON):
+        assert platform.kernel_impl(CPU) == platform.TRITON
+        with platform.forced_impl(platform.CPU):
+            assert platform.kernel_impl(CPU) == platform.CPU
+        assert platform.kernel_impl(CPU) == platform.TRITON
+    assert platform.kernel_impl(CPU) == platform.CPU
+    with pytest.raises(ValueError):
+        with platform.forced_impl("cuda"):
+            pass
+    with pytest.raises(RuntimeError):
+        platform.kernel_impl(torch.device("meta"))
+
+
+def test_cuda_tensors_always_use_triton() -> None:
+    with platform.forced_impl(platform.CPU):
+        assert platform.kernel_impl(torch.device("cuda")) == platform.TRITON
+
+
+def test_triton_interpreter_jits_interpreted_kernels_after_a_compiled_import() -> None:
+    """Triton 3.x reads TRITON_INTERPRET when a function is jitted, not when triton is
+    imported: kernels are jitted once per mode, so an earlier `import triton` does not matter,
+    and the environment is restored afterwards."""
+    import os
+
+    import triton  # noqa: F401  (imported outside the interpreter first)
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from mrv2.state import staged_triton
+
+    before = os.environ.get("TRITON_INTERPRET")
+    with platform.triton_interpreter():
+        assert os.environ["TRITON_INTERPRET"] == "1"
+        assert platform.kernel_impl(CPU) == platform.TRITON
+        kernel = platform.triton_kernel(staged_triton._apply_runs_kernel)
+        assert isinstance(kernel, InterpretedFunction)
+        assert platform.triton_kernel(staged_triton._apply_runs_kernel) is kernel
+    assert os.environ.get("TRITON_INTERPRET") == before
+    assert platform.kernel_impl(CPU) == platform.CPU
+    if before != "1":
+        compiled = platform.triton_kernel(staged_triton._apply_runs_kernel)
+        assert isinstance(compiled, JITFunction)
+
+
+def test_cpu_path_works_without_triton() -> None:
+    """A CPU-only machine whose triton cannot be imported: every state and input op runs."""
+    script = textwrap.dedent("""
+        import sys
+
+        class NoTriton:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("triton is broken here")
+
+        sys.meta_path.insert(0, NoTriton())
+        import numpy as np
+        import torch
+        from mrv2.inputs.buffers import InputBuffers
+        from mrv2.inputs.prepare import prepare_inputs
+        from mrv2 import platform
+        from mrv2.state.block_table import BlockTables
+        from mrv2.state.requests import RequestState
+
+        cpu = torch.device("cpu")
+        state, tables = RequestState(2, 8, cpu), BlockTables(2, 2, 4, cpu)
+        buffers = InputBuffers(8, 2, 2, cpu)
+        slot = state.add("a", 3, [5, 6, 7], 0)
+        tables.append_block_ids(slot, [1])
+        state.apply_staged_writes()
+        tables.apply_staged_writes()
+        batch = prepare_inputs(["a"], np.array([slot]), np.array([3]), state, tables, buffers)
+        state.post_update(batch.idx_mapping, batch.num_scheduled, torch.tensor([9]))
+        assert batch.input_ids.tolist() == [5, 6, 7]
+        assert state.token_ids.tensor[slot, :4].tolist() == [5, 6, 7, 9]
+        assert not platform.triton_available()
+        assert "triton" not in sys.modules
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future
-
 from typing import TYPE_CHECKING
 
 from mrv2.config import EngineConfig
@@ -23,6 +22,8 @@ if TYPE_CHECKING:
 
 
 def executor_class_for(config: EngineConfig) -> "type[Executor]":
+    # Imported on demand: a process loads only the executor it runs (the multiprocess one
+    # brings ZMQ and the shared-memory queue).
     if config.parallel_config.distributed_executor_backend == "mp":
         from executor.multiproc import MultiprocExecutor
 
@@ -35,8 +36,6 @@ def executor_class_for(config: EngineConfig) -> "type[Executor]":
 class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_class: "type[Executor] | None" = None) -> None:
-        # Imported here: `executor` imports mrv2, so a module-level import would be circular
-        # for a process that imports `executor` first.
         if executor_class is None:
             executor_class = executor_class_for(config)
         self.config = config
