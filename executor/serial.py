@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 import torch
 
+from executor.deferred import resolved_type
 from executor.errors import WorkerError
 from executor.shm_ring import ShmQueueHandle
 
@@ -291,7 +292,8 @@ class MethodTypes:
         if method is None:
             return self._any
         if method not in self._results:
-            self._results[method] = MsgpackDecoder(self._hints(method)[1])
+            # A method that may answer with a Deferred delivers its resolved value.
+            self._results[method] = MsgpackDecoder(resolved_type(self._hints(method)[1]))
         return self._results[method]
 
     @staticmethod

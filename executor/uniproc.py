@@ -3,8 +3,9 @@
 The worker class is named by `worker_cls` ("module:Class", mrv2's Worker by default) and
 imported on construction, as MultiprocExecutor's workers do: executor imports nothing from mrv2.
 
-`non_block=True` returns an already-completed future, so the engine core drives both
-executors through one interface.
+`non_block=True` returns a future, so the engine core drives both executors through one
+interface: phase 1's completes at once; phase 2's when the step's output copy has landed,
+resolved on a reply thread (executor/deferred.py) while the caller goes on to the next step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from executor.base import Executor
+from executor.deferred import Deferred, OrderedReplies
+from executor.process import settle
 from executor.worker_proc import make_worker
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
@@ -33,6 +36,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, *, worker_cls: str = "mrv2.worker:Worker") -> None:
         super().__init__(config)
         self.worker = make_worker(worker_cls, config, 0, None)
+        self._replies = OrderedReplies("mrv2-uniproc-replies")
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None
                        ) -> list[Any]:
@@ -50,8 +54,15 @@ class UniProcExecutor(Executor):
     def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False
                       ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
         if not non_block:
-            return self.worker.sample_tokens(grammar_output)
+            output = self.worker.sample_tokens(grammar_output)
+            return output.resolve() if isinstance(output, Deferred) else output
         try:
-            return _done(self.worker.sample_tokens(grammar_output))
+            output = self.worker.sample_tokens(grammar_output)
         except Exception as error:
             return _done(error=error)
+        future: Future = Future()
+        self._replies.submit(output, lambda value, error: settle(future, value, error))
+        return future
+
+    def shutdown(self) -> None:
+        self._replies.drain(timeout=5.0)

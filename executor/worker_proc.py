@@ -24,6 +24,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from executor.deferred import OrderedReplies
 from executor.process import report_ready, watch_parent
 from executor.serial import (ALL_RANKS, SHUTDOWN_METHOD, MethodTypes, MsgpackEncoder, Ready,
                              RemoteError, RPCReply)
@@ -101,10 +102,33 @@ def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueH
 def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueueWriter,
            parent_gone: threading.Event) -> None:
     types, encoder = MethodTypes(type(worker)), MsgpackEncoder()
+    # A phase-2 result may be Deferred (its output copy in flight): the reply thread waits for
+    # it and replies, while this loop already runs the next call (step N+1's phase 1).
+    replies = OrderedReplies(f"mrv2-worker-{rank}-replies")
 
     def abort() -> None:
         if parent_gone.is_set():
             raise _ParentGone
+
+    def reply(call_id: int, result: Any, error: RemoteError | None) -> None:
+        try:
+            out = encoder.encode(RPCReply(call_id, rank, result, error))
+        except Exception as e:  # the result cannot travel
+            out = encoder.encode(RPCReply(call_id, rank, None, RemoteError.from_exception(
+                e, traceback.format_exc())))
+        try:
+            responses.enqueue(out, abort=abort)
+        except _ParentGone:
+            pass  # the main loop sees it too and returns
+
+    def sender(call_id: int, error: RemoteError | None):
+        def send(result: Any, resolve_error: BaseException | None) -> None:
+            if resolve_error is not None:
+                text = "".join(traceback.format_exception(resolve_error))
+                reply(call_id, None, RemoteError.from_exception(resolve_error, text))
+            else:
+                reply(call_id, result, error)
+        return send
 
     while True:
         try:
@@ -113,6 +137,7 @@ def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueue
             return
         call = types.decode_call(frames)
         if call.method == SHUTDOWN_METHOD:
+            replies.drain(timeout=_PARENT_GONE_GRACE_S)
             return
         result = error = None
         try:
@@ -133,12 +158,6 @@ def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueue
                       f"{call.reply_rank} replies; exiting\n{error.traceback}", file=sys.stderr)
                 sys.exit(1)
             continue
-        try:
-            out = encoder.encode(RPCReply(call.call_id, rank, result, error))
-        except Exception as e:  # the result cannot travel
-            out = encoder.encode(RPCReply(call.call_id, rank, None, RemoteError.from_exception(
-                e, traceback.format_exc())))
-        try:
-            responses.enqueue(out, abort=abort)
-        except _ParentGone:
+        replies.submit(result, sender(call.call_id, error))
+        if parent_gone.is_set():
             return

@@ -8,6 +8,10 @@ the sampled tensor already is host memory and is read directly.
 
 The step's logprobs (sampled tokens' and, when some request asked, prompt positions') ride on
 the same copy.
+
+It is the executor's `Deferred`: the worker returns it from phase 2 without waiting, and the
+executor's reply thread calls `resolve()` (the event is a blocking one, so that thread sleeps
+instead of spinning on a core the worker's main loop needs for step N+1).
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from executor.deferred import Deferred
 from executor.packed import int32_bytes, ones_int32_bytes, pack_ids
 from mrv2.protocol import ModelRunnerOutput, PromptLogprobsChunk, SampledTokenLogprobs
 from mrv2.sampler.logprobs import LogprobsTensors
 
 
-class AsyncOutput:
+class AsyncOutput(Deferred[ModelRunnerOutput]):
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, is_sampling: np.ndarray,
                  copy_stream: "torch.cuda.Stream | None" = None, *,
                  logprobs: LogprobsTensors | None = None,
@@ -33,6 +38,7 @@ class AsyncOutput:
         self.is_sampling = is_sampling
         self.num_logprobs = num_logprobs
         self._event = None
+        self._cuda_device = sampled.device  # the device a resolving thread must make current
         device_tensors = [sampled]
         if logprobs is not None:
             device_tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
@@ -50,7 +56,7 @@ class AsyncOutput:
                 for host, t in zip(hosts, device_tensors):
                     host.copy_(t, non_blocking=True)
                     t.record_stream(copy_stream)
-                self._event = torch.cuda.Event()
+                self._event = torch.cuda.Event(blocking=True)
                 self._event.record(copy_stream)
             self._device = device_tensors  # alive until the copy completes
         else:
@@ -60,6 +66,12 @@ class AsyncOutput:
         num_sample = 0 if logprobs is None else 3
         self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[1:4])
         self._prompt_hosts = hosts[1 + num_sample:]  # 3 tensors per request, in dict order
+
+    def resolve(self) -> ModelRunnerOutput:
+        """`get_output()` from another thread (the executor's reply thread)."""
+        if self._event is not None:
+            torch.cuda.set_device(self._cuda_device)
+        return self.get_output()
 
     def get_output(self) -> ModelRunnerOutput:
         if self._event is not None:

@@ -170,12 +170,14 @@ class ModelRunner:
     # ---- phase 2 -------------------------------------------------------------------------
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Phase 2; returns once the step's output copy has landed on the host."""
-        output = self._sample_and_start_copy(grammar_output)
+        output = self.sample_tokens_async(grammar_output)
         return output if isinstance(output, ModelRunnerOutput) else output.get_output()
 
     @torch.inference_mode()
-    def _sample_and_start_copy(self, grammar_output: GrammarOutput | None
-                               ) -> AsyncOutput | ModelRunnerOutput:
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None
+                            ) -> AsyncOutput | ModelRunnerOutput:
+        """Phase 2 without waiting for the output copy: the worker hands the AsyncOutput to the
+        executor, which resolves it off the worker's main loop (executor/deferred.py)."""
         state, self._execute_state = self._execute_state, None
         if state is None:
             raise RuntimeError("sample_tokens called without a pending execute_model")

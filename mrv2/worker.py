@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from executor.deferred import Deferred
 from mrv2 import distributed, platform
 from mrv2.attention.backend import kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
@@ -108,5 +109,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.runner.sample_tokens(grammar_output)
+    def sample_tokens(self, grammar_output: GrammarOutput | None
+                      ) -> ModelRunnerOutput | Deferred[ModelRunnerOutput]:
+        """Phase 2. Returns before the step's output copy completes (an AsyncOutput): the
+        executor resolves it while this worker already runs the next step's phase 1."""
+        return self.runner.sample_tokens_async(grammar_output)
