@@ -37,7 +37,7 @@ CPU = "cpu"
 
 _forced_impl: str | None = None
 _interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_jitted: dict[tuple[Callable, bool], Callable] = {}
+_jitted: dict[tuple[Callable, bool, tuple[str, ...]], Callable] = {}
 
 
 @lru_cache(maxsize=1)
@@ -94,14 +94,19 @@ def kernel_impl(device: torch.device, *, portable_cpu_impl: bool = False) -> str
     return CPU
 
 
-def triton_kernel(fn: Callable) -> Callable:
-    """`triton.jit(fn)`, made once per mode: interpreted inside `triton_interpreter()`."""
-    key = (fn, _interpreting)
+def triton_kernel(fn: Callable, do_not_specialize: tuple[str, ...] = ()) -> Callable:
+    """`triton.jit(fn)`, made once per mode: interpreted inside `triton_interpreter()`.
+
+    `do_not_specialize` names the integer arguments that change per step (row and token
+    counts, lengths): Triton would otherwise compile a variant for values equal to 1 or
+    divisible by 16, i.e. recompile as batches change.
+    """
+    key = (fn, _interpreting, tuple(do_not_specialize))
     kernel = _jitted.get(key)
     if kernel is None:
         import triton
 
-        kernel = _jitted[key] = triton.jit(fn)
+        kernel = _jitted[key] = triton.jit(fn, do_not_specialize=list(do_not_specialize))
     return kernel
 
 
