@@ -172,7 +172,9 @@ class CompilationConfig:
     # Not annotated, so a class constant rather than a dataclass field.
     MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 
-    cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY", "FULL"] = "NONE"
+    # vLLM's default on CUDA: decode steps replay graphs, mixed batches run eagerly. `resolve`
+    # turns it into "NONE" off CUDA and under enforce_eager.
+    cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY", "FULL"] = "FULL_DECODE_ONLY"
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int = 512
 
@@ -240,7 +242,8 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = ParallelConfig()
-    compilation_config: CompilationConfig = CompilationConfig()
+    # EngineArgs passes the config resolved for the device; one built by hand runs eagerly.
+    compilation_config: CompilationConfig = CompilationConfig(cudagraph_mode="NONE")
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -99,8 +99,7 @@ def test_max_num_blocks_per_req(max_model_len: int, block_size: int, expected: i
 def test_engine_config_defaults_and_frozen() -> None:
     config = make_engine_config(64, 16)
     assert config.parallel_config == ParallelConfig()
-    assert config.compilation_config == CompilationConfig()
-    assert config.compilation_config.cudagraph_mode == "NONE"
+    assert config.compilation_config == CompilationConfig(cudagraph_mode="NONE")
     assert config.device == "cpu"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.device = "cuda"  # type: ignore[misc]

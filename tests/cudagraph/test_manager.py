@@ -20,7 +20,7 @@ DEFAULT_SIZES = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
 
 def test_default_capture_sizes() -> None:
     config = CompilationConfig()
-    assert config.cudagraph_mode == "NONE"
+    assert config.cudagraph_mode == "FULL_DECODE_ONLY"  # resolved to "NONE" off CUDA
     assert config.cudagraph_capture_sizes is None
     assert config.max_cudagraph_capture_size == 512
     assert config.capture_sizes == DEFAULT_SIZES
