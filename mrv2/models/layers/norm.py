@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mrv2 import platform
+from mrv2.models.layers import norm_numba
 from mrv2.models.layers.linear import default_weight_loader, set_weight_attrs
-from mrv2.models.layers.norm_numba import rms_norm
 from mrv2.models.layers.numba_rows import float32_cpu_inference
 
 
@@ -15,6 +16,8 @@ class RMSNorm(nn.Module):
 
     The normalisation runs in float32 and is cast back to the input dtype before the weight
     multiply, the same order as transformers, so low-precision outputs round identically.
+    CUDA tensors run the fused Triton twin (norm_triton.py), float32 CPU tensors the numba twin
+    (norm_numba.py), any other tensor the torch ops below.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -35,8 +38,12 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), where the
         second value is the residual stream the next layer adds its output to."""
+        if platform.kernel_impl(x.device, portable_cpu_impl=True) == platform.TRITON:
+            from mrv2.models.layers import norm_triton  # Triton is imported on first use only
+
+            return norm_triton.rms_norm(x, self.weight, self.eps, residual)
         if float32_cpu_inference(x, self.weight, *(() if residual is None else (residual,))):
-            return rms_norm(x, self.weight, self.eps, residual)
+            return norm_numba.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         # Added in the activation dtype, as transformers' `residual + hidden_states`.
