@@ -9,6 +9,9 @@ and, for each of its tokens, input_ids, positions and slot_mapping. A token at p
 come from the token history. Padded rows get seq_len 0; the last program writes
 query_start_loc[0] and pads the token tail (ids and positions 0 up to num_tokens_padded,
 slot_mapping -1 up to the buffer's end).
+
+The four counts of the batch are not specialised (one compiled variant for every batch); the
+other integers (buffer and table widths, block size) come from the configuration.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton.language as tl
 from mrv2.platform import triton_kernel
 
 TOKEN_TILE = 256  # tokens per loop iteration of a program
+_PER_STEP_BATCH_ARGS = ("num_reqs", "num_reqs_padded", "num_tokens", "num_tokens_padded")
 
 
 def _prepare_inputs_kernel(
@@ -81,7 +85,8 @@ def prepare_inputs(packed: torch.Tensor, num_reqs: int, num_reqs_padded: int, nu
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    logits_indices: torch.Tensor, input_ids: torch.Tensor,
                    positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    triton_kernel(_prepare_inputs_kernel)[(num_reqs_padded + 1,)](
+    kernel = triton_kernel(_prepare_inputs_kernel, do_not_specialize=_PER_STEP_BATCH_ARGS)
+    kernel[(num_reqs_padded + 1,)](
         packed, num_reqs, num_reqs_padded, num_tokens, num_tokens_padded,
         slot_mapping.shape[0], num_computed, prefill_len, last_sampled, token_ids,
         token_ids.shape[1], block_table, block_table.shape[1], block_size, idx_mapping,

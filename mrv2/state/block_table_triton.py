@@ -1,7 +1,8 @@
 """Triton kernel: gather the block-table rows of a batch's slots into batch order.
 
 Grid (padded rows, column blocks). Real rows copy their slot's row; padded rows are zeros,
-the null block (DESIGN.md invariant 6).
+the null block (DESIGN.md invariant 6). `num_rows` changes per step and is not specialised;
+`num_cols` is the table's width, fixed by the configuration.
 """
 
 from __future__ import annotations
@@ -35,5 +36,5 @@ def gather_rows(table: torch.Tensor, idx_mapping: torch.Tensor, num_rows: int,
         return
     num_cols = table.shape[1]
     grid = (num_rows_padded, triton.cdiv(num_cols, COLUMN_TILE))
-    triton_kernel(_gather_rows_kernel)[grid](table, idx_mapping, out, num_rows, num_cols,
-                                             BLOCK=COLUMN_TILE)
+    triton_kernel(_gather_rows_kernel, do_not_specialize=("num_rows",))[grid](
+        table, idx_mapping, out, num_rows, num_cols, BLOCK=COLUMN_TILE)

@@ -1,4 +1,8 @@
-"""Triton kernel for RequestState.post_update: one program per batch row."""
+"""Triton kernel for RequestState.post_update: one program per batch row.
+
+The row count is the grid's; the one integer argument, `max_model_len`, is the configuration's,
+so batches of any size share one compiled variant.
+"""
 
 from __future__ import annotations
 

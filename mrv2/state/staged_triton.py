@@ -2,6 +2,10 @@
 
 `meta` holds three int64 vectors of `num_runs`: flat start, length and offset into `values`.
 Runs must not overlap (programs run in any order); the caller dedups overlapping runs first.
+
+No recompile per step: `num_runs` is not specialised, and neither is `values_ptr`, whose
+alignment follows the run count (`values` starts 24 * num_runs bytes into one upload, so it is
+16-byte aligned only for an even count).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import triton.language as tl
 from mrv2.platform import triton_kernel
 
 RUN_TILE = 256  # elements of a run per loop iteration
+_PER_STEP_RUN_ARGS = ("values_ptr", "num_runs")
 
 
 def _apply_runs_kernel(dst_ptr, meta_ptr, values_ptr, num_runs, BLOCK: tl.constexpr):
@@ -29,4 +34,5 @@ def _apply_runs_kernel(dst_ptr, meta_ptr, values_ptr, num_runs, BLOCK: tl.conste
 def apply_runs(dst: torch.Tensor, meta: torch.Tensor, values: torch.Tensor,
                num_runs: int) -> None:
     """dst: flat destination; meta: [3 * num_runs] int64; values: same dtype as dst."""
-    triton_kernel(_apply_runs_kernel)[(num_runs,)](dst, meta, values, num_runs, BLOCK=RUN_TILE)
+    triton_kernel(_apply_runs_kernel, do_not_specialize=_PER_STEP_RUN_ARGS)[(num_runs,)](
+        dst, meta, values, num_runs, BLOCK=RUN_TILE)
