@@ -25,9 +25,11 @@ from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
 from mrv2.inputs.prepare import decode_first_order, prepare_inputs
 from mrv2.models.generation_config import eos_token_ids
-from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mrv2.protocol import (NULL_BLOCK_ID, CachedRequestData, GrammarOutput, ModelRunnerOutput,
+                           NewRequestData, SchedulerOutput)
 from mrv2.sampler import Sampler, SamplingStates
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
+from mrv2.sampling_params import SamplingParams
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -166,6 +168,43 @@ class ModelRunner:
                               meta)
 
         self.cudagraphs.capture(run)
+
+    def warm_up(self) -> None:
+        """Run every kernel family once before the first request: two dummy requests prefill
+        and decode through both phases, one greedy, one with each lazily-free sampling feature
+        (filters, logit bias, allowed ids, min_tokens, logprobs, prompt logprobs), so no
+        kernel compiles (numba, Triton) while a user waits. Their KV lands in the null block,
+        zeroed again afterwards (the cache starts as zeros). Penalties are left out: their [max_num_seqs, vocab] count table
+        is allocated only when a request uses them."""
+        config, sched = self.config, self.config.scheduler_config
+        vocab, block_size = config.model_config.vocab_size, self.block_tables.block_size
+        featured = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.01, seed=0,
+                                  logit_bias={0: 0.5}, allowed_token_ids=[0, 1, 2],
+                                  min_tokens=2, stop_token_ids=[0], logprobs=2,
+                                  prompt_logprobs=1)
+        params = [featured] if sched.max_num_seqs == 1 else [SamplingParams(temperature=0.0),
+                                                               featured]
+        # Two blocks and a bit (a prefill crossing block boundaries), within every limit.
+        max_len = config.model_config.max_model_len
+        prompt_len = max(1, min(2 * block_size + 1, max_len - 1,
+                                sched.max_num_batched_tokens // len(params)))
+        prompt = [t % vocab for t in range(1, prompt_len + 1)]
+        blocks = [NULL_BLOCK_ID] * min(config.max_num_blocks_per_req, prompt_len // block_size + 1)
+        new = [NewRequestData(f"warmup-{i}", prompt, prompt, p, blocks, 0)
+               for i, p in enumerate(params)]
+        ids = [r.req_id for r in new]
+        steps = [SchedulerOutput.build(new, CachedRequestData(), dict.fromkeys(ids, prompt_len),
+                                       prompt_len * len(ids))]
+        if prompt_len < max_len:  # room for one decoded token
+            steps.append(SchedulerOutput.build(
+                [], CachedRequestData.build(ids, [[]] * len(ids), [prompt_len] * len(ids)),
+                dict.fromkeys(ids, 1), len(ids)))
+        steps.append(SchedulerOutput.build([], CachedRequestData(), {}, 0, finished_req_ids=ids))
+        for step in steps:
+            self.execute_model(step)
+            self.sample_tokens()
+        for cache in self.kv_caches:
+            cache[:, NULL_BLOCK_ID].zero_()
 
     # ---- phase 2 -------------------------------------------------------------------------
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:

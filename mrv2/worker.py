@@ -99,6 +99,7 @@ class Worker:
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
         self.runner.capture_model()
+        self.runner.warm_up()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                     num_blocks * self.kv_block_bytes / (1 << 20))
 

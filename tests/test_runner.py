@@ -329,3 +329,14 @@ def test_penalties_and_bias_through_the_runner(runner, tiny_llama):
         seq.append(expected[-1])
     assert tokens["pen"] == expected
     assert len(set(expected)) > 1  # the penalties did something a plain greedy run may not
+
+
+def test_warm_up_leaves_no_request_behind(runner):
+    """initialize_kv_cache warmed this runner up (every test here runs after it): its dummy
+    requests are gone, the sparse sampling tables exist (their stages ran), and the dense
+    penalty counts are still unallocated."""
+    assert runner.requests.num_active == 0
+    assert runner.requests.num_free_slots == runner.requests.max_num_seqs
+    assert not runner.prompt_logprobs
+    assert runner.sampling.bias.allowed.words is not None
+    assert runner.sampling.penalties.output_counts is None
