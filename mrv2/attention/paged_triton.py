@@ -29,8 +29,10 @@ checked on CUDA only; fp16 and fp32 run under the interpreter too.)
 Kernels are plain functions jitted per mode by `mrv2.platform.triton_kernel`, so tests
 run them under the interpreter on CPU tensors. They use only `tl` builtins: no `tl.zeros`,
 `tl.cdiv`, `tl.max` or `tl.sum` (Triton's own jitted helpers, which the interpreter cannot call
-once triton was imported in compiled mode); reductions go through `tl.reduce` with Triton's
-standard combine functions, which the interpreter maps to numpy.
+once triton was imported in compiled mode), and no combine function of our own (the interpreter
+would reduce element by element in Python). A row reduction is a log2(TILE)-step tree of
+`tl.reshape` + `tl.split` + `tl.maximum` / `+`; the row of a query block is found by binary
+search over scalar loads.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ import triton.language as tl
 from mrv2.platform import triton_kernel
 
 LOG2E = 1.4426950408889634
+# Integer arguments of `_paged_attention_kernel` that change with the batch: no recompiles.
+_PER_STEP_INTS = ("num_rows", "rows_pad", "log2_rows_pad", "max_blocks")
 
 
 def _reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
@@ -70,22 +74,27 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
 
 
 def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
-                            block_tables_ptr, qk_scale, num_rows, max_blocks,
+                            block_tables_ptr, qk_scale, num_rows, rows_pad, log2_rows_pad,
+                            max_blocks,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                             stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                            ROWS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                            LOG2_TILE: tl.constexpr, PRECISION: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    # The row: how many rows start their query blocks at or before this one, minus one.
-    rows = tl.arange(0, ROWS_PAD)
-    starts = tl.load(query_start_loc_ptr + rows, mask=rows < num_rows, other=0)
-    first_block = starts // BLOCK_Q + rows
-    found = ((first_block <= q_block) & (rows < num_rows)).to(tl.int32)
-    row = tl.reduce(found, 0, tl.standard._sum_combine) - 1
+    # The row: the last one whose first query block (query_start_loc[r] // BLOCK_Q + r,
+    # strictly increasing in r) is <= this one. Row 0 starts at block 0.
+    row = q_block * 0
+    step = rows_pad
+    for _ in range(0, log2_rows_pad):
+        step = step // 2
+        probe = row + step
+        probe_start = tl.load(query_start_loc_ptr + probe, mask=probe < num_rows, other=0)
+        take = (probe < num_rows) & (probe_start // BLOCK_Q + probe <= q_block)
+        row = tl.where(take, probe, row)
 
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
@@ -130,10 +139,18 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+            s_max = s
+            for _ in tl.static_range(LOG2_TILE):
+                s_lo, s_hi = tl.split(tl.reshape(s_max, [BLOCK_M, s_max.shape[1] // 2, 2]))
+                s_max = tl.maximum(s_lo, s_hi)
+            m_new = tl.maximum(m_i, tl.reshape(s_max, [BLOCK_M]))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            p_sum = p
+            for _ in tl.static_range(LOG2_TILE):
+                p_lo, p_hi = tl.split(tl.reshape(p_sum, [BLOCK_M, p_sum.shape[1] // 2, 2]))
+                p_sum = p_lo + p_hi
+            l_i = l_i * alpha + tl.reshape(p_sum, [BLOCK_M])
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                                 input_precision=PRECISION)
             m_i = m_new
@@ -215,13 +232,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         raise ValueError(f"block_m={block_m} must be a multiple of {group_pad}")
     block_q = block_m // group_pad
     tile = 32 if tile is None else tile
+    if tile & (tile - 1):
+        raise ValueError(f"tile={tile} must be a power of two")
+    rows_pad = triton.next_power_of_2(num_rows)
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
-    triton_kernel(_paged_attention_kernel)[grid](
+    triton_kernel(_paged_attention_kernel, do_not_specialize=_PER_STEP_INTS)[grid](
         q, kv_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2E, num_rows,
-        block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        rows_pad, rows_pad.bit_length() - 1, block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
-        ROWS_PAD=triton.next_power_of_2(num_rows),
+        LOG2_TILE=tile.bit_length() - 1,
         PRECISION="ieee" if q.dtype == torch.float32 else None)
     return out
