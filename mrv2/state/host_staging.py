@@ -2,9 +2,10 @@
 
 Each upload packs its bytes into one host buffer and copies them to the device with one
 non_blocking copy. Two host buffers alternate: while the copy from one may still be in flight,
-the host fills the other. On CUDA the buffers are pinned, an event is recorded after every copy,
-and a buffer is refilled only after the event of its previous copy has completed (which, two
-uploads later, it practically always has: the wait costs nothing in the steady state).
+the host fills the other. On CUDA the buffers are pinned, each has an event re-recorded after every
+copy from it, and a buffer is refilled only after that event has completed (which, two uploads
+later, it practically always has: the wait costs nothing in the steady state). The events are
+blocking ones: a wait sleeps instead of spinning on a core the host's step work needs.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ class HostStaging:
         self._cuda = device.type == "cuda"
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._pinned_np: list[np.ndarray | None] = [None, None]
+        # Per buffer: its event, and whether a copy from it was recorded since the last wait.
         self._events: list[torch.cuda.Event | None] = [None, None]
+        self._in_flight = [False, False]
         self._current = 0
         self._device_buf: torch.Tensor | None = None
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """The buffer to fill next, as uint8 numpy (at least `nbytes`): no copy reads it."""
         i = self._current
-        event = self._events[i]
-        if event is not None:
-            event.synchronize()
-            self._events[i] = None
+        if self._in_flight[i]:
+            self._events[i].synchronize()
+            self._in_flight[i] = False
         host = self._pinned[i]
         if host is None or host.numel() < nbytes:
             # A buffer an in-flight copy still reads stays alive: the pinned allocator defers
@@ -58,8 +60,9 @@ class HostStaging:
         out = dev[:nbytes]
         out.copy_(self._pinned[i][:nbytes], non_blocking=True)
         if self._cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._events[i] = event
+            if self._events[i] is None:
+                self._events[i] = torch.cuda.Event(blocking=True)
+            self._events[i].record(torch.cuda.current_stream(self.device))
+            self._in_flight[i] = True
         self._current = 1 - i
         return out

@@ -317,12 +317,19 @@ def test_host_staging_waits_for_the_copy_before_refilling() -> None:
     staging.host_buffer(8)
     staging.upload(8)
     event = FakeEvent()
-    staging._events[0] = event  # as a CUDA upload leaves it: a copy from buffer 0 in flight
+    # As a CUDA upload leaves it: a copy from buffer 0 in flight, recorded on its event.
+    staging._events[0], staging._in_flight[0] = event, True
     staging.host_buffer(8)  # buffer 1: no wait
     assert not event.waited
     staging.upload(8)
     staging.host_buffer(8)  # buffer 0 again: waits for its copy first
-    assert event.waited and staging._events[0] is None
+    assert event.waited and not staging._in_flight[0]
+    event.waited = False
+    staging.upload(8)  # on CPU nothing is recorded: the next refill does not wait again
+    staging.host_buffer(8)
+    staging.upload(8)
+    staging.host_buffer(8)
+    assert not event.waited
 
 
 ROWS, COLS = 4, 6
