@@ -32,7 +32,7 @@ from mrv2.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
-from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary,
+from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary_qk,
                                        rope_parameters_from_config)
 
 # (fused param, checkpoint name, shard id)
@@ -106,13 +106,8 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
         cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin, self.head_dim)
-        k = apply_rotary(k, cos, sin, self.head_dim)
+        q, k = apply_rotary_qk(q, k, cos, sin, self.head_dim, self.q_norm, self.k_norm)
         out = self.attn(q, k, v, kv_cache, meta)
         if out.shape[0] < num_tokens:
             # The backend returns only the num_actual_tokens rows; padding rows get zeros

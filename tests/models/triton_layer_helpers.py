@@ -23,7 +23,8 @@ COMPILED_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
                 torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
 
-def compiled_variants(fn: Callable) -> int:
-    """How many binaries Triton holds for kernel `fn` (compiled mode) on the current GPU."""
-    kernel = platform.triton_kernel(fn)
+def compiled_variants(fn: Callable, do_not_specialize: tuple[str, ...] = ()) -> int:
+    """How many binaries Triton holds for kernel `fn` (compiled mode, jitted with
+    `do_not_specialize` as its owner does) on the current GPU."""
+    kernel = platform.triton_kernel(fn, do_not_specialize)
     return len(kernel.device_caches[torch.cuda.current_device()][0])

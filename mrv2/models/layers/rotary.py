@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mrv2 import platform
 from mrv2.models.layers import rotary_numba
+from mrv2.models.layers.norm import RMSNorm
 from mrv2.models.layers.numba_rows import float32_cpu_inference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -113,6 +115,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     # Same expression order as transformers' apply_rotary_pos_emb.
     out = (x * cos[:, None, :]) + (rotate_half(x) * sin[:, None, :])
     return out.reshape(shape)
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    head_dim: int, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H*D], k [T, KV*D] (views of the fused qkv output allowed), cos/sin [T, D] ->
+    rotated (q, k); with `q_norm`/`k_norm` (Qwen3), each head is RMS-normalised first.
+
+    CUDA tensors run one fused Triton launch for all of it (rotary_triton.py); elsewhere the
+    per-head norms, then `apply_rotary` on each.
+    """
+    if platform.kernel_impl(q.device, portable_cpu_impl=True) == platform.TRITON:
+        from mrv2.models.layers import rotary_triton  # Triton is imported on first use only
+
+        if q_norm is None or k_norm is None:
+            return rotary_triton.apply_rotary_qk(q, k, cos, sin, head_dim)
+        # The fused kernel takes one eps: both norms are built from the config's rms_norm_eps.
+        assert q_norm.eps == k_norm.eps, "q_norm and k_norm with different eps"
+        return rotary_triton.apply_rotary_qk(q, k, cos, sin, head_dim, q_norm.weight,
+                                             k_norm.weight, q_norm.eps)
+    if q_norm is not None and k_norm is not None:
+        num_tokens = q.shape[0]
+        q = q_norm(q.reshape(num_tokens, -1, head_dim)).reshape(num_tokens, -1)
+        k = k_norm(k.reshape(num_tokens, -1, head_dim)).reshape(num_tokens, -1)
+    return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
 
 
 class RotaryEmbedding(nn.Module):
