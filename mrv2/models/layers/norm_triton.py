@@ -8,6 +8,11 @@ transformers' `residual + hidden_states`), the normalisation runs in float32, it
 rounded to the activation dtype before the weight multiply, and the product is rounded to the
 output dtype. Only the sum of squares runs in another order (a tree), and `rsqrt` may differ
 from torch's by an ulp.
+
+Sums are trees of public builtins (`tl.reshape`, `tl.split`, `+`), as in
+attention/split_kv_triton.py: `tl.sum` is a jitted helper the interpreter cannot call once
+Triton was imported in compiled mode, and a combine function of our own makes the interpreter
+reduce element by element in Python.
 """
 
 from __future__ import annotations
@@ -19,20 +24,13 @@ import triton.language as tl
 from mrv2.platform import triton_kernel
 
 
-def sum_combine(a, b):
-    """The `tl.reduce` combine of a sum. Kernels take it jitted (`triton_kernel(sum_combine)`)
-    as a constexpr argument, so it is made in the kernel's mode: `tl.sum` is jitted once at
-    import, and the interpreter cannot call it once Triton was imported in compiled mode."""
-    return a + b
-
-
 def _add_rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, weight_ptr, out_ptr, out_stride,
                          res_out_ptr, res_out_stride, hidden, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SUM: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
     # Without a residual, res_out_ptr is x_ptr (never written): its element type is then the
     # activation dtype the normalised row is rounded to, as with one.
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]: the sum below keeps a [1, 1] result
     mask = cols < hidden
     act_dtype = res_out_ptr.dtype.element_ty
     v = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +39,11 @@ def _add_rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, weight_ptr, out_p
         summed = (v + r).to(act_dtype)
         tl.store(res_out_ptr + row * res_out_stride + cols, summed, mask=mask)
         v = summed.to(tl.float32)
-    inv = tl.rsqrt(tl.reduce(v * v, 0, SUM) / hidden + eps)
+    total = v * v
+    for _ in tl.static_range(LOG2_BLOCK):
+        lo, hi = tl.split(tl.reshape(total, [1, total.shape[1] // 2, 2]))
+        total = lo + hi
+    inv = tl.rsqrt(total / hidden + eps)
     normed = (v * inv).to(act_dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (w * normed).to(out_ptr.dtype.element_ty),
@@ -72,5 +74,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         triton_kernel(_add_rms_norm_kernel)[(x2.shape[0],)](
             x2, x2.stride(0), res2, res2.stride(0), weight, out2, out2.stride(0), res_out2,
             res_out2.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            SUM=triton_kernel(sum_combine), num_warps=min(max(block // 256, 1), 8))
+            LOG2_BLOCK=block.bit_length() - 1, num_warps=min(max(block // 256, 1), 8))
     return out if res_out is None else (out, res_out)

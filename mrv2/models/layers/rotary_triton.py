@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mrv2.models.layers.norm_triton import sum_combine
 from mrv2.platform import triton_kernel
 
 
@@ -27,7 +26,8 @@ def _rotary_qk_kernel(q_ptr, q_stride, k_ptr, k_stride, q_out_ptr, k_out_ptr, co
                       cos_stride, sin_ptr, sin_stride, q_weight_ptr, k_weight_ptr,
                       num_q_heads, num_k_heads, eps,
                       HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                      HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, SUM: tl.constexpr):
+                      HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                      LOG2_HALF_BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         src, stride, dst, weight_ptr, num_heads = q_ptr, q_stride, q_out_ptr, q_weight_ptr, \
@@ -44,8 +44,11 @@ def _rotary_qk_kernel(q_ptr, q_stride, k_ptr, k_stride, q_out_ptr, k_out_ptr, co
     x1 = tl.load(src + token * stride + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + token * stride + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        variance = (tl.reduce(x1 * x1, 1, SUM) + tl.reduce(x2 * x2, 1, SUM)) / (2 * HALF)
-        inv = tl.rsqrt(variance + eps)[:, None]
+        total = x1 * x1 + x2 * x2  # a tree sum, as in norm_triton.py
+        for _ in tl.static_range(LOG2_HALF_BLOCK):
+            lo, hi = tl.split(tl.reshape(total, [HEADS_BLOCK, total.shape[1] // 2, 2]))
+            total = lo + hi
+        inv = tl.rsqrt(tl.reshape(total, [HEADS_BLOCK, 1]) / (2 * HALF) + eps)
         w1 = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         w2 = tl.load(weight_ptr + cols + HALF, mask=col_mask, other=0.0).to(tl.float32)
         x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -93,6 +96,7 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
             q, q.stride(0), k, k.stride(0), q_out, k_out, cos, cos.stride(0), sin,
             sin.stride(0), q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
             num_q_heads, num_k_heads, eps, HALF=head_dim // 2, HAS_NORM=has_norm,
-            HEADS_BLOCK=heads_block, HALF_BLOCK=half_block, SUM=triton_kernel(sum_combine),
+            HEADS_BLOCK=heads_block, HALF_BLOCK=half_block,
+            LOG2_HALF_BLOCK=half_block.bit_length() - 1,
             num_warps=min(max(heads_block * half_block // 512, 1), 8))
     return q_out, k_out
