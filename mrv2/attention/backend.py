@@ -13,6 +13,12 @@ capturable: it reads only the metadata's device tensors), CPU tensors the torch 
 `mrv2.platform.forced_impl()` (the torch backend runs on any device, so the override holds on
 CUDA tensors too); the Triton one runs on CPU tensors only under
 `mrv2.platform.triton_interpreter()`.
+
+Decode-only steps on the Triton backend run the split-KV kernels (`split_kv_triton`: each
+row's context split over many programs, so batch 1 fills the GPU) once the layer holds split-KV
+scratch: `attach_split_kv_scratch(model, ...)`, called once before CUDA-graph capture, gives
+every layer one shared set of buffers sized for max_num_seqs rows. Without it, or for a padded
+row count the scratch does not hold, they run `paged_triton` as mixed steps do.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # Set by attach_split_kv_scratch; shared with every layer of the same head shape.
+        self.split_kv_scratch = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -82,12 +90,44 @@ class Attention(nn.Module):
             from mrv2.attention import paged_triton
 
             paged_triton.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-            out = paged_triton.paged_attention(
-                q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                uniform_decode=meta.num_decodes == meta.num_reqs)
+            uniform_decode = meta.num_decodes == meta.num_reqs
+            scratch = self.split_kv_scratch
+            num_rows = meta.query_start_loc.shape[0] - 1
+            if (uniform_decode and scratch is not None
+                    and scratch.fits(num_rows, self.num_heads, self.head_dim)):
+                from mrv2.attention import split_kv_triton
+
+                out = split_kv_triton.split_kv_decode(
+                    q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                    self.scale, scratch)
+            else:
+                out = paged_triton.paged_attention(
+                    q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                    self.scale, uniform_decode=uniform_decode)
         else:
             from mrv2.attention import paged_torch
 
             paged_torch.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
             out = paged_torch.paged_attention(q, kv_cache, meta, self.scale, k, v)
         return out.reshape(n, self.num_heads * self.head_dim)
+
+
+def attach_split_kv_scratch(model: nn.Module, max_num_seqs: int, max_model_len: int,
+                            device: torch.device, num_splits: int | None = None) -> None:
+    """Give every `Attention` layer of `model` split-KV decode scratch for up to
+    `max_num_seqs` rows (the padded row count of any decode step), one set per head shape,
+    shared by the layers. The split count comes from the device and `max_model_len`
+    (`split_kv_triton.num_kv_splits`) unless given. Call once, before CUDA-graph capture."""
+    from mrv2.attention import split_kv_triton
+
+    shared: dict[tuple[int, int, int], object] = {}
+    for layer in model.modules():
+        if not isinstance(layer, Attention):
+            continue
+        key = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        if key not in shared:
+            splits = num_splits or split_kv_triton.num_kv_splits(
+                layer.num_kv_heads, max_model_len, device)
+            shared[key] = split_kv_triton.SplitKVScratch.allocate(
+                max_num_seqs, layer.num_heads, splits, layer.head_dim, device)
+        layer.split_kv_scratch = shared[key]

@@ -73,6 +73,48 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
         tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _attend_tile(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid, visible, max_blocks,
+                 qk_scale, stride_c_kv, stride_c_block, stride_c_slot, BLOCK_M: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, LOG2_TILE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One online-softmax step over the keys `key_pos` (valid where `key_valid`, seen by a
+    query row where `visible`): (m_i, l_i, acc) updated. Kernels receive it as the constexpr
+    ATTEND_TILE, jitted for their mode by `attend_tile()` (a global jitted helper would be
+    compiled-mode only)."""
+    dims = tl.arange(0, HEAD_DIM)
+    block_idx = key_pos // BLOCK_SIZE
+    block_id = tl.load(table_row + block_idx,
+                       mask=key_valid & (block_idx < max_blocks), other=0)
+    kv_offset = (block_id.to(tl.int64) * stride_c_block
+                 + (key_pos % BLOCK_SIZE) * stride_c_slot)
+    k = tl.load(k_base + kv_offset[None, :] + dims[:, None], mask=key_valid[None, :],
+                other=0.0)  # [HEAD_DIM, TILE]
+    v = tl.load(k_base + stride_c_kv + kv_offset[:, None] + dims[None, :],
+                mask=key_valid[:, None], other=0.0)  # [TILE, HEAD_DIM]
+    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    s_max = s
+    for _ in tl.static_range(LOG2_TILE):
+        s_lo, s_hi = tl.split(tl.reshape(s_max, [BLOCK_M, s_max.shape[1] // 2, 2]))
+        s_max = tl.maximum(s_lo, s_hi)
+    m_new = tl.maximum(m_i, tl.reshape(s_max, [BLOCK_M]))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p_sum = p
+    for _ in tl.static_range(LOG2_TILE):
+        p_lo, p_hi = tl.split(tl.reshape(p_sum, [BLOCK_M, p_sum.shape[1] // 2, 2]))
+        p_sum = p_lo + p_hi
+    l_i = l_i * alpha + tl.reshape(p_sum, [BLOCK_M])
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+def attend_tile() -> object:
+    """`_attend_tile` jitted for the current mode (compiled or interpreted)."""
+    return triton_kernel(_attend_tile)
+
+
 def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
                             block_tables_ptr, qk_scale, num_rows, rows_pad, log2_rows_pad,
                             max_blocks,
@@ -81,7 +123,8 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                            LOG2_TILE: tl.constexpr, PRECISION: tl.constexpr):
+                            LOG2_TILE: tl.constexpr, PRECISION: tl.constexpr,
+                            ATTEND_TILE: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -127,33 +170,11 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
         for j in range(0, num_tiles):
             key_pos = j * TILE + tl.arange(0, TILE)
             key_valid = key_pos < kv_len
-            block_idx = key_pos // BLOCK_SIZE
-            block_id = tl.load(table_row + block_idx,
-                               mask=key_valid & (block_idx < max_blocks), other=0)
-            kv_offset = (block_id.to(tl.int64) * stride_c_block
-                         + (key_pos % BLOCK_SIZE) * stride_c_slot)
-            k = tl.load(k_base + kv_offset[None, :] + dims[:, None], mask=key_valid[None, :],
-                        other=0.0)  # [HEAD_DIM, TILE]
-            v = tl.load(k_base + stride_c_kv + kv_offset[:, None] + dims[None, :],
-                        mask=key_valid[:, None], other=0.0)  # [TILE, HEAD_DIM]
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            s_max = s
-            for _ in tl.static_range(LOG2_TILE):
-                s_lo, s_hi = tl.split(tl.reshape(s_max, [BLOCK_M, s_max.shape[1] // 2, 2]))
-                s_max = tl.maximum(s_lo, s_hi)
-            m_new = tl.maximum(m_i, tl.reshape(s_max, [BLOCK_M]))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            p_sum = p
-            for _ in tl.static_range(LOG2_TILE):
-                p_lo, p_hi = tl.split(tl.reshape(p_sum, [BLOCK_M, p_sum.shape[1] // 2, 2]))
-                p_sum = p_lo + p_hi
-            l_i = l_i * alpha + tl.reshape(p_sum, [BLOCK_M])
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid,
+                                        visible, max_blocks, qk_scale, stride_c_kv,
+                                        stride_c_block, stride_c_slot, BLOCK_M, HEAD_DIM,
+                                        BLOCK_SIZE, LOG2_TILE, PRECISION)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows masked out of the tile
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
@@ -176,6 +197,17 @@ def _check_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:
             raise ValueError(f"{name}={value} must be a power of two")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
+    return block_size, num_kv_heads, head_dim
+
+
+def _check_q_and_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, num_kv_heads, head_dim) once q [T, H, D] and the cache fit each other."""
+    _check(q)
+    block_size, num_kv_heads, head_dim = _check_cache(kv_cache)
+    _, num_heads, q_dim = q.shape
+    if q_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache with {num_kv_heads} kv "
+                         f"heads of dim {head_dim}")
     return block_size, num_kv_heads, head_dim
 
 
@@ -211,12 +243,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `block_m` (query rows per program, a multiple of the padded GQA group) and `tile` (keys
     per step) override the tile sizes, for tests.
     """
-    _check(q)
-    block_size, num_kv_heads, head_dim = _check_cache(kv_cache)
-    num_tokens, num_heads, q_dim = q.shape
-    if q_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a cache with {num_kv_heads} kv "
-                         f"heads of dim {head_dim}")
+    block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
+    num_tokens, num_heads, _ = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -243,5 +271,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         kv_cache.stride(3), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         LOG2_TILE=tile.bit_length() - 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else None)
+        PRECISION="ieee" if q.dtype == torch.float32 else None, ATTEND_TILE=attend_tile())
     return out

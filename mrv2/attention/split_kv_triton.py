@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mrv2.attention.paged_triton import LOG2E, _check, _check_cache
+from mrv2.attention.paged_triton import LOG2E, _check_q_and_cache, attend_tile
 from mrv2.platform import triton_kernel
 
 # Keys per step of the split kernel; a chunk is a whole number of tiles.
@@ -50,7 +50,8 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
                      stride_ml_head,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LOG2_TILE: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                     ATTEND_TILE: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -78,32 +79,10 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
         for start in range(key_start, key_end, TILE):
             key_pos = start + tl.arange(0, TILE)
             key_valid = key_pos < key_end
-            block_idx = key_pos // BLOCK_SIZE
-            block_id = tl.load(table_row + block_idx,
-                               mask=key_valid & (block_idx < max_blocks), other=0)
-            kv_offset = (block_id.to(tl.int64) * stride_c_block
-                         + (key_pos % BLOCK_SIZE) * stride_c_slot)
-            k = tl.load(k_base + kv_offset[None, :] + dims[:, None], mask=key_valid[None, :],
-                        other=0.0)  # [HEAD_DIM, TILE]
-            v = tl.load(k_base + stride_c_kv + kv_offset[:, None] + dims[None, :],
-                        mask=key_valid[:, None], other=0.0)  # [TILE, HEAD_DIM]
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
-            s = tl.where(key_valid[None, :], s, float("-inf"))
-            s_max = s
-            for _ in tl.static_range(LOG2_TILE):
-                s_lo, s_hi = tl.split(tl.reshape(s_max, [BLOCK_M, s_max.shape[1] // 2, 2]))
-                s_max = tl.maximum(s_lo, s_hi)
-            m_new = tl.maximum(m_i, tl.reshape(s_max, [BLOCK_M]))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            p_sum = p
-            for _ in tl.static_range(LOG2_TILE):
-                p_lo, p_hi = tl.split(tl.reshape(p_sum, [BLOCK_M, p_sum.shape[1] // 2, 2]))
-                p_sum = p_lo + p_hi
-            l_i = l_i * alpha + tl.reshape(p_sum, [BLOCK_M])
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid,
+                                        key_valid[None, :], max_blocks, qk_scale, stride_c_kv,
+                                        stride_c_block, stride_c_slot, BLOCK_M, HEAD_DIM,
+                                        BLOCK_SIZE, LOG2_TILE, PRECISION)
 
         acc_row = acc_ptr + row.to(tl.int64) * stride_acc_row + split * HEAD_DIM
         tl.store(acc_row + head[:, None] * stride_acc_head + dims[None, :], acc,
@@ -197,12 +176,8 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     padding). Same inputs and output contract as `paged_triton.paged_attention`; `scratch`
     must hold at least `len(seq_lens)` rows. `tile` (keys per step, a power of two >= 16 on
     CUDA) is a configuration constant."""
-    _check(q)
-    block_size, num_kv_heads, head_dim = _check_cache(kv_cache)
-    num_tokens, num_heads, q_dim = q.shape
-    if q_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a cache with {num_kv_heads} kv "
-                         f"heads of dim {head_dim}")
+    block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
+    num_tokens, num_heads, _ = q.shape
     num_rows = query_start_loc.shape[0] - 1
     if not scratch.fits(num_rows, num_heads, head_dim):
         raise ValueError(f"scratch {tuple(scratch.acc.shape)} does not hold {num_rows} rows "
@@ -226,7 +201,8 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         acc.stride(0), acc.stride(1), ml.stride(0), ml.stride(1), ml.stride(2),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=tile, LOG2_TILE=tile.bit_length() - 1,
-        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else None)
+        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else None,
+        ATTEND_TILE=attend_tile())
     triton_kernel(_merge_splits_kernel)[(num_rows, num_heads)](
         acc, ml, out, query_start_loc, acc.stride(0), acc.stride(1), ml.stride(0),
         ml.stride(1), ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=head_dim,

@@ -162,3 +162,35 @@ def test_triton_backend_matches_torch_backend(padded: bool):
         assert out.shape == (n + pad_tokens, NUM_HEADS * HEAD_DIM)
         assert (out[:n] - expected).abs().max().item() <= 1e-5
         assert torch.equal(triton_cache, torch_cache)
+
+
+def test_decode_steps_take_the_split_kv_path_once_scratch_is_attached(monkeypatch):
+    """With split-KV scratch attached, the decode-only step runs `split_kv_decode` (mixed
+    steps keep `paged_attention`) and still matches the torch backend."""
+    from mrv2.attention import split_kv_triton
+
+    model = torch.nn.ModuleList([Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, 0.3)
+                                 for _ in range(2)])
+    backend.attach_split_kv_scratch(model, max_num_seqs=4, max_model_len=32,
+                                    device=torch.device("cpu"), num_splits=4)
+    assert model[0].split_kv_scratch is model[1].split_kv_scratch
+    assert model[0].split_kv_scratch.num_splits == 4
+    calls = []
+    real = split_kv_triton.split_kv_decode
+    monkeypatch.setattr(split_kv_triton, "split_kv_decode",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM),
+                        generator=gen)
+    q = torch.randn(2, NUM_HEADS * HEAD_DIM, generator=gen)
+    k, v = (torch.randn(2, NUM_KV_HEADS * HEAD_DIM, generator=gen) for _ in range(2))
+    # Two decode rows of 7 and 3 tokens, blocks (5, 2) and (6, 0), plus one padding row.
+    meta = _meta([5 * BLOCK_SIZE + 2, 6 * BLOCK_SIZE + 2], [1, 1], [7, 3], [[5, 2], [6, 0]],
+                 pad_rows=1)
+    meta.num_decodes = meta.num_reqs
+    expected = model[0](q, k, v, cache.clone(), _meta(
+        [5 * BLOCK_SIZE + 2, 6 * BLOCK_SIZE + 2], [1, 1], [7, 3], [[5, 2], [6, 0]]))
+    with platform.triton_interpreter():
+        out = model[0](q, k, v, cache, meta)
+    assert calls == [1]
+    assert (out - expected).abs().max().item() <= 1e-5
