@@ -137,8 +137,8 @@ class _TinyModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        self.embed = torch.randn(VOCAB, HIDDEN, generator=gen)
-        self.lm_head = torch.randn(HIDDEN, VOCAB, generator=gen)
+        self.register_buffer("embed", torch.randn(VOCAB, HIDDEN, generator=gen))
+        self.register_buffer("lm_head", torch.randn(HIDDEN, VOCAB, generator=gen))
         self.attn = Attention(num_heads=HIDDEN // HEAD_DIM, head_dim=HEAD_DIM, num_kv_heads=1,
                               scale=HEAD_DIM ** -0.5)
 
@@ -211,30 +211,31 @@ class _Workload:
                                      finished_req_ids=finished)
 
 
-@pytest.fixture(scope="module")
-def launches() -> list[Launch]:
-    config = _config()
+def run_workload(device: torch.device) -> None:
+    """The runner's whole step over every batch size of BATCHES, then shrinking batches."""
     num_blocks = 1 + 2 * MAX_NUM_SEQS * (MAX_MODEL_LEN // BLOCK_SIZE)
-    kv = [torch.zeros(kv_cache_shape(num_blocks, BLOCK_SIZE, 1, HEAD_DIM))]
-    with pytest.MonkeyPatch.context() as monkeypatch, platform.triton_interpreter():
-        log = record_launches(monkeypatch)
-        runner = ModelRunner(config, _TinyModel(), kv, torch.device("cpu"))
-        workload = _Workload()
-        for num_reqs in BATCHES:
-            for _ in range(2):  # the new ones' prefill, then a decode of all
-                runner.execute_model(workload.step(num_reqs))
-                runner.sample_tokens(None)
-        for num_reqs in (5, 2):  # shrinking batches: finished rows, staged clears
+    kv = [torch.zeros(kv_cache_shape(num_blocks, BLOCK_SIZE, 1, HEAD_DIM), device=device)]
+    runner = ModelRunner(_config(), _TinyModel().to(device), kv, device)
+    workload = _Workload()
+    for num_reqs in BATCHES:
+        for _ in range(2):  # the new ones' prefill, then a decode of all
             runner.execute_model(workload.step(num_reqs))
             runner.sample_tokens(None)
+    for num_reqs in (5, 2):  # shrinking batches: finished rows, staged clears
+        runner.execute_model(workload.step(num_reqs))
+        runner.sample_tokens(None)
+
+
+@pytest.fixture(scope="module")
+def launches() -> list[Launch]:
+    with pytest.MonkeyPatch.context() as monkeypatch, platform.triton_interpreter():
+        log = record_launches(monkeypatch)
+        run_workload(torch.device("cpu"))
     return log
 
 
 # Kernels whose owners do not yet keep per-step integers out of the specialisation.
-KNOWN_RECOMPILING = {
-    "_paged_attention_kernel": "mrv2/attention/paged_triton.py: constexpr ROWS_PAD = "
-                               "next_power_of_2(num_rows) and num_rows specialised per batch",
-}
+KNOWN_RECOMPILING: dict[str, str] = {}  # kernel -> xfail reason naming the owner file
 # A second variant the configuration allows: uniform decode batches pick a smaller query tile.
 ALLOWED_VARIANTS = {"_paged_attention_kernel": 2}
 RUNNER_KERNELS = ("_apply_runs_kernel", "_gather_rows_kernel", "_prepare_inputs_kernel",
@@ -291,3 +292,20 @@ def test_key_follows_triton_rules() -> None:
     assert len({key(kernel, ("n",), buf, n, 4) for n in (1, 16, 17, 33)}) == 1
     assert key(kernel, (), buf, 17, 4) != key(kernel, (), buf[1:], 17, 4)
     assert key(kernel, ("ptr",), buf, 17, 4) == key(kernel, ("ptr",), buf[1:], 17, 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_keys_match_what_triton_compiles_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, the same run compiles exactly the variants the hook's keys predict."""
+    monkeypatch.setattr(platform, "_jitted", {})  # fresh kernels: their caches count this run
+    log = record_launches(monkeypatch)
+    run_workload(torch.device("cuda"))
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    predicted: dict[str, set[tuple]] = defaultdict(set)
+    for launch in log:
+        predicted[launch.kernel].add(launch.key)
+    for kernel in platform._jitted.values():
+        kernel_cache = kernel.device_caches[device][0]
+        assert len(kernel_cache) == len(predicted[kernel.fn.__name__]), kernel.fn.__name__
