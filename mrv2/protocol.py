@@ -182,17 +182,20 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # Requests that asked for prompt logprobs and computed prompt positions this step; None
     # when no request of the batch did.
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    # Requests whose logits row held a NaN this step (num_nans of them): their sampled token
+    # is a valid id but meaningless, so the scheduler ends them with finish_reason "error".
+    nan_req_ids: list[str] = []
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
-              logprobs: list[SampledTokenLogprobs | None] | None = None, num_nans: int = 0,
-              prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
-              ) -> ModelRunnerOutput:
+              logprobs: list[SampledTokenLogprobs | None] | None = None,
+              prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None,
+              nan_req_ids: Sequence[str] = ()) -> ModelRunnerOutput:
         if len(req_ids) != len(sampled_token_ids):
             raise ValueError(f"{len(req_ids)} ids and {len(sampled_token_ids)} token lists")
         flat, counts = pack_ragged(sampled_token_ids)
-        return cls(pack_ids(req_ids), len(req_ids), flat, counts, logprobs, num_nans,
-                   prompt_logprobs)
+        return cls(pack_ids(req_ids), len(req_ids), flat, counts, logprobs, len(nan_req_ids),
+                   prompt_logprobs, list(nan_req_ids))
 
     @property
     def req_ids(self) -> list[str]:
@@ -217,9 +220,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3  # the engine failed this request alone (vLLM's "error"), e.g. NaN logits
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "error")[self.value]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):

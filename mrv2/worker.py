@@ -17,7 +17,7 @@ import torch
 
 from executor.deferred import Deferred
 from mrv2 import distributed, platform
-from mrv2.attention.backend import kv_cache_shape
+from mrv2.attention.backend import attach_split_kv_scratch, kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
 from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
@@ -56,6 +56,11 @@ class Worker:
         self.model = load_model(self.config.model_config, self.device)
         if self.device.type == "cpu":
             cpu_fast_paths.attach(self.model)
+        elif self.device.type == "cuda":
+            # Decode-only steps split long contexts over several programs (flash-decoding);
+            # the partials' scratch is allocated once here, before warm-up and graph capture.
+            attach_split_kv_scratch(self.model, self.config.scheduler_config.max_num_seqs,
+                                    self.config.model_config.max_model_len, self.device)
 
     @property
     def num_kv_heads(self) -> int:

@@ -124,11 +124,12 @@ def test_grammar_output(bitmask: bytes | None) -> None:
 def test_model_runner_output() -> None:
     lp = SampledTokenLogprobs(token_ids=[5, 5, 9], logprobs=[-0.25, -0.25, -1.5], rank=1)
     out = ModelRunnerOutput.build(req_ids=["a", "b"], sampled_token_ids=[[5], []],
-                            logprobs=[lp, None], num_nans=1)
+                            logprobs=[lp, None], nan_req_ids=["b"])
     back = round_trip(out)
     assert back.sampled_token_ids == [[5], []] and back.req_ids == ["a", "b"]
     assert back.sampled.tolist() == [5] and back.num_sampled.tolist() == [1, 0]
     assert back.logprobs == [lp, None]
+    assert back.nan_req_ids == ["b"] and back.num_nans == 1
     minimal = round_trip(ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[]))
     assert minimal.logprobs is None and minimal.num_nans == 0
 
@@ -188,14 +189,14 @@ def test_engine_core_outputs() -> None:
 
 
 def test_finish_reason() -> None:
-    assert [str(r) for r in FinishReason] == ["stop", "length", "abort"]
-    assert [int(r) for r in FinishReason] == [0, 1, 2]
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
+    assert [int(r) for r in FinishReason] == [0, 1, 2, 3]
     # Encoded as its integer value, decoded back into the enum.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(FinishReason.LENGTH)) == 1
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(FinishReason.ABORT),
                                   type=FinishReason) is FinishReason.ABORT
     with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(msgspec.msgpack.encode(3), type=FinishReason)
+        msgspec.msgpack.decode(msgspec.msgpack.encode(4), type=FinishReason)
 
 
 def test_structs_are_frozen() -> None:

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -26,11 +27,13 @@ from typing import TYPE_CHECKING
 from executor.packed import check_id
 from mrv2.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from mrv2.core.request import Request, RequestStatus
-from mrv2.protocol import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                           NewRequestData, SchedulerOutput)
+from mrv2.protocol import (CachedRequestData, EngineCoreOutput, FinishReason,
+                           ModelRunnerOutput, NewRequestData, SchedulerOutput)
 
 if TYPE_CHECKING:  # config.py imports torch; the scheduler itself needs none of it
     from mrv2.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -266,6 +269,8 @@ class Scheduler:
         logprobs = (None if model_runner_output.logprobs is None
                     else dict(zip(req_ids, model_runner_output.logprobs)))
         prompt_logprobs = model_runner_output.prompt_logprobs
+        # Rows whose logits held a NaN: the request ends with "error", its token unseen.
+        failed = set(model_runner_output.nan_req_ids)
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
         requests, running_status = self.requests, RequestStatus.RUNNING
@@ -285,6 +290,14 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(token_ids))
+            if failed and req_id in failed:
+                logger.error("request %s: NaN in its logits; finished with an error", req_id)
+                request.status = RequestStatus.FINISHED_ERROR
+                finished.add(req_id)
+                self._free_finished(request)
+                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                                finish_reason=FinishReason.ERROR))
+                continue
             kept = 0
             for token_id in token_ids:
                 request.append_output_token_ids(token_id)

@@ -347,6 +347,25 @@ def test_abort_running_and_waiting() -> None:
         sched.finish_requests("a", RequestStatus.RUNNING)
 
 
+def test_nan_logits_end_only_that_request_with_an_error() -> None:
+    """A row whose logits held a NaN (the runner names it in nan_req_ids): its token is not
+    appended, the request finishes with finish_reason "error" and frees its blocks; the
+    other request of the batch carries on."""
+    sched, runner = make_scheduler(), FakeRunner(4)
+    a, b = make_request("a", 5), make_request("b", 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    mro = runner.execute(out)
+    bad = msgspec.structs.replace(mro, nan_req_ids=["a"], num_nans=1)
+    outputs = {o.request_id: o for o in sched.update_from_output(out, bad)}
+    assert outputs["a"].finish_reason is FinishReason.ERROR and outputs["a"].new_token_ids == []
+    assert a.status is RequestStatus.FINISHED_ERROR and a.output_token_ids == []
+    assert outputs["b"].finish_reason is None and len(outputs["b"].new_token_ids) == 1
+    assert [r.request_id for r in sched.running] == ["b"]
+    assert sched.schedule().finished_req_ids == ["a"]
+
+
 def test_add_request_guards() -> None:
     sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=32)  # 16 tokens of KV
     with pytest.raises(ValueError, match="max_model_len"):

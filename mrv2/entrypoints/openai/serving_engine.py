@@ -105,6 +105,10 @@ class OpenAIServing:
                     for completion in output.outputs:
                         if completion.finish_reason is not None:
                             timer.on_completion_finished(completion.finish_reason)
+                        if completion.finish_reason == "error":
+                            # As vLLM: the engine failed this request alone (e.g. NaN logits).
+                            raise OpenAIError("Internal server error: the engine could not "
+                                              "complete this request", 500)
                     finished = output.finished
                     yield output
         finally:
