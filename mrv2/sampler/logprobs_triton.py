@@ -18,7 +18,8 @@ from mrv2.platform import triton_kernel
 
 
 def _logprobs_kernel(src_ptr, src_stride, sampled_ptr, block_max_ptr, block_sum_ptr,
-                     block_count_ptr, num_blocks, vocab_size, BLOCK: tl.constexpr):
+                     block_count_ptr, num_blocks, vocab_size, BLOCK: tl.constexpr,
+                     LOG2_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)
@@ -26,15 +27,24 @@ def _logprobs_kernel(src_ptr, src_stride, sampled_ptr, block_max_ptr, block_sum_
     src_row = src_ptr + row * src_stride
     x = tl.load(src_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
     chosen = tl.load(src_row + tl.load(sampled_ptr + row)).to(tl.float32)
-    best = tl.reduce(x, 0, tl.standard._elementwise_max)
+    # Trees of public builtins, not tl.max / tl.sum (see noise_triton.py).
+    best = tl.reshape(x, [1, BLOCK])
+    for _ in tl.static_range(LOG2_BLOCK):
+        lo, hi = tl.split(tl.reshape(best, [1, best.shape[1] // 2, 2]))
+        best = tl.maximum(lo, hi)
     # A block of -inf only (filtered tokens) has sum 0; subtract 0 instead of -inf.
     shift = tl.where(best == float("-inf"), 0.0, best)
-    total = tl.reduce(tl.exp(x - shift), 0, tl.standard._sum_combine)
-    count = tl.reduce(((x >= chosen) & mask).to(tl.int32), 0, tl.standard._sum_combine)
-    out = row * num_blocks + block
-    tl.store(block_max_ptr + out, best)
-    tl.store(block_sum_ptr + out, total)
-    tl.store(block_count_ptr + out, count)
+    total = tl.exp(tl.reshape(x, [1, BLOCK]) - shift)
+    count = tl.reshape(((x >= chosen) & mask).to(tl.int32), [1, BLOCK])
+    for _ in tl.static_range(LOG2_BLOCK):
+        lo, hi = tl.split(tl.reshape(total, [1, total.shape[1] // 2, 2]))
+        total = lo + hi
+        lo_c, hi_c = tl.split(tl.reshape(count, [1, count.shape[1] // 2, 2]))
+        count = lo_c + hi_c
+    out = row * num_blocks + block + tl.arange(0, 1)
+    tl.store(block_max_ptr + out, tl.reshape(best, [1]))
+    tl.store(block_sum_ptr + out, tl.reshape(total, [1]))
+    tl.store(block_count_ptr + out, tl.reshape(count, [1]))
 
 
 def compute_logprobs_triton(source: Tensor, sampled: Tensor, num_topk: int, *,
@@ -48,9 +58,9 @@ def compute_logprobs_triton(source: Tensor, sampled: Tensor, num_topk: int, *,
     block_sum = torch.empty_like(block_max)
     block_count = torch.empty(num_rows, num_blocks, dtype=torch.int32, device=source.device)
     if num_rows:
-        triton_kernel(_logprobs_kernel)[(num_rows, num_blocks)](
+        triton_kernel(_logprobs_kernel, do_not_specialize=("src_stride",))[(num_rows, num_blocks)](
             source, source.stride(0), sampled, block_max, block_sum, block_count, num_blocks,
-            vocab_size, BLOCK=block)
+            vocab_size, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1)
     ranks = block_count.sum(dim=1, dtype=torch.int64)
     chosen = source.gather(1, sampled.unsqueeze(1)).float()
     ids = sampled.unsqueeze(1)

@@ -42,6 +42,10 @@ from mrv2 import platform
 class SamplerOutput:
     sampled: Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+    # [B] bool, on the device: the row's logits held a NaN where it was sampled (after the
+    # processing stages, which can mask one away). NaN never wins: the token is the argmax of
+    # the other values (token 0 if all are NaN), so it is always in the vocabulary.
+    nan_rows: Tensor
 
 
 class Sampler:
@@ -68,11 +72,11 @@ class Sampler:
             f"{self.states.vocab_size}")
         flags = self.states.batch_flags(idx_mapping_np)
         if platform.kernel_impl(logits.device) == platform.CPU:
-            sampled, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np, positions,
+            sampled, nan_rows, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np, positions,
                                              self.states, flags, self.logprobs_mode)
         else:
             from mrv2.sampler.sampler_triton import sample_triton
 
-            sampled, logprobs = sample_triton(logits, idx_mapping, positions, self.states,
+            sampled, nan_rows, logprobs = sample_triton(logits, idx_mapping, positions, self.states,
                                               flags, self.logprobs_mode)
-        return SamplerOutput(sampled, logprobs)
+        return SamplerOutput(sampled, logprobs, nan_rows)

@@ -78,8 +78,9 @@ def _on_rows(x: Tensor, rows: RowSelection, fn: Callable[[Tensor, RowSelection],
 
 def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray,
                  positions: Tensor, states: SamplingStates, flags: BatchFlags,
-                 mode: str) -> tuple[Tensor, LogprobsTensors | None]:
-    """Sampled tokens [B] int64 and the logprobs (None when no row asked for them)."""
+                 mode: str) -> tuple[Tensor, Tensor, LogprobsTensors | None]:
+    """Sampled tokens [B] int64, the rows whose logits held a NaN ([B] bool; NaN is read as
+    -inf) and the logprobs (None when no row asked for them)."""
     num_rows, vocab_size = logits.shape
     device = logits.device
     num_topk = flags.max_num_logprobs
@@ -113,11 +114,16 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
         # Converting to float32 is exact and order-preserving, so the argmax (ties included)
         # equals the float32 copy's; skipping the copy saves a [B, V] pass.
         sampled = logits.argmax(dim=-1)
+        # torch.argmax lands on a NaN when the row holds one: only those rows are redone.
+        nan_rows = logits.gather(1, sampled.unsqueeze(1)).squeeze(1).isnan()
+        if nan_rows.any():  # a CPU tensor: no device sync
+            rows = nan_rows.nonzero().squeeze(1)
+            sampled[rows] = _nan_as_neg_inf(logits[rows]).argmax(dim=-1)
         if want_logprobs:
             for start in range(0, num_rows, tile):
                 rows = slice(start, start + tile)
                 fill_logprobs(rows, logits[rows], sampled[rows])
-        return sampled, lp_out
+        return sampled, nan_rows, lp_out
 
     idx = idx_mapping.long()
     batch = _RowParams(idx=idx, positions=positions.long(),
@@ -127,11 +133,13 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
                   features_np=states.features_host[idx_mapping_np],
                   num_logprobs_np=num_logprobs_np)
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    nan_rows = torch.zeros(num_rows, dtype=torch.bool, device=device)
     keep_processed = want_logprobs and processed
     for start in range(0, num_rows, tile):
         rows = slice(start, start + tile)
         source = logits[rows]
         x = source.to(torch.float32, copy=True)
+        _mask_nan_(x, nan_rows[rows])
         params = batch[rows]
         if flags.any_processing:
             _process_tile_(x, params, states, flags)
@@ -140,7 +148,23 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
             # With keep_processed, x holds each row's sampling distribution (no noise).
             fill_logprobs(rows, x if processed else source, sampled)
         out[rows] = sampled
-    return out, lp_out
+    return out, nan_rows, lp_out
+
+
+def _nan_as_neg_inf(x: Tensor) -> Tensor:
+    return x.masked_fill(x.isnan(), float("-inf"))
+
+
+def _mask_nan_(x: Tensor, nan_rows: Tensor) -> None:
+    """NaN -> -inf in ``x``, in place, and the rows that held one flagged in ``nan_rows``."""
+    # A row sum is NaN if the row holds a NaN (or both infinities): one cheap pass, and the
+    # exact test only on those rows.
+    suspect = x.sum(dim=1).isnan()
+    if suspect.any():  # a CPU tensor: no device sync
+        rows = suspect.nonzero().squeeze(1)
+        sub = x[rows]
+        nan_rows[rows] = sub.isnan().any(dim=1)
+        x[rows] = _nan_as_neg_inf(sub)
 
 
 def _process_tile_(x: Tensor, rows: _RowParams, states: SamplingStates, flags: BatchFlags) -> None:

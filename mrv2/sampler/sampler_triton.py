@@ -19,22 +19,23 @@ from mrv2.sampler.bias_triton import apply_bias_and_min_tokens_
 from mrv2.sampler.filters import apply_min_p_, apply_top_k_top_p_
 from mrv2.sampler.logprobs import LogprobsTensors
 from mrv2.sampler.logprobs_triton import compute_logprobs_triton
-from mrv2.sampler.noise_triton import gumbel_sample
+from mrv2.sampler.noise_triton import greedy_argmax, gumbel_sample
 from mrv2.sampler.penalties_triton import apply_allowed_and_penalties_
 from mrv2.sampler.states import BatchFlags, SamplingStates
 
 
 def sample_triton(logits: Tensor, idx_mapping: Tensor, positions: Tensor,
                   states: SamplingStates, flags: BatchFlags,
-                  mode: str) -> tuple[Tensor, LogprobsTensors | None]:
-    """Sampled tokens [B] int64 and the logprobs (None when no row asked for them)."""
+                  mode: str) -> tuple[Tensor, Tensor, LogprobsTensors | None]:
+    """Sampled tokens [B] int64, the rows whose logits held a NaN when sampled ([B] bool) and
+    the logprobs (None when no row asked for them)."""
     num_topk = flags.max_num_logprobs
     want_logprobs = num_topk >= 0
     processed = mode.startswith("processed")
     positions = positions.long()
     if flags.all_greedy and not flags.any_processing and not (want_logprobs and processed):
         x = logits
-        sampled = logits.argmax(dim=-1)
+        sampled, nan_rows = greedy_argmax(logits, idx_mapping)
     else:
         x = logits.to(torch.float32, copy=True)
         if flags.any_logit_bias or flags.any_min_tokens:
@@ -47,14 +48,14 @@ def sample_triton(logits: Tensor, idx_mapping: Tensor, positions: Tensor,
         prescale = not flags.all_greedy and (flags.any_filter or (want_logprobs and processed))
         if prescale:
             _scale_and_filter_(x, idx_mapping, states, flags)
-        sampled = gumbel_sample(x, idx_mapping, states.temperature.tensor, states.seed.tensor,
+        sampled, nan_rows = gumbel_sample(x, idx_mapping, states.temperature.tensor, states.seed.tensor,
                                 positions, apply_temperature=not prescale)
     logprobs = None
     if want_logprobs:
         source = x if processed else logits
         logprobs = compute_logprobs_triton(source, sampled, num_topk,
                                            as_logits=mode.endswith("logits"))
-    return sampled, logprobs
+    return sampled, nan_rows, logprobs
 
 
 def _scale_and_filter_(x: Tensor, idx_mapping: Tensor, states: SamplingStates,

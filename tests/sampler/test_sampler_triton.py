@@ -45,9 +45,9 @@ def test_gumbel_argmax_matches_torch_noise(vocab: int, block: int) -> None:
     x = torch.zeros(n, vocab)
     noise = gumbel_noise(seeds, positions, vocab)
     with triton_interpreter():
-        tokens = gumbel_sample(x, idx, temperature, seeds, positions, apply_temperature=True,
-                               block=block)
-        row_max, _ = gumbel_block_argmax(x, idx, temperature, seeds, positions,
+        tokens, _ = gumbel_sample(x, idx, temperature, seeds, positions,
+                                  apply_temperature=True, block=block)
+        row_max, _, _ = gumbel_block_argmax(x, idx, temperature, seeds, positions,
                                          apply_temperature=True,
                                          block=1 << (vocab - 1).bit_length())  # one block
     assert torch.equal(tokens, noise.argmax(-1))
@@ -66,9 +66,9 @@ def test_gumbel_sample_temperature_and_greedy_rows() -> None:
                            (x / torch.where(t == 0, 1.0, t).unsqueeze(1)
                             + gumbel_noise(s, positions, vocab)).argmax(-1))
     with triton_interpreter():
-        fused = gumbel_sample(x, idx, temperature, seeds, positions, apply_temperature=True,
+        fused, _ = gumbel_sample(x, idx, temperature, seeds, positions, apply_temperature=True,
                               block=128)
-        prescaled = gumbel_sample(x / torch.where(t == 0, 1.0, t).unsqueeze(1), idx,
+        prescaled, _ = gumbel_sample(x / torch.where(t == 0, 1.0, t).unsqueeze(1), idx,
                                   temperature, seeds, positions, apply_temperature=False)
     assert torch.equal(fused, expected)
     assert torch.equal(prescaled, expected)
@@ -80,7 +80,7 @@ def test_ties_pick_the_lowest_index_across_blocks() -> None:
     x[1, [299, 130]] = 1.0
     with triton_interpreter():
         zeros = torch.zeros(2, dtype=torch.int64)
-        tokens = gumbel_sample(x, torch.arange(2), torch.zeros(2), zeros, zeros,
+        tokens, _ = gumbel_sample(x, torch.arange(2), torch.zeros(2), zeros, zeros,
                                apply_temperature=True, block=64)
     assert tokens.tolist() == [70, 130]
 
