@@ -1,0 +1,69 @@
+"""top-k / top-p by threshold search (radix select) against the sort-based reference they
+replace (filters_helpers.py): the same tokens kept, row for row, including ties, -inf tokens,
+mixed on/off rows, skipped rows and the topk branch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from filters_helpers import reference_top_k_top_p_
+from mrv2.sampler.filters import apply_top_k_top_p_
+from mrv2.sampler.radix_select import keys_to_values, select_threshold, sortable_keys
+
+
+def _rows(seed: int, rows: int = 24, vocab: int = 700) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[::3] = x[::3].round()  # many ties
+    x[1::4, ::5] = float("-inf")  # already filtered tokens
+    x[2, :] = 0.5  # a constant row
+    k = torch.randint(1, 40, (rows,), generator=g)
+    k[::5] = torch.tensor([0, -1, vocab, vocab + 3, vocab - 1])[: len(k[::5])]
+    p = torch.rand(rows, generator=g) * 0.98 + 0.01
+    p[::6] = 1.0
+    return x, k, p
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", ["k", "p", "kp"])
+def test_same_tokens_as_the_sort(seed: int, stages: str) -> None:
+    x, k, p = _rows(seed)
+    top_k = k if "k" in stages else None
+    top_p = p if "p" in stages else None
+    skip = torch.zeros(len(x), dtype=torch.bool)
+    skip[7] = True
+    expected = reference_top_k_top_p_(x.clone(), top_k, top_p, skip_rows=skip)
+    got = apply_top_k_top_p_(x.clone(), top_k, top_p, skip_rows=skip)
+    assert torch.equal(got.isinf(), expected.isinf())
+    assert torch.equal(got, expected)
+
+
+def test_partial_sort_branch_matches_search() -> None:
+    x, k, p = _rows(9)
+    bounded = torch.randint(1, 40, (len(x),))
+    searched = apply_top_k_top_p_(x.clone(), bounded, p)
+    partial = apply_top_k_top_p_(x.clone(), bounded, p, max_top_k=int(bounded.max()))
+    assert torch.equal(searched, partial)
+
+
+def test_top_p_zero_keeps_the_top_tokens_and_nan_reads_as_minus_inf() -> None:
+    x = torch.tensor([[1.0, 3.0, 3.0, float("nan"), -2.0]])
+    out = apply_top_k_top_p_(x.clone(), None, torch.tensor([0.0]))
+    assert out[0, :3].tolist() == [float("-inf"), 3.0, 3.0]
+    out = apply_top_k_top_p_(x.clone(), torch.tensor([3]), None)
+    assert out[0, [0, 1, 2, 4]].tolist() == [1.0, 3.0, 3.0, float("-inf")]
+
+
+def test_radix_select_is_the_kth_value() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 300, generator=g)
+    x[0, :5] = -0.0
+    x[0, 5:10] = 0.0
+    k = torch.randint(1, 300, (8,), generator=g)
+    keys = sortable_keys(x)
+    assert torch.equal(keys_to_values(keys), x + 0.0)
+    key, above = select_threshold(keys, torch.ones_like(x), k.float())
+    expected = x.sort(dim=1, descending=True).values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+    assert torch.equal(keys_to_values(key), expected + 0.0)
+    assert torch.equal(above, (x > expected.unsqueeze(1)).sum(1).float())
