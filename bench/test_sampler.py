@@ -7,6 +7,10 @@ Cases per vocabulary (one group each):
   penalties, a 16-entry logit bias, min_tokens, 1,024 allowed_token_ids and 5 logprobs;
 - ``mixed``: a quarter greedy, a quarter plain temperature, a quarter top-k + top-p, a
   quarter penalties + logprobs;
+- ``top_p`` / ``top_k_top_p_unbounded``: every request random with top-p 0.9 (and, in the
+  second, top-k 5,000, which the host bound does not cover): the threshold search, parametrised
+  ``filters=search`` against ``filters=sort`` (the former full sort, tests/sampler/
+  filters_helpers.py) in the same run;
 - ``reference_multinomial``: the baseline in the same run, ``softmax(logits / T)`` then
   ``torch.multinomial`` (no filters, not batch-invariant): compare the cases to it as ratios.
 
@@ -16,6 +20,9 @@ A round is what the runner does per step: ``Sampler(...)`` then ``SamplingStates
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +49,10 @@ def _params(case: str, i: int, vocab: int) -> SamplingParams:
                               min_tokens=4, stop_token_ids=[3],
                               allowed_token_ids=list(range(i % 7, vocab, vocab // 1024))[:1024],
                               logprobs=5)
+    if case == "top_p":
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=seed)
+    if case == "top_k_top_p_unbounded":
+        return SamplingParams(temperature=0.8, top_k=5000, top_p=0.9, seed=seed)
     # mixed
     kind = i % 4
     if kind == 0:
@@ -90,6 +101,29 @@ def _sync() -> None:
 def test_sampler(benchmark, case: str, vocab: int) -> None:
     benchmark.group = f"sampler-{vocab}"
     benchmark.extra_info.update(num_reqs=NUM_REQS, vocab=vocab)
+    workload = Workload(case, vocab)
+
+    def step() -> None:
+        workload.step()
+        _sync()
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("filters", ["search", "sort"])
+@pytest.mark.parametrize("case", ["top_p", "top_k_top_p_unbounded"])
+def test_sampler_filters(benchmark, monkeypatch, case: str, filters: str, vocab: int) -> None:
+    benchmark.group = f"sampler-filters-{vocab}"
+    benchmark.extra_info.update(num_reqs=NUM_REQS, vocab=vocab, filters=filters)
+    if filters == "sort":
+        sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "sampler"))
+        from filters_helpers import reference_top_k_top_p_
+
+        from mrv2.sampler import sampler_torch, sampler_triton
+
+        monkeypatch.setattr(sampler_torch, "apply_top_k_top_p_", reference_top_k_top_p_)
+        monkeypatch.setattr(sampler_triton, "apply_top_k_top_p_", reference_top_k_top_p_)
     workload = Workload(case, vocab)
 
     def step() -> None:

@@ -40,6 +40,9 @@ def _effective_top_k(top_k: Tensor, vocab_size: int) -> Tensor:
 
 # Above this many columns a partial sort (topk) stops paying off against the threshold search.
 MAX_PARTIAL_SORT = 1024
+# Below this vocabulary the search's 2**16-bin histograms outweigh the row and a full sort is
+# faster (bench/test_sampler.py::test_sampler_filters, figures in bench/README.md).
+MIN_SEARCH_VOCAB = 1 << 17
 
 
 def apply_top_k_top_p_(
@@ -57,7 +60,8 @@ def apply_top_k_top_p_(
     ``max_top_k`` > 0 promises that every filtered row has ``0 < top_k <= max_top_k`` (the host
     knows it from its mirrors): a small bound takes the top ``max_top_k`` values with
     torch.topk, which is all both stages read. Otherwise the thresholds come from a radix
-    select over the whole row (radix_select.py), never a full sort.
+    select over the whole row (radix_select.py) on large vocabularies, a full sort on small
+    ones (where it is faster).
     """
     if top_k is None and top_p is None:
         return x
@@ -72,6 +76,10 @@ def apply_top_k_top_p_(
         filtered &= ~skip_rows
     if k is not None and 0 < max_top_k < min(vocab_size, MAX_PARTIAL_SORT + 1):
         threshold = _partial_sort_threshold(x, k, top_p, filtered, max_top_k)
+    elif vocab_size < MIN_SEARCH_VOCAB:
+        threshold = _partial_sort_threshold(
+            x, k if k is not None else torch.full_like(filtered, vocab_size, dtype=torch.int64),
+            top_p, filtered, vocab_size)
     else:
         threshold = _searched_threshold(x, k, top_p)
     threshold = torch.where(filtered, threshold, float("-inf"))
@@ -113,7 +121,7 @@ def _searched_threshold(x: Tensor, k: Tensor | None, top_p: Tensor | None) -> Te
 
 def _partial_sort_threshold(x: Tensor, k: Tensor, top_p: Tensor | None, filtered: Tensor,
                             max_top_k: int) -> Tensor:
-    """[B] thresholds from the top ``max_top_k`` sorted values.
+    """[B] thresholds from the top ``max_top_k`` sorted values (all of them: a full sort).
 
     The result is bit-for-bit the full sort's, so a row does not depend on the batch that
     decided ``max_top_k``: the sorted prefix is the same values, past a row's k everything is
@@ -122,7 +130,10 @@ def _partial_sort_threshold(x: Tensor, k: Tensor, top_p: Tensor | None, filtered
     # Rows that are not filtered sort as zeros (a constant row sorts faster): their threshold
     # is replaced by -inf anyway.
     sort_input = torch.where(filtered.unsqueeze(1), x, 0.0)
-    sorted_x = torch.topk(sort_input, max_top_k, dim=-1, sorted=True).values
+    if max_top_k < x.shape[1]:
+        sorted_x = torch.topk(sort_input, max_top_k, dim=-1, sorted=True).values
+    else:
+        sorted_x = torch.sort(sort_input, dim=-1, descending=True).values
     k = torch.clamp(k, max=max_top_k)  # rows that are not filtered: k = V -> max_top_k
     width = max_top_k
     if top_p is None:
