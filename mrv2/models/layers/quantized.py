@@ -1,0 +1,253 @@
+"""Linear layers computed on GGUF-quantized weights as stored (CPU, float32 activations).
+
+Why: materialising a quantized checkpoint as float32 multiplies its resident size by 4-8x and
+makes every decode step stream 4-8x more bytes from DRAM. Here a weight is repacked once at load
+into one of two kernel layouts that keep (about) the file's bits per weight:
+
+- "u4": 4-bit values, two per byte (`q` uint8 [N, K // 2], see quantized_numba.py for the nibble
+  order), a float32 scale and min per group of 32 inputs: w = scale * q + min.
+  Q4_0 (scale d, min -8 d), Q4_1 (d, m), Q4_K (per 32-wide sub-block: d * sc, -dmin * m).
+- "i8": int8 values (`q` int8 [N, K]), a float32 scale (and optional min) per group of 32
+  (16 for Q6_K): w = scale * q (+ min). Q8_0, Q5_0 (q - 16), Q5_1 (q, min m), Q5_K, Q6_K.
+  The 5- and 6-bit types are widened to a byte (1.6x / 1.3x their file size) so that the
+  kernels read whole bytes.
+
+Exactness: every scale is an f16 (times a 6- or 8-bit integer for the K types), so scale * q is
+exact in float32 (<= 11 + 8 + 6 bits) and `dequantize()` rounds once, on the add of the min,
+exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/test_quantized.py).
+
+`quantized_linear`: up to MAX_QUANTIZED_GEMV_ROWS rows of x (decode) run the numba GEMV on the
+packed groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer
+and multiply each tile with torch.mm, so the float32 weight never exists whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.models.layers import quantized_numba
+
+QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
+    {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+# Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
+MAX_QUANTIZED_GEMV_ROWS = 32
+# Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
+TILE_ELEMENTS = 1 << 18
+_QK_K = 256  # inputs per K-quant super-block
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The f16 field at byte `start` of each block, as float32 [nb]."""
+    return blocks[:, start:start + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[nb, c * width] bytes -> [nb, 2c, width] uint8: each `width` run of bytes gives its low
+    nibbles, then its high nibbles (the order of Q4_0/Q4_1/Q5_x (width 16), Q4_K/Q5_K (32))."""
+    nb = qs.shape[0]
+    qs = qs.reshape(nb, -1, 1, width)
+    return ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(nb, -1, width)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes -> the 8 six-bit scales and mins per super-block [nb, 8]."""
+    nb = scales.shape[0]
+    d, m, m_d = np.split(scales.reshape(nb, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.reshape(nb, 8).astype(np.float32), mn.reshape(nb, 8).astype(np.float32)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's little-endian 32-bit qh -> bit 4 of each of the 32 values [nb, 32]."""
+    qh = qh.copy().view("<u4").reshape(-1, 1)
+    return (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def _unpack(b: np.ndarray, gguf_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Blocks [nb, block_bytes] -> (values [nb, block_size] (uint8 for u4 types, int8 else),
+    scales [nb, groups], mins [nb, groups] or None), values in input order."""
+    nb = b.shape[0]
+    if gguf_type == "Q4_0":
+        d = _f16(b, 0)[:, None]
+        return _nibbles(b[:, 2:], 16).reshape(nb, 32), d, -8.0 * d
+    if gguf_type == "Q4_1":
+        return _nibbles(b[:, 4:], 16).reshape(nb, 32), _f16(b, 0)[:, None], _f16(b, 2)[:, None]
+    if gguf_type == "Q8_0":
+        return b[:, 2:].view(np.int8), _f16(b, 0)[:, None], None
+    if gguf_type in ("Q5_0", "Q5_1"):
+        off = 2 if gguf_type == "Q5_0" else 4
+        q = _nibbles(b[:, off + 4:], 16).reshape(nb, 32) | _high_bits(b[:, off:off + 4])
+        d = _f16(b, 0)[:, None]
+        if gguf_type == "Q5_0":
+            return (q.astype(np.int16) - 16).astype(np.int8), d, None
+        return q.astype(np.int8), d, _f16(b, 2)[:, None]
+    if gguf_type in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scale_min(b[:, 4:16])
+        scales = _f16(b, 0)[:, None] * sc
+        mins = -(_f16(b, 2)[:, None] * mn)
+        if gguf_type == "Q4_K":
+            return _nibbles(b[:, 16:], 32).reshape(nb, _QK_K), scales, mins
+        qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = _nibbles(b[:, 48:], 32) | ((qh & 1) << 4)
+        return q.reshape(nb, _QK_K).astype(np.int8), scales, mins
+    if gguf_type == "Q6_K":
+        ql = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
+        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 4, 1)
+        q = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).astype(np.int16) - 32
+        scales = _f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+        return q.reshape(nb, _QK_K).astype(np.int8), scales, None
+    raise ValueError(f"unsupported GGUF type {gguf_type!r}; accepted: "
+                     f"{sorted(QUANTIZED_GGUF_TYPES)}")
+
+
+def _pack_u4(vals: np.ndarray) -> np.ndarray:
+    """Values [N, K] in 0..15 -> the u4 layout [N, K // 2] (byte j of group g: inputs 32 g + j
+    low, 32 g + 16 + j high)."""
+    v = vals.reshape(vals.shape[0], -1, 2, 16)
+    return (v[:, :, 0, :] | (v[:, :, 1, :] << 4)).reshape(vals.shape[0], -1)
+
+
+class QuantizedWeight:
+    """A [out_features, in_features] weight in a packed kernel layout (CPU torch tensors).
+
+    Invariants: in_features % group_size == 0; `q` is contiguous ([N, K // 2] uint8 for "u4",
+    [N, K] int8 for "i8"); `scales` (and `mins` unless None) are contiguous float32 [N, K // G].
+    """
+
+    def __init__(self, layout: str, group_size: int, q: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None, gguf_type: str) -> None:
+        if layout not in ("u4", "i8") or (layout == "u4" and group_size != 32):
+            raise ValueError(f"bad layout {layout!r} / group size {group_size}")
+        self.layout = layout
+        self.group_size = group_size
+        self.q = q.contiguous()
+        self.scales = scales.contiguous()
+        self.mins = None if mins is None else mins.contiguous()
+        self.gguf_type = gguf_type
+        self.out_features = int(q.shape[0])
+        self.in_features = int(scales.shape[1]) * group_size
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, gguf_type: str,
+                  shape: tuple[int, int]) -> QuantizedWeight:
+        """Repack a tensor's GGUF bytes (uint8 [N, bytes_per_row], or flat) of `shape` [N, K]."""
+        if gguf_type not in QUANTIZED_GGUF_TYPES:
+            raise ValueError(f"unsupported GGUF type {gguf_type!r}; accepted: "
+                             f"{sorted(QUANTIZED_GGUF_TYPES)}")
+        import gguf  # only the load path needs the block sizes
+
+        n, k = shape
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
+        if k % block_size or raw.size != n * (k // block_size) * block_bytes:
+            raise ValueError(f"{gguf_type} tensor of shape {shape}: {raw.size} bytes do not "
+                             f"make whole {block_size}-input blocks per row")
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+        vals, scales, mins = _unpack(blocks, gguf_type)
+        vals = vals.reshape(n, k)
+        scales = scales.astype(np.float32).reshape(n, -1)
+        group = k // scales.shape[1]
+        mins = None if mins is None else mins.astype(np.float32).reshape(n, -1)
+        if gguf_type in ("Q4_0", "Q4_1", "Q4_K"):
+            q, layout = torch.from_numpy(_pack_u4(vals)), "u4"
+        else:
+            q, layout = torch.from_numpy(np.ascontiguousarray(vals.view(np.int8))), "i8"
+        return cls(layout, group, q, torch.from_numpy(scales),
+                   None if mins is None else torch.from_numpy(mins), gguf_type)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed weight."""
+        tensors = (self.q, self.scales) if self.mins is None else (self.q, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output rows [start, stop) as a weight that owns its storage (a tensor-parallel shard
+        must not keep the whole tensor resident)."""
+        if not 0 <= start <= stop <= self.out_features:
+            raise ValueError(f"rows [{start}, {stop}) out of [0, {self.out_features})")
+        mins = None if self.mins is None else self.mins[start:stop].clone()
+        return QuantizedWeight(self.layout, self.group_size, self.q[start:stop].clone(),
+                               self.scales[start:stop].clone(), mins, self.gguf_type)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Concatenate along output rows (fused qkv / gate-up). Parts must share layout, group
+        size and in_features (ValueError otherwise); a part without mins gets zero mins when
+        another has them."""
+        if not parts:
+            raise ValueError("cat of no parts")
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.layout, p.group_size, p.in_features) != (
+                    first.layout, first.group_size, first.in_features):
+                raise ValueError(
+                    f"cannot cat {p.gguf_type} ({p.layout}, group {p.group_size}, K "
+                    f"{p.in_features}) onto {first.gguf_type} ({first.layout}, group "
+                    f"{first.group_size}, K {first.in_features})")
+        mins = None
+        if any(p.mins is not None for p in parts):
+            mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins
+                              for p in parts])
+        types = list(dict.fromkeys(p.gguf_type for p in parts))
+        return QuantizedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
+                               torch.cat([p.scales for p in parts]), mins, "+".join(types))
+
+    def _dequant_into(self, ids: np.ndarray, out: np.ndarray) -> None:
+        mins = self.mins if self.mins is not None else torch.empty(self.out_features, 0)
+        quantized_numba.dequant_rows(self.q.numpy(), self.scales.numpy(), mins.numpy(),
+                                     self.layout == "u4", self.group_size, ids, out)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` [len(ids), K] (the embedding lookup)."""
+        idx = ids.reshape(-1).to(torch.int64).numpy()
+        if idx.size and (idx.min() < 0 or idx.max() >= self.out_features):
+            raise IndexError(f"row ids outside [0, {self.out_features})")
+        out = torch.empty(idx.size, self.in_features, dtype=torch.float32)
+        self._dequant_into(np.ascontiguousarray(idx), out.numpy())
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole float32 weight [N, K] (tests and fallbacks; the kernels never need it)."""
+        return self.dequantize_rows(torch.arange(self.out_features))
+
+    def __repr__(self) -> str:
+        return (f"QuantizedWeight({self.gguf_type}, {self.layout}/{self.group_size}, "
+                f"[{self.out_features}, {self.in_features}], {self.nbytes} B)")
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N]."""
+    if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
+    t, n = x.shape[0], weight.out_features
+    if t <= MAX_QUANTIZED_GEMV_ROWS:
+        out = torch.empty(t, n, dtype=torch.float32)
+        mins = weight.mins if weight.mins is not None else torch.empty(n, 0)
+        quantized_numba.gemv_groups(x.detach().contiguous().numpy(), weight.q.numpy(),
+                                    weight.scales.numpy(), mins.numpy(), weight.layout == "u4",
+                                    weight.group_size, out.numpy())
+    else:
+        out = _tiled_linear(x.detach(), weight)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm writes
+    # them in place; one buffer of <= TILE_ELEMENTS floats is reused for every tile.
+    n, k = weight.out_features, weight.in_features
+    tile = max(16, min(n, TILE_ELEMENTS // k))
+    buf = torch.empty(tile, k, dtype=torch.float32)
+    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
+    xt = x.t()
+    for n0 in range(0, n, tile):
+        rows = min(tile, n - n0)
+        ids = np.arange(n0, n0 + rows, dtype=np.int64)
+        weight._dequant_into(ids, buf.numpy())
+        torch.mm(buf[:rows], xt, out=out_t[n0:n0 + rows])
+    return out_t.t().contiguous()

@@ -1,0 +1,147 @@
+"""Quantized GGUF weights: repacking against gguf.quants.dequantize, the GEMV and tiled paths
+against x @ dequantize().T, rows/cat, and the errors."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from mrv2.models.layers import quantized
+from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
+
+# Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+TYPES = sorted(QUANTIZED_GGUF_TYPES)
+
+
+def random_raw(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random valid blocks: random bytes with the f16 fields set to finite values in +-0.05."""
+    qtype = gguf.GGMLQuantizationType[gguf_type]
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[gguf_type]:
+        f = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, off:off + 2] = f.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Tensor:
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[gguf_type])
+    return torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32).reshape(n, k))
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, tuple[QuantizedWeight, torch.Tensor]]:
+    """Per type: a [96, 1536] weight (K = 6 super-blocks, not a power of two) and its reference."""
+    out = {}
+    for i, t in enumerate(TYPES):
+        raw = random_raw(t, 96, 1536, seed=i)
+        out[t] = (QuantizedWeight.from_gguf(raw, t, (96, 1536)), reference(raw, t, 96, 1536))
+    return out
+
+
+@pytest.mark.parametrize("gguf_type", TYPES)
+@pytest.mark.parametrize("n, k", [(3, 256), (40, 576), (96, 1536)])
+def test_dequantize_is_bit_exact(gguf_type, n, k):
+    # Bound: exact. scale * q is exact in float32 (an f16 times integers of <= 14 bits in all),
+    # so w = scale * q + min rounds once, on the add, as the reference's d * q - dm does.
+    if k % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]][0]:
+        pytest.skip("K is not a whole number of this type's blocks")
+    raw = random_raw(gguf_type, n, k, seed=n + k)
+    w = QuantizedWeight.from_gguf(raw, gguf_type, (n, k))
+    assert (w.out_features, w.in_features, w.gguf_type) == (n, k, gguf_type)
+    ref = reference(raw, gguf_type, n, k)
+    assert torch.equal(w.dequantize(), ref)
+    ids = torch.tensor([n - 1, 0, n // 2, 0])
+    assert torch.equal(w.dequantize_rows(ids), ref[ids])
+    # Flat bytes (as a file's tensor data comes) are accepted too.
+    assert torch.equal(QuantizedWeight.from_gguf(raw.reshape(-1), gguf_type, (n, k)).dequantize(),
+                       ref)
+
+
+def test_layouts_and_sizes(weights):
+    expect = {"Q4_0": ("u4", 32), "Q4_1": ("u4", 32), "Q4_K": ("u4", 32), "Q8_0": ("i8", 32),
+              "Q5_0": ("i8", 32), "Q5_1": ("i8", 32), "Q5_K": ("i8", 32), "Q6_K": ("i8", 16)}
+    for t, (w, _) in weights.items():
+        assert (w.layout, w.group_size) == expect[t]
+        assert w.scales.shape == (96, 1536 // w.group_size)
+        assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K"))
+        per_weight = 8 * w.nbytes / (96 * 1536)
+        assert per_weight <= (6.0 if w.layout == "u4" else 10.0), (t, per_weight)
+
+
+@pytest.mark.parametrize("gguf_type", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 32, 300])
+def test_linear_matches_dequantized_matmul(weights, gguf_type, rows):
+    w, ref = weights[gguf_type]
+    g = torch.Generator().manual_seed(rows)
+    base = torch.randn(rows, 1536 + 40, generator=g)
+    x = base[:, 13:13 + 1536]  # strided row view
+    bias = torch.randn(96, generator=g)
+    expect = x @ ref.T
+    scale = expect.abs().max().item()
+    torch.testing.assert_close(quantized_linear(x, w), expect, rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(quantized_linear(x, w, bias), expect + bias, rtol=1e-4,
+                               atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K"])
+def test_both_paths_agree_at_the_threshold(weights, gguf_type, monkeypatch):
+    w, ref = weights[gguf_type]
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))
+    gemv = quantized_linear(x, w)
+    monkeypatch.setattr(quantized, "MAX_QUANTIZED_GEMV_ROWS", 0)
+    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 40 * 1536)  # 40-row tiles: a ragged last one
+    tiled = quantized_linear(x, w)
+    expect = x @ ref.T
+    atol = 1e-5 * expect.abs().max().item()  # fp32 sums in another order, relative to the size
+    torch.testing.assert_close(gemv, tiled, rtol=1e-4, atol=atol)
+    torch.testing.assert_close(tiled, expect, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_1", "Q6_K"])
+def test_rows_and_cat_round_trip(weights, gguf_type):
+    w, ref = weights[gguf_type]
+    parts = [w.rows(0, 10), w.rows(10, 64), w.rows(64, 96)]
+    assert [p.out_features for p in parts] == [10, 54, 32]
+    assert torch.equal(parts[1].dequantize(), ref[10:64])
+    assert parts[1].q.untyped_storage().nbytes() < w.q.untyped_storage().nbytes()
+    back = QuantizedWeight.cat(parts)
+    assert back.gguf_type == gguf_type and back.nbytes == w.nbytes
+    assert torch.equal(back.dequantize(), ref)
+    x = torch.randn(2, 1536)
+    torch.testing.assert_close(quantized_linear(x, parts[2]), x @ ref[64:96].T, rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_cat_of_same_layout_types_fills_missing_mins(weights):
+    q8, ref8 = weights["Q8_0"]
+    q51, ref51 = weights["Q5_1"]
+    both = QuantizedWeight.cat([q8, q51])
+    assert both.gguf_type == "Q8_0+Q5_1"
+    assert torch.equal(both.dequantize(), torch.cat([ref8, ref51]))
+
+
+def test_errors(weights):
+    raw = random_raw("Q4_0", 4, 64, seed=0)
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantizedWeight.from_gguf(raw, "Q2_K", (4, 64))
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantizedWeight.from_gguf(raw, "F16", (4, 64))
+    with pytest.raises(ValueError, match="blocks"):
+        QuantizedWeight.from_gguf(raw, "Q4_0", (4, 96))
+    with pytest.raises(ValueError, match="cannot cat"):
+        QuantizedWeight.cat([weights["Q4_0"][0], weights["Q8_0"][0]])
+    with pytest.raises(ValueError, match="cannot cat"):
+        QuantizedWeight.cat([weights["Q8_0"][0], weights["Q6_K"][0]])
+    other_k = QuantizedWeight.from_gguf(random_raw("Q4_0", 2, 64, 1), "Q4_0", (2, 64))
+    with pytest.raises(ValueError, match="cannot cat"):
+        QuantizedWeight.cat([weights["Q4_0"][0], other_k])
+    with pytest.raises(ValueError):
+        quantized_linear(torch.randn(2, 64), weights["Q4_0"][0])
+    with pytest.raises(IndexError):
+        weights["Q4_0"][0].dequantize_rows(torch.tensor([96]))
