@@ -30,16 +30,19 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  copy_stream: "torch.cuda.Stream | None" = None, *,
                  logprobs: LogprobsTensors | None = None,
                  num_logprobs: np.ndarray | None = None,
-                 prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None
-                 ) -> None:
+                 prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None,
+                 nan_rows: torch.Tensor | None = None) -> None:
         """``prompt_logprobs``: req_id -> (first prompt position, rows), see
-        sampler/prompt_logprobs.py."""
+        sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
+        (their requests are reported in ``nan_req_ids``)."""
         self.req_ids = req_ids
         self.is_sampling = is_sampling
         self.num_logprobs = num_logprobs
         self._event = None
         self._cuda_device = sampled.device  # the device a resolving thread must make current
-        device_tensors = [sampled]
+        if nan_rows is None:
+            nan_rows = torch.zeros(sampled.shape[0], dtype=torch.bool, device=sampled.device)
+        device_tensors = [sampled, nan_rows]
         if logprobs is not None:
             device_tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
         self._prompt_starts: dict[str, int] | None = None
@@ -62,10 +65,10 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         else:
             hosts = device_tensors
             self._device = None
-        self._sampled_host = hosts[0]
+        self._sampled_host, self._nan_host = hosts[0], hosts[1]
         num_sample = 0 if logprobs is None else 3
-        self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[1:4])
-        self._prompt_hosts = hosts[1 + num_sample:]  # 3 tensors per request, in dict order
+        self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[2:5])
+        self._prompt_hosts = hosts[2 + num_sample:]  # 3 tensors per request, in dict order
 
     def resolve(self) -> ModelRunnerOutput:
         """`get_output()` from another thread (the executor's reply thread)."""
@@ -100,6 +103,10 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                                                   hosts[3 * i + 1].tolist(),
                                                   hosts[3 * i + 2].tolist())
                       for i, (req_id, start) in enumerate(self._prompt_starts.items())}
+        nan_req_ids: list[str] = []
+        nan = self._nan_host.numpy()
+        if nan.any():  # rare: a list only then
+            nan_req_ids = [self.req_ids[i] for i in np.flatnonzero(nan & self.is_sampling)]
         return ModelRunnerOutput(pack_ids(self.req_ids), len(self.req_ids), int32_bytes(sampled),
-                                 num_sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt)
+                                 num_sampled, logprobs=logprobs, num_nans=len(nan_req_ids),
+                                 prompt_logprobs=prompt, nan_req_ids=nan_req_ids)

@@ -245,4 +245,4 @@ class ModelRunner:
                         else self.sampling.num_logprobs(batch.idx_mapping_np))
         return AsyncOutput(batch.req_ids, out.sampled, is_sampling, self._copy_stream,
                            logprobs=out.logprobs, num_logprobs=num_logprobs,
-                           prompt_logprobs=prompt_logprobs)
+                           prompt_logprobs=prompt_logprobs, nan_rows=out.nan_rows)

@@ -37,6 +37,17 @@ def test_logprobs_and_prompt_logprobs_ride_on_the_output():
     assert plain.logprobs is None and plain.prompt_logprobs is None
 
 
+def test_nan_rows_name_their_requests():
+    """Rows whose logits held a NaN are reported by request id, counted in num_nans; a row
+    still in its prefill (it sampled nothing) is not."""
+    out = AsyncOutput(["a", "b", "c"], torch.tensor([5, 7, 9]), np.array([True, True, False]),
+                      nan_rows=torch.tensor([False, True, True])).get_output()
+    assert out.nan_req_ids == ["b"] and out.num_nans == 1
+    assert out.sampled_token_ids == [[5], [7], []]
+    clean = AsyncOutput(["a"], torch.tensor([5]), np.array([True])).get_output()
+    assert clean.nan_req_ids == [] and clean.num_nans == 0
+
+
 def test_empty_batch():
     out = AsyncOutput([], torch.zeros(0, dtype=torch.int64), np.zeros(0, dtype=bool))
     assert out.get_output().sampled_token_ids == []

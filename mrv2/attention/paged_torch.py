@@ -93,5 +93,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     key_pos = torch.arange(num_blocks * block_size, device=q.device)
     past_end = key_pos[None, :] >= meta.seq_lens[:rows, None]
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    # A block's slots past seq_len may hold a finished request's values, NaN if its logits
+    # were (it ended with an error): a zero probability times NaN would still be NaN.
+    v.masked_fill_(past_end[:, :, None, None], 0.0)
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bkgs,bskd->bkgd", probs, v.to(q.dtype)).reshape(rows, num_heads, head_dim)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.attention import Attention, AttentionMetadata
+from mrv2.attention import Attention, AttentionMetadata, decode_numba
 from mrv2.attention.paged_torch import paged_attention, write_kv
 
 
@@ -60,8 +60,11 @@ def _leading_ones(query_lens: list[int]) -> int:
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (8, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int,
-                                       block_size: int) -> None:
+@pytest.mark.parametrize("numba_decode", [True, False])
+def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int, block_size: int,
+                                       numba_decode: bool, monkeypatch) -> None:
+    if not numba_decode:  # the batched torch decode (any dtype other than float32 takes it)
+        monkeypatch.setattr(decode_numba, "supported", lambda *args: False)
     gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + block_size)
     head_dim, scale = 16, 16 ** -0.5
     # Decode rows first (query length 1, various cached lengths), then prefill chunks: one
@@ -73,8 +76,9 @@ def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int,
     ks = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
     vs = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
     qs = [torch.randn(n, num_heads, head_dim, generator=gen) for n in query_lens]
-    # Garbage (finite) in every slot that is never written: it must never be read.
-    kv_cache = torch.randn(2, 40, block_size, num_kv_heads, head_dim, generator=gen) * 100
+    # NaN in every slot that is never written (what a request whose logits were NaN leaves
+    # in its freed blocks): it must never be read, not even with a zero weight.
+    kv_cache = torch.full((2, 40, block_size, num_kv_heads, head_dim), float("nan"))
     # Earlier steps wrote the cached prefixes.
     write_kv(torch.cat([k[:s - n] for k, s, n in zip(ks, seq_lens, query_lens)]),
              torch.cat([v[:s - n] for v, s, n in zip(vs, seq_lens, query_lens)]),
