@@ -31,7 +31,7 @@ from mrv2.models.layers import quantized_numba
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
     {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
-MAX_QUANTIZED_GEMV_ROWS = 32
+MAX_QUANTIZED_GEMV_ROWS = 16
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
 _QK_K = 256  # inputs per K-quant super-block

@@ -8,8 +8,8 @@ Layouts (quantized.py builds them from GGUF blocks and owns the contract):
 `mins` is [N, K // G] float32, or an [N, 0] array for "no min term" (so that one compiled kernel
 serves both; the branch is per group and always taken the same way).
 
-Both kernels take one source for both layouts: the `packed` flag picks how a group's values are
-decoded into a 32/16-float scratch vector; everything after that is shared. Invariants the
+Both kernels share one row decoder for both layouts (`packed` picks the branch, the same for
+every group of a call). Invariants the
 callers (quantized.py) check: K % G == 0, x rows contiguous, ids within [0, N).
 """
 
@@ -22,80 +22,50 @@ GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _decode_group(q, r, g, gs, packed, wq):
-    # Writes the gs integer values of group g of row r into wq[:gs] as float32 (exact: |q| < 2^8).
-    if packed:
-        base = g * 16
-        for j in range(16):
-            b = q[r, base + j]
-            wq[j] = np.float32(b & 15)
-            wq[16 + j] = np.float32(b >> 4)
-    else:
-        base = g * gs
-        for j in range(gs):
-            wq[j] = np.float32(q[r, base + j])
+def _decode_row(q, scales, mins, packed, gs, r, buf):
+    # buf[:K] = float32 weight row r: w = scale * q + min, where scale * q is exact in float32
+    # (an f16-derived scale times a < 8-bit integer), so one rounding, as in the reference.
+    # Contiguous group loops with no reduction: the float conversion and FMA vectorise.
+    has_min = mins.shape[1] > 0
+    for g in range(scales.shape[1]):
+        s = scales[r, g]
+        mn = mins[r, g] if has_min else np.float32(0.0)
+        if packed:
+            base = g * 16
+            for j in range(16):
+                b = q[r, base + j]
+                buf[2 * base + j] = s * np.float32(b & 15) + mn
+                buf[2 * base + 16 + j] = s * np.float32(b >> 4) + mn
+        else:
+            base = g * gs
+            for j in range(gs):
+                buf[base + j] = s * np.float32(q[r, base + j]) + mn
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def gemv_groups(x, q, scales, mins, packed, gs, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for the packed weight (x [M, K] contiguous rows).
 
-    Each weight group is read and decoded once for all M rows of x. Per row of x the scaled
-    products go into a gs-wide float32 accumulator vector (vectorised, summed across lanes once
-    per weight row); the min term is sum_g min[r, g] * xsum[m, g] with xsum precomputed.
+    Each weight row is read from memory once and decoded once into a K-float scratch row that
+    stays in L1; every row of x then takes one contiguous float32 dot product with it (a long
+    vectorised reduction). The min term needs no separate pass: it is folded into the row.
     """
     m_rows, k_dim = x.shape
     n_dim = q.shape[0]
-    groups = k_dim // gs
-    has_min = mins.shape[1] > 0
-    xsum = np.zeros((m_rows, groups), np.float32)
-    if has_min:
-        for m in range(m_rows):
-            for g in range(groups):
-                s = np.float32(0.0)
-                for j in range(gs):
-                    s += x[m, g * gs + j]
-                xsum[m, g] = s
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
-        wq = np.empty(32, np.float32)
-        accv = np.empty((m_rows, 32), np.float32)
-        accm = np.empty(m_rows, np.float32)
+        buf = np.empty(k_dim, np.float32)
         for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
-            accv[:, :] = 0.0
-            accm[:] = 0.0
-            for g in range(groups):
-                _decode_group(q, r, g, gs, packed, wq)
-                s = scales[r, g]
-                x0 = g * gs
-                for m in range(m_rows):
-                    for j in range(gs):
-                        accv[m, j] += s * (wq[j] * x[m, x0 + j])
-                if has_min:
-                    mn = mins[r, g]
-                    for m in range(m_rows):
-                        accm[m] += mn * xsum[m, g]
+            _decode_row(q, scales, mins, packed, gs, r, buf)
             for m in range(m_rows):
-                tot = accm[m]
-                for j in range(gs):
-                    tot += accv[m, j]
-                out[m, r] = tot
+                acc = np.float32(0.0)
+                for k in range(k_dim):
+                    acc += buf[k] * x[m, k]
+                out[m, r] = acc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def dequant_rows(q, scales, mins, packed, gs, ids, out):
-    """out[i, :] = the float32 weight row ids[i] (w = scale * q + min, one rounding: the
-    product of an f16-derived scale and a < 8-bit integer is exact in float32)."""
-    k_dim = out.shape[1]
-    groups = k_dim // gs
-    has_min = mins.shape[1] > 0
+    """out[i, :] = the float32 weight row ids[i] (bit-equal to gguf.quants.dequantize)."""
     for i in prange(ids.shape[0]):
-        wq = np.empty(32, np.float32)
-        r = ids[i]
-        for g in range(groups):
-            _decode_group(q, r, g, gs, packed, wq)
-            s = scales[r, g]
-            mn = mins[r, g] if has_min else np.float32(0.0)
-            x0 = g * gs
-            for j in range(gs):
-                out[i, x0 + j] = s * wq[j] + mn
+        _decode_row(q, scales, mins, packed, gs, ids[i], out[i])
