@@ -1,0 +1,72 @@
+"""Linears on GGUF-quantized weights as stored vs float32 F.linear (same run, 2 threads).
+
+SmolLM2-135M shapes (hidden 576, kv 192, intermediate 1536, tied LM head 49152 x 576) at 1
+(decode) and 32 (batched decode) rows of x, for Q4_1 (the built-in file's layers) and Q8_0 (its
+embedding / LM head). `quantized_linear` runs the numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows
+and the dequantize-tile + torch.mm path beyond. extra_info: the weight bytes each call reads
+(packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
+Random valid blocks (tests/models/test_quantized.py's generator, seed 0).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight, quantized_linear
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
+from test_quantized import random_raw  # noqa: E402
+
+SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_1536x576": (1536, 576),
+          "down_576x1536": (576, 1536), "lm_head_49152x576": (49152, 576)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+_WEIGHTS: dict[tuple[str, str], tuple[QuantizedWeight, torch.Tensor]] = {}
+
+
+def weights(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Tensor]:
+    key = (gguf_type, shape_name)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # keep one float32 LM head resident at a time
+        n, k = SHAPES[shape_name]
+        w = QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed=0), gguf_type, (n, k))
+        _WEIGHTS[key] = (w, w.dequantize())
+    return _WEIGHTS[key]
+
+
+@pytest.mark.parametrize("impl", ["quantized_linear", "f_linear"])
+@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+def test_quantized_linear(benchmark, gguf_type, shape_name, rows, impl):
+    qw, wf = weights(gguf_type, shape_name)
+    benchmark.group = f"quantized-linear-{gguf_type}-{shape_name}-{rows}rows"
+    x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(1))
+    expect = F.linear(x, wf)
+    torch.testing.assert_close(quantized_linear(x, qw), expect, rtol=1e-4,
+                               atol=1e-5 * expect.abs().max().item())
+    if impl == "quantized_linear":
+        nbytes = qw.nbytes
+        benchmark(quantized_linear, x, qw)
+    else:
+        nbytes = wf.numel() * 4
+        benchmark(F.linear, x, wf)
+    median = benchmark.stats.stats.median
+    benchmark.extra_info.update(
+        gguf_type=gguf_type, shape=SHAPES[shape_name], rows=rows, threads=2, seed=0,
+        weight_bytes=nbytes, effective_gb_s=round(nbytes / median / 1e9, 2),
+        path=("gemv" if rows <= MAX_QUANTIZED_GEMV_ROWS else "tiled")
+        if impl == "quantized_linear" else "torch")
