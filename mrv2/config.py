@@ -25,6 +25,10 @@ def check_logprobs_mode(mode: str) -> None:
                           f"{', '.join(LOGPROBS_MODES)}")
 
 
+# vLLM's names of the quantization methods mrv2 implements (None: unquantized).
+QUANTIZATION_METHODS = (None, "gguf")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # A local Hugging Face model directory or GGUF file (Hub ids are resolved to one first).
@@ -40,9 +44,15 @@ class ModelConfig:
     # any processing), "processed_logprobs" (after bias, penalties, temperature and the
     # filters: the distribution the token was drawn from), or the "*_logits" variants.
     logprobs_mode: str = "raw_logprobs"
+    # "gguf": the linears compute on the GGUF file's quantized blocks (CPU); None: on
+    # weights of `dtype`.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization={self.quantization!r}: expected one of "
+                              f"{', '.join(map(repr, QUANTIZATION_METHODS))}")
 
     @property
     def tokenizer_path(self) -> str:

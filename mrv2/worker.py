@@ -55,7 +55,7 @@ class Worker:
                                      self.device)
         self.model = load_model(self.config.model_config, self.device)
         if self.device.type == "cpu":
-            cpu_fast_paths.attach(self.model)
+            cpu_fast_paths.attach(self.model, self.config.model_config)
         elif self.device.type == "cuda":
             # Decode-only steps split long contexts over several programs (flash-decoding);
             # the partials' scratch is allocated once here, before warm-up and graph capture.

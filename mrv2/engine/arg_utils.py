@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from mrv2 import platform
 from mrv2.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig, ModelConfig,
                          ParallelConfig, SchedulerConfig, check_logprobs_mode)
-from mrv2.models.gguf import GGUFError, has_tokenizer, is_gguf_path, open_gguf
+from mrv2.models.gguf import (GGUFError, has_quantized_linears, has_tokenizer, is_gguf_path,
+                              open_gguf)
 from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import load_hf_config, resolve_dtype
 
@@ -50,6 +51,9 @@ class EngineArgs:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    # vLLM's `quantization`: None picks "gguf" for a GGUF file whose linears are stored
+    # quantized, on the CPU (the only device with kernels for them); "gguf" requires one.
+    quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device or platform.device_type()
@@ -75,7 +79,8 @@ class EngineArgs:
         model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
                                    dtype=resolve_dtype(self.dtype, hf_config, device),
                                    max_model_len=max_model_len, seed=self.seed,
-                                   hf_config=hf_config, logprobs_mode=self.logprobs_mode)
+                                   hf_config=hf_config, logprobs_mode=self.logprobs_mode,
+                                   quantization=self._quantization(model_path, device))
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
@@ -106,6 +111,23 @@ class EngineArgs:
             raise GGUFError(f"{model}: the file holds no tokenizer; pass one with "
                             f"tokenizer= / --tokenizer (a directory or Hub id)")
         return model, tokenizer, config
+
+    def _quantization(self, model_path: str, device: str) -> str | None:
+        if self.quantization not in (None, "gguf"):
+            raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
+                              f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
+        stored_quantized = is_gguf_path(model_path) and has_quantized_linears(
+            open_gguf(model_path))
+        if self.quantization == "gguf":
+            if not stored_quantized:
+                raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
+                                  f"stored quantized; {model_path} is not one")
+            if device != "cpu":
+                raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
+                                  "dequantizes GGUF weights: leave quantization unset)")
+        if self.quantization is None and not (stored_quantized and device == "cpu"):
+            return None
+        return "gguf"
 
     def _compilation_config(self) -> CompilationConfig:
         value = self.compilation_config

@@ -86,7 +86,8 @@ def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
     """EngineArgs fields of the checkpoint flags that `generate`, `serve` and `bench` share
     (mrv2.entrypoints.cli.add_engine_args)."""
     return {name: getattr(args, name) for name in
-            ("tokenizer", "hf_config_path", "revision", "tokenizer_revision", "download_dir")}
+            ("tokenizer", "hf_config_path", "revision", "tokenizer_revision", "download_dir",
+             "quantization")}
 
 
 def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:

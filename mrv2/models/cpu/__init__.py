@@ -3,9 +3,12 @@
 The model files describe architectures; `attach` (called by the worker on a CPU device, after
 the weights are loaded) overrides a few forwards of one loaded Llama-family model:
 
+- loaded from a quantized GGUF file (`ModelConfig.quantization == "gguf"`): its linears, the
+  embedding and the LM head compute on the file's blocks (`quantized_weights`);
 - every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`);
 - `LlamaModel.forward_layers` runs decode steps of a few float32 rows as one numba call for the
-  whole decoder stack (`decode`), when the model's layers qualify.
+  whole decoder stack (`decode`), when the model's layers qualify (float32 weights: not with
+  quantized ones).
 
 What was attached is returned as a `CpuFastPaths`; nothing is cached on the model.
 """
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mrv2.models.cpu import decode, mlp_chunks
+from mrv2.config import ModelConfig
+from mrv2.models.cpu import decode, mlp_chunks, quantized_weights
 from mrv2.models.llama import LlamaModel
 
 
@@ -24,16 +28,21 @@ from mrv2.models.llama import LlamaModel
 class CpuFastPaths:
     mlps: list[mlp_chunks.ChunkedMLP]
     decode: decode.FusedDecode | None  # None: the model does not qualify
+    quantized: quantized_weights.QuantizedModules | None = None
 
 
-def attach(model: nn.Module) -> CpuFastPaths | None:
-    """Attach the CPU fast paths to `model` (a model built by `load_model` on the CPU, its
-    weights loaded); None for a model without a LlamaModel."""
+def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFastPaths | None:
+    """Attach the CPU fast paths to `model` (a model built by `load_model` on the CPU from
+    `model_config`, its weights loaded); None for a model without a LlamaModel."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel):
         return None
+    quantized = None
+    if model_config is not None and model_config.quantization == "gguf":
+        quantized = quantized_weights.attach_quantized_weights(model, model_config)
     mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp) for layer in inner.layers]
-    return CpuFastPaths(mlps, decode.attach_fused_decode(inner))
+    fused = None if quantized and quantized.weights else decode.attach_fused_decode(inner)
+    return CpuFastPaths(mlps, fused, quantized)
 
 
 __all__ = ["CpuFastPaths", "attach"]

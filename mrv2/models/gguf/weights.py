@@ -99,6 +99,15 @@ class GGUFWeight:
         return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
 
 
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def has_quantized_linears(ckpt: GGUFCheckpoint) -> bool:
+    """Whether some matrix of the file is stored in a block-quantized type (not a float)."""
+    return any(len(r.shape) == 2 and r.type_name not in _FLOAT_TYPES
+               for r in ckpt.tensors.values())
+
+
 def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple[str, GGUFWeight]]:
     """(Hugging Face name, GGUFWeight) for every tensor of the checkpoint."""
     arch = ckpt.architecture

@@ -1,0 +1,155 @@
+"""GGUF weights computed as stored: a CPU fast path attached to a model loaded from a quantized
+GGUF file.
+
+Why: at batch 1 a decode step streams every weight once, so bytes per weight decide its speed;
+a Q4_1 file holds ~5 bits per weight against float32's 32. Each linear (and the embedding and
+the LM head, tied or not) whose file tensors are of a type `QuantizedWeight` takes is given
+its blocks, repacked once (models/layers/quantized.py), and computes on them; the float32
+weight the loader wrote is released, so resident weight memory follows the file's size.
+
+Fused projections (q/k/v, gate/up) take their shards' blocks concatenated when every shard
+has one layout; otherwise the module keeps its float32 weight. So does every module under
+tensor parallelism (a rank's column slice of a row-parallel weight would cut blocks apart),
+and every tensor of a type the kernels do not take (F32/F16/BF16 among them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mrv2.config import ModelConfig
+from mrv2.models.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
+from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
+from mrv2.models.layers.quantized import (QUANTIZED_GGUF_TYPES, QuantizedWeight,
+                                          quantized_linear)
+
+# Fused module (relative to a layer) -> the checkpoint modules whose rows it stacks, in order.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+
+
+@dataclass
+class QuantizedModules:
+    """What was attached: module name -> its weight as stored (repacked)."""
+
+    weights: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())
+
+
+class QuantizedLinearForward:
+    """`forward` of one linear computing on its quantized weight (bias added as stored)."""
+
+    def __init__(self, module: nn.Module, weight: QuantizedWeight) -> None:
+        self.module, self.weight = module, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = quantized_linear(x.reshape(-1, shape[-1]), self.weight, self.module.bias)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+class QuantizedEmbeddingForward:
+    """`forward` of the token embedding: the rows of the looked-up ids, dequantized."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantize_rows(input_ids.reshape(-1)).reshape(
+            *input_ids.shape, self.weight.in_features)
+
+
+class QuantizedLogits:
+    """`compute_logits` of the model: hidden [N, H] -> float32 logits [N, V] on the LM head's
+    (or the tied embedding's) quantized weight."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(hidden_states.float(), self.weight)
+
+
+def _stored(weight: GGUFWeight) -> QuantizedWeight | None:
+    record = weight.record
+    if record.type_name not in QUANTIZED_GGUF_TYPES or len(record.shape) != 2:
+        return None
+    raw = record.data
+    if weight.permuted_heads is not None:  # whole rows move: blocks stay intact
+        raw = unpermute_rows(raw, weight.permuted_heads)
+    return QuantizedWeight.from_gguf(raw, record.type_name, tuple(record.shape))
+
+
+def _release(module: nn.Module) -> None:
+    """The float32 copy the loader wrote is not read again: drop its memory."""
+    module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
+                                 requires_grad=False)
+
+
+def _stack(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
+    if any(p is None for p in parts):
+        return None
+    if len({(p.layout, p.group_size) for p in parts}) != 1:
+        return None
+    return parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+
+
+def attach_quantized_weights(model: nn.Module, model_config: ModelConfig
+                             ) -> QuantizedModules | None:
+    """Attach the quantized path to `model` (a Llama-family model loaded on the CPU from
+    `model_config.model`); None when the checkpoint is not a GGUF file or `model` has no
+    LlamaModel."""
+    inner = getattr(model, "model", None)
+    if not is_gguf_path(model_config.model) or inner is None or not hasattr(inner, "layers"):
+        return None
+    stored = {name.removesuffix(".weight"): weight for name, weight in
+              iterate_gguf_weights(open_gguf(model_config.model), model_config.hf_config)
+              if name.endswith(".weight")}
+    attached = QuantizedModules()
+    for i, layer in enumerate(inner.layers):
+        for fused, sources in _FUSED.items():
+            module = layer.get_submodule(fused)
+            if getattr(module, "tp_size", 1) != 1:
+                continue
+            parts = [stored.get(f"model.layers.{i}.{source}") for source in sources]
+            weight = None if None in parts else _stack([_stored(p) for p in parts])
+            if weight is None:
+                continue
+            module.forward = QuantizedLinearForward(module, weight)
+            _release(module)
+            attached.weights[f"model.layers.{i}.{fused}"] = weight
+    _attach_vocab(model, inner, stored, attached)
+    return attached
+
+
+def _attach_vocab(model: nn.Module, inner: nn.Module, stored: dict[str, GGUFWeight],
+                  attached: QuantizedModules) -> None:
+    """The embedding and the LM head (the same weight when tied)."""
+    embed, head = inner.embed_tokens, getattr(model, "lm_head", None)
+    if embed.tp_size != 1 or (head is not None and head.tp_size != 1):
+        return
+    embed_weight = (None if "model.embed_tokens" not in stored
+                    else _stored(stored["model.embed_tokens"]))
+    if embed_weight is not None:
+        embed.forward = QuantizedEmbeddingForward(embed_weight)
+        attached.weights["model.embed_tokens"] = embed_weight
+    head_weight = embed_weight
+    if head is not None:
+        head_weight = None if "lm_head" not in stored else _stored(stored["lm_head"])
+        if head_weight is not None:
+            _release(head)
+            attached.weights["lm_head"] = head_weight
+    if head_weight is not None:
+        model.compute_logits = QuantizedLogits(head_weight)
+    if embed_weight is not None:
+        # Neither the lookup nor the logits read the float32 table now (tied: the logits
+        # use embed_weight; untied: the head's own weight).
+        _release(embed)

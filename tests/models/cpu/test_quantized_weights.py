@@ -1,0 +1,83 @@
+"""GGUF weights computed as stored: a model loaded from a quantized GGUF file on the CPU has its
+linears, embedding and (tied) LM head on the file's blocks, its float32 copies released, and
+computes what the dequantized float32 model computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mrv2 import LLM, SamplingParams
+from mrv2.config import ConfigError
+from mrv2.engine.arg_utils import EngineArgs
+from mrv2.models.cpu import attach
+from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
+from mrv2.models.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def _configs(path, **kwargs):
+    return EngineArgs(model=str(path), max_model_len=64, **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factory, tensor_type,
+                                                                tied):
+    path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
+    config = _configs(path).model_config
+    assert config.quantization == "gguf"  # the default for a quantized GGUF file on the CPU
+    reference = load_model(config, CPU)  # the loader's dequantized float32 weights
+    model = load_model(config, CPU)
+    paths = attach(model, config)
+    attached = set(paths.quantized.weights)
+    layers = {f"model.layers.{i}.{m}" for i in range(len(model.model.layers))
+              for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                        "mlp.down_proj")}
+    assert layers <= attached and "model.embed_tokens" in attached
+    assert ("lm_head" in attached) is (not tied)
+    assert paths.decode is None  # the fused float32 decode stack does not take blocks
+    assert isinstance(model.model.layers[0].mlp.down_proj.forward, QuantizedLinearForward)
+    assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
+    ids = torch.tensor([5, 17, 300, 42, 1000, 7])
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids)
+        expected_hidden = reference.model.embed_tokens(ids)
+        # Same dequantized values, summed in another order: float32 rounding apart.
+        torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=0)
+        h = torch.randn(3, hidden.shape[1], generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(model.compute_logits(h), reference.compute_logits(h),
+                                   rtol=1e-4, atol=1e-4)
+        mlp, ref_mlp = model.model.layers[0].mlp, reference.model.layers[0].mlp
+        x = torch.randn(5, h.shape[1], generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(mlp(x), ref_mlp(x), rtol=1e-4, atol=1e-4)
+
+
+def test_llm_generates_the_dequantized_models_tokens(tiny_gguf_factory):
+    """Greedy tokens through the engine (prefill, and decode of six rows) equal those of the
+    loader's dequantized float32 model driven by the same engine."""
+    path = tiny_gguf_factory("llama", "Q8_0")
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7]} for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=8)
+    worker = llm.llm_engine.engine_core.executor.worker
+    assert worker.model.model.layers[0].mlp.down_proj.weight.numel() == 0
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    # The reference: the loader's float32 weights in the same engine.
+    worker.model = load_model(llm.llm_engine.engine_core.config.model_config, CPU)
+    worker.runner.model = worker.model
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+
+
+def test_quantization_option(tiny_gguf_factory, tiny_llama):
+    assert _configs(tiny_gguf_factory("llama", "F16")).model_config.quantization is None
+    assert _configs(tiny_llama).model_config.quantization is None
+    assert _configs(tiny_gguf_factory("llama", "Q8_0"),
+                    quantization="gguf").model_config.quantization == "gguf"
+    with pytest.raises(ConfigError, match="stored quantized"):
+        _configs(tiny_llama, quantization="gguf")
+    with pytest.raises(ConfigError, match="not supported"):
+        _configs(tiny_llama, quantization="awq")
