@@ -195,10 +195,11 @@ class QuantizedWeight:
         return QuantizedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
                                torch.cat([p.scales for p in parts]), mins, "+".join(types))
 
-    def _dequant_into(self, ids: np.ndarray, out: np.ndarray) -> None:
+    def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
         mins = self.mins if self.mins is not None else torch.empty(self.out_features, 0)
-        quantized_numba.dequant_rows(self.q.numpy(), self.scales.numpy(), mins.numpy(),
-                                     self.layout == "u4", self.group_size, ids, out)
+        kernel = quantized_numba.dequant_rows if parallel else quantized_numba.dequant_rows_serial
+        kernel(self.q.numpy(), self.scales.numpy(), mins.numpy(), self.layout == "u4",
+               self.group_size, ids, out)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows `ids` [len(ids), K] (the embedding lookup)."""
@@ -239,7 +240,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
 
 def _tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm writes
-    # them in place; one buffer of <= TILE_ELEMENTS floats is reused for every tile.
+    # them in place; one buffer of <= TILE_ELEMENTS floats is reused for every tile. The tile
+    # is dequantized on this thread (torch.mm parallelises; see dequant_rows_serial).
     n, k = weight.out_features, weight.in_features
     tile = max(16, min(n, TILE_ELEMENTS // k))
     buf = torch.empty(tile, k, dtype=torch.float32)
@@ -248,6 +250,6 @@ def _tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     for n0 in range(0, n, tile):
         rows = min(tile, n - n0)
         ids = np.arange(n0, n0 + rows, dtype=np.int64)
-        weight._dequant_into(ids, buf.numpy())
+        weight._dequant_into(ids, buf.numpy(), parallel=False)
         torch.mm(buf[:rows], xt, out=out_t[n0:n0 + rows])
     return out_t.t().contiguous()

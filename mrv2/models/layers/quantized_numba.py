@@ -19,6 +19,10 @@ import numpy as np
 from numba import njit, prange
 
 GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
+# Nibble values of every byte as float32: numba widens integer ops to int64, and AVX2 has no
+# vector int64 -> float conversion, so `float(b & 15)` runs scalar; two table loads are cheaper.
+NIBBLE_LO = (np.arange(256) & 15).astype(np.float32)
+NIBBLE_HI = (np.arange(256) >> 4).astype(np.float32)
 
 
 @njit(inline="always", fastmath=True, cache=True)
@@ -34,8 +38,8 @@ def _decode_row(q, scales, mins, packed, gs, r, buf):
             base = g * 16
             for j in range(16):
                 b = q[r, base + j]
-                buf[2 * base + j] = s * np.float32(b & 15) + mn
-                buf[2 * base + 16 + j] = s * np.float32(b >> 4) + mn
+                buf[2 * base + j] = s * NIBBLE_LO[b] + mn
+                buf[2 * base + 16 + j] = s * NIBBLE_HI[b] + mn
         else:
             base = g * gs
             for j in range(gs):
@@ -68,4 +72,13 @@ def gemv_groups(x, q, scales, mins, packed, gs, out):
 def dequant_rows(q, scales, mins, packed, gs, ids, out):
     """out[i, :] = the float32 weight row ids[i] (bit-equal to gguf.quants.dequantize)."""
     for i in prange(ids.shape[0]):
+        _decode_row(q, scales, mins, packed, gs, ids[i], out[i])
+
+
+@njit(fastmath=True, cache=True)
+def dequant_rows_serial(q, scales, mins, packed, gs, ids, out):
+    """dequant_rows on the calling thread: the tiled linear alternates it with torch.mm, and
+    handing each tile between numba's and torch's thread pools stalls for a scheduler quantum
+    whenever another process holds a core."""
+    for i in range(ids.shape[0]):
         _decode_row(q, scales, mins, packed, gs, ids[i], out[i])
