@@ -51,8 +51,9 @@ class EngineArgs:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
-    # vLLM's `quantization`: None picks "gguf" for a GGUF file whose linears are stored
-    # quantized, on the CPU (the only device with kernels for them); "gguf" requires one.
+    # vLLM's `quantization`. "gguf": compute on a quantized GGUF file's blocks (CPU only;
+    # resident weights near the file size). None: dequantize to `dtype` at load, the faster
+    # choice on the machines measured so far (bench/test_quantized_linear.py).
     quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -116,18 +117,14 @@ class EngineArgs:
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
                               f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
-        stored_quantized = is_gguf_path(model_path) and has_quantized_linears(
-            open_gguf(model_path))
         if self.quantization == "gguf":
-            if not stored_quantized:
+            if not (is_gguf_path(model_path) and has_quantized_linears(open_gguf(model_path))):
                 raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
                                   f"stored quantized; {model_path} is not one")
             if device != "cpu":
                 raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
                                   "dequantizes GGUF weights: leave quantization unset)")
-        if self.quantization is None and not (stored_quantized and device == "cpu"):
-            return None
-        return "gguf"
+        return self.quantization
 
     def _compilation_config(self) -> CompilationConfig:
         value = self.compilation_config

@@ -45,8 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="Hub cache directory (default: huggingface_hub's)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q", default=None, choices=["gguf"],
-                        help="compute on a GGUF file's quantized weights (default: so for a "
-                             "quantized GGUF file on the CPU)")
+                        help="compute on a quantized GGUF file's blocks (CPU; resident weights "
+                             "near the file size). Default: dequantize at load")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
