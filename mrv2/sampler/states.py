@@ -85,6 +85,36 @@ class BatchFlags:
                 or self.any_penalties)
 
 
+class _ScalarTable:
+    """One per-slot scalar table: a contiguous view of the packed table (what kernels read)."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+def _scalar_table(scalars: dict, num_slots: int, device: torch.device
+                  ) -> tuple[StagedWriteTensor, dict[str, tuple[int, int, Tensor]]]:
+    """A [1, words] int32 table holding every scalar table back to back (empty values set),
+    and per name (offset in words, words per slot, its typed [num_slots] view)."""
+    layout, offset = {}, 0
+    for name, (dtype, _) in scalars.items():
+        words = np.dtype(dtype).itemsize // 4
+        offset += (-offset) % words  # an 8-byte table starts on an 8-byte boundary
+        layout[name] = (offset, words)
+        offset += words * num_slots
+    host = np.zeros(offset, dtype=np.int32)
+    for name, (dtype, empty) in scalars.items():
+        start, words = layout[name]
+        host[start:start + words * num_slots].view(dtype)[:] = empty
+    table = torch.from_numpy(host).to(device).view(1, -1)
+    columns = {}
+    for name, (dtype, _) in scalars.items():
+        start, words = layout[name]
+        flat = table.view(-1)[start:start + words * num_slots]
+        columns[name] = (start, words, flat.view(torch.from_numpy(np.zeros(0, dtype)).dtype))
+    return StagedWriteTensor(table), columns
+
+
 class SamplingStates:
     # Per-slot scalar tables: name -> (dtype, value of an empty slot).
     _SCALARS = {
@@ -111,17 +141,15 @@ class SamplingStates:
         self.device = device
         # The model's EOS ids (mrv2/models/generation_config.py): min_tokens masks every one.
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
-        # Each scalar table has a device tensor (``self.<name>``, a StagedWriteTensor) and a
-        # host mirror (``self.<name>_host``). ``add`` writes only the mirrors and remembers the
-        # slot; ``apply_staged_writes`` stages the dirty slots of every table in one
-        # vectorised call and applies each with one launch.
-        self._scalars: list[tuple[StagedWriteTensor, np.ndarray]] = []
+        # Each scalar table is a contiguous [max_num_seqs] device tensor (``self.<name>.tensor``)
+        # with a host mirror (``self.<name>_host``). The tables are slices of one flat table
+        # of 4-byte words, so a step's joining requests upload every table in one staged write
+        # (one copy, one launch): ``add`` writes only the mirrors and remembers the slot.
+        self._table, self._columns = _scalar_table(self._SCALARS, max_num_seqs, device)
         for name, (dtype, empty) in self._SCALARS.items():
             host = np.full(max_num_seqs, empty, dtype=dtype)
-            staged = StagedWriteTensor(torch.from_numpy(host.copy()).to(device))
-            setattr(self, name, staged)
             setattr(self, f"{name}_host", host)
-            self._scalars.append((staged, host))
+            setattr(self, name, _ScalarTable(self._columns[name][2]))
         self._dirty: list[int] = []
         self.bias = LogitBiasState(max_num_seqs, vocab_size, device)
         self.penalties = PenaltyState(max_num_seqs, vocab_size, device)
@@ -197,10 +225,16 @@ class SamplingStates:
         if self._dirty:
             slots = np.unique(np.asarray(self._dirty, dtype=np.int64))
             self._dirty.clear()
-            starts, lengths = np.zeros_like(slots), np.ones_like(slots)
-            for staged, host in self._scalars:
-                staged.stage_runs(slots, starts, lengths, host[slots])
-                staged.apply()
+            starts, lengths, values = [], [], []
+            for name, (offset, words, _) in self._columns.items():
+                host = getattr(self, f"{name}_host")
+                starts.append(offset + slots * words)
+                lengths.append(np.full(len(slots), words, dtype=np.int64))
+                values.append(host[slots].view(np.int32))  # an 8-byte value: two words
+            starts = np.concatenate(starts)
+            self._table.stage_runs(np.zeros(len(starts), dtype=np.int64), starts,
+                                   np.concatenate(lengths), np.concatenate(values))
+            self._table.apply()
         self.bias.apply_staged_writes()
         self.penalties.apply_staged_writes()
 

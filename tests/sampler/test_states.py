@@ -57,7 +57,8 @@ def test_add_stages_and_apply_writes_every_table() -> None:
     for name, value in expected.items():
         assert getattr(states, name).tensor[2].item() == pytest.approx(value), name
         assert getattr(states, f"{name}_host")[2] == pytest.approx(value), name
-        assert num_staged(getattr(states, name)) == 0
+        assert getattr(states, name).tensor.is_contiguous()  # what the kernels index
+    assert num_staged(states._table) == 0
     # Other slots keep the values of an empty slot.
     assert states.temperature.tensor[[0, 1, 3]].tolist() == [0.0, 0.0, 0.0]
     assert states.top_p.tensor[[0, 1, 3]].tolist() == [1.0, 1.0, 1.0]
@@ -65,6 +66,32 @@ def test_add_stages_and_apply_writes_every_table() -> None:
     # Stop ids for min_tokens: stop_token_ids (no EOS configured here).
     assert states.bias.stop_ids.lengths.tensor[2].item() == 1
     assert states.bias.stop_ids.ids[2, 0].item() == 7
+
+
+def test_joining_requests_upload_every_scalar_table_in_one_staged_write(monkeypatch) -> None:
+    """Every scalar table of every joining request goes up in one apply (one copy and one
+    launch on CUDA), whatever the number of requests; seeds (8 bytes) included."""
+    from mrv2.state import staged
+
+    applied = []
+    real_apply = staged.StagedWriteTensor.apply
+
+    def counting_apply(self) -> None:
+        applied.append(self)
+        real_apply(self)
+
+    monkeypatch.setattr(staged.StagedWriteTensor, "apply", counting_apply)
+    states = make_states(8)
+    for slot in (1, 4, 6):
+        states.add(slot, f"r{slot}", SamplingParams(temperature=0.5, top_k=3, seed=2**40 + slot),
+                   [1, 2])
+    applied.clear()
+    states.apply_staged_writes()
+    scalar_applies = [t for t in applied if t is states._table]
+    assert len(scalar_applies) == 1
+    assert states.seed.tensor[[1, 4, 6]].tolist() == [2**40 + 1, 2**40 + 4, 2**40 + 6]
+    assert states.top_k.tensor[[0, 1, 4]].tolist() == [0, 3, 3]
+    assert states.temperature.tensor[6].item() == pytest.approx(0.5)
 
 
 def test_derived_seed_stored_in_table() -> None:
