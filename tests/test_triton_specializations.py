@@ -92,11 +92,19 @@ class _Recorded:
 
     def __getitem__(self, grid: tuple) -> Callable:
         def launch(*args: Any, **kwargs: Any) -> Any:
+            # A jitted helper passed as a constexpr (paged attention's ATTEND_TILE) also came
+            # through the hook: the kernel gets the real one.
+            args = tuple(_unwrap(a) for a in args)
+            kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
             key = compile_key(self.fn, self.dns, args, kwargs)
             self.log.append(Launch(self.fn.__name__, self.fn, self.dns, tuple(grid), args,
                                    kwargs, key))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def _unwrap(value: Any) -> Any:
+    return value.kernel if isinstance(value, _Recorded) else value
 
 
 def _triton_modules() -> list:
