@@ -70,6 +70,11 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[2:5])
         self._prompt_hosts = hosts[2 + num_sample:]  # 3 tensors per request, in dict order
 
+    @property
+    def copy_in_flight(self) -> bool:
+        """A device-to-host copy to wait for (CUDA); on the CPU the output is ready now."""
+        return self._event is not None
+
     def resolve(self) -> ModelRunnerOutput:
         """`get_output()` from another thread (the executor's reply thread)."""
         if self._event is not None:

@@ -17,6 +17,7 @@ import torch
 
 from executor.deferred import Deferred
 from mrv2 import distributed, platform
+from mrv2.async_output import AsyncOutput
 from mrv2.attention.backend import attach_split_kv_scratch, kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
 from mrv2.models import cpu as cpu_fast_paths
@@ -117,6 +118,10 @@ class Worker:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None
                       ) -> ModelRunnerOutput | Deferred[ModelRunnerOutput]:
-        """Phase 2. Returns before the step's output copy completes (an AsyncOutput): the
-        executor resolves it while this worker already runs the next step's phase 1."""
-        return self.runner.sample_tokens_async(grammar_output)
+        """Phase 2. With a copy in flight (CUDA) it returns the AsyncOutput at once: the
+        executor resolves it while this worker already runs the next step's phase 1. An
+        output that is ready (CPU) goes back directly: a thread hop would only cost."""
+        output = self.runner.sample_tokens_async(grammar_output)
+        if isinstance(output, AsyncOutput) and not output.copy_in_flight:
+            return output.get_output()
+        return output
