@@ -29,7 +29,7 @@ from mrv2.protocol import (NULL_BLOCK_ID, CachedRequestData, GrammarOutput, Mode
                            NewRequestData, SchedulerOutput)
 from mrv2.sampler import Sampler, SamplingStates
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -173,29 +173,49 @@ class ModelRunner:
         """Run every kernel family once before the first request: two dummy requests prefill
         and decode through both phases, one greedy, one with each lazily-free sampling feature
         (filters, logit bias, allowed ids, min_tokens, logprobs, prompt logprobs), so no
-        kernel compiles (numba, Triton) while a user waits. Their KV lands in the null block,
-        zeroed again afterwards (the cache starts as zeros). Penalties are left out: their [max_num_seqs, vocab] count table
-        is allocated only when a request uses them."""
-        config, sched = self.config, self.config.scheduler_config
-        vocab, block_size = config.model_config.vocab_size, self.block_tables.block_size
+        kernel compiles (numba, Triton) while a user waits. Penalties are left out: their
+        [max_num_seqs, vocab] count table is allocated only when a request uses them."""
         featured = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.01, seed=0,
                                   logit_bias={0: 0.5}, allowed_token_ids=[0, 1, 2],
                                   min_tokens=2, stop_token_ids=[0], logprobs=2,
                                   prompt_logprobs=1)
-        params = [featured] if sched.max_num_seqs == 1 else [SamplingParams(temperature=0.0),
-                                                               featured]
-        # Two blocks and a bit (a prefill crossing block boundaries), within every limit.
+        params = ([featured] if self.config.scheduler_config.max_num_seqs == 1
+                  else [SamplingParams(temperature=0.0), featured])
+        # Two blocks and a bit: a prefill crossing block boundaries.
+        self._run_dummy_requests(params, 2 * self.block_tables.block_size + 1, decode=True)
+
+    def profile_run(self) -> None:
+        """The largest step a batch can make, once: max_num_batched_tokens prompt tokens over
+        as few requests as max_model_len allows, every one with penalties and MAX_LOGPROBS
+        logprobs (the largest sampler tables), so the worker can measure the peak memory a
+        step takes before it sizes the KV cache."""
+        sched = self.config.scheduler_config
+        max_len = self.config.model_config.max_model_len
+        num_reqs = min(sched.max_num_seqs, -(-sched.max_num_batched_tokens // max(1, max_len - 1)))
+        widest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0,
+                                repetition_penalty=1.1, frequency_penalty=0.1,
+                                logprobs=MAX_LOGPROBS)
+        self._run_dummy_requests([widest] * num_reqs,
+                                 sched.max_num_batched_tokens // num_reqs, decode=False)
+
+    def _run_dummy_requests(self, params: list[SamplingParams], prompt_len: int,
+                            decode: bool) -> None:
+        """Prefill one request per `params` (prompts of up to `prompt_len` tokens, within every
+        limit), decode one token each when `decode`, then finish them. Their KV goes to the
+        null block, zeroed again afterwards (a cache starts as zeros)."""
+        config, sched = self.config, self.config.scheduler_config
+        vocab, block_size = config.model_config.vocab_size, self.block_tables.block_size
         max_len = config.model_config.max_model_len
-        prompt_len = max(1, min(2 * block_size + 1, max_len - 1,
+        prompt_len = max(1, min(prompt_len, max_len - 1,
                                 sched.max_num_batched_tokens // len(params)))
         prompt = [t % vocab for t in range(1, prompt_len + 1)]
         blocks = [NULL_BLOCK_ID] * min(config.max_num_blocks_per_req, prompt_len // block_size + 1)
-        new = [NewRequestData(f"warmup-{i}", prompt, prompt, p, blocks, 0)
+        new = [NewRequestData(f"dummy-{i}", prompt, prompt, p, blocks, 0)
                for i, p in enumerate(params)]
         ids = [r.req_id for r in new]
         steps = [SchedulerOutput.build(new, CachedRequestData(), dict.fromkeys(ids, prompt_len),
                                        prompt_len * len(ids))]
-        if prompt_len < max_len:  # room for one decoded token
+        if decode and prompt_len < max_len:  # room for one decoded token
             steps.append(SchedulerOutput.build(
                 [], CachedRequestData.build(ids, [[]] * len(ids), [prompt_len] * len(ids)),
                 dict.fromkeys(ids, 1), len(ids)))

@@ -83,7 +83,10 @@ class Worker:
         if cc.kv_cache_memory_gb is not None:
             budget = int(cc.kv_cache_memory_gb * (1 << 30))
         else:
-            budget = platform.default_kv_cache_bytes(self.device)
+            # On CUDA the budget is what stays free after the largest step's peak; the CPU's
+            # is a fixed size (platform.default_kv_cache_bytes).
+            peak = self.profile_run() if self.device.type == "cuda" else 0
+            budget = platform.default_kv_cache_bytes(self.device) - peak
         fit = budget // self.kv_block_bytes
         needed = self.config.scheduler_config.max_num_seqs * self.config.max_num_blocks_per_req
         num_blocks = min(fit, needed + 1)
@@ -95,6 +98,27 @@ class Worker:
                 f"max_model_len={self.config.model_config.max_model_len} needs {min_blocks - 1}; "
                 f"raise kv_cache_memory_gb or lower max_model_len")
         return int(num_blocks)
+
+    def profile_run(self) -> int:
+        """Bytes the largest step takes beyond what is allocated now (CUDA): a throwaway runner
+        over a one-block KV cache runs `ModelRunner.profile_run`, so step temporaries and the
+        largest sampler tables are reserved before the KV cache takes the rest."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        shape = kv_cache_shape(1, cc.block_size, self.num_kv_heads, mc.head_dim)
+        caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device)
+                  for _ in range(mc.num_layers)]
+        ModelRunner(self.config, self.model, caches, self.device).profile_run()
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()  # the throwaway runner's memory goes back before sizing
+        return peak
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config

@@ -340,3 +340,27 @@ def test_warm_up_leaves_no_request_behind(runner):
     assert not runner.prompt_logprobs
     assert runner.sampling.bias.allowed.words is not None
     assert runner.sampling.penalties.output_counts is None
+
+
+def test_profile_run_makes_the_largest_step_and_leaves_nothing(loaded):
+    """A throwaway runner over a one-block cache (as the worker's profile run builds it) runs
+    max_num_batched_tokens prompt tokens with the widest sampler tables, then forgets them."""
+    config, model = loaded
+    worker = Worker(config)
+    worker.model = model
+    seen = []
+    original = ModelRunner.execute_model
+
+    def spy(self, out):
+        seen.append(out.total_num_scheduled_tokens)
+        return original(self, out)
+
+    ModelRunner.execute_model = spy
+    try:
+        assert worker.profile_run() == 0  # measured on CUDA only
+    finally:
+        ModelRunner.execute_model = original
+    sched, max_len = config.scheduler_config, config.model_config.max_model_len
+    # As many tokens as one step can hold: the budget, or max_num_seqs prompts of a context.
+    assert seen[0] == min(sched.max_num_batched_tokens, sched.max_num_seqs * (max_len - 1))
+    assert seen[-1] == 0  # the requests were finished

@@ -65,3 +65,16 @@ def test_kv_caches_are_zeros_with_paged_shape(tiny_llama):
         assert cache.device.type == "cpu"
         assert not cache.any()
     assert caches[0].data_ptr() != caches[1].data_ptr()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kv_budget_leaves_room_for_the_largest_step(tiny_llama):
+    """The profile run measures a positive peak, and the KV cache sized after it still lets
+    the largest step run (the whole budget minus that peak)."""
+    worker = make_worker(tiny_llama, device="cuda", max_num_seqs=8)
+    worker.load_model()
+    assert worker.profile_run() > 0
+    num_blocks = worker.determine_num_kv_blocks()
+    worker.initialize_kv_cache(num_blocks)
+    worker.runner.profile_run()  # the largest step, on the real cache: no out-of-memory
