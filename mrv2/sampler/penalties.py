@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mrv2.sampler.slot_tables import SlotBitmasks
+from mrv2.state.host_staging import upload_array
 
 
 class PenaltyState:
@@ -60,10 +61,10 @@ class PenaltyState:
                               count=len(slots))
         tokens = np.concatenate(list(self._pending.values()))
         self._pending.clear()
-        counts.index_fill_(0, torch.from_numpy(slots).to(self.device), 0)
+        counts.index_fill_(0, upload_array(slots, self.device), 0)
         if len(tokens):
-            rows = torch.from_numpy(np.repeat(slots, lengths)).to(self.device)
-            cols = torch.from_numpy(tokens).to(self.device)
+            rows = upload_array(np.repeat(slots, lengths), self.device)
+            cols = upload_array(tokens, self.device)
             counts.index_put_((rows, cols), torch.ones(len(tokens), dtype=torch.int32,
                                                        device=self.device), accumulate=True)
 

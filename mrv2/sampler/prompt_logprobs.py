@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from mrv2.sampler.logprobs import LogprobsTensors, prompt_logprobs
+from mrv2.state.host_staging import upload_array
 
 # Logit elements per chunk (64 MiB of float32): 512 rows of a 32k vocabulary.
 CHUNK_ELEMS = 1 << 24
@@ -86,7 +87,7 @@ class PromptLogprobsState:
             if start >= end:
                 continue
             first = int(query_start_loc[row])
-            next_ids = torch.from_numpy(entry.prompt[start + 1:end + 1]).to(self.device)
+            next_ids = upload_array(entry.prompt[start + 1:end + 1], self.device)
             out[req_id] = (start, prompt_logprobs(
                 hidden_states[first:first + end - start], compute_logits, next_ids,
                 entry.num_logprobs, chunk_size=self.chunk_size))

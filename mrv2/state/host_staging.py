@@ -66,3 +66,13 @@ class HostStaging:
             self._in_flight[i] = True
         self._current = 1 - i
         return out
+
+
+def upload_array(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device` without a host sync: on CUDA through pinned memory and a
+    non_blocking copy (the pinned allocator keeps the buffer until the copy has run; a
+    pageable source would make the copy synchronous); on the CPU the array itself."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mrv2 import platform as dispatch
 from mrv2.state import staged_numba
-from mrv2.state.host_staging import HostStaging
+from mrv2.state.host_staging import HostStaging, upload_array
 from mrv2.state.staged import StagedWriteTensor, last_write_per_element, runs_overlap
 
 from staged_helpers import num_staged
@@ -381,3 +381,20 @@ def test_cuda_apply_matches_cpu_across_many_steps() -> None:
         # No synchronisation between steps: the double buffer keeps staging safe.
     assert gpu._staging._host[0].is_pinned()
     assert torch.equal(gpu.tensor.cpu(), cpu.tensor)
+
+
+def test_upload_array_on_cpu_is_the_array_itself() -> None:
+    array = np.arange(6, dtype=np.int64)[::2]  # a strided view: made contiguous first
+    tensor = upload_array(array, torch.device("cpu"))
+    assert tensor.tolist() == [0, 2, 4] and tensor.is_contiguous()
+    whole = np.arange(4, dtype=np.int32)
+    assert np.shares_memory(upload_array(whole, torch.device("cpu")).numpy(), whole)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_upload_array_on_cuda_goes_through_pinned_memory() -> None:
+    array = np.arange(1000, dtype=np.int64)
+    tensor = upload_array(array, torch.device("cuda"))
+    array[:] = -1  # the copy was made from a pinned snapshot, not from this buffer
+    assert tensor.cpu().tolist() == list(range(1000))
