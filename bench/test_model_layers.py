@@ -31,12 +31,7 @@ W1_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(16000, 5
 ROUNDS = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("two_threads")  # bench/conftest.py
 
 
 @pytest.fixture(scope="module")
