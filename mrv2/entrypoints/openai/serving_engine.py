@@ -164,13 +164,21 @@ async def run_until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (server shutdown)
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise OpenAIError("Client disconnected", 499)
-    return task.result()
+    if task.done():
+        return task.result()
+    # The client left first. A cancelled task is only "cancelled" once it has run its
+    # cleanup (the engine abort), so wait for that before answering.
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise OpenAIError("Client disconnected", 499)
 
 
 async def event_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -133,3 +133,39 @@ def test_continuous_usage_stats(server, path, body):
     assert counts == sorted(counts) and counts[-1] == 6
     assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in choices)
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+
+
+class _Client:
+    """An ASGI `receive` whose client disconnects after `after` seconds (or never)."""
+
+    def __init__(self, after: float | None) -> None:
+        self.after = after
+
+    async def receive(self) -> dict:
+        if self.after is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.after)
+        return {"type": "http.disconnect"}
+
+
+def test_a_dropped_non_streaming_request_is_a_499_after_its_cleanup() -> None:
+    """The work is cancelled and its cleanup (where the engine abort runs) has finished when
+    the 499 is raised; no InvalidStateError from reading a cancelling task."""
+    from mrv2.entrypoints.openai.serving_engine import run_until_disconnected
+
+    cleaned = []
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+            return "done"
+        finally:
+            cleaned.append(True)
+
+    async def main() -> None:
+        with pytest.raises(OpenAIError) as raised:
+            await run_until_disconnected(_Client(after=0.05), work())
+        assert raised.value.status == 499 and cleaned == [True]
+        assert await run_until_disconnected(_Client(after=None), asyncio.sleep(0, "ok")) == "ok"
+
+    asyncio.run(main())
