@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -28,6 +28,15 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's schema lets a client send null for any optional field (the SDKs do):
+        it means the field's default, as in vLLM."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):

@@ -41,6 +41,21 @@ def test_defaults_apply_only_to_unset_fields():
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)
 
 
+def test_null_fields_mean_their_defaults():
+    """OpenAI's schema allows null for optional fields, and SDKs send it: null is unset."""
+    nulls = {name: None for name in ("n", "stream", "temperature", "top_p", "seed", "stop",
+                                     "max_tokens", "logprobs", "ignore_eos", "min_tokens",
+                                     "echo", "user", "stream_options")}
+    request = CompletionRequest.model_validate({"prompt": "x", **nulls})
+    assert request == CompletionRequest.model_validate({"prompt": "x"})
+    chat = ChatCompletionRequest.model_validate(
+        {**CHAT, "n": None, "stream": None, "max_completion_tokens": None, "top_logprobs": None,
+         "logprobs": None, "temperature": None})
+    assert chat == ChatCompletionRequest.model_validate(CHAT)
+    with pytest.raises(ValidationError):  # an unknown field stays an error, null or not
+        CompletionRequest.model_validate({"prompt": "x", "unknown": None})
+
+
 def test_chat_logprobs_and_max_completion_tokens():
     request = ChatCompletionRequest.model_validate(
         {**CHAT, "logprobs": True, "top_logprobs": 3, "max_tokens": 9,
