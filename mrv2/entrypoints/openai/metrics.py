@@ -1,4 +1,6 @@
-"""Prometheus metrics for `GET /metrics`, under the `mrv2:` prefix (vLLM's names otherwise).
+"""Prometheus metrics for `GET /metrics` under vLLM's names (`vllm:` prefix, `model_name`
+label), so dashboards, autoscalers and routers built for vLLM read them unchanged; a figure vLLM
+does not publish keeps an `mrv2:` name (`mrv2:prefix_cache_hit_rate`).
 
 Scheduler state (running / waiting requests, KV-cache usage, prefix-cache queries and hits,
 preemptions) is read from the engine core at scrape time. Token counters and the latency
@@ -46,7 +48,8 @@ class _EngineCollector(Collector):
                 ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
                  stats.kv_cache_usage),
                 ("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.", hit_rate)):
-            gauge = GaugeMetricFamily(f"mrv2:{name}", doc, labels=["model_name"])
+            prefix = "mrv2:" if name == "prefix_cache_hit_rate" else "vllm:"
+            gauge = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
         for name, doc, value in (
@@ -55,7 +58,7 @@ class _EngineCollector(Collector):
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  stats.prefix_cache_hits),
                 ("num_preemptions", "Requests preempted.", stats.num_preemptions)):
-            counter = CounterMetricFamily(f"mrv2:{name}", doc, labels=["model_name"])
+            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
 
@@ -99,19 +102,19 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         registry, labels = self.registry, ["model_name"]
-        self.prompt_tokens = Counter("mrv2:prompt_tokens", "Prompt tokens of accepted requests.",
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.",
                                      labels, registry=registry)
-        self.generation_tokens = Counter("mrv2:generation_tokens", "Generated tokens.", labels,
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels,
                                          registry=registry)
-        self.request_success = Counter("mrv2:request_success",
+        self.request_success = Counter("vllm:request_success",
                                        "Finished completions (samples) by reason.",
                                        ["model_name", "finished_reason"], registry=registry)
-        self.ttft = Histogram("mrv2:time_to_first_token_seconds", "Time to the first token.",
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to the first token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=registry)
-        self.tpot = Histogram("mrv2:time_per_output_token_seconds",
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
                               "Time per output token after the first.", labels,
                               buckets=_TPOT_BUCKETS, registry=registry)
-        self.e2e = Histogram("mrv2:e2e_request_latency_seconds", "End-to-end request latency.",
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              labels, buckets=_LATENCY_BUCKETS, registry=registry)
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot,
                        self.e2e):

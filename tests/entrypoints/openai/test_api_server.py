@@ -147,4 +147,4 @@ def test_health_is_503_once_the_engine_is_dead(custom_server):
         client.completions.create(model="a", prompt="hello")
     assert info.value.status_code == 503
     # The API process lives on: its own metrics still answer and parse.
-    assert "mrv2:prompt_tokens_total" in custom_server.metrics()
+    assert "vllm:prompt_tokens_total" in custom_server.metrics()

@@ -36,22 +36,22 @@ def test_render_parses_and_carries_engine_and_request_metrics():
     aborted = metrics.request_timer(num_prompt_tokens=2)
     aborted.on_request_finished(aborted=True)
     values = _samples(metrics.render(STATS).decode())
-    assert values["mrv2:num_requests_running"] == 3
-    assert values["mrv2:num_requests_waiting"] == 2
-    assert values["mrv2:kv_cache_usage_perc"] == 0.25
-    assert values["mrv2:prefix_cache_queries_total"] == 100
-    assert values["mrv2:prefix_cache_hits_total"] == 40
+    assert values["vllm:num_requests_running"] == 3
+    assert values["vllm:num_requests_waiting"] == 2
+    assert values["vllm:kv_cache_usage_perc"] == 0.25
+    assert values["vllm:prefix_cache_queries_total"] == 100
+    assert values["vllm:prefix_cache_hits_total"] == 40
     assert values["mrv2:prefix_cache_hit_rate"] == 0.4
-    assert values["mrv2:num_preemptions_total"] == 1
-    assert values["mrv2:prompt_tokens_total"] == 9
-    assert values["mrv2:generation_tokens_total"] == 4
-    assert values["mrv2:time_to_first_token_seconds_count"] == 1
-    assert values["mrv2:time_per_output_token_seconds_count"] == 1
-    assert values["mrv2:e2e_request_latency_seconds_count"] == 1  # the aborted one is not
+    assert values["vllm:num_preemptions_total"] == 1
+    assert values["vllm:prompt_tokens_total"] == 9
+    assert values["vllm:generation_tokens_total"] == 4
+    assert values["vllm:time_to_first_token_seconds_count"] == 1
+    assert values["vllm:time_per_output_token_seconds_count"] == 1
+    assert values["vllm:e2e_request_latency_seconds_count"] == 1  # the aborted one is not
     # Without engine stats (a dead engine) the API-side metrics remain.
     without = _samples(metrics.render(None).decode())
-    assert "mrv2:num_requests_running" not in without
-    assert without["mrv2:prompt_tokens_total"] == 9
+    assert "vllm:num_requests_running" not in without
+    assert without["vllm:prompt_tokens_total"] == 9
 
 
 def test_server_metrics_count_a_request(server, client):
@@ -59,18 +59,18 @@ def test_server_metrics_count_a_request(server, client):
     out = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5,
                                     temperature=0.0, extra_body={"ignore_eos": True})
     after = server.metrics()
-    assert after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"] == 5
-    assert after["mrv2:prompt_tokens_total"] - before["mrv2:prompt_tokens_total"] == \
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == \
         out.usage.prompt_tokens
-    assert after["mrv2:e2e_request_latency_seconds_count"] == \
-        before["mrv2:e2e_request_latency_seconds_count"] + 1
-    assert after["mrv2:time_to_first_token_seconds_count"] == \
-        before["mrv2:time_to_first_token_seconds_count"] + 1
-    assert after["mrv2:time_per_output_token_seconds_count"] == \
-        before["mrv2:time_per_output_token_seconds_count"] + 1
-    assert after["mrv2:prefix_cache_queries_total"] > before["mrv2:prefix_cache_queries_total"]
-    for name in ("mrv2:num_requests_running", "mrv2:num_requests_waiting",
-                 "mrv2:kv_cache_usage_perc", "mrv2:prefix_cache_hit_rate"):
+    assert after["vllm:e2e_request_latency_seconds_count"] == \
+        before["vllm:e2e_request_latency_seconds_count"] + 1
+    assert after["vllm:time_to_first_token_seconds_count"] == \
+        before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["vllm:time_per_output_token_seconds_count"] == \
+        before["vllm:time_per_output_token_seconds_count"] + 1
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "mrv2:prefix_cache_hit_rate"):
         assert name in after
 
 
@@ -78,8 +78,8 @@ def _wait_idle(server, timeout_s: float = 15.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         values = server.metrics()
-        idle = values["mrv2:num_requests_running"] == 0 and \
-            values["mrv2:num_requests_waiting"] == 0 and values["mrv2:kv_cache_usage_perc"] == 0
+        idle = values["vllm:num_requests_running"] == 0 and \
+            values["vllm:num_requests_waiting"] == 0 and values["vllm:kv_cache_usage_perc"] == 0
         if idle or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
@@ -145,11 +145,11 @@ def test_disconnected_clients_are_aborted(small_pool_server):
 
     assert asyncio.run(main()) == [2] * 20
     after = _wait_idle(server)
-    assert after["mrv2:num_requests_running"] == 0
-    assert after["mrv2:num_requests_waiting"] == 0
-    assert after["mrv2:kv_cache_usage_perc"] == 0
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
     # The core stopped them: they never grew enough to need a preemption.
-    assert after["mrv2:num_preemptions_total"] == before["mrv2:num_preemptions_total"]
+    assert after["vllm:num_preemptions_total"] == before["vllm:num_preemptions_total"]
     # Aborted, not run to the end: far fewer tokens than 23 full requests.
-    generated = after["mrv2:generation_tokens_total"] - before["mrv2:generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < 23 * max_tokens / 2, generated
