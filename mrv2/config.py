@@ -90,8 +90,14 @@ class CacheConfig:
     # Memory for the KV cache, all layers, K and V. None: the platform's default.
     kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
+    # vLLM's: the share of a GPU's memory the engine may use; the KV cache gets the rest of
+    # it after weights and the profiled step peak (not used on the CPU).
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be "
+                              f"in (0, 1]")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size} must be a power of two")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

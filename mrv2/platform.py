@@ -28,8 +28,9 @@ import torch
 
 # CPU KV cache budget when the user gives none (vLLM's CPU backend uses 4 GiB as well).
 DEFAULT_CPU_KV_CACHE_GB = 4.0
-# Fraction of free GPU memory handed to the KV cache after weights are loaded.
-DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
+# vLLM's gpu_memory_utilization default: the share of the GPU's whole memory this engine may
+# use (weights, activations, KV cache); the KV cache takes what the rest leaves.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 # Kernel families: the Triton kernels, and each owner's CPU twin (numba or torch).
 TRITON = "triton"
@@ -58,10 +59,14 @@ def default_device() -> torch.device:
     return torch.device(device_type())
 
 
-def default_kv_cache_bytes(device: torch.device) -> int:
+def default_kv_cache_bytes(device: torch.device,
+                           gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> int:
+    """The KV budget when none is given: on CUDA, `gpu_memory_utilization` of the device's
+    memory minus what is in use now (weights, this and other processes); on the CPU a fixed
+    size (as vLLM's CPU backend, whose budget is not a share of memory either)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total * gpu_memory_utilization - (total - free))
     return int(DEFAULT_CPU_KV_CACHE_GB * (1 << 30))
 
 

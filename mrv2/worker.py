@@ -86,7 +86,8 @@ class Worker:
             # On CUDA the budget is what stays free after the largest step's peak; the CPU's
             # is a fixed size (platform.default_kv_cache_bytes).
             peak = self.profile_run() if self.device.type == "cuda" else 0
-            budget = platform.default_kv_cache_bytes(self.device) - peak
+            budget = platform.default_kv_cache_bytes(self.device,
+                                                     cc.gpu_memory_utilization) - peak
         fit = budget // self.kv_block_bytes
         needed = self.config.scheduler_config.max_num_seqs * self.config.max_num_blocks_per_req
         num_blocks = min(fit, needed + 1)

@@ -80,7 +80,7 @@ def test_cpu_kv_cache_default() -> None:
     assert platform.DEFAULT_CPU_KV_CACHE_GB == 4.0
 
 
-def test_gpu_kv_cache_default_is_a_fraction_of_free_memory(
+def test_gpu_kv_cache_default_is_the_utilization_share_left_over(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
 
@@ -90,9 +90,10 @@ def test_gpu_kv_cache_default_is_a_fraction_of_free_memory(
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     device = torch.device("cuda", 0)
-    expected = int(10_000 * platform.DEFAULT_GPU_KV_CACHE_FRACTION)
-    assert platform.default_kv_cache_bytes(device) == expected
-    assert seen == [device]
+    # 70,000 of 80,000 in use: 90% of 80,000 leaves 2,000; 95% leaves 6,000.
+    assert platform.default_kv_cache_bytes(device) == 2_000
+    assert platform.default_kv_cache_bytes(device, 0.95) == 6_000
+    assert seen == [device, device]
 
 
 CPU = torch.device("cpu")

@@ -6,6 +6,7 @@ architecture or an out-of-range value raises a `ValueError` subclass naming the 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from mrv2 import platform
@@ -17,6 +18,8 @@ from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import load_hf_config, resolve_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +54,11 @@ class EngineArgs:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    # vLLM's memory knobs. On CUDA the KV cache gets `gpu_memory_utilization` of the device's
+    # memory minus weights and the profiled step peak; on the CPU it does not apply (a warning
+    # says so) and the budget is `kv_cache_memory_bytes` / `kv_cache_memory_gb`, or 4 GiB.
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
     # vLLM's `quantization`. "gguf": compute on a quantized GGUF file's blocks (CPU only;
     # resident weights near the file size). None: dequantize to `dtype` at load, the faster
     # choice on the machines measured so far (bench/test_quantized_linear.py).
@@ -63,8 +71,9 @@ class EngineArgs:
         # Cheap checks first, so they fail before the model directory is touched.
         check_logprobs_mode(self.logprobs_mode)
         cache_config = CacheConfig(block_size=self.block_size,
-                                   kv_cache_memory_gb=self.kv_cache_memory_gb,
-                                   enable_prefix_caching=self.enable_prefix_caching)
+                                   kv_cache_memory_gb=self._kv_cache_memory_gb(),
+                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   gpu_memory_utilization=self._gpu_memory_utilization(device))
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
@@ -112,6 +121,26 @@ class EngineArgs:
             raise GGUFError(f"{model}: the file holds no tokenizer; pass one with "
                             f"tokenizer= / --tokenizer (a directory or Hub id)")
         return model, tokenizer, config
+
+    def _kv_cache_memory_gb(self) -> float | None:
+        if self.kv_cache_memory_bytes is None:
+            return self.kv_cache_memory_gb
+        if self.kv_cache_memory_gb is not None:
+            raise ConfigError("give kv_cache_memory_bytes or kv_cache_memory_gb, not both")
+        if isinstance(self.kv_cache_memory_bytes, bool) or self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be "
+                              f"a positive number of bytes")
+        return self.kv_cache_memory_bytes / (1 << 30)
+
+    def _gpu_memory_utilization(self, device: str) -> float:
+        value = self.gpu_memory_utilization
+        if value is None:
+            return platform.DEFAULT_GPU_MEMORY_UTILIZATION
+        if device != "cuda":
+            logger.warning("gpu_memory_utilization=%s does not apply on the %s: the KV cache "
+                           "is sized by kv_cache_memory_bytes (default %s GiB)", value, device,
+                           platform.DEFAULT_CPU_KV_CACHE_GB)
+        return value
 
     def _quantization(self, model_path: str, device: str) -> str | None:
         if self.quantization not in (None, "gguf"):

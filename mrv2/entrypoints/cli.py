@@ -53,6 +53,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV cache size in bytes (vLLM's flag; or --kv-cache-memory-gb)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of a GPU's memory the engine may use (default 0.9); "
+                             "not used on the CPU")
 
 
 def build_parser() -> argparse.ArgumentParser:

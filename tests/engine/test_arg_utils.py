@@ -242,3 +242,24 @@ def test_uncached_hub_id_offline_is_refused_before_loading(offline_hub):
     with pytest.raises(ModelNotFoundError, match="org/absent"):
         EngineArgs(model="org/absent/model.gguf",
                    download_dir=str(offline_hub)).create_engine_config()
+
+
+def test_vllm_memory_arguments(tiny_llama, caplog):
+    """kv_cache_memory_bytes sizes the KV cache (vLLM's), gpu_memory_utilization is kept for
+    CUDA and said not to apply on the CPU; bad values are errors naming them."""
+    config = EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=3 << 30,
+                        device="cpu").create_engine_config()
+    assert config.cache_config.kv_cache_memory_gb == 3.0
+    assert config.cache_config.gpu_memory_utilization == 0.9  # vLLM's default
+    with caplog.at_level("WARNING"):
+        config = EngineArgs(model=str(tiny_llama), gpu_memory_utilization=0.5,
+                            device="cpu").create_engine_config()
+    assert config.cache_config.gpu_memory_utilization == 0.5
+    assert "does not apply on the cpu" in caplog.text
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        EngineArgs(model=str(tiny_llama), gpu_memory_utilization=1.5).create_engine_config()
+    with pytest.raises(ConfigError, match="not both"):
+        EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 30,
+                   kv_cache_memory_gb=1.0).create_engine_config()
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes"):
+        EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=0).create_engine_config()
