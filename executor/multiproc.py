@@ -146,14 +146,16 @@ class MultiprocExecutor(Executor):
 
     def _watch_workers(self) -> threading.Thread:
         def on_exit(rank: int) -> None:
-            if self._closing:
-                return
-            proc = self._procs[rank]
-            proc.join(0.1)
-            self._fail(f"worker rank {rank} (pid {proc.pid}) died unexpectedly (exit code "
-                       f"{proc.exitcode}); the engine cannot continue")
+            if not self._closing:
+                self._fail_rank_died(rank)
 
         return watch_processes(self._procs, self._wake_r, on_exit, name="mrv2-worker-monitor")
+
+    def _fail_rank_died(self, rank: int) -> None:
+        proc = self._procs[rank]
+        proc.join(0.1)
+        self._fail(f"worker rank {rank} (pid {proc.pid}) died unexpectedly (exit code "
+                   f"{proc.exitcode}); the engine cannot continue")
 
     def _fail(self, reason: str) -> None:
         with self._state_lock:
@@ -241,6 +243,14 @@ class MultiprocExecutor(Executor):
                 with self._pending_lock:
                     self._pending.popleft()
                 if call.errors:
+                    # A rank that died mid-collective makes the others' collectives fail (the
+                    # peer reset the connection); their error may arrive before the monitor
+                    # sees the death. The death is the cause: report it.
+                    dead = [r for r, proc in enumerate(self._procs) if not proc.is_alive()]
+                    if dead and not self._closing:
+                        self._fail_rank_died(dead[0])
+                        settle(call.future, error=EngineDeadError(self._dead))
+                        self._abort()
                     settle(call.future, error=call.errors[min(call.errors)])
                 elif call.reply_rank == ALL_RANKS:
                     settle(call.future, [call.results[r] for r in range(self.world_size)])
