@@ -25,8 +25,8 @@ def _quantized(path, **kwargs) -> LLM:
     return LLM(str(path), max_model_len=64, quantization="gguf", **kwargs)
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tensor_type, tied", [("Q8_0", False), ("Q4_0", True),
+                                               ("Q4_1", False)])
 def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factory, tensor_type,
                                                                 tied):
     path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
