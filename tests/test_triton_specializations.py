@@ -3,7 +3,7 @@ configuration, whatever the batch (issue 15).
 
 The runner's whole step (state updates, staged writes, input preparation, a model with one
 paged-attention layer, the sampler, post_update) runs under Triton's interpreter over batches of
-1, 3, 16, 17 and 32 requests, prefill and decode steps, varied token counts. A test-only hook
+1, 3, 16 and 17 requests, prefill and decode steps, varied token counts. A test-only hook
 records every launch made through `platform.triton_kernel`, and each launch gets the key Triton
 would compile it under on a GPU. The key is computed by Triton's own code (triton 3.9):
 `runtime/jit.py` `JITFunction.run` binds the arguments with the function that
@@ -53,7 +53,8 @@ MAX_NUM_SEQS = 32
 VOCAB = 64
 HIDDEN = 32
 HEAD_DIM = 16
-BATCHES = (1, 3, 16, 17, 32)  # requests running in turn; each gets a prefill and a decode step
+BATCHES = (1, 3, 16, 17)  # requests running in turn (1, neither, a multiple of 16, not): each
+# gets a prefill and a decode step
 
 
 # ---- the hook: record every launch with the key Triton would compile it under ---------------
