@@ -12,6 +12,7 @@ import asyncio
 import logging
 import secrets
 import signal
+import socket
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -134,8 +135,28 @@ def _exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+class PortInUseError(ValueError):
+    """The server's address is taken: said before any weight is loaded."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine loads (as vLLM does), so a busy port
+    fails in a moment rather than after the model has loaded."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise PortInUseError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args) -> int:
-    """`mrv2 serve`: build the engine, then serve until SIGINT / SIGTERM."""
+    """`mrv2 serve`: bind the port, build the engine, then serve until SIGINT / SIGTERM."""
     import uvicorn
 
     from mrv2.entrypoints.openai.cli_args import (engine_args_from, resolve_model,
@@ -145,7 +166,12 @@ def run_server(args) -> int:
     model = resolve_model(args)
     config = server_config_from(args, model)
     default_sampling_params(model, config.generation_config)  # a bad value fails before loading
-    engine = AsyncLLM.from_engine_args(engine_args_from(args, model))
+    sock = bind_socket(config.host, config.port)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args_from(args, model))
+    except BaseException:
+        sock.close()
+        raise
     # uvicorn re-raises the SIGTERM / SIGINT it caught once it has shut down; with the default
     # SIGTERM action that would kill this process before `finally` stops the engine core and
     # removes its socket directory. Turned into SystemExit, the unwinding runs.
@@ -153,9 +179,11 @@ def run_server(args) -> int:
     try:
         app = build_app(engine, config)
         freeze_startup_objects()  # this process serves one engine for its life (executor/heap.py)
-        uvicorn.run(app, host=config.host, port=config.port,
-                    log_level=config.uvicorn_log_level,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     return 0

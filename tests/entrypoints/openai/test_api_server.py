@@ -148,3 +148,24 @@ def test_health_is_503_once_the_engine_is_dead(custom_server):
     assert info.value.status_code == 503
     # The API process lives on: its own metrics still answer and parse.
     assert "vllm:prompt_tokens_total" in custom_server.metrics()
+
+
+def test_a_busy_port_fails_before_the_model_loads(tiny_llama, monkeypatch, capsys):
+    """As vLLM: the socket is bound first, so a second server on a taken port says so at once
+    instead of after loading the model."""
+    import socket
+
+    from mrv2.engine.async_llm import AsyncLLM
+    from mrv2.entrypoints.cli import main
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the engine was built before the port was bound")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", must_not_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port)])
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
