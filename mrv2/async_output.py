@@ -113,5 +113,5 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         if nan.any():  # rare: a list only then
             nan_req_ids = [self.req_ids[i] for i in np.flatnonzero(nan & self.is_sampling)]
         return ModelRunnerOutput(pack_ids(self.req_ids), len(self.req_ids), int32_bytes(sampled),
-                                 num_sampled, logprobs=logprobs, num_nans=len(nan_req_ids),
+                                 num_sampled, logprobs=logprobs,
                                  prompt_logprobs=prompt, nan_req_ids=nan_req_ids)

@@ -178,11 +178,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     num_sampled_i32: bytes
     # Per request: None unless it asked for logprobs (and sampled this step).
     logprobs: list[SampledTokenLogprobs | None] | None = None
-    num_nans: int = 0
     # Requests that asked for prompt logprobs and computed prompt positions this step; None
     # when no request of the batch did.
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
-    # Requests whose logits row held a NaN this step (num_nans of them): their sampled token
+    # Requests whose logits row held a NaN this step: their sampled token
     # is a valid id but meaningless, so the scheduler ends them with finish_reason "error".
     nan_req_ids: list[str] = []
 
@@ -194,8 +193,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
         if len(req_ids) != len(sampled_token_ids):
             raise ValueError(f"{len(req_ids)} ids and {len(sampled_token_ids)} token lists")
         flat, counts = pack_ragged(sampled_token_ids)
-        return cls(pack_ids(req_ids), len(req_ids), flat, counts, logprobs, len(nan_req_ids),
-                   prompt_logprobs, list(nan_req_ids))
+        return cls(pack_ids(req_ids), len(req_ids), flat, counts, logprobs, prompt_logprobs,
+                   list(nan_req_ids))
+
+    @property
+    def num_nans(self) -> int:
+        return len(self.nan_req_ids)
 
     @property
     def req_ids(self) -> list[str]:

@@ -270,7 +270,7 @@ class Scheduler:
                     else dict(zip(req_ids, model_runner_output.logprobs)))
         prompt_logprobs = model_runner_output.prompt_logprobs
         # Rows whose logits held a NaN: the request ends with "error", its token unseen.
-        failed = set(model_runner_output.nan_req_ids)
+        failed = model_runner_output.nan_req_ids  # almost always empty
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
         requests, running_status = self.requests, RequestStatus.RUNNING

@@ -357,7 +357,7 @@ def test_nan_logits_end_only_that_request_with_an_error() -> None:
     sched.add_request(b)
     out = sched.schedule()
     mro = runner.execute(out)
-    bad = msgspec.structs.replace(mro, nan_req_ids=["a"], num_nans=1)
+    bad = msgspec.structs.replace(mro, nan_req_ids=["a"])
     outputs = {o.request_id: o for o in sched.update_from_output(out, bad)}
     assert outputs["a"].finish_reason is FinishReason.ERROR and outputs["a"].new_token_ids == []
     assert a.status is RequestStatus.FINISHED_ERROR and a.output_token_ids == []
