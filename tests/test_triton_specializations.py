@@ -43,6 +43,7 @@ from mrv2.attention.backend import Attention, kv_cache_shape
 from mrv2.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mrv2.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from mrv2.runner import ModelRunner
+from mrv2.sampler.grammar_bitmask import apply_grammar_bitmask_
 from mrv2.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
@@ -230,9 +231,22 @@ def run_workload(device: torch.device) -> None:
         for _ in range(2):  # the new ones' prefill, then a decode of all
             runner.execute_model(workload.step(num_reqs))
             runner.sample_tokens(None)
+            _grammar_stage(num_reqs, device)
     for num_reqs in (5, 2):  # shrinking batches: finished rows, staged clears
         runner.execute_model(workload.step(num_reqs))
         runner.sample_tokens(None)
+        _grammar_stage(num_reqs, device)
+
+
+def _grammar_stage(num_reqs: int, device: torch.device) -> None:
+    """The grammar bitmask stage the runner applies before sampling, launched here as the
+    runner would on a step of `num_reqs` rows, every other row constrained (1 to 9 rows), so
+    the workload needs no grammar engine."""
+    gen = torch.Generator().manual_seed(num_reqs)
+    rows = torch.arange(num_reqs - 1, -1, -2, device=device)
+    bitmask = torch.randint(-2**31, 2**31, (len(rows), -(-VOCAB // 32)), generator=gen,
+                            dtype=torch.int32).to(device)
+    apply_grammar_bitmask_(torch.zeros(num_reqs, VOCAB, device=device), rows, bitmask)
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +264,7 @@ ALLOWED_VARIANTS = {"_paged_attention_kernel": 2}
 RUNNER_KERNELS = ("_apply_runs_kernel", "_gather_rows_kernel", "_prepare_inputs_kernel",
                   "_post_update_kernel", "_reshape_and_cache_kernel", "_paged_attention_kernel",
                   "_gumbel_argmax_kernel", "_sparse_kernel", "_logprobs_kernel",
-                  "_dense_kernel")
+                  "_dense_kernel", "_grammar_bitmask_kernel")
 
 
 def _param(name: str):
