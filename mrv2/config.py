@@ -252,6 +252,34 @@ class CompilationConfig:
         return tuple(s for s in sizes if s <= max_size)
 
 
+# vLLM's reasoning parsers whose reasoning ends with a `</think>` token.
+REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `structured_outputs_config`: engine-wide settings of grammar-constrained
+    decoding (per-request constraints are SamplingParams.structured_outputs)."""
+
+    # "auto" and "xgrammar" both mean xgrammar, the one backend mrv2 implements.
+    backend: str = "xgrammar"
+    # Engine-wide defaults, OR-ed with the request's flags of the same names.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    # A model that thinks first (`<think> ... </think>`): the constraint applies from the
+    # end of its reasoning on, unless enable_in_reasoning. None: no reasoning.
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "xgrammar"):
+            raise ConfigError(f"structured_outputs_config.backend={self.backend!r}: mrv2 "
+                              f"implements 'xgrammar' (and 'auto', which picks it)")
+        if self.reasoning_parser not in (None, "", *REASONING_PARSER_NAMES):
+            raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: expected one of "
+                              f"{', '.join(REASONING_PARSER_NAMES)}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -261,6 +289,7 @@ class EngineConfig:
     # EngineArgs passes the config resolved for the device; one built by hand runs eagerly.
     compilation_config: CompilationConfig = CompilationConfig(cudagraph_mode="NONE")
     device: str = "cpu"
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
         self.parallel_config.verify_model(self.model_config)

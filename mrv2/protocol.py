@@ -136,10 +136,33 @@ class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, frozen=True):
-    """Structured-output token masks per request; empty until grammars are supported."""
+    """The token masks of one step's grammar-constrained rows (core/structured_output.py).
 
-    req_ids: list[str] = []
-    bitmask: bytes | None = None
+    `rows` are indices into the step's SchedulerOutput.req_ids (the scheduler's order, not the
+    runner's); `bitmask` is [num_rows, ceil(vocab / 32)] int32 in xgrammar's layout: token t
+    is allowed in row i iff bit t % 32 of word t // 32 is set. Empty when no row is
+    constrained. Build with `build`."""
+
+    rows_i32: bytes = b""
+    bitmask_i32: bytes = b""
+    num_rows: int = 0
+
+    @classmethod
+    def build(cls, rows: Sequence[int], bitmask: np.ndarray) -> GrammarOutput:
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or len(bitmask) != len(rows):
+            raise ValueError(f"bitmask must be int32 [{len(rows)}, words], got "
+                             f"{bitmask.dtype} {bitmask.shape}")
+        return cls(int32_bytes(rows), np.ascontiguousarray(bitmask).tobytes(), len(rows))
+
+    @property
+    def rows(self) -> np.ndarray:
+        return int32_view(self.rows_i32)
+
+    @property
+    def bitmask(self) -> np.ndarray:
+        """[num_rows, words] int32, read-only."""
+        words = int32_view(self.bitmask_i32)
+        return words.reshape(self.num_rows, -1) if self.num_rows else words.reshape(0, 0)
 
 
 class SampledTokenLogprobs(msgspec.Struct, array_like=True, frozen=True):

@@ -28,9 +28,11 @@ from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import (NULL_BLOCK_ID, CachedRequestData, GrammarOutput, ModelRunnerOutput,
                            NewRequestData, SchedulerOutput)
 from mrv2.sampler import Sampler, SamplingStates
+from mrv2.sampler.grammar_bitmask import apply_grammar_bitmask_
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 from mrv2.state.block_table import BlockTables
+from mrv2.state.host_staging import upload_array
 from mrv2.state.requests import RequestState
 
 EMPTY_OUTPUT = ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[])
@@ -42,6 +44,9 @@ class ExecuteState:
 
     batch: InputBatch | None
     hidden_states: torch.Tensor | None  # [num_tokens, hidden]
+    # Scheduler row -> batch row, where _prepare_batch reordered the rows (decode first);
+    # None when they are the same.
+    batch_rows: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -82,7 +87,7 @@ class ModelRunner:
             # Finished and preempted requests were processed; phase 2 has nothing to sample.
             self._execute_state = ExecuteState(batch=None, hidden_states=None)
             return
-        batch, descriptor = self._prepare_batch(scheduler_output, cached_slots)
+        batch, descriptor, batch_rows = self._prepare_batch(scheduler_output, cached_slots)
         if descriptor is not None:
             # Replay reads the persistent buffers prepare_inputs just filled (padded).
             hidden = self.cudagraphs.replay(descriptor)[:batch.num_tokens]
@@ -90,7 +95,8 @@ class ModelRunner:
             n = batch.num_tokens
             hidden = self.model(batch.input_ids[:n], batch.positions[:n], self.kv_caches,
                                 batch.attn_metadata)
-        self._execute_state = ExecuteState(batch=batch, hidden_states=hidden)
+        self._execute_state = ExecuteState(batch=batch, hidden_states=hidden,
+                                           batch_rows=batch_rows)
 
     def _update_states(self, out: SchedulerOutput) -> np.ndarray:
         """Apply the step's state changes; returns the slots of the cached (running) rows."""
@@ -122,7 +128,7 @@ class ModelRunner:
         return slots
 
     def _prepare_batch(self, out: SchedulerOutput, cached_slots: np.ndarray
-                       ) -> tuple[InputBatch, BatchDescriptor | None]:
+                       ) -> tuple[InputBatch, BatchDescriptor | None, np.ndarray | None]:
         req_ids = out.req_ids
         num_scheduled = out.num_scheduled.copy()  # the message's view is read-only
         num_cached = len(cached_slots)
@@ -133,17 +139,20 @@ class ModelRunner:
         else:
             slots = self.requests.slots_of(req_ids)
         is_prefill = num_scheduled > 1
+        batch_rows = None
         if (is_prefill[:-1] & ~is_prefill[1:]).any():  # not decode-first yet
             order = decode_first_order(num_scheduled)
             req_ids = [req_ids[i] for i in order]
             slots, num_scheduled = slots[order], num_scheduled[order]
+            batch_rows = np.empty_like(order)
+            batch_rows[order] = np.arange(len(order))
         num_tokens = out.total_num_scheduled_tokens
         tokens_padded, reqs_padded, descriptor = self.cudagraphs.padded_sizes(
             num_tokens, len(req_ids), uniform_decode=num_tokens == len(req_ids))
         batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
                                self.buffers, num_tokens_padded=tokens_padded,
                                num_reqs_padded=reqs_padded)
-        return batch, descriptor
+        return batch, descriptor, batch_rows
 
     @torch.inference_mode()
     def capture_model(self) -> None:
@@ -227,6 +236,19 @@ class ModelRunner:
             cache[:, NULL_BLOCK_ID].zero_()
 
     # ---- phase 2 -------------------------------------------------------------------------
+    def _apply_grammar(self, logits: torch.Tensor, grammar_output: GrammarOutput,
+                       batch_rows: np.ndarray | None) -> torch.Tensor:
+        """-inf on every token a row's grammar forbids next (float32 logits, masked in place:
+        the sampler copies them anyway)."""
+        rows = grammar_output.rows.astype(np.int64)
+        if batch_rows is not None:
+            rows = batch_rows[rows]
+        logits = logits.float()
+        # The message's buffer is read-only; torch wants a writable array.
+        apply_grammar_bitmask_(logits, upload_array(rows, self.device),
+                               upload_array(grammar_output.bitmask.copy(), self.device))
+        return logits
+
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Phase 2; returns once the step's output copy has landed on the host."""
         output = self.sample_tokens_async(grammar_output)
@@ -244,6 +266,8 @@ class ModelRunner:
             return EMPTY_OUTPUT
         batch = state.batch
         logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
+        if grammar_output is not None and grammar_output.num_rows:
+            logits = self._apply_grammar(logits, grammar_output, state.batch_rows)
         idx = batch.idx_mapping
         # The position of the token being sampled keys its noise (invariant 7) and counts the
         # outputs so far (min_tokens).

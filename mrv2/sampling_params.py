@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import msgspec
 
@@ -20,6 +21,49 @@ MAX_LOGIT_BIAS = 1024
 # Below this a temperature is treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by it
 # would make the noise irrelevant anyway, and very small values overflow float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+# StructuredOutputsParams' constraints, of which a request sets exactly one.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """vLLM's constraint on a request's output: exactly one of a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object=True`), a regular expression, one of a list
+    of strings (`choice`), a grammar (GBNF/EBNF with ``::=`` rules, or Lark) or an xgrammar
+    structural tag (its JSON text). Whether the constraint compiles is checked by the input
+    processor (core/grammar.py), before the request is queued."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # No whitespace between JSON tokens beyond what the schema needs (OR-ed with the engine's
+    # StructuredOutputsConfig), so a weak model cannot spend its tokens on it.
+    disable_any_whitespace: bool = False
+    # JSON objects take no properties beyond those the schema lists, where the schema does
+    # not say (OR-ed with the engine's setting).
+    disable_additional_properties: bool = False
+    # vLLM's: no fallback to another backend on failure. mrv2 has one backend, so a
+    # constraint it cannot compile is always an error; accepted for compatibility.
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+                f"; got {', '.join(kinds) if kinds else 'none'}")
+        if self.choice is not None:
+            _require(bool(self.choice) and all(isinstance(c, str) for c in self.choice),
+                     "structured_outputs.choice", self.choice, "must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: an entry of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -44,6 +88,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

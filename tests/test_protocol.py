@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from mrv2.protocol import (
@@ -115,10 +116,17 @@ def test_empty_scheduler_output() -> None:
     assert back.finished_req_ids == [] and back.preempted_req_ids == []
 
 
-@pytest.mark.parametrize("bitmask", [None, b"", b"\x00\xff\x10" * 5])
-def test_grammar_output(bitmask: bytes | None) -> None:
-    round_trip(GrammarOutput(req_ids=["a"], bitmask=bitmask))
-    round_trip(GrammarOutput())
+def test_grammar_output() -> None:
+    bitmask = np.array([[-1, 0, 5], [7, -2, 1 << 30]], dtype=np.int32)
+    back = round_trip(GrammarOutput.build([3, 0], bitmask))
+    assert back.num_rows == 2 and back.rows.tolist() == [3, 0]
+    np.testing.assert_array_equal(back.bitmask, bitmask)
+    empty = round_trip(GrammarOutput())
+    assert empty.num_rows == 0 and empty.bitmask.shape == (0, 0)
+    with pytest.raises(ValueError, match="int32"):
+        GrammarOutput.build([1], bitmask.astype(np.int64)[:1])
+    with pytest.raises(ValueError):
+        GrammarOutput.build([1, 2, 3], bitmask)
 
 
 def test_model_runner_output() -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from mrv2.config import EngineConfig
 from mrv2.core.request import Request, RequestStatus
 from mrv2.core.scheduler import Scheduler
-from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, SchedulerOutput
+from mrv2.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from executor.base import Executor
@@ -63,20 +63,29 @@ class EngineCore:
         the oldest one's output. With async scheduling a fresh submission returns at once
         while the queue is not full, so step N+1 is scheduled while step N runs."""
         submitted = False
+        outputs = None
         if len(self.batch_queue) < self.max_steps_in_flight:
             scheduler_output = self.scheduler.schedule()
             if not (scheduler_output.is_empty and not scheduler_output.finished_req_ids
                     and not scheduler_output.preempted_req_ids):
                 self.executor.execute_model(scheduler_output, non_block=True)
-                future = self.executor.sample_tokens(GrammarOutput(), non_block=True)
+                # While the forward runs: the grammar bitmask, from matchers that must have
+                # seen the step in flight's tokens, so that one is folded in first.
+                if self.batch_queue and self.scheduler.structured_outputs.has_live_requests:
+                    outputs = self._fold_oldest_step()
+                grammar_output = self.scheduler.get_grammar_output(scheduler_output)
+                future = self.executor.sample_tokens(grammar_output, non_block=True)
                 self.batch_queue.append((scheduler_output, future))
                 submitted = not scheduler_output.is_empty
-        if not self.batch_queue or (submitted
-                                    and len(self.batch_queue) < self.max_steps_in_flight):
-            return EngineCoreOutputs(timestamp=time.monotonic())
+        if outputs is None and self.batch_queue and not (
+                submitted and len(self.batch_queue) < self.max_steps_in_flight):
+            outputs = self._fold_oldest_step()
+        return EngineCoreOutputs(outputs=outputs or [], timestamp=time.monotonic())
+
+    def _fold_oldest_step(self) -> list[EngineCoreOutput]:
         scheduler_output, future = self.batch_queue.popleft()
-        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+        return self.scheduler.update_from_output(scheduler_output, future.result())
 
     def shutdown(self) -> None:
+        self.scheduler.structured_outputs.shutdown()
         self.executor.shutdown()

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from mrv2.protocol import EngineCoreRequest, FinishReason
 from mrv2.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mrv2.core.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -85,6 +89,9 @@ class Request:
         # eos_stop_token_ids (None for the primary EOS, length or abort).
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # The grammar of a structured-output request (core/structured_output.py); None for
+        # every other request, and once the request is freed.
+        self.grammar: RequestGrammar | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":

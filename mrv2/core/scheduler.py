@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 from executor.packed import check_id
 from mrv2.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from mrv2.core.request import Request, RequestStatus
-from mrv2.protocol import (CachedRequestData, EngineCoreOutput, FinishReason,
+from mrv2.core.structured_output import StructuredOutputManager
+from mrv2.protocol import (CachedRequestData, EngineCoreOutput, FinishReason, GrammarOutput,
                            ModelRunnerOutput, NewRequestData, SchedulerOutput)
 
 if TYPE_CHECKING:  # config.py imports torch; the scheduler itself needs none of it
@@ -56,6 +57,9 @@ class Scheduler:
         # Finished or aborted since the last schedule(); sent once, then cleared.
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
+        self.structured_outputs = StructuredOutputManager(config)
+        # Requests whose grammar failed to compile, reported by the next update_from_output.
+        self._grammar_failures: list[EngineCoreOutput] = []
 
     # -- requests in and out --------------------------------------------------------------
 
@@ -85,6 +89,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self.waiting.append(request)
+        self.structured_outputs.add_request(request)  # its grammar compiles meanwhile
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish (typically abort) requests, waiting or running. Unknown ids are ignored."""
@@ -107,6 +112,7 @@ class Scheduler:
         # and every path to this method checks it first, so blocks and ids go out once.
         del self.requests[request.request_id]
         self.kv_cache_manager.free(request)
+        self.structured_outputs.remove_request(request)
         self._finished_req_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -190,9 +196,14 @@ class Scheduler:
 
         # 2. Waiting requests, FIFO. Skipped after a preemption (as vLLM does): the pool is
         # short, and admitting now would only preempt again next step.
+        compiling: list[Request] = []  # their grammar is not ready: they keep their place
         while (not preempted_ids and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.grammar is not None and not self._grammar_ready(request):
+                if not request.is_finished:
+                    compiling.append(self.waiting.popleft())
+                continue
             # Waiting requests hold no KV (new, or preempted in recompute mode). The longest
             # cached prefix of prompt (+ outputs, when resumed) is reused, never the last token.
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -221,6 +232,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             scheduled.append(request)
+        self.waiting.extendleft(reversed(compiling))
 
         output = SchedulerOutput.build(
             scheduled_new_reqs=new_reqs,
@@ -240,6 +252,28 @@ class Scheduler:
                 # This step reaches the end of the known tokens: it samples one.
                 request.num_output_placeholders += 1
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether the request's grammar compiled; one that failed finishes the request
+        (popped from `waiting`) with finish_reason "error"."""
+        grammar = request.grammar
+        if not grammar.is_ready:
+            return False
+        if grammar.error is None:
+            grammar.start()
+            return True
+        logger.error("request %s: its grammar failed to compile: %s", request.request_id,
+                     grammar.error)
+        self.waiting.popleft()
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_finished(request)
+        self._grammar_failures.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR))
+        return False
+
+    def get_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
+        """The token bitmask of the step's grammar-constrained rows (empty without any)."""
+        return self.structured_outputs.grammar_output(scheduler_output, self.requests)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-mode preemption: drop all KV, start over from the front of the queue."""
@@ -271,7 +305,7 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         # Rows whose logits held a NaN: the request ends with "error", its token unseen.
         failed = model_runner_output.nan_req_ids  # almost always empty
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         finished: set[str] = set()
         requests, running_status = self.requests, RequestStatus.RUNNING
         for req_id in scheduler_output.req_ids:
@@ -325,6 +359,13 @@ class Scheduler:
         """vLLM's check_stop, after each appended token. Length wins over a stop token."""
         output_token_ids = request.output_token_ids
         num_output = len(output_token_ids)
+        last = output_token_ids[-1]
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept_token(last):
+            logger.error("request %s: its grammar rejected token %d; finished with an error",
+                         request.request_id, last)
+            request.status = RequestStatus.FINISHED_ERROR
+            return True
         if (num_output >= request.max_tokens
                 or len(request.all_token_ids) >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
@@ -332,7 +373,6 @@ class Scheduler:
         params = request.sampling_params
         if num_output < params.min_tokens:
             return False
-        last = output_token_ids[-1]
         if not params.ignore_eos:
             if last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -341,7 +381,8 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if params.stop_token_ids and last in params.stop_token_ids:
+        if (params.stop_token_ids and last in params.stop_token_ids
+                or grammar is not None and grammar.is_terminated):  # its stop token, accepted
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True

@@ -6,12 +6,14 @@ architecture or an out-of-range value raises a `ValueError` subclass naming the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from mrv2 import platform
 from mrv2.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig, ModelConfig,
-                         ParallelConfig, SchedulerConfig, check_logprobs_mode)
+                         ParallelConfig, SchedulerConfig, StructuredOutputsConfig,
+                         check_logprobs_mode)
 from mrv2.models.gguf import (GGUFError, has_quantized_linears, has_tokenizer, is_gguf_path,
                               open_gguf)
 from mrv2.models.hub import resolve_model_path
@@ -63,6 +65,10 @@ class EngineArgs:
     # resident weights near the file size). None: dequantize to `dtype` at load, the faster
     # choice on the machines measured so far (bench/test_quantized_linear.py).
     quantization: str | None = None
+    # vLLM's: a dict of StructuredOutputsConfig fields (or one), and --reasoning-parser, which
+    # sets its reasoning_parser.
+    structured_outputs_config: dict | StructuredOutputsConfig | None = None
+    reasoning_parser: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device or platform.device_type()
@@ -101,7 +107,8 @@ class EngineArgs:
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
-                            compilation_config=compilation_config, device=device)
+                            compilation_config=compilation_config, device=device,
+                            structured_outputs_config=self._structured_outputs_config())
 
     def _resolve_paths(self) -> tuple[str, str | None, str | None]:
         """Local paths of the model, the tokenizer (None: the model's) and the config override
@@ -154,6 +161,22 @@ class EngineArgs:
                 raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
                                   "dequantizes GGUF weights: leave quantization unset)")
         return self.quantization
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        value = self.structured_outputs_config
+        if isinstance(value, StructuredOutputsConfig):
+            config = value
+        elif value is None or isinstance(value, dict):
+            try:
+                config = StructuredOutputsConfig(**(value or {}))
+            except TypeError as error:
+                raise ConfigError(f"structured_outputs_config={value!r}: {error}") from None
+        else:
+            raise ConfigError(f"structured_outputs_config must be a dict or "
+                              f"StructuredOutputsConfig, got {type(value).__name__}")
+        if self.reasoning_parser:
+            config = dataclasses.replace(config, reasoning_parser=self.reasoning_parser)
+        return config
 
     def _compilation_config(self) -> CompilationConfig:
         value = self.compilation_config

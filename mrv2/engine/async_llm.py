@@ -27,10 +27,10 @@ from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.async_client import AsyncMPClient
 from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, RequestRejectedError
 from mrv2.engine.input_processor import InputProcessor, PromptType
-from mrv2.engine.llm_engine import (child_sampling_params, core_requests, load_tokenizer,
-                                    user_request_id)
+from mrv2.engine.llm_engine import child_sampling_params, core_requests, user_request_id
 from mrv2.engine.output_processor import OutputProcessor
 from mrv2.errors import EngineDeadError
+from mrv2.models.tokenizer import load_tokenizer
 from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from mrv2.protocol import CoreStats
 from mrv2.sampling_params import SamplingParams

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from mrv2.config import EngineConfig
+from mrv2.core.grammar import validate_structured_outputs
 from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import EngineCoreRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -52,6 +53,13 @@ class InputProcessor:
             raise UnsupportedParameterError(
                 f"SamplingParams.stop={params.stop!r} needs a tokenizer to detokenize the "
                 f"output, and this model has none; use stop_token_ids")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise UnsupportedParameterError(
+                    "SamplingParams.structured_outputs needs the model's tokenizer (its "
+                    "vocabulary), and this model has none")
+            validate_structured_outputs(params.structured_outputs,
+                                        self.config.structured_outputs_config)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,

@@ -15,8 +15,6 @@ refuses raises `RequestRejectedError` from `step()` rather than from `add_reques
 
 from __future__ import annotations
 
-import logging
-
 import msgspec
 
 from mrv2.core.engine_core import EngineCore
@@ -24,29 +22,10 @@ from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.client import InprocClient, MPClient, RequestRejectedError
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.output_processor import OutputProcessor
+from mrv2.models.tokenizer import load_tokenizer
 from mrv2.outputs import RequestOutput, RequestOutputKind
 from mrv2.protocol import EngineCoreRequest
 from mrv2.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: str):
-    """The tokenizer of a model directory or GGUF file (`ModelConfig.tokenizer_path`), or None
-    when a directory has none (token-id prompts only; a GGUF file without one was refused
-    when the engine config was built)."""
-    from transformers import AutoTokenizer
-
-    from mrv2.models.gguf import gguf_tokenizer, is_gguf_path, open_gguf
-
-    if is_gguf_path(path):
-        return gguf_tokenizer(open_gguf(path))
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work",
-                       path, error)
-        return None
 
 
 def child_sampling_params(params: SamplingParams) -> list[SamplingParams]:

@@ -8,7 +8,8 @@ import pytest
 
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.input_processor import PromptError
-from mrv2.engine.llm_engine import LLMEngine, child_sampling_params, load_tokenizer
+from mrv2.engine.llm_engine import LLMEngine, child_sampling_params
+from mrv2.models.tokenizer import load_tokenizer
 from mrv2.outputs import RequestOutputKind
 from mrv2.sampling_params import SamplingParams
 
