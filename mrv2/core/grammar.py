@@ -40,7 +40,9 @@ def grammar_key(params: StructuredOutputsParams, config: StructuredOutputsConfig
             schema = _without_additional_properties(schema)
         return kind, json.dumps(schema), any_whitespace  # property order is the output order
     if kind == "json_object":
-        return kind, "", any_whitespace
+        # OpenAI's json_object mode promises an object; xgrammar's builtin JSON grammar takes
+        # any value, with free whitespace. An object schema keeps to both promises.
+        return "json", '{"type": "object"}', any_whitespace
     if kind == "choice":
         # One alternative per choice; json.dumps escapes quotes and backslashes as EBNF wants.
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
@@ -85,8 +87,6 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 return self._compiler.compile_json_schema(source, any_whitespace=any_whitespace)
-            if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
             if kind == "regex":
                 return self._compiler.compile_regex(source)
             if kind == "structural_tag":
