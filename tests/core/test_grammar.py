@@ -1,0 +1,106 @@
+"""core/grammar.py: constraint -> xgrammar grammar, validation messages, compilation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from mrv2.config import StructuredOutputsConfig
+from mrv2.core.grammar import (GrammarCompiler, GrammarError, grammar_key,
+                               validate_structured_outputs)
+from mrv2.models.tokenizer import load_tokenizer
+from mrv2.sampling_params import StructuredOutputsParams as Params
+
+CONFIG = StructuredOutputsConfig()
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_llama):
+    tokenizer = load_tokenizer(str(tiny_llama))
+    return tokenizer, GrammarCompiler(tokenizer, 2048 + 64, [1], CONFIG)
+
+
+def accepts(compiler, params: Params, text: str) -> bool:
+    """Whether the compiled grammar accepts `text` followed by its stop token."""
+    tokenizer, grammar_compiler = compiler
+    matcher = xgr.GrammarMatcher(grammar_compiler.compile(params))
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(1)
+
+
+def test_choice_escapes_quotes_and_backslashes(compiler):
+    params = Params(choice=['a "b"', "c\\d", "é"])
+    assert accepts(compiler, params, 'a "b"') and accepts(compiler, params, "c\\d")
+    assert accepts(compiler, params, "é") and not accepts(compiler, params, "a")
+
+
+def test_json_keeps_property_order_and_whitespace_setting(compiler):
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}},
+              "required": ["z", "a"]}
+    compact = Params(json=schema, disable_any_whitespace=True)
+    assert accepts(compiler, compact, '{"z": 1, "a": 2}')
+    assert not accepts(compiler, compact, '{"a": 2, "z": 1}')
+    assert not accepts(compiler, compact, '{ "z": 1, "a": 2}')
+    assert accepts(compiler, Params(json=json.dumps(schema)), '{ "z" :1,\n "a": 2}')
+    # The engine-wide setting applies to every request.
+    engine_wide = StructuredOutputsConfig(disable_any_whitespace=True)
+    assert grammar_key(Params(json=schema), engine_wide)[2] is False
+
+
+def test_disable_additional_properties_fills_in_every_object():
+    schema = {"type": "object", "properties": {"o": {"type": "object", "properties": {}},
+                                              "p": {"type": "object",
+                                                    "additionalProperties": True}}}
+    _, source, _ = grammar_key(Params(json=schema, disable_additional_properties=True), CONFIG)
+    out = json.loads(source)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["o"]["additionalProperties"] is False
+    assert out["properties"]["p"]["additionalProperties"] is True  # said: kept
+    assert "additionalProperties" not in json.loads(grammar_key(Params(json=schema),
+                                                                CONFIG)[1])
+
+
+def test_json_object_is_an_object(compiler):
+    params = Params(json_object=True)
+    assert accepts(compiler, params, '{"k": [1, 2]}')
+    assert not accepts(compiler, params, "[1, 2]")
+
+
+def test_lark_and_ebnf_are_told_apart(compiler):
+    assert accepts(compiler, Params(grammar='start: "x" NUM\nNUM: /[0-9]+/'), "x12")
+    assert accepts(compiler, Params(grammar='root ::= "x" [0-9]+'), "x12")
+
+
+@pytest.mark.parametrize("params, field, why", [
+    (Params(json={"type": "objectx"}), "json", "Unsupported type"),
+    (Params(json="{nope"), "json", "not valid JSON"),
+    (Params(regex="a(b"), "regex", "parenthesis"),
+    (Params(grammar='root ::= "a" |'), "grammar", "EBNF"),
+    (Params(grammar="start: undefined_rule"), "grammar", ""),
+    (Params(structural_tag="{}"), "structural_tag", ""),
+])
+def test_invalid_constraints_name_the_field(params, field, why):
+    with pytest.raises(GrammarError, match=f"structured_outputs.{field}") as info:
+        validate_structured_outputs(params, CONFIG)
+    assert why in str(info.value)
+    assert "/project/" not in str(info.value)  # xgrammar's C++ source location is cut
+
+
+def test_valid_constraints_pass_validation():
+    for params in (Params(json={"type": "string"}), Params(regex="[a-z]+"),
+                   Params(choice=["a"]), Params(json_object=True),
+                   Params(grammar='root ::= "a"')):
+        validate_structured_outputs(params, CONFIG)
+
+
+def test_model_vocab_wider_than_tokenizer(compiler):
+    """Logits wider than the tokenizer's vocabulary: the padding ids are never allowed."""
+    _, grammar_compiler = compiler
+    matcher = xgr.GrammarMatcher(grammar_compiler.compile(Params(regex="[a-z]+")))
+    bitmask = np.zeros(xgr.get_bitmask_shape(1, grammar_compiler.vocab_size), np.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:grammar_compiler.vocab_size]
+    assert bits[:2048].any() and not bits[2048:].any()
