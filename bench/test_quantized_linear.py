@@ -1,7 +1,7 @@
 """Linears on GGUF-quantized weights as stored vs float32 F.linear (same run, 2 threads).
 
-SmolLM2-135M shapes (hidden 576, kv 192, intermediate 1536, tied LM head 49152 x 576) at 1
-(decode) and 32 (batched decode) rows of x, for Q4_1 (the built-in file's layers) and Q8_0 (its
+SmolLM2-135M shapes (hidden 576, kv 192, intermediate 1536 (gate/up fused: 3072 rows), tied LM
+head 49152 x 576) at 1 and 8 (decode: the GEMV) and 32 (batched decode: tiled) rows of x, for Q4_1 (the built-in file's layers) and Q8_0 (its
 embedding / LM head). `quantized_linear` runs the numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows
 and the dequantize-tile + torch.mm path beyond. extra_info: the weight bytes each call reads
 (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
@@ -22,7 +22,7 @@ from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeigh
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
 from test_quantized import random_raw  # noqa: E402
 
-SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_1536x576": (1536, 576),
+SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x576": (3072, 576),
           "down_576x1536": (576, 1536), "lm_head_49152x576": (49152, 576)}
 
 
@@ -43,7 +43,7 @@ def weights(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Ten
 
 
 @pytest.mark.parametrize("impl", ["quantized_linear", "f_linear"])
-@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("rows", [1, 8, 32])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
 def test_quantized_linear(benchmark, gguf_type, shape_name, rows, impl):

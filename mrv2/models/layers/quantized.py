@@ -119,7 +119,7 @@ class QuantizedWeight:
 
     def __init__(self, layout: str, group_size: int, q: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, gguf_type: str) -> None:
-        if layout not in ("u4", "i8") or (layout == "u4" and group_size != 32):
+        if layout not in ("u4", "i8") or group_size not in ((32,) if layout == "u4" else (16, 32)):
             raise ValueError(f"bad layout {layout!r} / group size {group_size}")
         self.layout = layout
         self.group_size = group_size
