@@ -7,6 +7,7 @@ builds every sub-parser.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +28,12 @@ class ServerConfig:
     chat_template: str | None = None  # the template text (a --chat-template file is read)
     generation_config: str = "auto"
     uvicorn_log_level: str = "info"
+    # Tool calling with tool_choice "auto" (vLLM's --enable-auto-tool-choice and
+    # --tool-call-parser: the parser is set only when both are given).
+    tool_call_parser: str | None = None
+    # Splits <think>...</think> off chat messages (the engine's structured outputs follow the
+    # same setting: EngineArgs.reasoning_parser).
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -58,6 +65,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: the model's generation_config.json gives default sampling "
                              "parameters; vllm: OpenAI's defaults; a folder path: the "
                              "generation_config.json in that folder")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": parse tool calls from the output with '
+                             "--tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="hermes (Qwen2.5, Qwen3, Hermes, SmolLM2) or llama3_json")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="qwen3 or deepseek_r1: <think>...</think> goes to the message's "
+                             "reasoning field, and structured outputs apply after it")
+    parser.add_argument("--structured-outputs-config", default=None, type=json.loads,
+                        help='JSON, e.g. \'{"disable_any_whitespace": true}\' (vLLM\'s fields: '
+                             "backend, disable_any_whitespace, disable_additional_properties, "
+                             "reasoning_parser, enable_in_reasoning)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
 
@@ -79,7 +98,8 @@ def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
                       tensor_parallel_size=args.tensor_parallel_size,
                       enable_prefix_caching=args.enable_prefix_caching,
                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                      **checkpoint_args(args))
+                      structured_outputs_config=args.structured_outputs_config,
+                      reasoning_parser=args.reasoning_parser, **checkpoint_args(args))
 
 
 def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
@@ -99,6 +119,12 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
     check_mode(args.generation_config)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.tool_call_parser is not None:
+        from mrv2.entrypoints.openai.tool_parsers import get_tool_parser
+
+        get_tool_parser(args.tool_call_parser)  # ValueError naming the valid ones
     names = args.served_model_name or [model]
     if not (args.served_model_name or args.model_tag or args.model):
         from mrv2.models.builtin import BUILTIN_SERVED_NAME
@@ -109,4 +135,6 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         chat_template=load_chat_template(args.chat_template),
                         generation_config=args.generation_config,
-                        uvicorn_log_level=args.uvicorn_log_level)
+                        uvicorn_log_level=args.uvicorn_log_level,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)

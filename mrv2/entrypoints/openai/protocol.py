@@ -3,20 +3,20 @@ SamplingParams.
 
 Unknown fields are refused (400 "Unrecognized request argument supplied"), as OpenAI's own API
 does: a misspelt parameter is an error, not silently ignored. Every OpenAI field a standard client
-sends is declared; those whose meaning this server does not implement (tools, response formats
-other than text, suffix, best_of > n) are refused by name rather than ignored. Numbers are
+sends is declared; those whose meaning this server does not implement (the deprecated
+functions / function_call, suffix, best_of > n) are refused by name rather than ignored. Numbers are
 bounded so that nothing a client sends can overflow when it crosses to the engine core, and
 NaN / infinity are refused.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
+from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 INT64_MAX = 2**63 - 1
 # Samples per prompt: each is a request in the engine, so a huge n is refused, not queued.
@@ -37,6 +37,62 @@ class OpenAIBaseModel(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format; "structural_tag" is vLLM's (xgrammar's `format`, or the
+    older `structures` + `triggers`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field (SamplingParams.structured_outputs): exactly
+    one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json", description="JSON schema")
+    regex: str | None = Field(None, description="regular expression")
+    choice: list[str] | None = Field(None, description="one of these strings")
+    grammar: str | None = Field(None, description="GBNF/EBNF (::= rules) or Lark grammar")
+    json_object: bool | None = Field(None, description="any JSON object")
+    structural_tag: str | None = Field(None, description="xgrammar structural tag (JSON)")
+    disable_any_whitespace: bool = Field(False, description="no free whitespace in JSON")
+    disable_additional_properties: bool = Field(
+        False, description="objects take only the properties their schema lists")
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = Field(None, description="not supported (xgrammar)")
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -70,6 +126,16 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[TokenId] | None = None
+    # Constrained output (openai/structured_outputs.py): OpenAI's response_format, vLLM's
+    # structured_outputs, and vLLM's older guided_* spelling of the same.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -89,7 +155,9 @@ class SamplingRequest(OpenAIBaseModel):
 
     def sampling_params(self, max_tokens: int | None, *, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """SamplingParams for this request with `max_tokens` (the caller's, once it knows the
         prompt's length). Raises ValueError on a bad value."""
         defaults = defaults or {}
@@ -110,7 +178,8 @@ class SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=_logit_bias(self.logit_bias), allowed_token_ids=self.allowed_token_ids)
+            logit_bias=_logit_bias(self.logit_bias), allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=structured_outputs)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -172,13 +241,16 @@ class CompletionRequest(SamplingRequest):
         return 1 if self.echo_only else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None = None,
-                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+                           defaults: dict[str, Any] | None = None,
+                           structured_outputs: StructuredOutputsParams | None = None
+                           ) -> SamplingParams:
         # Echo with logprobs needs the prompt's logprobs too (they are part of the answer).
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs
         return self.sampling_params(max_tokens, logprobs=self.logprobs,
-                                    prompt_logprobs=prompt_logprobs, defaults=defaults)
+                                    prompt_logprobs=prompt_logprobs, defaults=defaults,
+                                    structured_outputs=structured_outputs)
 
 
 class ContentPart(BaseModel):
@@ -216,10 +288,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
@@ -237,16 +308,26 @@ class ChatCompletionRequest(SamplingRequest):
         self.check_stream_options()
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise BadRequest(f"response_format {self.response_format.get('type')!r} is not "
-                             f"supported: only 'text'", param="response_format")
-        if self.tools or self.functions or self.function_call not in (None, "none", "auto"):
-            raise BadRequest("tool and function calling are not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise BadRequest("tool_choice is not supported", param="tool_choice")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise BadRequest("functions / function_call (deprecated by OpenAI) are not "
+                             "supported: use tools and tool_choice", param="functions")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise BadRequest(f"tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise BadRequest(f"tool_choice names the function {name!r}, which is not in "
+                                 f"tools", param="tool_choice")
         if self.add_generation_prompt and self.continue_final_message:
             raise BadRequest("add_generation_prompt and continue_final_message cannot both be "
                              "true", param="continue_final_message")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -254,9 +335,12 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None = None,
-                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+                           defaults: dict[str, Any] | None = None,
+                           structured_outputs: StructuredOutputsParams | None = None
+                           ) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs=logprobs, defaults=defaults)
+        return self.sampling_params(max_tokens, logprobs=logprobs, defaults=defaults,
+                                    structured_outputs=structured_outputs)
 
 
 class TokenizeRequest(OpenAIBaseModel):

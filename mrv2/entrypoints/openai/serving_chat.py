@@ -9,12 +9,16 @@ from typing import Any
 from fastapi import Request
 
 from mrv2.entrypoints.chat_utils import render_chat
+from mrv2.entrypoints.openai.chat_output import ChatChoiceParser
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.logprobs_format import chat_logprobs
 from mrv2.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from mrv2.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream, merge_streams,
                                                     now, random_id, run_until_disconnected,
                                                     sse, usage)
+from mrv2.entrypoints.openai.structured_outputs import request_structured_outputs
+from mrv2.entrypoints.openai.tool_parsers import get_tool_parser
 
 ROLE = "assistant"
 
@@ -39,16 +43,26 @@ class OpenAIServingChat(OpenAIServing):
         """A response dict, or (streaming) an async iterator of SSE strings."""
         self.check_model(request.model)
         request.check()
+        if (request.tools and request.effective_tool_choice == "auto"
+                and self.config.tool_call_parser is None):
+            raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
+                             '--tool-call-parser to be set', param="tool_choice")
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            template_kwargs.setdefault("tools", [t.model_dump(exclude_none=True)
+                                                 for t in request.tools])
         prompt = self.render(request.messages, chat_template=request.chat_template,
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
-                             chat_template_kwargs=request.chat_template_kwargs,
+                             chat_template_kwargs=template_kwargs,
                              add_special_tokens=request.add_special_tokens)
         param = "max_completion_tokens" if request.max_completion_tokens is not None \
             else "max_tokens"
         max_tokens = self.max_tokens_for(len(prompt["prompt_token_ids"]),
                                          request.requested_max_tokens(), param)
-        params = request.to_sampling_params(max_tokens, self.default_sampling)
+        structured = request_structured_outputs(
+            request, self.engine.config.structured_outputs_config)
+        params = request.to_sampling_params(max_tokens, self.default_sampling, structured)
         self.engine.input_processor.process("validate", prompt, params)
         request_id = random_id("chatcmpl")
         stream = self.generate(prompt, params, request_id)
@@ -65,6 +79,15 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return chat_logprobs(token_ids, logprobs or [], self.tokenizer, request.top_logprobs or 0)
 
+    def _choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser:
+        reasoning = tools = None
+        if self.config.reasoning_parser:
+            reasoning = get_reasoning_parser(self.config.reasoning_parser)(
+                self.tokenizer, request.chat_template_kwargs)
+        if self.config.tool_call_parser and request.tools:
+            tools = get_tool_parser(self.config.tool_call_parser)(self.tokenizer)
+        return ChatChoiceParser(request, reasoning, tools)
+
     async def _full(self, request: ChatCompletionRequest, request_id: str, stream,
                     num_prompt: int) -> dict[str, Any]:
         n = request.n
@@ -77,10 +100,14 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids[c.index].extend(c.token_ids)
                 logprobs[c.index].extend(c.logprobs or [])
                 finish[c.index] = (c.finish_reason, c.stop_reason)
-        choices = [{"index": i, "message": {"role": ROLE, "content": texts[i]},
-                    "logprobs": self._logprobs(request, token_ids[i], logprobs[i]),
-                    "finish_reason": finish[i][0], "stop_reason": finish[i][1]}
-                   for i in range(n)]
+        choices = []
+        for i in range(n):
+            parser = self._choice_parser(request)
+            message, called = parser.message(texts[i])
+            choices.append({"index": i, "message": {"role": ROLE, **message},
+                            "logprobs": self._logprobs(request, token_ids[i], logprobs[i]),
+                            "finish_reason": _finish_reason(parser, called, finish[i][0]),
+                            "stop_reason": finish[i][1]})
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.config.model_name, "choices": choices,
                 "usage": usage(num_prompt, sum(len(t) for t in token_ids))}
@@ -104,14 +131,39 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(request.n):
             yield chunk([{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
                           "finish_reason": None}], **chunk_usage(i))
+        parsers = [self._choice_parser(request) for _ in range(request.n)]
+        called = [False] * request.n
         async for _, output in merge_streams([stream]):
             for c in output.outputs:
                 generated[c.index] += len(c.token_ids)
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                parser = parsers[c.index]
+                delta = parser.delta(c.text) or {}
+                if c.finish_reason is not None:
+                    delta = _merge_deltas(delta, parser.finish() or {})
+                called[c.index] = called[c.index] or bool(delta.get("tool_calls"))
+                if not delta and c.finish_reason is None and not request.logprobs:
+                    continue  # held back by a parser (a possible marker)
+                yield chunk([{"index": c.index, "delta": delta,
                               "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                              "finish_reason": _finish_reason(parser, called[c.index],
+                                                              c.finish_reason),
+                              "stop_reason": c.stop_reason}],
                             **chunk_usage(c.index))
         if request.include_usage():
             yield chunk([], usage=usage(num_prompt, sum(generated)))
+
+
+def _finish_reason(parser: ChatChoiceParser, called: bool, reason: str | None) -> str | None:
+    """vLLM's: "tool_calls" when an auto or required choice called tools and stopped."""
+    if called and reason == "stop" and parser.named is None:
+        return "tool_calls"
+    return reason
+
+
+def _merge_deltas(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    out = dict(first)
+    for key, value in second.items():
+        out[key] = out[key] + value if key in out else value
+    return out

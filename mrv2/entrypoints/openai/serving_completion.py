@@ -15,6 +15,7 @@ from mrv2.entrypoints.openai.protocol import CompletionRequest
 from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream, merge_streams,
                                                     now, random_id, run_until_disconnected,
                                                     sse, usage)
+from mrv2.entrypoints.openai.structured_outputs import request_structured_outputs
 from mrv2.sampling_params import SamplingParams
 
 
@@ -70,11 +71,14 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         request.check()
         prompts = self._prompts(request)
+        structured = request_structured_outputs(
+            request, self.engine.config.structured_outputs_config)
         params = []
         for prompt in prompts:
             max_tokens = self.max_tokens_for(len(prompt["prompt_token_ids"]),
                                              request.requested_max_tokens())
-            params.append(request.to_sampling_params(max_tokens, self.default_sampling))
+            params.append(request.to_sampling_params(max_tokens, self.default_sampling,
+                                                     structured))
             self.engine.input_processor.process("validate", prompt, params[-1])
         request_id = random_id("cmpl")
         streams = [self.generate(prompt, p, f"{request_id}-{i}")

@@ -16,7 +16,12 @@ API_KEY = "test-key"
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 512
 SERVER_ARGS = ["--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", "32", "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
+               "--max-num-seqs", "32", "--api-key", API_KEY, "--uvicorn-log-level", "warning",
+               # Tool calls with tool_choice "auto"; structured outputs without free whitespace
+               # (a random-weight model would spend its tokens on it). Neither touches requests
+               # without tools or a constraint.
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--structured-outputs-config", '{"disable_any_whitespace": true}']
 
 
 class RemoteServer(ServerProcess):

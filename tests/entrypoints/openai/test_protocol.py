@@ -102,9 +102,10 @@ def test_completion_refusals_name_the_field(body, param):
 
 @pytest.mark.parametrize("extra, param", [
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"continue_final_message": True}, "continue_final_message"),
 ])
 def test_chat_refusals_name_the_field(extra, param):

@@ -115,3 +115,12 @@ def test_registry():
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         get_reasoning_parser("nope")
+
+
+def test_engine_config_knows_every_parser():
+    """The engine validates --reasoning-parser against its own list (config.py cannot import
+    the server's parsers): the two lists agree."""
+    from mrv2.config import REASONING_PARSER_NAMES
+    from mrv2.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES)
