@@ -1,9 +1,11 @@
-"""What the offline API returns: vLLM's RequestOutput, CompletionOutput and Logprob."""
+"""What the offline API returns: vLLM's RequestOutput, CompletionOutput and Logprob, the
+per-request stats of `RequestOutput.metrics` (vLLM v1's RequestStateStats) and the metric
+objects of `LLM.get_metrics()` (vLLM's vllm.v1.metrics.reader types)."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -59,6 +61,64 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """vLLM v1's per-request stats, as far as mrv2 tracks them. `arrival_time` is wall-clock
+    (time.time()); the `*_ts` fields are time.monotonic(): `queued_ts` when the front end
+    queued the request, `first_token_ts` / `last_token_ts` the engine core's timestamps of the
+    steps that produced the first and the latest token. `scheduled_ts` stays 0.0: the core
+    does not report when it first scheduled a request. `first_token_latency`: seconds from
+    arrival to the first token, measured where the outputs are processed (as vLLM does)."""
+
+    num_generation_tokens: int = 0
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0
+
+
+@dataclass
+class Metric:
+    """One metric of `LLM.get_metrics()` (vLLM's reader types): a Prometheus-style name
+    (`vllm:` prefix) and its labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    """A monotonically increasing count."""
+
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    """A value that goes up and down."""
+
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    """Observations in buckets: `buckets` maps each upper limit (as a string, "+Inf" last) to
+    the cumulative count of observations at or below it; `count` and `sum` of them all."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+@dataclass
+class Vector(Metric):
+    """An ordered array of counters (vLLM's, for speculative decoding; mrv2 emits none)."""
+
+    values: list[int]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -68,4 +128,9 @@ class RequestOutput:
     # None, then one dict per prompt position >= 1; None unless SamplingParams.prompt_logprobs
     # was set. DELTA streams it once, in the first RequestOutput.
     prompt_logprobs: PromptLogprobs | None = None
-    metrics: dict = field(default_factory=dict)
+    # The request's live stats (shared by its outputs, as vLLM's); None when built outside
+    # the engine. For n > 1: those of the sample that produced this output.
+    metrics: RequestStateStats | None = None
+    # Prompt tokens whose KV came from the prefix cache when the request was first scheduled
+    # (vLLM's; whole blocks, never the last prompt token; 0 with prefix caching off).
+    num_cached_tokens: int = 0

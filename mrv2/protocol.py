@@ -275,6 +275,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     # The prompt positions computed this step; an output may carry only these (no new token)
     # for a prefill chunk of a request that asked for prompt logprobs.
     new_prompt_logprobs: PromptLogprobsChunk | None = None
+    # Prompt tokens found in the prefix cache when the request was first scheduled (vLLM's).
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

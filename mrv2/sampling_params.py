@@ -4,7 +4,9 @@ It is a msgspec Struct so that it crosses process boundaries inside the protocol
 without pickling. Every invalid value raises ``ValueError`` naming the field and the value.
 Checks that need the model's vocabulary size (token ids in ``logit_bias``,
 ``allowed_token_ids`` and ``stop_token_ids``) live in ``validate_for_vocab``, which the input
-processor calls once it knows the model.
+processor calls once it knows the model. As in vLLM, ``seed=-1`` means no seed and
+``logprobs`` / ``prompt_logprobs`` = -1 the whole vocabulary, which the engine refuses when
+the vocabulary exceeds its ``max_logprobs`` (LLMEngine.validate_request).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numbers
 from typing import Any
 
 import msgspec
+
+from mrv2.outputs import RequestOutputKind
 
 MAX_LOGPROBS = 20
 # Per-request entries in logit_bias; the sampler's per-slot bias table is at most this wide.
@@ -89,10 +93,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # How the request's RequestOutputs are streamed (vLLM's; LLM.generate always returns
+    # final outputs, LLMEngine.add_request honours it).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None  # vLLM's "no seed"
+        _require(_is_int(self.output_kind) and self.output_kind in _OUTPUT_KINDS, "output_kind",
+                 self.output_kind, "must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY)")
+        self.output_kind = RequestOutputKind(self.output_kind)
         _require(_is_int(self.n) and self.n >= 1, "n", self.n, "must be at least 1")
         _require(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
                self.temperature, "must be non-negative")
@@ -119,9 +131,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                    f"must not exceed max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                _require(_is_int(value) and 0 <= value <= MAX_LOGPROBS, name, value,
-                       f"must be in [0, {MAX_LOGPROBS}]")
+            if value is not None:  # -1: the whole vocabulary (vLLM's), checked by the engine
+                _require(_is_int(value) and -1 <= value <= MAX_LOGPROBS, name, value,
+                       f"must be -1 (the whole vocabulary) or in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None:
             _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                    self.stop_token_ids, "must be non-negative token ids")
@@ -162,6 +174,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
+
+
+_OUTPUT_KINDS = frozenset(int(kind) for kind in RequestOutputKind)
 
 
 def _is_int(value: object) -> bool:

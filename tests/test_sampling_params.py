@@ -41,7 +41,11 @@ def test_defaults_match_vllm() -> None:
     ("max_tokens", -3),
     ("min_tokens", -1),
     ("logprobs", MAX_LOGPROBS + 1),
-    ("logprobs", -1),
+    ("logprobs", -2),
+    ("prompt_logprobs", -2),
+    ("output_kind", 3),
+    ("output_kind", "delta"),
+    ("output_kind", True),
     ("prompt_logprobs", 21),
     ("stop_token_ids", [3, -1]),
     ("stop", ["ok", ""]),
@@ -79,10 +83,32 @@ def test_min_tokens_above_max_tokens() -> None:
     dict(frequency_penalty=2.0), dict(repetition_penalty=0.01), dict(max_tokens=1),
     dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0), dict(stop=[]),
     dict(logit_bias={t: -100.0 for t in range(MAX_LOGIT_BIAS)}), dict(logit_bias={}),
-    dict(allowed_token_ids=[0]), dict(seed=-5), dict(seed=2**70),
+    dict(allowed_token_ids=[0]), dict(seed=-5), dict(seed=2**70), dict(logprobs=-1),
+    dict(prompt_logprobs=-1),
 ])
 def test_boundary_values_are_accepted(kwargs: dict) -> None:
     SamplingParams(**kwargs)
+
+
+def test_vllm_sentinels() -> None:
+    # seed=-1 is vLLM's "no seed"; other negative seeds are seeds.
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(seed=3).clone(seed=-1).seed is None
+    # -1 asks for the whole vocabulary; the engine checks it against max_logprobs.
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1
+
+
+def test_output_kind() -> None:
+    from mrv2.outputs import RequestOutputKind
+    from mrv2.sampling_params import RequestOutputKind as reexported
+
+    assert reexported is RequestOutputKind  # vLLM's import path works too
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE  # vLLM's default
+    p = SamplingParams(output_kind=1)
+    assert p.output_kind is RequestOutputKind.DELTA
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(
+        SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)), type=SamplingParams)
+    assert decoded.output_kind is RequestOutputKind.FINAL_ONLY
 
 
 def test_stop_string_becomes_list() -> None:

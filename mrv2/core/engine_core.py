@@ -7,10 +7,12 @@ carries finished request ids, so their slots are freed promptly.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mrv2.config import EngineConfig
 from mrv2.core.request import Request, RequestStatus
@@ -31,6 +33,17 @@ def executor_class_for(config: EngineConfig) -> "type[Executor]":
     from executor.uniproc import UniProcExecutor
 
     return UniProcExecutor
+
+
+def call_on_worker(method: str | Callable, kwargs: dict[str, Any], worker: Any,
+                   *args: Any) -> Any:
+    """vLLM's run_method: `worker.method(*args, **kwargs)`, or `method(worker, ...)` for a
+    callable. Module level, so that a partial of it pickles to a worker process."""
+    if callable(method):
+        return method(worker, *args, **kwargs)
+    if method.startswith("_"):
+        raise AttributeError(f"{method!r} is private: not callable over RPC")
+    return getattr(worker, method)(*args, **kwargs)
 
 
 class EngineCore:
@@ -85,6 +98,23 @@ class EngineCore:
     def _fold_oldest_step(self) -> list[EngineCoreOutput]:
         scheduler_output, future = self.batch_queue.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
+                       args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: `method(*args, **kwargs)` on every worker, one result per rank. A plain
+        method name goes through the executor's own RPC; a callable or keyword arguments
+        travel as a (pickled, for worker processes) partial of `call_on_worker`, and the
+        in-process worker is called directly."""
+        args = tuple(args)
+        if isinstance(method, str) and not kwargs:
+            if method.startswith("_"):
+                raise AttributeError(f"{method!r} is private: not callable over RPC")
+            return self.executor.collective_rpc(method, args, timeout)
+        call = functools.partial(call_on_worker, method, dict(kwargs or {}))
+        worker = getattr(self.executor, "worker", None)  # UniProcExecutor's, in this process
+        if worker is not None:
+            return [call(worker, *args)]
+        return self.executor.collective_rpc(call, args, timeout)
 
     def shutdown(self) -> None:
         self.scheduler.structured_outputs.shutdown()

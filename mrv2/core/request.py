@@ -89,6 +89,8 @@ class Request:
         # eos_stop_token_ids (None for the primary EOS, length or abort).
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prefix-cache hit (tokens) of its first admission; -1 until then (vLLM's).
+        self.num_cached_tokens = -1
         # The grammar of a structured-output request (core/structured_output.py); None for
         # every other request, and once the request is freed.
         self.grammar: RequestGrammar | None = None

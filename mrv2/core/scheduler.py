@@ -219,6 +219,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:  # a resumption keeps its first admission's hit
+                request.num_cached_tokens = num_hit
             new_reqs.append(NewRequestData(
                 req_id=request.request_id,
                 prompt_token_ids=list(request.prompt_token_ids),
@@ -350,7 +352,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=new_token_ids,
                 finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                new_logprobs=new_logprobs, new_prompt_logprobs=prompt_chunk))
+                new_logprobs=new_logprobs, new_prompt_logprobs=prompt_chunk,
+                num_cached_tokens=request.num_cached_tokens))
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs

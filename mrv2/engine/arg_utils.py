@@ -18,6 +18,7 @@ from mrv2.models.gguf import (GGUFError, has_quantized_linears, has_tokenizer, i
                               open_gguf)
 from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import load_hf_config, resolve_dtype
+from mrv2.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
@@ -69,6 +70,9 @@ class EngineArgs:
     # sets its reasoning_parser.
     structured_outputs_config: dict | StructuredOutputsConfig | None = None
     reasoning_parser: str | None = None
+    # vLLM's: the most (prompt) logprobs a request may ask for. mrv2's sampler returns at most
+    # MAX_LOGPROBS, so only values up to it are accepted (a lower cap); LLMEngine enforces it.
+    max_logprobs: int = MAX_LOGPROBS
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device or platform.device_type()
@@ -76,6 +80,12 @@ class EngineArgs:
             raise ConfigError(f"device={device!r}: expected 'cpu' or 'cuda'")
         # Cheap checks first, so they fail before the model directory is touched.
         check_logprobs_mode(self.logprobs_mode)
+        if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
+                or not 0 <= self.max_logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"max_logprobs={self.max_logprobs!r}: mrv2 returns at most "
+                              f"{MAX_LOGPROBS} logprobs per position (its sampler's cap); give "
+                              f"a value in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not "
+                              f"supported)")
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self._kv_cache_memory_gb(),
                                    enable_prefix_caching=self.enable_prefix_caching,

@@ -11,9 +11,17 @@ The engine core runs in this process (`InprocClient`, the offline default) or, w
 this process tokenizes and detokenizes. `engine_core` is the in-process EngineCore (None with a
 core process); `core_client` is the client either way. With a core process a request the core
 refuses raises `RequestRejectedError` from `step()` rather than from `add_request()`.
+
+vLLM's surface beyond the step loop: `max_logprobs` (EngineArgs; at most mrv2's MAX_LOGPROBS)
+caps the (prompt) logprobs a request may ask for, -1 meaning the whole vocabulary;
+`get_metrics()` (vLLM's reader types), `reset_prefix_cache()` and `collective_rpc()`.
 """
 
 from __future__ import annotations
+
+import bisect
+import time
+from typing import Any, Callable
 
 import msgspec
 
@@ -23,9 +31,14 @@ from mrv2.engine.client import InprocClient, MPClient, RequestRejectedError
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.output_processor import OutputProcessor
 from mrv2.models.tokenizer import load_tokenizer
-from mrv2.outputs import RequestOutput, RequestOutputKind
-from mrv2.protocol import EngineCoreRequest
-from mrv2.sampling_params import SamplingParams
+from mrv2.outputs import (Counter, Gauge, Histogram, Metric, RequestOutput, RequestOutputKind,
+                          RequestStateStats)
+from mrv2.protocol import CoreStats, EngineCoreRequest
+from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
+
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def child_sampling_params(params: SamplingParams) -> list[SamplingParams]:
@@ -54,9 +67,86 @@ def user_request_id(output_processor: OutputProcessor, core_request_id: str) -> 
     return core_request_id
 
 
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+class HistogramState:
+    """Observations counted per bucket (upper limits `bounds`, then +Inf)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def metric(self, name: str, labels: dict[str, str]) -> Histogram:
+        buckets, total = {}, 0
+        for bound, count in zip((*map(str, map(float, self.bounds)), "+Inf"), self.counts):
+            total += count
+            buckets[bound] = total
+        return Histogram(name=name, labels=dict(labels), count=total, sum=self.sum,
+                         buckets=buckets)
+
+
+class EngineMetrics:
+    """The counters of `LLMEngine.get_metrics()` that the core does not keep, since the engine
+    started: tokens (prompt tokens of accepted core requests, generated tokens as the core
+    reports them), finished core requests by reason, and per finished request its time to first
+    token, end-to-end latency (from arrival), prompt and generation lengths."""
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.labels = {"model_name": model_name, "engine": "0"}
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        lengths = token_buckets(max_model_len)
+        self.histograms = {"vllm:time_to_first_token_seconds": HistogramState(LATENCY_BUCKETS_S),
+                           "vllm:e2e_request_latency_seconds": HistogramState(LATENCY_BUCKETS_S),
+                           "vllm:request_prompt_tokens": HistogramState(lengths),
+                           "vllm:request_generation_tokens": HistogramState(lengths)}
+
+    def on_finished(self, stats: RequestStateStats, finish_reason: str,
+                    num_prompt_tokens: int) -> None:
+        self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
+        h = self.histograms
+        if stats.num_generation_tokens:
+            h["vllm:time_to_first_token_seconds"].observe(stats.first_token_latency)
+        h["vllm:e2e_request_latency_seconds"].observe(time.time() - stats.arrival_time)
+        h["vllm:request_prompt_tokens"].observe(num_prompt_tokens)
+        h["vllm:request_generation_tokens"].observe(stats.num_generation_tokens)
+
+    def snapshot(self, core: CoreStats) -> list[Metric]:
+        labels = self.labels
+        metrics: list[Metric] = [
+            Gauge("vllm:num_requests_running", dict(labels), core.num_running),
+            Gauge("vllm:num_requests_waiting", dict(labels), core.num_waiting),
+            Gauge("vllm:kv_cache_usage_perc", dict(labels), core.kv_cache_usage),
+            Counter("vllm:prefix_cache_queries", dict(labels), core.prefix_cache_queries),
+            Counter("vllm:prefix_cache_hits", dict(labels), core.prefix_cache_hits),
+            Counter("vllm:num_preemptions", dict(labels), core.num_preemptions),
+            Counter("vllm:prompt_tokens", dict(labels), self.prompt_tokens),
+            Counter("vllm:generation_tokens", dict(labels), self.generation_tokens)]
+        metrics += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, count)
+                    for reason, count in self.finished.items()]
+        metrics += [h.metric(name, labels) for name, h in self.histograms.items()]
+        return metrics
+
+
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs, multiprocess_core: bool = False) -> None:
         self.config = engine_args.create_engine_config()
+        self.max_logprobs = engine_args.max_logprobs
         if multiprocess_core:
             # Started first: the tokenizer loads while the core process starts.
             self.core_client = MPClient(self.config)
@@ -70,27 +160,60 @@ class LLMEngine:
             self.core_client.shutdown()
             raise
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        model_config = self.config.model_config
+        self.metrics = EngineMetrics(model_config.model, model_config.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics.on_finished)
 
     def validate_request(self, request_id: str, prompt: PromptType, params: SamplingParams):
         """All checks of `add_request` without adding anything."""
-        return self.input_processor.process(request_id, prompt, params)
+        return self.input_processor.process(request_id, prompt, self._check_logprobs(params))
+
+    def _check_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's max_logprobs check; -1 asks for the whole vocabulary (then the params with
+        the vocabulary size in its place, were it ever within the cap)."""
+        vocab_size = self.config.model_config.vocab_size
+        changes = {}
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue  # None, or a bad type the input processor names
+            wanted = vocab_size if value == -1 else value
+            if wanted > self.max_logprobs:
+                whole = " (-1: the whole vocabulary)" if value == -1 else ""
+                raise ValueError(
+                    f"SamplingParams.{name}={value}{whole} is invalid: requested {what} logprobs "
+                    f"of {wanted}, which is greater than max allowed: {self.max_logprobs} "
+                    f"(max_logprobs): must be in [0, {self.max_logprobs}] (mrv2 returns at most "
+                    f"{MAX_LOGPROBS})")
+            if value == -1:
+                changes[name] = wanted
+        return params.clone(**changes) if changes else params
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        """Queue a request. Its RequestOutputs come from `step()`, streamed per `output_kind`.
+                    output_kind: RequestOutputKind | None = None) -> None:
+        """Queue a request. Its RequestOutputs come from `step()`, streamed per `output_kind`;
+        None: `params.output_kind` when it is DELTA or FINAL_ONLY, and FINAL_ONLY for its
+        default (CUMULATIVE), this step loop's documented default: pass CUMULATIVE here for
+        cumulative updates.
 
         On any error nothing of the request stays behind, in the front end or in the core.
         """
+        params = self._check_logprobs(params)
+        if output_kind is None:
+            output_kind = params.output_kind
+            if output_kind == RequestOutputKind.CUMULATIVE:
+                output_kind = RequestOutputKind.FINAL_ONLY
         request, text = self.input_processor.process(request_id, prompt, params)
         children = child_sampling_params(params) if params.n > 1 else None
         core_ids = self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, params, output_kind, children)
+            request_id, text, request.prompt_token_ids, params, output_kind, children,
+            arrival_time=request.arrival_time)
         added: list[str] = []
         try:
             for core_request in core_requests(request, core_ids, children):
                 self.core_client.add_request(core_request)
                 added.append(core_request.request_id)
+                self.metrics.prompt_tokens += len(request.prompt_token_ids)
         except BaseException:
             self.output_processor.abort_requests([request_id])
             if added and not self.core_client.is_dead:
@@ -115,7 +238,8 @@ class LLMEngine:
         except RequestRejectedError as error:
             self.abort_request([user_request_id(self.output_processor, error.request_id)])
             raise
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        self.metrics.generation_tokens += sum(len(o.new_token_ids) for o in outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         if processed.reqs_to_abort:
             self.core_client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
@@ -135,6 +259,25 @@ class LLMEngine:
     def get_stats(self):
         """The core's scheduler stats (mrv2.protocol.CoreStats)."""
         return self.core_client.get_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's `get_metrics()`: the core's gauges and counters now, and this engine's token
+        counters, finished requests and latency histograms (EngineMetrics)."""
+        return self.metrics.snapshot(self.get_stats())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing done) while a request holds blocks."""
+        return bool(self.core_client.call_utility("reset_prefix_cache"))
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
+                       args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """`method(*args, **kwargs)` on every worker (a callable runs as
+        `method(worker, *args, **kwargs)`); one result per worker, rank order. Needs the
+        engine core in this process: the core process has no such utility."""
+        if self.engine_core is None:
+            raise NotImplementedError("collective_rpc needs the engine core in this process "
+                                      "(multiprocess_core=False)")
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.core_client.shutdown()

@@ -16,17 +16,26 @@ Logprobs (engine/request_logprobs.py) are accumulated only for requests that ask
 `logprobs` is always the slice of entries matching its `token_ids`. `prompt_logprobs` goes into
 every RequestOutput, except with DELTA: the first only. Outputs that carry only a prefill
 chunk's prompt logprobs (no token) are accumulated and produce no RequestOutput.
+
+Every RequestOutput carries `num_cached_tokens` (the core's prefix-cache hit of the request's
+first admission) and `metrics`, the request's live RequestStateStats (mrv2/outputs.py): token
+count and timestamps, advanced here from each step's outputs and the core's step timestamp.
+For n > 1 both are those of the sample whose output produced the RequestOutput (as vLLM's).
+`on_finished`, when given, is called with (stats, finish reason, prompt length) once per core
+request that finishes here (LLMEngine's counters for `get_metrics`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mrv2.engine.detokenizer import make_detokenizer
 from mrv2.engine.request_logprobs import RequestLogprobs, TokenTexts
 from mrv2.engine.stop_checker import CompletionText
-from mrv2.outputs import CompletionOutput, PromptLogprobs, RequestOutput, RequestOutputKind
+from mrv2.outputs import (CompletionOutput, PromptLogprobs, RequestOutput, RequestOutputKind,
+                          RequestStateStats)
 from mrv2.protocol import EngineCoreOutput, FinishReason
 from mrv2.sampling_params import SamplingParams
 
@@ -51,6 +60,9 @@ class ParentRequest:
     # the prompt); None until then, or when not asked for.
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # DELTA: sent once
+    # Of the child that moved last (what its RequestOutput reports).
+    num_cached_tokens: int = 0
+    metrics: RequestStateStats | None = None
 
     def __post_init__(self) -> None:
         self.completions = [None] * len(self.child_ids)
@@ -73,6 +85,8 @@ class RequestOutputState:
     text: CompletionText
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: RequestLogprobs | None = None  # None unless it asked for (prompt) logprobs
+    stats: RequestStateStats = field(default_factory=RequestStateStats)
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -82,9 +96,13 @@ class OutputProcessorOutput:
     reqs_to_abort: list[str]
 
 
+FinishedCallback = Callable[[RequestStateStats, str, int], None]
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, on_finished: FinishedCallback | None = None) -> None:
         self.tokenizer = tokenizer
+        self.on_finished = on_finished
         self.requests: dict[str, RequestOutputState] = {}  # core request id -> state
         self.parents: dict[str, ParentRequest] = {}  # parent id -> parent (n > 1)
         self.token_texts = TokenTexts(tokenizer)  # decoded_token of logprobs entries
@@ -92,11 +110,16 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
-                    child_params: Sequence[SamplingParams] | None = None) -> list[str]:
+                    child_params: Sequence[SamplingParams] | None = None,
+                    arrival_time: float | None = None) -> list[str]:
         """Register a request; with `child_params` (n > 1) one child per entry.
+        `arrival_time`: wall-clock (the EngineCoreRequest's), default now.
 
         Returns the core request ids to add to the engine core, in index order.
         """
+        queued_ts = time.monotonic()
+        if arrival_time is None:
+            arrival_time = time.time()
         output_kind = RequestOutputKind(output_kind)
         if child_params is None:
             ids = [request_id]
@@ -118,7 +141,8 @@ class OutputProcessor:
                 logprobs = RequestLogprobs(p.logprobs, p.prompt_logprobs, self.token_texts)
             self.requests[rid] = RequestOutputState(
                 rid, index, parent, prompt, prompt_token_ids, p, output_kind,
-                CompletionText(detokenizer, p, streaming), logprobs=logprobs)
+                CompletionText(detokenizer, p, streaming), logprobs=logprobs,
+                stats=RequestStateStats(arrival_time=arrival_time, queued_ts=queued_ts))
         return ids
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
@@ -149,7 +173,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: Sequence[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: Sequence[EngineCoreOutput],
+                        timestamp: float | None = None) -> OutputProcessorOutput:
+        """`timestamp`: the core's (time.monotonic()) of the step; default now."""
+        if timestamp is None:
+            timestamp = time.monotonic()
+        now = None  # wall clock, read once per call when a first token arrives
         results: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         # Parents moved this step, in order of first appearance -> their new completions.
@@ -165,6 +194,15 @@ class OutputProcessor:
                     continue  # a prefill chunk's prompt logprobs: nothing to show yet
                 logprobs.add_sample(out.new_logprobs, len(out.new_token_ids))
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if out.new_token_ids:
+                stats = state.stats
+                if not stats.num_generation_tokens:
+                    now = time.time() if now is None else now
+                    stats.first_token_ts = timestamp
+                    stats.first_token_latency = now - stats.arrival_time
+                stats.num_generation_tokens += len(out.new_token_ids)
+                stats.last_token_ts = timestamp
+                state.num_cached_tokens = out.num_cached_tokens
             state.output_token_ids.extend(out.new_token_ids)
             stop_str = state.text.update(out.new_token_ids,
                                          stop_terminated=finish_reason == FinishReason.STOP,
@@ -176,6 +214,8 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished:
                 del self.requests[out.request_id]
+                if self.on_finished is not None:
+                    self.on_finished(state.stats, str(finish_reason), len(state.prompt_token_ids))
             completion = self._make_completion(state, out.new_token_ids, finish_reason,
                                                stop_reason)
             parent = state.parent
@@ -186,8 +226,10 @@ class OutputProcessor:
                         prompt_token_ids=state.prompt_token_ids, outputs=[completion],
                         finished=finished,
                         prompt_logprobs=None if logprobs is None else logprobs.prompt_out(
-                            state.output_kind == RequestOutputKind.DELTA)))
+                            state.output_kind == RequestOutputKind.DELTA),
+                        metrics=state.stats, num_cached_tokens=state.num_cached_tokens))
                 continue
+            parent.metrics, parent.num_cached_tokens = state.stats, state.num_cached_tokens
             if finished:
                 parent.unfinished.discard(state.request_id)
             if (parent.prompt_logprobs is None and logprobs is not None
@@ -243,4 +285,5 @@ class OutputProcessor:
             parent.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outputs,
-                             finished=finished, prompt_logprobs=prompt_logprobs)
+                             finished=finished, prompt_logprobs=prompt_logprobs,
+                             metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
@@ -16,7 +16,7 @@ from mrv2.engine.llm_engine import LLMEngine
 from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.entrypoints.openai.generation_config import check_mode as check_generation_config_mode
 from mrv2.entrypoints.openai.generation_config import default_sampling_params
-from mrv2.outputs import RequestOutput
+from mrv2.outputs import Metric, RequestOutput, RequestOutputKind
 from mrv2.sampling_params import SamplingParams
 
 
@@ -26,14 +26,18 @@ class LLM:
                  block_size: int = 16, seed: int = 0, kv_cache_memory_gb: float | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  multiprocess_core: bool = False, generation_config: str = "auto",
-                 **kwargs: Any) -> None:
+                 disable_log_stats: bool = True, **kwargs: Any) -> None:
         """`multiprocess_core=True` runs the engine core (scheduler + executor) in its own
         (spawned) process, so a script must guard its entry point with
         `if __name__ == "__main__":`. The default keeps the core in this process: offline it
         measured faster (bench/test_engine_client.py). `shutdown()`, or interpreter exit,
         stops the core process. `generation_config` ("auto": the model's
         generation_config.json, "vllm": none, or a folder holding one; as the server's
-        `--generation-config`) gives the sampling params `generate` uses when given none."""
+        `--generation-config`) gives the sampling params `generate` uses when given none.
+        `disable_log_stats` is accepted for vLLM's scripts: mrv2 logs no periodic stats, and
+        keeps `RequestOutput.metrics` and `get_metrics()` either way (they cost next to
+        nothing). Other keywords are EngineArgs fields (vLLM's `max_logprobs` among them)."""
+        del disable_log_stats  # accepted only (see above)
         check_generation_config_mode(generation_config)  # a bad value fails before loading
         self.engine_args = EngineArgs(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -86,8 +90,31 @@ class LLM:
         for request_id, prompt, params in zip(request_ids, prompts, params_list):
             engine.validate_request(request_id, prompt, params)
         for request_id, prompt, params in zip(request_ids, prompts, params_list):
-            engine.add_request(request_id, prompt, params)
+            # vLLM's LLM returns final outputs only, whatever params.output_kind says.
+            engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
         return self._run_engine(request_ids, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's): later prompts are computed from scratch.
+        False, doing nothing, while a request holds blocks (never between `generate` calls)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's `get_metrics()`: Gauge / Counter / Histogram objects (mrv2.outputs) under
+        vLLM's `vllm:` names, labelled with the model and engine "0": running and waiting
+        requests, KV-cache usage, prefix-cache queries and hits (tokens), preemptions, prompt
+        and generation tokens, finished requests by reason, and time-to-first-token,
+        end-to-end latency, prompt and generation length histograms. Counts are of engine
+        requests (a request with n > 1 counts n) since this LLM was built."""
+        return self.llm_engine.get_metrics()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: run `method` on every worker and return one result per worker (rank
+        order). A name calls that method of the worker (mrv2.worker.Worker); a callable runs as
+        `method(worker, *args, **kwargs)` (with tensor_parallel_size > 1 it must pickle: a
+        module-level function). Not available with `multiprocess_core=True`."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
