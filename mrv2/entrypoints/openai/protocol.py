@@ -11,6 +11,7 @@ NaN / infinity are refused.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -279,6 +280,15 @@ class ChatMessage(BaseModel):
             message["content"] = "\n".join(texts)
         elif content is None:
             message["content"] = ""
+        # Chat templates index into a call's arguments (Qwen's, Llama's): OpenAI sends them as
+        # a JSON string, so they are parsed back into an object, as vLLM does.
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # not JSON: the template gets the text
         return message
 
 
@@ -352,6 +362,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
     return_token_strs: bool = False
 
 

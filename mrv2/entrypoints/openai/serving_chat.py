@@ -12,7 +12,8 @@ from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.entrypoints.openai.chat_output import ChatChoiceParser
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.logprobs_format import chat_logprobs
-from mrv2.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionTool,
+                                              ChatMessage)
 from mrv2.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream, merge_streams,
                                                     now, random_id, run_until_disconnected,
@@ -47,14 +48,11 @@ class OpenAIServingChat(OpenAIServing):
                 and self.config.tool_call_parser is None):
             raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
                              '--tool-call-parser to be set', param="tool_choice")
-        template_kwargs = dict(request.chat_template_kwargs or {})
-        if request.tools:
-            template_kwargs.setdefault("tools", [t.model_dump(exclude_none=True)
-                                                 for t in request.tools])
         prompt = self.render(request.messages, chat_template=request.chat_template,
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
-                             chat_template_kwargs=template_kwargs,
+                             chat_template_kwargs=with_tools(request.chat_template_kwargs,
+                                                             request.tools),
                              add_special_tokens=request.add_special_tokens)
         param = "max_completion_tokens" if request.max_completion_tokens is not None \
             else "max_tokens"
@@ -153,6 +151,15 @@ class OpenAIServingChat(OpenAIServing):
                             **chunk_usage(c.index))
         if request.include_usage():
             yield chunk([], usage=usage(num_prompt, sum(generated)))
+
+
+def with_tools(template_kwargs: dict[str, Any] | None,
+               tools: list[ChatCompletionTool] | None) -> dict[str, Any] | None:
+    """The chat template's kwargs with the request's tools (as OpenAI dicts) added."""
+    if not tools:
+        return template_kwargs
+    return {"tools": [t.model_dump(exclude_none=True) for t in tools],
+            **(template_kwargs or {})}
 
 
 def _finish_reason(parser: ChatChoiceParser, called: bool, reason: str | None) -> str | None:

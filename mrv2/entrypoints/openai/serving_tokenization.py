@@ -6,7 +6,7 @@ from typing import Any
 
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
+from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat, with_tools
 from mrv2.entrypoints.openai.serving_engine import OpenAIServing, now
 
 
@@ -25,7 +25,8 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = self.chat.render(request.messages, chat_template=request.chat_template,
                                    add_generation_prompt=request.add_generation_prompt,
                                    continue_final_message=request.continue_final_message,
-                                   chat_template_kwargs=request.chat_template_kwargs,
+                                   chat_template_kwargs=with_tools(request.chat_template_kwargs,
+                                                                   request.tools),
                                    add_special_tokens=request.add_special_tokens
                                    )["prompt_token_ids"]
         else:

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage,
+                                              CompletionRequest)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -126,3 +127,20 @@ def test_bad_logit_bias_and_values_are_errors():
             .to_sampling_params(4)
     with pytest.raises(ValueError, match="min_tokens"):
         CompletionRequest.model_validate({"prompt": "x", "min_tokens": 9}).to_sampling_params(4)
+
+
+def test_tool_history_reaches_the_template_with_parsed_arguments():
+    """An assistant turn's tool_calls (arguments a JSON string, as OpenAI sends them) and the
+    tool's answer: the template sees the arguments as an object (vLLM does the same)."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}
+    assistant = ChatMessage.model_validate({"role": "assistant", "content": None,
+                                            "tool_calls": [call]}).to_template_dict()
+    assert assistant["content"] == ""
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    tool = ChatMessage.model_validate({"role": "tool", "tool_call_id": "c1",
+                                       "content": "sunny"}).to_template_dict()
+    assert tool == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    bad = dict(call, function={"name": "f", "arguments": "not json"})
+    kept = ChatMessage.model_validate({"role": "assistant", "tool_calls": [bad]})
+    assert kept.to_template_dict()["tool_calls"][0]["function"]["arguments"] == "not json"

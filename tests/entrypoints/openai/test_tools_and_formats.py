@@ -102,3 +102,31 @@ def test_bad_schema_is_a_400_naming_the_field(server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "response_format" and "objectx" in error["message"]
+
+
+def test_tool_turns_go_through_the_chat_template(server):
+    """tools, an assistant turn with tool_calls and a tool result, rendered by a template that
+    reads them (the test tokenizer's own ChatML template ignores tools)."""
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}"
+                "({{ c.function.arguments.city }}){% endfor %}{% endfor %}")
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "messages": messages, "chat_template": template,
+            "add_generation_prompt": False, "tools": TOOLS}
+    rendered = httpx.post(f"{server.url}/tokenize", json=body, headers=headers, timeout=30)
+    assert rendered.status_code == 200, rendered.text
+    text = httpx.post(f"{server.url}/detokenize", headers=headers, timeout=30,
+                      json={"model": MODEL_NAME, "tokens": rendered.json()["tokens"]})
+    prompt = text.json()["prompt"]
+    assert "[tool get_weather][tool get_time]<user>" in prompt
+    assert "<assistant>get_weather(Oslo)<tool>sunny" in prompt
+    chat = {"model": MODEL_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 4,
+            "chat_template": template}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=headers,
+                          timeout=30)
+    assert response.status_code == 200, response.text
