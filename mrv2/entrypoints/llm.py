@@ -120,14 +120,20 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
         list of conversations, rendered with the tokenizer's chat template (or
         `chat_template`). Returns one RequestOutput per conversation, as `generate` does (and
-        with its default sampling params)."""
+        with its default sampling params). `tools` (OpenAI's function tools) go to the
+        template, as vLLM's; parse the calls from the text, or constrain it with
+        SamplingParams.structured_outputs."""
         conversations = _as_conversations(messages)
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            template_kwargs.setdefault("tools", tools)
         prompts = [self._render_chat(conversation, chat_template, add_generation_prompt,
-                                     continue_final_message, chat_template_kwargs or {})
+                                     continue_final_message, template_kwargs)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -153,6 +153,12 @@ def test_chat_batch_of_conversations_and_options(llm):
     assert custom.prompt == "<|begin_of_text|>[user] Another one.\n"
     assert custom.prompt_token_ids == tokenizer(custom.prompt).input_ids[1:]
     assert custom.prompt_token_ids.count(tokenizer.bos_token_id) == 1
+    # tools reach the template, as vLLM's LLM.chat(tools=...).
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    listed = "{% for t in tools %}<{{ t.function.name }}>{% endfor %}" + template
+    [with_tools] = llm.chat(other, greedy(max_tokens=3), chat_template=listed, tools=tools,
+                            use_tqdm=False)
+    assert with_tools.prompt == "<lookup><|begin_of_text|>[user] Another one.\n"
 
 
 def test_chat_errors(llm, monkeypatch):
