@@ -141,7 +141,7 @@ def test_logprobs_accepted(processor, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 50), ("prompt_logprobs", 1.5),
+    ("logprobs", 21), ("logprobs", -2), ("prompt_logprobs", 50), ("prompt_logprobs", 1.5),
 ])
 def test_logprobs_out_of_range_refused(processor, field, value):
     with pytest.raises(ValueError, match=rf"{field}.*\[0, 20\]"):
