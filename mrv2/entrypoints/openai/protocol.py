@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields), and their
 SamplingParams.
 
-Unknown fields are refused (400 "Unrecognized request argument supplied"), as OpenAI's own API
-does: a misspelt parameter is an error, not silently ignored. Every OpenAI field a standard client
+Unknown fields are logged as ignored and otherwise dropped, as vLLM does (OpenAI's own API
+refuses them). Every OpenAI field a standard client
 sends is declared; those whose meaning this server does not implement (the deprecated
 functions / function_call, suffix, best_of > n) are refused by name rather than ignored. Numbers are
 bounded so that nothing a client sends can overflow when it crosses to the engine core, and
@@ -12,12 +12,15 @@ NaN / infinity are refused.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 INT64_MAX = 2**63 - 1
 # Samples per prompt: each is a request in the engine, so a huge n is refused, not queued.
@@ -28,7 +31,18 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # vLLM's rule for a field this server does not know: logged as ignored, not refused, so a
+    # client written against a newer API keeps working (an unsupported *value* of a known
+    # field is still a 400 naming it).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self) -> "OpenAIBaseModel":
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
+            self.model_extra.clear()
+        return self
 
     @model_validator(mode="before")
     @classmethod

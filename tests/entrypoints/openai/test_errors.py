@@ -145,8 +145,6 @@ BAD_COMMON = {
     "stream": ["maybe", {}],
     "stream_options": [{"include_usage": True}, "x", {"bogus": 1}],
     "allowed_token_ids": [[], [-1], [10**9]],
-    "unknown_field": [1],
-    "functions_call_bogus": ["x"],
     "model": ["nope", 5],
     "user": [5],
 }
@@ -191,7 +189,12 @@ def hostile_requests() -> list[tuple[str, str, bytes, dict[str, str]]]:
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     out = []
     for path in (COMPLETIONS, CHAT, "/tokenize", "/detokenize"):
-        out += [("POST", path, body, auth) for body in _raw_bodies()]
+        bodies = _raw_bodies()
+        if path in ("/tokenize", "/detokenize"):
+            # Their last two bodies' bad values sit in fields these endpoints do not have,
+            # which are ignored (vLLM's rule for unknown fields).
+            bodies = bodies[:-2]
+        out += [("POST", path, body, auth) for body in bodies]
     for path, specific in ((COMPLETIONS, BAD_COMPLETION), (CHAT, BAD_CHAT)):
         for field, values in {**BAD_COMMON, **specific}.items():
             for value in values:
@@ -201,7 +204,7 @@ def hostile_requests() -> list[tuple[str, str, bytes, dict[str, str]]]:
                  {"prompt": "a", "model": "nope"}):
         out.append(("POST", "/tokenize", json.dumps(body).encode(), auth))
     for body in ({"tokens": [-1]}, {"tokens": [99999]}, {"tokens": "abc"},
-                 {"tokens": [10**30]}, {}, {"tokens": [1], "extra": 1}):
+                 {"tokens": [10**30]}, {}):
         out.append(("POST", "/detokenize", json.dumps(body).encode(), auth))
     valid = json.dumps(VALID[COMPLETIONS]).encode()
     out += [("GET", COMPLETIONS, b"", auth), ("GET", CHAT, b"", auth),

@@ -53,8 +53,18 @@ def test_null_fields_mean_their_defaults():
         {**CHAT, "n": None, "stream": None, "max_completion_tokens": None, "top_logprobs": None,
          "logprobs": None, "temperature": None})
     assert chat == ChatCompletionRequest.model_validate(CHAT)
-    with pytest.raises(ValidationError):  # an unknown field stays an error, null or not
-        CompletionRequest.model_validate({"prompt": "x", "unknown": None})
+
+
+def test_unknown_fields_are_logged_and_ignored(caplog):
+    """vLLM's rule: a field the server does not know is ignored, with a warning naming it."""
+    with caplog.at_level("WARNING", logger="mrv2.entrypoints.openai.protocol"):
+        request = CompletionRequest.model_validate({"prompt": "x", "unknown": None,
+                                                    "stream_options": None, "zzz": {"a": 1}})
+        chat = ChatCompletionRequest.model_validate(
+            {**CHAT, "response_format": {"type": "text", "newer": 1}})
+    assert request == CompletionRequest.model_validate({"prompt": "x"})
+    assert not request.model_extra and not chat.response_format.model_extra
+    assert "['unknown', 'zzz']" in caplog.text and "['newer']" in caplog.text
 
 
 def test_chat_logprobs_and_max_completion_tokens():
@@ -76,7 +86,6 @@ def test_chat_logprobs_and_max_completion_tokens():
 
 
 @pytest.mark.parametrize("body", [
-    {"prompt": "x", "unknown": 1},          # unknown fields are refused, as OpenAI does
     {"prompt": "x", "n": 0}, {"prompt": "x", "n": 10**6},
     {"prompt": "x", "seed": 2**64}, {"prompt": "x", "temperature": float("nan")},
     {"prompt": [1, "a"]}, {"prompt": [True]}, {"prompt": [-1]},
