@@ -25,6 +25,7 @@ Child side:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -40,6 +41,11 @@ import msgspec
 from executor.errors import WorkerStartupError
 
 SPAWN = mp.get_context("spawn")
+# Why a spawned child dies before its first line, as a rule: it re-runs the parent's main
+# script, which starts the engine again at import time.
+SPAWN_HINT = ("Worker processes are spawned and re-import the main script: if it creates the "
+              "engine at import time, put that code under `if __name__ == \"__main__\":` (as "
+              "with vLLM); its traceback is above, on standard error.")
 
 
 def pipe() -> tuple[multiprocessing.connection.Connection, multiprocessing.connection.Connection]:
@@ -53,11 +59,36 @@ def spawn(target: Callable, args: tuple, *, name: str, daemon: bool = False,
     """Start `target(*args)` in a spawned process; close `child_ends` here once it started."""
     proc = SPAWN.Process(target=target, name=name, daemon=daemon, args=args)
     try:
-        proc.start()
+        with _main_importable_by_children():
+            proc.start()
     finally:
         for conn in child_ends:
             conn.close()
     return proc
+
+
+_MAIN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_importable_by_children():
+    """A spawned child re-runs the parent's main script by its `__file__`, to find functions
+    defined there. A main read from standard input (`python - < x.py`, `__file__` "<stdin>")
+    has no file to re-run, and the child would die before its first line. Our targets live in
+    modules, so the child does not need that main: for the start, `__file__` is hidden.
+    Interactive sessions and notebooks have no `__file__`, so they need nothing."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None \
+            or os.path.isfile(path):
+        yield
+        return
+    with _MAIN_LOCK:
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
@@ -121,9 +152,9 @@ def wait_ready(procs: Sequence[mp.process.BaseProcess], conns: Sequence, ready_t
                             rank=rank, exc_type=getattr(ready, "exc_type", ""),
                             remote_traceback=ready.error)
                 if not proc.is_alive():
-                    raise WorkerStartupError(f"{names[i]} (pid {proc.pid}) exited with code "
-                                             f"{proc.exitcode} before it reported ready",
-                                             rank=rank)
+                    raise WorkerStartupError(
+                        f"{names[i]} (pid {proc.pid}) exited with code {proc.exitcode} before "
+                        f"it reported ready. {SPAWN_HINT}", rank=rank)
     finally:
         for conn in conns:
             conn.close()
