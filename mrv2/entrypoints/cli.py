@@ -120,7 +120,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from mrv2.entrypoints.openai.config_file import expand_config_file
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config_file(parser, argv)  # `serve --config x.yaml` (vLLM's)
+    except ValueError as error:
+        print(f"mrv2: error: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return run_generate(args)

@@ -25,11 +25,16 @@ from mrv2.entrypoints.openai.cli_args import ServerConfig
 from mrv2.entrypoints.openai.errors import OpenAIError, from_validation_error, \
     install_error_handlers
 from mrv2.entrypoints.openai.generation_config import default_sampling_params
+from mrv2.models.generation_config import sampling_defaults
 from mrv2.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
 from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
 from mrv2.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from mrv2.entrypoints.openai.server_routes import (check_max_logprobs, configure_logging,
+                                                   health_response, install_server_routes,
+                                                   log_request, stats_lifespan,
+                                                   uvicorn_settings)
 from mrv2.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -74,12 +79,18 @@ def respond(result: dict[str, Any] | AsyncIterator[str]) -> Response:
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     from mrv2 import __version__
 
-    app = FastAPI(title="mrv2 OpenAI-compatible server", version=__version__)
-    install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     metrics = ServerMetrics(config.model_name)
+    docs = {} if not config.disable_fastapi_docs else \
+        {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="mrv2 OpenAI-compatible server", version=__version__,
+                  root_path=config.root_path or "",
+                  lifespan=lambda _: stats_lifespan(engine, config, metrics.registry), **docs)
+    install_error_handlers(app)
+    install_server_routes(app, engine, config)  # CORS, /ping, /load, dev-mode routes
+    if config.api_key:  # outside CORS, as in vLLM (preflight OPTIONS passes it)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     defaults = default_sampling_params(config.model, config.generation_config)
+    defaults.update(sampling_defaults(config.override_generation_config))
     chat = OpenAIServingChat(engine, config, metrics, defaults)
     completion = OpenAIServingCompletion(engine, config, metrics, defaults)
     tokenization = OpenAIServingTokenization(chat)
@@ -88,11 +99,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, CompletionRequest)
+        check_max_logprobs(request, config.max_logprobs)
+        log_request(config, "/v1/completions", request)
         return respond(await completion.create(request, raw_request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest)
+        check_max_logprobs(request, config.max_logprobs)
+        log_request(config, "/v1/chat/completions", request)
         return respond(await chat.create(request, raw_request))
 
     @app.get("/v1/models")
@@ -111,9 +126,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.errored:
-            return OpenAIError(str(engine.dead_error), 503, code="engine_dead").response()
-        return Response(status_code=200)
+        return health_response(engine)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -165,6 +178,7 @@ def run_server(args) -> int:
 
     model = resolve_model(args)
     config = server_config_from(args, model)
+    configure_logging()
     default_sampling_params(model, config.generation_config)  # a bad value fails before loading
     sock = bind_socket(config.host, config.port)
     try:
@@ -181,7 +195,7 @@ def run_server(args) -> int:
         freeze_startup_objects()  # this process serves one engine for its life (executor/heap.py)
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_settings(config)))
         server.run(sockets=[sock])
     finally:
         engine.shutdown()

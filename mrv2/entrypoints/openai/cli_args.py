@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mrv2.entrypoints.openai.engine_flags import add_engine_flags, engine_flag_values
 
 if TYPE_CHECKING:
     from mrv2.engine.arg_utils import EngineArgs
@@ -34,6 +36,30 @@ class ServerConfig:
     # Splits <think>...</think> off chat messages (the engine's structured outputs follow the
     # same setting: EngineArgs.reasoning_parser).
     reasoning_parser: str | None = None
+    # vLLM's HTTP flags: CORS (vLLM's defaults: everything allowed, no credentials), TLS, the
+    # ASGI root path, request logging, the periodic stats log, /load's request count, the docs.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    root_path: str | None = None
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    disable_log_stats: bool = False
+    enable_server_load_tracking: bool = True
+    disable_uvicorn_access_log: bool = False
+    disable_fastapi_docs: bool = False
+    # Checked per request by the server (the engine's EngineArgs.max_logprobs is the same).
+    max_logprobs: int | None = None
+    # Generation-config fields (vLLM's --override-generation-config) over --generation-config's.
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False  # a permission: no Hub code ever runs in mrv2
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
 
     @property
     def model_name(self) -> str:
@@ -79,6 +105,41 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "reasoning_parser, enable_in_reasoning)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    add_engine_flags(parser)
+    add_http_flags(parser)
+
+
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's frontend flags: config file, CORS, TLS, root path, logging, docs."""
+    parser.add_argument("--config", default=None,
+                        help="a YAML file of flag values (long names); the command line wins")
+    for name in ("origins", "methods", "headers"):
+        parser.add_argument(f"--allowed-{name}", type=json.loads, default=["*"],
+                            help=f'CORS: a JSON list of allowed {name} (default ["*"])')
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: credentials")
+    parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
+    parser.add_argument("--ssl-certfile", default=None, help="... and this certificate file")
+    parser.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (uvicorn)")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="whether a client certificate is required (Python's ssl module)")
+    parser.add_argument("--root-path", default=None,
+                        help="FastAPI root_path when behind a path-based proxy")
+    parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                        default=False, help="log each request (mrv2's logger, INFO)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="vLLM's older flag: requests are not logged (the default)")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="characters of a logged request kept (default: all)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic engine stats in the log")
+    parser.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction,
+                        default=True, help="count in-flight requests for /load (default on)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="no /docs, /redoc or /openapi.json")
+    parser.add_argument("--override-generation-config", type=json.loads, default=None,
+                        help='JSON generation-config fields over --generation-config\'s, e.g. '
+                             '\'{"temperature": 0.5}\' (with "vllm": only these)')
 
 
 def resolve_model(args: argparse.Namespace) -> str:
@@ -99,7 +160,8 @@ def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
                       enable_prefix_caching=args.enable_prefix_caching,
                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                       structured_outputs_config=args.structured_outputs_config,
-                      reasoning_parser=args.reasoning_parser, **checkpoint_args(args))
+                      reasoning_parser=args.reasoning_parser, **checkpoint_args(args),
+                      **engine_flag_values(args, model))
 
 
 def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
@@ -119,6 +181,9 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
     check_mode(args.generation_config)
+    engine_flag_values(args, model)  # a refused engine flag fails before anything else
+    overrides = check_generation_overrides(args.override_generation_config)
+    check_http_flags(args)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.tool_call_parser is not None:
@@ -137,4 +202,55 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
                         generation_config=args.generation_config,
                         uvicorn_log_level=args.uvicorn_log_level,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser,
+                        allowed_origins=args.allowed_origins,
+                        allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers,
+                        allow_credentials=args.allow_credentials, ssl_keyfile=args.ssl_keyfile,
+                        ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                        ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path,
+                        enable_log_requests=args.enable_log_requests,
+                        max_log_len=args.max_log_len, disable_log_stats=args.disable_log_stats,
+                        enable_server_load_tracking=args.enable_server_load_tracking,
+                        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+                        disable_fastapi_docs=args.disable_fastapi_docs,
+                        max_logprobs=args.max_logprobs, override_generation_config=overrides,
+                        trust_remote_code=args.trust_remote_code,
+                        tokenizer_mode=args.tokenizer_mode, load_format=args.load_format)
+
+
+def check_generation_overrides(value: Any) -> dict[str, Any]:
+    """--override-generation-config: a JSON object of the generation-config fields mrv2 takes
+    defaults from (others would be ignored, so they are refused)."""
+    from mrv2.models.generation_config import SAMPLING_FIELDS, sampling_defaults
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"--override-generation-config must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: mrv2 takes no default from "
+                         f"{', '.join(unknown)} (it reads {', '.join(SAMPLING_FIELDS)})")
+    wrong = sorted(set(value) - set(sampling_defaults(value)))
+    if wrong:
+        raise ValueError(f"--override-generation-config: {', '.join(wrong)} must be numbers")
+    return dict(value)
+
+
+def check_http_flags(args: argparse.Namespace) -> None:
+    """TLS files exist, CORS lists are lists, and no contradictory flags: before the model
+    loads."""
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict")
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, name)
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of strings, "
+                             f"got {value!r}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file")

@@ -1,0 +1,134 @@
+"""vLLM's engine-side `serve` flags beyond mrv2's own: each is honoured (its value reaches
+EngineArgs or ServerConfig) or refused with a ValueError naming it; none is accepted and
+ignored.
+
+- `-O` / `--optimization-level` N, `--compilation-config` / `-cc` JSON (or a level): mrv2 has no
+  torch.compile, only CUDA graphs (mrv2.config.CompilationConfig). -O0 turns them off (vLLM's
+  O0: no cudagraphs); -O1..3 keep mrv2's default mode. Explicit `--compilation-config` fields win
+  over the level, as in vLLM. A field mrv2 lacks is refused by EngineArgs, naming it.
+- `--max-logprobs`: EngineArgs.max_logprobs (the server checks requests against it too).
+- `--trust-remote-code`: a permission. mrv2 runs only its built-in architectures, so no Hub code
+  is ever run, with it or without it.
+- `--tokenizer-mode`: auto / hf (a Hugging Face tokenizer: what mrv2 loads); others refused.
+- `--load-format`: auto; safetensors (a model directory); gguf (a GGUF file); others refused.
+- `--swap-space`: mrv2 preempts by recompute and keeps no CPU swap: 0 and vLLM's default (4,
+  the value scripts copy) say nothing mrv2 does not do; any other value is refused.
+- `--hf-overrides`: refused (mrv2's config loader takes no overrides: use --hf-config-path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+TOKENIZER_MODES = ("auto", "hf")
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+VLLM_SWAP_SPACE_GIB = 4.0
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)
+
+
+def json_or_level(value: str) -> dict[str, Any] | int:
+    """`--compilation-config`'s value: a JSON object, or (vLLM's older form) a level 0-3; a
+    leading '.' is vLLM's `-cc.key=value` form."""
+    if value.startswith(".") and "=" in value:
+        key, _, raw = value[1:].partition("=")
+        try:
+            return {key: json.loads(raw)}
+        except ValueError:
+            return {key: raw}
+    if value.strip().lstrip("-").isdigit():
+        return int(value)
+    parsed = json.loads(value)
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a level, got {value!r}")
+    return parsed
+
+
+class MergeAction(argparse.Action):
+    """Repeated `-cc.key=value` (and JSON objects) merge; a level replaces."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        old = getattr(namespace, self.dest, None)
+        if isinstance(values, dict) and isinstance(old, dict):
+            values = {**old, **values}
+        setattr(namespace, self.dest, values)
+
+
+def split_dotted(argv: list[str]) -> list[str]:
+    """vLLM's `-cc.key=value` / `--compilation-config.key=value` as `-cc .key=value`."""
+    out = []
+    for arg in argv:
+        head, dot, rest = arg.partition(".")
+        if head in ("-cc", "--compilation-config", "-O") and dot and "=" in rest:
+            out += [head, "." + rest]
+        else:
+            out.append(arg)
+    return out
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-O", "--optimization-level", type=json_or_level, default=None,
+                        action=MergeAction,
+                        help="0: no CUDA graphs; 1-3: mrv2's default CUDA graphs (vLLM's levels; "
+                             "mrv2 has no torch.compile)")
+    parser.add_argument("--compilation-config", "-cc", type=json_or_level, default=None,
+                        action=MergeAction,
+                        help='JSON of mrv2.config.CompilationConfig fields, e.g. '
+                             '\'{"cudagraph_mode": "FULL"}\' (or a level, as -O)')
+    parser.add_argument("--max-logprobs", type=int, default=None,
+                        help="the most logprobs a request may ask for (default and most: 20)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted: mrv2 runs only its built-in architectures, never Hub code")
+    parser.add_argument("--tokenizer-mode", default="auto",
+                        help="auto or hf (a Hugging Face tokenizer); others are refused")
+    parser.add_argument("--load-format", default="auto",
+                        help="auto, safetensors (a model directory) or gguf (a GGUF file)")
+    parser.add_argument("--swap-space", type=float, default=None,
+                        help="no CPU swap in mrv2 (it preempts by recompute): only 0 or vLLM's "
+                             "default 4 are accepted")
+    parser.add_argument("--hf-overrides", type=json.loads, default=None,
+                        help="refused: mrv2 takes no config overrides (use --hf-config-path)")
+
+
+def engine_flag_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The EngineArgs fields these flags set; ValueError naming a refused flag or value."""
+    from mrv2.models.gguf import is_gguf_path
+
+    if args.hf_overrides is not None:
+        raise ValueError("--hf-overrides is not supported: mrv2's config loader applies no "
+                         "overrides; pass --hf-config-path with an edited config.json instead")
+    if args.tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode!r} is not supported: mrv2 "
+                         f"loads a Hugging Face tokenizer ({' or '.join(TOKENIZER_MODES)})")
+    fmt = args.load_format
+    if fmt not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {fmt!r} is not supported: mrv2 loads "
+                         f"{', '.join(LOAD_FORMATS)}")
+    if fmt != "auto" and (fmt == "gguf") != is_gguf_path(model):
+        raise ValueError(f"--load-format {fmt!r} does not match the model {model!r} (gguf: a "
+                         f".gguf file; safetensors: a model directory or Hub repository)")
+    if args.swap_space not in (None, 0, VLLM_SWAP_SPACE_GIB):
+        raise ValueError(f"--swap-space {args.swap_space:g} is not supported: mrv2 keeps no CPU "
+                         f"swap space (preempted requests are recomputed); leave it unset")
+    values: dict[str, Any] = {"compilation_config": compilation_config(args)}
+    if args.max_logprobs is not None:
+        values["max_logprobs"] = args.max_logprobs
+    return values
+
+
+def compilation_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """EngineArgs.compilation_config of -O and --compilation-config (its fields win)."""
+    level, config = args.optimization_level, args.compilation_config
+    if isinstance(config, int):  # vLLM's `--compilation-config 3`: a level
+        level, config = config, None
+    merged: dict[str, Any] = {}
+    if isinstance(level, dict):  # -O.key=value
+        merged.update(level)
+    elif level is not None:
+        if level not in OPTIMIZATION_LEVELS:
+            raise ValueError(f"-O / --optimization-level {level} is not a level (0-3)")
+        if level == 0:
+            merged["cudagraph_mode"] = "NONE"
+    merged.update(config or {})
+    return merged or None
