@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.input_processor import PromptType
 from mrv2.engine.llm_engine import LLMEngine
+from mrv2.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.entrypoints.openai.generation_config import check_mode as check_generation_config_mode
 from mrv2.entrypoints.openai.generation_config import default_sampling_params
@@ -93,6 +94,17 @@ class LLM:
             # vLLM's LLM returns final outputs only, whatever params.output_kind says.
             engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
         return self._run_engine(request_ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's: the best `params.beam_width` sequences of each prompt (a string, or a
+        {"prompt": ...} / {"prompt_token_ids": [...]} dict), best first, by the length-penalised
+        cumulative logprob (mrv2.entrypoints.beam_search). `concurrency_limit`: at most that
+        many prompts searched at once. `lora_request`: mrv2 has no LoRA, so only None."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: mrv2 has no LoRA adapters")
+        return run_beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's): later prompts are computed from scratch.
