@@ -179,6 +179,37 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 _OUTPUT_KINDS = frozenset(int(kind) for kind in RequestOutputKind)
 
 
+class BeamSearchParams(msgspec.Struct, omit_defaults=True):
+    """vLLM's beam search parameters (`LLM.beam_search`, entrypoints/beam_search.py). A bad
+    value raises ValueError naming the field, here and again in `LLM.beam_search` (fields are
+    mutable). `include_stop_str_in_output` is accepted and, as in vLLM's `LLM.beam_search`,
+    changes nothing: the text is the decode of every token."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def require(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r} is invalid: "
+                                 f"{why}")
+
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            require(_is_int(value) and value >= 1, name, "must be an integer of at least 1")
+        require(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
+                "must be non-negative")
+        require(_is_real(self.length_penalty) and math.isfinite(self.length_penalty),
+                "length_penalty", "must be a finite number")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

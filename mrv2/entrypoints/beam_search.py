@@ -16,46 +16,17 @@ prompt too; a sequence's `text` is the decode of all its tokens, prompt and EOS 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from tqdm.auto import tqdm
 
 from mrv2.outputs import Logprob
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from mrv2.entrypoints.llm import LLM
-
-
-class BeamSearchParams(msgspec.Struct, omit_defaults=True):
-    """vLLM's beam search parameters (`vllm.sampling_params.BeamSearchParams`). A bad value
-    raises ValueError naming the field, here and again in `LLM.beam_search` (fields are
-    mutable). `include_stop_str_in_output` is accepted and, as in vLLM's `LLM.beam_search`,
-    changes nothing: the text is the decode of every token."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                _invalid(name, value, "must be an integer of at least 1")
-        if not _is_number(self.temperature) or not self.temperature >= 0.0:
-            _invalid("temperature", self.temperature, "must be non-negative")
-        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
-            _invalid("length_penalty", self.length_penalty, "must be a finite number")
 
 
 @dataclass
@@ -188,13 +159,8 @@ class _Search:
         return BeamSearchOutput(sequences=best)
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _invalid(name: str, value: object, why: str) -> None:
     raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: {why}")
 
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "get_beam_search_score",
-           "run_beam_search"]
+__all__ = ["BeamSearchOutput", "BeamSearchSequence", "get_beam_search_score", "run_beam_search"]

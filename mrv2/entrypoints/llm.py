@@ -13,12 +13,12 @@ from tqdm.auto import tqdm
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.input_processor import PromptType
 from mrv2.engine.llm_engine import LLMEngine
-from mrv2.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from mrv2.entrypoints.beam_search import BeamSearchOutput, run_beam_search
 from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.entrypoints.openai.generation_config import check_mode as check_generation_config_mode
 from mrv2.entrypoints.openai.generation_config import default_sampling_params
 from mrv2.outputs import Metric, RequestOutput, RequestOutputKind
-from mrv2.sampling_params import SamplingParams
+from mrv2.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:

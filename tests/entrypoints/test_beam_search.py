@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.entrypoints.beam_search import (BeamSearchOutput, BeamSearchParams,
-                                          get_beam_search_score)
+from mrv2.entrypoints.beam_search import BeamSearchOutput, get_beam_search_score
+from mrv2.sampling_params import BeamSearchParams  # vLLM's import path
 
 PROMPT = "def fibonacci(n):"
 TOKEN_PROMPT = [1, 5, 9, 20, 33]
