@@ -113,9 +113,10 @@ def test_rows_and_cat_round_trip(weights, gguf_type):
     back = QuantizedWeight.cat(parts)
     assert back.gguf_type == gguf_type and back.nbytes == w.nbytes
     assert torch.equal(back.dequantize(), ref)
-    x = torch.randn(2, 1536)
-    torch.testing.assert_close(quantized_linear(x, parts[2]), x @ ref[64:96].T, rtol=1e-4,
-                               atol=1e-4)
+    x = torch.randn(2, 1536, generator=torch.Generator().manual_seed(4))
+    expect = x @ ref[64:96].T  # fp32 sums in another order: tolerance relative to the size
+    torch.testing.assert_close(quantized_linear(x, parts[2]), expect, rtol=1e-4,
+                               atol=1e-5 * expect.abs().max().item())
 
 
 def test_cat_of_same_layout_types_fills_missing_mins(weights):

@@ -6,9 +6,9 @@ the weights are loaded) overrides a few forwards of one loaded Llama-family mode
 - loaded from a quantized GGUF file (`ModelConfig.quantization == "gguf"`): its linears, the
   embedding and the LM head compute on the file's blocks (`quantized_weights`);
 - every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`);
-- `LlamaModel.forward_layers` runs decode steps of a few float32 rows as one numba call for the
-  whole decoder stack (`decode`), when the model's layers qualify (float32 weights: not with
-  quantized ones).
+- `LlamaModel.forward_layers` runs decode steps of a few rows as one numba call for the
+  whole decoder stack (`decode`), when the model's layers qualify: its projections compute on
+  float32 weights or on the quantized blocks attached above, inside that one call.
 
 What was attached is returned as a `CpuFastPaths`; nothing is cached on the model.
 """
@@ -41,7 +41,7 @@ def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFast
     if model_config is not None and model_config.quantization == "gguf":
         quantized = quantized_weights.attach_quantized_weights(model, model_config)
     mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp) for layer in inner.layers]
-    fused = None if quantized and quantized.weights else decode.attach_fused_decode(inner)
+    fused = decode.attach_fused_decode(inner)
     return CpuFastPaths(mlps, fused, quantized)
 
 

@@ -1,5 +1,5 @@
 """Every Llama decoder layer and the final norm for a decode step of a few rows, as one numba
-call (float32, CPU).
+call (float32 activations, CPU; float32 weights or GGUF blocks kept as stored).
 
 Why: a decode step of 1-4 tokens is bound by streaming the weights (the GEMVs run at the
 memory bandwidth), and what is left is per-op overhead. Op by op (two norms, four
@@ -9,31 +9,57 @@ layer pays Python and argument unboxing per layer (bench/README.md has the measu
 the whole stack is one call: the weights and KV caches reach it as numba typed lists of views
 built once, and its parallel parts (the projections, attention) are parallel loops inside it.
 
-The arithmetic is the same as the module path (norm_numba, rotary_numba, activation_numba, cpu_gemv, decode_numba): RMSNorm in
-float32 then the weight multiply, rotate-half rotary, SiLU(gate) * up, attention over the
-paged cache after this step's K/V are written.
+The arithmetic is the same as the module path (norm_numba, rotary_numba, activation_numba,
+cpu_gemv or quantized_numba, decode_numba): RMSNorm in float32 then the weight multiply,
+rotate-half rotary, SiLU(gate) * up, attention over the paged cache after this step's K/V are
+written. Each projection is a float32 weight (cpu_gemv's kernel) or, for a model loaded with
+quantization="gguf", the blocks quantized_weights attached to it (the packed GEMV
+`gemv_groups`, the kernel the module path calls): `_linear` picks one at compile time from the
+typed list's item type.
 
-`attach` gives a loaded LlamaModel whose layers `qualify` (float32 CPU weights, one
-tensor-parallel rank, no biases and no per-head q/k norm in any layer) a `FusedDecode` as its
-`forward_layers`; it runs the fused stack for the steps where `applies` holds (every row a
-decode row, one token, at most MAX_DECODE_ROWS rows) and the model's own layers otherwise.
+`attach` gives a loaded LlamaModel whose layers `qualify` (each projection float32 CPU or
+quantized, the same kind in every layer; one tensor-parallel rank, no biases and no per-head
+q/k norm in any layer) a `FusedDecode` as its `forward_layers`; it runs the fused stack for the
+steps where `applies` holds (every row a decode row, one token, at most `max_rows` rows) and
+the model's own layers otherwise.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, typed
+from numba import njit, typed, types
+from numba.extending import overload
 
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention.decode_numba import decode_kernel
+from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
+from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
+from mrv2.models.layers.quantized_numba import gemv_groups
 from mrv2.models.layers.rotary_numba import rotary_kernel
-from mrv2.models.layers.cpu_gemv import gemv_kernel
 
-MAX_DECODE_ROWS = 4
+# Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
+# (oneDNN beyond); when every projection is quantized the module path itself runs the packed
+# GEMV up to MAX_QUANTIZED_GEMV_ROWS, so the stack does too.
+MAX_DECODE_ROWS = MAX_GEMV_ROWS
+MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
+
+
+def _linear(x, w, out):
+    """out = x @ W^T inside the stack; `w` is a float32 weight view or a quantized weight's
+    (q as bytes, scales, mins, packed, group size) tuple (numba only: see the overload)."""
+    raise NotImplementedError("compiled into the decode stack only")
+
+
+@overload(_linear, jit_options={"fastmath": True})
+def _linear_overload(x, w, out):
+    if isinstance(w, types.Array):
+        return lambda x, w, out: gemv_kernel(x, w, out)
+    return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], out)
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
@@ -54,7 +80,7 @@ def _write_kv(k, v, k_cache, v_cache, slots):
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
                   k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
-                  head_dim, scale, kv_per_item, out, residual_out):
+                  head_dim, intermediate, scale, kv_per_item, out, residual_out):
     rows, hidden_size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     normed = np.empty((rows, hidden_size), dtype=np.float32)
@@ -62,7 +88,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
         residual_out[:] = hidden
     qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
-    gemv_kernel(normed, w_qkv, qkv)
+    _linear(normed, w_qkv, qkv)
     q = np.empty((rows, q_size), dtype=np.float32)
     k = np.empty((rows, kv_size), dtype=np.float32)
     rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
@@ -72,21 +98,21 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item)
     o = np.empty((rows, hidden_size), dtype=np.float32)
-    gemv_kernel(attn.reshape(rows, q_size), w_o, o)
+    _linear(attn.reshape(rows, q_size), w_o, o)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
     residual_out[:] = summed
-    gate_up = np.empty((rows, w_gate_up.shape[0]), dtype=np.float32)
-    gemv_kernel(normed, w_gate_up, gate_up)
-    act = np.empty((rows, w_gate_up.shape[0] // 2), dtype=np.float32)
-    silu_and_mul_kernel(gate_up, w_gate_up.shape[0] // 2, act)
-    gemv_kernel(act, w_down, out)
+    gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
+    _linear(normed, w_gate_up, gate_up)
+    act = np.empty((rows, intermediate), dtype=np.float32)
+    silu_and_mul_kernel(gate_up, intermediate, act)
+    _linear(act, w_down, out)
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
                   final_eps, cos, sin, kv_caches, block_tables, seq_lens, slots, num_heads,
-                  num_kv_heads, head_dim, scale, kv_per_item, out):
+                  num_kv_heads, head_dim, intermediate, scale, kv_per_item, out):
     rows, hidden_size = hidden.shape
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
@@ -96,62 +122,99 @@ def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, fi
         kv = kv_caches[i]
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], cos, sin, kv[0], kv[1], block_tables, seq_lens, slots,
-                      num_heads, num_kv_heads, head_dim, scale, kv_per_item, layer_out,
-                      residual_out)
+                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
+                      layer_out, residual_out)
         x, residual = layer_out, residual_out
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
 
 
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _quantized(module) -> QuantizedWeight | None:
+    """The GGUF blocks `module` computes on (quantized_weights attached them), or None."""
+    forward = module.__dict__.get("forward")
+    return forward.weight if isinstance(forward, QuantizedLinearForward) else None
+
+
+def _float32(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
+
+
+def _kinds(layer) -> tuple[bool, ...]:
+    """Per projection of `layer`: whether it computes on quantized blocks."""
+    return tuple(_quantized(layer.get_submodule(name)) is not None for name in _PROJECTIONS)
+
+
 def _layer_qualifies(layer) -> bool:
-    """The parts that never change: float32 CPU weights, tp 1, no biases, no q/k norm."""
+    """The parts that never change: float32 CPU norms, each projection quantized or float32
+    CPU, tp 1, no biases, no q/k norm."""
     attn, mlp = layer.self_attn, layer.mlp
-    weights = [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-               mlp.down_proj.weight, layer.input_layernorm.weight,
-               layer.post_attention_layernorm.weight]
-    biases = [attn.qkv_proj.bias, attn.o_proj.bias, mlp.gate_up_proj.bias, mlp.down_proj.bias]
+    projections = [layer.get_submodule(name) for name in _PROJECTIONS]
     return (attn.q_norm is None and attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
-            and all(b is None for b in biases)
+            and all(p.bias is None for p in projections)
             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-            and all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
-                    for w in weights))
+            and _float32(layer.input_layernorm.weight)
+            and _float32(layer.post_attention_layernorm.weight)
+            and all(_quantized(p) is not None or _float32(p.weight) for p in projections))
 
 
 def qualifies(model) -> bool:
     """Whether the fused stack can run `model` (a LlamaModel): every layer qualifies, all with
-    one norm eps (the kernel takes one), and the final norm is float32 on the CPU."""
+    one norm eps (the kernel takes one) and each projection of one kind (quantized or float32:
+    one typed list per projection), and the final norm is float32 on the CPU."""
     layers = list(model.layers)
-    norm = model.norm.weight
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
-            and norm.device.type == "cpu" and norm.dtype == torch.float32)
+            and len({_kinds(layer) for layer in layers}) == 1 and _float32(model.norm.weight))
 
 
-def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> bool:
+def max_rows(model) -> int:
+    """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`)."""
+    return MAX_QUANTIZED_DECODE_ROWS if all(_kinds(model.layers[0])) else MAX_DECODE_ROWS
+
+
+def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta,
+            rows_limit: int = MAX_DECODE_ROWS) -> bool:
     """Whether `decode_model` computes this step of `model` (a LlamaModel that `qualifies`):
-    a decode step (every row one token) of at most MAX_DECODE_ROWS rows on the CPU (torch attention
-    backend) in float32."""
+    a decode step (every row one token) of at most `rows_limit` rows on the CPU (torch
+    attention backend) in float32."""
     rows = hidden.shape[0]
-    return (0 < rows <= MAX_DECODE_ROWS and meta.num_decodes == meta.num_reqs == rows
+    return (0 < rows <= rows_limit and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
             and attention_backend(hidden.device) == platform.CPU
             and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches))
 
 
-_PER_LAYER = 6  # the weights `_stack_tensors` lists per layer, in this order:
-# input norm, post-attention norm, qkv, o, gate_up, down
+def _projection_tensors(module) -> list[torch.Tensor]:
+    """The tensors the kernel reads for one projection."""
+    weight = _quantized(module)
+    if weight is None:
+        return [module.weight]
+    return [weight.q, weight.scales] + ([] if weight.mins is None else [weight.mins])
+
+
+def _projection_view(module):
+    """The kernel's view of one projection: the float32 weight, or the quantized weight as
+    (q as bytes, scales, mins ([N, 0]: none), packed, group size)."""
+    weight = _quantized(module)
+    if weight is None:
+        return module.weight.detach().numpy()
+    mins = weight.mins if weight.mins is not None else torch.empty(weight.out_features, 0)
+    return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), mins.numpy(),
+            weight.layout == "u4", weight.group_size)
 
 
 def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every tensor the kernel reads through a standing view: the final norm, the caches,
-    then `_PER_LAYER` weights per layer."""
+    then each layer's norms and projections."""
     out = [model.norm.weight, *kv_caches]
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                mlp.down_proj.weight]
+        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for name in _PROJECTIONS:
+            out += _projection_tensors(layer.get_submodule(name))
     return out
 
 
@@ -165,18 +228,21 @@ class _StackArgs:
     The views share memory with the tensors, so in-place weight changes are seen; `key` is
     every tensor's data pointer, checked each step (~4 us), so a parameter given new storage
     (`param.data = ...`) or another cache list rebuilds the lists instead of reading stale
-    memory. Parameter objects themselves are assumed to stay (they are created once, with
-    the model)."""
+    memory. Parameter objects and attached quantized weights themselves are assumed to stay
+    (they are created once, with the model)."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches_list = kv_caches
         self.tensors = _stack_tensors(model, kv_caches)
         self.key = self.current_key()
-        weights = self.tensors[1 + len(kv_caches):]
-        (self.ln1s, self.ln2s, self.w_qkvs, self.w_os, self.w_gate_ups,
-         self.w_downs) = (_views(weights[i::_PER_LAYER]) for i in range(_PER_LAYER))
+        layers = list(model.layers)
+        self.ln1s = _views(layer.input_layernorm.weight for layer in layers)
+        self.ln2s = _views(layer.post_attention_layernorm.weight for layer in layers)
+        (self.w_qkvs, self.w_os, self.w_gate_ups, self.w_downs) = (
+            typed.List([_projection_view(layer.get_submodule(name)) for layer in layers])
+            for name in _PROJECTIONS)
         self.kv_caches = _views(kv_caches)
-        self.final_norm = self.tensors[0].detach().numpy()
+        self.final_norm = model.norm.weight.detach().numpy()
 
     def current_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)
@@ -205,7 +271,8 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
         meta.block_tables.numpy(),
         np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32),
         meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-        np.float32(attn.attn.scale), kv_per_item, out.numpy())
+        model.layers[0].mlp.intermediate_size, np.float32(attn.attn.scale), kv_per_item,
+        out.numpy())
     return out
 
 
@@ -218,11 +285,12 @@ class FusedDecode:
         self.model = model
         self.forward_layers = type(model).forward_layers.__get__(model)  # the module path
         self.args: _StackArgs | None = None
+        self.max_rows = max_rows(model)
 
     def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         model = self.model
-        if not applies(model, hidden, kv_caches, meta):
+        if not applies(model, hidden, kv_caches, meta, self.max_rows):
             return self.forward_layers(cos_sin, hidden, kv_caches, meta)
         if self.args is None or not self.args.current(kv_caches):
             self.args = _StackArgs(model, kv_caches)
@@ -231,7 +299,8 @@ class FusedDecode:
 
 def attach_fused_decode(model) -> FusedDecode | None:
     """Route `model`'s (a LlamaModel's) decode steps through the fused stack when it
-    `qualifies` (checked once, on the loaded weights); returns the attached path, or None."""
+    `qualifies` (checked once, on the loaded weights and the attached quantized blocks);
+    returns the attached path, or None."""
     if not qualifies(model):
         return None
     fused = model.forward_layers = FusedDecode(model)

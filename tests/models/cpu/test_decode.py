@@ -42,6 +42,33 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
     llm.shutdown()
 
 
+@pytest.mark.parametrize("tensor_type, tied, num_prompts", [
+    ("Q4_1", True, 1), ("Q4_1", False, 8), ("Q8_0", False, 3), ("Q4_0", True, 5),
+    ("Q5_1", False, 2)])
+def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, tensor_type,
+                                                           tied, num_prompts, monkeypatch):
+    """quantization="gguf": the stack runs the projections on the attached blocks (u4 and i8
+    layouts, with and without mins), up to MAX_QUANTIZED_DECODE_ROWS rows, and gives the layer
+    by layer quantized path's tokens and logprobs."""
+    path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
+    llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False, quantization="gguf",
+              max_num_seqs=8)
+    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
+    assert isinstance(model.forward_layers, cpu_decode.FusedDecode)
+    assert model.forward_layers.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
+    assert model.layers[0].mlp.down_proj.weight.numel() == 0  # blocks only
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    llm.shutdown()
+    assert fused_calls > 0 and plain_calls == 0
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(la) == list(lb)
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
 def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monkeypatch):
     # More rows than MAX_ROWS: never called.
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=64)

@@ -40,7 +40,7 @@ def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factor
                         "mlp.down_proj")}
     assert layers <= attached and "model.embed_tokens" in attached
     assert ("lm_head" in attached) is (not tied)
-    assert paths.decode is None  # the fused float32 decode stack does not take blocks
+    assert paths.decode is not None  # the fused decode stack runs on the blocks too
     assert isinstance(model.model.layers[0].mlp.down_proj.forward, QuantizedLinearForward)
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
     ids = torch.tensor([5, 17, 300, 42, 1000, 7])
