@@ -67,8 +67,10 @@ scheduler_outputs = st.builds(
     num_scheduled_tokens=st.dictionaries(ids, st.integers(1, 2048), max_size=8),
     total_num_scheduled_tokens=st.integers(0, 10**5), finished_req_ids=st.lists(ids, max_size=4),
     preempted_req_ids=st.lists(ids, max_size=4))
-grammar_outputs = st.builds(GrammarOutput, req_ids=st.lists(ids, max_size=4),
-                            bitmask=st.none() | st.binary(max_size=64))
+grammar_outputs = st.integers(0, 4).flatmap(lambda n: st.builds(
+    GrammarOutput.build, rows=st.lists(st.integers(0, 255), min_size=n, max_size=n),
+    bitmask=st.integers(0, 3).map(lambda words: np.random.default_rng(n + words).integers(
+        -2**31, 2**31, (n, words), dtype=np.int32))))
 sample_logprobs = st.builds(SampledTokenLogprobs, token_ids=tokens,
                             logprobs=st.lists(floats, max_size=4), rank=st.integers(1, 10**6))
 prompt_chunks = st.integers(0, 4).flatmap(lambda n: st.builds(
@@ -287,7 +289,8 @@ class Target:
 
 def test_method_types_decode_args_and_results():
     types, enc = MethodTypes(Target), MsgpackEncoder()
-    for args in [(GrammarOutput(["a"], b"\x01"),), (None,)]:
+    grammar = GrammarOutput.build([3], np.array([[-1, 5]], dtype=np.int32))
+    for args in [(grammar,), (GrammarOutput(),), (None,)]:
         frames = enc.encode(RPCCall(1, "sample_tokens", args))
         assert types.decode_args(types.decode_call(frames), frames) == args
     frames = enc.encode(RPCCall(2, "untyped", ({"k": [1, 2]}, np.arange(300))))
