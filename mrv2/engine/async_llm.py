@@ -298,6 +298,12 @@ class AsyncLLM:
         self._check_running()
         return await self.engine_core.get_stats_async()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's); False, doing nothing, while a request holds
+        blocks."""
+        self._check_running()
+        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
     def shutdown(self) -> None:
         """Stop the core process; requests still streaming get EngineDeadError. Idempotent."""
         if self._closed:

@@ -213,6 +213,20 @@ def test_bad_requests_leave_the_engine_working(llm, loop):
     assert llm.is_running and not llm.errored
 
 
+def test_reset_prefix_cache(llm, loop):
+    """Refused while a request holds blocks, done once it finished (vLLM's AsyncLLM method)."""
+    async def run():
+        generator = llm.generate(PROMPTS[0], greedy(LONG), "holding")
+        await anext(generator)
+        refused = await llm.reset_prefix_cache()
+        await llm.abort("holding")
+        await generator.aclose()
+        await idle_stats(llm)
+        return refused, await llm.reset_prefix_cache()
+
+    assert loop.run_until_complete(run()) == (False, True)
+
+
 def test_shutdown_ends_streams_and_the_process(llm, loop):
     # Last test on the module's engine: it shuts it down.
     proc, ipc_dir = llm.engine_core.proc, llm.engine_core.ipc_dir
@@ -299,3 +313,4 @@ def test_merged_deltas_concatenate_logprobs():
     assert merged.prompt_logprobs == [None] and merged.finished
     plain = _merge_delta(delta([5], None), delta([6], None))
     assert plain.outputs[0].logprobs is None
+

@@ -100,8 +100,7 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        # AsyncLLM has no reset_prefix_cache(); the core's utility is what LLMEngine calls.
-        reset = bool(await engine.engine_core.call_utility_async("reset_prefix_cache"))
+        reset = await engine.reset_prefix_cache()
         if not reset:
             logger.warning("prefix cache not reset: requests still hold cached blocks")
         return JSONResponse({"reset": reset})

@@ -49,11 +49,9 @@ class StubEngine:
         self.config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64))
         self.calls: list[str] = []
 
-        async def call_utility_async(method: str) -> bool:
-            self.calls.append(method)
-            return True
-
-        self.engine_core = SimpleNamespace(call_utility_async=call_utility_async)
+    async def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset_prefix_cache")
+        return True
 
 
 def test_in_process_routes(monkeypatch):
