@@ -1,5 +1,5 @@
-"""The `mrv2` command line: `mrv2 generate` (offline generation) and `mrv2 serve` (the
-OpenAI-compatible server, vLLM's flags).
+"""The `mrv2` command line: `mrv2 generate` (offline generation), `mrv2 serve` (the
+OpenAI-compatible server, vLLM's flags) and `mrv2 chat` / `mrv2 complete` (its clients).
 
 Without a model, they use the built-in model, SmolLM2-135M-Instruct as a Q4_1 GGUF installed
 from PyPI with the project (mrv2/models/builtin.py), so they work on a fresh machine with no
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mrv2.entrypoints.bench import add_bench_parser
 
     add_bench_parser(sub)  # `mrv2 bench throughput | serve` (mrv2/entrypoints/bench/)
+    from mrv2.entrypoints.chat_client import add_client_parsers
+
+    add_client_parsers(sub)  # `mrv2 chat | complete`: clients of a running server
     return parser
 
 
@@ -141,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             from mrv2.entrypoints.openai.api_server import run_server
 
             return run_server(args)
+        if args.command in ("chat", "complete"):
+            from mrv2.entrypoints.chat_client import run_client
+
+            return run_client(args)
     except ValueError as error:  # bad input: a clear message, no traceback
         print(f"mrv2: error: {error}", file=sys.stderr)
         return 2
