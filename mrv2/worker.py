@@ -11,6 +11,7 @@ are all-gathered, so every rank samples the same tokens and its runner state sta
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -44,6 +45,8 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.num_kv_blocks = 0
+        self._kv_shapes: list[torch.Size] | None = None  # while asleep: the caches' shapes
+        self._fast_paths: cpu_fast_paths.CpuFastPaths | None = None
 
     def load_model(self) -> None:
         if self.device.type == "cpu":
@@ -54,9 +57,12 @@ class Worker:
             torch.cuda.set_device(self.device)
         distributed.init_distributed(self.rank, self.world_size, self.distributed_init_method,
                                      self.device)
+        self._load_weights()
+
+    def _load_weights(self) -> None:
         self.model = load_model(self.config.model_config, self.device)
         if self.device.type == "cpu":
-            cpu_fast_paths.attach(self.model, self.config.model_config)
+            self._fast_paths = cpu_fast_paths.attach(self.model, self.config.model_config)
         elif self.device.type == "cuda":
             # Decode-only steps split long contexts over several programs (flash-decoding);
             # the partials' scratch is allocated once here, before warm-up and graph capture.
@@ -133,6 +139,35 @@ class Worker:
         self.runner.warm_up()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                     num_blocks * self.kv_block_bytes / (1 << 20))
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep mode, for an idle engine. Level 1 discards the KV cache's memory (the
+        runner's cache tensors stay the same objects, with empty storage); level 2 also
+        drops the weights. On the CPU the weights already live in host memory, so level 1
+        moves nothing there (on CUDA too: mrv2 does not offload them)."""
+        if self._kv_shapes is None:
+            if self._fast_paths is not None:
+                self._fast_paths.release_kv_views()
+            self._kv_shapes = [cache.shape for cache in self.runner.kv_caches]
+            for cache in self.runner.kv_caches:
+                cache.set_(cache.new_empty(0))  # the old storage goes with its last view
+        if level == 2:
+            self.model = self.runner.model = self._fast_paths = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Give the KV cache its memory back (zeroed, as at start-up) and, after level 2, load
+        the weights again from the checkpoint (vLLM leaves that to the user)."""
+        if self._kv_shapes is not None:
+            for cache, shape in zip(self.runner.kv_caches, self._kv_shapes):
+                cache.set_(cache.new_zeros(shape))
+            self._kv_shapes = None
+        if self.model is None:
+            self._load_weights()
+            self.runner.model = self.model
+            self.runner.capture_model()  # graphs read the old weights' addresses
 
     def close(self) -> None:
         """Leave the tensor-parallel group (the worker process calls it on its way out)."""

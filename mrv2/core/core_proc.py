@@ -68,6 +68,9 @@ def core_stats(core: "EngineCore") -> CoreStats:
 UTILITIES = {
     "get_stats": core_stats,
     "reset_prefix_cache": lambda core: core.scheduler.reset_prefix_cache(),
+    "sleep": lambda core, level=1: core.sleep(level),
+    "wake_up": lambda core, tags=None: core.wake_up(tags),
+    "is_sleeping": lambda core: core.sleep_level > 0,
     "echo": lambda core, *args: list(args),
 }
 

@@ -58,10 +58,39 @@ class EngineCore:
         # Steps submitted to the executor and not yet folded back into the scheduler.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
+        self.sleep_level = 0  # 0 awake; 1 or 2 as given to sleep()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.sleep_level:
+            raise ValueError(f"request {request.request_id!r}: the engine is asleep (level "
+                             f"{self.sleep_level}); call wake_up() first")
         self.scheduler.add_request(
             Request.from_engine_core_request(request, self.config.model_config.max_model_len))
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (Worker.sleep): level 1 frees the KV cache, level 2 the weights
+        too. The engine must be idle; the prefix cache is forgotten (its blocks' contents go)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level!r}: expected 1 (KV cache) or 2 (KV cache "
+                             f"and weights)")
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"sleep needs an idle engine: "
+                               f"{self.scheduler.get_num_unfinished_requests()} request(s) "
+                               f"unfinished")
+        if not self.sleep_level:
+            self.scheduler.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", (max(level, self.sleep_level),))
+        self.sleep_level = max(level, self.sleep_level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo sleep(): the KV cache (and weights) come back. vLLM's `tags` ("weights",
+        "kv_cache") wake parts separately; mrv2 wakes everything, so only all of them."""
+        if tags is not None and set(tags) != {"weights", "kv_cache"}:
+            raise ValueError(f"wake_up(tags={tags!r}): mrv2 wakes the weights and the KV cache "
+                             f"together; pass no tags")
+        if self.sleep_level:
+            self.executor.collective_rpc("wake_up")
+            self.sleep_level = 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

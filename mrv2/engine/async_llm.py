@@ -298,6 +298,19 @@ class AsyncLLM:
         self._check_running()
         return await self.engine_core.get_stats_async()
 
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (EngineCore.sleep): level 1 frees the KV cache, 2 the weights too."""
+        self._check_running()
+        await self.engine_core.call_utility_async("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._check_running()
+        await self.engine_core.call_utility_async("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        self._check_running()
+        return bool(await self.engine_core.call_utility_async("is_sleeping"))
+
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's); False, doing nothing, while a request holds
         blocks."""

@@ -269,6 +269,18 @@ class LLMEngine:
         """Forget every cached block; False (nothing done) while a request holds blocks."""
         return bool(self.core_client.call_utility("reset_prefix_cache"))
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: level 1 frees the KV cache, level 2 the weights too (EngineCore);
+        the engine must be idle."""
+        self.core_client.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo sleep() (EngineCore.wake_up)."""
+        self.core_client.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.core_client.call_utility("is_sleeping"))
+
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """`method(*args, **kwargs)` on every worker (a callable runs as

@@ -106,6 +106,14 @@ class LLM:
             raise ValueError("lora_request is not supported: mrv2 has no LoRA adapters")
         return run_beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for an idle engine: level 1 frees the KV cache's memory, level 2
+        the weights too; `wake_up()` restores them (level 2 reloads the checkpoint)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's): later prompts are computed from scratch.
         False, doing nothing, while a request holds blocks (never between `generate` calls)."""

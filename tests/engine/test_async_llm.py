@@ -227,6 +227,24 @@ def test_reset_prefix_cache(llm, loop):
     assert loop.run_until_complete(run()) == (False, True)
 
 
+def test_sleep_and_wake_up_through_the_core_process(llm, loop):
+    async def run():
+        expected = [o async for o in llm.generate(PROMPTS[1], greedy(), "before")][-1]
+        await llm.sleep(2)
+        asleep = await llm.is_sleeping()
+        with pytest.raises(Exception, match="asleep"):
+            async for _ in llm.generate(PROMPTS[1], greedy(), "while asleep"):
+                pass
+        with pytest.raises(Exception, match="tags"):
+            await llm.wake_up(["weights"])
+        await llm.wake_up()
+        after = [o async for o in llm.generate(PROMPTS[1], greedy(), "after")][-1]
+        return asleep, await llm.is_sleeping(), expected, after
+
+    asleep, still, expected, after = loop.run_until_complete(run())
+    assert asleep and not still
+    assert after.outputs[0].token_ids == expected.outputs[0].token_ids
+
 def test_shutdown_ends_streams_and_the_process(llm, loop):
     # Last test on the module's engine: it shuts it down.
     proc, ipc_dir = llm.engine_core.proc, llm.engine_core.ipc_dir

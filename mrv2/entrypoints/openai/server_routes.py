@@ -1,9 +1,9 @@
 """vLLM's server surface beyond the OpenAI routes: `/ping`, `/load`, the dev-mode routes, CORS,
 request and stats logging, the request-side `--max-logprobs` check and uvicorn's settings.
 
-As in vLLM, `/server_info` and `/reset_prefix_cache` exist only when the environment variable
-VLLM_SERVER_DEV_MODE is 1 (they are not meant for production). `/sleep`, `/wake_up` and
-`/is_sleeping` are absent: mrv2's engine cannot sleep.
+As in vLLM, `/server_info`, `/reset_prefix_cache`, `/sleep`, `/wake_up` and `/is_sleeping`
+exist only when the environment variable VLLM_SERVER_DEV_MODE is 1 (they are not meant for
+production).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import platform
 import sys
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from mrv2.engine.async_llm import AsyncLLM
@@ -104,6 +104,26 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
         if not reset:
             logger.warning("prefix cache not reset: requests still hold cached blocks")
         return JSONResponse({"reset": reset})
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        try:
+            await engine.sleep(level)
+        except (ValueError, RuntimeError) as error:  # a bad level, or requests running
+            raise BadRequest(str(error), param="level") from None
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)) -> Response:
+        try:
+            await engine.wake_up(tags)
+        except ValueError as error:
+            raise BadRequest(str(error), param="tags") from None
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
 
 def _jsonable(value: Any) -> Any:

@@ -30,6 +30,12 @@ class CpuFastPaths:
     decode: decode.FusedDecode | None  # None: the model does not qualify
     quantized: quantized_weights.QuantizedModules | None = None
 
+    def release_kv_views(self) -> None:
+        """Drop the fused stack's cached views of the KV cache (they keep its memory alive),
+        so the cache can be freed (Worker.sleep); the next step builds them again."""
+        if self.decode is not None:
+            self.decode.args = None
+
 
 def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFastPaths | None:
     """Attach the CPU fast paths to `model` (a model built by `load_model` on the CPU from

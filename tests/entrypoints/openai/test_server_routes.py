@@ -36,7 +36,7 @@ def test_ping_load_and_cors(server):
         "Origin": "http://elsewhere", "Access-Control-Request-Method": "GET"})
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "*"
-    # Dev routes exist only with VLLM_SERVER_DEV_MODE=1 (vLLM's choice); no sleep routes.
+    # Dev routes exist only with VLLM_SERVER_DEV_MODE=1 (vLLM's choice).
     for method, path in (("GET", "/server_info"), ("POST", "/reset_prefix_cache"),
                          ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
         assert httpx.request(method, f"{server.url}{path}").status_code == 404
@@ -53,6 +53,17 @@ class StubEngine:
         self.calls.append("reset_prefix_cache")
         return True
 
+    async def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level}")
+        self.calls.append(f"sleep {level}")
+
+    async def wake_up(self, tags) -> None:
+        self.calls.append(f"wake_up {tags}")
+
+    async def is_sleeping(self) -> bool:
+        return any(c.startswith("sleep") for c in self.calls)
+
 
 def test_in_process_routes(monkeypatch):
     monkeypatch.setenv(DEV_MODE_ENV, "1")
@@ -68,7 +79,12 @@ def test_in_process_routes(monkeypatch):
     assert json.dumps(as_json["vllm_config"]) and client.get(
         "/server_info", params={"config_format": "yaml"}).status_code == 400
     assert client.post("/reset_prefix_cache").json() == {"reset": True}
-    assert engine.calls == ["reset_prefix_cache"]
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert client.post("/sleep", params={"level": 2}).status_code == 200
+    assert client.post("/sleep", params={"level": 3}).status_code == 400
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert client.post("/wake_up", params={"tags": ["weights", "kv_cache"]}).status_code == 200
+    assert engine.calls == ["reset_prefix_cache", "sleep 2", "wake_up ['weights', 'kv_cache']"]
     assert client.get("/ping").status_code == 200
 
 
