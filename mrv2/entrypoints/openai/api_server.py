@@ -29,6 +29,11 @@ from mrv2.models.generation_config import sampling_defaults
 from mrv2.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
+from mrv2.entrypoints.openai.protocol_responses import (
+    ChatCompletionResponse, ChatCompletionStreamResponse, CompletionResponse,
+    CompletionStreamResponse, DetokenizeResponse, ModelList, TokenizeResponse, VersionResponse,
+    empty_response, generation_responses, install_openapi, json_response, request_body,
+    text_response)
 from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
 from mrv2.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from mrv2.entrypoints.openai.server_routes import (check_max_logprobs, configure_logging,
@@ -86,6 +91,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                   root_path=config.root_path or "",
                   lifespan=lambda _: stats_lifespan(engine, config, metrics.registry), **docs)
     install_error_handlers(app)
+    install_openapi(app)
     install_server_routes(app, engine, config)  # CORS, /ping, /load, dev-mode routes
     if config.api_key:  # outside CORS, as in vLLM (preflight OPTIONS passes it)
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -96,39 +102,45 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     tokenization = OpenAIServingTokenization(chat)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses=generation_responses(CompletionResponse, CompletionStreamResponse))
     async def create_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, CompletionRequest)
         check_max_logprobs(request, config.max_logprobs)
         log_request(config, "/v1/completions", request)
         return respond(await completion.create(request, raw_request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses=generation_responses(ChatCompletionResponse,
+                                             ChatCompletionStreamResponse))
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest)
         check_max_logprobs(request, config.max_logprobs)
         log_request(config, "/v1/chat/completions", request)
         return respond(await chat.create(request, raw_request))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=json_response(ModelList, 401, 500))
     async def models() -> Response:
         return JSONResponse(tokenization.models())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
+              responses=json_response(TokenizeResponse, 400, 404, 500))
     async def tokenize(raw_request: Request) -> Response:
         return JSONResponse(tokenization.tokenize(await parse_body(raw_request,
                                                                    TokenizeRequest)))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+              responses=json_response(DetokenizeResponse, 400, 404, 500))
     async def detokenize(raw_request: Request) -> Response:
         return JSONResponse(tokenization.detokenize(await parse_body(raw_request,
                                                                      DetokenizeRequest)))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=empty_response(503))
     async def health() -> Response:
         return health_response(engine)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=text_response(
+        CONTENT_TYPE, "Prometheus metrics (text exposition format)"))
     async def metrics_endpoint() -> Response:
         try:
             stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
@@ -137,7 +149,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             stats = None
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.get("/version", responses=json_response(VersionResponse))
     async def version() -> Response:
         return JSONResponse({"version": __version__})
 

@@ -24,6 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from mrv2.engine.async_llm import AsyncLLM
 from mrv2.entrypoints.openai.cli_args import ServerConfig
 from mrv2.entrypoints.openai.errors import BadRequest, OpenAIError
+from mrv2.entrypoints.openai.protocol_responses import (IsSleepingResponse, LoadResponse,
+                                                        ResetPrefixCacheResponse,
+                                                        ServerInfoResponse, empty_response,
+                                                        json_response)
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +78,12 @@ def install_server_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig) 
     if config.enable_server_load_tracking:
         app.add_middleware(LoadTracker, state=app.state)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", response_class=Response, responses=empty_response(503))
+    @app.post("/ping", response_class=Response, responses=empty_response(503))
     async def ping() -> Response:
         return health_response(engine)
 
-    @app.get("/load")
+    @app.get("/load", responses=json_response(LoadResponse))
     async def load() -> Response:
         return JSONResponse({"server_load": app.state.server_load_metrics})
 
@@ -89,7 +94,7 @@ def install_server_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig) 
 
 
 def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
-    @app.get("/server_info")
+    @app.get("/server_info", responses=json_response(ServerInfoResponse, 400))
     async def server_info(config_format: str = "text") -> Response:
         if config_format not in ("text", "json"):
             raise BadRequest(f"config_format must be 'text' or 'json', got {config_format!r}",
@@ -98,14 +103,14 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
                          else json.loads(json.dumps(engine.config, default=_jsonable)))
         return JSONResponse({"vllm_config": engine_config, "versions": versions()})
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=json_response(ResetPrefixCacheResponse, 500))
     async def reset_prefix_cache() -> Response:
         reset = await engine.reset_prefix_cache()
         if not reset:
             logger.warning("prefix cache not reset: requests still hold cached blocks")
         return JSONResponse({"reset": reset})
 
-    @app.post("/sleep")
+    @app.post("/sleep", response_class=Response, responses=empty_response(400))
     async def sleep(level: int = 1) -> Response:
         try:
             await engine.sleep(level)
@@ -113,7 +118,7 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
             raise BadRequest(str(error), param="level") from None
         return Response(status_code=200)
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", response_class=Response, responses=empty_response(400))
     async def wake_up(tags: list[str] | None = Query(None)) -> Response:
         try:
             await engine.wake_up(tags)
@@ -121,7 +126,7 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
             raise BadRequest(str(error), param="tags") from None
         return Response(status_code=200)
 
-    @app.get("/is_sleeping")
+    @app.get("/is_sleeping", responses=json_response(IsSleepingResponse))
     async def is_sleeping() -> Response:
         return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 

@@ -1,0 +1,281 @@
+"""What the server answers, as pydantic models: they document /openapi.json only.
+
+The handlers build their answers as dicts (and SSE lines); these models mirror those shapes so
+that schema-driven tools and client generators see them. They are used in routes'
+`responses=` (never `response_model=`), so nothing on the wire depends on them.
+`install_openapi` completes what FastAPI generates: the request bodies (the handlers parse the
+raw body themselves, to keep OpenAI's 400 envelope), the streaming chunks, and OpenAI's error
+envelope in place of FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, TokenizeRequest)
+from mrv2.entrypoints.openai.tool_parsers.base import DeltaToolCall, ToolCall
+
+REF_PREFIX = "#/components/schemas/"
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="e.g. invalid_request_error, service_unavailable_error")
+    param: str | None = Field(description="the request field at fault, when there is one")
+    code: str | None = Field(description="e.g. model_not_found, context_length_exceeded")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: every error status (and an error mid-stream) carries it."""
+
+    error: ErrorInfo
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoiceLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = Field(
+        description="the stop string or token id that ended the choice (vLLM's)")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One `data:` event of a streamed completion; the usage-only last one has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = Field(None, description="with stream_options.include_usage")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning: str | None = Field(description="with --reasoning-parser")
+    tool_calls: list[ToolCall]
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One `data:` event of a streamed chat completion (the first per choice has the role)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = Field(None, description="with stream_options.include_usage")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(description="with return_token_strs")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class LoadResponse(BaseModel):
+    server_load: int = Field(description="requests in flight (--enable-server-load-tracking)")
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ServerInfoResponse(BaseModel):
+    vllm_config: str | dict[str, Any]
+    versions: dict[str, str]
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    reset: bool
+
+
+class IsSleepingResponse(BaseModel):
+    is_sleeping: bool
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a bad field or value, a prompt over the context",
+    401: "Missing or wrong API key (only with --api-key)",
+    404: "The model does not exist",
+    500: "Internal server error",
+    503: "The engine is not running",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries of these error statuses, each OpenAI's envelope."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
+            for status in statuses}
+
+
+def json_response(model: type[BaseModel], *errors: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route answering `model` as JSON, or one of `errors`."""
+    return {200: {"model": model}, **error_responses(*errors)}
+
+
+def generation_responses(model: type[BaseModel],
+                         chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The completion routes: JSON, or with "stream": true server-sent `chunk` events."""
+    events = {"type": "string", "description": (
+        f"Server-sent events: each `data:` line holds one {chunk.__name__} (or, on a failure "
+        f"mid-stream, an ErrorResponse), the last one is `data: [DONE]`")}
+    item = {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "contentMediaType": "application/json",
+        "contentSchema": {"$ref": REF_PREFIX + chunk.__name__}}}}
+    return {200: {"model": model, "description": "The result, or with stream true its events",
+                  "content": {"text/event-stream": {"schema": events, "itemSchema": item}}},
+            **error_responses(400, 401, 404, 500, 503)}
+
+
+def empty_response(*errors: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route whose 200 has an empty body (health, ping, sleep, wake_up)."""
+    return {200: {"description": "Success (an empty body)", "content": {
+        "text/plain": {"schema": {"type": "string", "maxLength": 0}}}},
+        **error_responses(*errors)}
+
+
+def text_response(media_type: str, description: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": description,
+                  "content": {media_type: {"schema": {"type": "string"}}}}}
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra=` declaring a JSON body of `model` (the handler parses it itself)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": REF_PREFIX + model.__name__}}}}}
+
+
+# Models the schema refers to that no route's `responses=` brings in: the request bodies
+# (validation mode), the streamed chunks and the error envelope (serialization mode).
+_EXTRA_SCHEMAS = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                              TokenizeRequest, DetokenizeRequest)] + \
+    [(m, "serialization") for m in (CompletionStreamResponse, ChatCompletionStreamResponse,
+                                    ErrorResponse)]
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Completes app.openapi(): adds _EXTRA_SCHEMAS to the components and replaces FastAPI's
+    422 (which this server never sends: its validation errors are 400s) with the 400
+    envelope."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _complete(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _complete(schema: dict[str, Any]) -> None:
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    _, extra = models_json_schema(_EXTRA_SCHEMAS, ref_template=REF_PREFIX + "{model}")
+    for name, definition in extra.get("$defs", {}).items():
+        components.setdefault(name, definition)
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None and "400" not in responses:
+                bad = error_responses(400)[400]
+                responses["400"] = {"description": bad["description"], "content": {
+                    "application/json": {"schema": {"$ref": REF_PREFIX + "ErrorResponse"}}}}
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)

@@ -1,0 +1,196 @@
+"""/openapi.json is complete: request bodies, 200 schemas (JSON, server-sent events, text) and
+OpenAI's error envelope for the error statuses, from the typed models of protocol.py and
+protocol_responses.py. The document is checked on an in-process app (stub engine, dev routes
+on); what the real server answers is then validated against it, so the models mirror the
+handlers' output."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from types import SimpleNamespace
+
+import httpx
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from mrv2.entrypoints.openai.api_server import build_app
+from mrv2.entrypoints.openai.cli_args import ServerConfig
+from mrv2.entrypoints.openai.server_routes import DEV_MODE_ENV
+
+from .conftest import API_KEY, MODEL_NAME
+
+REF = "#/components/schemas/"
+# POST routes that take no body (vLLM's: /sleep and /wake_up take query parameters).
+BODYLESS_POSTS = {"/ping", "/reset_prefix_cache", "/sleep", "/wake_up"}
+BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+          "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+
+
+class StubEngine:
+    errored = False
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, vocab_size=100))
+
+    def get_tokenizer(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def app_client():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DEV_MODE_ENV, "1")
+        app = build_app(StubEngine(), ServerConfig(
+            model="/no-model", served_model_names=["m"], generation_config="vllm",
+            api_key=API_KEY))
+    return TestClient(app)
+
+
+@pytest.fixture(scope="module")
+def document(app_client):
+    response = app_client.get("/openapi.json")
+    assert response.status_code == 200
+    return response.json()
+
+
+def operations(document):
+    for path, methods in document["paths"].items():
+        for method, operation in methods.items():
+            yield path, method, operation
+
+
+def test_every_operation_is_documented(document):
+    schemas = document["components"]["schemas"]
+    seen = {(p, m) for p, m, _ in operations(document)}
+    assert {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
+            ("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
+            ("/health", "get"), ("/ping", "get"), ("/ping", "post"), ("/load", "get"),
+            ("/version", "get"), ("/metrics", "get"), ("/sleep", "post")} <= seen
+    ids = [op["operationId"] for _, _, op in operations(document)]
+    assert len(ids) == len(set(ids))
+    for path, method, operation in operations(document):
+        where = f"{method.upper()} {path}"
+        if method == "post" and path not in BODYLESS_POSTS:
+            body = operation["requestBody"]["content"]["application/json"]["schema"]
+            assert body == {"$ref": REF + BODIES[path]}, where
+            assert operation["requestBody"]["required"] is True
+        else:
+            assert "requestBody" not in operation, where
+        responses = operation["responses"]
+        assert "422" not in responses, where  # validation errors are 400s here
+        assert responses["200"]["content"], where
+        for media_type, content in responses["200"]["content"].items():
+            assert content.get("schema") or media_type.startswith("text/"), where
+            if media_type == "application/json":
+                assert content["schema"]["$ref"].startswith(REF), where
+        for status, response in responses.items():
+            if status >= "400":
+                assert response["content"] == {
+                    "application/json": {"schema": {"$ref": REF + "ErrorResponse"}}}, where
+    text = json.dumps(document)
+    assert set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', text)) == set(schemas)
+    for schema in schemas.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_the_models_are_complete(document):
+    schemas = document["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"messages", "tools", "response_format", "tool_choice", "stream"} <= set(chat)
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "choices" in schemas["CompletionResponse"]["properties"]
+    assert "delta" in schemas["ChatCompletionStreamChoice"]["properties"]
+    assert set(schemas["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
+    chat_ok = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    events = chat_ok["text/event-stream"]["itemSchema"]["properties"]["data"]
+    assert events["contentSchema"] == {"$ref": REF + "ChatCompletionStreamResponse"}
+    metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain; version=0.0.4; charset=utf-8"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+        assert "401" in document["paths"][path][next(iter(document["paths"][path]))]["responses"]
+
+
+def test_documenting_changes_no_error(app_client):
+    """The handlers still parse their bodies: bad ones are 400s in OpenAI's envelope."""
+    for path, body, param in (("/tokenize", b'{"prompt": ', None),
+                              ("/detokenize", b'{"tokens": "x"}', "tokens"),
+                              ("/sleep?level=x", b"", "query.level")):
+        response = app_client.post(path, content=body)
+        assert response.status_code == 400, path
+        assert response.json()["error"]["param"] == param
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert app_client.post("/v1/completions", json={}).status_code == 401
+    assert app_client.get("/health").content == b""
+
+
+# -- the real server's answers against the document ---------------------------------------
+
+def validator(document, name: str) -> jsonschema.Draft202012Validator:
+    """Validates against components/schemas/`name`; response models are closed (a field the
+    handler sends that the model lacks fails), request-side ones stay as documented."""
+    schemas = copy.deepcopy(document["components"]["schemas"])
+    for schema in schemas.values():
+        if schema.get("type") == "object" and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+    return jsonschema.Draft202012Validator({"$ref": REF + name,
+                                            "components": {"schemas": schemas}})
+
+
+def events(response: httpx.Response) -> list:
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+NAMED_TOOL = {"tools": [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}],
+    "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+
+
+def test_the_server_answers_what_the_document_says(server, tiny_llama):
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    headers = server.headers()
+
+    def post(path: str, body: dict, name: str, status: int = 200, **kwargs) -> None:
+        response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60,
+                              **kwargs)
+        assert response.status_code == status, response.text
+        if body.get("stream") and status == 200:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for chunk in events(response):
+                validator(document, name).validate(chunk)
+        else:
+            validator(document, name).validate(response.json())
+
+    completion = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3, "logprobs": 2}
+    post("/v1/completions", {**completion, "echo": True}, "CompletionResponse")
+    post("/v1/completions", {**completion, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}, "CompletionStreamResponse")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    post("/v1/chat/completions", chat, "ChatCompletionResponse")
+    post("/v1/chat/completions", {**chat, "stream": True, "stream_options": {
+        "include_usage": True}}, "ChatCompletionStreamResponse")
+    tools = {**chat, **NAMED_TOOL, "max_tokens": 30}
+    post("/v1/chat/completions", tools, "ChatCompletionResponse")
+    post("/v1/chat/completions", {**tools, "stream": True}, "ChatCompletionStreamResponse")
+    post("/tokenize", {"prompt": "hi", "return_token_strs": True}, "TokenizeResponse")
+    post("/tokenize", {"messages": chat["messages"]}, "TokenizeResponse")
+    post("/detokenize", {"tokens": [1, 2]}, "DetokenizeResponse")
+    for path, name in (("/v1/models", "ModelList"), ("/version", "VersionResponse"),
+                       ("/load", "LoadResponse")):
+        response = httpx.get(f"{server.url}{path}", headers=headers)
+        validator(document, name).validate(response.json())
+    # Errors: 400, 404, 401, all the envelope.
+    post("/v1/completions", {**completion, "temperature": -1}, "ErrorResponse", 400)
+    post("/v1/chat/completions", {**chat, "model": "nope"}, "ErrorResponse", 404)
+    unauthorized = httpx.post(f"{server.url}/v1/completions", json=completion)
+    assert unauthorized.status_code == 401
+    validator(document, "ErrorResponse").validate(unauthorized.json())
+    metrics = httpx.get(f"{server.url}/metrics")
+    metrics_doc = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert metrics.headers["content-type"] in metrics_doc
+    assert httpx.get(f"{server.url}/health").content == b""
