@@ -4,27 +4,17 @@ end check."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from mrv2.entrypoints.openai.reasoning_parsers import (REASONING_PARSERS, ReasoningParser,
                                                        get_reasoning_parser)
 
+from .stream_helpers import chunkings as stream_chunkings
+
 
 def chunkings(text: str, seeds: int = 10):
-    """Whole, one character at a time, random sizes (fixed seeds), every cut in two."""
-    yield [text]
-    yield list(text)
-    for seed in range(seeds):
-        rng, pieces, i = random.Random(seed), [], 0
-        while i < len(text):
-            n = rng.randint(1, 6)
-            pieces.append(text[i:i + n])
-            i += n
-        yield pieces
-    for cut in range(1, len(text)):
-        yield [text[:cut], text[cut:]]
+    """Whole, one character at a time, random sizes up to 6 (fixed seeds), every cut in two."""
+    return stream_chunkings(text, seeds, max_piece=6)
 
 
 def stream(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:

@@ -4,7 +4,6 @@ streaming that reassembles to exactly those results however the output is cut in
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -12,20 +11,13 @@ from mrv2.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from mrv2.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, StreamDelta, ToolCall
 from mrv2.entrypoints.openai.tool_parsers.json_stream import JsonCanonicalizer
 
+from .stream_helpers import chunkings as stream_chunkings
+
 
 def chunkings(text: str, seeds: int = 8):
-    """Whole, one character at a time, random sizes (fixed seeds), every cut in two."""
-    yield [text]
-    yield list(text)
-    for seed in range(seeds):
-        rng, pieces, i = random.Random(seed), [], 0
-        while i < len(text):
-            n = rng.randint(1, 9)
-            pieces.append(text[i:i + n])
-            i += n
-        yield pieces
-    for cut in range(1, len(text), 3):
-        yield [text[:cut], text[cut:]]
+    """Whole, one character at a time, random sizes up to 9 (fixed seeds), every third cut in
+    two."""
+    return stream_chunkings(text, seeds, max_piece=9, cut_step=3)
 
 
 def stream(parser_cls, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:

@@ -27,6 +27,15 @@ def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:
     return outputs, calls["n"]
 
 
+def assert_same_outputs(fused, plain) -> None:
+    """Same tokens, same top logprob ids, logprobs within float32 rounding."""
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(la) == list(lb)
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
 @pytest.mark.parametrize("num_prompts", [1, 3, cpu_decode.MAX_DECODE_ROWS])
 def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, monkeypatch):
     llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False)
@@ -34,11 +43,7 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
     fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
     plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
     assert fused_calls > 0 and plain_calls == 0
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert list(la) == list(lb)
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    assert_same_outputs(fused, plain)
     llm.shutdown()
 
 
@@ -62,11 +67,7 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
     llm.shutdown()
     assert fused_calls > 0 and plain_calls == 0
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert list(la) == list(lb)
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    assert_same_outputs(fused, plain)
 
 
 def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monkeypatch):
