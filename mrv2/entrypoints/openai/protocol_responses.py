@@ -10,6 +10,7 @@ envelope in place of FastAPI's 422.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -194,7 +195,7 @@ class IsSleepingResponse(BaseModel):
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a bad field or value, a prompt over the context",
     401: "Missing or wrong API key (only with --api-key)",
-    404: "The model does not exist",
+    404: "The model (or the stored response) does not exist",
     500: "Internal server error",
     503: "The engine is not running",
 }
@@ -211,10 +212,11 @@ def json_response(model: type[BaseModel], *errors: int) -> dict[int | str, dict[
     return {200: {"model": model}, **error_responses(*errors)}
 
 
-def generation_responses(model: type[BaseModel],
-                         chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The completion routes: JSON, or with "stream": true server-sent `chunk` events."""
-    events = {"type": "string", "description": (
+def generation_responses(model: type[BaseModel], chunk: type[BaseModel],
+                         description: str | None = None) -> dict[int | str, dict[str, Any]]:
+    """The completion routes: JSON, or with "stream": true server-sent `chunk` events
+    (`description` says how the stream goes)."""
+    events = {"type": "string", "description": description or (
         f"Server-sent events: each `data:` line holds one {chunk.__name__} (or, on a failure "
         f"mid-stream, an ErrorResponse), the last one is `data: [DONE]`")}
     item = {"type": "object", "required": ["data"], "properties": {"data": {
@@ -251,23 +253,26 @@ _EXTRA_SCHEMAS = [(m, "validation") for m in (CompletionRequest, ChatCompletionR
                                     ErrorResponse)]
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Completes app.openapi(): adds _EXTRA_SCHEMAS to the components and replaces FastAPI's
-    422 (which this server never sends: its validation errors are 400s) with the 400
-    envelope."""
+def install_openapi(app: FastAPI, requests: Sequence[type[BaseModel]] = (),
+                    chunks: Sequence[type[BaseModel]] = ()) -> None:
+    """Completes app.openapi(): adds _EXTRA_SCHEMAS (and the other routes' `requests` bodies
+    and streamed `chunks`) to the components and replaces FastAPI's 422 (which this server
+    never sends: its validation errors are 400s) with the 400 envelope."""
     generate = app.openapi
+    models = _EXTRA_SCHEMAS + [(m, "validation") for m in requests] + \
+        [(m, "serialization") for m in chunks]
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            _complete(generate())
+            _complete(generate(), models)
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def _complete(schema: dict[str, Any]) -> None:
+def _complete(schema: dict[str, Any], models: list[tuple[type[BaseModel], str]]) -> None:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    _, extra = models_json_schema(_EXTRA_SCHEMAS, ref_template=REF_PREFIX + "{model}")
+    _, extra = models_json_schema(models, ref_template=REF_PREFIX + "{model}")
     for name, definition in extra.get("$defs", {}).items():
         components.setdefault(name, definition)
     for operations in schema.get("paths", {}).values():

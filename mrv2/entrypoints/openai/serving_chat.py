@@ -20,6 +20,7 @@ from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, event_stream,
                                                     sse, usage)
 from mrv2.entrypoints.openai.structured_outputs import request_structured_outputs
 from mrv2.entrypoints.openai.tool_parsers import get_tool_parser
+from mrv2.sampling_params import SamplingParams
 
 ROLE = "assistant"
 
@@ -40,8 +41,9 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest(f"the chat template could not be applied: {error}",
                              param="messages") from None
 
-    async def create(self, request: ChatCompletionRequest, raw_request: Request):
-        """A response dict, or (streaming) an async iterator of SSE strings."""
+    def prepare(self, request: ChatCompletionRequest) -> tuple[dict[str, Any], SamplingParams]:
+        """The request checked and rendered: (engine prompt, SamplingParams); 400 naming the
+        field on bad input. The Responses route runs its requests through this too."""
         self.check_model(request.model)
         request.check()
         if (request.tools and request.effective_tool_choice == "auto"
@@ -62,6 +64,11 @@ class OpenAIServingChat(OpenAIServing):
             request, self.engine.config.structured_outputs_config)
         params = request.to_sampling_params(max_tokens, self.default_sampling, structured)
         self.engine.input_processor.process("validate", prompt, params)
+        return prompt, params
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request):
+        """A response dict, or (streaming) an async iterator of SSE strings."""
+        prompt, params = self.prepare(request)
         request_id = random_id("chatcmpl")
         stream = self.generate(prompt, params, request_id)
         # Usage counts the prompt once, whatever n is (OpenAI's and vLLM's count).
@@ -77,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return chat_logprobs(token_ids, logprobs or [], self.tokenizer, request.top_logprobs or 0)
 
-    def _choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser:
+    def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser:
         reasoning = tools = None
         if self.config.reasoning_parser:
             reasoning = get_reasoning_parser(self.config.reasoning_parser)(
@@ -100,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
                 finish[c.index] = (c.finish_reason, c.stop_reason)
         choices = []
         for i in range(n):
-            parser = self._choice_parser(request)
+            parser = self.choice_parser(request)
             message, called = parser.message(texts[i])
             choices.append({"index": i, "message": {"role": ROLE, **message},
                             "logprobs": self._logprobs(request, token_ids[i], logprobs[i]),
@@ -129,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(request.n):
             yield chunk([{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
                           "finish_reason": None}], **chunk_usage(i))
-        parsers = [self._choice_parser(request) for _ in range(request.n)]
+        parsers = [self.choice_parser(request) for _ in range(request.n)]
         called = [False] * request.n
         async for _, output in merge_streams([stream]):
             for c in output.outputs:
