@@ -34,7 +34,10 @@ from mrv2.entrypoints.openai.protocol_responses import (
     CompletionStreamResponse, DetokenizeResponse, ModelList, TokenizeResponse, VersionResponse,
     empty_response, generation_responses, install_openapi, json_response, request_body,
     text_response)
+from mrv2.entrypoints.openai.responses_output import ResponseStreamEvent
+from mrv2.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse
 from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
+from mrv2.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mrv2.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from mrv2.entrypoints.openai.server_routes import (check_max_logprobs, configure_logging,
                                                    health_response, install_server_routes,
@@ -44,6 +47,9 @@ from mrv2.entrypoints.openai.serving_tokenization import OpenAIServingTokenizati
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+RESPONSE_EVENTS = ("Server-sent events, each an `event:` line naming its type and a `data:` "
+                   "line holding it (a ResponseStreamEvent); the last is response.completed, "
+                   "or on a failure an error event")
 STATS_TIMEOUT_S = 5.0
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -91,7 +97,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                   root_path=config.root_path or "",
                   lifespan=lambda _: stats_lifespan(engine, config, metrics.registry), **docs)
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, requests=[ResponsesRequest], chunks=[ResponseStreamEvent])
     install_server_routes(app, engine, config)  # CORS, /ping, /load, dev-mode routes
     if config.api_key:  # outside CORS, as in vLLM (preflight OPTIONS passes it)
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -100,6 +106,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     chat = OpenAIServingChat(engine, config, metrics, defaults)
     completion = OpenAIServingCompletion(engine, config, metrics, defaults)
     tokenization = OpenAIServingTokenization(chat)
+    responses = OpenAIServingResponses(chat)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
@@ -118,6 +125,20 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         check_max_logprobs(request, config.max_logprobs)
         log_request(config, "/v1/chat/completions", request)
         return respond(await chat.create(request, raw_request))
+
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest),
+              responses=generation_responses(ResponsesResponse, ResponseStreamEvent,
+                                             RESPONSE_EVENTS))
+    async def create_response(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ResponsesRequest)
+        check_max_logprobs(request, config.max_logprobs)
+        log_request(config, "/v1/responses", request)
+        return respond(await responses.create(request, raw_request))
+
+    @app.get("/v1/responses/{response_id}",
+             responses=json_response(ResponsesResponse, 401, 404, 500))
+    async def retrieve_response(response_id: str) -> Response:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.get("/v1/models", responses=json_response(ModelList, 401, 500))
     async def models() -> Response:

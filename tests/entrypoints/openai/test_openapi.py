@@ -26,6 +26,7 @@ REF = "#/components/schemas/"
 # POST routes that take no body (vLLM's: /sleep and /wake_up take query parameters).
 BODYLESS_POSTS = {"/ping", "/reset_prefix_cache", "/sleep", "/wake_up"}
 BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+          "/v1/responses": "ResponsesRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
 
 
@@ -194,3 +195,28 @@ def test_the_server_answers_what_the_document_says(server, tiny_llama):
     metrics_doc = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert metrics.headers["content-type"] in metrics_doc
     assert httpx.get(f"{server.url}/health").content == b""
+
+
+def test_the_responses_route_answers_what_the_document_says(server):
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    url, headers = f"{server.url}/v1/responses", server.headers()
+    body = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 3,
+            "tools": [{"type": "function", **NAMED_TOOL["tools"][0]["function"]}]}
+    for extra in ({}, {"tool_choice": {"type": "function", "name": "get_time"},
+                       "max_output_tokens": 20}):
+        response = httpx.post(url, json={**body, **extra}, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        validator(document, "ResponsesResponse").validate(response.json())
+        stored = httpx.get(f"{url}/{response.json()['id']}", headers=headers)
+        validator(document, "ResponsesResponse").validate(stored.json())
+        streamed = httpx.post(url, json={**body, **extra, "stream": True}, headers=headers,
+                              timeout=60)
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        for event in streamed.text.split("\n\n")[:-1]:
+            kind, data = event.split("\n")
+            event = json.loads(data.removeprefix("data: "))
+            assert kind == f"event: {event['type']}"
+            validator(document, "ResponseStreamEvent").validate(event)
+    missing = httpx.get(f"{url}/resp_nope", headers=headers)
+    assert missing.status_code == 404
+    validator(document, "ErrorResponse").validate(missing.json())
