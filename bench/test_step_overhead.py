@@ -56,7 +56,9 @@ def test_step_overhead_256_decodes(benchmark, model):
     model_dir = _model_dir(model)
     torch.set_num_threads(2)
     output_len = 4 if benchmark.disabled else 32
-    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=NUM_REQS,
+    # The suite's untimed pass only checks that the case runs: a 32-request batch does.
+    num_reqs = 32 if benchmark.disabled else NUM_REQS
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=num_reqs,
               max_num_batched_tokens=4096, seed=0)
     torch.set_num_threads(2)
     core = llm.llm_engine.engine_core
@@ -72,7 +74,7 @@ def test_step_overhead_256_decodes(benchmark, model):
         # Decode steps only: every request running, one token each.
         running = len(core.scheduler.running) if hasattr(core.scheduler, "running") else 0
         waiting = len(getattr(core.scheduler, "waiting", ()))
-        if running == NUM_REQS and waiting == 0:
+        if running == num_reqs and waiting == 0:
             before = inner.total
             start = time.perf_counter()
             out = original_step()
@@ -90,7 +92,7 @@ def test_step_overhead_256_decodes(benchmark, model):
     core.step = step
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, 2000, (16,), generator=g).tolist()}
-               for _ in range(NUM_REQS)]
+               for _ in range(num_reqs)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     try:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
@@ -101,10 +103,10 @@ def test_step_overhead_256_decodes(benchmark, model):
     finally:
         llm.shutdown()
     fraction = 1.0 - inner.total / step_timer.total if step_timer.total else float("nan")
-    benchmark.extra_info.update(num_reqs=NUM_REQS, input_len=16, output_len=output_len,
+    benchmark.extra_info.update(num_reqs=num_reqs, input_len=16, output_len=output_len,
                                 model=_MODEL_NAMES[model], threads=2,
                                 decode_steps=decode_steps["n"],
                                 step_s=step_timer.total, forward_sampler_s=inner.total,
                                 outside_fraction=fraction)
-    print(f"\n256 decodes ({model}): {decode_steps['n']} steps, outside forward+sampler "
+    print(f"\n{num_reqs} decodes ({model}): {decode_steps['n']} steps, outside forward+sampler "
           f"{fraction * 100:.1f}% of the step")
