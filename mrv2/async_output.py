@@ -6,8 +6,9 @@ event only. The device tensor is kept referenced (and recorded on the copy strea
 copy is done, so the caching allocator cannot hand its memory to the next step early. On CPU
 the sampled tensor already is host memory and is read directly.
 
-The step's logprobs (sampled tokens' and, when some request asked, prompt positions') ride on
-the same copy.
+The step's logprobs (sampled tokens' and, when some request asked, prompt positions') and, on
+a pooling runner, the rows' pooled hidden states (float32; only the rows that completed their
+prefill are reported) ride on the same copy.
 
 It is the executor's `Deferred`: the worker returns it from phase 2 without waiting, and the
 executor's reply thread calls `resolve()` (the event is a blocking one, so that thread sleeps
@@ -31,10 +32,12 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  logprobs: LogprobsTensors | None = None,
                  num_logprobs: np.ndarray | None = None,
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None,
-                 nan_rows: torch.Tensor | None = None) -> None:
+                 nan_rows: torch.Tensor | None = None,
+                 pooled: torch.Tensor | None = None) -> None:
         """``prompt_logprobs``: req_id -> (first prompt position, rows), see
         sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
-        (their requests are reported in ``nan_req_ids``)."""
+        (their requests are reported in ``nan_req_ids``). ``pooled``: [B, hidden] float32
+        (state/pooling.py)."""
         self.req_ids = req_ids
         self.is_sampling = is_sampling
         self.num_logprobs = num_logprobs
@@ -50,6 +53,9 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
             self._prompt_starts = {req_id: start for req_id, (start, _) in prompt_logprobs.items()}
             for _, t in prompt_logprobs.values():
                 device_tensors += [t.token_ids, t.logprobs, t.ranks]
+        num_prompt_end = len(device_tensors)
+        if pooled is not None:
+            device_tensors.append(pooled)
         if sampled.device.type == "cuda":
             assert copy_stream is not None, "a CUDA output needs a copy stream"
             hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -68,7 +74,9 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         self._sampled_host, self._nan_host = hosts[0], hosts[1]
         num_sample = 0 if logprobs is None else 3
         self._logprobs = None if logprobs is None else LogprobsTensors(*hosts[2:5])
-        self._prompt_hosts = hosts[2 + num_sample:]  # 3 tensors per request, in dict order
+        # 3 tensors per request, in dict order
+        self._prompt_hosts = hosts[2 + num_sample:num_prompt_end]
+        self._pooled_host = hosts[-1] if pooled is not None else None
 
     @property
     def copy_in_flight(self) -> bool:
@@ -112,6 +120,12 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         nan = self._nan_host.numpy()
         if nan.any():  # rare: a list only then
             nan_req_ids = [self.req_ids[i] for i in np.flatnonzero(nan & self.is_sampling)]
+        pooled = None
+        if self._pooled_host is not None:
+            rows = self._pooled_host.numpy()
+            pooled = {self.req_ids[i]: rows[i].tobytes()
+                      for i in np.flatnonzero(self.is_sampling)}
         return ModelRunnerOutput(pack_ids(self.req_ids), len(self.req_ids), int32_bytes(sampled),
                                  num_sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt, nan_req_ids=nan_req_ids)
+                                 prompt_logprobs=prompt, nan_req_ids=nan_req_ids,
+                                 pooled=pooled)

@@ -27,6 +27,31 @@ def check_logprobs_mode(mode: str) -> None:
 
 # vLLM's names of the quantization methods mrv2 implements (None: unquantized).
 QUANTIZATION_METHODS = (None, "gguf")
+# What the engine does with a prompt: generate tokens, or pool its hidden states (vLLM's
+# runner types); and the poolings mrv2 implements (vLLM's names).
+RUNNER_TYPES = ("generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's pooler config of a decoder converted to embedding: the hidden states after the
+    final norm (what the forward returns, before the LM head) of the last prompt token (LAST)
+    or their mean over the prompt (MEAN), L2-normalised unless `normalize` is False (a
+    request's PoolingParams.normalize wins). vLLM's defaults for a causal LM: LAST, normalised.
+    """
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        kind = self.pooling_type.upper() if isinstance(self.pooling_type, str) else None
+        if kind not in POOLING_TYPES:
+            raise ConfigError(f"pooler_config.pooling_type={self.pooling_type!r}: mrv2 pools "
+                              f"{' or '.join(POOLING_TYPES)}")
+        object.__setattr__(self, "pooling_type", kind)
+        if not isinstance(self.normalize, bool):
+            raise ConfigError(f"pooler_config.normalize={self.normalize!r} must be a boolean")
 
 
 @dataclass(frozen=True)
@@ -47,12 +72,28 @@ class ModelConfig:
     # "gguf": the linears compute on the GGUF file's quantized blocks (CPU); None: on
     # weights of `dtype`.
     quantization: str | None = None
+    # "pooling": every request is a prompt whose pooled hidden states are the result
+    # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
+    runner: str = "generate"
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)
         if self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization={self.quantization!r}: expected one of "
                               f"{', '.join(map(repr, QUANTIZATION_METHODS))}")
+        if self.runner not in RUNNER_TYPES:
+            raise ConfigError(f"runner={self.runner!r}: expected one of "
+                              f"{', '.join(RUNNER_TYPES)}")
+        if self.runner == "pooling" and self.pooler_config is None:
+            object.__setattr__(self, "pooler_config", PoolerConfig())
+        elif self.runner == "generate" and self.pooler_config is not None:
+            raise ConfigError("pooler_config applies to a pooling model: pass runner='pooling' "
+                              "(or convert='embed') with it")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
 
     @property
     def tokenizer_path(self) -> str:
@@ -299,6 +340,12 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
                 f"max_model_len={max_model_len} and chunked prefill is disabled")
+        pooler = self.model_config.pooler_config
+        if (pooler is not None and pooler.pooling_type == "MEAN"
+                and self.cache_config.enable_prefix_caching):
+            raise ConfigError("pooling_type='MEAN' averages the hidden states of every prompt "
+                              "token, and a prefix-cache hit skips computing the cached ones: "
+                              "turn prefix caching off (it is off by default with MEAN)")
 
     @property
     def max_num_blocks_per_req(self) -> int:

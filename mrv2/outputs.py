@@ -1,11 +1,16 @@
 """What the offline API returns: vLLM's RequestOutput, CompletionOutput and Logprob, the
-per-request stats of `RequestOutput.metrics` (vLLM v1's RequestStateStats) and the metric
-objects of `LLM.get_metrics()` (vLLM's vllm.v1.metrics.reader types)."""
+per-request stats of `RequestOutput.metrics` (vLLM v1's RequestStateStats), the metric
+objects of `LLM.get_metrics()` (vLLM's vllm.v1.metrics.reader types) and the pooling outputs
+of `LLM.encode` / `embed` / `score` (vLLM's PoolingRequestOutput and its views)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:  # torch stays out of the modules the engine core imports
+    import torch
 
 
 @dataclass
@@ -134,3 +139,64 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache when the request was first scheduled
     # (vLLM's; whole blocks, never the last prompt token; 0 with prefix caching off).
     num_cached_tokens: int = 0
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: its embedding, a 1-D float32 tensor (vLLM's)."""
+
+    data: torch.Tensor
+
+
+def pooled_tensor(pooled: bytes, normalize: bool) -> torch.Tensor:
+    """The engine's pooled hidden states (float32 bytes) as a tensor, L2-normalised when
+    asked."""
+    import numpy as np
+    import torch
+
+    data = torch.from_numpy(np.frombuffer(pooled, dtype=np.float32).copy())
+    if normalize:
+        data = torch.nn.functional.normalize(data, p=2.0, dim=-1)
+    return data
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+_O = TypeVar("_O")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """vLLM's: `outputs` is a PoolingOutput (LLM.encode), an EmbeddingOutput (LLM.embed) or a
+    ScoringOutput (LLM.score)."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(output.request_id,
+                                      EmbeddingOutput(output.outputs.data.tolist()),
+                                      output.prompt_token_ids, output.num_cached_tokens,
+                                      output.finished)
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    pass

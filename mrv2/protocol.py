@@ -207,17 +207,21 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # Requests whose logits row held a NaN this step: their sampled token
     # is a valid id but meaningless, so the scheduler ends them with finish_reason "error".
     nan_req_ids: list[str] = []
+    # A pooling runner's requests that completed their prefill this step: their pooled hidden
+    # states, float32 bytes (mrv2/state/pooling.py); None on a generate runner.
+    pooled: dict[str, bytes] | None = None
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
               logprobs: list[SampledTokenLogprobs | None] | None = None,
               prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None,
-              nan_req_ids: Sequence[str] = ()) -> ModelRunnerOutput:
+              nan_req_ids: Sequence[str] = (),
+              pooled: dict[str, bytes] | None = None) -> ModelRunnerOutput:
         if len(req_ids) != len(sampled_token_ids):
             raise ValueError(f"{len(req_ids)} ids and {len(sampled_token_ids)} token lists")
         flat, counts = pack_ragged(sampled_token_ids)
         return cls(pack_ids(req_ids), len(req_ids), flat, counts, logprobs, prompt_logprobs,
-                   list(nan_req_ids))
+                   list(nan_req_ids), pooled)
 
     @property
     def num_nans(self) -> int:
@@ -277,6 +281,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     new_prompt_logprobs: PromptLogprobsChunk | None = None
     # Prompt tokens found in the prefix cache when the request was first scheduled (vLLM's).
     num_cached_tokens: int = 0
+    # A pooling request's pooled hidden states (float32 bytes, not normalised), with the
+    # output that finishes it.
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:

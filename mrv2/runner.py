@@ -7,6 +7,8 @@ Phase 2, `sample_tokens(grammar_output)`: logits of each row's last token, sampl
 on-device post_update, then the one device-to-host copy of the sampled tokens. When a request
 of the batch asked for prompt logprobs, phase 2 also computes the logits of its prompt
 positions (sampler/prompt_logprobs.py); otherwise nothing beyond the rows' last tokens is.
+On a pooling engine (ModelConfig.runner) phase 2 also pools each row's final hidden states
+(state/pooling.py); the rows that complete their prefill ship them with the same copy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 from mrv2.state.block_table import BlockTables
 from mrv2.state.host_staging import upload_array
+from mrv2.state.pooling import PoolingState
 from mrv2.state.requests import RequestState
 
 EMPTY_OUTPUT = ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[])
@@ -70,6 +73,11 @@ class ModelRunner:
                                     config.max_num_blocks_per_req, device)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
         self.prompt_logprobs = PromptLogprobsState(model_config.vocab_size, device)
+        # A pooling engine's runner also pools each request's hidden states (state/pooling.py).
+        self.pooling = None
+        if model_config.runner == "pooling":
+            self.pooling = PoolingState(model_config.pooler_config, sched.max_num_seqs,
+                                        model_config.hidden_size, device)
         self.cudagraphs = CudaGraphManager(config.compilation_config,
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
@@ -117,6 +125,8 @@ class ModelRunner:
                 self.prompt_logprobs.add(new.req_id, new.prompt_token_ids,
                                          len(new.prefill_token_ids),
                                          new.sampling_params.prompt_logprobs)
+            if self.pooling is not None:
+                self.pooling.add(slot)
         cached = out.scheduled_cached_reqs
         slots = requests.slots_of(cached.req_ids)
         if cached.num_reqs:
@@ -125,6 +135,8 @@ class ModelRunner:
         requests.apply_staged_writes()
         tables.apply_staged_writes()
         self.sampling.apply_staged_writes()
+        if self.pooling is not None:
+            self.pooling.apply_staged_writes()
         return slots
 
     def _prepare_batch(self, out: SchedulerOutput, cached_slots: np.ndarray
@@ -265,7 +277,8 @@ class ModelRunner:
         if state.batch is None:
             return EMPTY_OUTPUT
         batch = state.batch
-        logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
+        last_hidden = state.hidden_states[batch.logits_indices]
+        logits = self.model.compute_logits(last_hidden)
         if grammar_output is not None and grammar_output.num_rows:
             logits = self._apply_grammar(logits, grammar_output, state.batch_rows)
         idx = batch.idx_mapping
@@ -280,6 +293,10 @@ class ModelRunner:
                 batch.req_ids, self.requests.num_computed_host[batch.idx_mapping_np],
                 batch.num_scheduled_np, batch.attn_metadata.query_start_loc_np,
                 state.hidden_states, self.model.compute_logits)
+        pooled = None
+        if self.pooling is not None:  # read by the output copy for the finishing rows
+            pooled = self.pooling.pool(state.hidden_states, last_hidden, batch,
+                                       self.requests.prompt_len.tensor)
         self.requests.post_update(idx, batch.num_scheduled, out.sampled)
         self.sampling.post_update(idx, batch.idx_mapping_np, positions, out.sampled)
         # A row samples once its prefill is complete; the host knows this from its mirrors.
@@ -289,4 +306,5 @@ class ModelRunner:
                         else self.sampling.num_logprobs(batch.idx_mapping_np))
         return AsyncOutput(batch.req_ids, out.sampled, is_sampling, self._copy_stream,
                            logprobs=out.logprobs, num_logprobs=num_logprobs,
-                           prompt_logprobs=prompt_logprobs, nan_rows=out.nan_rows)
+                           prompt_logprobs=prompt_logprobs, nan_rows=out.nan_rows,
+                           pooled=pooled)

@@ -125,3 +125,38 @@ def test_model_config_reads_hf_config() -> None:
     # hf_config is neither compared nor printed.
     assert config == ModelConfig(model="tiny", dtype=torch.float32, max_model_len=128)
     assert "hf_config" not in repr(config)
+
+
+def test_pooler_config() -> None:
+    from mrv2.config import PoolerConfig
+
+    assert (PoolerConfig().pooling_type, PoolerConfig().normalize) == ("LAST", True)
+    assert PoolerConfig("mean").pooling_type == "MEAN"
+    with pytest.raises(ConfigError, match="pooling_type='CLS'.*LAST or MEAN"):
+        PoolerConfig("CLS")
+    with pytest.raises(ConfigError, match="normalize"):
+        PoolerConfig(normalize="yes")  # type: ignore[arg-type]
+
+
+def test_runner_and_its_pooler_config() -> None:
+    from mrv2.config import PoolerConfig
+
+    assert ModelConfig("m", torch.float32, 8).runner == "generate"
+    pooling = ModelConfig("m", torch.float32, 8, runner="pooling")
+    assert pooling.pooler_config == PoolerConfig()  # vLLM's default for a causal LM
+    with pytest.raises(ConfigError, match="runner='embed'"):
+        ModelConfig("m", torch.float32, 8, runner="embed")
+    with pytest.raises(ConfigError, match="runner='pooling'"):
+        ModelConfig("m", torch.float32, 8, pooler_config=PoolerConfig())
+
+    def engine(pooling_type: str, caching: bool) -> EngineConfig:
+        return EngineConfig(
+            model_config=ModelConfig("m", torch.float32, 8, runner="pooling",
+                                     pooler_config=PoolerConfig(pooling_type)),
+            cache_config=CacheConfig(enable_prefix_caching=caching),
+            scheduler_config=SchedulerConfig())
+
+    engine("LAST", True)
+    engine("MEAN", False)
+    with pytest.raises(ConfigError, match="MEAN.*prefix caching"):
+        engine("MEAN", True)

@@ -140,6 +140,19 @@ def test_model_runner_output() -> None:
     assert back.nan_req_ids == ["b"] and back.num_nans == 1
     minimal = round_trip(ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[]))
     assert minimal.logprobs is None and minimal.num_nans == 0
+    assert minimal.pooled is None
+
+
+def test_pooled_vectors_round_trip() -> None:
+    """A pooling runner's vectors (float32 bytes) cross both boundaries unchanged."""
+    vector = np.array([0.5, -1.25, 3.0], dtype=np.float32).tobytes()
+    back = round_trip(ModelRunnerOutput.build(req_ids=["a", "b"], sampled_token_ids=[[1], []],
+                                              pooled={"a": vector}))
+    assert back.pooled == {"a": vector}
+    out = round_trip(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1], pooled=vector),
+                                                EngineCoreOutput("b", [])]))
+    assert np.frombuffer(out.outputs[0].pooled, np.float32).tolist() == [0.5, -1.25, 3.0]
+    assert out.outputs[1].pooled is None
 
 
 def test_engine_core_request() -> None:

@@ -305,6 +305,7 @@ class Scheduler:
         logprobs = (None if model_runner_output.logprobs is None
                     else dict(zip(req_ids, model_runner_output.logprobs)))
         prompt_logprobs = model_runner_output.prompt_logprobs
+        pooled = model_runner_output.pooled  # a pooling runner's finishing prompts
         # Rows whose logits held a NaN: the request ends with "error", its token unseen.
         failed = model_runner_output.nan_req_ids  # almost always empty
         outputs, self._grammar_failures = self._grammar_failures, []
@@ -353,7 +354,8 @@ class Scheduler:
                 request_id=req_id, new_token_ids=new_token_ids,
                 finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                 new_logprobs=new_logprobs, new_prompt_logprobs=prompt_chunk,
-                num_cached_tokens=request.num_cached_tokens))
+                num_cached_tokens=request.num_cached_tokens,
+                pooled=None if pooled is None else pooled.get(req_id)))
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs

@@ -6,14 +6,17 @@ architecture or an out-of-range value raises a `ValueError` subclass naming the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TypeVar
 
 from mrv2 import platform
-from mrv2.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig, ModelConfig,
-                         ParallelConfig, SchedulerConfig, StructuredOutputsConfig,
-                         check_logprobs_mode)
+from mrv2.config import (RUNNER_TYPES, CacheConfig, CompilationConfig, ConfigError, EngineConfig,
+                         ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                         StructuredOutputsConfig, check_logprobs_mode)
+from mrv2.engine.engine_args_flags import add_engine_args_flags
 from mrv2.models.gguf import (GGUFError, has_quantized_linears, has_tokenizer, is_gguf_path,
                               open_gguf)
 from mrv2.models.hub import resolve_model_path
@@ -21,6 +24,9 @@ from mrv2.models.loader import load_hf_config, resolve_dtype
 from mrv2.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+_Parser = TypeVar("_Parser", argparse.ArgumentParser, argparse._ArgumentGroup)
+# vLLM's --convert values mrv2 takes: a decoder becomes an embedding model with "embed".
+CONVERT_TYPES = ("auto", "none", "embed")
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +44,8 @@ class EngineArgs:
     seed: int = 0
     kv_cache_memory_gb: float | None = None
     tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = True
+    # None: on, except with MEAN pooling (which must compute every prompt token).
+    enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
     # None: "uni" for tensor_parallel_size=1, "mp" (one worker process per rank) above.
@@ -73,6 +80,25 @@ class EngineArgs:
     # vLLM's: the most (prompt) logprobs a request may ask for. mrv2's sampler returns at most
     # MAX_LOGPROBS, so only values up to it are accepted (a lower cap); LLMEngine enforces it.
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's: "pooling" (or convert="embed") serves embeddings of the decoder's final hidden
+    # states (LLM.embed, /v1/embeddings); "auto" is "generate" for the causal LMs mrv2 runs.
+    # pooler_config: a dict of PoolerConfig fields (or one); default LAST, normalised.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | PoolerConfig | None = None
+
+    @classmethod
+    def add_cli_args(cls, parser: _Parser) -> _Parser:
+        """vLLM's: a flag per field (`--max-model-len`, `--no-enable-prefix-caching`, JSON for
+        the config dicts), each parsing to the field's value, so a vLLM script's
+        `LLM(**vars(parser.parse_args()))` works. Returns the parser (or argument group)."""
+        add_engine_args_flags(parser, cls)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """vLLM's: the fields of `add_cli_args`' flags from a parsed namespace."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device or platform.device_type()
@@ -80,15 +106,19 @@ class EngineArgs:
             raise ConfigError(f"device={device!r}: expected 'cpu' or 'cuda'")
         # Cheap checks first, so they fail before the model directory is touched.
         check_logprobs_mode(self.logprobs_mode)
+        runner, pooler_config = self._runner()
         if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
                 or not 0 <= self.max_logprobs <= MAX_LOGPROBS):
             raise ConfigError(f"max_logprobs={self.max_logprobs!r}: mrv2 returns at most "
                               f"{MAX_LOGPROBS} logprobs per position (its sampler's cap); give "
                               f"a value in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not "
                               f"supported)")
+        caching = self.enable_prefix_caching
+        if caching is None:
+            caching = pooler_config is None or pooler_config.pooling_type != "MEAN"
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self._kv_cache_memory_gb(),
-                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   enable_prefix_caching=caching,
                                    gpu_memory_utilization=self._gpu_memory_utilization(device))
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -106,7 +136,8 @@ class EngineArgs:
                                    dtype=resolve_dtype(self.dtype, hf_config, device),
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config, logprobs_mode=self.logprobs_mode,
-                                   quantization=self._quantization(model_path, device))
+                                   quantization=self._quantization(model_path, device),
+                                   runner=runner, pooler_config=pooler_config)
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
@@ -138,6 +169,38 @@ class EngineArgs:
             raise GGUFError(f"{model}: the file holds no tokenizer; pass one with "
                             f"tokenizer= / --tokenizer (a directory or Hub id)")
         return model, tokenizer, config
+
+    def _runner(self) -> tuple[str, PoolerConfig | None]:
+        """The runner of runner / convert (vLLM's flags) and its pooler config."""
+        if self.runner not in ("auto", *RUNNER_TYPES):
+            raise ConfigError(f"runner={self.runner!r}: expected 'auto', "
+                              f"{' or '.join(map(repr, RUNNER_TYPES))}")
+        if self.convert not in CONVERT_TYPES:
+            raise ConfigError(f"convert={self.convert!r}: mrv2 converts a decoder to 'embed' "
+                              f"only (expected one of {', '.join(CONVERT_TYPES)})")
+        runner = self.runner
+        if self.convert == "embed":
+            if runner == "generate":
+                raise ConfigError("convert='embed' makes a pooling model, not runner='generate'")
+            runner = "pooling"
+        elif runner == "pooling" and self.convert == "none":
+            raise ConfigError("runner='pooling' pools a decoder converted with convert='embed' "
+                              "(or 'auto'), not convert='none'")
+        elif runner == "auto":
+            runner = "generate"  # what a causal LM does
+        value = self.pooler_config
+        if isinstance(value, dict):
+            try:
+                value = PoolerConfig(**value)
+            except TypeError as error:
+                raise ConfigError(f"pooler_config={self.pooler_config!r}: {error} (mrv2 takes "
+                                  f"pooling_type and normalize)") from None
+        elif value is not None and not isinstance(value, PoolerConfig):
+            raise ConfigError(f"pooler_config must be a dict or PoolerConfig, got "
+                              f"{type(value).__name__}")
+        if runner == "pooling" and value is None:
+            value = PoolerConfig()
+        return runner, value
 
     def _kv_cache_memory_gb(self) -> float | None:
         if self.kv_cache_memory_bytes is None:

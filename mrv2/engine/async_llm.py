@@ -31,7 +31,8 @@ from mrv2.engine.llm_engine import child_sampling_params, core_requests, user_re
 from mrv2.engine.output_processor import OutputProcessor
 from mrv2.errors import EngineDeadError
 from mrv2.models.tokenizer import load_tokenizer
-from mrv2.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from mrv2.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, RequestOutputKind
+from mrv2.pooling_params import PoolingParams
 from mrv2.protocol import CoreStats
 from mrv2.sampling_params import SamplingParams
 
@@ -56,7 +57,11 @@ class RequestStream:
         self._latest: dict[int, CompletionOutput] = {}  # per index (CUMULATIVE)
         self._done: set[int] = set()  # indices whose completion finished
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: RequestOutput | PoolingRequestOutput) -> None:
+        if isinstance(output, PoolingRequestOutput):  # a pooling request's one output
+            self.pending, self.finished = output, True
+            self._event.set()
+            return
         for completion in output.outputs:
             if completion.finish_reason is not None:
                 self._done.add(completion.index)
@@ -167,18 +172,24 @@ class AsyncLLM:
     # -- requests ----------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams,
+                          sampling_params: SamplingParams | PoolingParams,
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
                           ) -> RequestStream:
-        """Validate, tokenize and send a request; returns its stream. Raises on a bad request
-        (nothing of it stays behind) or a dead engine."""
+        """Validate, tokenize and send a request (PoolingParams: a pooling one, on a pooling
+        engine); returns its stream. Raises on a bad request (nothing of it stays behind) or a
+        dead engine."""
         self._check_running()
         self._ensure_output_handler()
         output_kind = RequestOutputKind(output_kind)
+        pooling = None
+        if isinstance(sampling_params, PoolingParams):
+            pooling = sampling_params = self.input_processor.resolve_pooling(sampling_params)
         request, text = self.input_processor.process(request_id, prompt, sampling_params)
+        sampling_params = request.sampling_params  # pooling: the engine's one-token params
         children = child_sampling_params(sampling_params) if sampling_params.n > 1 else None
         core_ids = self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, sampling_params, output_kind, children)
+            request_id, text, request.prompt_token_ids, sampling_params, output_kind, children,
+            pooling=pooling)
         stream = RequestStream(request_id, text, request.prompt_token_ids, output_kind,
                                sampling_params.n)
         self._streams[request_id] = stream
@@ -214,6 +225,14 @@ class AsyncLLM:
             # engine or a request it refused has nothing left to free.)
             if not stream.finished and self._streams.get(request_id) is stream:
                 await self._abort([request_id], notify=False)
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+                     request_id: str) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's: a pooling request's one PoolingRequestOutput (`outputs.data` None when the
+        engine failed it). Leaving early aborts it, as `generate`."""
+        async for output in self.generate(prompt, pooling_params, request_id,
+                                          RequestOutputKind.FINAL_ONLY):
+            yield output
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (a parent id aborts all its samples); unknown ids are ignored."""

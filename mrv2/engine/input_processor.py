@@ -1,7 +1,9 @@
-"""Turns a user prompt and SamplingParams into a validated EngineCoreRequest.
+"""Turns a user prompt and SamplingParams (or, on a pooling engine, PoolingParams) into a
+validated EngineCoreRequest.
 
 Every check runs before the request reaches the engine core, so a bad prompt never disturbs
-requests that were accepted before it.
+requests that were accepted before it. A pooling request becomes a one-token greedy request
+(mrv2/pooling_params.py); an engine runs one kind only (ModelConfig.runner).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Union
 from mrv2.config import EngineConfig
 from mrv2.core.grammar import validate_structured_outputs
 from mrv2.models.generation_config import eos_token_ids
+from mrv2.pooling_params import PoolingParams, engine_sampling_params
 from mrv2.protocol import EngineCoreRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -27,7 +30,13 @@ class UnsupportedParameterError(ValueError):
     """A SamplingParams field this engine does not implement yet was set."""
 
 
-
+# vLLM's advice when a request does not fit the engine's runner.
+GENERATE_ON_POOLING = ("LLM.generate() is only supported for generative models: this engine "
+                       "pools (runner='pooling'); pass runner='generate' (--runner generate) "
+                       "to use the model as a generative model")
+POOLING_ON_GENERATE = ("LLM.embed() / encode() / score() are only supported for pooling models: "
+                       "this engine generates; pass runner='pooling' (--runner pooling, or "
+                       "--convert embed) to use the model as a pooling model")
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
@@ -43,8 +52,12 @@ class InputProcessor:
         self.eos_stop_token_ids: tuple[int, ...] = eos_ids[1:]
 
     def process(self, request_id: str, prompt: PromptType,
-                params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
+                params: SamplingParams | PoolingParams) -> tuple[EngineCoreRequest, str | None]:
         """Returns the core request and the prompt text (None for token-id prompts)."""
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params)
+        if self.config.model_config.runner == "pooling":
+            raise ValueError(GENERATE_ON_POOLING)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         _check_logprobs(params)
@@ -66,6 +79,28 @@ class InputProcessor:
                                     sampling_params=params, eos_token_id=self.eos_token_id,
                                     arrival_time=time.time(),
                                     eos_stop_token_ids=self.eos_stop_token_ids)
+        return request, text
+
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """`params` resolved against this engine (task, normalize); ValueError on an engine
+        that does not pool, or for a field the model cannot honour."""
+        model_config = self.config.model_config
+        if model_config.runner != "pooling":
+            raise ValueError(POOLING_ON_GENERATE)
+        return params.verify(params.task or "embed", model_config.hidden_size,
+                             model_config.pooler_config.normalize)
+
+    def _process_pooling(self, request_id: str, prompt: PromptType,
+                         params: PoolingParams) -> tuple[EngineCoreRequest, str | None]:
+        params = self.resolve_pooling(params)
+        text, token_ids = self._tokenize(prompt)
+        kept = params.truncate(token_ids, self.config.model_config.max_model_len)
+        if len(kept) != len(token_ids):
+            text = None  # the text of the whole prompt no longer matches the ids
+        self._check_prompt(kept)
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=kept,
+                                    sampling_params=engine_sampling_params(), eos_token_id=None,
+                                    arrival_time=time.time())
         return request, text
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -33,6 +33,7 @@ from mrv2.engine.output_processor import OutputProcessor
 from mrv2.models.tokenizer import load_tokenizer
 from mrv2.outputs import (Counter, Gauge, Histogram, Metric, RequestOutput, RequestOutputKind,
                           RequestStateStats)
+from mrv2.pooling_params import PoolingParams
 from mrv2.protocol import CoreStats, EngineCoreRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -164,13 +165,18 @@ class LLMEngine:
         self.metrics = EngineMetrics(model_config.model, model_config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics.on_finished)
 
-    def validate_request(self, request_id: str, prompt: PromptType, params: SamplingParams):
+    def validate_request(self, request_id: str, prompt: PromptType,
+                         params: SamplingParams | PoolingParams):
         """All checks of `add_request` without adding anything."""
         return self.input_processor.process(request_id, prompt, self._check_logprobs(params))
 
-    def _check_logprobs(self, params: SamplingParams) -> SamplingParams:
+    def _check_logprobs(self, params: SamplingParams | PoolingParams
+                        ) -> SamplingParams | PoolingParams:
         """vLLM's max_logprobs check; -1 asks for the whole vocabulary (then the params with
-        the vocabulary size in its place, were it ever within the cap)."""
+        the vocabulary size in its place, were it ever within the cap). PoolingParams are
+        resolved against the engine instead (InputProcessor.resolve_pooling)."""
+        if isinstance(params, PoolingParams):
+            return self.input_processor.resolve_pooling(params)
         vocab_size = self.config.model_config.vocab_size
         changes = {}
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
@@ -189,7 +195,8 @@ class LLMEngine:
                 changes[name] = wanted
         return params.clone(**changes) if changes else params
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams,
                     output_kind: RequestOutputKind | None = None) -> None:
         """Queue a request. Its RequestOutputs come from `step()`, streamed per `output_kind`;
         None: `params.output_kind` when it is DELTA or FINAL_ONLY, and FINAL_ONLY for its
@@ -199,15 +206,17 @@ class LLMEngine:
         On any error nothing of the request stays behind, in the front end or in the core.
         """
         params = self._check_logprobs(params)
+        pooling = params if isinstance(params, PoolingParams) else None
+        request, text = self.input_processor.process(request_id, prompt, params)
+        params = request.sampling_params  # a pooling request's are the engine's one-token ones
         if output_kind is None:
             output_kind = params.output_kind
             if output_kind == RequestOutputKind.CUMULATIVE:
                 output_kind = RequestOutputKind.FINAL_ONLY
-        request, text = self.input_processor.process(request_id, prompt, params)
         children = child_sampling_params(params) if params.n > 1 else None
         core_ids = self.output_processor.add_request(
             request_id, text, request.prompt_token_ids, params, output_kind, children,
-            arrival_time=request.arrival_time)
+            arrival_time=request.arrival_time, pooling=pooling)
         added: list[str] = []
         try:
             for core_request in core_requests(request, core_ids, children):

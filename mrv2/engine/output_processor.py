@@ -23,6 +23,10 @@ count and timestamps, advanced here from each step's outputs and the core's step
 For n > 1 both are those of the sample whose output produced the RequestOutput (as vLLM's).
 `on_finished`, when given, is called with (stats, finish reason, prompt length) once per core
 request that finishes here (LLMEngine's counters for `get_metrics`).
+
+A pooling request (added with `pooling=`, its resolved PoolingParams) produces one
+PoolingRequestOutput, when it finishes: the core's pooled vector, normalised here when its
+params say so. One the engine failed (no vector) gets `outputs.data` None.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from dataclasses import dataclass, field
 from mrv2.engine.detokenizer import make_detokenizer
 from mrv2.engine.request_logprobs import RequestLogprobs, TokenTexts
 from mrv2.engine.stop_checker import CompletionText
-from mrv2.outputs import (CompletionOutput, PromptLogprobs, RequestOutput, RequestOutputKind,
-                          RequestStateStats)
+from mrv2.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput, PromptLogprobs,
+                          RequestOutput, RequestOutputKind, RequestStateStats, pooled_tensor)
+from mrv2.pooling_params import PoolingParams
 from mrv2.protocol import EngineCoreOutput, FinishReason
 from mrv2.sampling_params import SamplingParams
 
@@ -87,11 +92,12 @@ class RequestOutputState:
     logprobs: RequestLogprobs | None = None  # None unless it asked for (prompt) logprobs
     stats: RequestStateStats = field(default_factory=RequestStateStats)
     num_cached_tokens: int = 0
+    pooling: PoolingParams | None = None  # a pooling request's (resolved) params
 
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     # Finished here by a stop string while the core still runs them: abort them in the core.
     reqs_to_abort: list[str]
 
@@ -111,9 +117,11 @@ class OutputProcessor:
                     params: SamplingParams,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
                     child_params: Sequence[SamplingParams] | None = None,
-                    arrival_time: float | None = None) -> list[str]:
+                    arrival_time: float | None = None,
+                    pooling: PoolingParams | None = None) -> list[str]:
         """Register a request; with `child_params` (n > 1) one child per entry.
-        `arrival_time`: wall-clock (the EngineCoreRequest's), default now.
+        `arrival_time`: wall-clock (the EngineCoreRequest's), default now. `pooling`: a
+        pooling request's params (`params` are then the engine's one-token ones).
 
         Returns the core request ids to add to the engine core, in index order.
         """
@@ -142,7 +150,8 @@ class OutputProcessor:
             self.requests[rid] = RequestOutputState(
                 rid, index, parent, prompt, prompt_token_ids, p, output_kind,
                 CompletionText(detokenizer, p, streaming), logprobs=logprobs,
-                stats=RequestStateStats(arrival_time=arrival_time, queued_ts=queued_ts))
+                stats=RequestStateStats(arrival_time=arrival_time, queued_ts=queued_ts),
+                pooling=pooling)
         return ids
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
@@ -179,7 +188,7 @@ class OutputProcessor:
         if timestamp is None:
             timestamp = time.monotonic()
         now = None  # wall clock, read once per call when a first token arrives
-        results: list[RequestOutput] = []
+        results: list[RequestOutput | PoolingRequestOutput] = []
         reqs_to_abort: list[str] = []
         # Parents moved this step, in order of first appearance -> their new completions.
         moved: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
@@ -216,6 +225,10 @@ class OutputProcessor:
                 del self.requests[out.request_id]
                 if self.on_finished is not None:
                     self.on_finished(state.stats, str(finish_reason), len(state.prompt_token_ids))
+            if state.pooling is not None:  # one output, when it finishes
+                if finished:
+                    results.append(_pooling_output(state, out))
+                continue
             completion = self._make_completion(state, out.new_token_ids, finish_reason,
                                                stop_reason)
             parent = state.parent
@@ -287,3 +300,10 @@ class OutputProcessor:
                              prompt_token_ids=parent.prompt_token_ids, outputs=outputs,
                              finished=finished, prompt_logprobs=prompt_logprobs,
                              metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)
+
+
+def _pooling_output(state: RequestOutputState, out: EngineCoreOutput) -> PoolingRequestOutput:
+    data = None if out.pooled is None else pooled_tensor(out.pooled, state.pooling.normalize)
+    return PoolingRequestOutput(request_id=state.request_id, outputs=PoolingOutput(data),
+                                prompt_token_ids=state.prompt_token_ids,
+                                num_cached_tokens=out.num_cached_tokens, finished=True)

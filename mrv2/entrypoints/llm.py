@@ -1,5 +1,6 @@
 """The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`,
-as in vLLM."""
+as in vLLM; with `runner="pooling"`, `.embed(prompts)`, `.encode(prompts)` and
+`.score(data_1, data_2)` (the decoder's pooled final hidden states, mrv2/pooling_params.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from mrv2.entrypoints.beam_search import BeamSearchOutput, run_beam_search
 from mrv2.entrypoints.chat_utils import render_chat
 from mrv2.entrypoints.openai.generation_config import check_mode as check_generation_config_mode
 from mrv2.entrypoints.openai.generation_config import default_sampling_params
-from mrv2.outputs import Metric, RequestOutput, RequestOutputKind
+from mrv2.entrypoints.scoring import as_inputs, score_pairs, scoring_outputs
+from mrv2.outputs import (EmbeddingRequestOutput, Metric, PoolingRequestOutput, RequestOutput,
+                          RequestOutputKind, ScoringRequestOutput)
+from mrv2.pooling_params import PoolingParams
 from mrv2.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -74,26 +78,72 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. Every prompt is validated before any is added. No
         `sampling_params`: `get_default_sampling_params()`."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+        return self._run_requests(prompts, sampling_params, use_tqdm, "sampling")
+
+    def _run_requests(self, prompts, params, use_tqdm: bool, what: str) -> list:
+        """Every prompt validated, then added with its params (one, or one per prompt), then
+        run to completion; outputs in input order."""
+        prompts = as_inputs(prompts)
+        if isinstance(params, (SamplingParams, PoolingParams)):
+            params_list = [params] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = list(params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling params for "
+                raise ValueError(f"got {len(params_list)} {what} params for "
                                  f"{len(prompts)} prompts; pass one or one per prompt")
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, prompts, params_list):
-            engine.validate_request(request_id, prompt, params)
-        for request_id, prompt, params in zip(request_ids, prompts, params_list):
+        for request_id, prompt, p in zip(request_ids, prompts, params_list):
+            engine.validate_request(request_id, prompt, p)
+        for request_id, prompt, p in zip(request_ids, prompts, params_list):
             # vLLM's LLM returns final outputs only, whatever params.output_kind says.
-            engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
+            engine.add_request(request_id, prompt, p, RequestOutputKind.FINAL_ONLY)
         return self._run_engine(request_ids, use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+        """vLLM's, on an engine built with runner="pooling": each prompt's pooled final
+        hidden states (`outputs.data`, a float32 tensor of the hidden size; LAST or MEAN and
+        normalised per the pooler config, or each PoolingParams), in input order.
+        `truncate_prompt_tokens`: keep each prompt's last k tokens (over the params')."""
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        many = not isinstance(pooling_params, PoolingParams)
+        params = [p.clone(task=p.task or pooling_task)
+                  for p in (pooling_params if many else [pooling_params])]
+        if truncate_prompt_tokens is not None:
+            params = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        outputs = self._run_requests(prompts, params if many else params[0], use_tqdm,
+                                     "pooling")
+        for output in outputs:
+            if output.outputs.data is None:
+                raise RuntimeError(f"the engine failed request {output.request_id} (NaN in "
+                                   f"its hidden states?): no embedding")
+        return outputs
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: `encode` with `outputs.embedding` a list of floats."""
+        return [EmbeddingRequestOutput.from_base(output) for output in self.encode(
+            prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="embed")]
+
+    def score(self, data_1: PromptType | Sequence[PromptType],
+              data_2: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's for an embedding model: the cosine similarity (`outputs.score`) of each
+        pair's embeddings, 1 to 1, 1 to N or N to N (mrv2.entrypoints.scoring)."""
+        first, second = as_inputs(data_1), as_inputs(data_2)
+        score_pairs(len(first), len(second))  # a bad pairing fails before any work
+        outputs = self.encode(first + second, pooling_params, use_tqdm, truncate_prompt_tokens)
+        pad = getattr(self.get_tokenizer(), "pad_token_id", None)
+        return scoring_outputs(outputs[:len(first)], outputs[len(first):], pad)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: Any = None, use_tqdm: bool = False,
@@ -162,7 +212,7 @@ class LLM:
         return render_chat(self.get_tokenizer(), conversation, chat_template,
                            add_generation_prompt, continue_final_message, template_kwargs)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         num_prompt_tokens = num_output_tokens = 0
@@ -174,7 +224,8 @@ class LLM:
                 for output in engine.step():
                     finished[output.request_id] = output
                     num_prompt_tokens += len(output.prompt_token_ids)
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):  # a pooling output has no tokens
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     bar.update(1)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"input: {num_prompt_tokens / elapsed:.1f} toks/s, "

@@ -263,3 +263,33 @@ def test_vllm_memory_arguments(tiny_llama, caplog):
                    kv_cache_memory_gb=1.0).create_engine_config()
     with pytest.raises(ConfigError, match="kv_cache_memory_bytes"):
         EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=0).create_engine_config()
+
+
+def test_runner_convert_and_pooler_config(tiny_llama):
+    """vLLM's runner / convert / pooler_config; MEAN pooling needs every prompt token, so
+    prefix caching is off by default with it and refused when asked for."""
+    def config(**kwargs):
+        return EngineArgs(model=str(tiny_llama), **kwargs).create_engine_config()
+
+    assert config().model_config.runner == "generate"
+    for kwargs in ({"runner": "pooling"}, {"convert": "embed"},
+                   {"runner": "pooling", "convert": "embed"}):
+        made = config(**kwargs)
+        assert made.model_config.runner == "pooling", kwargs
+        assert made.model_config.pooler_config.pooling_type == "LAST"
+        assert made.cache_config.enable_prefix_caching  # LAST keeps it
+    mean = config(runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False})
+    assert not mean.cache_config.enable_prefix_caching
+    assert not mean.model_config.pooler_config.normalize
+    with pytest.raises(ConfigError, match="MEAN.*prefix caching"):
+        config(runner="pooling", pooler_config={"pooling_type": "MEAN"},
+               enable_prefix_caching=True)
+    for kwargs, message in (({"runner": "embed"}, "runner='embed'"),
+                            ({"convert": "classify"}, "convert='classify'"),
+                            ({"runner": "generate", "convert": "embed"}, "runner='generate'"),
+                            ({"runner": "pooling", "convert": "none"}, "convert='none'"),
+                            ({"runner": "pooling", "pooler_config": {"dimensions": 8}},
+                             "dimensions"),
+                            ({"pooler_config": {"pooling_type": "MEAN"}}, "runner='pooling'")):
+        with pytest.raises(ConfigError, match=message):
+            config(**kwargs)
