@@ -39,6 +39,8 @@ from mrv2.entrypoints.openai.responses_protocol import ResponsesRequest, Respons
 from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
 from mrv2.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mrv2.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from mrv2.entrypoints.openai.serving_embedding import (POOLING_REQUESTS, OpenAIServingEmbedding,
+                                                       check_runner, install_pooling_routes)
 from mrv2.entrypoints.openai.server_routes import (check_max_logprobs, configure_logging,
                                                    health_response, install_server_routes,
                                                    log_request, stats_lifespan,
@@ -97,7 +99,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                   root_path=config.root_path or "",
                   lifespan=lambda _: stats_lifespan(engine, config, metrics.registry), **docs)
     install_error_handlers(app)
-    install_openapi(app, requests=[ResponsesRequest], chunks=[ResponseStreamEvent])
+    install_openapi(app, requests=[ResponsesRequest, *POOLING_REQUESTS],
+                    chunks=[ResponseStreamEvent])
     install_server_routes(app, engine, config)  # CORS, /ping, /load, dev-mode routes
     if config.api_key:  # outside CORS, as in vLLM (preflight OPTIONS passes it)
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -112,6 +115,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
               responses=generation_responses(CompletionResponse, CompletionStreamResponse))
     async def create_completion(raw_request: Request) -> Response:
+        check_runner(engine, "generate", "Completions")
         request = await parse_body(raw_request, CompletionRequest)
         check_max_logprobs(request, config.max_logprobs)
         log_request(config, "/v1/completions", request)
@@ -121,6 +125,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
               responses=generation_responses(ChatCompletionResponse,
                                              ChatCompletionStreamResponse))
     async def create_chat_completion(raw_request: Request) -> Response:
+        check_runner(engine, "generate", "Chat Completions")
         request = await parse_body(raw_request, ChatCompletionRequest)
         check_max_logprobs(request, config.max_logprobs)
         log_request(config, "/v1/chat/completions", request)
@@ -139,6 +144,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
              responses=json_response(ResponsesResponse, 401, 404, 500))
     async def retrieve_response(response_id: str) -> Response:
         return JSONResponse(responses.retrieve(response_id))
+
+    # /v1/embeddings, /score, /rerank: served with --runner pooling, refused otherwise.
+    install_pooling_routes(app, OpenAIServingEmbedding(engine, config, metrics, {}), parse_body)
 
     @app.get("/v1/models", responses=json_response(ModelList, 401, 500))
     async def models() -> Response:

@@ -81,7 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="model name(s) clients use; the first is the one responses carry")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True)
+                        default=None, help="default on (off with --pooler-config MEAN pooling)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True)

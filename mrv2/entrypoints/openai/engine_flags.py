@@ -14,6 +14,9 @@ ignored.
 - `--swap-space`: mrv2 preempts by recompute and keeps no CPU swap: 0 and vLLM's default (4,
   the value scripts copy) say nothing mrv2 does not do; any other value is refused.
 - `--hf-overrides`: refused (mrv2's config loader takes no overrides: use --hf-config-path).
+- `--runner` generate | pooling, `--convert` embed (the same as --runner pooling) and
+  `--pooler-config` JSON ({"pooling_type": "LAST" | "MEAN", "normalize": bool}): EngineArgs'
+  runner / convert / pooler_config; a pooling server answers /v1/embeddings, /score, /rerank.
 """
 
 from __future__ import annotations
@@ -89,6 +92,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "default 4 are accepted")
     parser.add_argument("--hf-overrides", type=json.loads, default=None,
                         help="refused: mrv2 takes no config overrides (use --hf-config-path)")
+    parser.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                        help="pooling: serve embeddings of the model's final hidden states "
+                             "(/v1/embeddings, /score, /rerank) instead of generating")
+    parser.add_argument("--convert", default="auto", choices=("auto", "none", "embed"),
+                        help="embed: the model as an embedding model (as --runner pooling)")
+    parser.add_argument("--pooler-config", type=json.loads, default=None,
+                        help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
+                             "(default: LAST, normalized; MEAN turns prefix caching off)")
 
 
 def engine_flag_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -111,7 +122,9 @@ def engine_flag_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
     if args.swap_space not in (None, 0, VLLM_SWAP_SPACE_GIB):
         raise ValueError(f"--swap-space {args.swap_space:g} is not supported: mrv2 keeps no CPU "
                          f"swap space (preempted requests are recomputed); leave it unset")
-    values: dict[str, Any] = {"compilation_config": compilation_config(args)}
+    values: dict[str, Any] = {"compilation_config": compilation_config(args),
+                              "runner": args.runner, "convert": args.convert,
+                              "pooler_config": args.pooler_config}
     if args.max_logprobs is not None:
         values["max_logprobs"] = args.max_logprobs
     return values

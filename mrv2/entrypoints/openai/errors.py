@@ -26,7 +26,7 @@ _ERROR_TYPE_OF_STATUS = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
     405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
     503: "service_unavailable_error"}
-_PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)=")
+_PARAM_IN_MESSAGE = re.compile(r"(?:Sampling|Pooling)Params\.(\w+)=")
 
 
 class OpenAIError(Exception):
@@ -53,7 +53,8 @@ class BadRequest(OpenAIError):
 
 
 def from_value_error(error: ValueError) -> OpenAIError:
-    """A ValueError from SamplingParams, the input processor or the engine core: a 400."""
+    """A ValueError from SamplingParams / PoolingParams, the input processor or the engine
+    core: a 400."""
     message = str(error)
     match = _PARAM_IN_MESSAGE.search(message)
     return BadRequest(message, param=match.group(1) if match else None)

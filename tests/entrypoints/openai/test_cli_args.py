@@ -21,7 +21,9 @@ def test_defaults():
     assert config.served_model_names == ["/m"] and config.model_name == "/m"
     assert config.generation_config == "auto" and config.chat_template is None
     engine = engine_args_from(args, "/m")
-    assert engine.enable_prefix_caching and engine.async_scheduling
+    # Prefix caching: None is "on, unless MEAN pooling" (EngineArgs decides).
+    assert engine.enable_prefix_caching is None and engine.async_scheduling
+    assert (engine.runner, engine.convert, engine.pooler_config) == ("auto", "auto", None)
     assert not engine.enforce_eager and engine.tensor_parallel_size == 1
     # vLLM's defaults: context and batched tokens from the model / scheduler, 256 sequences,
     # 16-token blocks, dtype from the checkpoint, seed 0.

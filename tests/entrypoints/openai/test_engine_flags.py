@@ -75,6 +75,10 @@ HONOURED = [
      {"cudagraph_mode": "FULL"}),  # explicit fields win over the level
     (["--swap-space", "4"], "engine", "model", "/m"),  # vLLM's default: nothing to do
     (["--swap-space", "0"], "engine", "model", "/m"),
+    (["--runner", "pooling"], "engine", "runner", "pooling"),
+    (["--convert", "embed"], "engine", "convert", "embed"),
+    (["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'], "engine",
+     "pooler_config", {"pooling_type": "MEAN", "normalize": False}),
 ]
 # (argv after `serve /m`, the text the error must hold: the flag, and the value where one).
 REFUSED = [
@@ -92,6 +96,9 @@ REFUSED = [
     (["--ssl-keyfile", "/missing.key", "--ssl-certfile", "/missing.crt"], "--ssl-keyfile"),
     (["--ssl-certfile", "/missing.crt"], "--ssl-keyfile and --ssl-certfile"),
     (["--enable-log-requests", "--disable-log-requests"], "--disable-log-requests"),
+    (["--runner", "draft"], "--runner"),
+    (["--convert", "classify"], "--convert"),
+    (["--pooler-config", "MEAN"], "--pooler-config"),
 ]
 
 

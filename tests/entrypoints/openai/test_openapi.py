@@ -27,12 +27,16 @@ REF = "#/components/schemas/"
 BODYLESS_POSTS = {"/ping", "/reset_prefix_cache", "/sleep", "/wake_up"}
 BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
           "/v1/responses": "ResponsesRequest",
-          "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+          "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
+          "/v1/embeddings": "EmbeddingRequest", "/score": "ScoreRequest",
+          "/v1/score": "ScoreRequest", "/rerank": "RerankRequest", "/v1/rerank": "RerankRequest",
+          "/v2/rerank": "RerankRequest"}
 
 
 class StubEngine:
     errored = False
-    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, vocab_size=100))
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, vocab_size=100,
+                                                          runner="generate"))
 
     def get_tokenizer(self):
         return None
@@ -67,7 +71,8 @@ def test_every_operation_is_documented(document):
     assert {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
             ("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
             ("/health", "get"), ("/ping", "get"), ("/ping", "post"), ("/load", "get"),
-            ("/version", "get"), ("/metrics", "get"), ("/sleep", "post")} <= seen
+            ("/version", "get"), ("/metrics", "get"), ("/sleep", "post"),
+            ("/v1/embeddings", "post"), ("/score", "post"), ("/v2/rerank", "post")} <= seen
     ids = [op["operationId"] for _, _, op in operations(document)]
     assert len(ids) == len(set(ids))
     for path, method, operation in operations(document):
