@@ -128,9 +128,13 @@ class InputProcessor:
             raise PromptError("the prompt is empty")
         max_model_len = self.config.model_config.max_model_len
         if len(token_ids) >= max_model_len:
+            why = ("so that at least one token can be generated"
+                   if self.config.model_config.runner == "generate" else
+                   "(mrv2 runs an embedding prompt as a one-token request; truncate_prompt_tokens "
+                   "keeps its last tokens)")
             raise PromptError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len}: "
-                f"the prompt must be shorter so that at least one token can be generated")
+                f"the prompt must be shorter {why}")
         vocab = self.config.model_config.vocab_size
         low, high = min(token_ids), max(token_ids)
         if low < 0 or high >= vocab:

@@ -134,3 +134,11 @@ def test_a_generate_engine_refuses_pooling(tiny_llama):
         assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     finally:
         llm.shutdown()
+
+
+def test_a_prompt_over_the_context_says_how_to_truncate(last_llm):
+    long = {"prompt_token_ids": [5] * 128}
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        last_llm.embed(long, use_tqdm=False)
+    kept = last_llm.embed(long, truncate_prompt_tokens=-1, use_tqdm=False)[0]
+    assert len(kept.prompt_token_ids) == 127
