@@ -315,3 +315,27 @@ def test_streaming_random_ids_with_stop_strings(tokenizer, kind):
         for c in shown:
             so_far = so_far + c.text if kind == DELTA else c.text
             assert final_text.startswith(so_far) and stop not in so_far
+
+
+def test_a_pooling_request_gives_one_pooling_output_when_it_finishes(tokenizer):
+    import numpy as np
+    import torch
+
+    from mrv2.outputs import PoolingRequestOutput
+    from mrv2.pooling_params import PoolingParams, engine_sampling_params
+
+    proc = OutputProcessor(tokenizer)
+    vector = np.array([3.0, 4.0], dtype=np.float32).tobytes()
+    for req_id, normalize in (("n", True), ("raw", False), ("failed", True)):
+        proc.add_request(req_id, None, [0, 7], engine_sampling_params(), FINAL,
+                         pooling=PoolingParams(normalize=normalize, task="embed"))
+    results = step(proc, EngineCoreOutput("n", [9], FinishReason.LENGTH, pooled=vector),
+                   EngineCoreOutput("raw", [9], FinishReason.STOP, pooled=vector),
+                   out("failed", reason=FinishReason.ERROR))
+    assert [type(r) for r in results] == [PoolingRequestOutput] * 3
+    assert [r.request_id for r in results] == ["n", "raw", "failed"]
+    assert results[0].outputs.data.tolist() == pytest.approx([0.6, 0.8])
+    assert torch.equal(results[1].outputs.data, torch.tensor([3.0, 4.0]))
+    assert results[2].outputs.data is None  # the engine failed it: no vector
+    assert results[0].prompt_token_ids == [0, 7] and results[0].finished
+    assert not proc.has_unfinished_requests()
