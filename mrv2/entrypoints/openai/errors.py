@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from mrv2.errors import EngineDeadError
 
@@ -95,6 +96,16 @@ def to_openai_error(error: BaseException) -> OpenAIError:
                        type="internal_server_error")
 
 
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods of every route of the request's path (Starlette's own 405 names only those
+    of one route, and a path served by a GET and a POST route has two)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """No response leaves the app outside the envelope, FastAPI's own 404/405/422 included."""
 
@@ -107,10 +118,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return from_validation_error(error).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         status = error.status_code
         message = str(error.detail) if error.detail else HTTPStatus(status).phrase
-        return OpenAIError(message, status).response()
+        response = OpenAIError(message, status).response()
+        response.headers.update(error.headers or {})
+        if status == 405:  # RFC 9110: `Allow` lists every method of the path
+            response.headers["Allow"] = ", ".join(allowed_methods(app, request))
+        return response
 
     async def _known(_: Request, error: Exception) -> JSONResponse:
         return to_openai_error(error).response()

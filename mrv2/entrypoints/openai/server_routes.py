@@ -45,7 +45,13 @@ def health_response(engine: AsyncLLM) -> Response:
     """/health and /ping: 200, or 503 once the engine core is dead."""
     if engine.errored:
         return OpenAIError(str(engine.dead_error), 503, code="engine_dead").response()
-    return Response(status_code=200)
+    return empty_success()
+
+
+def empty_success() -> Response:
+    """A 200 with an empty body, typed as the schema declares it (empty_response: text/plain;
+    a response without a Content-Type fails schema conformance checks)."""
+    return Response(status_code=200, media_type="text/plain")
 
 
 class LoadTracker:
@@ -116,7 +122,7 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
             await engine.sleep(level)
         except (ValueError, RuntimeError) as error:  # a bad level, or requests running
             raise BadRequest(str(error), param="level") from None
-        return Response(status_code=200)
+        return empty_success()
 
     @app.post("/wake_up", response_class=Response, responses=empty_response(400))
     async def wake_up(tags: list[str] | None = Query(None)) -> Response:
@@ -124,7 +130,7 @@ def install_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
             await engine.wake_up(tags)
         except ValueError as error:
             raise BadRequest(str(error), param="tags") from None
-        return Response(status_code=200)
+        return empty_success()
 
     @app.get("/is_sleeping", responses=json_response(IsSleepingResponse))
     async def is_sleeping() -> Response:

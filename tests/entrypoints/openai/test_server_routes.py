@@ -26,7 +26,15 @@ from .conftest import MODEL_NAME
 
 def test_ping_load_and_cors(server):
     for method in ("GET", "POST"):
-        assert httpx.request(method, f"{server.url}/ping").status_code == 200
+        answer = httpx.request(method, f"{server.url}/ping")
+        # An empty body typed as /openapi.json declares it (schemathesis checks the type).
+        assert answer.status_code == 200 and answer.content == b""
+        assert answer.headers["content-type"].startswith("text/plain")
+    assert httpx.get(f"{server.url}/health").headers["content-type"].startswith("text/plain")
+    # A wrong method is a 405 naming the allowed ones (RFC 9110), in OpenAI's envelope.
+    wrong = httpx.delete(f"{server.url}/ping")
+    assert wrong.status_code == 405 and set(wrong.headers["allow"].split(", ")) >= {"GET", "POST"}
+    assert wrong.json()["error"]["message"] == "Method Not Allowed"
     assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
     # A request counts while it runs (test_load_tracker_...); none are left after.
     client = server.client()
