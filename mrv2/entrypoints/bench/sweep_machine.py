@@ -1,0 +1,124 @@
+"""What `mrv2 bench sweep` records about the machine: the CPU's kind and the instruction sets
+that decide which precisions are worth running (read at run time from /proc/cpuinfo, or from
+torch's own probes where that file is missing), the threads, the load average.
+
+bf16 is measured only where the CPU computes it natively (avx512_bf16 or AMX): on an AVX2-only
+CPU a bf16 matmul runs ~500x slower than float32 (docs/architecture.md, section 5), a number
+that says nothing about the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform as _platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The flags the table's header names, as /proc/cpuinfo spells them.
+FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# A load average above this (on these shared machines) labels the figures as measured under load.
+LOADED_ABOVE = 1.5
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model_name: str
+    family: str | None
+    model: str | None
+    flags: frozenset[str]
+    threads: int
+    source: str  # "/proc/cpuinfo" or "torch"
+
+    def has(self, flag: str) -> bool:
+        return flag in self.flags
+
+    @property
+    def features(self) -> dict[str, bool]:
+        return {flag: self.has(flag) for flag in FEATURE_FLAGS}
+
+    @property
+    def name(self) -> str:
+        """'AMD EPYC (family 25, model 1)'."""
+        where = ", ".join(f"{k} {v}" for k, v in (("family", self.family), ("model", self.model))
+                          if v is not None)
+        return f"{self.model_name} ({where})" if where else self.model_name
+
+    @property
+    def kind(self) -> str:
+        """'AMD EPYC (family 25, model 1), avx2, 2 threads': the CPU named at a glance."""
+        present = [flag for flag in FEATURE_FLAGS if self.has(flag)] or ["no avx2"]
+        return f"{self.name}, {'/'.join(present)}, {self.threads} threads"
+
+    def bf16_skip_reason(self) -> str | None:
+        """None where bf16 runs natively; otherwise why the sweep leaves it out."""
+        if any(self.has(flag) for flag in BF16_FLAGS):
+            return None
+        widest = next((f for f in ("avx512f", "avx2") if self.has(f)), "no avx2")
+        return (f"this CPU has neither avx512_bf16 nor AMX ({widest} only, read from "
+                f"{self.source}): bf16 matmul runs ~500x slower than float32 there")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "family": self.family, "model": self.model,
+                "features": self.features, "threads": self.threads, "source": self.source,
+                "name": self.name, "kind": self.kind}
+
+
+def available_threads() -> int:
+    """The cores this process may run on (its affinity), as every engine is given."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def parse_cpuinfo(text: str, threads: int) -> CpuInfo | None:
+    """The first processor's entry of a /proc/cpuinfo text; None without a flags line."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor is enough: all cores of these machines are alike
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags") or fields.get("Features")  # x86 / arm
+    if flags is None:
+        return None
+    return CpuInfo(model_name=fields.get("model name") or _platform.processor() or "unknown CPU",
+                   family=fields.get("cpu family"), model=fields.get("model"),
+                   flags=frozenset(flags.split()), threads=threads, source="/proc/cpuinfo")
+
+
+def _torch_cpu_info(threads: int) -> CpuInfo:
+    """Where /proc/cpuinfo is missing: torch's probes of the same instruction sets."""
+    import torch
+
+    probes = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported",
+              "avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported"}
+    flags = {flag for flag, probe in probes.items()
+             if getattr(torch.cpu, probe, lambda: False)()}
+    return CpuInfo(model_name=_platform.processor() or _platform.machine() or "unknown CPU",
+                   family=None, model=None, flags=frozenset(flags), threads=threads,
+                   source="torch")
+
+
+def read_cpu_info(path: str = "/proc/cpuinfo", threads: int | None = None) -> CpuInfo:
+    """The CPU of this machine; `threads`: what the engines will use (default: the cores
+    this process may run on)."""
+    threads = threads or available_threads()
+    try:
+        info = parse_cpuinfo(Path(path).read_text(), threads)
+    except OSError:
+        info = None
+    return info if info is not None else _torch_cpu_info(threads)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None

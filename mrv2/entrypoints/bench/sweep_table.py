@@ -1,0 +1,79 @@
+"""The table of `mrv2 bench sweep`: one row per (model, batch), one column per (engine,
+precision), each cell the median decode throughput and, in parentheses, the median wall time of
+a whole run; the best of each row in bold (markdown) or marked `*` (text). Above it, the CPU
+and its load; below it, the engines left out and why. Built from the sweep's JSON result, so a
+saved result prints the same table again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    if cell["status"] != "ok":
+        return cell["status"]  # "n/a" or "error"
+    if cell["decode_tok_s_median"] is None:
+        return "-"  # every repeat's decode time lost in the noise
+    return f"{cell['decode_tok_s_median']:.1f} ({cell['wall_s_median']:.2f} s)"
+
+
+def table_rows(result: dict[str, Any]) -> tuple[list[str], list[tuple[list[str], int | None]]]:
+    """The header and, per batch, the cells' texts with the index of the best cell (None
+    when no cell of the row has a value)."""
+    columns = [e["column"] for e in result["engines"]]
+    by_key = {(m["column"], m["batch"]): m for m in result["measurements"]}
+    rows = []
+    for batch in result["batch_sizes"]:
+        cells = [by_key.get((c, batch)) for c in columns]
+        values = [c["decode_tok_s_median"] if c is not None and c["status"] == "ok" else None
+                  for c in cells]
+        scored = [(v, i) for i, v in enumerate(values) if v is not None]
+        best = max(scored)[1] if scored else None
+        rows.append(([result["model_name"], str(batch)] + [_cell_text(c) for c in cells],
+                     None if best is None else best + 2))
+    return ["model", "batch"] + columns, rows
+
+
+def header_lines(result: dict[str, Any], fmt: str) -> list[str]:
+    machine = result["machine"]
+    cpu = machine["cpu"]
+    flags = ", ".join(f"{flag} {'yes' if on else 'no'}" for flag, on in cpu["features"].items())
+    loads = [x for x in (machine["loadavg_start"], machine["loadavg_end"]) if x is not None]
+    load = (f"load average {' -> '.join(f'{x:.2f}' for x in loads)}" if loads
+            else "load average unknown")
+    if machine["under_load"]:
+        load += " (measured under load: other processes shared the cores)"
+    title = f"mrv2 bench sweep: {result['model_name']}"
+    best = "bold" if fmt == "markdown" else "marked *"
+    return [f"## {title}" if fmt == "markdown" else title, "",
+            f"CPU: {cpu['name']}, {cpu['threads']} threads; {flags} (from {cpu['source']}); "
+            f"{load}.",
+            f"Decode output tokens/s, median of {result['repeats']} (in parentheses: the median "
+            f"wall time of a whole run, prefill included). Prompts of {result['input_len']} "
+            f"random token ids, {result['output_len']} tokens out, greedy, EOS ignored; the "
+            f"best of each row {best}.", ""]
+
+
+def format_table(result: dict[str, Any], fmt: str = "markdown") -> str:
+    header, rows = table_rows(result)
+    lines = header_lines(result, fmt)
+    if fmt == "markdown":
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|---|" + "---:|" * (len(header) - 1))
+        for cells, best in rows:
+            if best is not None:
+                value, _, rest = cells[best].partition(" ")
+                cells = cells[:best] + [f"**{value}** {rest}"] + cells[best + 1:]
+            lines.append("| " + " | ".join(cells) + " |")
+    else:
+        marked = [[c + ("*" if i == best else "") for i, c in enumerate(cells)]
+                  for cells, best in rows]
+        widths = [max(len(r[i]) for r in [header] + marked) for i in range(len(header))]
+        for cells in [header] + marked:
+            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip())
+    skipped = [f"skipped {s['engine']}: {s['reason']}" for s in result["skipped"]]
+    return "\n".join(lines + ([""] + skipped if skipped else []))

