@@ -55,17 +55,19 @@ def _prompts() -> list[str]:
 def test_offline_throughput(benchmark, model_dir, core, workload):
     benchmark.group = f"engine-core-{workload}"
     stop = ["\x00never"] if workload == "stop" else None
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=stop)
+    # The suite's untimed pass only checks that the case runs: 8 tokens each do.
+    max_tokens = 8 if benchmark.disabled else MAX_TOKENS
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
     prompts = _prompts()
     llm = LLM(model_dir, max_model_len=256, max_num_seqs=NUM_PROMPTS,
               multiprocess_core=core == "process")
     try:
         outputs = benchmark.pedantic(lambda: llm.generate(prompts, params, use_tqdm=False),
                                      rounds=ROUNDS, warmup_rounds=1)
-        assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
         stats = llm.last_stats
         benchmark.extra_info.update(
-            core=core, workload=workload, num_prompts=NUM_PROMPTS, max_tokens=MAX_TOKENS,
+            core=core, workload=workload, num_prompts=NUM_PROMPTS, max_tokens=max_tokens,
             output_tokens_per_s=round(stats["num_output_tokens"] / stats["elapsed_s"], 1),
             loadavg_1m=float(open("/proc/loadavg").read().split()[0]), cpus=os.cpu_count())
     finally:
