@@ -15,9 +15,7 @@ STAMP=.venv/.mrv2-installed
 WANT="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -d' ' -f1)"
 LOG=.venv/install.log
 install() {
-    # --no-compile: no byte-compiling of every installed package (torch, transformers, ...);
-    # Python compiles what it imports, when it imports it.
-    if ! python -m pip install -q --no-compile "$@" >>"$LOG" 2>&1; then
+    if ! python -m pip install -q "$@" >>"$LOG" 2>&1; then
         cat "$LOG" >&2
         echo "scripts/env.sh: 'pip install $*' failed (log above)" >&2
         exit 1
