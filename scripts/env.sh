@@ -5,6 +5,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# Bytecode is written as each module is first imported, once, and reused by every later
+# process; pip does not byte-compile whole packages at install (most of torch and transformers
+# is never imported). An inherited PYTHONDONTWRITEBYTECODE would make every process, each
+# spawned engine core, worker and server included, compile its imports from source again.
+unset PYTHONDONTWRITEBYTECODE
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
@@ -15,7 +20,7 @@ STAMP=.venv/.mrv2-installed
 WANT="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -d' ' -f1)"
 LOG=.venv/install.log
 install() {
-    if ! python -m pip install -q "$@" >>"$LOG" 2>&1; then
+    if ! python -m pip install -q --no-compile "$@" >>"$LOG" 2>&1; then
         cat "$LOG" >&2
         echo "scripts/env.sh: 'pip install $*' failed (log above)" >&2
         exit 1
