@@ -144,9 +144,12 @@ def machine_info(cpu: Any, load_start: float | None, load_end: float | None) -> 
 
     from mrv2.entrypoints.bench.sweep_machine import LOADED_ABOVE
 
-    loads = [x for x in (load_start, load_end) if x is not None]
+    # The 1-minute load average at the end counts the sweep's own threads; only what is above
+    # them is other processes'.
+    others = [x for x in (load_start, None if load_end is None else load_end - cpu.threads)
+              if x is not None]
     return {"cpu": cpu.as_json(), "threads": cpu.threads, "loadavg_start": load_start,
-            "loadavg_end": load_end, "under_load": bool(loads) and max(loads) > LOADED_ABOVE,
+            "loadavg_end": load_end, "under_load": bool(others) and max(others) > LOADED_ABOVE,
             "python": platform.python_version(), "torch": torch.__version__}
 
 

@@ -124,3 +124,14 @@ def test_no_engine_left(tiny_llama, capsys):
     # A directory: no GGUF blocks for mrv2 to compute on.
     assert main(["bench", "sweep", "--model", str(tiny_llama), "--engines", "mrv2:gguf"]) == 2
     assert "the model is not a GGUF file" in capsys.readouterr().err
+
+
+def test_under_load_discounts_the_sweeps_own_threads():
+    from types import SimpleNamespace
+
+    from mrv2.entrypoints.bench.sweep import machine_info
+
+    cpu = SimpleNamespace(threads=2, as_json=lambda: {})
+    assert not machine_info(cpu, 0.5, 1.9)["under_load"]  # only the sweep ran
+    assert machine_info(cpu, 0.5, 3.9)["under_load"]  # two more cores' worth of others
+    assert machine_info(cpu, 2.0, None)["under_load"]  # busy before it started
