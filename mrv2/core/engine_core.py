@@ -73,10 +73,15 @@ class EngineCore:
         if level not in (1, 2):
             raise ValueError(f"sleep level={level!r}: expected 1 (KV cache) or 2 (KV cache "
                              f"and weights)")
-        if self.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             raise RuntimeError(f"sleep needs an idle engine: "
                                f"{self.scheduler.get_num_unfinished_requests()} request(s) "
                                f"unfinished")
+        # No request runs or waits, but the last one's bookkeeping may lag a step (async
+        # scheduling: a step in flight, finished ids the runner has not been told yet): finish
+        # it, so every slot is free before the memory goes. Each step only flushes.
+        while self.has_unfinished_requests():
+            self.step()
         if not self.sleep_level:
             self.scheduler.reset_prefix_cache()
         self.executor.collective_rpc("sleep", (max(level, self.sleep_level),))

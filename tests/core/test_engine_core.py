@@ -232,3 +232,28 @@ def test_async_abort_while_a_step_is_in_flight(async_core):
     assert len(result["b"][0]) == 4
     assert async_core.executor.worker.runner.requests.num_active == 0
     assert async_core.scheduler.kv_cache_usage == 0
+
+
+def test_sleep_right_after_the_last_output_flushes_the_lagging_step(tiny_llama):
+    """With async scheduling the core still holds a step in flight (and finished ids) when the
+    last request's final output comes out: sleep finishes that bookkeeping instead of refusing
+    an engine with no request left."""
+    config = EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_seqs=4,
+                        device="cpu", async_scheduling=True).create_engine_config()
+    core = EngineCore(config)
+    try:
+        core.add_request(request("a", PROMPT_A, max_tokens=3))
+        finished = False
+        while not finished:
+            finished = any(o.finish_reason is not None for o in core.step().outputs)
+        assert not core.scheduler.has_unfinished_requests() and core.has_unfinished_requests()
+        core.sleep(1)
+        assert not core.has_unfinished_requests() and num_active(core) == 0
+        core.wake_up()
+        core.add_request(request("b", PROMPT_A, max_tokens=3))
+        assert len(run_to_completion(core)) >= 3
+        with pytest.raises(RuntimeError, match="1 request"):
+            core.add_request(request("c", PROMPT_A, max_tokens=3))
+            core.sleep(1)
+    finally:
+        core.shutdown()
