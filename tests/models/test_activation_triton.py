@@ -54,4 +54,8 @@ def test_compiled_matches_torch(dtype: torch.dtype) -> None:
         gate_up = _gate_up(rows, 1536, dtype, "cuda")  # SmolLM2-135M's intermediate size
         out = silu_and_mul(gate_up)
         torch.testing.assert_close(out, _reference(gate_up), **COMPILED_TOL[dtype])
-    assert compiled_variants(activation_triton._silu_and_mul_kernel) <= 2  # one per dtype
+        # Process-wide count; one row may get its own variant (test_norm_triton.py): from
+        # the second row count on it must not grow.
+        if rows == 7:
+            first_variants = compiled_variants(activation_triton._silu_and_mul_kernel)
+    assert compiled_variants(activation_triton._silu_and_mul_kernel) == first_variants

@@ -82,5 +82,10 @@ def test_compiled_matches_torch(dtype: torch.dtype) -> None:
         assert torch.equal(summed, ref_sum)
         torch.testing.assert_close(plain, ref_plain, **COMPILED_TOL[dtype])
         torch.testing.assert_close(out, ref, **COMPILED_TOL[dtype])
-    # Row counts change every step; they must not compile new variants.
-    assert compiled_variants(norm_triton._add_rms_norm_kernel) <= 2 * 2  # residual x dtype
+        # The count is process-wide (other tests compile other widths). A single row may get
+        # a variant of its own (its view's stride is canonical, so Triton's divisibility
+        # specialisation differs: seen on an H200 with Triton 3.6); after that, row counts,
+        # which change every step, must not compile new ones.
+        if rows == 7:
+            first_variants = compiled_variants(norm_triton._add_rms_norm_kernel)
+    assert compiled_variants(norm_triton._add_rms_norm_kernel) == first_variants

@@ -66,8 +66,11 @@ def test_compiled_matches_torch(qk_norm: bool, dtype: torch.dtype) -> None:
         out_q, out_k = apply_rotary_qk(q, k, cos, sin, 128, *norms)
         torch.testing.assert_close(out_q, ref_q, **COMPILED_TOL[dtype])
         torch.testing.assert_close(out_k, ref_k, **COMPILED_TOL[dtype])
-    # One variant per (norm, dtype).
-    assert compiled_variants(rotary_triton._rotary_qk_kernel, ROTARY_DYNAMIC) <= 2 * 2
+        # Process-wide count; one row may get its own variant (test_norm_triton.py): from
+        # the second row count on it must not grow.
+        if tokens == 7:
+            first_variants = compiled_variants(rotary_triton._rotary_qk_kernel, ROTARY_DYNAMIC)
+    assert compiled_variants(rotary_triton._rotary_qk_kernel, ROTARY_DYNAMIC) == first_variants
 
 
 @pytest.mark.cuda
