@@ -72,6 +72,10 @@ class ModelConfig:
     # "gguf": the linears compute on the GGUF file's quantized blocks (CPU); None: on
     # weights of `dtype`.
     quantization: str | None = None
+    # CPU only: the linears, the embedding and the LM head keep their weights in this 16-bit
+    # dtype and compute in `dtype` (float32): a bfloat16 / float16 model on a CPU without
+    # native 16-bit matrix instructions (loader.split_cpu_dtype). None: weights of `dtype`.
+    cpu_weight_dtype: torch.dtype | None = None
     # "pooling": every request is a prompt whose pooled hidden states are the result
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
     runner: str = "generate"

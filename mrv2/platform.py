@@ -55,6 +55,17 @@ def is_cuda() -> bool:
     return device_type() == "cuda"
 
 
+def cpu_computes_natively(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matrix instructions for `dtype` (bfloat16: AVX-512 BF16 or AMX;
+    float16: AMX-FP16), read at run time. Without them a 16-bit matmul is emulated, orders of
+    magnitude slower than float32 (bench/README.md), so 16-bit weights compute in float32."""
+    if dtype == torch.float32:
+        return True
+    probes = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+              torch.float16: ("_is_amx_fp16_supported",)}.get(dtype, ())
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
 def default_device() -> torch.device:
     return torch.device(device_type())
 

@@ -183,3 +183,17 @@ def test_cpu_path_works_without_triton() -> None:
                             timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_cpu_computes_natively_reads_torchs_probes(monkeypatch) -> None:
+    assert platform.cpu_computes_natively(torch.float32)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+    assert not platform.cpu_computes_natively(torch.bfloat16)
+    assert not platform.cpu_computes_natively(torch.float16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert platform.cpu_computes_natively(torch.bfloat16)
+    assert not platform.cpu_computes_natively(torch.float16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
+    assert platform.cpu_computes_natively(torch.float16)
+    assert not platform.cpu_computes_natively(torch.int8)

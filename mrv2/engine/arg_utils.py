@@ -17,10 +17,10 @@ from mrv2.config import (RUNNER_TYPES, CacheConfig, CompilationConfig, ConfigErr
                          ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                          StructuredOutputsConfig, check_logprobs_mode)
 from mrv2.engine.engine_args_flags import add_engine_args_flags
-from mrv2.models.gguf import (GGUFError, has_quantized_linears, has_tokenizer, is_gguf_path,
+from mrv2.models.gguf import (GGUFError, has_compact_linears, has_tokenizer, is_gguf_path,
                               open_gguf)
 from mrv2.models.hub import resolve_model_path
-from mrv2.models.loader import load_hf_config, resolve_dtype
+from mrv2.models.loader import load_hf_config, resolve_dtype, split_cpu_dtype
 from mrv2.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
@@ -132,12 +132,17 @@ class EngineArgs:
         if max_model_len > model_max_len:
             raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
                               f"maximum context of {model_max_len} tokens")
+        quantization = self._quantization(model_path, device)
+        dtype, cpu_weight_dtype = split_cpu_dtype(resolve_dtype(self.dtype, hf_config, device),
+                                                  device)
+        if quantization is not None:  # the GGUF file's types decide how weights are kept
+            cpu_weight_dtype = None
         model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
-                                   dtype=resolve_dtype(self.dtype, hf_config, device),
+                                   dtype=dtype, cpu_weight_dtype=cpu_weight_dtype,
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config, logprobs_mode=self.logprobs_mode,
-                                   quantization=self._quantization(model_path, device),
-                                   runner=runner, pooler_config=pooler_config)
+                                   quantization=quantization, runner=runner,
+                                   pooler_config=pooler_config)
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
@@ -227,9 +232,9 @@ class EngineArgs:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
                               f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
         if self.quantization == "gguf":
-            if not (is_gguf_path(model_path) and has_quantized_linears(open_gguf(model_path))):
+            if not (is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))):
                 raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
-                                  f"stored quantized; {model_path} is not one")
+                                  f"stored quantized or in 16 bits; {model_path} is not one")
             if device != "cpu":
                 raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
                                   "dequantizes GGUF weights: leave quantization unset)")

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from mrv2 import platform
 from mrv2.config import ModelConfig
 from mrv2.models.gguf import gguf_hf_config, is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.registry import UnsupportedModelError, get_model_class
@@ -115,6 +116,17 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) ->
     return _DTYPES[name]
 
 
+def split_cpu_dtype(dtype: torch.dtype, device_type: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(activation dtype, weight dtype or None) for a model resolved to `dtype`: on a CPU
+    without native 16-bit matrix instructions a bfloat16 / float16 model keeps its linear,
+    embedding and LM-head weights in that dtype and computes in float32 (models/cpu
+    attaches it); everywhere else (dtype, None): one dtype for both."""
+    if (device_type != "cpu" or dtype not in (torch.bfloat16, torch.float16)
+            or platform.cpu_computes_natively(dtype)):
+        return dtype, None
+    return torch.float32, dtype
+
+
 def safetensors_files(model_path: str) -> list[str]:
     """The weight files of a model directory, single-file or sharded."""
     _check_model_dir(model_path)
@@ -191,4 +203,5 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
 __all__ = ["ModelNotFoundError", "UnsupportedModelError", "checkpoint_weights",
            "iterate_safetensors",
-           "load_hf_config", "load_model", "resolve_dtype", "safetensors_files"]
+           "load_hf_config", "load_model", "resolve_dtype", "safetensors_files",
+           "split_cpu_dtype"]

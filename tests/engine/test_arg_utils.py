@@ -140,9 +140,21 @@ def test_dtype_auto_is_float32_on_cpu(tiny_llama, tmp_path):
 @pytest.mark.parametrize("dtype, expected", [("float32", torch.float32),
                                              ("bfloat16", torch.bfloat16),
                                              ("half", torch.float16)])
-def test_explicit_dtype(tiny_llama, dtype, expected):
-    assert EngineArgs(model=str(tiny_llama), dtype=dtype, device="cpu").create_engine_config() \
-        .model_config.dtype == expected
+@pytest.mark.parametrize("native", [True, False])
+def test_explicit_dtype(tiny_llama, dtype, expected, native, monkeypatch):
+    # On a CPU without matrix instructions for a 16-bit dtype, its weights stay 16-bit and
+    # the activations run in float32.
+    from mrv2 import platform
+
+    monkeypatch.setattr(platform, "cpu_computes_natively",
+                        lambda d: native or d == torch.float32)
+    config = EngineArgs(model=str(tiny_llama), dtype=dtype, device="cpu").create_engine_config()
+    if native or expected == torch.float32:
+        assert (config.model_config.dtype, config.model_config.cpu_weight_dtype) == (
+            expected, None)
+    else:
+        assert (config.model_config.dtype, config.model_config.cpu_weight_dtype) == (
+            torch.float32, expected)
 
 
 def test_bad_dtype(tiny_llama):

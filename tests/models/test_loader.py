@@ -145,3 +145,16 @@ def test_resolve_dtype() -> None:
         with pytest.raises(ValueError, match="accepted: 'auto', 'float32', 'float', "
                                              "'bfloat16', 'float16', 'half'"):
             resolve_dtype(bad, bf16_config, "cpu")
+
+
+def test_split_cpu_dtype(monkeypatch) -> None:
+    from mrv2 import platform
+    from mrv2.models.loader import split_cpu_dtype
+
+    monkeypatch.setattr(platform, "cpu_computes_natively", lambda d: d == torch.float32)
+    assert split_cpu_dtype(torch.bfloat16, "cpu") == (torch.float32, torch.bfloat16)
+    assert split_cpu_dtype(torch.float16, "cpu") == (torch.float32, torch.float16)
+    assert split_cpu_dtype(torch.float32, "cpu") == (torch.float32, None)
+    assert split_cpu_dtype(torch.bfloat16, "cuda") == (torch.bfloat16, None)
+    monkeypatch.setattr(platform, "cpu_computes_natively", lambda d: True)
+    assert split_cpu_dtype(torch.bfloat16, "cpu") == (torch.bfloat16, None)

@@ -14,14 +14,21 @@ from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+HALF_TYPES = ("F16", "BF16")
 TYPES = sorted(QUANTIZED_GGUF_TYPES)
 
 
 def random_raw(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random valid blocks: random bytes with the f16 fields set to finite values in +-0.05."""
+    """Random valid blocks: random bytes with the f16 fields set to finite values in +-0.05
+    (16-bit types: every value, bfloat16 as float32's high half)."""
     qtype = gguf.GGMLQuantizationType[gguf_type]
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
+    if gguf_type in HALF_TYPES:
+        values = rng.uniform(-0.05, 0.05, size=(n, k)).astype(np.float32)
+        bits = (values.astype(np.float16).view(np.uint16) if gguf_type == "F16"
+                else (values.view(np.uint32) >> 16).astype(np.uint16))
+        return bits.view(np.uint8).reshape(n, -1)
     blocks = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
     for off in F16_FIELDS[gguf_type]:
         f = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
@@ -65,12 +72,16 @@ def test_dequantize_is_bit_exact(gguf_type, n, k):
 
 def test_layouts_and_sizes(weights):
     expect = {"Q4_0": ("u4", 32), "Q4_1": ("u4", 32), "Q4_K": ("u4", 32), "Q8_0": ("i8", 32),
-              "Q5_0": ("i8", 32), "Q5_1": ("i8", 32), "Q5_K": ("i8", 32), "Q6_K": ("i8", 16)}
+              "Q5_0": ("i8", 32), "Q5_1": ("i8", 32), "Q5_K": ("i8", 32), "Q6_K": ("i8", 16),
+              "F16": ("f16", 0), "BF16": ("bf16", 0)}
     for t, (w, _) in weights.items():
         assert (w.layout, w.group_size) == expect[t]
+        per_weight = 8 * w.nbytes / (96 * 1536)
+        if t in HALF_TYPES:
+            assert w.is_half and w.scales is None and w.mins is None and per_weight == 16
+            continue
         assert w.scales.shape == (96, 1536 // w.group_size)
         assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K"))
-        per_weight = 8 * w.nbytes / (96 * 1536)
         assert per_weight <= (6.0 if w.layout == "u4" else 10.0), (t, per_weight)
 
 
@@ -89,13 +100,14 @@ def test_linear_matches_dequantized_matmul(weights, gguf_type, rows):
                                atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
 def test_both_paths_agree_at_the_threshold(weights, gguf_type, monkeypatch):
     w, ref = weights[gguf_type]
     x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))
     gemv = quantized_linear(x, w)
     monkeypatch.setattr(quantized, "MAX_QUANTIZED_GEMV_ROWS", 0)
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 40 * 1536)  # 40-row tiles: a ragged last one
+    monkeypatch.setattr(quantized, "HALF_TILE_ELEMENTS", 40 * 1536)
     tiled = quantized_linear(x, w)
     expect = x @ ref.T
     atol = 1e-5 * expect.abs().max().item()  # fp32 sums in another order, relative to the size
@@ -103,7 +115,7 @@ def test_both_paths_agree_at_the_threshold(weights, gguf_type, monkeypatch):
     torch.testing.assert_close(tiled, expect, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_1", "Q6_K", "F16"])
 def test_rows_and_cat_round_trip(weights, gguf_type):
     w, ref = weights[gguf_type]
     parts = [w.rows(0, 10), w.rows(10, 64), w.rows(64, 96)]
@@ -132,13 +144,15 @@ def test_errors(weights):
     with pytest.raises(ValueError, match="unsupported"):
         QuantizedWeight.from_gguf(raw, "Q2_K", (4, 64))
     with pytest.raises(ValueError, match="unsupported"):
-        QuantizedWeight.from_gguf(raw, "F16", (4, 64))
+        QuantizedWeight.from_gguf(raw, "F32", (4, 64))
     with pytest.raises(ValueError, match="blocks"):
         QuantizedWeight.from_gguf(raw, "Q4_0", (4, 96))
     with pytest.raises(ValueError, match="cannot cat"):
         QuantizedWeight.cat([weights["Q4_0"][0], weights["Q8_0"][0]])
     with pytest.raises(ValueError, match="cannot cat"):
         QuantizedWeight.cat([weights["Q8_0"][0], weights["Q6_K"][0]])
+    with pytest.raises(ValueError, match="cannot cat"):
+        QuantizedWeight.cat([weights["F16"][0], weights["BF16"][0]])
     other_k = QuantizedWeight.from_gguf(random_raw("Q4_0", 2, 64, 1), "Q4_0", (2, 64))
     with pytest.raises(ValueError, match="cannot cat"):
         QuantizedWeight.cat([weights["Q4_0"][0], other_k])
@@ -146,3 +160,17 @@ def test_errors(weights):
         quantized_linear(torch.randn(2, 64), weights["Q4_0"][0])
     with pytest.raises(IndexError):
         weights["Q4_0"][0].dequantize_rows(torch.tensor([96]))
+
+
+@pytest.mark.parametrize("gguf_type", HALF_TYPES)
+@pytest.mark.parametrize("n, k, rows", [(5, 3, 1), (33, 37, 3), (17, 8, 5), (9, 100, 2)])
+def test_half_gemv_on_widths_that_are_not_multiples_of_8(gguf_type, n, k, rows):
+    # The 8-wide loop leaves a scalar tail; the stored values widen exactly, so the only error
+    # is float32 summation order.
+    raw = random_raw(gguf_type, n, k, seed=k)
+    w = QuantizedWeight.from_gguf(raw, gguf_type, (n, k))
+    ref = reference(raw, gguf_type, n, k).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    expect = x.double() @ ref.T
+    torch.testing.assert_close(quantized_linear(x, w).double(), expect, rtol=1e-5,
+                               atol=1e-6 * expect.abs().max().item())

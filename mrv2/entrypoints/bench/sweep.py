@@ -106,7 +106,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     batches, keys = check_args(args)
     cpu = read_cpu_info(threads=args.threads)
     model = read_sweep_model(default_model(args.model))
-    specs, skips = plan_engines(keys, model, cpu.bf16_skip_reason())
+    specs, skips = plan_engines(keys, model, cpu.bf16_precision())
     if not specs:
         raise ValueError("no engine left to run: "
                          + "; ".join(skip.line() for skip in skips))

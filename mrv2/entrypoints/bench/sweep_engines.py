@@ -1,9 +1,10 @@
 """The engines `mrv2 bench sweep` compares, each behind one call: `generate(prompts,
 max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_tokens` each.
 
-- mrv2 in each precision it has on this machine: float32 weights (a GGUF file dequantized at
-  load), `quantization="gguf"` (a quantized GGUF file's blocks, as stored), bfloat16 where the
-  CPU computes it natively (sweep_machine.CpuInfo.bf16_skip_reason);
+- mrv2 in each precision it has: float32 weights (a GGUF file dequantized at load),
+  `quantization="gguf"` (a quantized GGUF file's blocks, as stored), dtype="bfloat16" (bf16
+  compute where the CPU has it, else bf16 weights and float32 compute:
+  sweep_machine.CpuInfo.bf16_precision);
 - transformers' `generate`, float32, on the same weights: for a GGUF file its safetensors twin
   (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);
 - llama-cpp-python (`llama_cpp.Llama`) on the same GGUF file, batch 1 only: its Python API
@@ -132,7 +133,7 @@ def _import_peer(key: str) -> tuple[Any, str | None]:
 
 
 def plan_engines(keys: list[str], model: SweepModel,
-                 bf16_skip_reason: str | None) -> tuple[list[EngineSpec], list[Skip]]:
+                 bf16_precision: str) -> tuple[list[EngineSpec], list[Skip]]:
     """The engines to run, in the table's column order, and the ones left out with why."""
     gguf = f"gguf {model.gguf_type}" if model.gguf_type else "gguf"
     specs: list[EngineSpec] = []
@@ -146,10 +147,7 @@ def plan_engines(keys: list[str], model: SweepModel,
             else:
                 skips.append(Skip("mrv2 gguf", "the model is not a GGUF file"))
         elif key == "mrv2:bf16":
-            if bf16_skip_reason is None:
-                specs.append(EngineSpec(key, "mrv2", "bfloat16"))
-            else:
-                skips.append(Skip("mrv2 bfloat16", bf16_skip_reason))
+            specs.append(EngineSpec(key, "mrv2", bf16_precision))
         elif key == "transformers":
             specs.append(EngineSpec(key, "transformers", "float32"))
         elif key == "llama.cpp" and not model.is_gguf:

@@ -2,9 +2,9 @@
 that decide which precisions are worth running (read at run time from /proc/cpuinfo, or from
 torch's own probes where that file is missing), the threads, the load average.
 
-bf16 is measured only where the CPU computes it natively (avx512_bf16 or AMX): on an AVX2-only
-CPU a bf16 matmul runs ~500x slower than float32 (docs/architecture.md, section 5), a number
-that says nothing about the engine.
+mrv2's bfloat16 column computes in bf16 only where the CPU has instructions for it (avx512_bf16
+or AMX); elsewhere mrv2 keeps bf16 weights and computes in float32 (docs/architecture.md,
+section 5), and the column says so.
 """
 
 from __future__ import annotations
@@ -51,13 +51,10 @@ class CpuInfo:
         present = [flag for flag in FEATURE_FLAGS if self.has(flag)] or ["no avx2"]
         return f"{self.name}, {'/'.join(present)}, {self.threads} threads"
 
-    def bf16_skip_reason(self) -> str | None:
-        """None where bf16 runs natively; otherwise why the sweep leaves it out."""
-        if any(self.has(flag) for flag in BF16_FLAGS):
-            return None
-        widest = next((f for f in ("avx512f", "avx2") if self.has(f)), "no avx2")
-        return (f"this CPU has neither avx512_bf16 nor AMX ({widest} only, read from "
-                f"{self.source}): bf16 matmul runs ~500x slower than float32 there")
+    def bf16_precision(self) -> str:
+        """What mrv2's dtype="bfloat16" runs here, as the table names it: "bfloat16" where the
+        CPU computes bf16 natively, "bf16 weights" (bf16 weights, float32 compute) elsewhere."""
+        return "bfloat16" if any(self.has(flag) for flag in BF16_FLAGS) else "bf16 weights"
 
     def as_json(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "family": self.family, "model": self.model,

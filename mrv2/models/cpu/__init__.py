@@ -5,6 +5,9 @@ the weights are loaded) overrides a few forwards of one loaded Llama-family mode
 
 - loaded from a quantized GGUF file (`ModelConfig.quantization == "gguf"`): its linears, the
   embedding and the LM head compute on the file's blocks (`quantized_weights`);
+- a bfloat16 / float16 model on a CPU without 16-bit matrix instructions
+  (`ModelConfig.cpu_weight_dtype`): the same modules keep 16-bit weights and compute in
+  float32 (`quantized_weights.attach_half_weights`);
 - every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`);
 - `LlamaModel.forward_layers` runs decode steps of a few rows as one numba call for the
   whole decoder stack (`decode`), when the model's layers qualify: its projections compute on
@@ -46,6 +49,8 @@ def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFast
     quantized = None
     if model_config is not None and model_config.quantization == "gguf":
         quantized = quantized_weights.attach_quantized_weights(model, model_config)
+    elif model_config is not None and model_config.cpu_weight_dtype is not None:
+        quantized = quantized_weights.attach_half_weights(model, model_config.cpu_weight_dtype)
     mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp) for layer in inner.layers]
     fused = decode.attach_fused_decode(inner)
     return CpuFastPaths(mlps, fused, quantized)

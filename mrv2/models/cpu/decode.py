@@ -1,5 +1,6 @@
 """Every Llama decoder layer and the final norm for a decode step of a few rows, as one numba
-call (float32 activations, CPU; float32 weights or GGUF blocks kept as stored).
+call (float32 activations, CPU; float32 weights, or GGUF blocks or 16-bit weights kept as
+stored).
 
 Why: a decode step of 1-4 tokens is bound by streaming the weights (the GEMVs run at the
 memory bandwidth), and what is left is per-op overhead. Op by op (two norms, four
@@ -13,9 +14,9 @@ The arithmetic is the same as the module path (norm_numba, rotary_numba, activat
 cpu_gemv or quantized_numba, decode_numba): RMSNorm in float32 then the weight multiply,
 rotate-half rotary, SiLU(gate) * up, attention over the paged cache after this step's K/V are
 written. Each projection is a float32 weight (cpu_gemv's kernel) or, for a model loaded with
-quantization="gguf", the blocks quantized_weights attached to it (the packed GEMV
-`gemv_groups`, the kernel the module path calls): `_linear` picks one at compile time from the
-typed list's item type.
+quantization="gguf", the blocks or 16-bit weight quantized_weights attached to it (the packed
+GEMV `gemv_groups` or the 16-bit `gemv_half`, the kernels the module path calls): `_linear`
+picks one at compile time from the typed list's item type.
 
 `attach` gives a loaded LlamaModel whose layers `qualify` (each projection float32 CPU or
 quantized, the same kind in every layer; one tensor-parallel rank, no biases and no per-head
@@ -39,7 +40,7 @@ from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
-from mrv2.models.layers.quantized_numba import gemv_groups
+from mrv2.models.layers.quantized_numba import gemv_groups, gemv_half
 from mrv2.models.layers.rotary_numba import rotary_kernel
 
 # Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
@@ -50,8 +51,9 @@ MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 
 
 def _linear(x, w, out):
-    """out = x @ W^T inside the stack; `w` is a float32 weight view or a quantized weight's
-    (q as bytes, scales, mins, packed, group size) tuple (numba only: see the overload)."""
+    """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
+    (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size) tuple
+    (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
 
@@ -59,6 +61,8 @@ def _linear(x, w, out):
 def _linear_overload(x, w, out):
     if isinstance(w, types.Array):
         return lambda x, w, out: gemv_kernel(x, w, out)
+    if len(w) == 2:
+        return lambda x, w, out: gemv_half(x, w[0], w[1], out)
     return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], out)
 
 
@@ -133,7 +137,8 @@ _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 
 def _quantized(module) -> QuantizedWeight | None:
-    """The GGUF blocks `module` computes on (quantized_weights attached them), or None."""
+    """The GGUF weight `module` computes on as stored (quantized_weights attached it), or
+    None."""
     forward = module.__dict__.get("forward")
     return forward.weight if isinstance(forward, QuantizedLinearForward) else None
 
@@ -142,9 +147,16 @@ def _float32(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
 
 
-def _kinds(layer) -> tuple[bool, ...]:
-    """Per projection of `layer`: whether it computes on quantized blocks."""
-    return tuple(_quantized(layer.get_submodule(name)) is not None for name in _PROJECTIONS)
+def _kind(module) -> str:
+    """What a projection computes on: "float32", "blocks" (GGUF integer blocks) or "half" (a
+    16-bit float weight): one typed list holds one kind."""
+    weight = _quantized(module)
+    return "float32" if weight is None else "half" if weight.is_half else "blocks"
+
+
+def _kinds(layer) -> tuple[str, ...]:
+    """Per projection of `layer`: its `_kind`."""
+    return tuple(_kind(layer.get_submodule(name)) for name in _PROJECTIONS)
 
 
 def _layer_qualifies(layer) -> bool:
@@ -162,8 +174,8 @@ def _layer_qualifies(layer) -> bool:
 
 def qualifies(model) -> bool:
     """Whether the fused stack can run `model` (a LlamaModel): every layer qualifies, all with
-    one norm eps (the kernel takes one) and each projection of one kind (quantized or float32:
-    one typed list per projection), and the final norm is float32 on the CPU."""
+    one norm eps (the kernel takes one) and each projection of one kind (float32, GGUF blocks
+    or 16-bit: one typed list per projection), and the final norm is float32 on the CPU."""
     layers = list(model.layers)
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
@@ -172,7 +184,8 @@ def qualifies(model) -> bool:
 
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`)."""
-    return MAX_QUANTIZED_DECODE_ROWS if all(_kinds(model.layers[0])) else MAX_DECODE_ROWS
+    quantized = all(kind != "float32" for kind in _kinds(model.layers[0]))
+    return MAX_QUANTIZED_DECODE_ROWS if quantized else MAX_DECODE_ROWS
 
 
 def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta,
@@ -193,15 +206,18 @@ def _projection_tensors(module) -> list[torch.Tensor]:
     weight = _quantized(module)
     if weight is None:
         return [module.weight]
-    return [weight.q, weight.scales] + ([] if weight.mins is None else [weight.mins])
+    return [t for t in (weight.q, weight.scales, weight.mins) if t is not None]
 
 
 def _projection_view(module):
-    """The kernel's view of one projection: the float32 weight, or the quantized weight as
-    (q as bytes, scales, mins ([N, 0]: none), packed, group size)."""
+    """The kernel's view of one projection: the float32 weight, a 16-bit weight as (q int16,
+    bfloat16), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
+    size)."""
     weight = _quantized(module)
     if weight is None:
         return module.weight.detach().numpy()
+    if weight.is_half:
+        return (weight.q.numpy(), weight.layout == "bf16")
     mins = weight.mins if weight.mins is not None else torch.empty(weight.out_features, 0)
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), mins.numpy(),
             weight.layout == "u4", weight.group_size)

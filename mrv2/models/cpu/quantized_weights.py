@@ -10,12 +10,14 @@ weight the loader wrote is released, so resident weight memory follows the file'
 Fused projections (q/k/v, gate/up) take their shards' blocks concatenated when every shard
 has one layout; otherwise the module keeps its float32 weight. So does every module under
 tensor parallelism (a rank's column slice of a row-parallel weight would cut blocks apart),
-and every tensor of a type the kernels do not take (F32/F16/BF16 among them).
+and every tensor of a type the kernels do not take (F32 among them). F16 and BF16 tensors
+stay 16-bit (half the bytes of float32 per decode step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -121,29 +123,61 @@ def attach_quantized_weights(model: nn.Module, model_config: ModelConfig
                 continue
             parts = [stored.get(f"model.layers.{i}.{source}") for source in sources]
             weight = None if None in parts else _stack([_stored(p) for p in parts])
-            if weight is None:
-                continue
-            module.forward = QuantizedLinearForward(module, weight)
-            _release(module)
-            attached.weights[f"model.layers.{i}.{fused}"] = weight
-    _attach_vocab(model, inner, stored, attached)
+            if weight is not None:
+                _attach_linear(module, weight, f"model.layers.{i}.{fused}", attached)
+
+    def vocab_weight(name: str) -> QuantizedWeight | None:
+        return None if name not in stored else _stored(stored[name])
+
+    _attach_vocab(model, inner, vocab_weight, attached)
     return attached
 
 
-def _attach_vocab(model: nn.Module, inner: nn.Module, stored: dict[str, GGUFWeight],
+def attach_half_weights(model: nn.Module, dtype: torch.dtype) -> QuantizedModules | None:
+    """Keep the loaded float32 weights of `model`'s linears, embedding and LM head in `dtype`
+    (float16 or bfloat16; ModelConfig.cpu_weight_dtype) and compute on them in float32: half
+    the resident bytes, and half the bytes a decode step streams. None without a LlamaModel."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        return None
+    attached = QuantizedModules()
+    for i, layer in enumerate(inner.layers):
+        for fused in _FUSED:
+            module = layer.get_submodule(fused)
+            if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
+                _attach_linear(module, QuantizedWeight.from_float(module.weight, dtype),
+                               f"model.layers.{i}.{fused}", attached)
+
+    def vocab_weight(name: str) -> QuantizedWeight | None:  # a tied model has no lm_head
+        weight = model.get_submodule(name).weight
+        return QuantizedWeight.from_float(weight, dtype) if weight.dtype == torch.float32 else None
+
+    _attach_vocab(model, inner, vocab_weight, attached)
+    return attached
+
+
+def _attach_linear(module: nn.Module, weight: QuantizedWeight, name: str,
+                   attached: QuantizedModules) -> None:
+    module.forward = QuantizedLinearForward(module, weight)
+    _release(module)
+    attached.weights[name] = weight
+
+
+def _attach_vocab(model: nn.Module, inner: nn.Module,
+                  vocab_weight: Callable[[str], QuantizedWeight | None],
                   attached: QuantizedModules) -> None:
-    """The embedding and the LM head (the same weight when tied)."""
+    """The embedding and the LM head (the same weight when tied); `vocab_weight(name)` gives
+    the kept weight of "model.embed_tokens" or "lm_head" (None: the module keeps its own)."""
     embed, head = inner.embed_tokens, getattr(model, "lm_head", None)
     if embed.tp_size != 1 or (head is not None and head.tp_size != 1):
         return
-    embed_weight = (None if "model.embed_tokens" not in stored
-                    else _stored(stored["model.embed_tokens"]))
+    embed_weight = vocab_weight("model.embed_tokens")
     if embed_weight is not None:
         embed.forward = QuantizedEmbeddingForward(embed_weight)
         attached.weights["model.embed_tokens"] = embed_weight
     head_weight = embed_weight
     if head is not None:
-        head_weight = None if "lm_head" not in stored else _stored(stored["lm_head"])
+        head_weight = vocab_weight("lm_head")
         if head_weight is not None:
             _release(head)
             attached.weights["lm_head"] = head_weight

@@ -99,12 +99,13 @@ class GGUFWeight:
         return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
 
 
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_WIDE_FLOAT_TYPES = ("F32", "F64")
 
 
-def has_quantized_linears(ckpt: GGUFCheckpoint) -> bool:
-    """Whether some matrix of the file is stored in a block-quantized type (not a float)."""
-    return any(len(r.shape) == 2 and r.type_name not in _FLOAT_TYPES
+def has_compact_linears(ckpt: GGUFCheckpoint) -> bool:
+    """Whether some matrix of the file is stored below 32 bits a weight: block-quantized, or
+    F16 / BF16 (what quantization="gguf" computes on as stored)."""
+    return any(len(r.shape) == 2 and r.type_name not in _WIDE_FLOAT_TYPES
                for r in ckpt.tensors.values())
 
 

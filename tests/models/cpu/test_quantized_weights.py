@@ -26,7 +26,7 @@ def _quantized(path, **kwargs) -> LLM:
 
 
 @pytest.mark.parametrize("tensor_type, tied", [("Q8_0", False), ("Q4_0", True),
-                                               ("Q4_1", False)])
+                                               ("Q4_1", False), ("BF16", True), ("F16", False)])
 def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factory, tensor_type,
                                                                 tied):
     path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
@@ -81,9 +81,69 @@ def test_quantization_option(tiny_gguf_factory, tiny_llama):
                     quantization="gguf").model_config.quantization == "gguf"
     with pytest.raises(ConfigError, match="stored quantized"):
         _configs(tiny_llama, quantization="gguf")
-    with pytest.raises(ConfigError, match="stored quantized"):
-        _configs(tiny_gguf_factory("llama", "F16"), quantization="gguf")
+    with pytest.raises(ConfigError, match="stored quantized or in 16 bits"):
+        _configs(tiny_gguf_factory("llama", "F32"), quantization="gguf")
+    assert _configs(tiny_gguf_factory("llama", "F16"),
+                    quantization="gguf").model_config.quantization == "gguf"
     with pytest.raises(ConfigError, match="CPU only"):
         _configs(tiny_gguf_factory("llama", "Q8_0"), quantization="gguf", device="cuda")
     with pytest.raises(ConfigError, match="not supported"):
         _configs(tiny_llama, quantization="awq")
+
+
+def _bf16_checkpoint(src, dst):
+    """A copy of the model at `src` with its weights stored as bfloat16 (as most Hub
+    checkpoints are)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_16bit_model_keeps_16bit_weights_where_the_cpu_has_no_16bit_matmul(tiny_model_factory,
+                                                                           tmp_path, native,
+                                                                           monkeypatch):
+    from mrv2 import platform
+
+    monkeypatch.setattr(platform, "cpu_computes_natively",
+                        lambda dtype: native or dtype == torch.float32)
+    path = _bf16_checkpoint(tiny_model_factory("llama", tie_word_embeddings=True),
+                            tmp_path / "bf16")
+    config = _configs(path, dtype="bfloat16").model_config
+    if native:
+        assert (config.dtype, config.cpu_weight_dtype) == (torch.bfloat16, None)
+        return
+    assert (config.dtype, config.cpu_weight_dtype) == (torch.float32, torch.bfloat16)
+    assert _configs(path).model_config.cpu_weight_dtype is None  # "auto": float32 weights
+    model = load_model(config, CPU)
+    paths = attach(model, config)
+    weights = paths.quantized.weights
+    assert {w.layout for w in weights.values()} == {"bf16"} and "model.embed_tokens" in weights
+    assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
+    assert paths.decode is not None  # the fused decode stack runs on them
+
+    # The checkpoint's weights are bfloat16: kept as such they are exact, so the engine gives
+    # the float32 model's greedy tokens (float32 sums in another order: logprobs ~1e-6).
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(str(path), dtype=dtype, max_model_len=64, enable_prefix_caching=False)
+        outputs[dtype] = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm.shutdown()
+    for got, want in zip(outputs["bfloat16"], outputs["float32"]):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.keys() == b.keys()
+            for tok in a:
+                assert abs(a[tok].logprob - b[tok].logprob) < 1e-4
