@@ -2,8 +2,8 @@
 
 SmolLM2-135M shapes (hidden 576, kv 192, intermediate 1536 (gate/up fused: 3072 rows), tied LM
 head 49152 x 576) at 1 and 8 (decode: the GEMV) and 32 (batched decode: tiled) rows of x, for
-Q4_1 (the built-in file's layers), Q8_0 (its embedding / LM head) and F16 / BF16 (the weights
-of a 16-bit GGUF file). `quantized_linear` runs the numba GEMV up to MAX_QUANTIZED_GEMV_ROWS
+Q4_1 (the built-in file's layers), Q8_0 (its embedding / LM head) and BF16 (a 16-bit GGUF
+file's weights; F16 runs the same kernel with another widening). `quantized_linear` runs the numba GEMV up to MAX_QUANTIZED_GEMV_ROWS
 rows and the dequantize-tile + torch.mm path beyond. extra_info: the weight bytes each call
 reads (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
 Random valid blocks (tests/models/test_quantized.py's generator, seed 0).
@@ -46,7 +46,7 @@ def weights(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Ten
 @pytest.mark.parametrize("impl", ["quantized_linear", "f_linear"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
-@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "F16", "BF16"])
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "BF16"])
 def test_quantized_linear(benchmark, gguf_type, shape_name, rows, impl):
     qw, wf = weights(gguf_type, shape_name)
     benchmark.group = f"quantized-linear-{gguf_type}-{shape_name}-{rows}rows"

@@ -49,7 +49,7 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
 
 @pytest.mark.parametrize("tensor_type, tied, num_prompts", [
     ("Q4_1", True, 1), ("Q4_1", False, 8), ("Q8_0", False, 3), ("Q4_0", True, 5),
-    ("Q5_1", False, 2), ("BF16", True, 3), ("F16", False, 1)])
+    ("Q5_1", False, 2), ("BF16", True, 3)])
 def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, tensor_type,
                                                            tied, num_prompts, monkeypatch):
     """quantization="gguf": the stack runs the projections on the attached blocks (u4 and i8

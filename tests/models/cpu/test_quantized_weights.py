@@ -26,7 +26,7 @@ def _quantized(path, **kwargs) -> LLM:
 
 
 @pytest.mark.parametrize("tensor_type, tied", [("Q8_0", False), ("Q4_0", True),
-                                               ("Q4_1", False), ("BF16", True), ("F16", False)])
+                                               ("Q4_1", False), ("BF16", True)])
 def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factory, tensor_type,
                                                                 tied):
     path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
