@@ -114,6 +114,38 @@ def _vload(builder, ptr, index, vty, align):
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=align)
 
 
+def _x_rows_and_accumulators(context, builder, xt, x, m0, nb, unroll):
+    """Pointers to rows m0..m0+nb-1 of x, K, and `unroll` zeroed <8 x float> accumulators per
+    row."""
+    ity = m0.type
+    xrows = [_row_ptr(context, builder, xt, x, builder.add(m0, ity(i)), _F32) for i in range(nb)]
+    k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
+    zero = ir.Constant(_V8F, [0.0] * 8)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(unroll)] for _ in range(nb)]
+    return xrows, k, accs
+
+
+def _for_each_unit(builder, units, unroll, unit):
+    """unit(index, slot) for index in [0, units): `unroll` units per loop iteration, each into
+    its own accumulator slot (independent FMA chains), then the remainder into slot 0."""
+    ity = units.type
+    main = builder.sdiv(units, ity(unroll))
+    with cgutils.for_range(builder, main) as loop:
+        for u in range(unroll):
+            unit(builder.add(builder.mul(loop.index, ity(unroll)), ity(u)), u)
+    done = builder.mul(main, ity(unroll))
+    with cgutils.for_range(builder, builder.sub(units, done)) as loop:
+        unit(builder.add(done, loop.index), 0)
+
+
+def _sum_accumulators(builder, row_accs):
+    """One row's accumulators added, then horizontally: a float."""
+    v = builder.load(row_accs[0])
+    for a in row_accs[1:]:
+        v = builder.fadd(v, builder.load(a), flags=_FAST)
+    return _hsum(builder, v)
+
+
 def _make_dots(nb, packed):
     """An intrinsic (x, q, scales, shift, r, m0) -> UniTuple(float32, nb): for rows m0..m0+nb-1
     of x, sum_k x[m, k] * scale(r, k) * q(r, k) (no min term). u4: a unit is one 32-input group;
@@ -130,12 +162,8 @@ def _make_dots(nb, packed):
             ity = r_.type
             qrow, _ = _row_ptr(context, builder, qt, args[1], r_, _I8)
             srow, _ = _row_ptr(context, builder, st, args[2], r_, _F32)
-            xrows = [_row_ptr(context, builder, xt, args[0], builder.add(m_, ity(i)), _F32)
-                     for i in range(nb)]
-            k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
-            zero = ir.Constant(_V8F, [0.0] * 8)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_DOT_UNROLL)]
-                    for _ in range(nb)]
+            xrows, k, accs = _x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
+                                                      _DOT_UNROLL)
             step = 32 if packed else 16
 
             def unit(c, slot):
@@ -162,20 +190,8 @@ def _make_dots(nb, packed):
                     builder.store(builder.fadd(acc, builder.fmul(ss, p, flags=_FAST),
                                                flags=_FAST), accs[i][slot])
 
-            units = builder.sdiv(k, ity(step))
-            main = builder.sdiv(units, ity(_DOT_UNROLL))
-            with cgutils.for_range(builder, main) as loop:
-                for u in range(_DOT_UNROLL):
-                    unit(builder.add(builder.mul(loop.index, ity(_DOT_UNROLL)), ity(u)), u)
-            done = builder.mul(main, ity(_DOT_UNROLL))
-            with cgutils.for_range(builder, builder.sub(units, done)) as loop:
-                unit(builder.add(done, loop.index), 0)
-            sums = []
-            for row_accs in accs:
-                v = builder.load(row_accs[0])
-                for a in row_accs[1:]:
-                    v = builder.fadd(v, builder.load(a), flags=_FAST)
-                sums.append(_hsum(builder, v))
+            _for_each_unit(builder, builder.sdiv(k, ity(step)), _DOT_UNROLL, unit)
+            sums = [_sum_accumulators(builder, row_accs) for row_accs in accs]
             return context.make_tuple(builder, ret, sums)
 
         return ret(x, q, scales, shift, r, m0), codegen
@@ -270,12 +286,8 @@ def _make_half_dots(nb, bf16):
                       for v, t in ((args[2], rt), (args[3], mt)))
             ity = r_.type
             qrow, _ = _row_ptr(context, builder, qt, args[1], r_, _I16)
-            xrows = [_row_ptr(context, builder, xt, args[0], builder.add(m_, ity(i)), _F32)
-                     for i in range(nb)]
-            k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
-            zero = ir.Constant(_V8F, [0.0] * 8)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_HALF_UNROLL)]
-                    for _ in range(nb)]
+            xrows, k, accs = _x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
+                                                      _HALF_UNROLL)
 
             def unit(c, slot):
                 base = builder.mul(c, ity(8))
@@ -287,13 +299,7 @@ def _make_half_dots(nb, bf16):
                                                flags=_FAST), accs[i][slot])
 
             units = builder.sdiv(k, ity(8))
-            main = builder.sdiv(units, ity(_HALF_UNROLL))
-            with cgutils.for_range(builder, main) as loop:
-                for u in range(_HALF_UNROLL):
-                    unit(builder.add(builder.mul(loop.index, ity(_HALF_UNROLL)), ity(u)), u)
-            done = builder.mul(main, ity(_HALF_UNROLL))
-            with cgutils.for_range(builder, builder.sub(units, done)) as loop:
-                unit(builder.add(done, loop.index), 0)
+            _for_each_unit(builder, units, _HALF_UNROLL, unit)
             tails = [cgutils.alloca_once_value(builder, _F32(0.0)) for _ in range(nb)]
             tail_start = builder.mul(units, ity(8))
             with cgutils.for_range(builder, builder.sub(k, tail_start)) as loop:
@@ -304,12 +310,8 @@ def _make_half_dots(nb, bf16):
                     builder.store(builder.fadd(builder.load(tails[i]),
                                                builder.fmul(w, xv, flags=_FAST), flags=_FAST),
                                   tails[i])
-            sums = []
-            for row_accs, tail in zip(accs, tails):
-                v = builder.load(row_accs[0])
-                for a in row_accs[1:]:
-                    v = builder.fadd(v, builder.load(a), flags=_FAST)
-                sums.append(builder.fadd(_hsum(builder, v), builder.load(tail), flags=_FAST))
+            sums = [builder.fadd(_sum_accumulators(builder, row_accs), builder.load(tail),
+                                 flags=_FAST) for row_accs, tail in zip(accs, tails)]
             return context.make_tuple(builder, ret, sums)
 
         return ret(x, q, r, m0), codegen
