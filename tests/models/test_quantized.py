@@ -174,3 +174,26 @@ def test_half_gemv_on_widths_that_are_not_multiples_of_8(gguf_type, n, k, rows):
     expect = x.double() @ ref.T
     torch.testing.assert_close(quantized_linear(x, w).double(), expect, rtol=1e-5,
                                atol=1e-6 * expect.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype, unit_roundoff", [(torch.bfloat16, 2.0 ** -8),
+                                                  (torch.float16, 2.0 ** -11)])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, unit_roundoff, rows):
+    # Derivation: rounding to nearest moves each weight by at most u |w| (u = 2^-8 for
+    # bfloat16's 8-bit significand, 2^-11 for float16's 11; weights here are far above float16's
+    # subnormal range), so each output moves by at most u * sum_k |w_rk| |x_mk|; the float32
+    # sums add a few 2^-24 relative to the same sum. The error must also be real (the weights
+    # are rounded), at least a thousandth of the bound somewhere.
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(64, 300, generator=g) * 0.05
+    w += torch.sign(w) * 1e-3  # every |w| >= 1e-3: normal in float16
+    x = torch.randn(rows, 300, generator=g)
+    got = quantized_linear(x, QuantizedWeight.from_float(w, dtype)).double()
+    exact = x.double() @ w.double().T
+    bound = (unit_roundoff + 300 * 2.0 ** -24) * (x.double().abs() @ w.double().abs().T)
+    error = (got - exact).abs()
+    assert bool((error <= bound).all()), (error / bound).max().item()
+    assert (error / bound).max().item() > 1e-3
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        QuantizedWeight.from_float(w, torch.int8)

@@ -135,6 +135,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
               responses=generation_responses(ResponsesResponse, ResponseStreamEvent,
                                              RESPONSE_EVENTS))
     async def create_response(raw_request: Request) -> Response:
+        check_runner(engine, "generate", "Responses")
         request = await parse_body(raw_request, ResponsesRequest)
         check_max_logprobs(request, config.max_logprobs)
         log_request(config, "/v1/responses", request)

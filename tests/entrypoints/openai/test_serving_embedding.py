@@ -133,13 +133,14 @@ def test_score_and_rerank_are_cosine_similarities(pooling_server, document):
     ("/v1/completions", {"prompt": "hi"}, 400, None, "does not support Completions API"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, None,
      "does not support Chat Completions API"),
+    ("/v1/responses", {"input": "hi"}, 400, None, "does not support Responses API"),
 ])
 def test_errors_are_openai_envelopes(pooling_server, document, path, body, status, param,
                                      says):
     error = check(document, pooling_server.post(path, json=body), "ErrorResponse",
                   status)["error"]
     assert says in error["message"] and error["param"] == param
-    if path.endswith("completions"):
+    if path.endswith(("completions", "responses")):
         assert "--runner generate" in error["message"]
 
 
