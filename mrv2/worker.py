@@ -11,6 +11,7 @@ are all-gathered, so every rank samples the same tokens and its runner state sta
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 
@@ -156,6 +157,8 @@ class Worker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            _return_free_heap_pages()
 
     def wake_up(self) -> None:
         """Give the KV cache its memory back (zeroed, as at start-up) and, after level 2, load
@@ -185,3 +188,16 @@ class Worker:
         if isinstance(output, AsyncOutput) and not output.copy_in_flight:
             return output.get_output()
         return output
+
+
+def _return_free_heap_pages() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim). A large block
+    (a KV cache layer) is usually its own mapping, unmapped when freed, but glibc serves it
+    from the heap when enough freed, coalesced memory lies there, and freeing it then keeps
+    the pages resident. Elsewhere than glibc: nothing to do."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

@@ -98,3 +98,30 @@ def test_sleep_needs_an_idle_engine_and_a_valid_level(llm):
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(tags=["weights"])
     assert not engine.is_sleeping() and tokens(llm)
+
+
+def test_level_1_frees_a_kv_cache_the_c_heap_holds(tiny_llama):
+    """With mmap off (MALLOC_MMAP_MAX_=0), glibc serves every block from the heap, as it does
+    a large one when enough freed memory lies there in a long process: freeing it keeps the
+    pages resident unless the worker trims the heap (Worker.sleep does)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        from mrv2 import LLM
+        from tests.entrypoints.test_llm_sleep import kv_gb, kv_ranges, resident_gb
+        llm = LLM({str(tiny_llama)!r}, max_model_len=512, max_num_seqs=1024,
+                  kv_cache_memory_gb={KV_GB})
+        cache, ranges = kv_gb(llm), kv_ranges(llm)
+        before = resident_gb(ranges)
+        llm.sleep(level=1)
+        print(cache, before, resident_gb(ranges))
+    """)
+    env = dict(os.environ, MALLOC_MMAP_MAX_="0")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    cache, before, after = map(float, done.stdout.split()[-3:])
+    assert before > 0.99 * cache and after < 0.02 * cache
