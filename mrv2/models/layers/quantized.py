@@ -34,9 +34,9 @@ from mrv2.models.layers import quantized_numba
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
     {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"})
-# GGUF 16-bit float type -> (layout, the torch dtype of its bit patterns).
-_HALF_TYPES = {"F16": ("f16", torch.float16), "BF16": ("bf16", torch.bfloat16)}
-HALF_LAYOUTS = ("f16", "bf16")
+# 16-bit float layout -> the torch dtype of its bit patterns; its GGUF type is the layout's
+# name upper-cased (F16, BF16).
+HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
 MAX_QUANTIZED_GEMV_ROWS = 16
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
@@ -145,7 +145,7 @@ class QuantizedWeight:
     @property
     def is_half(self) -> bool:
         """A 16-bit float weight ("f16" / "bf16"), not blocks of integers."""
-        return self.layout in HALF_LAYOUTS
+        return self.layout in HALF_DTYPES
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, gguf_type: str,
@@ -162,9 +162,9 @@ class QuantizedWeight:
         if k % block_size or raw.size != n * (k // block_size) * block_bytes:
             raise ValueError(f"{gguf_type} tensor of shape {shape}: {raw.size} bytes do not "
                              f"make whole {block_size}-input blocks per row")
-        if gguf_type in _HALF_TYPES:
+        if gguf_type.lower() in HALF_DTYPES:
             bits = torch.from_numpy(raw.view(np.int16).reshape(n, k).copy())
-            return cls(_HALF_TYPES[gguf_type][0], 0, bits, None, None, gguf_type)
+            return cls(gguf_type.lower(), 0, bits, None, None, gguf_type)
         blocks = raw.reshape(-1, block_bytes)
         vals, scales, mins = _unpack(blocks, gguf_type)
         vals = vals.reshape(n, k)
@@ -183,12 +183,12 @@ class QuantizedWeight:
         """A [N, K] float weight kept in 16 bits (`dtype` torch.float16 or torch.bfloat16),
         rounded to nearest even as `weight.to(dtype)` does; exact for a weight already
         representable (a bfloat16 checkpoint upcast to float32, say)."""
-        gguf_type = {torch.float16: "F16", torch.bfloat16: "BF16"}.get(dtype)
-        if gguf_type is None or weight.dim() != 2:
+        layout = next((name for name, d in HALF_DTYPES.items() if d == dtype), None)
+        if layout is None or weight.dim() != 2:
             raise ValueError(f"from_float keeps a 2-D weight in float16 or bfloat16, not "
                              f"{dtype} of shape {tuple(weight.shape)}")
         bits = weight.detach().to(dtype).contiguous().view(torch.int16)
-        return cls(_HALF_TYPES[gguf_type][0], 0, bits, None, None, gguf_type)
+        return cls(layout, 0, bits, None, None, layout.upper())
 
     @property
     def nbytes(self) -> int:
@@ -233,7 +233,7 @@ class QuantizedWeight:
     @property
     def half_dtype(self) -> torch.dtype:
         """The float dtype whose bit patterns a 16-bit weight's `q` holds."""
-        return torch.float16 if self.layout == "f16" else torch.bfloat16
+        return HALF_DTYPES[self.layout]
 
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
         if self.is_half:  # an exact widening: torch's vectorised conversion does it
@@ -288,8 +288,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
 
 def _tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm writes
-    # them in place; one buffer of <= TILE_ELEMENTS floats is reused for every tile. The tile
-    # is dequantized on this thread (torch.mm parallelises; see dequant_rows_serial).
+    # them in place; one buffer of <= TILE_ELEMENTS floats (HALF_TILE_ELEMENTS for a 16-bit
+    # weight) is reused for every tile. The tile is dequantized on this thread (torch.mm
+    # parallelises; see dequant_rows_serial).
     n, k = weight.out_features, weight.in_features
     tile_elements = HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS
     tile = max(16, min(n, tile_elements // k))
