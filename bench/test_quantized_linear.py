@@ -3,8 +3,11 @@
 SmolLM2-135M shapes (hidden 576, kv 192, intermediate 1536 (gate/up fused: 3072 rows), tied LM
 head 49152 x 576) at 1 and 8 (decode: the GEMV) and 32 (batched decode: tiled) rows of x, for
 Q4_1 (the built-in file's layers), Q8_0 (its embedding / LM head) and BF16 (a 16-bit GGUF
-file's weights; F16 runs the same kernel with another widening). `quantized_linear` runs the numba GEMV up to MAX_QUANTIZED_GEMV_ROWS
-rows and the dequantize-tile + torch.mm path beyond. extra_info: the weight bytes each call
+file's weights; F16 runs the same kernel with another widening). `quantized_linear` runs the
+numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows and the dequantize-tile + torch.mm path beyond;
+its GEMV on Q4_1 / Q8_0 blocks runs twice, on float32 x ("quantized_linear") and on x rounded
+to int8 per 32 inputs ("quantized_linear_int8x", the default where numba compiles AVX2),
+checked against the derived bound. extra_info: the weight bytes each call
 reads (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
 Random valid blocks (tests/models/test_quantized.py's generator, seed 0).
 """
@@ -18,10 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
-from test_quantized import random_raw  # noqa: E402
+from test_quantized import int8_activation_bound, random_raw  # noqa: E402
 
 SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x576": (3072, 576),
           "down_576x1536": (576, 1536), "lm_head_49152x576": (49152, 576)}
@@ -43,18 +47,26 @@ def weights(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Ten
     return _WEIGHTS[key]
 
 
-@pytest.mark.parametrize("impl", ["quantized_linear", "f_linear"])
+@pytest.mark.parametrize("impl", ["quantized_linear", "quantized_linear_int8x", "f_linear"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "BF16"])
-def test_quantized_linear(benchmark, gguf_type, shape_name, rows, impl):
+def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, impl):
+    int8x = impl == "quantized_linear_int8x"
+    if int8x and (gguf_type == "BF16" or rows > MAX_QUANTIZED_GEMV_ROWS):
+        pytest.skip("x stays float32 for 16-bit weights and on the tiled path")
+    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", int8x)
     qw, wf = weights(gguf_type, shape_name)
     benchmark.group = f"quantized-linear-{gguf_type}-{shape_name}-{rows}rows"
     x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(1))
     expect = F.linear(x, wf)
-    torch.testing.assert_close(quantized_linear(x, qw), expect, rtol=1e-4,
-                               atol=1e-5 * expect.abs().max().item())
-    if impl == "quantized_linear":
+    got = quantized_linear(x, qw)
+    if int8x:
+        slack = 1e-5 * (x.abs() @ wf.abs().T)
+        assert ((got - expect).abs() <= int8_activation_bound(x, wf) + slack).all()
+    else:
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5 * expect.abs().max().item())
+    if impl != "f_linear":
         nbytes = qw.nbytes
         benchmark(quantized_linear, x, qw)
     else:
@@ -67,4 +79,4 @@ def test_quantized_linear(benchmark, gguf_type, shape_name, rows, impl):
         gguf_type=gguf_type, shape=SHAPES[shape_name], rows=rows, threads=2, seed=0,
         weight_bytes=nbytes, effective_gb_s=round(nbytes / median / 1e9, 2),
         path=("gemv" if rows <= MAX_QUANTIZED_GEMV_ROWS else "tiled")
-        if impl == "quantized_linear" else "torch")
+        if impl != "f_linear" else "torch")

@@ -56,3 +56,12 @@ def tiny_gguf_factory(tiny_model_factory, tmp_path_factory):
         return built[key]
 
     return build
+
+
+@pytest.fixture
+def float_activations(monkeypatch):
+    """GEMVs on quantized GGUF blocks take float32 x (their result is x @ w.T up to float32
+    summation order) instead of x rounded to int8; set before an LLM is built (the decode
+    stack reads it then)."""
+    from mrv2.models.layers import quantized
+    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", False)

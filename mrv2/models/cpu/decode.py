@@ -39,6 +39,7 @@ from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
 from mrv2.models.layers.quantized_numba import gemv_groups, gemv_half
 from mrv2.models.layers.rotary_numba import rotary_kernel
@@ -52,7 +53,8 @@ MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 
 def _linear(x, w, out):
     """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
-    (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size) tuple
+    (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size,
+    int8 activations) tuple
     (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
@@ -63,7 +65,7 @@ def _linear_overload(x, w, out):
         return lambda x, w, out: gemv_kernel(x, w, out)
     if len(w) == 2:
         return lambda x, w, out: gemv_half(x, w[0], w[1], out)
-    return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], out)
+    return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
@@ -212,7 +214,7 @@ def _projection_tensors(module) -> list[torch.Tensor]:
 def _projection_view(module):
     """The kernel's view of one projection: the float32 weight, a 16-bit weight as (q int16,
     bfloat16), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
-    size)."""
+    size, int8 activations: quantized.INT8_ACTIVATIONS when the view is built)."""
     weight = _quantized(module)
     if weight is None:
         return module.weight.detach().numpy()
@@ -220,7 +222,7 @@ def _projection_view(module):
         return (weight.q.numpy(), weight.layout == "bf16")
     mins = weight.mins if weight.mins is not None else torch.empty(weight.out_features, 0)
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), mins.numpy(),
-            weight.layout == "u4", weight.group_size)
+            weight.layout == "u4", weight.group_size, quantized.INT8_ACTIVATIONS)
 
 
 def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -37,6 +37,10 @@ QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
 # 16-bit float layout -> the torch dtype of its bit patterns; its GGUF type is the layout's
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+# Whether the GEMV on "u4" / "i8" weights quantizes x to int8 per 32 inputs and multiplies in
+# integer SIMD (quantized_numba: llama.cpp's scheme, and its error bound): where numba compiles
+# AVX2's byte multiply-adds. Elsewhere x stays float32 (the generic integer IR is not faster).
+INT8_ACTIVATIONS: bool = quantized_numba.X86_INT8_DOTS
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
 MAX_QUANTIZED_GEMV_ROWS = 16
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
@@ -278,7 +282,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
         mins = weight.mins if weight.mins is not None else torch.empty(n, 0)
         quantized_numba.gemv_groups(x.detach().contiguous().numpy(), weight.q.numpy(),
                                     weight.scales.numpy(), mins.numpy(), weight.layout == "u4",
-                                    weight.group_size, out.numpy())
+                                    weight.group_size, INT8_ACTIVATIONS, out.numpy())
     else:
         out = _tiled_linear(x.detach(), weight)
     if bias is not None:

@@ -114,11 +114,11 @@ def _vload(builder, ptr, index, vty, align):
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=align)
 
 
-def _x_rows_and_accumulators(context, builder, xt, x, m0, nb, unroll):
-    """Pointers to rows m0..m0+nb-1 of x, K, and `unroll` zeroed <8 x float> accumulators per
-    row."""
+def _x_rows_and_accumulators(context, builder, xt, x, m0, nb, unroll, elem=_F32):
+    """Pointers (to `elem`) to rows m0..m0+nb-1 of x, K, and `unroll` zeroed <8 x float>
+    accumulators per row."""
     ity = m0.type
-    xrows = [_row_ptr(context, builder, xt, x, builder.add(m0, ity(i)), _F32) for i in range(nb)]
+    xrows = [_row_ptr(context, builder, xt, x, builder.add(m0, ity(i)), elem) for i in range(nb)]
     k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
     zero = ir.Constant(_V8F, [0.0] * 8)
     accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(unroll)] for _ in range(nb)]
@@ -227,22 +227,206 @@ def _gemv_row(x, q, scales, packed, shift, r, out):
             m0 += 1
 
 
+# Int8 activations, as llama.cpp multiplies its Q8_0 / Q8_1 activations: each row of x is
+# quantized per 32 inputs (d = max |x| / 127, q = round(x / d)) and a unit of 32 weights costs,
+# per row of x, one vpmaddubsw (u8 x s8, adjacent products summed in i16), one vpmaddwd against
+# ones (-> 8 x i32), one conversion and one FMA, where float activations take four conversions
+# and four FMAs. The integer part is exact: a weight is at most 128 in magnitude (a signed one
+# enters as |w| with x's sign flipped, vpsignb), |q| <= 127, so a pair sums to <= 32,512 and
+# vpmaddubsw never saturates. The one new error is x's rounding, at most d / 2 per input, so an
+# output moves by at most sum_g d_g / 2 * sum_{k in g} |w_k| (tests/models/test_quantized.py
+# checks this bound). The min term keeps x's exact float group sums.
+# Where the compile target has no AVX2 the same integers come from generic vector IR
+# (sign-extend, multiply, add pairs), which LLVM lowers to what the target has.
+_I16 = ir.IntType(16)
+_V16B, _V32B = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+_V16S, _V32I = ir.VectorType(_I16, 16), ir.VectorType(_I32, 32)
+INT8_BLOCK = 32  # inputs per quantization block of x, and per kernel unit
+
+
+def _compiles_for_avx2() -> bool:
+    """Whether numba compiles for this host (no NUMBA_CPU_NAME) and the host has AVX2."""
+    import platform as host
+
+    from llvmlite import binding
+    from numba.core import config
+    if config.CPU_NAME is not None or host.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return bool(binding.get_host_cpu_features().get("avx2", False))
+
+
+X86_INT8_DOTS = _compiles_for_avx2()
+
+
+def _call(builder, name, ret, args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+def _pair_sums(builder, v, lanes):
+    """<2n x i32> -> <n x i32>, lane j = v[2j] + v[2j + 1]."""
+    n = lanes // 2
+    even, odd = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n),
+                                                          list(range(o, lanes, 2))))
+                 for o in (0, 1))
+    return builder.add(even, odd)
+
+
+def _int8_dot32(builder, w, x, signed, x86):
+    """<32 x i8> weights (unsigned when not `signed`) and <32 x i8> activations -> <8 x i32>,
+    lane j = the sum of products 4j .. 4j + 3."""
+    if x86:
+        if signed:
+            x = _call(builder, "llvm.x86.avx2.psign.b", _V32B, [x, w])
+            w = _call(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [w, x])
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I,
+                     [pairs, ir.Constant(_V16S, [1] * 16)])
+    wide = builder.sext(w, _V32I) if signed else builder.zext(w, _V32I)
+    products = builder.mul(wide, builder.sext(x, _V32I))
+    return _pair_sums(builder, _pair_sums(builder, products, 32), 16)
+
+
+def _make_int8_dots(nb, packed, x86):
+    """An intrinsic (xq, dx, q, scales, shift, r, m0) -> UniTuple(float32, nb): for rows
+    m0..m0+nb-1 of x quantized (xq int8 [M, K], dx float32 [M, K // 32]),
+    sum_k dx * xq * scale(r, k) * q(r, k) (no min term). A unit is 32 inputs: u4, one group;
+    i8, one group (gs 32) or two (gs 16: lanes 0-3 of the i32 sums hold inputs 0-15)."""
+
+    @intrinsic
+    def dots(typingctx, xq, dx, q, scales, shift, r, m0):
+        ret = types.UniTuple(types.float32, nb)
+
+        def codegen(context, builder, signature, args):
+            xqt, dxt, qt, st, sht, rt, mt = signature.args
+            r_, m_, sh = (context.cast(builder, v, t, types.intp)
+                          for v, t in ((args[5], rt), (args[6], mt), (args[4], sht)))
+            ity = r_.type
+            qrow, _ = _row_ptr(context, builder, qt, args[2], r_, _I8)
+            srow, _ = _row_ptr(context, builder, st, args[3], r_, _F32)
+            xrows, k, accs = _x_rows_and_accumulators(context, builder, xqt, args[0], m_, nb,
+                                                      _DOT_UNROLL, _I8)
+            drows = [_row_ptr(context, builder, dxt, args[1], builder.add(m_, ity(i)), _F32)[0]
+                     for i in range(nb)]
+            groups_log2 = builder.sub(ity(5), sh)  # i8: groups per unit, log2 (0 or 1)
+
+            def unit(c, slot):
+                if packed:  # low nibbles are inputs 0-15, high nibbles 16-31
+                    b = _vload(builder, qrow, builder.mul(c, ity(16)), _V16B, 1)
+                    w = builder.shuffle_vector(
+                        builder.and_(b, ir.Constant(_V16B, [15] * 16)),
+                        builder.lshr(b, ir.Constant(_V16B, [4] * 16)),
+                        ir.Constant(_V32I, list(range(32))))
+                    scale = _splat(builder, builder.load(builder.gep(srow, [c])))
+                else:
+                    w = _vload(builder, qrow, builder.mul(c, ity(32)), _V32B, 1)
+                    first = builder.shl(c, groups_log2)
+                    last = builder.add(first, builder.sub(builder.shl(ity(1), groups_log2),
+                                                          ity(1)))
+                    halves = [_splat(builder, builder.load(builder.gep(srow, [g])))
+                              for g in (first, last)]
+                    scale = builder.shuffle_vector(*halves, ir.Constant(
+                        _V8I, [0, 1, 2, 3, 8, 9, 10, 11]))
+                base = builder.mul(c, ity(32))
+                for i in range(nb):
+                    xv = _vload(builder, xrows[i][0], base, _V32B, 1)
+                    sums = builder.sitofp(_int8_dot32(builder, w, xv, not packed, x86), _V8F)
+                    d = _splat(builder, builder.load(builder.gep(drows[i], [c])))
+                    acc = builder.load(accs[i][slot])
+                    step = builder.fmul(sums, builder.fmul(scale, d, flags=_FAST), flags=_FAST)
+                    builder.store(builder.fadd(acc, step, flags=_FAST), accs[i][slot])
+
+            _for_each_unit(builder, builder.sdiv(k, ity(32)), _DOT_UNROLL, unit)
+            sums = [_sum_accumulators(builder, row_accs) for row_accs in accs]
+            return context.make_tuple(builder, ret, sums)
+
+        return ret(xq, dx, q, scales, shift, r, m0), codegen
+
+    return dots
+
+
+_u4_int8_dots4, _u4_int8_dots2, _u4_int8_dots1 = (
+    _make_int8_dots(n, True, X86_INT8_DOTS) for n in _DOT_ROWS)
+_i8_int8_dots4, _i8_int8_dots2, _i8_int8_dots1 = (
+    _make_int8_dots(n, False, X86_INT8_DOTS) for n in _DOT_ROWS)
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _gemv_row_int8(xq, dx, q, scales, packed, shift, r, out):
+    m0, m_rows = 0, xq.shape[0]
+    while m0 < m_rows:
+        left = m_rows - m0
+        if left >= 4:
+            t4 = (_u4_int8_dots4(xq, dx, q, scales, shift, r, m0) if packed
+                  else _i8_int8_dots4(xq, dx, q, scales, shift, r, m0))
+            for i in range(4):
+                out[m0 + i, r] = t4[i]
+            m0 += 4
+        elif left >= 2:
+            t2 = (_u4_int8_dots2(xq, dx, q, scales, shift, r, m0) if packed
+                  else _i8_int8_dots2(xq, dx, q, scales, shift, r, m0))
+            out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+            m0 += 2
+        else:
+            t1 = (_u4_int8_dots1(xq, dx, q, scales, shift, r, m0) if packed
+                  else _i8_int8_dots1(xq, dx, q, scales, shift, r, m0))
+            out[m0, r] = t1[0]
+            m0 += 1
+
+
+@njit(fastmath=True, cache=True)
+def quantize_rows_int8(x, xq, dx):
+    """x [M, K] float32 -> xq int8 [M, K], dx float32 [M, K // 32]: per block g of 32 inputs,
+    dx = max |x| / 127 and xq = round(x * 127 / max |x|) (0 for an all-zero block), so that
+    |x - dx * xq| <= dx / 2 (up to float32 rounding of dx)."""
+    for m in range(xq.shape[0]):
+        for g in range(dx.shape[1]):
+            base = g * INT8_BLOCK
+            amax = np.float32(0.0)
+            for j in range(INT8_BLOCK):
+                amax = max(amax, abs(x[m, base + j]))
+            dx[m, g] = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for j in range(INT8_BLOCK):
+                xq[m, base + j] = np.int8(round(x[m, base + j] * inv))
+
+
+@njit(fastmath=True, cache=True)
+def _group_sums(x, gs, groups):
+    """[M, groups] sums of x over each group of `gs` inputs (groups 0: an [M, 0] array)."""
+    xsum = np.zeros((x.shape[0], groups), np.float32)
+    for m in range(x.shape[0]):
+        for g in range(groups):
+            acc = np.float32(0.0)
+            for j in range(g * gs, (g + 1) * gs):
+                acc += x[m, j]
+            xsum[m, g] = acc
+    return xsum
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def gemv_groups(x, q, scales, mins, packed, gs, out):
+def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for the packed weight (x [M, K] contiguous rows;
-    gs 32, or 16 for an i8 weight). fp32 sums in another order than x @ w.T (~1e-7 relative)."""
+    gs 32, or 16 for an i8 weight). Float x: fp32 sums in another order than x @ w.T (~1e-7
+    relative); `int8_x`: x quantized per 32 inputs first (the bound above)."""
+    # The set-up runs in serial helpers: in this parallel function numba would turn each array
+    # expression (np.zeros, a slice's .sum()) into a parallel region of its own, a fork and
+    # join per group (this once cost more than the GEMV itself).
     m_rows, k_dim = x.shape
     n_dim, groups = q.shape[0], scales.shape[1]
     has_min = mins.shape[1] > 0
     shift = 5 if gs == 32 else 4
-    xsum = np.zeros((m_rows, groups if has_min else 0), np.float32)
-    for m in range(m_rows):
-        for g in range(xsum.shape[1]):
-            xsum[m, g] = x[m, g * gs:(g + 1) * gs].sum()
+    xsum = _group_sums(x, gs, groups if has_min else 0)
+    xq = np.empty((m_rows if int8_x else 0, k_dim), np.int8)
+    dx = np.empty((xq.shape[0], k_dim // INT8_BLOCK), np.float32)
+    quantize_rows_int8(x, xq, dx)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
         for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
-            _gemv_row(x, q, scales, packed, shift, r, out)
+            if int8_x:
+                _gemv_row_int8(xq, dx, q, scales, packed, shift, r, out)
+            else:
+                _gemv_row(x, q, scales, packed, shift, r, out)
             if has_min:
                 for m in range(m_rows):
                     acc = np.float32(0.0)
@@ -255,7 +439,6 @@ def gemv_groups(x, q, scales, mins, packed, gs, out):
 # weight. The GEMV widens 8 weights at a time to <8 x float> (f16: fpext, vcvtph2ps with F16C;
 # bf16: the bits shifted into a float32's high half, exact) and accumulates in float32, so a
 # decode step reads 2 bytes per weight instead of 4 with no rounding beyond the stored weight's.
-_I16 = ir.IntType(16)
 _V8H = ir.VectorType(_I16, 8)
 _HALF_UNROLL = 4  # independent 8-wide accumulators per row of x (no scale multiply to hide)
 

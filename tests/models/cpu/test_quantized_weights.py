@@ -25,6 +25,7 @@ def _quantized(path, **kwargs) -> LLM:
     return LLM(str(path), max_model_len=64, quantization="gguf", **kwargs)
 
 
+@pytest.mark.usefixtures("float_activations")
 @pytest.mark.parametrize("tensor_type, tied", [("Q8_0", False), ("Q4_0", True),
                                                ("Q4_1", False), ("BF16", True)])
 def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factory, tensor_type,
@@ -57,6 +58,7 @@ def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factor
         torch.testing.assert_close(mlp(x), ref_mlp(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("float_activations")
 def test_llm_generates_the_dequantized_models_tokens(tiny_gguf_factory):
     """Greedy tokens through the engine (prefill, and decode of six rows) equal those of the
     loader's dequantized float32 model driven by the same engine."""
