@@ -84,7 +84,25 @@ def test_layouts_and_sizes(weights):
             continue
         assert w.scales.shape == (96, 1536 // w.group_size)
         assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K"))
-        assert per_weight <= (6.0 if w.layout == "u4" else 10.0), (t, per_weight)
+        # The 32-input types' tables are their f16 fields, kept at 16 bits: Q4_1 costs the
+        # file's 5 bits a weight, Q8_0 8.5. A K-quant's scales are products: float32.
+        float16_tables = t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+        assert w.scales.dtype == (torch.int16 if float16_tables else torch.float32)
+        table_bits = sum(32 * (tb is not None) for tb in (w.scales, w.mins)) / w.group_size
+        bits = {"u4": 4, "i8": 8}[w.layout] + table_bits / (2 if float16_tables else 1)
+        assert per_weight == bits, (t, per_weight)
+
+
+def test_tables_stay_float32_unless_every_value_is_a_float16():
+    raw = random_raw("Q4_0", 4, 64, seed=0)
+    raw[1, 0:2] = np.array([60000.0], np.float16).view(np.uint8)  # min -8 d overflows float16
+    w = QuantizedWeight.from_gguf(raw, "Q4_0", (4, 64))
+    assert w.scales.dtype == w.mins.dtype == torch.float32 and w.mins[1, 0] == -480000.0
+    assert torch.equal(w.dequantize(), reference(raw, "Q4_0", 4, 64))
+    compact = QuantizedWeight.from_gguf(random_raw("Q4_1", 4, 64, seed=1), "Q4_1", (4, 64))
+    both = QuantizedWeight.cat([compact, w])  # mixed tables: widened to float32
+    assert both.scales.dtype == torch.float32
+    assert torch.equal(both.dequantize(), torch.cat([compact.dequantize(), w.dequantize()]))
 
 
 @pytest.mark.usefixtures("float_activations")
@@ -144,7 +162,7 @@ def int8_activation_bound(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gguf_type", sorted(QUANTIZED_GGUF_TYPES - {"F16", "BF16"}))
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 def test_int8_activations_stay_within_the_derived_bound(weights, gguf_type, rows, monkeypatch):
     monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", True)
     w, ref = weights[gguf_type]
@@ -175,9 +193,9 @@ def test_quantize_rows_int8_rounds_each_block_to_half_a_step():
 
 def _dots_kernel(dots):
     @numba.njit
-    def run(xq, dx, q, scales, shift, out):
+    def run(xq, dx, q, scales, mins, xsum, shift, out):
         for r in range(q.shape[0]):
-            out[r] = dots(xq, dx, q, scales, shift, r, 0)[0]
+            out[r] = dots(xq, dx, q, scales, mins, xsum, shift, r, 0)[0]
     return run
 
 
@@ -193,11 +211,13 @@ def test_generic_integer_ir_equals_the_avx2_intrinsics(weights, gguf_type):
     quantized_numba.quantize_rows_int8(x, xq, dx)
     q = w.q.view(torch.uint8).numpy() if packed else w.q.numpy()
     shift = 5 if w.group_size == 32 else 4
+    mins = (w.mins if w.mins is not None else torch.empty(w.out_features, 0)).numpy()
+    xsum = x.reshape(1, -1, 32).sum(-1)[:, :mins.shape[1]]
     outs = []
     for x86 in (True, False):
         out = np.empty(w.out_features, np.float32)
         _dots_kernel(quantized_numba._make_int8_dots(1, packed, x86))(
-            xq, dx, q, w.scales.numpy(), shift, out)
+            xq, dx, q, w.scales.numpy(), mins, xsum, shift, out)
         outs.append(out)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[0]).max())
 

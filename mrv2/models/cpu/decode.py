@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import numba
 from numba import njit, typed, types
 from numba.extending import overload
 
@@ -211,18 +212,31 @@ def _projection_tensors(module) -> list[torch.Tensor]:
     return [t for t in (weight.q, weight.scales, weight.mins) if t is not None]
 
 
-def _projection_view(module):
+def _projection_view(module, float32_tables: bool = False):
     """The kernel's view of one projection: the float32 weight, a 16-bit weight as (q int16,
     bfloat16), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
-    size, int8 activations: quantized.INT8_ACTIVATIONS when the view is built)."""
+    size, int8 activations: quantized.INT8_ACTIVATIONS when the view is built); with
+    `float32_tables`, float32 copies of float16 scale / min tables."""
     weight = _quantized(module)
     if weight is None:
         return module.weight.detach().numpy()
     if weight.is_half:
         return (weight.q.numpy(), weight.layout == "bf16")
+    if float32_tables:
+        weight = weight._with_float32_tables()
     mins = weight.mins if weight.mins is not None else torch.empty(weight.out_features, 0)
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), mins.numpy(),
             weight.layout == "u4", weight.group_size, quantized.INT8_ACTIVATIONS)
+
+
+def _projection_views(modules) -> typed.List:
+    """One projection of every layer as a typed list: its items must share one numba type, so
+    where the layers' table dtypes differ (a file mixing K-quants and 32-input types) every
+    one gets float32 tables."""
+    views = [_projection_view(m) for m in modules]
+    if len({numba.typeof(v) for v in views}) > 1:
+        views = [_projection_view(m, float32_tables=True) for m in modules]
+    return typed.List(views)
 
 
 def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -257,7 +271,7 @@ class _StackArgs:
         self.ln1s = _views(layer.input_layernorm.weight for layer in layers)
         self.ln2s = _views(layer.post_attention_layernorm.weight for layer in layers)
         (self.w_qkvs, self.w_os, self.w_gate_ups, self.w_downs) = (
-            typed.List([_projection_view(layer.get_submodule(name)) for layer in layers])
+            _projection_views([layer.get_submodule(name) for layer in layers])
             for name in _PROJECTIONS)
         self.kv_caches = _views(kv_caches)
         self.final_norm = model.norm.weight.detach().numpy()

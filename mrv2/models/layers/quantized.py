@@ -117,6 +117,23 @@ def _unpack(b: np.ndarray, gguf_type: str) -> tuple[np.ndarray, np.ndarray, np.n
                      f"{sorted(QUANTIZED_GGUF_TYPES)}")
 
 
+def _compact_tables(scales: np.ndarray, mins: np.ndarray | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 scale / min tables -> int16 float16 bit patterns when every value of both is
+    exactly a float16, else float32 (see QuantizedWeight)."""
+    tables = [t for t in (scales, mins) if t is not None]
+    with np.errstate(over="ignore"):
+        exact = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
+    out = [None if t is None else torch.from_numpy(
+        np.ascontiguousarray(t.astype(np.float16).view(np.int16) if exact else t))
+        for t in (scales, mins)]
+    return out[0], out[1]
+
+
+def _float32_table(table: torch.Tensor) -> torch.Tensor:
+    return table.view(torch.float16).float() if table.dtype == torch.int16 else table
+
+
 def _pack_u4(vals: np.ndarray) -> np.ndarray:
     """Values [N, K] in 0..15 -> the u4 layout [N, K // 2] (byte j of group g: inputs 32 g + j
     low, 32 g + 16 + j high)."""
@@ -127,9 +144,13 @@ def _pack_u4(vals: np.ndarray) -> np.ndarray:
 class QuantizedWeight:
     """A [out_features, in_features] weight in a packed kernel layout (CPU torch tensors).
 
-    Invariants: in_features % group_size == 0 (integer layouts); `q` is contiguous ([N, K // 2] uint8 for "u4",
-    [N, K] int8 for "i8", [N, K] int16 for "f16" / "bf16"); `scales` (and `mins` unless None)
-    are contiguous float32 [N, K // G]; the 16-bit layouts have neither (group size 0).
+    Invariants: in_features % group_size == 0 (integer layouts); `q` is contiguous ([N, K // 2]
+    uint8 for "u4", [N, K] int8 for "i8", [N, K] int16 for "f16" / "bf16"); `scales` (and
+    `mins` unless None) are contiguous [N, K // G] tables of one dtype: int16 float16 bit
+    patterns when every value is exactly a float16 (the 32-input types, whose scales are the
+    file's f16 fields: 2 bytes a group instead of 4, and a decode step reads every one),
+    float32 otherwise (a K-quant's super-block scale times a 6-bit scale); the 16-bit layouts
+    have neither (group size 0).
     """
 
     def __init__(self, layout: str, group_size: int, q: torch.Tensor,
@@ -175,12 +196,12 @@ class QuantizedWeight:
         scales = scales.astype(np.float32).reshape(n, -1)
         group = k // scales.shape[1]
         mins = None if mins is None else mins.astype(np.float32).reshape(n, -1)
+        scales, mins = _compact_tables(scales, mins)
         if gguf_type in ("Q4_0", "Q4_1", "Q4_K"):
             q, layout = torch.from_numpy(_pack_u4(vals)), "u4"
         else:
             q, layout = torch.from_numpy(np.ascontiguousarray(vals.view(np.int8))), "i8"
-        return cls(layout, group, q, torch.from_numpy(scales),
-                   None if mins is None else torch.from_numpy(mins), gguf_type)
+        return cls(layout, group, q, scales, mins, gguf_type)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
@@ -225,6 +246,8 @@ class QuantizedWeight:
                     f"cannot cat {p.gguf_type} ({p.layout}, group {p.group_size}, K "
                     f"{p.in_features}) onto {first.gguf_type} ({first.layout}, group "
                     f"{first.group_size}, K {first.in_features})")
+        if len({p.scales.dtype for p in parts if p.scales is not None}) > 1:
+            parts = [p._with_float32_tables() for p in parts]
         mins = None
         if any(p.mins is not None for p in parts):
             mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins
@@ -233,6 +256,11 @@ class QuantizedWeight:
         scales = None if first.is_half else torch.cat([p.scales for p in parts])
         return QuantizedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
                                scales, mins, "+".join(types))
+
+    def _with_float32_tables(self) -> QuantizedWeight:
+        """This weight with float32 scale / min tables (a cat with float32-table parts)."""
+        scales, mins = (None if t is None else _float32_table(t) for t in (self.scales, self.mins))
+        return QuantizedWeight(self.layout, self.group_size, self.q, scales, mins, self.gguf_type)
 
     @property
     def half_dtype(self) -> torch.dtype:

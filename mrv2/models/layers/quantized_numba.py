@@ -6,8 +6,9 @@ Layouts (quantized.py builds them from GGUF blocks and owns the contract):
   high nibble. w = scale * q + min.
 - "i8": `q` int8 [N, K]; groups of `gs` (32, or 16 for Q6_K) consecutive inputs; w = scale * q
   (+ min).
-`mins` is [N, K // G] float32, or an [N, 0] array for "no min term" (so that one compiled kernel
-serves both).
+`scales` and `mins` are [N, K // G] tables of float32, or of int16 holding float16 bit patterns
+(widened as they are read: `_table_value` here, `_load_table` in the IR); `mins` may be an
+[N, 0] array for "no min term" (so that one compiled kernel serves both).
 
 GEMV (decode, a few rows of x): the inner loop is LLVM vector IR emitted by a numba intrinsic
 (`_make_dots`), not numba loops. Why: LLVM does not vectorise the 16- and 32-wide group loops
@@ -34,7 +35,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
 # Nibble values of every byte as float32: numba widens integer ops to int64, and AVX2 has no
@@ -50,8 +51,8 @@ def _decode_row(q, scales, mins, packed, gs, r, buf):
     # Contiguous group loops with no reduction: the float conversion and FMA vectorise.
     has_min = mins.shape[1] > 0
     for g in range(scales.shape[1]):
-        s = scales[r, g]
-        mn = mins[r, g] if has_min else np.float32(0.0)
+        s = _table_value(scales, r, g)
+        mn = _table_value(mins, r, g) if has_min else np.float32(0.0)
         if packed:
             base = g * 16
             for j in range(16):
@@ -80,7 +81,7 @@ def dequant_rows_serial(q, scales, mins, packed, gs, ids, out):
         _decode_row(q, scales, mins, packed, gs, ids[i], out[i])
 
 
-_F32, _I8, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
+_F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V8F, _V8B, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I8, 8), ir.VectorType(_I32, 8)
 _FAST = ("fast",)
 _DOT_UNROLL = 2  # accumulator sets per row of x (FMA latency 4-5 cycles, 2 FMA pipes)
@@ -112,6 +113,36 @@ def _row_ptr(context, builder, array_type, array, row, elem):
 
 def _vload(builder, ptr, index, vty, align):
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=align)
+
+
+def _table_elem(array_type):
+    """The IR element type of a scale / min table: float, or i16 for float16 bit patterns."""
+    return _I16 if array_type.dtype == types.int16 else _F32
+
+
+def _load_table(builder, row_ptr, index, array_type):
+    """Element `index` of a table row as a float."""
+    value = builder.load(builder.gep(row_ptr, [index]))
+    return _widen_half(builder, value, False) if array_type.dtype == types.int16 else value
+
+
+@intrinsic
+def _f16_bits_to_float(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return _widen_half(builder, args[0], False)
+    return types.float32(bits), codegen
+
+
+def _table_value(table, r, g):
+    """table[r, g] as float32 (numba only: see the overload)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_table_value, inline="always")
+def _table_value_overload(table, r, g):
+    if table.dtype == types.int16:
+        return lambda table, r, g: _f16_bits_to_float(table[r, g])
+    return lambda table, r, g: table[r, g]
 
 
 def _x_rows_and_accumulators(context, builder, xt, x, m0, nb, unroll, elem=_F32):
@@ -161,7 +192,7 @@ def _make_dots(nb, packed):
                           for v, t in ((args[4], rt), (args[5], mt), (args[3], sht)))
             ity = r_.type
             qrow, _ = _row_ptr(context, builder, qt, args[1], r_, _I8)
-            srow, _ = _row_ptr(context, builder, st, args[2], r_, _F32)
+            srow, _ = _row_ptr(context, builder, st, args[2], r_, _table_elem(st))
             xrows, k, accs = _x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
                                                       _DOT_UNROLL)
             step = 32 if packed else 16
@@ -171,11 +202,11 @@ def _make_dots(nb, packed):
                     _vload(builder, qrow, builder.add(builder.mul(c, ity(16)), ity(8 * h)),
                            _V8B, 1) for h in range(2))]
                 if packed:  # inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles)
-                    s = builder.load(builder.gep(srow, [c]))
+                    s = _load_table(builder, srow, c, st)
                     ints = [builder.and_(v, ir.Constant(_V8I, [15] * 8)) for v in halves] + [
                         builder.lshr(v, ir.Constant(_V8I, [4] * 8)) for v in halves]
                 else:
-                    s = builder.load(builder.gep(srow, [builder.ashr(c, builder.sub(sh, ity(4)))]))
+                    s = _load_table(builder, srow, builder.ashr(c, builder.sub(sh, ity(4))), st)
                     ints = halves
                 ws = [builder.sitofp(v, _V8F) for v in ints]
                 ss, base = _splat(builder, s), builder.mul(c, ity(step))
@@ -235,10 +266,10 @@ def _gemv_row(x, q, scales, packed, shift, r, out):
 # enters as |w| with x's sign flipped, vpsignb), |q| <= 127, so a pair sums to <= 32,512 and
 # vpmaddubsw never saturates. The one new error is x's rounding, at most d / 2 per input, so an
 # output moves by at most sum_g d_g / 2 * sum_{k in g} |w_k| (tests/models/test_quantized.py
-# checks this bound). The min term keeps x's exact float group sums.
+# checks this bound). The min term keeps x's exact float group sums: after the units, in
+# the same call, 8 groups a vector.
 # Where the compile target has no AVX2 the same integers come from generic vector IR
 # (sign-extend, multiply, add pairs), which LLVM lowers to what the target has.
-_I16 = ir.IntType(16)
 _V16B, _V32B = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
 _V16S, _V32I = ir.VectorType(_I16, 16), ir.VectorType(_I32, 32)
 INT8_BLOCK = 32  # inputs per quantization block of x, and per kernel unit
@@ -288,26 +319,28 @@ def _int8_dot32(builder, w, x, signed, x86):
 
 
 def _make_int8_dots(nb, packed, x86):
-    """An intrinsic (xq, dx, q, scales, shift, r, m0) -> UniTuple(float32, nb): for rows
-    m0..m0+nb-1 of x quantized (xq int8 [M, K], dx float32 [M, K // 32]),
-    sum_k dx * xq * scale(r, k) * q(r, k) (no min term). A unit is 32 inputs: u4, one group;
-    i8, one group (gs 32) or two (gs 16: lanes 0-3 of the i32 sums hold inputs 0-15)."""
+    """An intrinsic (xq, dx, q, scales, mins, xsum, shift, r, m0) -> UniTuple(float32, nb): for
+    rows m0..m0+nb-1 of x quantized (xq int8 [M, K], dx float32 [M, K // 32]),
+    sum_k dx * xq * scale(r, k) * q(r, k), plus sum_g mins[r, g] * xsum[m, g] when `mins` has
+    columns (mins come with 32-input groups only: one per unit). A unit is 32 inputs: u4, one
+    group; i8, one group (gs 32) or two (gs 16: lanes 0-3 of the i32 sums hold inputs 0-15)."""
 
     @intrinsic
-    def dots(typingctx, xq, dx, q, scales, shift, r, m0):
+    def dots(typingctx, xq, dx, q, scales, mins, xsum, shift, r, m0):
         ret = types.UniTuple(types.float32, nb)
 
         def codegen(context, builder, signature, args):
-            xqt, dxt, qt, st, sht, rt, mt = signature.args
+            xqt, dxt, qt, st, mnt, xst, sht, rt, mt = signature.args
             r_, m_, sh = (context.cast(builder, v, t, types.intp)
-                          for v, t in ((args[5], rt), (args[6], mt), (args[4], sht)))
+                          for v, t in ((args[7], rt), (args[8], mt), (args[6], sht)))
             ity = r_.type
             qrow, _ = _row_ptr(context, builder, qt, args[2], r_, _I8)
-            srow, _ = _row_ptr(context, builder, st, args[3], r_, _F32)
+            srow, _ = _row_ptr(context, builder, st, args[3], r_, _table_elem(st))
+            mrow, marr = _row_ptr(context, builder, mnt, args[4], r_, _table_elem(mnt))
             xrows, k, accs = _x_rows_and_accumulators(context, builder, xqt, args[0], m_, nb,
                                                       _DOT_UNROLL, _I8)
-            drows = [_row_ptr(context, builder, dxt, args[1], builder.add(m_, ity(i)), _F32)[0]
-                     for i in range(nb)]
+            drows, srows = ([_row_ptr(context, builder, t, arr, builder.add(m_, ity(i)), _F32)[0]
+                             for i in range(nb)] for t, arr in ((dxt, args[1]), (xst, args[5])))
             groups_log2 = builder.sub(ity(5), sh)  # i8: groups per unit, log2 (0 or 1)
 
             def unit(c, slot):
@@ -317,13 +350,13 @@ def _make_int8_dots(nb, packed, x86):
                         builder.and_(b, ir.Constant(_V16B, [15] * 16)),
                         builder.lshr(b, ir.Constant(_V16B, [4] * 16)),
                         ir.Constant(_V32I, list(range(32))))
-                    scale = _splat(builder, builder.load(builder.gep(srow, [c])))
+                    scale = _splat(builder, _load_table(builder, srow, c, st))
                 else:
                     w = _vload(builder, qrow, builder.mul(c, ity(32)), _V32B, 1)
                     first = builder.shl(c, groups_log2)
                     last = builder.add(first, builder.sub(builder.shl(ity(1), groups_log2),
                                                           ity(1)))
-                    halves = [_splat(builder, builder.load(builder.gep(srow, [g])))
+                    halves = [_splat(builder, _load_table(builder, srow, g, st))
                               for g in (first, last)]
                     scale = builder.shuffle_vector(*halves, ir.Constant(
                         _V8I, [0, 1, 2, 3, 8, 9, 10, 11]))
@@ -337,10 +370,38 @@ def _make_int8_dots(nb, packed, x86):
                     builder.store(builder.fadd(acc, step, flags=_FAST), accs[i][slot])
 
             _for_each_unit(builder, builder.sdiv(k, ity(32)), _DOT_UNROLL, unit)
-            sums = [_sum_accumulators(builder, row_accs) for row_accs in accs]
+            # The min term, 8 groups a vector: sum_g mins[r, g] * xsum[m, g] (no groups, no
+            # iterations). The first accumulator slot takes it before the reduction.
+            groups = cgutils.unpack_tuple(builder, marr.shape, 2)[1]
+
+            def min_unit(u, slot):
+                base = builder.mul(u, ity(8))
+                if mnt.dtype == types.int16:
+                    mv = _widen_half(builder, _vload(builder, mrow, base, _V8H, 2), False)
+                else:
+                    mv = _vload(builder, mrow, base, _V8F, 4)
+                for i in range(nb):
+                    xs = _vload(builder, srows[i], base, _V8F, 4)
+                    builder.store(builder.fadd(builder.load(accs[i][slot]),
+                                               builder.fmul(mv, xs, flags=_FAST), flags=_FAST),
+                                  accs[i][slot])
+
+            _for_each_unit(builder, builder.sdiv(groups, ity(8)), _DOT_UNROLL, min_unit)
+            tails = [cgutils.alloca_once_value(builder, _F32(0.0)) for _ in range(nb)]
+            tail_start = builder.mul(builder.sdiv(groups, ity(8)), ity(8))
+            with cgutils.for_range(builder, builder.sub(groups, tail_start)) as loop:
+                g = builder.add(tail_start, loop.index)
+                mn = _load_table(builder, mrow, g, mnt)
+                for i in range(nb):
+                    term = builder.fmul(mn, builder.load(builder.gep(srows[i], [g])),
+                                        flags=_FAST)
+                    builder.store(builder.fadd(builder.load(tails[i]), term, flags=_FAST),
+                                  tails[i])
+            sums = [builder.fadd(_sum_accumulators(builder, row_accs), builder.load(tail),
+                                 flags=_FAST) for row_accs, tail in zip(accs, tails)]
             return context.make_tuple(builder, ret, sums)
 
-        return ret(xq, dx, q, scales, shift, r, m0), codegen
+        return ret(xq, dx, q, scales, mins, xsum, shift, r, m0), codegen
 
     return dots
 
@@ -352,24 +413,24 @@ _i8_int8_dots4, _i8_int8_dots2, _i8_int8_dots1 = (
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _gemv_row_int8(xq, dx, q, scales, packed, shift, r, out):
+def _gemv_row_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, out):
     m0, m_rows = 0, xq.shape[0]
     while m0 < m_rows:
         left = m_rows - m0
         if left >= 4:
-            t4 = (_u4_int8_dots4(xq, dx, q, scales, shift, r, m0) if packed
-                  else _i8_int8_dots4(xq, dx, q, scales, shift, r, m0))
+            t4 = (_u4_int8_dots4(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
+                  else _i8_int8_dots4(xq, dx, q, scales, mins, xsum, shift, r, m0))
             for i in range(4):
                 out[m0 + i, r] = t4[i]
             m0 += 4
         elif left >= 2:
-            t2 = (_u4_int8_dots2(xq, dx, q, scales, shift, r, m0) if packed
-                  else _i8_int8_dots2(xq, dx, q, scales, shift, r, m0))
+            t2 = (_u4_int8_dots2(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
+                  else _i8_int8_dots2(xq, dx, q, scales, mins, xsum, shift, r, m0))
             out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
             m0 += 2
         else:
-            t1 = (_u4_int8_dots1(xq, dx, q, scales, shift, r, m0) if packed
-                  else _i8_int8_dots1(xq, dx, q, scales, shift, r, m0))
+            t1 = (_u4_int8_dots1(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
+                  else _i8_int8_dots1(xq, dx, q, scales, mins, xsum, shift, r, m0))
             out[m0, r] = t1[0]
             m0 += 1
 
@@ -423,15 +484,15 @@ def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
         for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
-            if int8_x:
-                _gemv_row_int8(xq, dx, q, scales, packed, shift, r, out)
-            else:
-                _gemv_row(x, q, scales, packed, shift, r, out)
+            if int8_x:  # the min term inside the kernel
+                _gemv_row_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, out)
+                continue
+            _gemv_row(x, q, scales, packed, shift, r, out)
             if has_min:
                 for m in range(m_rows):
                     acc = np.float32(0.0)
                     for g in range(groups):
-                        acc += mins[r, g] * xsum[m, g]
+                        acc += _table_value(mins, r, g) * xsum[m, g]
                     out[m, r] += acc
 
 

@@ -3,6 +3,7 @@ engine, it stays off wherever it does not apply, and its cached views follow the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +48,10 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
     llm.shutdown()
 
 
+# Float activations: x rounded to int8 (the default with AVX2) makes the output a step function
+# of x, so the two paths' float32-rounding differences upstream may flip a rounding; the
+# kernels' int8 bound is tested in tests/models/test_quantized.py.
+@pytest.mark.usefixtures("float_activations")
 @pytest.mark.parametrize("tensor_type, tied, num_prompts", [
     ("Q4_1", True, 1), ("Q4_1", False, 8), ("Q8_0", False, 3), ("Q4_0", True, 5),
     ("Q5_1", False, 2), ("BF16", True, 3)])
@@ -67,6 +72,28 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
     llm.shutdown()
     assert fused_calls > 0 and plain_calls == 0
+    assert_same_outputs(fused, plain)
+
+
+@pytest.mark.usefixtures("float_activations")
+def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_gguf_factory,
+                                                                          monkeypatch):
+    """A file mixing 32-input types (float16 tables) and K-quants (float32) in one projection:
+    the stack's list gets float32 tables throughout and computes what the module path does."""
+    path = tiny_gguf_factory("llama", "Q4_1")
+    llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False, quantization="gguf")
+    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
+    forward = model.layers[0].mlp.down_proj.forward
+    assert forward.weight.scales.dtype == torch.int16
+    forward.weight = forward.weight._with_float32_tables()
+    model.forward_layers.args = None  # views of attached weights are built once: rebuild
+    prompts = [{"prompt_token_ids": list(range(5, 25))}]
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, _ = _generate(llm, prompts, False, monkeypatch)
+    assert fused_calls > 0
+    assert {v[1].dtype for v in model.forward_layers.args.w_downs} == {np.dtype(np.float32)}
+    assert {v[1].dtype for v in model.forward_layers.args.w_os} == {np.dtype(np.int16)}
+    llm.shutdown()
     assert_same_outputs(fused, plain)
 
 
