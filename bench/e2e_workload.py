@@ -55,11 +55,11 @@ WORKLOADS = {w.name: w for w in (W1, W2, W3)}
 
 def model_dir(w: Workload) -> Path:
     """Build (once, cached) the workload's llama model; seed 0."""
-    from mrv2.testing import cache_dir, make_tiny_model
+    from mrv2.testing import cache_root, make_tiny_model
 
     p = w.model_params
     tag = "-".join(str(v) for v in p.values())
-    return make_tiny_model(cache_dir() / "models" / f"bench-llama-{tag}", "llama", seed=0, **p)
+    return make_tiny_model(cache_root() / "models" / f"bench-llama-{tag}", "llama", seed=0, **p)
 
 
 def make_prompts(w: Workload, seed: int = PROMPT_SEED) -> list[list[int]]:

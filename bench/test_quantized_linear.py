@@ -25,7 +25,8 @@ from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
-from test_quantized import int8_activation_bound, random_raw  # noqa: E402
+from test_quantized import random_raw  # noqa: E402
+from test_quantized_int8_numba import int8_activation_bound  # noqa: E402
 
 SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x576": (3072, 576),
           "down_576x1536": (576, 1536), "lm_head_49152x576": (49152, 576)}

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mrv2.testing.server import ServerProcess, free_port
     from mrv2.testing.tiny_model import SUPPORTED_ARCHS, default_demo_model_path, make_tiny_model
-    from mrv2.testing.tokenizer import cache_dir, get_tokenizer_dir
+    from mrv2.testing.tokenizer import get_tokenizer_dir
+    from mrv2.utils.disk_cache import cache_root
 
-__all__ = ["SUPPORTED_ARCHS", "ServerProcess", "cache_dir", "default_demo_model_path",
+__all__ = ["SUPPORTED_ARCHS", "ServerProcess", "cache_root", "default_demo_model_path",
            "free_port", "get_tokenizer_dir", "make_tiny_model"]
 
 _WHERE = {
@@ -24,7 +25,7 @@ _WHERE = {
     "make_tiny_model": "mrv2.testing.tiny_model",
     "ServerProcess": "mrv2.testing.server",
     "free_port": "mrv2.testing.server",
-    "cache_dir": "mrv2.testing.tokenizer",
+    "cache_root": "mrv2.utils.disk_cache",
     "get_tokenizer_dir": "mrv2.testing.tokenizer",
 }
 

@@ -28,9 +28,9 @@ def load_hf_gguf(path: Path) -> torch.nn.Module:
 
 
 def twin_dir(path: Path) -> Path:
-    from mrv2.testing import cache_dir
+    from mrv2.utils.disk_cache import cache_root
 
-    return (cache_dir() / "models" /
+    return (cache_root() / "models" /
             f"gguf-twin-v{TWIN_FORMAT}-{path.stem}-{path.stat().st_size}")
 
 

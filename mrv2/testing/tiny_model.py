@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mrv2.testing.tokenizer import (BOS_TOKEN, DEFAULT_VOCAB_SIZE, EOS_TOKEN, PAD_TOKEN, cache_dir,
+from mrv2.testing.tokenizer import (BOS_TOKEN, DEFAULT_VOCAB_SIZE, EOS_TOKEN, PAD_TOKEN,
                                     copy_tokenizer, make_temp_dir, publish_dir, tokenizer_key)
+from mrv2.utils.disk_cache import cache_root
 
 # arch -> (config class, model class), both looked up in `transformers` when building.
 _ARCHS: dict[str, tuple[str, str]] = {
@@ -247,5 +248,5 @@ def make_tiny_model(
 def default_demo_model_path() -> Path:
     """The built-in demo model (llama, hidden 256, 4 layers, 8 heads / 4 kv heads), built on first
     use under ``$MRV2_CACHE_DIR/models/``."""
-    return make_tiny_model(cache_dir() / "models" / "demo-llama", "llama", seed=0, hidden_size=256,
+    return make_tiny_model(cache_root() / "models" / "demo-llama", "llama", seed=0, hidden_size=256,
                            num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688)

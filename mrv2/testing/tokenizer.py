@@ -28,6 +28,8 @@ import tokenizers
 from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
+from mrv2.utils.disk_cache import cache_root
+
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 PAD_TOKEN = "<|pad|>"
@@ -62,12 +64,6 @@ _CORPUS_FILES = (
 )
 _MIN_CORPUS_BYTES = 500_000
 _TOKENIZER_FILES_VERSION = 2  # bump when the produced files change for the same inputs
-
-
-def cache_dir() -> Path:
-    """Root of mrv2's on-disk cache: ``$MRV2_CACHE_DIR`` or ``~/.cache/mrv2``."""
-    env = os.environ.get("MRV2_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mrv2"
 
 
 def make_temp_dir(final: Path) -> Path:
@@ -177,7 +173,7 @@ def get_tokenizer_dir(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
 
     The directory loads with ``transformers.AutoTokenizer.from_pretrained`` on its own.
     """
-    final = cache_dir() / "tokenizers" / tokenizer_key(vocab_size)
+    final = cache_root() / "tokenizers" / tokenizer_key(vocab_size)
     if (final / "tokenizer.json").is_file():
         return final
     tmp = make_temp_dir(final)

@@ -1,16 +1,15 @@
-"""Quantized GGUF weights: repacking against gguf.quants.dequantize, the GEMV and tiled paths
-against x @ dequantize().T (float activations to float32 rounding, int8 activations to their
-derived bound), rows/cat, and the errors."""
+"""Quantized GGUF weights: repacking against gguf.quants.dequantize, the GEMV (float activations)
+and tiled paths against x @ dequantize().T, rows/cat, and the errors. The int8-activation GEMV:
+test_quantized_int8_numba.py."""
 
 from __future__ import annotations
 
 import gguf
-import numba
 import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import quantized, quantized_numba
+from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
@@ -152,74 +151,6 @@ def test_rows_and_cat_round_trip(weights, gguf_type):
     expect = x @ ref[64:96].T  # fp32 sums in another order: tolerance relative to the size
     torch.testing.assert_close(quantized_linear(x, parts[2]), expect, rtol=1e-4,
                                atol=1e-5 * expect.abs().max().item())
-
-
-def int8_activation_bound(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[T, N]: sum over 32-input blocks g of d_g / 2 * sum_{k in g} |w_k|, d_g = max |x_g| / 127
-    (x rounded to int8 moves each input by at most d_g / 2; the integer products are exact)."""
-    d = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 127
-    return (d / 2) @ ref.double().abs().reshape(ref.shape[0], -1, 32).sum(-1).T
-
-
-@pytest.mark.parametrize("gguf_type", sorted(QUANTIZED_GGUF_TYPES - {"F16", "BF16"}))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_int8_activations_stay_within_the_derived_bound(weights, gguf_type, rows, monkeypatch):
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", True)
-    w, ref = weights[gguf_type]
-    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
-    x[0, 64:96] = 0.0  # an all-zero block quantizes to zeros
-    expect = x.double() @ ref.double().T
-    error = (quantized_linear(x, w).double() - expect).abs()
-    # float32 rounding of d and of the sums, relative to the output's size
-    slack = 1e-5 * (x.double().abs() @ ref.double().abs().T)
-    assert (error <= int8_activation_bound(x, ref) + slack).all()
-    assert error.max() > 10 * slack.max()  # x really went through int8
-
-
-def test_quantize_rows_int8_rounds_each_block_to_half_a_step():
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor(
-        [1e-3, 1.0, 1e3]).reshape(3, 1)
-    x[1, 32:64] = 0.0
-    x[2, 70] = -x[2, 64:96].abs().max() * 2  # the block's extreme is negative
-    xq, dx = np.empty((3, 96), np.int8), np.empty((3, 3), np.float32)
-    quantized_numba.quantize_rows_int8(x.numpy(), xq, dx)
-    blocks = x.reshape(3, 3, 32)
-    assert torch.equal(torch.from_numpy(dx), blocks.abs().amax(-1) / 127)
-    assert np.abs(xq.astype(np.int32)).max() == 127 and xq[2, 70] == -127
-    assert not xq[1, 32:64].any() and dx[1, 1] == 0
-    back = torch.from_numpy(xq).float().reshape(3, 3, 32) * torch.from_numpy(dx)[..., None]
-    assert ((back - blocks).abs() <= torch.from_numpy(dx)[..., None] / 2 * (1 + 1e-5)).all()
-
-
-def _dots_kernel(dots):
-    @numba.njit
-    def run(xq, dx, q, scales, mins, xsum, shift, out):
-        for r in range(q.shape[0]):
-            out[r] = dots(xq, dx, q, scales, mins, xsum, shift, r, 0)[0]
-    return run
-
-
-@pytest.mark.skipif(not quantized_numba.X86_INT8_DOTS, reason="needs AVX2 code generation")
-@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K"])
-def test_generic_integer_ir_equals_the_avx2_intrinsics(weights, gguf_type):
-    """The IR a target without AVX2 gets computes the same integer dot products (fast-math may
-    order the float scaling differently: equal to float32 rounding)."""
-    w, _ = weights[gguf_type]
-    packed = w.layout == "u4"
-    x = torch.randn(1, 1536, generator=torch.Generator().manual_seed(5)).numpy()
-    xq, dx = np.empty((1, 1536), np.int8), np.empty((1, 48), np.float32)
-    quantized_numba.quantize_rows_int8(x, xq, dx)
-    q = w.q.view(torch.uint8).numpy() if packed else w.q.numpy()
-    shift = 5 if w.group_size == 32 else 4
-    mins = (w.mins if w.mins is not None else torch.empty(w.out_features, 0)).numpy()
-    xsum = x.reshape(1, -1, 32).sum(-1)[:, :mins.shape[1]]
-    outs = []
-    for x86 in (True, False):
-        out = np.empty(w.out_features, np.float32)
-        _dots_kernel(quantized_numba._make_int8_dots(1, packed, x86))(
-            xq, dx, q, w.scales.numpy(), mins, xsum, shift, out)
-        outs.append(out)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[0]).max())
 
 
 def test_cat_of_same_layout_types_fills_missing_mins(weights):

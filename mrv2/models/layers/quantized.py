@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from mrv2.models.layers import quantized_numba
+from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
     {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"})
@@ -38,9 +39,10 @@ QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # Whether the GEMV on "u4" / "i8" weights quantizes x to int8 per 32 inputs and multiplies in
-# integer SIMD (quantized_numba: llama.cpp's scheme, and its error bound): where numba compiles
-# AVX2's byte multiply-adds. Elsewhere x stays float32 (the generic integer IR is not faster).
-INT8_ACTIVATIONS: bool = quantized_numba.X86_INT8_DOTS
+# integer SIMD (quantized_int8_numba: llama.cpp's scheme, and its error bound): where numba
+# compiles AVX2's byte multiply-adds. Elsewhere x stays float32 (the generic integer IR is not
+# measured faster).
+INT8_ACTIVATIONS: bool = X86_INT8_DOTS
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
 MAX_QUANTIZED_GEMV_ROWS = 16
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.

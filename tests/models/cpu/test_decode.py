@@ -58,8 +58,8 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
 def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, tensor_type,
                                                            tied, num_prompts, monkeypatch):
     """quantization="gguf": the stack runs the projections on the attached blocks (u4 and i8
-    layouts, with and without mins; 16-bit weights), up to MAX_QUANTIZED_DECODE_ROWS rows, and gives the layer
-    by layer quantized path's tokens and logprobs."""
+    layouts, with and without mins; 16-bit weights), up to MAX_QUANTIZED_DECODE_ROWS rows, and
+    gives the layer by layer quantized path's tokens and logprobs."""
     path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False, quantization="gguf",
               max_num_seqs=8)

@@ -1,0 +1,128 @@
+"""LLVM vector IR for the CPU kernels that numba intrinsics emit (quantized_numba.py,
+quantized_int8_numba.py): typed pointers into numba arrays, vector loads, splats and
+reductions, accumulator loops, and the widening of float16 / bfloat16 bit patterns.
+
+Why IR and not numba loops: see quantized_numba.py. Every helper takes the llvmlite builder of
+the intrinsic being generated.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+V8F, V8B, V8I = ir.VectorType(F32, 8), ir.VectorType(I8, 8), ir.VectorType(I32, 8)
+V8H = ir.VectorType(I16, 8)
+FAST = ("fast",)
+DOT_ROWS = (4, 2, 1)  # rows of x per pass over a weight row (accumulators fit 16 ymm at 4)
+DOT_UNROLL = 2  # accumulator sets per row of x (FMA latency 4-5 cycles, 2 FMA pipes)
+
+
+def splat(builder, value):
+    v = builder.insert_element(ir.Constant(V8F, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(V8I, [0] * 8))
+
+
+def hsum(builder, v):
+    width = 8
+    while width > 1:
+        width //= 2
+        mask = ir.VectorType(I32, width)
+        lo = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width, 2 * width))))
+        v = builder.fadd(lo, hi, flags=FAST)
+    return builder.extract_element(v, I32(0))
+
+
+def row_ptr(context, builder, array_type, array, row, elem):
+    """Pointer (to `elem`) at row `row` of a C-contiguous-rows array, and the array struct."""
+    arr = context.make_array(array_type)(context, builder, array)
+    stride = cgutils.unpack_tuple(builder, arr.strides, array_type.ndim)[0]
+    base = builder.gep(builder.bitcast(arr.data, I8.as_pointer()), [builder.mul(row, stride)])
+    return builder.bitcast(base, elem.as_pointer()), arr
+
+
+def vload(builder, ptr, index, vty, align):
+    return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=align)
+
+
+def table_elem(array_type):
+    """The IR element type of a scale / min table: float, or i16 for float16 bit patterns."""
+    return I16 if array_type.dtype == types.int16 else F32
+
+
+def load_table(builder, row_ptr, index, array_type):
+    """Element `index` of a table row as a float."""
+    value = builder.load(builder.gep(row_ptr, [index]))
+    return widen_half(builder, value, False) if array_type.dtype == types.int16 else value
+
+
+@intrinsic
+def f16_bits_to_float(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return widen_half(builder, args[0], False)
+    return types.float32(bits), codegen
+
+
+def table_value(table, r, g):
+    """table[r, g] as float32 (numba only: see the overload)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(table_value, inline="always")
+def __table_value_overload(table, r, g):
+    if table.dtype == types.int16:
+        return lambda table, r, g: f16_bits_to_float(table[r, g])
+    return lambda table, r, g: table[r, g]
+
+
+def x_rows_and_accumulators(context, builder, xt, x, m0, nb, unroll, elem=F32):
+    """Pointers (to `elem`) to rows m0..m0+nb-1 of x, K, and `unroll` zeroed <8 x float>
+    accumulators per row."""
+    ity = m0.type
+    xrows = [row_ptr(context, builder, xt, x, builder.add(m0, ity(i)), elem) for i in range(nb)]
+    k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
+    zero = ir.Constant(V8F, [0.0] * 8)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(unroll)] for _ in range(nb)]
+    return xrows, k, accs
+
+
+def for_each_unit(builder, units, unroll, unit):
+    """unit(index, slot) for index in [0, units): `unroll` units per loop iteration, each into
+    its own accumulator slot (independent FMA chains), then the remainder into slot 0."""
+    ity = units.type
+    main = builder.sdiv(units, ity(unroll))
+    with cgutils.for_range(builder, main) as loop:
+        for u in range(unroll):
+            unit(builder.add(builder.mul(loop.index, ity(unroll)), ity(u)), u)
+    done = builder.mul(main, ity(unroll))
+    with cgutils.for_range(builder, builder.sub(units, done)) as loop:
+        unit(builder.add(done, loop.index), 0)
+
+
+def sum_accumulators(builder, row_accs):
+    """One row's accumulators added, then horizontally: a float."""
+    v = builder.load(row_accs[0])
+    for a in row_accs[1:]:
+        v = builder.fadd(v, builder.load(a), flags=FAST)
+    return hsum(builder, v)
+
+
+def widen_half(builder, bits, bf16):
+    """<8 x i16> (or i16) bit patterns -> <8 x float> (or float)."""
+    vector = isinstance(bits.type, ir.VectorType)
+    if bf16:
+        wide = builder.zext(bits, V8I if vector else I32)
+        shifted = builder.shl(wide, ir.Constant(V8I, [16] * 8) if vector else I32(16))
+        return builder.bitcast(shifted, V8F if vector else F32)
+    half = ir.HalfType()
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(half, 8) if vector else half),
+                         V8F if vector else F32)
+
+
+def call_intrinsic(builder, name, ret, args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)

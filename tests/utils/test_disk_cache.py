@@ -1,0 +1,59 @@
+"""mrv2's on-disk cache root and numba's cache keyed to mrv2's source."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mrv2.utils import disk_cache
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MRV2_CACHE_DIR", str(tmp_path / "c"))
+    assert disk_cache.cache_root() == tmp_path / "c"
+    monkeypatch.delenv("MRV2_CACHE_DIR")
+    assert disk_cache.cache_root() == Path.home() / ".cache" / "mrv2"
+
+
+def test_source_digest_changes_with_any_source_file(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not source")
+    first = disk_cache.source_digest(tmp_path)
+    assert disk_cache.source_digest(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("changed")
+    assert disk_cache.source_digest(tmp_path) == first
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert disk_cache.source_digest(tmp_path) != first
+
+
+def _numba_cache_dir_of_a_fresh_import(env: dict[str, str]) -> str:
+    code = ("import mrv2, os\nfrom numba.core import config\n"
+            "assert config.CACHE_DIR == os.environ['NUMBA_CACHE_DIR']\nprint(config.CACHE_DIR)")
+    return subprocess.run([sys.executable, "-c", code], env=env, check=True, text=True,
+                          capture_output=True).stdout.strip()
+
+
+def test_importing_mrv2_keys_numba_cache_to_the_sources(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["MRV2_CACHE_DIR"] = str(tmp_path)
+    stale = tmp_path / "numba" / "0123456789abcdef"  # an older version's cache
+    stale.mkdir(parents=True)
+    used = Path(_numba_cache_dir_of_a_fresh_import(env))
+    assert used == tmp_path / "numba" / disk_cache.source_digest() and used.is_dir()
+    assert not stale.exists()
+    # A NUMBA_CACHE_DIR the user set stands.
+    mine = str(tmp_path / "mine")
+    assert _numba_cache_dir_of_a_fresh_import({**env, "NUMBA_CACHE_DIR": mine}) == mine
+
+
+def test_an_unwritable_cache_root_leaves_numba_as_it_was(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("MRV2_CACHE_DIR", str(blocker))
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    assert disk_cache.key_numba_cache_to_sources() is None
+    assert "NUMBA_CACHE_DIR" not in os.environ
