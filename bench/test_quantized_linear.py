@@ -6,7 +6,7 @@ Q4_1 (the built-in file's layers), Q8_0 (its embedding / LM head) and BF16 (a 16
 file's weights; F16 runs the same kernel with another widening). `quantized_linear` runs the
 numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows and the dequantize-tile + torch.mm path beyond;
 its GEMV on Q4_1 / Q8_0 blocks runs twice, on float32 x ("quantized_linear") and on x rounded
-to int8 per 32 inputs ("quantized_linear_int8x", the default where numba compiles AVX2),
+to int8 per 32 inputs ("quantized_linear_int8x", opt-in where numba compiles AVX2),
 checked against the derived bound. extra_info: the weight bytes each call
 reads (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
 Random valid blocks (tests/models/test_quantized.py's generator, seed 0).

@@ -81,6 +81,18 @@ def test_prefix_hits_give_the_same_tokens(smollm2, chat_prompts, reference):
     assert _greedy(smollm2, chat_prompts[::-1]) == reference[::-1]
 
 
+def test_blocks_as_stored_give_the_float32_tokens(chat_prompts, reference):
+    """quantization="gguf": the linears on the Q4_1 blocks (float32 x, the default) give
+    transformers' greedy tokens on every prompt (int8 x does not: bench/README.md)."""
+    llm = LLM(str(builtin_model_path()), max_model_len=512, kv_cache_memory_gb=0.1,
+              quantization="gguf")
+    assert llm.llm_engine.engine_core.executor.worker.runner.model.model.layers[
+        0].mlp.down_proj.weight.numel() == 0  # the blocks, not a dequantized copy
+    got = _greedy(llm, chat_prompts)
+    llm.shutdown()
+    assert got == reference
+
+
 def test_chat_answers_paris(smollm2):
     output = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
                           SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]

@@ -143,10 +143,12 @@ def test_exactly_one_constraint():
 
 def test_under_preemption(tiny_llama):
     """A KV pool too small for the batch: requests are preempted and resumed, and their
-    matchers stay in step with their outputs."""
+    matchers stay in step with their outputs. 18 blocks hold one request's whole 256 tokens
+    but not the 8 prompts' ~24 blocks: whatever the sampled lengths (they are floats away from
+    changing with the thread count), running requests outgrow the pool."""
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     llm = LLM(str(tiny_llama), max_model_len=256, max_num_batched_tokens=64,
-              kv_cache_memory_gb=24 * block_bytes / (1 << 30))
+              kv_cache_memory_gb=18 * block_bytes / (1 << 30))
     batch = [params(i, json=SCHEMAS[i % len(SCHEMAS)]) for i in range(8)]
     # Distinct prompts of ~3 blocks each: no prefix-cache sharing.
     outs = llm.generate([f"{i}: " + PROMPT * 8 for i in range(len(batch))], batch,

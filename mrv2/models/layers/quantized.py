@@ -27,6 +27,8 @@ and multiply each tile with torch.mm, so the float32 weight never exists whole.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -39,10 +41,13 @@ QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # Whether the GEMV on "u4" / "i8" weights quantizes x to int8 per 32 inputs and multiplies in
-# integer SIMD (quantized_int8_numba: llama.cpp's scheme, and its error bound): where numba
-# compiles AVX2's byte multiply-adds. Elsewhere x stays float32 (the generic integer IR is not
-# measured faster).
-INT8_ACTIVATIONS: bool = X86_INT8_DOTS
+# integer SIMD (quantized_int8_numba: llama.cpp's scheme, and its error bound). Opt-in, with
+# MRV2_GGUF_INT8_ACTIVATIONS=1, and only where numba compiles AVX2's byte multiply-adds: on
+# SmolLM2 it decodes ~10% faster at batch 1 and ~2x at batch 8, but its rounding (~1% of an
+# output) moves greedy chat completions off float32's as llama.cpp's does (bench/README.md);
+# float32 x keeps them equal.
+INT8_ACTIVATIONS: bool = (X86_INT8_DOTS
+                          and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1")
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
 MAX_QUANTIZED_GEMV_ROWS = 16
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
@@ -259,6 +264,14 @@ class QuantizedWeight:
         return QuantizedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
                                scales, mins, "+".join(types))
 
+    @property
+    def kernel_mins(self) -> torch.Tensor:
+        """`mins` as the kernels take it: the table, or an [N, 0] one of the scales' dtype for
+        "no min term" (the same dtype keeps one compiled variant per table dtype)."""
+        if self.mins is not None:
+            return self.mins
+        return torch.empty(self.out_features, 0, dtype=self.scales.dtype)
+
     def _with_float32_tables(self) -> QuantizedWeight:
         """This weight with float32 scale / min tables (a cat with float32-table parts)."""
         scales, mins = (None if t is None else _float32_table(t) for t in (self.scales, self.mins))
@@ -274,7 +287,7 @@ class QuantizedWeight:
             torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
                 self.half_dtype))
             return
-        mins = self.mins if self.mins is not None else torch.empty(self.out_features, 0)
+        mins = self.kernel_mins
         kernel = quantized_numba.dequant_rows if parallel else quantized_numba.dequant_rows_serial
         kernel(self.q.numpy(), self.scales.numpy(), mins.numpy(), self.layout == "u4",
                self.group_size, ids, out)
@@ -309,7 +322,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                                   weight.layout == "bf16", out.numpy())
     elif t <= MAX_QUANTIZED_GEMV_ROWS:
         out = torch.empty(t, n, dtype=torch.float32)
-        mins = weight.mins if weight.mins is not None else torch.empty(n, 0)
+        mins = weight.kernel_mins
         quantized_numba.gemv_groups(x.detach().contiguous().numpy(), weight.q.numpy(),
                                     weight.scales.numpy(), mins.numpy(), weight.layout == "u4",
                                     weight.group_size, INT8_ACTIVATIONS, out.numpy())
