@@ -45,9 +45,13 @@ def test_importing_mrv2_keys_numba_cache_to_the_sources(tmp_path):
     used = Path(_numba_cache_dir_of_a_fresh_import(env))
     assert used == tmp_path / "numba" / disk_cache.source_digest() and used.is_dir()
     assert not stale.exists()
-    # A NUMBA_CACHE_DIR the user set stands.
-    mine = str(tmp_path / "mine")
-    assert _numba_cache_dir_of_a_fresh_import({**env, "NUMBA_CACHE_DIR": mine}) == mine
+
+
+def test_a_numba_cache_dir_the_user_set_stands(monkeypatch, tmp_path):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("MRV2_CACHE_DIR", str(tmp_path / "root"))
+    assert disk_cache.key_numba_cache_to_sources() == str(tmp_path / "mine")
+    assert not (tmp_path / "root").exists()
 
 
 def test_an_unwritable_cache_root_leaves_numba_as_it_was(monkeypatch, tmp_path):

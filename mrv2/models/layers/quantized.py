@@ -323,7 +323,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     elif t <= MAX_QUANTIZED_GEMV_ROWS:
         out = torch.empty(t, n, dtype=torch.float32)
         mins = weight.kernel_mins
-        quantized_numba.gemv_groups(x.detach().contiguous().numpy(), weight.q.numpy(),
+        # q as bytes for both layouts (the kernel reads each as its layout says), as the decode
+        # stack passes it: one compiled variant per table dtype, not two.
+        quantized_numba.gemv_groups(x.detach().contiguous().numpy(),
+                                    weight.q.view(torch.uint8).numpy(),
                                     weight.scales.numpy(), mins.numpy(), weight.layout == "u4",
                                     weight.group_size, INT8_ACTIVATIONS, out.numpy())
     else:

@@ -1,0 +1,86 @@
+"""Greedy fidelity of the built-in Q4_1 file's quantized paths against mrv2 float32, by hand:
+
+    python bench/gguf_agreement.py
+
+The 8 chat prompts of tests/entrypoints/test_llm_gguf.py, greedy, up to 64 tokens (EOS ends).
+Prints, per path, how many completions equal float32's and where the others first differ:
+`quantization="gguf"` on float32 x and on int8 x (MRV2_GGUF_INT8_ACTIVATIONS's path), and
+llama.cpp on the same file when llama-cpp-python is installed (the `peers` extra).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mrv2 import LLM, SamplingParams
+from mrv2.models.builtin import builtin_model_path
+from mrv2.models.layers import quantized
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "entrypoints"))
+from test_llm_gguf import QUESTIONS  # noqa: E402
+
+MAX_TOKENS = 64
+
+
+def _prompts_and_eos() -> tuple[list[list[int]], set[int]]:
+    llm = LLM(str(builtin_model_path()), max_model_len=512, kv_cache_memory_gb=0.1)
+    tokenizer = llm.get_tokenizer()
+    eos = llm.llm_engine.engine_core.config.model_config.hf_config.eos_token_id
+    llm.shutdown()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                             add_generation_prompt=True, return_dict=False)
+               for q in QUESTIONS]
+    return prompts, set(eos if isinstance(eos, list) else [eos])
+
+
+def mrv2_greedy(prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    llm = LLM(str(builtin_model_path()), max_model_len=512, kv_cache_memory_gb=0.1, **kwargs)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                           use_tqdm=False)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def llama_cpp_greedy(prompts: list[list[int]], eos: set[int]) -> list[list[int]] | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    model = Llama(model_path=str(builtin_model_path()), n_ctx=512, n_threads=2, verbose=False)
+    out = []
+    for prompt in prompts:
+        model.reset()
+        tokens: list[int] = []
+        for token in model.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+            tokens.append(token)
+            if token in eos or len(tokens) >= MAX_TOKENS:
+                break
+        out.append(tokens)
+    return out
+
+
+def report(name: str, got: list[list[int]], want: list[list[int]]) -> None:
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+             for a, b in zip(got, want) if a != b]
+    same = sum(a == b for a, b in zip(got, want))
+    print(f"{name}: {same}/{len(want)} completions equal float32's; the others first differ "
+          f"at token {first}")
+
+
+def main() -> None:
+    prompts, eos = _prompts_and_eos()
+    reference = mrv2_greedy(prompts)
+    quantized.INT8_ACTIVATIONS = False
+    report("gguf blocks, float32 x", mrv2_greedy(prompts, quantization="gguf"), reference)
+    if quantized.X86_INT8_DOTS:
+        quantized.INT8_ACTIVATIONS = True
+        report("gguf blocks, int8 x", mrv2_greedy(prompts, quantization="gguf"), reference)
+    peer = llama_cpp_greedy(prompts, eos)
+    if peer is not None:
+        report("llama.cpp", peer, reference)
+
+
+if __name__ == "__main__":
+    main()
