@@ -48,8 +48,9 @@ HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 # float32 x keeps them equal.
 INT8_ACTIVATIONS: bool = (X86_INT8_DOTS
                           and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1")
-# Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py).
-MAX_QUANTIZED_GEMV_ROWS = 16
+# Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py,
+# bench/README.md); the fused decode stack runs up to as many.
+MAX_QUANTIZED_GEMV_ROWS = 32
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
 # A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
