@@ -66,7 +66,7 @@ def _int8_dot32(builder, w, x, signed, x86):
             w = call_intrinsic(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
         pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [w, x])
         return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", V8I,
-                     [pairs, ir.Constant(_V16S, [1] * 16)])
+                              [pairs, ir.Constant(_V16S, [1] * 16)])
     wide = builder.sext(w, _V32I) if signed else builder.zext(w, _V32I)
     products = builder.mul(wide, builder.sext(x, _V32I))
     return _pair_sums(builder, _pair_sums(builder, products, 32), 16)
@@ -92,7 +92,7 @@ def _make_int8_dots(nb, packed, x86):
             srow, _ = row_ptr(context, builder, st, args[3], r_, table_elem(st))
             mrow, marr = row_ptr(context, builder, mnt, args[4], r_, table_elem(mnt))
             xrows, k, accs = x_rows_and_accumulators(context, builder, xqt, args[0], m_, nb,
-                                                      DOT_UNROLL, I8)
+                                                     DOT_UNROLL, I8)
             drows, srows = ([row_ptr(context, builder, t, arr, builder.add(m_, ity(i)), F32)[0]
                              for i in range(nb)] for t, arr in ((dxt, args[1]), (xst, args[5])))
             groups_log2 = builder.sub(ity(5), sh)  # i8: groups per unit, log2 (0 or 1)

@@ -7,8 +7,8 @@ Layouts (quantized.py builds them from GGUF blocks and owns the contract):
 - "i8": `q` int8 [N, K]; groups of `gs` (32, or 16 for Q6_K) consecutive inputs; w = scale * q
   (+ min).
 `scales` and `mins` are [N, K // G] tables of float32, or of int16 holding float16 bit patterns
-(widened as they are read: `_table_value` here, `_load_table` in the IR); `mins` may be an
-[N, 0] array for "no min term" (so that one compiled kernel serves both).
+(widened as they are read: vector_ir's `table_value` in numba code, `load_table` in the IR);
+`mins` may be an [N, 0] array for "no min term" (so that one compiled kernel serves both).
 
 GEMV (decode, a few rows of x): the inner loop is LLVM vector IR emitted by a numba intrinsic
 (`_make_dots`), not numba loops. Why: LLVM does not vectorise the 16- and 32-wide group loops
@@ -105,13 +105,13 @@ def _make_dots(nb, packed):
             qrow, _ = row_ptr(context, builder, qt, args[1], r_, I8)
             srow, _ = row_ptr(context, builder, st, args[2], r_, table_elem(st))
             xrows, k, accs = x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
-                                                      DOT_UNROLL)
+                                                     DOT_UNROLL)
             step = 32 if packed else 16
 
             def unit(c, slot):
                 halves = [builder.zext(b, V8I) if packed else builder.sext(b, V8I) for b in (
                     vload(builder, qrow, builder.add(builder.mul(c, ity(16)), ity(8 * h)),
-                           V8B, 1) for h in range(2))]
+                          V8B, 1) for h in range(2))]
                 if packed:  # inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles)
                     s = load_table(builder, srow, c, st)
                     ints = [builder.and_(v, ir.Constant(V8I, [15] * 8)) for v in halves] + [
@@ -234,7 +234,7 @@ def _make_half_dots(nb, bf16):
             ity = r_.type
             qrow, _ = row_ptr(context, builder, qt, args[1], r_, I16)
             xrows, k, accs = x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
-                                                      _HALF_UNROLL)
+                                                     _HALF_UNROLL)
 
             def unit(c, slot):
                 base = builder.mul(c, ity(8))
