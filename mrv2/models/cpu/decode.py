@@ -233,7 +233,7 @@ def _projection_views(modules) -> typed.List:
     views = [_projection_view(m) for m in modules]
     if len({numba.typeof(v) for v in views}) > 1:
         views = [_projection_view(m, float32_tables=True) for m in modules]
-    return typed.List(views)
+    return _typed_list(tuple(views))
 
 
 def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -248,7 +248,18 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _views(tensors) -> typed.List:
-    return typed.List([t.detach().numpy() for t in tensors])
+    return _typed_list(tuple(t.detach().numpy() for t in tensors))
+
+
+@njit(cache=True)
+def _typed_list(items):
+    """A typed list of `items` (a tuple whose items share one numba type). Built in a cached
+    function: `typed.List(...)` from Python compiles numba's list helpers for each item type
+    in every process (0.4-1 s a type, ~2 s an engine start), and does not cache them."""
+    out = typed.List()
+    for item in items:
+        out.append(item)
+    return out
 
 
 class _StackArgs:
