@@ -25,8 +25,8 @@ seeded e2e ones, can hit near-ties; the first token must agree).
 Under `--benchmark-disable` (CI) the model stays SmolLM2 (a GGUF has no smaller variant) but
 the throughput cases shrink to 2 prompts of 16 tokens and 4 output tokens, transformers loads
 the twin (the same float32 weights, bit for bit, in well under a second instead of its slow
-GGUF path) and every case runs once, without warm-up. One mrv2 LLM and one transformers model serve both
-throughput cases.
+GGUF path) and every case runs once, without warm-up. One mrv2 LLM and one transformers model
+serve both throughput cases.
 """
 
 from __future__ import annotations
@@ -158,6 +158,37 @@ def test_gguf_load_vs_safetensors(benchmark):
         gguf_file=path.name, gguf_bytes=path.stat().st_size,
         safetensors_bytes=sum(f.stat().st_size for f in twin.glob("*.safetensors")),
         max_model_len=kwargs["max_model_len"], kv_cache_memory_gb=LOAD_KV_CACHE_GB)
+
+
+def test_read_gguf_file_vs_gguf_reader(benchmark):
+    """Opening the built-in file: mrv2's reader (timed) against `gguf.GGUFReader` (timed by
+    hand in the setup; skipped under --benchmark-disable, where it would add ~5 s to CI for no
+    check) on the same file in the same run. extra_info: both medians and
+    `gguf_reader_over_mrv2` (higher is better)."""
+    from mrv2.models.gguf.reader import read_gguf_file
+
+    benchmark.group = "gguf-open"
+    path = gguf_path()
+    reader_seconds: list[float] = []
+
+    def setup():
+        if not benchmark.disabled:
+            import gguf
+
+            start = time.perf_counter()
+            gguf.GGUFReader(path)
+            reader_seconds.append(time.perf_counter() - start)
+        return (), {}
+
+    result = benchmark.pedantic(lambda: read_gguf_file(path), setup=setup, rounds=ROUNDS,
+                                warmup_rounds=0)
+    assert len(result.tensors) == 272 and len(result.fields["tokenizer.ggml.tokens"]) == 49152
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None:
+        reader_median = statistics.median(reader_seconds)
+        benchmark.extra_info.update(mrv2_median_s=stats.stats.median,
+                                    gguf_reader_median_s=reader_median,
+                                    gguf_reader_over_mrv2=reader_median / stats.stats.median)
 
 
 @pytest.mark.parametrize("batch", BATCHES)

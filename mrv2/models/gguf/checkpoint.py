@@ -1,11 +1,10 @@
-"""One GGUF checkpoint on disk: its file(s), metadata and tensor records, read with the `gguf`
-package's `GGUFReader` (memory-mapped: no tensor data is read here).
+"""One GGUF checkpoint on disk: its file(s), metadata and tensor records, read with
+`reader.read_gguf_file` (memory-mapped: no tensor data is read here).
 
 A split checkpoint (llama.cpp's `gguf-split`: `name-00001-of-00003.gguf`, ...) is named by any
 of its files and read as one: metadata from the first file, tensors from all of them, each file's
-`split.no` / `split.count` checked. Opening parses every metadata value in Python (the
-tokenizer's vocabulary and merges dominate), so a checkpoint is opened once per process and
-shared by the config, tokenizer and weight loaders (`open_gguf`).
+`split.no` / `split.count` checked. A checkpoint is opened once per process and shared by the
+config, tokenizer and weight loaders (`open_gguf`).
 
 Whatever is wrong with a file (not GGUF, truncated, a tensor type the `gguf` package cannot
 dequantize) is a `GGUFError` naming the file, raised here, before any model is built.
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mrv2.models.gguf.reader import GGUFFileTensor, read_gguf_file
 
 GGUF_SUFFIX = ".gguf"
 # llama.cpp's split naming (gguf.SHARD_NAME_FORMAT without the stem): "-00001-of-00003.gguf".
@@ -72,8 +73,6 @@ class GGUFCheckpoint:
     """Metadata (`fields`: key -> Python value) and tensors (`tensors`: name -> record)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"GGUF file {str(self.path)!r} does not exist")
@@ -82,15 +81,15 @@ class GGUFCheckpoint:
         self.tensors: dict[str, GGUFTensorRecord] = {}
         for number, file in enumerate(self.files, start=1):
             try:
-                reader = GGUFReader(file)
+                gguf_file = read_gguf_file(file)
             except Exception as error:  # noqa: BLE001 - any parse failure means a bad file
                 raise GGUFError(f"{file}: not a readable GGUF file ({type(error).__name__}: "
                                 f"{error}); the file may be truncated or corrupt") from None
-            fields = {key: field.contents() for key, field in reader.fields.items()}
+            fields = gguf_file.fields
             self._check_split(file, fields, number)
             if number == 1:
                 self.fields = fields
-            for tensor in reader.tensors:
+            for tensor in gguf_file.tensors:
                 self._add_tensor(file, tensor)
         expected = self.fields.get("split.tensors.count")
         if expected is not None and expected != len(self.tensors):
@@ -103,7 +102,7 @@ class GGUFCheckpoint:
             raise GGUFError(f"{file}: split metadata says file {fields.get('split.no', 0) + 1} "
                             f"of {count}, but it is file {number} of {len(self.files)} by name")
 
-    def _add_tensor(self, file: Path, tensor: Any) -> None:
+    def _add_tensor(self, file: Path, tensor: GGUFFileTensor) -> None:
         from gguf import GGML_QUANT_SIZES
 
         name = tensor.name
@@ -113,7 +112,7 @@ class GGUFCheckpoint:
             raise GGUFError(f"{file}: tensor {name!r} has type {tensor.tensor_type.name}, which "
                             f"the installed gguf package cannot dequantize")
         # GGUF stores dimensions fastest-first; torch order is the reverse.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = tuple(reversed(tensor.dims))
         block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
         expected = int(np.prod(shape)) // block * block_bytes
         if tensor.data.nbytes != expected:
