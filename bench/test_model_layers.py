@@ -5,6 +5,9 @@
   the numba GEMV (`cpu_gemv.gemv`) vs `F.linear`;
 - `linear`: the same step at 32 rows (W1's decode batch) and a 512-row prefill chunk,
   `cpu_linear.linear` (oneDNN, weights packed once) vs `F.linear` (MKL);
+- `linear-random-rows`: prefill-sized inputs of a new row count every call (17-600 rows,
+  SmolLM2's four projection shapes), `cpu_linear.linear` padding rows to `padded_rows` (so
+  oneDNN's per-shape primitives are reused and their memory stays bounded) vs unpadded;
 - `decode-attention`: 32 decode rows of 256 tokens (W1's attention shape), the numba kernel
   reading the paged cache in place vs the gather-then-einsum torch path;
 - `silu-and-mul`: W1's decode step (32 rows x 1408, 8 layers), the fused kernel with the
@@ -82,6 +85,29 @@ def test_linear(benchmark, w1_weights, impl, rows):
                 fn(xs[w.shape[1]], w)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+SMOLLM2_SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]
+
+
+@pytest.mark.parametrize("impl", ["padded", "unpadded"])
+def test_linear_random_rows(benchmark, impl, monkeypatch):
+    benchmark.group = "linear-random-rows"
+    if impl == "unpadded":
+        monkeypatch.setattr(cpu_linear, "padded_rows", lambda rows: rows)
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(n, k, generator=g) for n, k in SMOLLM2_SHAPES]
+    # Each round a row count this process has not seen (the two impls get different ones).
+    counts = iter(range(17 if impl == "padded" else 18, 10**6, 2))
+    benchmark.extra_info.update(shapes="SmolLM2 qkv, down, gate_up, o", threads=2)
+
+    def step() -> None:
+        rows = next(counts) % 584 + 17
+        with torch.inference_mode():
+            for w in weights:
+                cpu_linear.linear(torch.randn(rows, w.shape[1]), w)
+
+    benchmark.pedantic(step, rounds=ROUNDS * 5, warmup_rounds=2)
 
 
 def _decode_case(rows: int = 32, seq_len: int = 256, block_size: int = 16, layers: int = 1):

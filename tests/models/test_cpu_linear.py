@@ -12,7 +12,7 @@ from mrv2.models.layers import cpu_gemv, cpu_linear
 needs_onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 32, 300])
+@pytest.mark.parametrize("rows", [1, 4, 5, 17, 32, 300])  # 17, 300: padded
 @pytest.mark.parametrize("bias", [False, True])
 @torch.no_grad()
 def test_matches_f_linear(rows, bias):
@@ -58,3 +58,29 @@ def test_autograd_other_dtypes_and_shapes_use_f_linear():
         for xi, wi in [(torch.randn(6, 8).double(), w.double()),
                        (torch.randn(2, 3, 8), w), (torch.randn(0, 8), w)]:
             torch.testing.assert_close(cpu_linear.linear(xi, wi), F.linear(xi, wi))
+
+
+def test_padded_rows_bound_the_shapes_and_the_padding():
+    sizes = [cpu_linear.padded_rows(m) for m in range(1, 8193)]
+    assert sizes[:16] == list(range(1, 17))
+    assert all(m <= p <= m * 9 / 8 for m, p in enumerate(sizes, start=1))
+    assert len(set(sizes)) == 16 + 8 * 9  # 8 sizes an octave from 17 to 8192
+    assert all(cpu_linear.padded_rows(p) == p for p in set(sizes))  # padded sizes are fixed points
+
+
+@needs_onednn
+@torch.no_grad()
+def test_every_row_count_leaves_memory_to_the_padded_sizes():
+    """oneDNN keeps a compiled primitive per input shape (~0.65 MB each on Zen 3): 384 row
+    counts unpadded grew the process by ~250 MB; padded they make 37 shapes."""
+    import os
+
+    from mrv2.testing.soak import rss_bytes
+
+    w = torch.randn(256, 64)
+    cpu_linear.linear(torch.randn(400, 64), w)
+    before = rss_bytes(os.getpid())
+    for rows in range(17, 401):
+        cpu_linear.linear(torch.randn(rows, 64), w)
+    assert len({cpu_linear.padded_rows(m) for m in range(17, 401)}) == 37
+    assert rss_bytes(os.getpid()) - before < 100 << 20

@@ -8,6 +8,12 @@ reordered into its blocked layout ahead of time, is several times faster from 1 
 from DRAM instead, where the numba GEMV (cpu_gemv.py) still does better end to end. Results agree
 with `F.linear` to ~1e-6 relative (another summation order).
 
+oneDNN (and torch's ideep layer over it) caches a compiled primitive per input shape, ~0.65 MB
+each and ~1.3 ms to create, up to 1024 of each kind: with prefill batches of every row count a
+server's memory grew by ~1 GB before the caches filled, and most prefill calls paid a creation.
+So inputs are padded to `padded_rows(m)` rows (at most 1/8 more; 88 sizes up to 8192 rows per
+weight shape): the caches stay small and hit.
+
 The packed copy is cached on the weight tensor itself and keyed by the tensor's version
 counter: a weight changed in place (loading, a test that rewrites it) is repacked at its next
 use, never served stale. The dense weight stays (embeddings, tied heads and the loaders read
@@ -45,6 +51,29 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN computes for `rows` input rows: `rows` up to 16, beyond that rounded
+    up to a multiple of 1/8 of its power of two (8 sizes an octave, at most 1/8 padding)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x_padded = torch.empty(padded, x.shape[1], dtype=x.dtype)
+        x_padded[:rows] = x
+        x_padded[rows:] = 0
+        x = x_padded
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none",
+                                             [], "")
+    return out[:rows]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; float32 CPU 2-D inputs outside autograd run the GEMV
@@ -55,8 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return cpu_gemv.gemv(x, weight, bias)
     if not _AVAILABLE:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias,
-                                              "none", [], "")
+    return _onednn_linear(x, weight, bias)
 
 
 _AVAILABLE = available()
