@@ -70,17 +70,22 @@ def validate_structured_outputs(params: StructuredOutputsParams,
 
 class GrammarCompiler:
     """Compiles grammars against one model's vocabulary. Thread-safe (xgrammar's compiler is);
-    xgrammar keeps its own cache of compiled grammars, keyed like `grammar_key`."""
+    xgrammar keeps its own cache of compiled grammars, keyed like `grammar_key`, evicting the
+    least recently used beyond `cache_limit_bytes` (-1: unbounded)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 config: StructuredOutputsConfig) -> None:
+                 config: StructuredOutputsConfig, cache_limit_bytes: int = -1) -> None:
         # vocab_size is the model's (its logits' width), which may exceed the tokenizer's:
         # ids past the tokenizer's vocabulary are never allowed.
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids or None)
-        self._compiler = xgr.GrammarCompiler(info)
+        self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=cache_limit_bytes)
         self.config = config
         self.vocab_size = vocab_size
+
+    @property
+    def cache_size_bytes(self) -> int:
+        return self._compiler.get_cache_size_bytes()
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind, source, any_whitespace = grammar_key(params, self.config)

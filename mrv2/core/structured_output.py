@@ -19,11 +19,13 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mrv2.config import ConfigError
 from mrv2.protocol import GrammarOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -97,6 +99,24 @@ class RequestGrammar:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+# vLLM's variable and default. Unbounded (xgrammar's default), a stream of distinct schemas
+# (a fuzzer, per-user tool lists) grows the engine core's memory for as long as it runs.
+XGRAMMAR_CACHE_MB_ENV = "VLLM_XGRAMMAR_CACHE_MB"
+DEFAULT_XGRAMMAR_CACHE_MB = 512
+
+
+def xgrammar_cache_limit_bytes() -> int:
+    """The compiled-grammar cache's bound: $VLLM_XGRAMMAR_CACHE_MB MiB (default 512)."""
+    text = os.environ.get(XGRAMMAR_CACHE_MB_ENV, str(DEFAULT_XGRAMMAR_CACHE_MB))
+    try:
+        megabytes = int(text)
+    except ValueError:
+        megabytes = -1
+    if megabytes < 0:
+        raise ConfigError(f"{XGRAMMAR_CACHE_MB_ENV}={text!r}: expected a number of MiB >= 0")
+    return megabytes * 1024 * 1024
+
+
 class StructuredOutputManager:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -106,6 +126,7 @@ class StructuredOutputManager:
         self._bitmask: np.ndarray | None = None  # [max_num_seqs, words], reused every step
         # Unfinished requests with a grammar: the step's bitmask is skipped while empty.
         self._num_live = 0
+        self._cache_limit_bytes = xgrammar_cache_limit_bytes()  # a bad value fails start-up
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params.structured_outputs
@@ -182,7 +203,8 @@ class StructuredOutputManager:
                 logger.warning("reasoning_parser=%s: the tokenizer has no %s token; structured "
                                "outputs apply from the first token", so_config.reasoning_parser,
                                REASONING_END)
-        return GrammarCompiler(tokenizer, model_config.vocab_size, list(stop_ids), so_config)
+        return GrammarCompiler(tokenizer, model_config.vocab_size, list(stop_ids), so_config,
+                               self._cache_limit_bytes)
 
 
 def _last_index(token_ids: list[int], token_id: int | None) -> int:

@@ -104,3 +104,17 @@ def test_model_vocab_wider_than_tokenizer(compiler):
     matcher.fill_next_token_bitmask(bitmask, 0)
     bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:grammar_compiler.vocab_size]
     assert bits[:2048].any() and not bits[2048:].any()
+
+
+def test_compiled_grammar_cache_stays_within_its_bound(compiler):
+    tokenizer, unbounded = compiler
+    limit = 256 << 10
+    bounded = GrammarCompiler(tokenizer, 2048 + 64, [1], CONFIG, cache_limit_bytes=limit)
+    for i in range(60):  # distinct schemas, as a fuzzer sends them
+        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"}
+                                                   for j in range(8)}}
+        for grammar_compiler in (bounded, unbounded):
+            grammar_compiler.compile(Params(json=json.dumps(schema)))
+    assert unbounded.cache_size_bytes > 4 * limit  # the test's schemas would exceed it
+    # xgrammar evicts once past the bound, so it may exceed it by about one grammar.
+    assert bounded.cache_size_bytes <= 1.25 * limit

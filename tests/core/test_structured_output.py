@@ -152,3 +152,17 @@ def test_aborted_request_releases_its_grammar(monkeypatch, grammar_compiler):
     assert scheduler.structured_outputs.has_live_requests
     scheduler.finish_requests("j", RequestStatus.FINISHED_ABORTED)
     assert not scheduler.structured_outputs.has_live_requests
+
+
+def test_grammar_cache_bound_is_vllms_variable(monkeypatch):
+    from mrv2.config import ConfigError
+    from mrv2.core.structured_output import xgrammar_cache_limit_bytes
+
+    monkeypatch.delenv("VLLM_XGRAMMAR_CACHE_MB", raising=False)
+    assert xgrammar_cache_limit_bytes() == 512 << 20  # vLLM's default
+    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "0")
+    assert xgrammar_cache_limit_bytes() == 0
+    for bad in ("-1", "lots", "1.5"):
+        monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", bad)
+        with pytest.raises(ConfigError, match=f"VLLM_XGRAMMAR_CACHE_MB={bad!r}"):
+            make_scheduler(monkeypatch, None)  # at engine start, not at the first request
