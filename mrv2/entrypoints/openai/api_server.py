@@ -30,10 +30,10 @@ from mrv2.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
 from mrv2.entrypoints.openai.protocol_responses import (
-    ChatCompletionResponse, ChatCompletionStreamResponse, CompletionResponse,
-    CompletionStreamResponse, DetokenizeResponse, ModelList, TokenizeResponse, VersionResponse,
-    empty_response, generation_responses, install_openapi, json_response, request_body,
-    text_response)
+    GENERATION_CHUNKS, GENERATION_REQUESTS, ChatCompletionResponse, ChatCompletionStreamResponse,
+    CompletionResponse, CompletionStreamResponse, DetokenizeResponse, ModelList, TokenizeResponse,
+    VersionResponse, empty_response, generation_responses, install_openapi, json_response,
+    request_body, text_response)
 from mrv2.entrypoints.openai.responses_output import ResponseStreamEvent
 from mrv2.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse
 from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -99,8 +99,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                   root_path=config.root_path or "",
                   lifespan=lambda _: stats_lifespan(engine, config, metrics.registry), **docs)
     install_error_handlers(app)
-    install_openapi(app, requests=[ResponsesRequest, *POOLING_REQUESTS],
-                    chunks=[ResponseStreamEvent])
+    # A server's /openapi.json describes the routes its runner serves; the others answer
+    # vLLM's 400 naming the runner that would (check_runner).
+    model_config = engine.config.model_config
+    generates = model_config.runner == "generate"
+    bounds = dict(vocab_size=model_config.vocab_size, max_model_len=model_config.max_model_len)
+    if generates:
+        install_openapi(app, requests=[*GENERATION_REQUESTS, ResponsesRequest],
+                        chunks=[*GENERATION_CHUNKS, ResponseStreamEvent], **bounds)
+    else:
+        install_openapi(app, requests=POOLING_REQUESTS, **bounds)
     install_server_routes(app, engine, config)  # CORS, /ping, /load, dev-mode routes
     if config.api_key:  # outside CORS, as in vLLM (preflight OPTIONS passes it)
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -113,7 +121,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
-              responses=generation_responses(CompletionResponse, CompletionStreamResponse))
+              responses=generation_responses(CompletionResponse, CompletionStreamResponse),
+              include_in_schema=generates)
     async def create_completion(raw_request: Request) -> Response:
         check_runner(engine, "generate", "Completions")
         request = await parse_body(raw_request, CompletionRequest)
@@ -123,7 +132,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
               responses=generation_responses(ChatCompletionResponse,
-                                             ChatCompletionStreamResponse))
+                                             ChatCompletionStreamResponse),
+              include_in_schema=generates)
     async def create_chat_completion(raw_request: Request) -> Response:
         check_runner(engine, "generate", "Chat Completions")
         request = await parse_body(raw_request, ChatCompletionRequest)
@@ -133,7 +143,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest),
               responses=generation_responses(ResponsesResponse, ResponseStreamEvent,
-                                             RESPONSE_EVENTS))
+                                             RESPONSE_EVENTS), include_in_schema=generates)
     async def create_response(raw_request: Request) -> Response:
         check_runner(engine, "generate", "Responses")
         request = await parse_body(raw_request, ResponsesRequest)
@@ -142,7 +152,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         return respond(await responses.create(request, raw_request))
 
     @app.get("/v1/responses/{response_id}",
-             responses=json_response(ResponsesResponse, 401, 404, 500))
+             responses=json_response(ResponsesResponse, 401, 404, 500),
+             include_in_schema=generates)
     async def retrieve_response(response_id: str) -> Response:
         return JSONResponse(responses.retrieve(response_id))
 

@@ -15,7 +15,8 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema,
+                      model_validator)
 
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -27,7 +28,29 @@ INT64_MAX = 2**63 - 1
 MAX_N = 128
 
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+# In /openapi.json a token id's maximum is the served model's vocabulary size - 1, and a
+# logit_bias key's pattern the decimal numbers below it (`TOKEN_ID_MARK`, filled in by
+# protocol_responses.install_openapi): ids beyond it are 400s.
+TOKEN_ID_MARK = "x-mrv2-token-id"
+# Likewise a token budget's maximum is the context length - 1 (one prompt token at least):
+# what the prompt leaves of the context is checked per request (a 400 beyond it).
+CONTEXT_MARK = "x-mrv2-context"
+_BUDGET = {CONTEXT_MARK: True}
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    """JSON's 5.0 is the integer 5 (as JSON Schema reads it); 5.5, "5" and true stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+TokenId = Annotated[StrictInt,
+                    Field(ge=0, le=INT64_MAX, json_schema_extra={TOKEN_ID_MARK: "integer"}),
+                    BeforeValidator(_integral_float_to_int)]
+# Declared fields whose other values are refused by name (a 400): the schema shows only the
+# values served, so a schema-valid body is never refused.
+OnlyNull = WithJsonSchema({"type": "null"})
+LogitBias = Annotated[dict[str, float],
+                      Field(json_schema_extra={"propertyNames": {TOKEN_ID_MARK: "string"}})]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -121,7 +144,7 @@ class SamplingRequest(OpenAIBaseModel):
     model: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     seed: Int64 | None = None
     stop: str | list[str] | None = None
@@ -149,7 +172,9 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
+    # Other backends are refused by name; the schema shows the one served.
+    guided_decoding_backend: Annotated[str | None, WithJsonSchema(
+        {"anyOf": [{"enum": ["auto", "xgrammar"]}, {"type": "null"}]})] = None
     guided_whitespace_pattern: str | None = None
 
     def check_stream_options(self) -> None:
@@ -215,17 +240,31 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: "integer"}
+# The schema says what the server accepts: no empty prompt, in any of the four forms.
+Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], WithJsonSchema({
+    "anyOf": [{"type": "string", "minLength": 1},
+              {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+              {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA},
+              {"type": "array", "minItems": 1,
+               "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA}}]})]
+# add_generation_prompt (default true) and continue_final_message cannot both be true.
+_GENERATION_PROMPT_OR_CONTINUE = {"not": {
+    "required": ["continue_final_message"],
+    "properties": {"continue_final_message": {"const": True},
+                   "add_generation_prompt": {"not": {"const": False}}}}}
 
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     # 0 only with echo: score the prompt (lm-eval's loglikelihood requests), generate nothing.
-    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, json_schema_extra=_BUDGET)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-    suffix: str | None = None
+    best_of: Annotated[int | None, WithJsonSchema(
+        {"type": "null", "description": "accepted only equal to n"})] = Field(None, ge=1,
+                                                                            le=MAX_N)
+    suffix: Annotated[str | None, OnlyNull] = None
     # vLLM's extra parameters.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
@@ -269,9 +308,11 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    # Other kinds (images, audio) are refused by name (to_template_dict); the schema shows
+    # the one served.
+    type: Annotated[str, WithJsonSchema({"const": "text"})]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessage(BaseModel):
@@ -307,16 +348,25 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _GENERATION_PROMPT_OR_CONTINUE,
+        # A tool_choice other than "none" needs tools.
+        {"not": {"required": ["tool_choice"], "properties": {
+            "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},
+            "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=_BUDGET)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
+                                              json_schema_extra=_BUDGET)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    functions: Annotated[list[dict[str, Any]] | None, OnlyNull] = None
+    function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema(
+        {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]})] = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -336,7 +386,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise BadRequest("functions / function_call (deprecated by OpenAI) are not "
                              "supported: use tools and tool_choice", param="functions")
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise BadRequest(f"tool_choice needs tools", param="tool_choice")
+            raise BadRequest("tool_choice needs tools", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools}:
@@ -368,6 +418,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIBaseModel):
+    # Exactly one of prompt and messages (non-null); the chat template's flags as in chat.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}},
+         **_GENERATION_PROMPT_OR_CONTINUE}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -17,8 +17,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              DetokenizeRequest, TokenizeRequest)
+from mrv2.entrypoints.openai.protocol import (CONTEXT_MARK, TOKEN_ID_MARK, ChatCompletionRequest,
+                                              CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest)
 from mrv2.entrypoints.openai.tool_parsers.base import DeltaToolCall, ToolCall
 
 REF_PREFIX = "#/components/schemas/"
@@ -247,27 +248,70 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 # Models the schema refers to that no route's `responses=` brings in: the request bodies
 # (validation mode), the streamed chunks and the error envelope (serialization mode).
-_EXTRA_SCHEMAS = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                              TokenizeRequest, DetokenizeRequest)] + \
-    [(m, "serialization") for m in (CompletionStreamResponse, ChatCompletionStreamResponse,
-                                    ErrorResponse)]
+_EXTRA_SCHEMAS = [(m, "validation") for m in (TokenizeRequest, DetokenizeRequest)] + \
+    [(ErrorResponse, "serialization")]
+# The generation routes' bodies and streamed chunks (a generate server's schema only).
+GENERATION_REQUESTS = (CompletionRequest, ChatCompletionRequest)
+GENERATION_CHUNKS = (CompletionStreamResponse, ChatCompletionStreamResponse)
 
 
 def install_openapi(app: FastAPI, requests: Sequence[type[BaseModel]] = (),
-                    chunks: Sequence[type[BaseModel]] = ()) -> None:
+                    chunks: Sequence[type[BaseModel]] = (),
+                    vocab_size: int | None = None, max_model_len: int | None = None) -> None:
     """Completes app.openapi(): adds _EXTRA_SCHEMAS (and the other routes' `requests` bodies
-    and streamed `chunks`) to the components and replaces FastAPI's 422 (which this server
-    never sends: its validation errors are 400s) with the 400 envelope."""
+    and streamed `chunks`) to the components, replaces FastAPI's 422 (which this server
+    never sends: its validation errors are 400s) with the 400 envelope, and bounds token ids
+    by the served model's `vocab_size` and token budgets by its `max_model_len`."""
     generate = app.openapi
     models = _EXTRA_SCHEMAS + [(m, "validation") for m in requests] + \
         [(m, "serialization") for m in chunks]
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            _complete(generate(), models)
+            schema = generate()
+            _complete(schema, models)
+            _fill_model_bounds(schema, vocab_size, max_model_len)
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def decimal_below_pattern(limit: int) -> str:
+    """A regex matching exactly the decimal numbers 0 .. limit - 1 (no sign, no leading
+    zeros): a logit_bias key's form, as a JSON schema pattern."""
+    top = str(limit - 1)
+    if len(top) == 1:
+        return f"^[0-{top}]$"
+    parts = ["0", f"[1-9][0-9]{{0,{len(top) - 2}}}"]  # the numbers of fewer digits
+    for i, digit in enumerate(top):  # same length: top's prefix, then a smaller digit
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            parts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + tail)
+    parts.append(top)
+    return "^(" + "|".join(parts) + ")$"
+
+
+def _fill_model_bounds(node: Any, vocab_size: int | None, max_model_len: int | None) -> None:
+    """Replaces each TOKEN_ID_MARK (protocol.py) with the vocabulary's bound (an integer's
+    maximum, a string key's pattern) and each CONTEXT_MARK with the context's; without a
+    model the marks just go."""
+    if isinstance(node, list):
+        for item in node:
+            _fill_model_bounds(item, vocab_size, max_model_len)
+    elif isinstance(node, dict):
+        if node.pop(CONTEXT_MARK, None) and max_model_len is not None:
+            node["maximum"] = max_model_len - 1
+        kind = node.pop(TOKEN_ID_MARK, None)
+        if kind == "integer" and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        elif kind == "string":
+            node["type"] = "string"
+            node["pattern"] = (decimal_below_pattern(vocab_size) if vocab_size is not None
+                               else "^(0|[1-9][0-9]*)$")
+        for value in node.values():
+            _fill_model_bounds(value, vocab_size, max_model_len)
 
 
 def _complete(schema: dict[str, Any], models: list[tuple[type[BaseModel], str]]) -> None:

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter,
-                      ValidationError, field_validator)
+                      ValidationError, WithJsonSchema, field_validator)
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.protocol import (INT64_MAX, ChatCompletionRequest,
-                                              OpenAIBaseModel)
+from mrv2.entrypoints.openai.protocol import (CONTEXT_MARK, INT64_MAX, ChatCompletionRequest,
+                                              LogitBias, OnlyNull, OpenAIBaseModel)
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -153,15 +153,20 @@ class ResponsesRequest(OpenAIBaseModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = Field(None, description="a system message ahead of the input")
-    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
+                                          json_schema_extra={CONTEXT_MARK: True})
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     text: TextConfig | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | dict[str, Any] | \
-        None = None
+    # Other tool kinds' choices (dicts) are refused by name; the schema shows those served.
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | FunctionToolChoice | dict[str, Any] | None,
+        WithJsonSchema({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                  {"$ref": "#/components/schemas/FunctionToolChoice"},
+                                  {"type": "null"}]})] = None
     parallel_tool_calls: bool = True
     store: bool = Field(True, description="kept in this server's memory (bounded) for GET "
                                           "/v1/responses/{id} and previous_response_id")
@@ -174,16 +179,21 @@ class ResponsesRequest(OpenAIBaseModel):
     reasoning: dict[str, Any] | None = Field(None, description="echoed; the chat template and "
                                                                "--reasoning-parser decide")
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # OpenAI's, not implemented here: refused when set (check).
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    include: list[str] | None = None
-    max_tool_calls: int | None = None
-    prompt: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
+    # OpenAI's, not implemented here: refused when set (check); the schema shows the values
+    # served.
+    background: Annotated[bool | None, WithJsonSchema(
+        {"anyOf": [{"const": False}, {"type": "null"}]})] = None
+    conversation: Annotated[str | dict[str, Any] | None, OnlyNull] = None
+    include: Annotated[list[str] | None, WithJsonSchema(
+        {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
+    max_tool_calls: Annotated[int | None, OnlyNull] = None
+    prompt: Annotated[dict[str, Any] | None, OnlyNull] = None
+    # "auto" is refused by name; the schema shows what is served.
+    truncation: Annotated[Literal["auto", "disabled"] | None, WithJsonSchema(
+        {"anyOf": [{"const": "disabled"}, {"type": "null"}]})] = None
     # vLLM's extra parameters (the client's `extra_body`).
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     skip_special_tokens: bool = True
 
     @field_validator("input", mode="before")

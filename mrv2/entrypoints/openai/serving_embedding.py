@@ -172,12 +172,15 @@ def _encode_vector(vector, encoding_format: str) -> list[float] | str:
 
 def install_pooling_routes(app: FastAPI, serving: OpenAIServingEmbedding,
                            parse_body: Callable) -> None:
-    """The embedding, score and rerank routes (on every server: a generate one refuses them;
-    their bodies are POOLING_REQUESTS). `parse_body`: the app's body parser."""
+    """The embedding, score and rerank routes (on every server: a generate one refuses them,
+    and leaves them out of its /openapi.json, which describes what the server serves; their
+    bodies are POOLING_REQUESTS). `parse_body`: the app's body parser."""
     config = serving.config
+    served = serving.engine.config.model_config.runner == "pooling"
 
     @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest),
-              responses=json_response(EmbeddingResponse, *POOLING_ERRORS))
+              responses=json_response(EmbeddingResponse, *POOLING_ERRORS),
+              include_in_schema=served)
     async def create_embedding(raw_request: Request) -> Response:
         request = await parse_body(raw_request, EmbeddingRequest)
         log_request(config, "/v1/embeddings", request)
@@ -199,4 +202,5 @@ def install_pooling_routes(app: FastAPI, serving: OpenAIServingEmbedding,
                                            RerankRequest, RerankResponse)):
         for path in paths:
             app.add_api_route(path, endpoint, methods=["POST"], openapi_extra=request_body(body),
-                              responses=json_response(answer, *POOLING_ERRORS))
+                              responses=json_response(answer, *POOLING_ERRORS),
+                              include_in_schema=served)

@@ -35,28 +35,43 @@ BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatC
 
 class StubEngine:
     errored = False
-    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, vocab_size=100,
-                                                          runner="generate"))
+
+    def __init__(self, runner: str = "generate") -> None:
+        self.config = SimpleNamespace(model_config=SimpleNamespace(
+            max_model_len=64, vocab_size=100, runner=runner))
 
     def get_tokenizer(self):
         return None
 
 
-@pytest.fixture(scope="module")
-def app_client():
+def make_client(runner: str) -> TestClient:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DEV_MODE_ENV, "1")
-        app = build_app(StubEngine(), ServerConfig(
+        app = build_app(StubEngine(runner), ServerConfig(
             model="/no-model", served_model_names=["m"], generation_config="vllm",
             api_key=API_KEY))
     return TestClient(app)
 
 
 @pytest.fixture(scope="module")
-def document(app_client):
-    response = app_client.get("/openapi.json")
+def app_client():
+    return make_client("generate")
+
+
+def read_document(client: TestClient) -> dict:
+    response = client.get("/openapi.json")
     assert response.status_code == 200
     return response.json()
+
+
+@pytest.fixture(scope="module")
+def document(app_client):
+    return read_document(app_client)
+
+
+@pytest.fixture(scope="module")
+def pooling_document():
+    return read_document(make_client("pooling"))
 
 
 def operations(document):
@@ -65,14 +80,48 @@ def operations(document):
             yield path, method, operation
 
 
-def test_every_operation_is_documented(document):
+COMMON = {("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
+          ("/health", "get"), ("/ping", "get"), ("/ping", "post"), ("/load", "get"),
+          ("/version", "get"), ("/metrics", "get"), ("/sleep", "post")}
+GENERATION = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
+              ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get")}
+POOLING = {("/v1/embeddings", "post"), ("/score", "post"), ("/v1/score", "post"),
+           ("/rerank", "post"), ("/v1/rerank", "post"), ("/v2/rerank", "post")}
+
+
+def test_each_runner_documents_the_routes_it_serves(document, pooling_document):
+    """The other runner's routes answer vLLM's 400 (test_serving_embedding.py) but are not
+    described: a schema-driven client would call them and be refused."""
+    generate = {(p, m) for p, m, _ in operations(document)}
+    pooling = {(p, m) for p, m, _ in operations(pooling_document)}
+    assert COMMON | GENERATION <= generate and not generate & POOLING
+    assert COMMON | POOLING <= pooling and not pooling & GENERATION
+    assert "EmbeddingRequest" in pooling_document["components"]["schemas"]
+    assert "CompletionRequest" not in pooling_document["components"]["schemas"]
+
+
+def test_token_ids_are_bounded_by_the_vocabulary(document):
+    import re as regex
+
+    schemas = document["components"]["schemas"]
+    assert "x-mrv2-token-id" not in json.dumps(document)
+    tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert (tokens["minimum"], tokens["maximum"]) == (0, 99)  # the stub's vocabulary of 100
+    keys = schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]
+    pattern = regex.compile(keys["propertyNames"]["pattern"])
+    assert [k for k in range(300) if pattern.match(str(k))] == list(range(100))
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]
+    assert {"type": "string", "minLength": 1} in prompt["anyOf"]
+
+
+def test_every_operation_is_documented(document, pooling_document):
+    for doc in (document, pooling_document):
+        check_operations(doc)
+
+
+def check_operations(document):
     schemas = document["components"]["schemas"]
     seen = {(p, m) for p, m, _ in operations(document)}
-    assert {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
-            ("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
-            ("/health", "get"), ("/ping", "get"), ("/ping", "post"), ("/load", "get"),
-            ("/version", "get"), ("/metrics", "get"), ("/sleep", "post"),
-            ("/v1/embeddings", "post"), ("/score", "post"), ("/v2/rerank", "post")} <= seen
     ids = [op["operationId"] for _, _, op in operations(document)]
     assert len(ids) == len(set(ids))
     for path, method, operation in operations(document):
@@ -225,3 +274,32 @@ def test_the_responses_route_answers_what_the_document_says(server):
     missing = httpx.get(f"{url}/resp_nope", headers=headers)
     assert missing.status_code == 404
     validator(document, "ErrorResponse").validate(missing.json())
+
+
+def test_the_schema_refuses_what_the_server_refuses(document):
+    """Cross-field rules the handlers enforce are in the schema too, so a schema-valid body is
+    never a 400 (schemathesis's positive_data_acceptance)."""
+    def valid(model: str, body: dict) -> bool:
+        schema = {"$ref": REF + model, "components": document["components"]}
+        return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert valid("ChatCompletionRequest", chat)
+    assert not valid("ChatCompletionRequest", {**chat, "continue_final_message": True})
+    assert valid("ChatCompletionRequest", {**chat, "continue_final_message": True,
+                                           "add_generation_prompt": False})
+    assert valid("TokenizeRequest", {"prompt": "hi"}) and valid("TokenizeRequest", chat)
+    assert not valid("TokenizeRequest", {"prompt": "hi", **chat})
+    assert not valid("TokenizeRequest", {"prompt": None, "messages": None})
+    for prompt in ("", [], [""], [[]], [100]):
+        assert not valid("CompletionRequest", {"prompt": prompt}), prompt
+    assert valid("CompletionRequest", {"prompt": [[1, 2], [99]]})
+    assert not valid("CompletionRequest", {"prompt": "x", "logit_bias": {"100": 1.0}})
+    assert valid("CompletionRequest", {"prompt": "x", "max_tokens": 63})  # the stub's 64
+    assert not valid("CompletionRequest", {"prompt": "x", "max_tokens": 64})
+    assert not valid("ChatCompletionRequest", {**chat, "tool_choice": "required"})
+    assert not valid("ChatCompletionRequest", {**chat, "functions": [{"name": "f"}]})
+    assert not valid("ChatCompletionRequest", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert not valid("ResponsesRequest", {"input": "hi", "truncation": "auto"})
+    assert not valid("ResponsesRequest", {"input": "hi", "prompt": {"id": "p"}})
