@@ -248,6 +248,10 @@ Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], WithJs
               {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA},
               {"type": "array", "minItems": 1,
                "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA}}]})]
+# A tool_choice other than "none" (or unset) needs tools.
+TOOL_CHOICE_NEEDS_TOOLS = {"not": {"required": ["tool_choice"], "properties": {
+    "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},
+    "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}}
 # add_generation_prompt (default true) and continue_final_message cannot both be true.
 _GENERATION_PROMPT_OR_CONTINUE = {"not": {
     "required": ["continue_final_message"],
@@ -350,10 +354,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _GENERATION_PROMPT_OR_CONTINUE,
-        # A tool_choice other than "none" needs tools.
-        {"not": {"required": ["tool_choice"], "properties": {
-            "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},
-            "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}}]})
+        TOOL_CHOICE_NEEDS_TOOLS]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=_BUDGET)
@@ -420,8 +421,10 @@ class ChatCompletionRequest(SamplingRequest):
 class TokenizeRequest(OpenAIBaseModel):
     # Exactly one of prompt and messages (non-null); the chat template's flags as in chat.
     model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}},
+        {"required": ["prompt"],
+         "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"],
+         "properties": {"messages": {"type": "array", "minItems": 1}, "prompt": {"type": "null"}},
          **_GENERATION_PROMPT_OR_CONTINUE}]})
 
     model: str | None = None

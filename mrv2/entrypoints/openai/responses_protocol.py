@@ -21,8 +21,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
                       ValidationError, WithJsonSchema, field_validator)
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.protocol import (CONTEXT_MARK, INT64_MAX, ChatCompletionRequest,
-                                              LogitBias, OnlyNull, OpenAIBaseModel)
+from mrv2.entrypoints.openai.protocol import (CONTEXT_MARK, INT64_MAX, TOOL_CHOICE_NEEDS_TOOLS,
+                                              ChatCompletionRequest, LogitBias, OnlyNull,
+                                              OpenAIBaseModel)
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -150,6 +151,8 @@ class TextConfig(OpenAIBaseModel):
 
 
 class ResponsesRequest(OpenAIBaseModel):
+    model_config = ConfigDict(json_schema_extra=TOOL_CHOICE_NEEDS_TOOLS)
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = Field(None, description="a system message ahead of the input")

@@ -291,6 +291,7 @@ def test_the_schema_refuses_what_the_server_refuses(document):
     assert valid("TokenizeRequest", {"prompt": "hi"}) and valid("TokenizeRequest", chat)
     assert not valid("TokenizeRequest", {"prompt": "hi", **chat})
     assert not valid("TokenizeRequest", {"prompt": None, "messages": None})
+    assert not valid("TokenizeRequest", {"prompt": "", "messages": []})
     for prompt in ("", [], [""], [[]], [100]):
         assert not valid("CompletionRequest", {"prompt": prompt}), prompt
     assert valid("CompletionRequest", {"prompt": [[1, 2], [99]]})
@@ -303,3 +304,5 @@ def test_the_schema_refuses_what_the_server_refuses(document):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert not valid("ResponsesRequest", {"input": "hi", "truncation": "auto"})
     assert not valid("ResponsesRequest", {"input": "hi", "prompt": {"id": "p"}})
+    assert not valid("ResponsesRequest", {"input": "hi", "tool_choice": {"type": "function",
+                                                                         "name": "f"}})
