@@ -103,7 +103,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     # vLLM's 400 naming the runner that would (check_runner).
     model_config = engine.config.model_config
     generates = model_config.runner == "generate"
-    bounds = dict(vocab_size=model_config.vocab_size, max_model_len=model_config.max_model_len)
+    bounds = dict(vocab_size=model_config.vocab_size, max_model_len=model_config.max_model_len,
+                  auto_tool_choice=config.tool_call_parser is not None)
     if generates:
         install_openapi(app, requests=[*GENERATION_REQUESTS, ResponsesRequest],
                         chunks=[*GENERATION_CHUNKS, ResponseStreamEvent], **bounds)

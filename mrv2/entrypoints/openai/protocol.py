@@ -15,44 +15,20 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from mrv2.entrypoints.openai.errors import BadRequest
+from mrv2.entrypoints.openai.openapi_rules import (BUDGET, CHAT_RULES, INT64_MAX,
+                                                   NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES,
+                                                   LogitBias, OnlyNull, TokenId)
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-INT64_MAX = 2**63 - 1
 # Samples per prompt: each is a request in the engine, so a huge n is refused, not queued.
 MAX_N = 128
 
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-# In /openapi.json a token id's maximum is the served model's vocabulary size - 1, and a
-# logit_bias key's pattern the decimal numbers below it (`TOKEN_ID_MARK`, filled in by
-# protocol_responses.install_openapi): ids beyond it are 400s.
-TOKEN_ID_MARK = "x-mrv2-token-id"
-# Likewise a token budget's maximum is the context length - 1 (one prompt token at least):
-# what the prompt leaves of the context is checked per request (a 400 beyond it).
-CONTEXT_MARK = "x-mrv2-context"
-_BUDGET = {CONTEXT_MARK: True}
-
-
-def _integral_float_to_int(value: Any) -> Any:
-    """JSON's 5.0 is the integer 5 (as JSON Schema reads it); 5.5, "5" and true stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-TokenId = Annotated[StrictInt,
-                    Field(ge=0, le=INT64_MAX, json_schema_extra={TOKEN_ID_MARK: "integer"}),
-                    BeforeValidator(_integral_float_to_int)]
-# Declared fields whose other values are refused by name (a 400): the schema shows only the
-# values served, so a schema-valid body is never refused.
-OnlyNull = WithJsonSchema({"type": "null"})
-LogitBias = Annotated[dict[str, float],
-                      Field(json_schema_extra={"propertyNames": {TOKEN_ID_MARK: "string"}})]
-
-
 class OpenAIBaseModel(BaseModel):
     # vLLM's rule for a field this server does not know: logged as ignored, not refused, so a
     # client written against a newer API keeps working (an unsupported *value* of a known
@@ -240,29 +216,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: "integer"}
-# The schema says what the server accepts: no empty prompt, in any of the four forms.
-Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], WithJsonSchema({
-    "anyOf": [{"type": "string", "minLength": 1},
-              {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-              {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA},
-              {"type": "array", "minItems": 1,
-               "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA}}]})]
-# A tool_choice other than "none" (or unset) needs tools.
-TOOL_CHOICE_NEEDS_TOOLS = {"not": {"required": ["tool_choice"], "properties": {
-    "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},
-    "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}}
-# add_generation_prompt (default true) and continue_final_message cannot both be true.
-_GENERATION_PROMPT_OR_CONTINUE = {"not": {
-    "required": ["continue_final_message"],
-    "properties": {"continue_final_message": {"const": True},
-                   "add_generation_prompt": {"not": {"const": False}}}}}
+Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
+                   WithJsonSchema(NON_EMPTY_PROMPT_SCHEMA)]
 
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     # 0 only with echo: score the prompt (lm-eval's loglikelihood requests), generate nothing.
-    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, json_schema_extra=_BUDGET)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, json_schema_extra=BUDGET)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Annotated[int | None, WithJsonSchema(
@@ -352,14 +313,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [
-        _GENERATION_PROMPT_OR_CONTINUE,
-        TOOL_CHOICE_NEEDS_TOOLS]})
+    model_config = ConfigDict(json_schema_extra=CHAT_RULES)
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=_BUDGET)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=BUDGET)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
-                                              json_schema_extra=_BUDGET)
+                                              json_schema_extra=BUDGET)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatCompletionTool] | None = None
@@ -419,13 +378,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    # Exactly one of prompt and messages (non-null); the chat template's flags as in chat.
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"],
-         "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
-        {"required": ["messages"],
-         "properties": {"messages": {"type": "array", "minItems": 1}, "prompt": {"type": "null"}},
-         **_GENERATION_PROMPT_OR_CONTINUE}]})
+    model_config = ConfigDict(json_schema_extra=TOKENIZE_RULES)
 
     model: str | None = None
     prompt: str | None = None

@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from mrv2.entrypoints.openai.protocol import (CONTEXT_MARK, TOKEN_ID_MARK, ChatCompletionRequest,
-                                              CompletionRequest, DetokenizeRequest,
-                                              TokenizeRequest)
+from mrv2.entrypoints.openai.openapi_rules import NO_AUTO_TOOL_CHOICE, fill_model_bounds
+from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, TokenizeRequest)
 from mrv2.entrypoints.openai.tool_parsers.base import DeltaToolCall, ToolCall
 
 REF_PREFIX = "#/components/schemas/"
@@ -257,11 +257,13 @@ GENERATION_CHUNKS = (CompletionStreamResponse, ChatCompletionStreamResponse)
 
 def install_openapi(app: FastAPI, requests: Sequence[type[BaseModel]] = (),
                     chunks: Sequence[type[BaseModel]] = (),
-                    vocab_size: int | None = None, max_model_len: int | None = None) -> None:
+                    vocab_size: int | None = None, max_model_len: int | None = None,
+                    auto_tool_choice: bool = True) -> None:
     """Completes app.openapi(): adds _EXTRA_SCHEMAS (and the other routes' `requests` bodies
     and streamed `chunks`) to the components, replaces FastAPI's 422 (which this server
     never sends: its validation errors are 400s) with the 400 envelope, and bounds token ids
-    by the served model's `vocab_size` and token budgets by its `max_model_len`."""
+    by the served model's `vocab_size` and token budgets by its `max_model_len`; without
+    `auto_tool_choice` (no --tool-call-parser) tools need an explicit tool_choice."""
     generate = app.openapi
     models = _EXTRA_SCHEMAS + [(m, "validation") for m in requests] + \
         [(m, "serialization") for m in chunks]
@@ -270,48 +272,15 @@ def install_openapi(app: FastAPI, requests: Sequence[type[BaseModel]] = (),
         if app.openapi_schema is None:
             schema = generate()
             _complete(schema, models)
-            _fill_model_bounds(schema, vocab_size, max_model_len)
+            fill_model_bounds(schema, vocab_size, max_model_len)
+            if not auto_tool_choice:
+                for name in ("ChatCompletionRequest", "ResponsesRequest"):
+                    body = schema["components"]["schemas"].get(name)
+                    if body is not None:
+                        body.setdefault("allOf", []).append(NO_AUTO_TOOL_CHOICE)
         return app.openapi_schema
 
     app.openapi = openapi
-
-
-def decimal_below_pattern(limit: int) -> str:
-    """A regex matching exactly the decimal numbers 0 .. limit - 1 (no sign, no leading
-    zeros): a logit_bias key's form, as a JSON schema pattern."""
-    top = str(limit - 1)
-    if len(top) == 1:
-        return f"^[0-{top}]$"
-    parts = ["0", f"[1-9][0-9]{{0,{len(top) - 2}}}"]  # the numbers of fewer digits
-    for i, digit in enumerate(top):  # same length: top's prefix, then a smaller digit
-        low = 1 if i == 0 else 0
-        if int(digit) > low:
-            rest = len(top) - i - 1
-            tail = f"[0-9]{{{rest}}}" if rest else ""
-            parts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + tail)
-    parts.append(top)
-    return "^(" + "|".join(parts) + ")$"
-
-
-def _fill_model_bounds(node: Any, vocab_size: int | None, max_model_len: int | None) -> None:
-    """Replaces each TOKEN_ID_MARK (protocol.py) with the vocabulary's bound (an integer's
-    maximum, a string key's pattern) and each CONTEXT_MARK with the context's; without a
-    model the marks just go."""
-    if isinstance(node, list):
-        for item in node:
-            _fill_model_bounds(item, vocab_size, max_model_len)
-    elif isinstance(node, dict):
-        if node.pop(CONTEXT_MARK, None) and max_model_len is not None:
-            node["maximum"] = max_model_len - 1
-        kind = node.pop(TOKEN_ID_MARK, None)
-        if kind == "integer" and vocab_size is not None:
-            node["maximum"] = vocab_size - 1
-        elif kind == "string":
-            node["type"] = "string"
-            node["pattern"] = (decimal_below_pattern(vocab_size) if vocab_size is not None
-                               else "^(0|[1-9][0-9]*)$")
-        for value in node.values():
-            _fill_model_bounds(value, vocab_size, max_model_len)
 
 
 def _complete(schema: dict[str, Any], models: list[tuple[type[BaseModel], str]]) -> None:

@@ -21,8 +21,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
                       ValidationError, WithJsonSchema, field_validator)
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.protocol import (CONTEXT_MARK, INT64_MAX, TOOL_CHOICE_NEEDS_TOOLS,
-                                              ChatCompletionRequest, LogitBias, OnlyNull,
+from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, TOOL_CHOICE_NEEDS_TOOLS,
+                                                   OnlyNull)
+from mrv2.entrypoints.openai.protocol import (INT64_MAX, ChatCompletionRequest, LogitBias,
                                               OpenAIBaseModel)
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]

@@ -44,12 +44,12 @@ class StubEngine:
         return None
 
 
-def make_client(runner: str) -> TestClient:
+def make_client(runner: str, **config) -> TestClient:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DEV_MODE_ENV, "1")
         app = build_app(StubEngine(runner), ServerConfig(
             model="/no-model", served_model_names=["m"], generation_config="vllm",
-            api_key=API_KEY))
+            api_key=API_KEY, **config))
     return TestClient(app)
 
 
@@ -306,3 +306,11 @@ def test_the_schema_refuses_what_the_server_refuses(document):
     assert not valid("ResponsesRequest", {"input": "hi", "prompt": {"id": "p"}})
     assert not valid("ResponsesRequest", {"input": "hi", "tool_choice": {"type": "function",
                                                                          "name": "f"}})
+    # The stub server has no --tool-call-parser: tools need an explicit tool_choice.
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert not valid("ChatCompletionRequest", {**chat, "tools": tools})
+    assert valid("ChatCompletionRequest", {**chat, "tools": tools, "tool_choice": "none"})
+    with_parser = read_document(make_client("generate", tool_call_parser="hermes"))
+    assert jsonschema.Draft202012Validator(
+        {"$ref": REF + "ChatCompletionRequest", "components": with_parser["components"]}
+    ).is_valid({**chat, "tools": tools})

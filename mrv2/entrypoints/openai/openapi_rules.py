@@ -1,0 +1,106 @@
+"""What /openapi.json says beyond the request models' types, so that a schema-valid body is
+never a 400 (schemathesis's positive_data_acceptance) and a schema-driven client sends only
+what the server serves.
+
+- The token-id and logit_bias types (TokenId, LogitBias), whose schemas carry marks, and the
+  marks the models put in their JSON schema, filled in per server by `fill_model_bounds`
+  (protocol_responses.install_openapi): a token id's maximum is the served vocabulary size - 1
+  and a logit_bias key's pattern the decimal numbers below it (TOKEN_ID_MARK); a token
+  budget's maximum is the context length - 1 (CONTEXT_MARK: what the prompt leaves of the
+  context is checked per request, a 400 beyond it).
+- The handlers' cross-field rules as JSON Schema (`not` / `oneOf` subschemas).
+- `OnlyNull`: a declared field whose every value is refused by name shows only null.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, StrictInt, WithJsonSchema
+
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MARK = "x-mrv2-token-id"
+CONTEXT_MARK = "x-mrv2-context"
+BUDGET = {CONTEXT_MARK: True}
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    """JSON's 5.0 is the integer 5 (as JSON Schema reads it); 5.5, "5" and true stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+TokenId = Annotated[StrictInt,
+                    Field(ge=0, le=INT64_MAX, json_schema_extra={TOKEN_ID_MARK: "integer"}),
+                    BeforeValidator(_integral_float_to_int)]
+LogitBias = Annotated[dict[str, float],
+                      Field(json_schema_extra={"propertyNames": {TOKEN_ID_MARK: "string"}})]
+
+OnlyNull = WithJsonSchema({"type": "null"})
+
+_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: "integer"}
+# A completion prompt in any of its four forms, never empty.
+NON_EMPTY_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA},
+    {"type": "array", "minItems": 1,
+     "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA}}]}
+# A tool_choice other than "none" (or unset) needs tools.
+TOOL_CHOICE_NEEDS_TOOLS = {"not": {"required": ["tool_choice"], "properties": {
+    "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},
+    "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}}
+# add_generation_prompt (default true) and continue_final_message cannot both be true.
+GENERATION_PROMPT_OR_CONTINUE = {"not": {
+    "required": ["continue_final_message"],
+    "properties": {"continue_final_message": {"const": True},
+                   "add_generation_prompt": {"not": {"const": False}}}}}
+CHAT_RULES = {"allOf": [GENERATION_PROMPT_OR_CONTINUE, TOOL_CHOICE_NEEDS_TOOLS]}
+# Exactly one of prompt and messages (non-null); the chat template's flags as in chat.
+TOKENIZE_RULES = {"oneOf": [
+    {"required": ["prompt"],
+     "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+    {"required": ["messages"],
+     "properties": {"messages": {"type": "array", "minItems": 1}, "prompt": {"type": "null"}},
+     **GENERATION_PROMPT_OR_CONTINUE}]}
+# Without a tool-call parser, tools with tool_choice "auto" (the default) are refused.
+NO_AUTO_TOOL_CHOICE = {"not": {"required": ["tools"], "properties": {
+    "tools": {"type": "array", "minItems": 1},
+    "tool_choice": {"anyOf": [{"const": "auto"}, {"type": "null"}]}}}}
+
+
+def decimal_below_pattern(limit: int) -> str:
+    """A regex matching exactly the decimal numbers 0 .. limit - 1 (no sign, no leading
+    zeros): a logit_bias key's form, as a JSON schema pattern."""
+    top = str(limit - 1)
+    if len(top) == 1:
+        return f"^[0-{top}]$"
+    parts = ["0", f"[1-9][0-9]{{0,{len(top) - 2}}}"]  # the numbers of fewer digits
+    for i, digit in enumerate(top):  # same length: top's prefix, then a smaller digit
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            parts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + tail)
+    parts.append(top)
+    return "^(" + "|".join(parts) + ")$"
+
+
+def fill_model_bounds(node: Any, vocab_size: int | None, max_model_len: int | None) -> None:
+    """Replaces each TOKEN_ID_MARK with the vocabulary's bound (an integer's maximum, a string
+    key's pattern) and each CONTEXT_MARK with the context's, in place; without a model the
+    marks just go."""
+    if isinstance(node, list):
+        for item in node:
+            fill_model_bounds(item, vocab_size, max_model_len)
+    elif isinstance(node, dict):
+        if node.pop(CONTEXT_MARK, None) and max_model_len is not None:
+            node["maximum"] = max_model_len - 1
+        kind = node.pop(TOKEN_ID_MARK, None)
+        if kind == "integer" and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        elif kind == "string":
+            node["type"] = "string"
+            node["pattern"] = (decimal_below_pattern(vocab_size) if vocab_size is not None
+                               else "^(0|[1-9][0-9]*)$")
+        for value in node.values():
+            fill_model_bounds(value, vocab_size, max_model_len)
