@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 MAX_N = 128
 
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+
+
 class OpenAIBaseModel(BaseModel):
     # vLLM's rule for a field this server does not know: logged as ignored, not refused, so a
     # client written against a newer API keeps working (an unsupported *value* of a known

@@ -158,6 +158,6 @@ def read_gguf_file(path: str | os.PathLike[str]) -> GGUFFile:
                              f"the end of the file ({len(buffer)} bytes); the file is truncated")
         # A plain ndarray (not np.memmap: its per-slice bookkeeping made loading slow) whose
         # base keeps the mapping open.
-        data = np.ndarray(shape, dtype, mapped, start).view(np.ndarray)
+        data = np.ndarray(shape, dtype, mapped, start)
         tensors.append(GGUFFileTensor(name, tensor_type, dims, data))
     return GGUFFile(version, fields, tensors)

@@ -63,12 +63,7 @@ def padded_rows(rows: int) -> int:
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0]
-    padded = padded_rows(rows)
-    if padded != rows:
-        x_padded = torch.empty(padded, x.shape[1], dtype=x.dtype)
-        x_padded[:rows] = x
-        x_padded[rows:] = 0
-        x = x_padded
+    x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))  # zero rows below x
     out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none",
                                              [], "")
     return out[:rows]

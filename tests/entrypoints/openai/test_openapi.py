@@ -101,14 +101,12 @@ def test_each_runner_documents_the_routes_it_serves(document, pooling_document):
 
 
 def test_token_ids_are_bounded_by_the_vocabulary(document):
-    import re as regex
-
     schemas = document["components"]["schemas"]
     assert "x-mrv2-token-id" not in json.dumps(document)
     tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert (tokens["minimum"], tokens["maximum"]) == (0, 99)  # the stub's vocabulary of 100
     keys = schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]
-    pattern = regex.compile(keys["propertyNames"]["pattern"])
+    pattern = re.compile(keys["propertyNames"]["pattern"])
     assert [k for k in range(300) if pattern.match(str(k))] == list(range(100))
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]
     assert {"type": "string", "minLength": 1} in prompt["anyOf"]
