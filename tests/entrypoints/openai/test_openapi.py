@@ -119,7 +119,6 @@ def test_every_operation_is_documented(document, pooling_document):
 
 def check_operations(document):
     schemas = document["components"]["schemas"]
-    seen = {(p, m) for p, m, _ in operations(document)}
     ids = [op["operationId"] for _, _, op in operations(document)]
     assert len(ids) == len(set(ids))
     for path, method, operation in operations(document):
