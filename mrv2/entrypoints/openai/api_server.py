@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from mrv2.engine.async_llm import AsyncLLM
 from mrv2.entrypoints.openai.cli_args import ServerConfig
@@ -76,7 +77,13 @@ class APIKeyMiddleware:
 
 
 async def parse_body(raw_request: Request, model: type[M]) -> M:
-    body = await raw_request.body()
+    try:
+        body = await raw_request.body()
+    except ClientDisconnect:
+        # The client left before its body arrived: nothing was accepted, so there is nothing
+        # to abort. Raised as an OpenAIError (the 499 of a dropped request) because any other
+        # exception reaches Starlette's ServerErrorMiddleware, which logs it as a server error.
+        raise OpenAIError("Client disconnected", 499) from None
     try:
         return model.model_validate_json(body)
     except ValidationError as error:

@@ -1,5 +1,6 @@
 """The small endpoints (models, version, tokenize, detokenize, health), the server flags
-(--generation-config, --chat-template, --served-model-name) and a dead engine (503)."""
+(--generation-config, --chat-template, --served-model-name), a dead engine (503) and a client
+that leaves before its body is read (499, nothing logged)."""
 
 from __future__ import annotations
 
@@ -169,3 +170,42 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_llama, monkeypatch, capsy
         code = main(["serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port)])
     assert code == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_client_gone_before_its_body_is_read_is_a_499() -> None:
+    """uvicorn answers `receive()` with a disconnect once the client has left, even when its
+    body had arrived: parse_body turns Starlette's ClientDisconnect into the 499 of a dropped
+    request instead of an exception that the server logs as its own error."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from mrv2.entrypoints.openai.api_server import parse_body
+    from mrv2.entrypoints.openai.errors import OpenAIError
+    from mrv2.entrypoints.openai.protocol import CompletionRequest
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(parse_body(request, CompletionRequest))
+    assert raised.value.status == 499
+
+
+def test_a_body_cut_short_logs_no_server_error(server):
+    """A client that sends half its body and leaves: the server logs no exception and goes on
+    answering."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.url)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {address.hostname}\r\n"
+            f"Authorization: Bearer {server.headers()['Authorization'].split()[1]}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"model": "tiny", "prompt": "he')
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "Exception in ASGI" not in server.log_text()
