@@ -27,6 +27,52 @@ MAX_LOGIT_BIAS = 1024
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+class Interval(msgspec.Struct, frozen=True):
+    """The accepted range of a real-valued sampling field. One definition serves the check in
+    SamplingParams and the bound the server's OpenAPI schema publishes for the same field."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if not _is_real(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def describe(self) -> str:
+        """'in [-2, 2]', 'in (0, 1]', 'at least 0', 'finite and greater than 0'."""
+        if math.isfinite(self.low) and math.isfinite(self.high):
+            return (f"in {'(' if self.low_open else '['}{self.low:g}, "
+                    f"{self.high:g}{')' if self.high_open else ']'}")
+        if self.high_open:
+            return f"finite and {'greater than' if self.low_open else 'at least'} {self.low:g}"
+        return f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+
+    @property
+    def json_schema(self) -> dict[str, float]:
+        """JSON Schema's keywords for the finite bounds (JSON numbers are finite)."""
+        schema = {}
+        if math.isfinite(self.low):
+            schema["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if math.isfinite(self.high):
+            schema["exclusiveMaximum" if self.high_open else "maximum"] = self.high
+        return schema
+
+
+SAMPLING_RANGES = {
+    "temperature": Interval(low=0.0),
+    "top_p": Interval(low=0.0, high=1.0, low_open=True),
+    "min_p": Interval(low=0.0, high=1.0),
+    "presence_penalty": Interval(low=-2.0, high=2.0),
+    "frequency_penalty": Interval(low=-2.0, high=2.0),
+    "repetition_penalty": Interval(low=0.0, low_open=True, high_open=True),
+}
+
+
 # StructuredOutputsParams' constraints, of which a request sets exactly one.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -106,19 +152,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                  self.output_kind, "must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY)")
         self.output_kind = RequestOutputKind(self.output_kind)
         _require(_is_int(self.n) and self.n >= 1, "n", self.n, "must be at least 1")
-        _require(_is_real(self.temperature) and self.temperature >= 0.0, "temperature",
-               self.temperature, "must be non-negative")
-        _require(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
-               "must be in (0, 1]")
+        for name, interval in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            _require(value in interval, name, value, f"must be {interval.describe()}")
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "must be -1 (disable), 0 (disable) or at least 1")
-        _require(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
-               "must be in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require(_is_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
-        _require(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
-               "repetition_penalty", self.repetition_penalty, "must be finite and greater than 0")
         if self.seed is not None:
             _require(_is_int(self.seed), "seed", self.seed, "must be an integer or None")
         if self.max_tokens is not None:

@@ -170,3 +170,20 @@ def test_decoding_invalid_params_is_refused() -> None:
     data = msgspec.msgpack.encode({"temperature": -1.0})
     with pytest.raises((ValueError, msgspec.ValidationError)):
         msgspec.msgpack.decode(data, type=SamplingParams)
+
+
+def test_interval_bounds_description_and_schema() -> None:
+    from mrv2.sampling_params import Interval
+
+    half_open = Interval(low=0.0, high=1.0, low_open=True)
+    assert 0.0 not in half_open and 1e-12 in half_open and 1.0 in half_open
+    assert 1.5 not in half_open and float("nan") not in half_open and True not in half_open
+    assert half_open.describe() == "in (0, 1]"
+    assert half_open.json_schema == {"exclusiveMinimum": 0.0, "maximum": 1.0}
+    positive = Interval(low=0.0, low_open=True, high_open=True)
+    assert 1e300 in positive and float("inf") not in positive and 0 not in positive
+    assert positive.describe() == "finite and greater than 0"
+    assert positive.json_schema == {"exclusiveMinimum": 0.0}
+    at_least = Interval(low=-1.0)
+    assert float("inf") in at_least and at_least.describe() == "at least -1"
+    assert at_least.json_schema == {"minimum": -1.0}

@@ -18,6 +18,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, StrictInt, WithJsonSchema
 
+from mrv2.sampling_params import SAMPLING_RANGES
+
 INT64_MAX = 2**63 - 1
 TOKEN_ID_MARK = "x-mrv2-token-id"
 CONTEXT_MARK = "x-mrv2-context"
@@ -36,6 +38,12 @@ LogitBias = Annotated[dict[str, float],
                       Field(json_schema_extra={"propertyNames": {TOKEN_ID_MARK: "string"}})]
 
 OnlyNull = WithJsonSchema({"type": "null"})
+
+
+def sampling_range(name: str) -> Any:
+    """A sampling field of default None whose schema states the range SamplingParams accepts.
+    SamplingParams enforces it (its 400 names the field and the range)."""
+    return Field(None, json_schema_extra=SAMPLING_RANGES[name].json_schema)
 
 _TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: "integer"}
 # A completion prompt in any of its four forms, never empty.

@@ -18,9 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.openapi_rules import (BUDGET, CHAT_RULES, INT64_MAX,
-                                                   NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES,
-                                                   LogitBias, OnlyNull, TokenId)
+from mrv2.entrypoints.openai.openapi_rules import (
+    BUDGET, CHAT_RULES, INT64_MAX, NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES, LogitBias, OnlyNull,
+    TokenId, sampling_range)
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -120,21 +120,21 @@ class SamplingRequest(OpenAIBaseModel):
     """Fields completions and chat share."""
 
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = sampling_range("frequency_penalty")
+    presence_penalty: float | None = sampling_range("presence_penalty")
     logit_bias: LogitBias | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = sampling_range("temperature")
+    top_p: float | None = sampling_range("top_p")
     user: str | None = None
     # vLLM's extra parameters (the client's `extra_body`).
     top_k: Int64 | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: float | None = sampling_range("min_p")
+    repetition_penalty: float | None = sampling_range("repetition_penalty")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: Int64 = 0

@@ -22,7 +22,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, TOOL_CHOICE_NEEDS_TOOLS,
-                                                   OnlyNull)
+                                                   OnlyNull, sampling_range)
 from mrv2.entrypoints.openai.protocol import (INT64_MAX, ChatCompletionRequest, LogitBias,
                                               OpenAIBaseModel)
 
@@ -159,8 +159,8 @@ class ResponsesRequest(OpenAIBaseModel):
     instructions: str | None = Field(None, description="a system message ahead of the input")
     max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
                                           json_schema_extra={CONTEXT_MARK: True})
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = sampling_range("temperature")
+    top_p: float | None = sampling_range("top_p")
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     text: TextConfig | None = None

@@ -18,7 +18,7 @@ import platform
 import sys
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
 from mrv2.engine.async_llm import AsyncLLM

@@ -311,3 +311,24 @@ def test_the_schema_refuses_what_the_server_refuses(document):
     assert jsonschema.Draft202012Validator(
         {"$ref": REF + "ChatCompletionRequest", "components": with_parser["components"]}
     ).is_valid({**chat, "tools": tools})
+
+
+@pytest.mark.parametrize("model", ["CompletionRequest", "ChatCompletionRequest",
+                                   "ResponsesRequest"])
+def test_sampling_ranges_in_the_schema_are_what_sampling_params_accepts(document, model):
+    """Each real-valued sampling field's schema accepts exactly the values SamplingParams
+    does, probed at and beside both ends of its range."""
+    from mrv2.sampling_params import SAMPLING_RANGES, SamplingParams
+
+    properties = document["components"]["schemas"][model]["properties"]
+    fields = [name for name in SAMPLING_RANGES if name in properties]
+    assert {"temperature", "top_p"} <= set(fields)
+    for name in fields:
+        check = jsonschema.Draft202012Validator(properties[name])
+        for value in (-2.5, -2, -1e-9, 0, 1e-9, 0.5, 1, 1 + 1e-9, 2, 2.5, 1e6, None):
+            try:
+                SamplingParams(**({} if value is None else {name: value}))
+                accepted = True
+            except ValueError:
+                accepted = False
+            assert check.is_valid(value) == accepted, (name, value)
