@@ -129,6 +129,12 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
+# vLLM's kv_cache_dtype values that mrv2 stores, and their element type; "auto" stores the
+# model's compute dtype. fp8 and int8 caches (vLLM's other values) are not implemented.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -138,8 +144,14 @@ class CacheConfig:
     # vLLM's: the share of a GPU's memory the engine may use; the KV cache gets the rest of
     # it after weights and the profiled step peak (not used on the CPU).
     gpu_memory_utilization: float = 0.9
+    # vLLM's kv_cache_dtype: what the cache stores (attention computes in the model's dtype).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.cache_dtype!r} is not supported: mrv2 "
+                              f"stores {', '.join(map(repr, KV_CACHE_DTYPES))} ('auto': the "
+                              f"model's dtype); fp8 and int8 caches are not implemented")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be "
                               f"in (0, 1]")
@@ -354,3 +366,8 @@ class EngineConfig:
     @property
     def max_num_blocks_per_req(self) -> int:
         return -(-self.model_config.max_model_len // self.cache_config.block_size)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: kv_cache_dtype's, or the model's for "auto"."""
+        return KV_CACHE_DTYPES[self.cache_config.cache_dtype] or self.model_config.dtype

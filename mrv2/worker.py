@@ -78,7 +78,7 @@ class Worker:
     @property
     def kv_block_bytes(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
-        elem = torch.empty((), dtype=mc.dtype).element_size()
+        elem = self.config.kv_cache_dtype.itemsize
         return 2 * mc.num_layers * cc.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def determine_num_kv_blocks(self) -> int:
@@ -118,7 +118,7 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
         shape = kv_cache_shape(1, cc.block_size, self.num_kv_heads, mc.head_dim)
-        caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        caches = [torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
                   for _ in range(mc.num_layers)]
         ModelRunner(self.config, self.model, caches, self.device).profile_run()
         if not cuda:
@@ -132,7 +132,7 @@ class Worker:
         mc, cc = self.config.model_config, self.config.cache_config
         shape = kv_cache_shape(num_blocks, cc.block_size, self.num_kv_heads, mc.head_dim)
         # Zeros, not empty: masked-out keys and values must never be NaN (0 * NaN = NaN).
-        kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        kv_caches = [torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
                      for _ in range(mc.num_layers)]
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)

@@ -89,6 +89,19 @@ def make_engine_config(max_model_len: int, block_size: int) -> EngineConfig:
     )
 
 
+def test_kv_cache_dtype_values() -> None:
+    """vLLM's kv_cache_dtype: "auto" follows the model, 16-bit types are stored as asked, fp8
+    and int8 (vLLM's other values) are refused by name."""
+    config = make_engine_config(64, 16)
+    assert config.kv_cache_dtype == config.model_config.dtype
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        cache = CacheConfig(cache_dtype=name)
+        assert dataclasses.replace(config, cache_config=cache).kv_cache_dtype == dtype
+    for name in ("fp8", "fp8_e4m3", "int8", "float32", "half"):
+        with pytest.raises(ConfigError, match=f"kv_cache_dtype='{name}'.*'bfloat16'"):
+            CacheConfig(cache_dtype=name)
+
+
 @pytest.mark.parametrize("max_model_len, block_size, expected", [
     (32, 16, 2), (33, 16, 3), (1, 16, 1), (2048, 16, 128), (100, 1, 100), (15, 8, 2),
 ])

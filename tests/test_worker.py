@@ -25,6 +25,17 @@ def test_kv_block_bytes(tiny_llama):
     assert make_worker(tiny_llama).kv_block_bytes == BLOCK_BYTES
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16_bit_cache_holds_twice_the_blocks(tiny_llama, kv_cache_dtype):
+    worker = make_worker(tiny_llama, 12, kv_cache_dtype=kv_cache_dtype)
+    assert worker.kv_block_bytes == BLOCK_BYTES // 2
+    assert worker.determine_num_kv_blocks() == 24
+    worker.load_model()
+    worker.initialize_kv_cache(24)
+    assert all(c.dtype == getattr(torch, kv_cache_dtype) and c.shape[1] == 24
+               for c in worker.runner.kv_caches)
+
+
 def test_budget_sets_block_count(tiny_llama):
     # 8 blocks per 128-token request; 12 fit the budget, fewer than 4 * 8 + 1 needed.
     assert make_worker(tiny_llama, 12).determine_num_kv_blocks() == 12

@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV cache, read in place: the CPU kernel (float32).
+"""Decode attention over the paged KV cache, read in place: the CPU kernel (float32 queries;
+a float32, float16 or bfloat16 cache, widened to float32 as it is read: kv_numba.py).
 
 The torch formulation gathers every decode row's blocks into a padded [rows, max_len] copy per
 layer per step (and einsum copies it again into a contiguous layout); at 32 rows that copy cost
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 from mrv2.models.layers.numba_exp import exp32
 
@@ -41,8 +43,8 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # One K or V block: [block_size, num_kv_heads, head_dim] float32, contiguous.
-    block_bytes = block_size * num_kv_heads * head_dim * 4
+    # One K or V block: [block_size, num_kv_heads, head_dim], contiguous.
+    block_bytes = block_size * num_kv_heads * head_dim * k_cache.itemsize
     line_bytes_per_token = block_bytes // block_size
     items_per_row = num_kv_heads // kv_per_item
     nh = kv_per_item * group
@@ -86,7 +88,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                         h = j * group + g
                         acc = np.float32(0.0)
                         for d in range(head_dim):
-                            acc += qs[h, d] * kb[o, kv0 + j, d]
+                            acc += qs[h, d] * widen(kb[o, kv0 + j, d])
                         scores[h, t0 + o] = acc
         for h in range(nh):
             m = scores[h, 0]
@@ -115,15 +117,15 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                         h = j * group + g
                         p = scores[h, t0 + o]
                         for d in range(head_dim):
-                            acc_out[h, d] += p * vb[o, kv0 + j, d]
+                            acc_out[h, d] += p * widen(vb[o, kv0 + j, d])
         for h in range(nh):
             for d in range(head_dim):
                 out[row, h0 + h, d] = acc_out[h, d]
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The kernel handles float32 CPU tensors with a contiguous cache."""
+    """The kernel handles float32 CPU queries with a contiguous float32 or 16-bit cache."""
     return (q.device.type == "cpu" and q.dtype == torch.float32
-            and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous())
+            and kv_cache.dtype in NUMBA_KV_DTYPES and kv_cache.is_contiguous())
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -134,8 +136,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    k_np = kv_cache[0].numpy()
-    v_np = kv_cache[1].numpy()
+    k_np = numpy_view(kv_cache[0])
+    v_np = numpy_view(kv_cache[1])
     tables = block_tables[:rows].numpy()
     num_kv_heads = kv_cache.shape[3]
     kv_per_item = num_kv_heads if rows >= 2 * numba.get_num_threads() else 1

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache in plain torch: the CPU backend.
 
-Decode rows (one query token) are batched. In float32 they run the numba kernel
-(`decode_numba`), which reads the cache in place; otherwise their blocks are gathered into one
+Decode rows (one query token) are batched. With float32 queries they run the numba kernel
+(`decode_numba`), which reads the cache (float32 or 16-bit) in place; otherwise their blocks are gathered into one
 padded `[rows, max_seq_len]` key/value tensor and masked by seq_len. Prefill chunks run one
 `scaled_dot_product_attention` each, attending to the cached prefix plus their own tokens
 causally: query i of a chunk of length q in a sequence of length L sits at position
@@ -63,8 +63,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             continue
         num_blocks = -(-seq_len // block_size)
         block_ids = meta.block_tables[row, :num_blocks].long()
-        kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [KV, L, D]
-        vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)
+        # [KV, L, D] in q's dtype (a 16-bit cache under a float32 model is widened here).
+        kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+        vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         if query_len == seq_len:
             o = F.scaled_dot_product_attention(qi, kr, vr, is_causal=True, scale=scale,
                                                enable_gqa=True)

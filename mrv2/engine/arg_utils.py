@@ -69,6 +69,10 @@ class EngineArgs:
     # says so) and the budget is `kv_cache_memory_bytes` / `kv_cache_memory_gb`, or 4 GiB.
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
+    # vLLM's: the KV cache's element type, "auto" (the model's dtype), "bfloat16" or
+    # "float16". A 16-bit cache halves the cache's memory and the bytes attention reads;
+    # attention still computes in the model's dtype.
+    kv_cache_dtype: str = "auto"
     # vLLM's `quantization`. "gguf": compute on a quantized GGUF file's blocks (CPU only;
     # resident weights near the file size). None: dequantize to `dtype` at load, the faster
     # choice on the machines measured so far (bench/test_quantized_linear.py).
@@ -119,7 +123,8 @@ class EngineArgs:
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self._kv_cache_memory_gb(),
                                    enable_prefix_caching=caching,
-                                   gpu_memory_utilization=self._gpu_memory_utilization(device))
+                                   gpu_memory_utilization=self._gpu_memory_utilization(device),
+                                   cache_dtype=self.kv_cache_dtype)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)

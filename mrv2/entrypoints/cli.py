@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's flag; or --kv-cache-memory-gb)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="what the KV cache stores: auto (the model's dtype), bfloat16 or "
+                             "float16 (half the cache's memory and attention's reads)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of a GPU's memory the engine may use (default 0.9); "
                              "not used on the CPU")

@@ -64,10 +64,22 @@ def test_padding_rows_are_zero_and_extra_table_rows_are_ignored():
     assert decode_numba.decode_attention(q[:0], kv_cache, tables, lens, 0.25).shape == (0, 4, 16)
 
 
-def test_supported_only_for_float32_cpu_contiguous():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_caches_read_as_their_float32_values(dtype):
+    """A 16-bit cache is widened exactly: the same result as the float32 copy of its values."""
+    q, kv_cache, tables, lens = _paged_case([1, 9, 33, 20], 6, 2, 64, 16, seed=5)
+    cache = kv_cache.to(dtype)
+    got = decode_numba.decode_attention(q, cache, tables, lens, 0.125)
+    torch.testing.assert_close(got, decode_numba.decode_attention(q, cache.float(), tables,
+                                                                  lens, 0.125),
+                               rtol=0, atol=0)
+
+
+def test_supported_only_for_float32_queries_and_contiguous_caches():
     q = torch.zeros(1, 2, 4)
     cache = torch.zeros(2, 3, 4, 2, 4)
     assert decode_numba.supported(q, cache)
+    assert decode_numba.supported(q, cache.half()) and decode_numba.supported(q, cache.bfloat16())
     assert not decode_numba.supported(q.half(), cache)
-    assert not decode_numba.supported(q, cache.to(torch.bfloat16))
+    assert not decode_numba.supported(q, cache.double())
     assert not decode_numba.supported(q, cache.transpose(1, 2))

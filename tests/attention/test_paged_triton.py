@@ -7,6 +7,8 @@ bf16 and fp32, eagerly and replayed from a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,6 +185,30 @@ def test_half_precision() -> None:
     assert out.dtype == torch.float16
     assert torch.equal(cache.float(), ref_cache)
     assert (out.float() - ref_out).abs().max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                         reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_float32_queries_over_a_16_bit_cache(cache_dtype: torch.dtype, device: str) -> None:
+    """kv_cache_dtype under a float32 model: the write rounds as torch's `.to()` does, and
+    attention reads the cache widened to float32, as the torch backend does."""
+    def with_16_bit_cache(step: Step) -> Step:
+        return Step(step.q, step.k, step.v, step.kv_cache.to(cache_dtype), step.meta)
+
+    step = with_16_bit_cache(make_step(*MIXED, num_kv_heads=2, seed=7))
+    on_device = with_16_bit_cache(make_step(*MIXED, num_kv_heads=2, seed=7, device=device))
+    _, ref_cache = reference(step)
+    with platform.triton_interpreter() if device == "cpu" else contextlib.nullcontext():
+        out, cache = run_triton(on_device, padded_inputs(on_device, 0, 0))
+    out, cache = out.cpu(), cache.cpu()
+    ulps = (cache.view(torch.int16).int() - ref_cache.view(torch.int16).int()).abs().max()
+    # The interpreter narrows to bfloat16 by truncation (compiled Triton rounds to nearest
+    # even, as torch does): one ulp apart there.
+    assert ulps <= (1 if device == "cpu" and cache_dtype == torch.bfloat16 else 0)
+    torch_out = torch_paged.paged_attention(step.q, cache, step.meta, SCALE)
+    assert (out - torch_out).abs().max().item() <= 1e-4
 
 
 def test_write_kv_strided_inputs_skip_negative_slots() -> None:

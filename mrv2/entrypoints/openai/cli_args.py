@@ -169,7 +169,8 @@ def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
     (mrv2.entrypoints.cli.add_engine_args)."""
     return {name: getattr(args, name) for name in
             ("tokenizer", "hf_config_path", "revision", "tokenizer_revision", "download_dir",
-             "quantization", "kv_cache_memory_bytes", "gpu_memory_utilization")}
+             "quantization", "kv_cache_memory_bytes", "gpu_memory_utilization",
+             "kv_cache_dtype")}
 
 
 def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:

@@ -35,6 +35,7 @@ from numba.extending import overload
 
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
+from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel
 from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
@@ -80,8 +81,8 @@ def _write_kv(k, v, k_cache, v_cache, slots):
         block, offset = slot // block_size, slot % block_size
         for h in range(num_kv_heads):
             for d in range(head_dim):
-                k_cache[block, offset, h, d] = k[t, h * head_dim + d]
-                v_cache[block, offset, h, d] = v[t, h * head_dim + d]
+                kv_numba.store(k_cache, block, offset, h, d, k[t, h * head_dim + d])
+                kv_numba.store(v_cache, block, offset, h, d, v[t, h * head_dim + d])
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
@@ -195,13 +196,14 @@ def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta,
             rows_limit: int = MAX_DECODE_ROWS) -> bool:
     """Whether `decode_model` computes this step of `model` (a LlamaModel that `qualifies`):
     a decode step (every row one token) of at most `rows_limit` rows on the CPU (torch
-    attention backend) in float32."""
+    attention backend) in float32, over a float32 or 16-bit cache."""
     rows = hidden.shape[0]
     return (0 < rows <= rows_limit and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
             and attention_backend(hidden.device) == platform.CPU
-            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches))
+            and all(c.dtype in kv_numba.NUMBA_KV_DTYPES and c.is_contiguous()
+                    for c in kv_caches))
 
 
 def _projection_parameters(module) -> list[torch.Tensor]:
@@ -283,7 +285,7 @@ class _StackArgs:
         (self.w_qkvs, self.w_os, self.w_gate_ups, self.w_downs) = (
             _projection_views([layer.get_submodule(name) for layer in layers])
             for name in _PROJECTIONS)
-        self.kv_caches = _views(kv_caches)
+        self.kv_caches = _typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
         self.final_norm = model.norm.weight.detach().numpy()
 
     def current_key(self) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """LLVM vector IR for the CPU kernels that numba intrinsics emit (quantized_numba.py,
 quantized_int8_numba.py): typed pointers into numba arrays, vector loads, splats and
-reductions, accumulator loops, and the widening of float16 / bfloat16 bit patterns.
+reductions, accumulator loops, and the widening of float16 / bfloat16 bit patterns (and, for
+16-bit KV caches, the narrowing of float32 to them).
 
 Why IR and not numba loops: see quantized_numba.py. Every helper takes the llvmlite builder of
 the intrinsic being generated.
@@ -65,6 +66,35 @@ def f16_bits_to_float(typingctx, bits):
     def codegen(context, builder, signature, args):
         return widen_half(builder, args[0], False)
     return types.float32(bits), codegen
+
+
+@intrinsic
+def bf16_bits_to_float(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return widen_half(builder, args[0], True)
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def float_to_f16_bits(typingctx, value):
+    """float32 -> the int16 bit pattern of the nearest float16 (ties to even; vcvtps2ph)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), I16)
+    return types.int16(types.float32), codegen
+
+
+@intrinsic
+def float_to_bf16_bits(typingctx, value):
+    """float32 -> the uint16 bit pattern of the nearest bfloat16 (ties to even, as torch
+    rounds); NaN stays a (quiet) NaN, where rounding its bits could make it an infinity."""
+    def codegen(context, builder, signature, args):
+        bits = builder.bitcast(args[0], I32)
+        lsb = builder.and_(builder.lshr(bits, I32(16)), I32(1))
+        rounded = builder.add(builder.add(bits, I32(0x7FFF)), lsb)
+        narrowed = builder.trunc(builder.lshr(rounded, I32(16)), I16)
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.select(is_nan, I16(0x7FC0), narrowed)
+    return types.uint16(types.float32), codegen
 
 
 def table_value(table, r, g):

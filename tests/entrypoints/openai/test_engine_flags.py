@@ -64,6 +64,7 @@ HONOURED = [
     (["--seed", "5"], "engine", "seed", 5),
     (["--kv-cache-memory-bytes", "1000000"], "engine", "kv_cache_memory_bytes", 1000000),
     (["--gpu-memory-utilization", "0.5"], "engine", "gpu_memory_utilization", 0.5),
+    (["--kv-cache-dtype", "bfloat16"], "engine", "kv_cache_dtype", "bfloat16"),
     (["-O0"], "engine", "compilation_config", {"cudagraph_mode": "NONE"}),
     (["-O", "3"], "engine", "compilation_config", None),  # mrv2's default graphs
     (["--optimization-level", "0"], "engine", "compilation_config", {"cudagraph_mode": "NONE"}),

@@ -48,6 +48,21 @@ def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, mo
     llm.shutdown()
 
 
+def test_bfloat16_cache_same_as_the_module_path(tiny_llama, monkeypatch):
+    """kv_cache_dtype="bfloat16": the stack's KV write rounds as torch's does (the module
+    path's write), and both read the same 16-bit cache."""
+    llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False,
+              kv_cache_dtype="bfloat16")
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    assert all(c.dtype == torch.bfloat16 for c in runner.kv_caches)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    assert fused_calls > 0 and plain_calls == 0
+    assert_same_outputs(fused, plain)
+    llm.shutdown()
+
+
 # Float activations: x rounded to int8 (the default with AVX2) makes the output a step function
 # of x, so the two paths' float32-rounding differences upstream may flip a rounding; the
 # kernels' int8 bound is tested in tests/models/test_quantized.py.
@@ -122,7 +137,9 @@ def test_off_with_autograd_or_other_dtypes(tiny_llama):
     with torch.no_grad():
         assert cpu_decode.applies(model, torch.zeros(1, 64), caches, Meta)
         assert not cpu_decode.applies(model, torch.zeros(1, 64).double(), caches, Meta)
-        assert not cpu_decode.applies(model, torch.zeros(1, 64), [c.half() for c in caches],
+        assert cpu_decode.applies(model, torch.zeros(1, 64), [c.bfloat16() for c in caches],
+                                  Meta)
+        assert not cpu_decode.applies(model, torch.zeros(1, 64), [c.double() for c in caches],
                                       Meta)
     assert not cpu_decode.applies(model, torch.zeros(1, 64), caches, Meta)  # grad mode
 
