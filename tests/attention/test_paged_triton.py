@@ -92,7 +92,7 @@ def padded_inputs(step: Step, extra_rows: int, extra_tokens: int,
     padded tokens carry garbage q/k/v. With `poison`, every block-table entry a real row does
     not need holds a block id far outside the cache."""
     meta, device = step.meta, step.q.device
-    n, rows = meta.num_actual_tokens, meta.num_reqs
+    n = meta.num_actual_tokens
     tables = meta.block_tables.clone()
     if poison:
         needed = -(-meta.seq_lens.long() // BLOCK_SIZE)

@@ -18,9 +18,8 @@ import torch
 import triton.language  # noqa: F401
 
 from mrv2 import platform
-from mrv2.attention import split_kv_triton
 from mrv2.attention.split_kv_triton import SplitKVScratch, num_kv_splits, split_kv_decode
-from tests.attention.test_paged_triton import Step, make_step, padded_inputs, reference
+from tests.attention.test_paged_triton import Step, make_step, padded_inputs
 
 CPU = torch.device("cpu")
 

@@ -7,13 +7,16 @@ all-gathered, so every rank ends with the same full [N, V] logits and samples th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mrv2 import distributed
 from mrv2.models.layers import cpu_linear
-from mrv2.models.layers.linear import (_tp, _copy, set_weight_attrs, tensor_shape, narrow)
+from mrv2.models.layers.linear import (ShardId, _copy, _tp, narrow, set_weight_attrs,
+                                       tensor_shape)
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
