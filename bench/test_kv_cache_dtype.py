@@ -1,0 +1,92 @@
+"""Decode with a 16-bit KV cache (`kv_cache_dtype`) against the float32 cache, on the built-in
+SmolLM2-135M Q4_1 GGUF computed on its blocks (`quantization="gguf"`: the fused decode stack up
+to 32 rows).
+
+Long contexts, where the cache's bytes matter: batch 32 of 384 random prompt tokens and batch
+1 of 1536, greedy, 64 tokens, EOS ignored, 2 threads. Prefix caching is on so that the rounds, which
+repeat the prompts, skip their prefill (12,288 prompt tokens at batch 32): the decode steps,
+what is compared here, read the same cached K/V either way. At batch 32 and ~420 tokens of
+context a step reads ~590 MB of float32 K/V (30 layers x 3 kv heads x 64 x 2 x 4 bytes a token)
+against ~66 MB of Q4_1 blocks; at batch 1 and ~1570 tokens, ~72 MB. A 16-bit cache halves
+those reads; whether that is faster depends on whether attention waits on memory or on its
+arithmetic (bench/README.md). Each
+timed round generates 64 tokens and then 1: extra_info `decode_tokens_per_s` = 63 * batch /
+(median 64-token seconds - median 1-token seconds). One LLM per cache dtype serves the module;
+compare dtypes from one run (bench/README.md has the figures).
+
+Under `--benchmark-disable` (CI) only the float32 cache runs, once, with 2 tokens: the 16-bit
+caches' results are tested in tests/entrypoints/test_llm_kv_cache_dtype.py and
+tests/models/cpu/test_decode.py, and their stacks on the blocks would only add compiles.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from gguf_workload import gguf_path
+
+ROUNDS = 5
+OUTPUT_LEN = 64
+# Batch -> prompt tokens.
+PROMPT_LENS = {1: 1536, 32: 384}
+_LLMS: dict[str, object] = {}
+
+pytestmark = pytest.mark.usefixtures("two_threads")  # bench/conftest.py
+
+
+def _llm(kv_cache_dtype: str):
+    from mrv2 import LLM
+
+    if kv_cache_dtype not in _LLMS:
+        _LLMS[kv_cache_dtype] = LLM(str(gguf_path()), max_model_len=1664, max_num_seqs=32,
+                                    kv_cache_memory_gb=1.0, enable_prefix_caching=True,
+                                    quantization="gguf", kv_cache_dtype=kv_cache_dtype)
+    return _LLMS[kv_cache_dtype]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown():
+    yield
+    for llm in _LLMS.values():
+        llm.shutdown()
+    _LLMS.clear()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])
+@pytest.mark.parametrize("batch", [1, 32])
+def test_kv_cache_dtype_decode(benchmark, batch, kv_cache_dtype):
+    from mrv2 import SamplingParams
+
+    if benchmark.disabled and (kv_cache_dtype != "auto" or batch != 1):
+        pytest.skip("timed runs only (see the module docstring)")
+    llm = _llm(kv_cache_dtype)
+    prompts = [{"prompt_token_ids": [(i * 7919 + t * 104729) % 49000 + 100
+                                     for t in range(PROMPT_LENS[batch])]} for i in range(batch)]
+    tokens = 2 if benchmark.disabled else OUTPUT_LEN
+
+    def generate(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    benchmark.group = f"kv-cache-dtype-b{batch}"
+    if benchmark.disabled:
+        benchmark(generate, tokens)
+        return
+    generate(4)  # warm-up
+    ones: list[float] = []
+
+    def round_() -> None:
+        generate(tokens)
+        ones.append(generate(1))
+
+    benchmark.pedantic(round_, rounds=ROUNDS, iterations=1)
+    decode_s = benchmark.stats.stats.median - 2 * statistics.median(ones)
+    benchmark.extra_info.update(
+        kv_cache_dtype=kv_cache_dtype, batch=batch, prompt_len=PROMPT_LENS[batch],
+        output_len=tokens,
+        threads=2, decode_tokens_per_s=round((tokens - 1) * batch / decode_s, 1))
