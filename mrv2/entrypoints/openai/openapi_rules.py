@@ -38,6 +38,10 @@ LogitBias = Annotated[dict[str, float],
                       Field(json_schema_extra={"propertyNames": {TOKEN_ID_MARK: "string"}})]
 
 OnlyNull = WithJsonSchema({"type": "null"})
+# Stop strings: SamplingParams refuses an empty one (as vLLM does), so the schema says so.
+StopStrings = Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]})]
 
 
 def sampling_range(name: str) -> Any:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.openapi_rules import (
     BUDGET, CHAT_RULES, INT64_MAX, NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES, LogitBias, OnlyNull,
-    TokenId, sampling_range)
+    StopStrings, TokenId, sampling_range)
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class SamplingRequest(OpenAIBaseModel):
     logit_bias: LogitBias | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: StopStrings = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = sampling_range("temperature")

@@ -65,10 +65,11 @@ class FunctionCallOutputInput(BaseModel):
 
 
 class OtherInputItem(BaseModel):
-    """Any other item: a reasoning item is dropped, anything else refused."""
+    """Any other item: a reasoning item is dropped, anything else refused by name (so the
+    schema shows only the kind served)."""
 
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Annotated[str, WithJsonSchema({"const": "reasoning"})]
 
 
 def _input_tag(value: Any) -> str:

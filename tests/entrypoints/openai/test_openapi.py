@@ -156,6 +156,8 @@ def test_the_models_are_complete(document):
     assert "delta" in schemas["ChatCompletionStreamChoice"]["properties"]
     assert set(schemas["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
     chat_ok = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    # Each event described, not the stream as a whole (which a `schema` beside it would be).
+    assert list(chat_ok["text/event-stream"]) == ["itemSchema"]
     events = chat_ok["text/event-stream"]["itemSchema"]["properties"]["data"]
     assert events["contentSchema"] == {"$ref": REF + "ChatCompletionStreamResponse"}
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
@@ -296,10 +298,16 @@ def test_the_schema_refuses_what_the_server_refuses(document):
     assert valid("CompletionRequest", {"prompt": "x", "max_tokens": 63})  # the stub's 64
     assert not valid("CompletionRequest", {"prompt": "x", "max_tokens": 64})
     assert not valid("ChatCompletionRequest", {**chat, "tool_choice": "required"})
+    for stop in ("", ["x", ""]):  # SamplingParams refuses empty stop strings
+        assert not valid("ChatCompletionRequest", {**chat, "stop": stop})
+    assert valid("CompletionRequest", {"prompt": "x", "stop": ["x", "y"]})
     assert not valid("ChatCompletionRequest", {**chat, "functions": [{"name": "f"}]})
     assert not valid("ChatCompletionRequest", {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert not valid("ResponsesRequest", {"input": "hi", "truncation": "auto"})
+    assert not valid("ResponsesRequest", {"input": [{"type": ""}]})  # a kind not served
+    assert valid("ResponsesRequest", {"input": [{"type": "reasoning", "id": "r", "summary": []},
+                                                {"role": "user", "content": "hi"}]})
     assert not valid("ResponsesRequest", {"input": "hi", "prompt": {"id": "p"}})
     assert not valid("ResponsesRequest", {"input": "hi", "tool_choice": {"type": "function",
                                                                          "name": "f"}})
