@@ -66,7 +66,12 @@ GENERATION_PROMPT_OR_CONTINUE = {"not": {
     "required": ["continue_final_message"],
     "properties": {"continue_final_message": {"const": True},
                    "add_generation_prompt": {"not": {"const": False}}}}}
-CHAT_RULES = {"allOf": [GENERATION_PROMPT_OR_CONTINUE, TOOL_CHOICE_NEEDS_TOOLS]}
+# stream_options only with "stream": true (the handlers' 400 otherwise).
+STREAM_OPTIONS_NEED_STREAM = {"not": {"required": ["stream_options"], "properties": {
+    "stream_options": {"not": {"type": "null"}}, "stream": {"not": {"const": True}}}}}
+# The rules of the fields completions and chat share (protocol.SamplingRequest).
+SAMPLING_RULES = STREAM_OPTIONS_NEED_STREAM
+CHAT_RULES = {"allOf": [GENERATION_PROMPT_OR_CONTINUE, TOOL_CHOICE_NEEDS_TOOLS, SAMPLING_RULES]}
 # Exactly one of prompt and messages (non-null); the chat template's flags as in chat.
 TOKENIZE_RULES = {"oneOf": [
     {"required": ["prompt"],
@@ -74,6 +79,16 @@ TOKENIZE_RULES = {"oneOf": [
     {"required": ["messages"],
      "properties": {"messages": {"type": "array", "minItems": 1}, "prompt": {"type": "null"}},
      **GENERATION_PROMPT_OR_CONTINUE}]}
+# A response needs a conversation: without instructions or a previous response, the input is
+# a string or holds an item that is not a reasoning item (those are dropped).
+RESPONSES_INPUT_HOLDS_A_MESSAGE = {"anyOf": [
+    {"required": ["instructions"], "properties": {"instructions": {"minLength": 1}}},
+    {"required": ["previous_response_id"],
+     "properties": {"previous_response_id": {"type": "string"}}},
+    {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "contains": {
+        "not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}}]}}}]}
+RESPONSES_RULES = {"allOf": [TOOL_CHOICE_NEEDS_TOOLS, RESPONSES_INPUT_HOLDS_A_MESSAGE,
+                             STREAM_OPTIONS_NEED_STREAM]}
 # Without a tool-call parser, tools with tool_choice "auto" (the default) are refused.
 NO_AUTO_TOOL_CHOICE = {"not": {"required": ["tools"], "properties": {
     "tools": {"type": "array", "minItems": 1},

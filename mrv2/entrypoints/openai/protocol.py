@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.openapi_rules import (
     BUDGET, CHAT_RULES, INT64_MAX, NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES, LogitBias, OnlyNull,
-    StopStrings, TokenId, sampling_range)
+    SAMPLING_RULES, StopStrings, TokenId, sampling_range)
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class StreamOptions(OpenAIBaseModel):
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields completions and chat share."""
-
+    model_config = ConfigDict(json_schema_extra=SAMPLING_RULES)
     model: str | None = None
     frequency_penalty: float | None = sampling_range("frequency_penalty")
     presence_penalty: float | None = sampling_range("presence_penalty")

@@ -216,14 +216,19 @@ def json_response(model: type[BaseModel], *errors: int) -> dict[int | str, dict[
 def generation_responses(model: type[BaseModel], chunk: type[BaseModel],
                          description: str | None = None) -> dict[int | str, dict[str, Any]]:
     """The completion routes: JSON, or with "stream": true server-sent `chunk` events
-    (`description` says how the stream goes)."""
+    (`description` says how the stream goes; without one, the OpenAI completions' stream:
+    chunks, an ErrorResponse on a failure mid-stream, then `data: [DONE]`)."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"$ref": REF_PREFIX + chunk.__name__}}
+    if description is None:
+        data = {"anyOf": [{"const": "[DONE]"}, {**data, "contentSchema": {"anyOf": [
+            data["contentSchema"], {"$ref": REF_PREFIX + ErrorResponse.__name__}]}}]}
     # One event's schema only (`itemSchema`): beside it OpenAPI 3.2 (and schemathesis) read a
     # `schema` as the whole stream, an array of events.
-    item = {"type": "object", "required": ["data"], "description": description or (
-        f"Server-sent events: each `data:` line holds one {chunk.__name__} (or, on a failure "
-        f"mid-stream, an ErrorResponse), the last one is `data: [DONE]`"),
-        "properties": {"data": {"type": "string", "contentMediaType": "application/json",
-                                "contentSchema": {"$ref": REF_PREFIX + chunk.__name__}}}}
+    item = {"type": "object", "required": ["data"], "properties": {"data": data},
+            "description": description or (
+                f"Server-sent events: each `data:` line holds one {chunk.__name__} (or, on a "
+                f"failure mid-stream, an ErrorResponse), the last one is `data: [DONE]`")}
     return {200: {"model": model, "description": "The result, or with stream true its events",
                   "content": {"text/event-stream": {"itemSchema": item}}},
             **error_responses(400, 401, 404, 500, 503)}

@@ -21,8 +21,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
                       ValidationError, WithJsonSchema, field_validator)
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, TOOL_CHOICE_NEEDS_TOOLS,
-                                                   OnlyNull, sampling_range)
+from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, RESPONSES_RULES, OnlyNull,
+                                                   sampling_range)
 from mrv2.entrypoints.openai.protocol import (INT64_MAX, ChatCompletionRequest, LogitBias,
                                               OpenAIBaseModel)
 
@@ -31,10 +31,16 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 # -- the request ---------------------------------------------------------------------------
 
+# The content parts served: text. Other kinds (images, files) are refused by name.
+TEXT_PARTS = ("input_text", "output_text")
+
+
 class InputContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # annotations, logprobs of echoed output text
-    type: str = Field(description="input_text or output_text (no other kind is supported)")
-    text: str | None = None
+    # Extra fields: annotations, logprobs of echoed output text. The schema shows the parts
+    # served (a text part with its text).
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    type: Annotated[str, WithJsonSchema({"enum": list(TEXT_PARTS)})]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class InputMessage(BaseModel):
@@ -153,7 +159,7 @@ class TextConfig(OpenAIBaseModel):
 
 
 class ResponsesRequest(OpenAIBaseModel):
-    model_config = ConfigDict(json_schema_extra=TOOL_CHOICE_NEEDS_TOOLS)
+    model_config = ConfigDict(json_schema_extra=RESPONSES_RULES)
 
     model: str | None = None
     input: str | list[InputItem]

@@ -30,14 +30,14 @@ from mrv2.entrypoints.openai.responses_output import (ResponseOutput, new_id,
 from mrv2.entrypoints.openai.responses_protocol import (FunctionCallInput,
                                                         FunctionCallOutputInput,
                                                         InputContentPart, InputMessage,
-                                                        ResponsesRequest, parse_input_items)
+                                                        TEXT_PARTS, ResponsesRequest,
+                                                        parse_input_items)
 from mrv2.entrypoints.openai.responses_store import ResponseStore
 from mrv2.entrypoints.openai.serving_chat import OpenAIServingChat
 from mrv2.entrypoints.openai.serving_engine import now, run_until_disconnected, sse
 from mrv2.outputs import RequestOutput
 from mrv2.sampling_params import SamplingParams
 
-TEXT_PARTS = ("input_text", "output_text")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # The chat request's field names in its 400s -> the Responses request's.
 _PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens":

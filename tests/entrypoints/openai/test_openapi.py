@@ -158,8 +158,10 @@ def test_the_models_are_complete(document):
     chat_ok = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     # Each event described, not the stream as a whole (which a `schema` beside it would be).
     assert list(chat_ok["text/event-stream"]) == ["itemSchema"]
-    events = chat_ok["text/event-stream"]["itemSchema"]["properties"]["data"]
-    assert events["contentSchema"] == {"$ref": REF + "ChatCompletionStreamResponse"}
+    done, events = chat_ok["text/event-stream"]["itemSchema"]["properties"]["data"]["anyOf"]
+    assert done == {"const": "[DONE]"}
+    assert events["contentSchema"] == {"anyOf": [{"$ref": REF + "ChatCompletionStreamResponse"},
+                                                 {"$ref": REF + "ErrorResponse"}]}
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain; version=0.0.4; charset=utf-8"]
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
@@ -298,6 +300,10 @@ def test_the_schema_refuses_what_the_server_refuses(document):
     assert valid("CompletionRequest", {"prompt": "x", "max_tokens": 63})  # the stub's 64
     assert not valid("CompletionRequest", {"prompt": "x", "max_tokens": 64})
     assert not valid("ChatCompletionRequest", {**chat, "tool_choice": "required"})
+    for model, body in (("ChatCompletionRequest", chat), ("CompletionRequest", {"prompt": "x"}),
+                        ("ResponsesRequest", {"input": "hi"})):
+        options = {**body, "stream_options": {"include_usage": True}}
+        assert not valid(model, options) and valid(model, {**options, "stream": True}), model
     for stop in ("", ["x", ""]):  # SamplingParams refuses empty stop strings
         assert not valid("ChatCompletionRequest", {**chat, "stop": stop})
     assert valid("CompletionRequest", {"prompt": "x", "stop": ["x", "y"]})
@@ -306,6 +312,17 @@ def test_the_schema_refuses_what_the_server_refuses(document):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert not valid("ResponsesRequest", {"input": "hi", "truncation": "auto"})
     assert not valid("ResponsesRequest", {"input": [{"type": ""}]})  # a kind not served
+    assert not valid("ResponsesRequest", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "x"}]}]})
+    assert valid("ResponsesRequest", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "hi"}]}]})
+    # No conversation: reasoning items alone (dropped), or nothing, with no instructions.
+    for empty in ({"input": []}, {"input": [{"type": "reasoning"}]},
+                  {"input": [], "instructions": ""}):
+        assert not valid("ResponsesRequest", empty), empty
+    assert valid("ResponsesRequest", {"input": [], "instructions": "be brief"})
+    assert valid("ResponsesRequest", {"input": [{"type": "reasoning"}],
+                                      "previous_response_id": "resp_1"})
     assert valid("ResponsesRequest", {"input": [{"type": "reasoning", "id": "r", "summary": []},
                                                 {"role": "user", "content": "hi"}]})
     assert not valid("ResponsesRequest", {"input": "hi", "prompt": {"id": "p"}})
