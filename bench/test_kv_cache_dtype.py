@@ -14,9 +14,9 @@ timed round generates 64 tokens and then 1: extra_info `decode_tokens_per_s` = 6
 (median 64-token seconds - median 1-token seconds). One LLM per cache dtype serves the module;
 compare dtypes from one run (bench/README.md has the figures).
 
-Under `--benchmark-disable` (CI) only the float32 cache runs, once, with 2 tokens: the 16-bit
-caches' results are tested in tests/entrypoints/test_llm_kv_cache_dtype.py and
-tests/models/cpu/test_decode.py, and their stacks on the blocks would only add compiles.
+Under `--benchmark-disable` (CI) the cases skip: what they run is tested in
+tests/entrypoints/test_llm_kv_cache_dtype.py and tests/models/cpu/test_decode.py, and one
+untimed pass would cost CI ~20 s (the built-in model's load and a 1536-token prefill).
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def _shutdown():
 def test_kv_cache_dtype_decode(benchmark, batch, kv_cache_dtype):
     from mrv2 import SamplingParams
 
-    if benchmark.disabled and (kv_cache_dtype != "auto" or batch != 1):
+    if benchmark.disabled:
         pytest.skip("timed runs only (see the module docstring)")
     llm = _llm(kv_cache_dtype)
     prompts = [{"prompt_token_ids": [(i * 7919 + t * 104729) % 49000 + 100
                                      for t in range(PROMPT_LENS[batch])]} for i in range(batch)]
-    tokens = 2 if benchmark.disabled else OUTPUT_LEN
+    tokens = OUTPUT_LEN
 
     def generate(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -74,9 +74,6 @@ def test_kv_cache_dtype_decode(benchmark, batch, kv_cache_dtype):
         return time.perf_counter() - start
 
     benchmark.group = f"kv-cache-dtype-b{batch}"
-    if benchmark.disabled:
-        benchmark(generate, tokens)
-        return
     generate(4)  # warm-up
     ones: list[float] = []
 

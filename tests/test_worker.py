@@ -25,7 +25,7 @@ def test_kv_block_bytes(tiny_llama):
     assert make_worker(tiny_llama).kv_block_bytes == BLOCK_BYTES
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float16"])
 def test_16_bit_cache_holds_twice_the_blocks(tiny_llama, kv_cache_dtype):
     worker = make_worker(tiny_llama, 12, kv_cache_dtype=kv_cache_dtype)
     assert worker.kv_block_bytes == BLOCK_BYTES // 2

@@ -64,7 +64,9 @@ def test_padding_rows_are_zero_and_extra_table_rows_are_ignored():
     assert decode_numba.decode_attention(q[:0], kv_cache, tables, lens, 0.25).shape == (0, 4, 16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# bfloat16 only: float16 differs in the element's widening alone (test_kv_numba.py), and each
+# cache type compiles the kernel again (~8 s of CI).
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_16_bit_caches_read_as_their_float32_values(dtype):
     """A 16-bit cache is widened exactly: the same result as the float32 copy of its values."""
     q, kv_cache, tables, lens = _paged_case([1, 9, 33, 20], 6, 2, 64, 16, seed=5)

@@ -1,7 +1,8 @@
-"""kv_cache_dtype end to end: a 16-bit KV cache gives the float32 cache's greedy tokens on the
-tiny model, with logprobs within a tolerance that scales with the format's rounding (measured
-maxima: 0.024 for bfloat16, 0.0038 for float16, 8x apart as their unit roundoffs 2^-8 and
-2^-11 are); an unknown value is refused before the model loads."""
+"""kv_cache_dtype end to end: a bfloat16 KV cache gives the float32 cache's greedy tokens on
+the tiny model, with logprobs within a tolerance above its rounding's effect (measured maximum
+0.024; float16's was 0.0038, 8x less, as its unit roundoff 2^-11 is to bfloat16's 2^-8: float16
+is run end to end by hand only, its elements are tested in tests/attention, and one more
+compiled decode stack would cost CI ~10 s); an unknown value is refused before loading."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mrv2.config import ConfigError
 
 PROMPTS = [{"prompt_token_ids": list(range(5 + 7 * i, 45 + 9 * i))} for i in range(4)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-TOLERANCE = {"bfloat16": 0.1, "float16": 0.02}
+TOLERANCE = {"bfloat16": 0.1, "float16": 0.02}  # float16: for a run by hand
 
 
 def _generate(model_dir, kv_cache_dtype: str):
@@ -29,7 +30,7 @@ def float32_outputs(tiny_llama):
     return _generate(tiny_llama, "auto")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16"])
 def test_16_bit_cache_keeps_the_float32_tokens(tiny_llama, float32_outputs, kv_cache_dtype):
     outputs = _generate(tiny_llama, kv_cache_dtype)
     worst = 0.0
