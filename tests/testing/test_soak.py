@@ -3,6 +3,7 @@ soak itself runs against the shared server in tests/entrypoints/openai/test_soak
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -11,11 +12,16 @@ from mrv2.testing.soak import REQUEST_KINDS, SoakResult, rss_bytes
 
 
 def test_rss_of_this_process_grows_with_touched_memory():
+    # A fresh anonymous mapping, each page written: new resident pages whatever the heap
+    # holds (a bytearray could reuse pages a long test process freed but kept resident).
+    size = 64 << 20
+    block = mmap.mmap(-1, size)
     before = rss_bytes(os.getpid())
-    block = bytearray(64 << 20)  # zero-filled: every page written
+    for offset in range(0, size, mmap.PAGESIZE):
+        block[offset] = 1
     after = rss_bytes(os.getpid())
     assert 32 << 20 < after - before < 128 << 20
-    del block
+    block.close()
 
 
 def test_rss_of_a_missing_process_raises():
