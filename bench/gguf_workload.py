@@ -8,6 +8,8 @@ same file, one through the safetensors path, one dequantizing.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,3 +68,19 @@ def safetensors_twin(path: Path | None = None,
     from mrv2.testing.gguf_twin import safetensors_twin as twin
 
     return twin(path or gguf_path(), hf_model)
+
+
+def decode_tokens_per_s(benchmark, generate: Callable[[int], float], tokens: int, batch: int,
+                        rounds: int) -> float:
+    """Timed rounds of `generate(tokens)` then `generate(1)` (each returns its seconds): the
+    decode rate without the prefill, (tokens - 1) * batch / (median round - 2 * median
+    1-token call)."""
+    ones: list[float] = []
+
+    def round_() -> None:
+        generate(tokens)
+        ones.append(generate(1))
+
+    benchmark.pedantic(round_, rounds=rounds, iterations=1)
+    decode_s = benchmark.stats.stats.median - 2 * statistics.median(ones)
+    return round((tokens - 1) * batch / decode_s, 1)

@@ -21,12 +21,11 @@ untimed pass would cost CI ~20 s (the built-in model's load and a 1536-token pre
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
 
-from gguf_workload import gguf_path
+from gguf_workload import decode_tokens_per_s, gguf_path
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -75,15 +74,7 @@ def test_kv_cache_dtype_decode(benchmark, batch, kv_cache_dtype):
 
     benchmark.group = f"kv-cache-dtype-b{batch}"
     generate(4)  # warm-up
-    ones: list[float] = []
-
-    def round_() -> None:
-        generate(tokens)
-        ones.append(generate(1))
-
-    benchmark.pedantic(round_, rounds=ROUNDS, iterations=1)
-    decode_s = benchmark.stats.stats.median - 2 * statistics.median(ones)
+    rate = decode_tokens_per_s(benchmark, generate, tokens, batch, ROUNDS)
     benchmark.extra_info.update(
         kv_cache_dtype=kv_cache_dtype, batch=batch, prompt_len=PROMPT_LENS[batch],
-        output_len=tokens,
-        threads=2, decode_tokens_per_s=round((tokens - 1) * batch / decode_s, 1))
+        output_len=tokens, threads=2, decode_tokens_per_s=rate)

@@ -14,12 +14,11 @@ quantized stack ran (and that the unfused case did not).
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
 
-from gguf_workload import gguf_path
+from gguf_workload import decode_tokens_per_s, gguf_path
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -79,15 +78,6 @@ def test_quantized_decode(benchmark, monkeypatch, batch, kind):
         assert (calls["n"] > 0) is (kind == "gguf" or (kind == "float32" and batch <= 4))
         return
     generate(8)  # warm-up
-    ones: list[float] = []
-
-    def round_() -> None:
-        generate(tokens)
-        ones.append(generate(1))
-
-    benchmark.pedantic(round_, rounds=ROUNDS, iterations=1)
-    both = benchmark.stats.stats.median
-    decode_s = both - 2 * statistics.median(ones)
-    benchmark.extra_info.update(
-        kind=kind, batch=batch, output_len=tokens, threads=2,
-        decode_tokens_per_s=round((tokens - 1) * batch / decode_s, 1))
+    rate = decode_tokens_per_s(benchmark, generate, tokens, batch, ROUNDS)
+    benchmark.extra_info.update(kind=kind, batch=batch, output_len=tokens, threads=2,
+                                decode_tokens_per_s=rate)
