@@ -155,6 +155,39 @@ def test_decode_attention(benchmark, impl, layers):
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 
 
+# Batch 1 at a long context, SmolLM2's heads (9 query, 3 kv, 64 wide), 30 layers from DRAM:
+# each row's context split in two (work_split: 6 items on 2 threads) against whole contexts
+# (3 items: one thread takes two). bench/README.md has the figures.
+@pytest.mark.parametrize("impl", ["split_context", "whole_context"])
+def test_decode_attention_batch_1(benchmark, impl):
+    from mrv2.attention import decode_numba
+
+    seq_len, block_size, layers = 1536, 16, 30
+    benchmark.group = f"decode-attention-1x{seq_len}-{layers}layers"
+    benchmark.extra_info.update(rows=1, seq_len=seq_len, heads=9, kv_heads=3, head_dim=64,
+                                block_size=block_size, layers=layers, threads=2)
+    g = torch.Generator().manual_seed(0)
+    blocks = seq_len // block_size
+    caches = [torch.randn(2, blocks + 1, block_size, 3, 64, generator=g).numpy()
+              for _ in range(layers)]
+    table = (torch.randperm(blocks, generator=g) + 1).view(1, blocks).int().numpy()
+    q = torch.randn(1, 9, 64, generator=g).numpy()
+    lens = np.array([seq_len], np.int32)
+    split = decode_numba.work_split(1, 3, 2) if impl == "split_context" else (1, 1)
+    outs = [np.empty_like(q) for _ in range(2)]
+    for out, work in zip(outs, (split, (1, 1))):
+        decode_numba.decode_kernel(q, caches[0][0], caches[0][1], table, lens,
+                                   np.float32(0.125), out, *work)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+    def step() -> None:
+        for cache in caches:
+            decode_numba.decode_kernel(q, cache[0], cache[1], table, lens, np.float32(0.125),
+                                       outs[0], *split)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _silu_and_mul_libm(gate_up, width, out):
     """activation_numba's SiLU-and-mul with numba's np.exp (a scalar libm call), the baseline."""

@@ -4,13 +4,15 @@ a float32, float16 or bfloat16 cache, widened to float32 as it is read: kv_numba
 The torch formulation gathers every decode row's blocks into a padded [rows, max_len] copy per
 layer per step (and einsum copies it again into a contiguous layout); at 32 rows that copy cost
 more than the attention itself. This kernel walks each row's block table and reads keys and
-values where they lie, once, block by block. A work item is one row (all its heads: each
-key/value row is read as one contiguous run, which matters once the cache is larger than the
-L3) or, with fewer rows than 2 per thread, one (row, kv head) so both threads have work. The
-query heads of a kv head's group (GQA) share each loaded key/value row. The blocks two ahead
-are prefetched while one is computed (prefetch_numba.py), a token's share of the lines per
-token computed: spread out like this rather than a whole block's 256 lines at once, 32 rows of
-256 tokens over 8 layers (from DRAM) take 3.1-3.8 ms instead of 5.4-5.7 ms.
+values where they lie, once, block by block. Work items (`work_split`): one row with all its
+kv heads when there are at least two rows per thread (each key/value row is then read as one
+contiguous run, which matters once the cache is larger than the L3); otherwise one (row, kv
+head); and when even those are fewer than two per thread, each row's context is split as well
+(flash-decoding: each split's max, exp-sum and unnormalised output, merged after). The query
+heads of a kv head's group (GQA) share each loaded key/value row, and scores and values are
+computed four positions per pass (`_block_scores`, `_block_values`). The blocks two ahead are
+prefetched while one is computed (prefetch_numba.py), each token's rows with the token
+computed rather than a whole block at once.
 
 Numerics: fp32 accumulation in a different order than torch (fastmath lets the compiler
 vectorise the head_dim reductions), and the softmax's exp is `numba_exp.exp32` (vectorised,
@@ -30,97 +32,232 @@ from mrv2.models.layers.numba_exp import exp32
 
 # Blocks prefetched ahead of the one being computed (measured best among 1, 2 and 4).
 PREFETCH_DISTANCE = 2
+# Fewest positions in a context split: below it a split's fixed costs (its scratch, its share
+# of the merge) outweigh a second thread's help.
+MIN_SPLIT_POSITIONS = 64
+
+
+def work_split(rows: int, num_kv_heads: int, threads: int) -> tuple[int, int]:
+    """(kv heads per work item, context splits per row) for `rows` decode rows on `threads`
+    threads. A work item is one row with all its kv heads (each key/value row is then one
+    contiguous read) when there are at least two rows per thread; otherwise one (row, kv
+    head), and when even those are fewer than two per thread each row's context is split too,
+    so that every thread has work (batch 1, 3 kv heads, 2 threads: 6 items of 3 per thread,
+    where 3 items took two rounds)."""
+    if rows >= 2 * threads:
+        return num_kv_heads, 1
+    items = rows * num_kv_heads
+    splits = 1
+    while items * splits < 2 * threads:
+        splits += 1
+    return 1, splits
 
 
 @njit(inline="always", cache=True)
-def _prefetch_range(cache, block, start, stop):
-    for offset in range(start, stop, CACHE_LINE_BYTES):
-        prefetch_at(cache, block, offset)
+def _prefetch_rows(cache, block, first, stop, row_bytes, start, length):
+    """Prefetch token rows first..stop-1 of a cache block (none for block -1): `length` bytes
+    from byte `start` of each row of `row_bytes`."""
+    if block < 0:
+        return
+    for r in range(first, stop):
+        begin = r * row_bytes + start
+        line = begin - begin % CACHE_LINE_BYTES
+        while line < begin + length:
+            prefetch_at(cache, block, line)
+            line += CACHE_LINE_BYTES
+
+
+@njit(inline="always", cache=True)
+def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache, ahead_block,
+                  row_bytes, start, length):
+    """scores[h, t + o] = qs[h] . kb[o, kv head of h] for the block's positions o < count,
+    prefetching the same rows of the block ahead as it goes (`_prefetch_rows`' arguments).
+
+    An item of one kv head takes four positions per pass: four independent accumulators per
+    head, so the FMA chains overlap (one chain per position, each ending in a horizontal sum,
+    left the FMA units idle: 1.5-1.7x from the caches). An item of all kv heads (many rows,
+    waiting on DRAM) reads the block in order, a position's heads after another's, with a
+    row's prefetch per position: in four-position passes it ran 10-25% slower from DRAM."""
+    head_dim = qs.shape[1]
+    o = 0
+    if kv_per_item == 1:
+        while o + 4 <= count:
+            _prefetch_rows(ahead_cache, ahead_block, o, o + 4, row_bytes, start, length)
+            for g in range(group):
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                a3 = np.float32(0.0)
+                for d in range(head_dim):
+                    x = qs[g, d]
+                    a0 += x * widen(kb[o, kv0, d])
+                    a1 += x * widen(kb[o + 1, kv0, d])
+                    a2 += x * widen(kb[o + 2, kv0, d])
+                    a3 += x * widen(kb[o + 3, kv0, d])
+                scores[g, t + o] = a0
+                scores[g, t + o + 1] = a1
+                scores[g, t + o + 2] = a2
+                scores[g, t + o + 3] = a3
+            o += 4
+    while o < count:
+        _prefetch_rows(ahead_cache, ahead_block, o, o + 1, row_bytes, start, length)
+        for j in range(kv_per_item):
+            for g in range(group):
+                h = j * group + g
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += qs[h, d] * widen(kb[o, kv0 + j, d])
+                scores[h, t + o] = acc
+        o += 1
+    # The rest of the block ahead, after a short (last) block.
+    _prefetch_rows(ahead_cache, ahead_block, count, kb.shape[0], row_bytes, start, length)
+
+
+@njit(inline="always", cache=True)
+def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache, ahead_block,
+                  row_bytes, start, length):
+    """acc[h] += sum over the block's positions o < count of probs[h, t + o] * vb[o, kv head
+    of h], prefetching and ordered as `_block_scores` (an item of one kv head: four positions
+    per pass, one load and store of acc per four multiply-adds)."""
+    head_dim = acc.shape[1]
+    o = 0
+    if kv_per_item == 1:
+        while o + 4 <= count:
+            _prefetch_rows(ahead_cache, ahead_block, o, o + 4, row_bytes, start, length)
+            for g in range(group):
+                p0 = probs[g, t + o]
+                p1 = probs[g, t + o + 1]
+                p2 = probs[g, t + o + 2]
+                p3 = probs[g, t + o + 3]
+                for d in range(head_dim):
+                    acc[g, d] += (p0 * widen(vb[o, kv0, d]) + p1 * widen(vb[o + 1, kv0, d])
+                                  + p2 * widen(vb[o + 2, kv0, d])
+                                  + p3 * widen(vb[o + 3, kv0, d]))
+            o += 4
+    while o < count:
+        _prefetch_rows(ahead_cache, ahead_block, o, o + 1, row_bytes, start, length)
+        for j in range(kv_per_item):
+            for g in range(group):
+                h = j * group + g
+                p = probs[h, t + o]
+                for d in range(head_dim):
+                    acc[h, d] += p * widen(vb[o, kv0 + j, d])
+        o += 1
+    _prefetch_rows(ahead_cache, ahead_block, count, vb.shape[0], row_bytes, start, length)
 
 
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item):
+def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item, splits):
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # One K or V block: [block_size, num_kv_heads, head_dim], contiguous.
-    block_bytes = block_size * num_kv_heads * head_dim * k_cache.itemsize
-    line_bytes_per_token = block_bytes // block_size
+    # A block's token row holds every kv head: [num_kv_heads, head_dim], contiguous. An item
+    # reads (and prefetches) only its kv heads' run of each row.
+    row_bytes = num_kv_heads * head_dim * k_cache.itemsize
+    item_start = head_dim * k_cache.itemsize  # times kv0 below
+    item_bytes = kv_per_item * head_dim * k_cache.itemsize
     items_per_row = num_kv_heads // kv_per_item
     nh = kv_per_item * group
-    for item in prange(rows * items_per_row):
-        row = item // items_per_row
-        kv0 = (item % items_per_row) * kv_per_item
+    min_split_blocks = (MIN_SPLIT_POSITIONS + block_size - 1) // block_size
+    # Each split's running max, exp-sum and unnormalised output, merged below (splits > 1).
+    part_m = np.empty((rows, num_heads, splits), dtype=np.float32)
+    part_l = np.empty((rows, num_heads, splits), dtype=np.float32)  # (np.zeros: a parfor)
+    part_acc = np.empty((rows, num_heads, splits if splits > 1 else 0, head_dim),
+                        dtype=np.float32)
+    for item in prange(rows * items_per_row * splits):
+        split = item % splits
+        row = item // splits // items_per_row
+        kv0 = (item // splits % items_per_row) * kv_per_item
         h0 = kv0 * group
         seq_len = seq_lens[row]
-        if seq_len == 0:
+        nblocks = (seq_len + block_size - 1) // block_size
+        per_split = max(min_split_blocks, (nblocks + splits - 1) // splits)
+        first = split * per_split
+        stop = min(nblocks, first + per_split)
+        if first >= stop:
             for h in range(nh):
-                for d in range(head_dim):
-                    out[row, h0 + h, d] = 0.0
+                part_l[row, h0 + h, split] = 0.0
+            if splits == 1:
+                for h in range(nh):
+                    for d in range(head_dim):
+                        out[row, h0 + h, d] = 0.0
             continue
+        start = kv0 * item_start
         qs = np.empty((nh, head_dim), dtype=np.float32)
         for h in range(nh):
             for d in range(head_dim):
                 qs[h, d] = q[row, h0 + h, d] * scale
-        scores = np.empty((nh, seq_len), dtype=np.float32)
-        nblocks = (seq_len + block_size - 1) // block_size
-        for b in range(min(PREFETCH_DISTANCE, nblocks)):
-            for offset in range(0, block_bytes, CACHE_LINE_BYTES):
-                prefetch_at(k_cache, block_tables[row, b], offset)
-        for b in range(nblocks):
-            # Ahead: the next K blocks, then (near the end) the first V blocks.
+        base = first * block_size
+        n = min(seq_len, stop * block_size) - base
+        scores = np.empty((nh, n), dtype=np.float32)
+        for b in range(first, min(first + PREFETCH_DISTANCE, stop)):
+            _prefetch_rows(k_cache, np.int64(block_tables[row, b]), 0, block_size, row_bytes,
+                           start, item_bytes)
+        for b in range(first, stop):
+            # Ahead: the next K blocks, then (near the end) the first V blocks, spread out
+            # rather than in a burst (32 rows of 256 tokens over 8 layers, from DRAM: 3.1-3.8
+            # ms against 5.4-5.7 ms).
             ahead = b + PREFETCH_DISTANCE
-            kb = k_cache[block_tables[row, b]]
+            ahead_cache, ahead_block = v_cache, np.int64(-1)
+            if ahead < stop:
+                ahead_cache, ahead_block = k_cache, np.int64(block_tables[row, ahead])
+            elif ahead - stop < stop - first:
+                ahead_block = np.int64(block_tables[row, first + ahead - stop])
             t0 = b * block_size
-            count = min(block_size, seq_len - t0)
-            for o in range(count):
-                # A block's share of the prefetches per token (the rest after a short
-                # last block): spread out, not in a burst.
-                stop = (o + 1) * line_bytes_per_token if o + 1 < count else block_bytes
-                if ahead < nblocks:
-                    _prefetch_range(k_cache, block_tables[row, ahead],
-                                    o * line_bytes_per_token, stop)
-                elif ahead - nblocks < nblocks:
-                    _prefetch_range(v_cache, block_tables[row, ahead - nblocks],
-                                    o * line_bytes_per_token, stop)
-                for j in range(kv_per_item):
-                    for g in range(group):
-                        h = j * group + g
-                        acc = np.float32(0.0)
-                        for d in range(head_dim):
-                            acc += qs[h, d] * widen(kb[o, kv0 + j, d])
-                        scores[h, t0 + o] = acc
+            _block_scores(qs, k_cache[block_tables[row, b]], kv0, kv_per_item, group,
+                          min(block_size, seq_len - t0), scores, t0 - base, ahead_cache,
+                          ahead_block, row_bytes, start, item_bytes)
+        acc = np.zeros((nh, head_dim), dtype=np.float32)
         for h in range(nh):
             m = scores[h, 0]
-            for t in range(1, seq_len):
+            for t in range(1, n):
                 m = max(m, scores[h, t])
             total = np.float32(0.0)
-            for t in range(seq_len):
+            for t in range(n):
                 e = exp32(scores[h, t] - m)
                 scores[h, t] = e
                 total += e
-            inv = np.float32(1.0) / total
-            for t in range(seq_len):
-                scores[h, t] *= inv
-        acc_out = np.zeros((nh, head_dim), dtype=np.float32)
-        for b in range(nblocks):
-            vb = v_cache[block_tables[row, b]]
+            part_m[row, h0 + h, split] = m
+            part_l[row, h0 + h, split] = total
+        for b in range(first, stop):
+            v_block = (np.int64(block_tables[row, b + PREFETCH_DISTANCE])
+                       if b + PREFETCH_DISTANCE < stop else np.int64(-1))
             t0 = b * block_size
-            count = min(block_size, seq_len - t0)
-            for o in range(count):
-                if b + PREFETCH_DISTANCE < nblocks:
-                    stop = (o + 1) * line_bytes_per_token if o + 1 < count else block_bytes
-                    _prefetch_range(v_cache, block_tables[row, b + PREFETCH_DISTANCE],
-                                    o * line_bytes_per_token, stop)
-                for j in range(kv_per_item):
-                    for g in range(group):
-                        h = j * group + g
-                        p = scores[h, t0 + o]
-                        for d in range(head_dim):
-                            acc_out[h, d] += p * widen(vb[o, kv0 + j, d])
-        for h in range(nh):
+            _block_values(scores, v_cache[block_tables[row, b]], kv0, kv_per_item, group,
+                          min(block_size, seq_len - t0), t0 - base, acc, v_cache, v_block,
+                          row_bytes, start, item_bytes)
+        if splits == 1:
+            for h in range(nh):
+                inv = np.float32(1.0) / part_l[row, h0 + h, 0]
+                for d in range(head_dim):
+                    out[row, h0 + h, d] = acc[h, d] * inv
+        else:
+            for h in range(nh):
+                for d in range(head_dim):
+                    part_acc[row, h0 + h, split, d] = acc[h, d]
+    if splits == 1:
+        return
+    # The splits of a (row, head): each weighted by exp(its max - the overall max).
+    for rh in prange(rows * num_heads):
+        row, h = rh // num_heads, rh % num_heads
+        m = np.float32(-np.inf)
+        for s in range(splits):
+            if part_l[row, h, s] > 0.0:
+                m = max(m, part_m[row, h, s])
+        total = np.float32(0.0)
+        for d in range(head_dim):
+            out[row, h, d] = 0.0
+        for s in range(splits):
+            if part_l[row, h, s] > 0.0:
+                w = exp32(part_m[row, h, s] - m)
+                total += w * part_l[row, h, s]
+                for d in range(head_dim):
+                    out[row, h, d] += w * part_acc[row, h, s, d]
+        if total > 0.0:
+            inv = np.float32(1.0) / total
             for d in range(head_dim):
-                out[row, h0 + h, d] = acc_out[h, d]
+                out[row, h, d] *= inv
+
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The kernel handles float32 CPU queries with a contiguous float32 or 16-bit cache."""
@@ -139,9 +276,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     k_np = numpy_view(kv_cache[0])
     v_np = numpy_view(kv_cache[1])
     tables = block_tables[:rows].numpy()
-    num_kv_heads = kv_cache.shape[3]
-    kv_per_item = num_kv_heads if rows >= 2 * numba.get_num_threads() else 1
+    kv_per_item, splits = work_split(rows, kv_cache.shape[3], numba.get_num_threads())
     decode_kernel(q.contiguous().numpy(), k_np, v_np, tables,
-                   np.ascontiguousarray(seq_lens[:rows], dtype=np.int32), np.float32(scale),
-                   out.numpy(), kv_per_item)
+                  np.ascontiguousarray(seq_lens[:rows], dtype=np.int32), np.float32(scale),
+                  out.numpy(), kv_per_item, splits)
     return out

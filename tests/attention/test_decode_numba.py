@@ -53,6 +53,29 @@ def test_matches_dense_reference(num_heads, num_kv_heads, block_size):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_per_item, splits", [(1, 1), (2, 1), (1, 3), (2, 2)])
+def test_every_work_split_gives_the_reference(kv_per_item, splits):
+    """Items of one or all kv heads, contexts whole or split (flash-decoding, merged): rows
+    that fill every split, fewer blocks than splits (empty splits), padding, and lengths that
+    end inside a four-position pass."""
+    seq_lens = [1, 70, 203, 0, 130]
+    q, kv_cache, tables, lens = _paged_case(seq_lens, 6, 2, 32, 16, seed=11 + splits)
+    out = torch.full_like(q, float("nan"))
+    decode_numba.decode_kernel(q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(),
+                               tables.numpy(), lens, np.float32(0.2), out.numpy(),
+                               kv_per_item, splits)
+    torch.testing.assert_close(out, _reference(q, kv_cache, tables, lens, 0.2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_work_split_gives_every_thread_two_items():
+    assert decode_numba.work_split(rows=4, num_kv_heads=3, threads=2) == (3, 1)
+    assert decode_numba.work_split(rows=2, num_kv_heads=3, threads=2) == (1, 1)
+    assert decode_numba.work_split(rows=1, num_kv_heads=3, threads=2) == (1, 2)
+    assert decode_numba.work_split(rows=1, num_kv_heads=1, threads=2) == (1, 4)
+    assert decode_numba.work_split(rows=3, num_kv_heads=5, threads=16) == (1, 3)
+
+
 def test_padding_rows_are_zero_and_extra_table_rows_are_ignored():
     q, kv_cache, tables, lens = _paged_case([7, 0, 12], 4, 2, 16, 4, seed=3)
     # The table may have more rows than q (a persistent buffer): only q's rows are read.

@@ -36,7 +36,7 @@ from numba.extending import overload
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import decode_kernel
+from mrv2.attention.decode_numba import decode_kernel, work_split
 from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
@@ -88,7 +88,7 @@ def _write_kv(k, v, k_cache, v_cache, slots):
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
                   k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
-                  head_dim, intermediate, scale, kv_per_item, out, residual_out):
+                  head_dim, intermediate, scale, kv_per_item, splits, out, residual_out):
     rows, hidden_size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     normed = np.empty((rows, hidden_size), dtype=np.float32)
@@ -104,7 +104,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     _write_kv(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item)
+                   seq_lens, scale, attn, kv_per_item, splits)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     _linear(attn.reshape(rows, q_size), w_o, o)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
@@ -120,7 +120,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
                   final_eps, cos, sin, kv_caches, block_tables, seq_lens, slots, num_heads,
-                  num_kv_heads, head_dim, intermediate, scale, kv_per_item, out):
+                  num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out):
     rows, hidden_size = hidden.shape
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
@@ -131,7 +131,7 @@ def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, fi
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], cos, sin, kv[0], kv[1], block_tables, seq_lens, slots,
                       num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
-                      layer_out, residual_out)
+                      splits, layer_out, residual_out)
         x, residual = layer_out, residual_out
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
@@ -305,8 +305,7 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
     rows = hidden.shape[0]
     out = torch.empty_like(hidden)
     cos, sin = cos_sin
-    # Few rows: one (row, kv head) per work item, so both threads get attention work.
-    kv_per_item = attn.num_kv_heads if rows >= 4 else 1
+    kv_per_item, splits = work_split(rows, attn.num_kv_heads, numba.get_num_threads())
     _decode_model(
         hidden.contiguous().numpy(), args.ln1s, args.ln2s,
         np.float32(model.layers[0].input_layernorm.eps), args.w_qkvs, args.w_os,
@@ -316,6 +315,7 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
         np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32),
         meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
         model.layers[0].mlp.intermediate_size, np.float32(attn.attn.scale), kv_per_item,
+        splits,
         out.numpy())
     return out
 
