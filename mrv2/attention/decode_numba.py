@@ -101,13 +101,12 @@ def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache
             o += 4
     while o < count:
         _prefetch_rows(ahead_cache, ahead_block, o, o + 1, row_bytes, start, length)
-        for j in range(kv_per_item):
-            for g in range(group):
-                h = j * group + g
-                acc = np.float32(0.0)
-                for d in range(head_dim):
-                    acc += qs[h, d] * widen(kb[o, kv0 + j, d])
-                scores[h, t + o] = acc
+        for h in range(kv_per_item * group):
+            kv = kv0 + h // group
+            acc = np.float32(0.0)
+            for d in range(head_dim):
+                acc += qs[h, d] * widen(kb[o, kv, d])
+            scores[h, t + o] = acc
         o += 1
     # The rest of the block ahead, after a short (last) block.
     _prefetch_rows(ahead_cache, ahead_block, count, kb.shape[0], row_bytes, start, length)
