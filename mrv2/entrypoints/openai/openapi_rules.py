@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, StrictInt, WithJsonSchema
+from pydantic import BeforeValidator, Field, Strict, StrictInt, WithJsonSchema
 
 from mrv2.sampling_params import SAMPLING_RANGES
 
@@ -31,10 +31,15 @@ def _integral_float_to_int(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+# JSON's numbers as the schema types them: pydantic's lax mode would also take "5", "0.5"
+# and true / false where an integer or a number is declared (schemathesis's negative mode sent
+# them and saw a 200).
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral_float_to_int)]
+JsonFloat = Annotated[float, Strict()]  # an integer is a number too
 TokenId = Annotated[StrictInt,
                     Field(ge=0, le=INT64_MAX, json_schema_extra={TOKEN_ID_MARK: "integer"}),
                     BeforeValidator(_integral_float_to_int)]
-LogitBias = Annotated[dict[str, float],
+LogitBias = Annotated[dict[str, JsonFloat],
                       Field(json_schema_extra={"propertyNames": {TOKEN_ID_MARK: "string"}})]
 
 OnlyNull = WithJsonSchema({"type": "null"})
@@ -57,6 +62,9 @@ NON_EMPTY_PROMPT_SCHEMA = {"anyOf": [
     {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA},
     {"type": "array", "minItems": 1,
      "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA}}]}
+# A Responses text.format of type json_schema needs its schema (a 400 without it).
+FORMAT_RULES = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+                "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}}
 # A tool_choice other than "none" (or unset) needs tools.
 TOOL_CHOICE_NEEDS_TOOLS = {"not": {"required": ["tool_choice"], "properties": {
     "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},

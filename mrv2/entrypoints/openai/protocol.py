@@ -12,54 +12,29 @@ NaN / infinity are refused.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
 
 from mrv2.entrypoints.openai.errors import BadRequest
+from mrv2.entrypoints.openai.protocol_base import OpenAIBaseModel
 from mrv2.entrypoints.openai.openapi_rules import (
-    BUDGET, CHAT_RULES, INT64_MAX, NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES, LogitBias, OnlyNull,
+    BUDGET, CHAT_RULES, INT64_MAX, NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES, JsonFloat, JsonInt,
+    LogitBias, OnlyNull,
     SAMPLING_RULES, StopStrings, TokenId, sampling_range)
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 # Samples per prompt: each is a request in the engine, so a huge n is refused, not queued.
 MAX_N = 128
 
-Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-
-
-class OpenAIBaseModel(BaseModel):
-    # vLLM's rule for a field this server does not know: logged as ignored, not refused, so a
-    # client written against a newer API keeps working (an unsupported *value* of a known
-    # field is still a 400 naming it).
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _log_ignored_fields(self) -> "OpenAIBaseModel":
-        if self.model_extra:
-            logger.warning("The following fields were present in the request but ignored: %s",
-                           sorted(self.model_extra))
-            self.model_extra.clear()
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        """OpenAI's schema lets a client send null for any optional field (the SDKs do):
-        it means the field's default, as in vLLM."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
+Int64 = Annotated[JsonInt, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -81,20 +56,21 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     regex: str | None = Field(None, description="regular expression")
     choice: list[str] | None = Field(None, description="one of these strings")
     grammar: str | None = Field(None, description="GBNF/EBNF (::= rules) or Lark grammar")
-    json_object: bool | None = Field(None, description="any JSON object")
+    json_object: StrictBool | None = Field(None, description="any JSON object")
     structural_tag: str | None = Field(None, description="xgrammar structural tag (JSON)")
-    disable_any_whitespace: bool = Field(False, description="no free whitespace in JSON")
-    disable_additional_properties: bool = Field(
+    disable_any_whitespace: StrictBool = Field(False, description="no free whitespace in JSON")
+    disable_additional_properties: StrictBool = Field(
         False, description="objects take only the properties their schema lists")
-    disable_fallback: bool = False
-    whitespace_pattern: str | None = Field(None, description="not supported (xgrammar)")
+    disable_fallback: StrictBool = False
+    whitespace_pattern: Annotated[str | None, OnlyNull] = Field(
+        None, description="not supported (xgrammar)")
 
 
 class FunctionDefinition(OpenAIBaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ChatCompletionTool(OpenAIBaseModel):
@@ -112,35 +88,35 @@ class NamedToolChoice(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields completions and chat share."""
     model_config = ConfigDict(json_schema_extra=SAMPLING_RULES)
     model: str | None = None
-    frequency_penalty: float | None = sampling_range("frequency_penalty")
-    presence_penalty: float | None = sampling_range("presence_penalty")
+    frequency_penalty: JsonFloat | None = sampling_range("frequency_penalty")
+    presence_penalty: JsonFloat | None = sampling_range("presence_penalty")
     logit_bias: LogitBias | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: JsonInt = Field(1, ge=1, le=MAX_N)
     seed: Int64 | None = None
     stop: StopStrings = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = sampling_range("temperature")
-    top_p: float | None = sampling_range("top_p")
+    temperature: JsonFloat | None = sampling_range("temperature")
+    top_p: JsonFloat | None = sampling_range("top_p")
     user: str | None = None
     # vLLM's extra parameters (the client's `extra_body`).
     top_k: Int64 | None = None
-    min_p: float | None = sampling_range("min_p")
-    repetition_penalty: float | None = sampling_range("repetition_penalty")
+    min_p: JsonFloat | None = sampling_range("min_p")
+    repetition_penalty: JsonFloat | None = sampling_range("repetition_penalty")
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: Int64 = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     allowed_token_ids: list[TokenId] | None = None
     # Constrained output (openai/structured_outputs.py): OpenAI's response_format, vLLM's
     # structured_outputs, and vLLM's older guided_* spelling of the same.
@@ -153,7 +129,7 @@ class SamplingRequest(OpenAIBaseModel):
     # Other backends are refused by name; the schema shows the one served.
     guided_decoding_backend: Annotated[str | None, WithJsonSchema(
         {"anyOf": [{"enum": ["auto", "xgrammar"]}, {"type": "null"}]})] = None
-    guided_whitespace_pattern: str | None = None
+    guided_whitespace_pattern: Annotated[str | None, OnlyNull] = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -225,17 +201,17 @@ Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     # 0 only with echo: score the prompt (lm-eval's loglikelihood requests), generate nothing.
-    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, json_schema_extra=BUDGET)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: Annotated[int | None, WithJsonSchema(
+    max_tokens: JsonInt | None = Field(16, ge=0, le=INT64_MAX, json_schema_extra=BUDGET)
+    echo: StrictBool = False
+    logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Annotated[JsonInt | None, WithJsonSchema(
         {"type": "null", "description": "accepted only equal to n"})] = Field(None, ge=1,
                                                                             le=MAX_N)
     suffix: Annotated[str | None, OnlyNull] = None
     # vLLM's extra parameters.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: StrictBool = True
+    truncate_prompt_tokens: JsonInt | None = Field(None, ge=1, le=INT64_MAX)
 
     def check(self) -> None:
         self.check_stream_options()
@@ -318,25 +294,25 @@ class ChatCompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra=CHAT_RULES)
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=BUDGET)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
+    max_tokens: JsonInt | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=BUDGET)
+    max_completion_tokens: JsonInt | None = Field(None, ge=1, le=INT64_MAX,
                                               json_schema_extra=BUDGET)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictBool | None = False
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     functions: Annotated[list[dict[str, Any]] | None, OnlyNull] = None
     function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema(
         {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]})] = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
     # vLLM's extra parameters.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     # None: add the BOS only when the rendered template does not start with it.
-    add_special_tokens: bool | None = None
+    add_special_tokens: StrictBool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -385,13 +361,13 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionTool] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
+from mrv2.entrypoints.openai.openapi_rules import JsonInt
 from mrv2.entrypoints.openai.protocol import INT64_MAX, OpenAIBaseModel, Prompt
 from mrv2.pooling_params import PoolingParams
 
@@ -27,12 +28,12 @@ class EmbeddingRequest(OpenAIBaseModel):
     input: Prompt
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, le=INT64_MAX)
+    dimensions: JsonInt | None = Field(None, ge=1, le=INT64_MAX)
     user: str | None = None
     # vLLM's extra parameters (the client's `extra_body`).
     truncate_prompt_tokens: TruncatePromptTokens | None = None
-    normalize: bool | None = None
-    add_special_tokens: bool = True
+    normalize: StrictBool | None = None
+    add_special_tokens: StrictBool = True
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
@@ -73,7 +74,7 @@ class RerankRequest(OpenAIBaseModel):
     query: str
     documents: list[str]
     model: str | None = None
-    top_n: int = Field(0, ge=0, le=INT64_MAX, description="0: every document")
+    top_n: JsonInt = Field(0, ge=0, le=INT64_MAX, description="0: every document")
     truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 

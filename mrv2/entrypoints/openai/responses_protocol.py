@@ -2,8 +2,7 @@
 (the response object, its output items and the stream's events).
 
 A request runs through the chat route's machinery: its input items become chat messages
-(serving_responses.py), and `to_chat_request` builds the ChatCompletionRequest that renders,
-constrains and samples them.
+(serving_responses.py) and `to_chat_request` the ChatCompletionRequest that samples them.
 What this server does not implement (built-in tools, background mode, conversations, prompt
 templates, non-text input, logprobs via `include`) is refused by name in `check`; unknown
 fields are logged as ignored, as on every route.
@@ -17,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter,
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, TypeAdapter,
                       ValidationError, WithJsonSchema, field_validator)
 
 from mrv2.entrypoints.openai.errors import BadRequest
-from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, RESPONSES_RULES, OnlyNull,
-                                                   sampling_range)
+from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, FORMAT_RULES, RESPONSES_RULES,
+                                                   JsonFloat, JsonInt, OnlyNull, sampling_range)
 from mrv2.entrypoints.openai.protocol import (INT64_MAX, ChatCompletionRequest, LogitBias,
                                               OpenAIBaseModel)
 
@@ -121,13 +120,13 @@ class FunctionTool(OpenAIBaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class OtherTool(BaseModel):
-    """A built-in tool (web_search, file_search, mcp, ...): refused."""
+    """A built-in tool (web_search, file_search, mcp, ...): refused, so its schema is `not {}`."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"not": {}})
     type: str
 
 
@@ -147,11 +146,13 @@ class FunctionToolChoice(OpenAIBaseModel):
 
 
 class TextFormat(OpenAIBaseModel):
+    model_config = ConfigDict(json_schema_extra=FORMAT_RULES)
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextConfig(OpenAIBaseModel):
@@ -164,11 +165,11 @@ class ResponsesRequest(OpenAIBaseModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = Field(None, description="a system message ahead of the input")
-    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
+    max_output_tokens: JsonInt | None = Field(None, ge=1, le=INT64_MAX,
                                           json_schema_extra={CONTEXT_MARK: True})
-    temperature: float | None = sampling_range("temperature")
-    top_p: float | None = sampling_range("top_p")
-    stream: bool = False
+    temperature: JsonFloat | None = sampling_range("temperature")
+    top_p: JsonFloat | None = sampling_range("top_p")
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     text: TextConfig | None = None
     tools: list[Tool] | None = None
@@ -178,8 +179,8 @@ class ResponsesRequest(OpenAIBaseModel):
         WithJsonSchema({"anyOf": [{"enum": ["none", "auto", "required"]},
                                   {"$ref": "#/components/schemas/FunctionToolChoice"},
                                   {"type": "null"}]})] = None
-    parallel_tool_calls: bool = True
-    store: bool = Field(True, description="kept in this server's memory (bounded) for GET "
+    parallel_tool_calls: StrictBool = True
+    store: StrictBool = Field(True, description="kept in this server's memory (bounded) for GET "
                                           "/v1/responses/{id} and previous_response_id")
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -189,23 +190,23 @@ class ResponsesRequest(OpenAIBaseModel):
     service_tier: str | None = None
     reasoning: dict[str, Any] | None = Field(None, description="echoed; the chat template and "
                                                                "--reasoning-parser decide")
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
     # OpenAI's, not implemented here: refused when set (check); the schema shows the values
     # served.
-    background: Annotated[bool | None, WithJsonSchema(
+    background: Annotated[StrictBool | None, WithJsonSchema(
         {"anyOf": [{"const": False}, {"type": "null"}]})] = None
     conversation: Annotated[str | dict[str, Any] | None, OnlyNull] = None
     include: Annotated[list[str] | None, WithJsonSchema(
         {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
-    max_tool_calls: Annotated[int | None, OnlyNull] = None
+    max_tool_calls: Annotated[JsonInt | None, OnlyNull] = None
     prompt: Annotated[dict[str, Any] | None, OnlyNull] = None
     # "auto" is refused by name; the schema shows what is served.
     truncation: Annotated[Literal["auto", "disabled"] | None, WithJsonSchema(
         {"anyOf": [{"const": "disabled"}, {"type": "null"}]})] = None
     # vLLM's extra parameters (the client's `extra_body`).
-    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    top_k: JsonInt | None = Field(None, ge=-1, le=INT64_MAX)
     logit_bias: LogitBias | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: StrictBool = True
 
     @field_validator("input", mode="before")
     @classmethod

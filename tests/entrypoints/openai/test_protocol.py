@@ -57,7 +57,7 @@ def test_null_fields_mean_their_defaults():
 
 def test_unknown_fields_are_logged_and_ignored(caplog):
     """vLLM's rule: a field the server does not know is ignored, with a warning naming it."""
-    with caplog.at_level("WARNING", logger="mrv2.entrypoints.openai.protocol"):
+    with caplog.at_level("WARNING", logger="mrv2.entrypoints.openai.protocol_base"):
         request = CompletionRequest.model_validate({"prompt": "x", "unknown": None,
                                                     "stream_options": None, "zzz": {"a": 1}})
         chat = ChatCompletionRequest.model_validate(
