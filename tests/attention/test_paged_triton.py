@@ -187,10 +187,16 @@ def test_half_precision() -> None:
     assert (out.float() - ref_out).abs().max().item() <= 2e-3
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                         reason="needs a CUDA GPU")])])
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs a CUDA GPU")]
+
+
+# float16 on CUDA only: under the interpreter it differs from bfloat16 in the cast alone, and
+# each case costs CI ~25 s there.
+@pytest.mark.parametrize("cache_dtype, device", [
+    pytest.param(torch.bfloat16, "cpu", id="bf16-cpu"),
+    pytest.param(torch.float16, "cuda", id="f16-cuda", marks=_CUDA),
+    pytest.param(torch.bfloat16, "cuda", id="bf16-cuda", marks=_CUDA)])
 def test_float32_queries_over_a_16_bit_cache(cache_dtype: torch.dtype, device: str) -> None:
     """kv_cache_dtype under a float32 model: the write rounds as torch's `.to()` does, and
     attention reads the cache widened to float32, as the torch backend does."""
