@@ -15,6 +15,7 @@ import ctypes
 import gc
 import logging
 
+import numba
 import torch
 
 from executor.deferred import Deferred
@@ -26,6 +27,7 @@ from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner import ModelRunner
+from mrv2.utils import free_cores
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,15 @@ class Worker:
         self.num_kv_blocks = 0
         self._kv_shapes: list[torch.Size] | None = None  # while asleep: the caches' shapes
         self._fast_paths: cpu_fast_paths.CpuFastPaths | None = None
+        self._free_cores: free_cores.FreeCoreThreads | None = None
 
     def load_model(self) -> None:
         if self.device.type == "cpu":
             # Intra-op threads = the machine's cores; torch's default may oversubscribe.
             # Ranks on one machine share its cores.
             torch.set_num_threads(max(1, torch.get_num_threads() // self.world_size))
+            if self.world_size == 1 and free_cores.enabled():
+                self._free_cores = free_cores.FreeCoreThreads(numba.get_num_threads())
         elif self.device.index is not None:  # a CUDA rank: its own device
             torch.cuda.set_device(self.device)
         distributed.init_distributed(self.rank, self.world_size, self.distributed_init_method,
@@ -177,6 +182,8 @@ class Worker:
         distributed.destroy_distributed()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self._free_cores is not None:
+            free_cores.fit_kernel_threads(self._free_cores)
         self.runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None
@@ -184,6 +191,8 @@ class Worker:
         """Phase 2. With a copy in flight (CUDA) it returns the AsyncOutput at once: the
         executor resolves it while this worker already runs the next step's phase 1. An
         output that is ready (CPU) goes back directly: a thread hop would only cost."""
+        if self._free_cores is not None:
+            free_cores.fit_kernel_threads(self._free_cores)
         output = self.runner.sample_tokens_async(grammar_output)
         if isinstance(output, AsyncOutput) and not output.copy_in_flight:
             return output.get_output()

@@ -11,6 +11,9 @@ import torch
 # Tests measure correctness, not speed: keep them reproducible and off extra threads.
 torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A fixed kernel thread count: fitted to the free cores (mrv2/utils/free_cores.py), it would
+# follow the other pytest worker's load, and with it the decode attention's work split.
+os.environ.setdefault("MRV2_FIT_THREADS_TO_FREE_CORES", "0")
 
 
 @pytest.fixture(scope="session")
