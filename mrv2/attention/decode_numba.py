@@ -153,7 +153,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
     # A block's token row holds every kv head: [num_kv_heads, head_dim], contiguous. An item
     # reads (and prefetches) only its kv heads' run of each row.
     row_bytes = num_kv_heads * head_dim * k_cache.itemsize
-    item_start = head_dim * k_cache.itemsize  # times kv0 below
+    head_bytes = head_dim * k_cache.itemsize
     item_bytes = kv_per_item * head_dim * k_cache.itemsize
     items_per_row = num_kv_heads // kv_per_item
     nh = kv_per_item * group
@@ -181,7 +181,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                     for d in range(head_dim):
                         out[row, h0 + h, d] = 0.0
             continue
-        start = kv0 * item_start
+        start = kv0 * head_bytes
         qs = np.empty((nh, head_dim), dtype=np.float32)
         for h in range(nh):
             for d in range(head_dim):

@@ -36,6 +36,8 @@ def _integral_float_to_int(value: Any) -> Any:
 # them and saw a 200).
 JsonInt = Annotated[StrictInt, BeforeValidator(_integral_float_to_int)]
 JsonFloat = Annotated[float, Strict()]  # an integer is a number too
+# JsonInt's parts, the bounds before the validator: so they render as minimum / maximum in the
+# items of the lists a token id appears in (protocol_base renames bounds on properties only).
 TokenId = Annotated[StrictInt,
                     Field(ge=0, le=INT64_MAX, json_schema_extra={TOKEN_ID_MARK: "integer"}),
                     BeforeValidator(_integral_float_to_int)]
