@@ -45,10 +45,11 @@ from typing import Callable
 
 import torch
 
+from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK  # inputs sharing an int8 scale
+
 U32 = 2.0 ** -24
 BFLOAT16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits, round to nearest
 FLOAT16_UNIT_ROUNDOFF = 2.0 ** -11
-INT8_BLOCK = 32  # inputs sharing one int8 scale (GGUF's Q8 activation blocks)
 
 
 def gamma(n: int) -> float:

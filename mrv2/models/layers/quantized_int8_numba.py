@@ -167,26 +167,25 @@ _i8_int8_dots4, _i8_int8_dots2, _i8_int8_dots1 = (
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def gemv_row_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, out):
-    m0, m_rows = 0, xq.shape[0]
-    while m0 < m_rows:
-        left = m_rows - m0
-        if left >= 4:
-            t4 = (_u4_int8_dots4(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
-                  else _i8_int8_dots4(xq, dx, q, scales, mins, xsum, shift, r, m0))
-            for i in range(4):
-                out[m0 + i, r] = t4[i]
-            m0 += 4
-        elif left >= 2:
-            t2 = (_u4_int8_dots2(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
-                  else _i8_int8_dots2(xq, dx, q, scales, mins, xsum, shift, r, m0))
-            out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-            m0 += 2
-        else:
-            t1 = (_u4_int8_dots1(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
-                  else _i8_int8_dots1(xq, dx, q, scales, mins, xsum, shift, r, m0))
-            out[m0, r] = t1[0]
-            m0 += 1
+def gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
+    """Rows m0.. of the int8 x (4, 2 or 1, as many as are left) against weight row r; returns
+    how many."""
+    left = xq.shape[0] - m0
+    if left >= 4:
+        t4 = (_u4_int8_dots4(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
+              else _i8_int8_dots4(xq, dx, q, scales, mins, xsum, shift, r, m0))
+        for i in range(4):
+            out[m0 + i, r] = t4[i]
+        return 4
+    if left >= 2:
+        t2 = (_u4_int8_dots2(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
+              else _i8_int8_dots2(xq, dx, q, scales, mins, xsum, shift, r, m0))
+        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+        return 2
+    t1 = (_u4_int8_dots1(xq, dx, q, scales, mins, xsum, shift, r, m0) if packed
+          else _i8_int8_dots1(xq, dx, q, scales, mins, xsum, shift, r, m0))
+    out[m0, r] = t1[0]
+    return 1
 
 
 @njit(fastmath=True, cache=True)

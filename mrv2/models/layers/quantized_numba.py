@@ -37,7 +37,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.quantized_int8_numba import (INT8_BLOCK, gemv_row_int8,
+from mrv2.models.layers.quantized_int8_numba import (INT8_BLOCK, gemv_rows_int8,
                                                      quantize_rows_int8)
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
@@ -45,6 +45,9 @@ from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I
                                           widen_half, x_rows_and_accumulators)
 
 GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
+# x up to this many bytes is read whole by every weight row (from L1: 32 KiB on x86 cores, room
+# left for the weight rows); a larger x in blocks of 4 rows (gemv_groups).
+X_IN_L1_BYTES = 24 * 1024
 # Nibble values of every byte as float32: numba widens integer ops to int64, and AVX2 has no
 # vector int64 -> float conversion, so `float(b & 15)` runs scalar; two table loads are cheaper.
 NIBBLE_LO = (np.arange(256) & 15).astype(np.float32)
@@ -146,26 +149,33 @@ _i8_dots4, _i8_dots2, _i8_dots1 = (_make_dots(n, False) for n in DOT_ROWS)
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _gemv_row(x, q, scales, packed, shift, r, out):
-    m0, m_rows = 0, x.shape[0]
-    while m0 < m_rows:
-        left = m_rows - m0
-        if left >= 4:
-            t4 = (_u4_dots4(x, q, scales, shift, r, m0) if packed
-                  else _i8_dots4(x, q, scales, shift, r, m0))
-            for i in range(4):
-                out[m0 + i, r] = t4[i]
-            m0 += 4
-        elif left >= 2:
-            t2 = (_u4_dots2(x, q, scales, shift, r, m0) if packed
-                  else _i8_dots2(x, q, scales, shift, r, m0))
-            out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-            m0 += 2
-        else:
-            t1 = (_u4_dots1(x, q, scales, shift, r, m0) if packed
-                  else _i8_dots1(x, q, scales, shift, r, m0))
-            out[m0, r] = t1[0]
-            m0 += 1
+def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
+    """Rows m0.. of x (4, 2 or 1 of them, as many as are left) against weight row r; returns
+    how many."""
+    left = x.shape[0] - m0
+    if left >= 4:
+        t4 = (_u4_dots4(x, q, scales, shift, r, m0) if packed
+              else _i8_dots4(x, q, scales, shift, r, m0))
+        for i in range(4):
+            out[m0 + i, r] = t4[i]
+        return 4
+    if left >= 2:
+        t2 = (_u4_dots2(x, q, scales, shift, r, m0) if packed
+              else _i8_dots2(x, q, scales, shift, r, m0))
+        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+        return 2
+    t1 = (_u4_dots1(x, q, scales, shift, r, m0) if packed
+          else _i8_dots1(x, q, scales, shift, r, m0))
+    out[m0, r] = t1[0]
+    return 1
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _rows_against(x, xq, dx, q, scales, mins, xsum, packed, shift, int8_x, r, m0, out):
+    """Rows m0.. of x (float32, or int8 with the min term inside) against weight row r."""
+    if int8_x:
+        return gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
+    return _gemv_rows(x, q, scales, packed, shift, r, m0, out)
 
 
 @njit(fastmath=True, cache=True)
@@ -197,14 +207,29 @@ def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
     xq = np.empty((m_rows if int8_x else 0, k_dim), np.int8)
     dx = np.empty((xq.shape[0], k_dim // INT8_BLOCK), np.float32)
     quantize_rows_int8(x, xq, dx)
+    x_bytes = m_rows * k_dim * (1 if int8_x else 4)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
-        for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
-            if int8_x:  # the min term inside the kernel
-                gemv_row_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, out)
-                continue
-            _gemv_row(x, q, scales, packed, shift, r, out)
-            if has_min:
+        r0, r1 = c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)
+        if x_bytes <= X_IN_L1_BYTES:  # weight rows outer, each against all of x (in L1)
+            for r in range(r0, r1):
+                m0 = 0
+                while m0 < m_rows:
+                    m0 += _rows_against(x, xq, dx, q, scales, mins, xsum, packed, shift, int8_x,
+                                        r, m0, out)
+        else:
+            # x's rows outer, 4 at a time against each of the task's weight rows: those rows'
+            # blocks and the 4 rows of x stay in L1 while every pair is summed (weight rows
+            # outer would read all of x from L2 once per weight row).
+            m0 = 0
+            while m0 < m_rows:
+                done = 0
+                for r in range(r0, r1):
+                    done = _rows_against(x, xq, dx, q, scales, mins, xsum, packed, shift,
+                                         int8_x, r, m0, out)
+                m0 += done
+        if has_min and not int8_x:
+            for r in range(r0, r1):
                 for m in range(m_rows):
                     acc = np.float32(0.0)
                     for g in range(groups):
@@ -271,23 +296,22 @@ _bf16_dots4, _bf16_dots2, _bf16_dots1 = (_make_half_dots(n, True) for n in DOT_R
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _gemv_half_row(x, q, bf16, r, out):
-    m0, m_rows = 0, x.shape[0]
-    while m0 < m_rows:
-        left = m_rows - m0
-        if left >= 4:
-            t4 = _bf16_dots4(x, q, r, m0) if bf16 else _f16_dots4(x, q, r, m0)
-            for i in range(4):
-                out[m0 + i, r] = t4[i]
-            m0 += 4
-        elif left >= 2:
-            t2 = _bf16_dots2(x, q, r, m0) if bf16 else _f16_dots2(x, q, r, m0)
-            out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-            m0 += 2
-        else:
-            t1 = _bf16_dots1(x, q, r, m0) if bf16 else _f16_dots1(x, q, r, m0)
-            out[m0, r] = t1[0]
-            m0 += 1
+def _gemv_half_rows(x, q, bf16, r, m0, out):
+    """Rows m0.. of x (4, 2 or 1, as many as are left) against 16-bit weight row r; returns
+    how many."""
+    left = x.shape[0] - m0
+    if left >= 4:
+        t4 = _bf16_dots4(x, q, r, m0) if bf16 else _f16_dots4(x, q, r, m0)
+        for i in range(4):
+            out[m0 + i, r] = t4[i]
+        return 4
+    if left >= 2:
+        t2 = _bf16_dots2(x, q, r, m0) if bf16 else _f16_dots2(x, q, r, m0)
+        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+        return 2
+    t1 = _bf16_dots1(x, q, r, m0) if bf16 else _f16_dots1(x, q, r, m0)
+    out[m0, r] = t1[0]
+    return 1
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -297,5 +321,10 @@ def gemv_half(x, q, bf16, out):
     n_dim = q.shape[0]
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
+        # Weight rows outer: a task's 16-bit rows (2 bytes a weight, 16 rows of K = 1536 are
+        # 48 KiB) would not stay in L1 across blocks of x, and x's rows outer measured up to
+        # 10% slower at 8 rows (bench/README.md); the packed blocks of gemv_groups do.
         for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
-            _gemv_half_row(x, q, bf16, r, out)
+            m0 = 0
+            while m0 < x.shape[0]:
+                m0 += _gemv_half_rows(x, q, bf16, r, m0, out)
