@@ -10,8 +10,9 @@ of 1 token (the prefill and its first token) are timed back to back; the decode 
 once untimed first (first calls at those shapes), then `--repeats` rounds alternate the
 engines, so a change in the machine's load reaches them alike; the table gives the median.
 
-The roofline limit of bench/roofline.py is not reported: it lives in bench/ (it imports
-bench's e2e_workload and measures the machine with the engine's kernels), outside the package.
+A last column gives each row's roofline limit (sweep_roofline.py): the decode tokens/s no
+engine passes reading the checkpoint's weights as stored, at the read bandwidth and float32 GEMM
+rate measured right before the engines run.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                          + "; ".join(skip.line() for skip in skips))
     setup = SweepSetup(max(batches), args.input_len, args.output_len, args.seed, cpu.threads)
     load_start = load_average()
+    roofline = _roofline(model, batches, args, cpu.threads)
     measurements, load_skips = measure(specs, model, setup, batches, args.repeats)
     skips += load_skips
     result = {
@@ -126,6 +128,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                     if s.column not in {k.engine for k in load_skips}],
         "skipped": [{"engine": s.engine, "reason": s.reason} for s in skips],
         "measurements": measurements}
+    if roofline is not None:
+        result["roofline"] = roofline
     print(format_table(result, args.format))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -135,6 +139,20 @@ def run_sweep(args: argparse.Namespace) -> int:
 
         write_chart(result, args.output_png)
     return 0
+
+
+def _roofline(model: SweepModel, batches: list[int], args: argparse.Namespace,
+              threads: int) -> dict[str, Any] | None:
+    from mrv2.entrypoints.bench.sweep_roofline import decode_limit_tok_s, measure_rates
+
+    if model.shapes is None:
+        return None
+    _progress("measuring the read bandwidth and float32 GEMM rate")
+    rates = measure_rates(threads)
+    return {"rates": rates.as_json(), "weight_bytes": model.shapes.weight_bytes,
+            "decode_tok_s": {str(b): decode_limit_tok_s(model.shapes, b, args.input_len,
+                                                        args.output_len, rates)
+                             for b in batches}}
 
 
 def machine_info(cpu: Any, load_start: float | None, load_end: float | None) -> dict[str, Any]:
@@ -161,8 +179,7 @@ def measure(specs: list[EngineSpec], model: SweepModel, setup: SweepSetup, batch
                for b in batches}
     engines: list[Any] = []
     skips: list[Skip] = []
-    cells = {(s.column, b): _cell(s, b, "ok" if s.runs(b) else "n/a") for s in specs
-             for b in batches}
+    cells = {(s.column, b): _cell(s, b) for s in specs for b in batches}
     try:
         for spec in specs:
             _progress(f"loading {spec.column}")
@@ -187,11 +204,9 @@ def measure(specs: list[EngineSpec], model: SweepModel, setup: SweepSetup, batch
     return list(cells.values()), skips
 
 
-def _cell(spec: EngineSpec, batch: int, status: str) -> dict[str, Any]:
-    note = "batch 1 only: its Python API decodes one sequence at a time" if status == "n/a" \
-        else None
+def _cell(spec: EngineSpec, batch: int) -> dict[str, Any]:
     return {"column": spec.column, "engine": spec.engine, "precision": spec.precision,
-            "batch": batch, "status": status, "note": note, "decode_tok_s": [], "wall_s": [],
+            "batch": batch, "status": "ok", "note": None, "decode_tok_s": [], "wall_s": [],
             "first_token_s": []}
 
 

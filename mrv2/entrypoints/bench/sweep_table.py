@@ -1,7 +1,8 @@
 """The table of `mrv2 bench sweep`: one row per (model, batch), one column per (engine,
 precision), each cell the median decode throughput and, in parentheses, the median wall time of
-a whole run; the best of each row in bold (markdown) or marked `*` (text). Above it, the CPU
-and its load; below it, the engines left out and why. Built from the sweep's JSON result, so a
+a whole run; the best of each row in bold (markdown) or marked `*` (text); last, the row's
+roofline limit where the result has one. Above it, the CPU and its load; below it, the engines
+left out and why. Built from the sweep's JSON result, so a
 saved result prints the same table again.
 """
 
@@ -25,6 +26,7 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[tuple[list[str],
     when no cell of the row has a value)."""
     columns = [e["column"] for e in result["engines"]]
     by_key = {(m["column"], m["batch"]): m for m in result["measurements"]}
+    limits = result.get("roofline", {}).get("decode_tok_s")
     rows = []
     for batch in result["batch_sizes"]:
         cells = [by_key.get((c, batch)) for c in columns]
@@ -32,9 +34,11 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[tuple[list[str],
                   for c in cells]
         scored = [(v, i) for i, v in enumerate(values) if v is not None]
         best = max(scored)[1] if scored else None
-        rows.append(([result["model_name"], str(batch)] + [_cell_text(c) for c in cells],
-                     None if best is None else best + 2))
-    return ["model", "batch"] + columns, rows
+        texts = [result["model_name"], str(batch)] + [_cell_text(c) for c in cells]
+        if limits is not None:
+            texts.append(f"{limits[str(batch)]:.0f}")
+        rows.append((texts, None if best is None else best + 2))
+    return ["model", "batch"] + columns + (["roofline (float32)"] if limits else []), rows
 
 
 def header_lines(result: dict[str, Any], fmt: str) -> list[str]:
@@ -54,7 +58,18 @@ def header_lines(result: dict[str, Any], fmt: str) -> list[str]:
             f"Decode output tokens/s, median of {result['repeats']} (in parentheses: the median "
             f"wall time of a whole run, prefill included). Prompts of {result['input_len']} "
             f"random token ids, {result['output_len']} tokens out, greedy, EOS ignored; the "
-            f"best of each row {best}.", ""]
+            f"best of each row {best}.", *_roofline_line(result), ""]
+
+
+def _roofline_line(result: dict[str, Any]) -> list[str]:
+    roofline = result.get("roofline")
+    if roofline is None:
+        return []
+    rates = roofline["rates"]
+    return [f"Roofline: the decode tokens/s no engine passes reading the checkpoint's "
+            f"{roofline['weight_bytes'] / 1e6:.0f} MB of weights once a step, and the float32 "
+            f"KV cache, at {rates['read_GB_per_s']:.1f} GB/s, computing at "
+            f"{rates['gemm_GFLOP_per_s']:.0f} GFLOP/s (float32; both measured here)."]
 
 
 def format_table(result: dict[str, Any], fmt: str = "markdown") -> str:

@@ -4,12 +4,16 @@ here: they record how they were called and answer with `max_tokens` tokens each.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import time
 import types
 from typing import Any
 
+import numpy as np
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+FAKE_VOCAB = 97
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -55,31 +59,81 @@ def _tokens(prompt: list[int], n: int) -> list[int]:
     return [(sum(prompt) + i) % 97 for i in range(n)]
 
 
-class FakeLlama:
-    """llama_cpp.Llama: records its arguments; `generate` streams tokens forever (as the real
-    one does, EOS included), one per `next`."""
+class FakeLlamaCpp:
+    """llama_cpp.llama_cpp, the C API's bindings, as the sweep calls them: records the
+    parameters and every decoded batch; the logits of a token at position p put the maximum at
+    (token + p) % FAKE_VOCAB, so the greedy continuation of each sequence is known."""
 
-    instances: list["FakeLlama"] = []
+    instances: list["FakeLlamaCpp"] = []
 
-    def __init__(self, model_path: str, **kwargs: Any) -> None:
-        self.model_path, self.kwargs = model_path, kwargs
-        self.resets = 0
-        self.generate_kwargs: dict[str, Any] = {}
-        FakeLlama.instances.append(self)
+    def __init__(self) -> None:
+        self.model_path: str | None = None
+        self.context_params: Any = None
+        self.batches: list[list[tuple[int, int, int, bool]]] = []
+        self.clears = 0
+        self.freed: list[str] = []
+        self._logits = np.zeros((0, FAKE_VOCAB), np.float32)
+        FakeLlamaCpp.instances.append(self)
 
-    def reset(self) -> None:
-        self.resets += 1
+    def llama_backend_init(self) -> None:
+        pass
 
-    def generate(self, tokens: list[int], **kwargs: Any):
-        self.generate_kwargs = kwargs
-        i = 0
-        while True:
-            time.sleep(0.002)
-            yield (sum(tokens) + i) % 97
-            i += 1
+    def llama_model_default_params(self) -> Any:
+        return types.SimpleNamespace(n_gpu_layers=99)
 
-    def close(self) -> None:
-        self.closed = True
+    def llama_model_load_from_file(self, path: bytes, params: Any) -> str:
+        assert params.n_gpu_layers == 0
+        self.model_path = path.decode()
+        return "model"
+
+    def llama_context_default_params(self) -> Any:
+        return types.SimpleNamespace()
+
+    def llama_init_from_model(self, model: str, params: Any) -> str:
+        self.context_params = params
+        return "ctx"
+
+    def llama_model_get_vocab(self, model: str) -> str:
+        return "vocab"
+
+    def llama_vocab_n_tokens(self, vocab: str) -> int:
+        return FAKE_VOCAB
+
+    def llama_batch_init(self, n_tokens: int, embd: int, n_seq_max: int) -> Any:
+        return types.SimpleNamespace(n_tokens=0, token=[0] * n_tokens, pos=[0] * n_tokens,
+                                     n_seq_id=[0] * n_tokens,
+                                     seq_id=[[0] for _ in range(n_tokens)],
+                                     logits=[False] * n_tokens)
+
+    def llama_get_memory(self, ctx: str) -> str:
+        return "memory"
+
+    def llama_memory_clear(self, memory: str, data: bool) -> None:
+        self.clears += 1
+
+    def llama_decode(self, ctx: str, batch: Any) -> int:
+        n = batch.n_tokens
+        entries = [(batch.token[i], batch.pos[i], batch.seq_id[i][0], bool(batch.logits[i]))
+                   for i in range(n)]
+        assert all(batch.n_seq_id[i] == 1 for i in range(n))
+        self.batches.append(entries)
+        self._logits = np.zeros((n, FAKE_VOCAB), np.float32)
+        for i, (token, position, _, _) in enumerate(entries):
+            self._logits[i, (token + position) % FAKE_VOCAB] = 1.0
+        time.sleep(0.002)
+        return 0
+
+    def llama_get_logits_ith(self, ctx: str, i: int) -> Any:
+        return self._logits[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+    def llama_batch_free(self, batch: Any) -> None:
+        self.freed.append("batch")
+
+    def llama_free(self, ctx: str) -> None:
+        self.freed.append("context")
+
+    def llama_model_free(self, model: str) -> None:
+        self.freed.append("model")
 
 
 class FakeVllmLLM:
@@ -98,9 +152,9 @@ class FakeVllmLLM:
 
 def fake_peer_modules() -> dict[str, types.ModuleType]:
     """{"llama_cpp": ..., "vllm": ...}, fresh instance lists, to put in sys.modules."""
-    FakeLlama.instances, FakeVllmLLM.instances = [], []
+    FakeLlamaCpp.instances, FakeVllmLLM.instances = [], []
     llama_cpp = types.ModuleType("llama_cpp")
-    llama_cpp.Llama, llama_cpp.__version__ = FakeLlama, "0.3.36-fake"
+    llama_cpp.llama_cpp, llama_cpp.__version__ = FakeLlamaCpp(), "0.3.36-fake"
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.__version__ = FakeVllmLLM, "0.32.0-fake"
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)

@@ -1,10 +1,12 @@
 """Which engines `mrv2 bench sweep` runs, and what it reads of the model first. The engines
-themselves run in test_sweep.py (mrv2, transformers; llama.cpp and vLLM faked)."""
+themselves run in test_sweep.py (mrv2, transformers; llama.cpp and vLLM faked); the llama.cpp
+engine's batching here, faked and (where installed) real."""
 
 from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, AutoTokenizer
@@ -34,10 +36,17 @@ def test_resolve_model_reads_the_gguf(tiny_gguf_factory, tiny_llama):
     assert model.vocab_size == vocab
     # tiny llama: 2 layers x (K + V) x 2 KV heads x head dim 16 x 4 bytes
     assert model.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    from mrv2.models.gguf.checkpoint import open_gguf
+    tensors = open_gguf(model.path).tensors
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    assert model.shapes.weight_bytes == head.data.nbytes + sum(
+        t.data.nbytes for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
+    assert model.shapes.layers == 2 and model.shapes.hidden == 64
     directory = read_sweep_model(str(tiny_llama))
     assert not directory.is_gguf and directory.gguf_type is None
     assert directory.vocab_size == vocab and directory.name == tiny_llama.name
     assert directory.hf_dir() == str(tiny_llama)  # no twin for a directory
+    assert directory.shapes.weight_bytes == 4 * directory.shapes.linear_params  # float32
 
 
 def test_plan_on_an_avx2_machine_without_peers(no_peers):
@@ -62,9 +71,8 @@ def test_plan_with_peers_installed_or_broken(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     specs, skips = plan_engines(["llama.cpp", "vllm"], _model(), "bfloat16")
-    assert [(s.column, s.max_batch) for s in specs] == [("llama.cpp gguf Q4_1", 1),
-                                                        ("vLLM float32", None)]
-    assert not skips and specs[0].runs(1) and not specs[0].runs(2) and specs[1].runs(64)
+    assert [s.column for s in specs] == ["llama.cpp gguf Q4_1", "vLLM float32"]
+    assert not skips
 
     def broken(name):
         raise RuntimeError("no libstdc++")
@@ -78,3 +86,41 @@ def test_setup_and_versions():
     assert SweepSetup(8, 64, 32, 0, 2).max_model_len == 64 + 32 + 16
     assert engine_version(EngineSpec("mrv2:float32", "mrv2", "float32"))
     assert engine_version(EngineSpec("transformers", "transformers", "float32"))
+
+
+def test_llama_cpp_engine_batches_every_prompt(monkeypatch):
+    """The prompts prefilled in batches of LLAMA_CPP_BATCH_TOKENS (logits for each prompt's last
+    token only), then one decode a step with each sequence's argmax; the fake's logits peak at
+    (token + position) % 97."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sweep_helpers import fake_peer_modules
+
+    for name, module in fake_peer_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sweep_engines, "LLAMA_CPP_BATCH_TOKENS", 2)
+    engine = sweep_engines.load_engine(EngineSpec("llama.cpp", "llama.cpp", "gguf Q4_1"),
+                                       _model(), SweepSetup(2, 3, 4, 0, 1))
+    assert engine.generate([[1, 2, 3], [5]], 4) == [[5, 8, 12, 17], [5, 6, 8, 11]]
+    lib = sys.modules["llama_cpp"].llama_cpp
+    assert lib.batches[:2] == [[(1, 0, 0, False), (2, 1, 0, False)],
+                               [(3, 2, 0, True), (5, 0, 1, True)]]
+    assert lib.batches[2] == [(5, 3, 0, True), (5, 1, 1, True)]
+    engine.shutdown()
+    assert lib.freed == ["batch", "context", "model"]
+
+
+def test_llama_cpp_batch_equals_one_prompt_at_a_time(tiny_gguf_factory):
+    """The real llama.cpp (where llama-cpp-python is installed): a batch of three prompts gives
+    each prompt's tokens alone."""
+    pytest.importorskip("llama_cpp")
+    path = tiny_gguf_factory("llama", "Q8_0")
+    model = read_sweep_model(str(path))
+    prompts = [[5, 17, 300, 42, 9], [1000, 3, 3, 77], [250]]
+    engine = sweep_engines.load_engine(EngineSpec("llama.cpp", "llama.cpp", "gguf Q8_0"), model,
+                                       SweepSetup(3, 5, 6, 0, 1))
+    try:
+        batched = engine.generate(prompts, 6)
+        alone = [engine.generate([p], 6)[0] for p in prompts]
+    finally:
+        engine.shutdown()
+    assert batched == alone and all(len(t) == 6 for t in batched)

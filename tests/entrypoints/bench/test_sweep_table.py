@@ -44,3 +44,19 @@ def test_rows_without_a_value_have_no_best():
     _, rows = table_rows(result)
     assert rows[0][1] == 3 and rows[1] == (["SmolLM2-135M-Instruct.Q4_1", "8", "-", "error",
                                             "n/a"], None)
+
+
+def test_roofline_column_and_line():
+    result = make_result()
+    result["roofline"] = {"rates": {"read_GB_per_s": 21.5, "gemm_GFLOP_per_s": 95.0,
+                                    "threads": 2},
+                          "weight_bytes": 98_000_000, "decode_tok_s": {"1": 201.4, "8": 1490.2}}
+    lines = format_table(result, "markdown").splitlines()
+    assert ("| model | batch | mrv2 float32 | mrv2 gguf Q4_1 | llama.cpp gguf Q4_1 | "
+            "roofline (float32) |") in lines
+    assert ("| SmolLM2-135M-Instruct.Q4_1 | 1 | 31.0 (1.00 s) | **36.0** (1.00 s) | "
+            "21.0 (1.00 s) | 201 |") in lines  # the limit is never the row's best
+    assert "| SmolLM2-135M-Instruct.Q4_1 | 8 | **81.0** (1.00 s) | error | n/a | 1490 |" in lines
+    assert ("Roofline: the decode tokens/s no engine passes reading the checkpoint's 98 MB of "
+            "weights once a step, and the float32 KV cache, at 21.5 GB/s, computing at 95 "
+            "GFLOP/s (float32; both measured here).") in lines
