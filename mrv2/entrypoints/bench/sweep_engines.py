@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -253,6 +254,9 @@ class LlamaCppEngine:
     def __init__(self, spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> None:
         module, _ = _import_peer("llama.cpp")
         self.spec = spec
+        # llama-cpp-python prints llama.cpp's log lines at or above its logger's level (its
+        # Llama(verbose=False) sets ERROR too).
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         self._c = lib = module.llama_cpp
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
