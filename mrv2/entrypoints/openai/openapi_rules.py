@@ -67,6 +67,19 @@ NON_EMPTY_PROMPT_SCHEMA = {"anyOf": [
 # A Responses text.format of type json_schema needs its schema (a 400 without it).
 FORMAT_RULES = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
                 "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}}
+# A chat response_format carries what its type needs (the handler's 400 otherwise): json_schema
+# its json_schema.schema; structural_tag xgrammar's `format`, or non-empty `structures` with
+# `triggers`.
+RESPONSE_FORMAT_RULES = {"allOf": [
+    {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+     "then": {"required": ["json_schema"], "properties": {"json_schema": {
+         "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}},
+    {"if": {"properties": {"type": {"const": "structural_tag"}}, "required": ["type"]},
+     "then": {"anyOf": [
+         {"required": ["format"], "properties": {"format": {"type": "object"}}},
+         {"required": ["structures", "triggers"],
+          "properties": {"structures": {"type": "array", "minItems": 1},
+                         "triggers": {"type": "array"}}}]}}]}
 # A tool_choice other than "none" (or unset) needs tools.
 TOOL_CHOICE_NEEDS_TOOLS = {"not": {"required": ["tool_choice"], "properties": {
     "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},

@@ -20,7 +20,7 @@ from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.protocol_base import OpenAIBaseModel
 from mrv2.entrypoints.openai.openapi_rules import (
     BUDGET, CHAT_RULES, INT64_MAX, NON_EMPTY_PROMPT_SCHEMA, TOKENIZE_RULES, JsonFloat, JsonInt,
-    LogitBias, OnlyNull,
+    LogitBias, OnlyNull, RESPONSE_FORMAT_RULES,
     SAMPLING_RULES, StopStrings, TokenId, sampling_range)
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -40,6 +40,8 @@ class JsonSchemaFormat(OpenAIBaseModel):
 class ResponseFormat(OpenAIBaseModel):
     """OpenAI's response_format; "structural_tag" is vLLM's (xgrammar's `format`, or the
     older `structures` + `triggers`)."""
+
+    model_config = ConfigDict(json_schema_extra=RESPONSE_FORMAT_RULES)
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None

@@ -349,6 +349,19 @@ def test_the_schema_refuses_what_the_server_refuses(document):
     assert not valid("ChatCompletionRequest", {**chat, "structured_outputs": {
         "json": {"type": "object"}, "whitespace_pattern": " "}})
     assert not valid("ChatCompletionRequest", {**chat, "guided_whitespace_pattern": " "})
+    # A chat response_format without what its type needs (a longer stateful run sent a
+    # structural_tag with structures but no triggers).
+    for refused in ({"type": "structural_tag", "structures": [{"begin": "<a>"}]},
+                    {"type": "structural_tag", "format": None},
+                    {"type": "structural_tag", "structures": [], "triggers": ["<a"]},
+                    {"type": "json_schema", "json_schema": {"name": "x"}}):
+        assert not valid("ChatCompletionRequest", {**chat, "response_format": refused}), refused
+    for taken in ({"type": "structural_tag", "structures": [{"begin": "<a>"}],
+                   "triggers": ["<a"]},
+                  {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}},
+                  {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+                  {"type": "json_object"}, {"type": "text"}):
+        assert valid("ChatCompletionRequest", {**chat, "response_format": taken}), taken
 
 
 @pytest.mark.parametrize("model, body", [
