@@ -56,7 +56,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
 
     json_: str | dict[str, Any] | None = Field(None, alias="json", description="JSON schema")
     regex: str | None = Field(None, description="regular expression")
-    choice: list[str] | None = Field(None, description="one of these strings")
+    choice: list[str] | None = Field(None, description="one of these strings",
+                                     json_schema_extra={"minItems": 1})
     grammar: str | None = Field(None, description="GBNF/EBNF (::= rules) or Lark grammar")
     json_object: StrictBool | None = Field(None, description="any JSON object")
     structural_tag: str | None = Field(None, description="xgrammar structural tag (JSON)")
@@ -126,7 +127,7 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, json_schema_extra={"minItems": 1})
     guided_grammar: str | None = None
     # Other backends are refused by name; the schema shows the one served.
     guided_decoding_backend: Annotated[str | None, WithJsonSchema(

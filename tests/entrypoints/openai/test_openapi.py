@@ -362,6 +362,10 @@ def test_the_schema_refuses_what_the_server_refuses(document):
                   {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
                   {"type": "json_object"}, {"type": "text"}):
         assert valid("ChatCompletionRequest", {**chat, "response_format": taken}), taken
+    # An empty choice list is refused (SamplingParams needs one string at least).
+    assert not valid("ChatCompletionRequest", {**chat, "guided_choice": []})
+    assert not valid("ChatCompletionRequest", {**chat, "structured_outputs": {"choice": []}})
+    assert valid("ChatCompletionRequest", {**chat, "guided_choice": ["a"]})
 
 
 @pytest.mark.parametrize("model, body", [
