@@ -156,27 +156,35 @@ class _Model:
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w = self.w[self.aliases.get(name, name)]
         ax = x.detach().abs()
-        blocks = w.shape[1] % INT8_BLOCK == 0
-        floor = {False: gamma(w.shape[1] + 4) * (ax @ w.abs().T)}
-        if blocks:
-            floor[True] = gamma(w.shape[1] + 4) * (ax @ _block_weight_abs(w).T)
-        y = x @ self.weight(name).T
-        return self.taps(y, 0.0, lambda r: floor[r.weights_in_blocks and blocks])
+        in_blocks = w.shape[1] % INT8_BLOCK == 0
+
+        def floor(r: Rounding) -> torch.Tensor:
+            w_abs = _block_weight_abs(w) if r.weights_in_blocks and in_blocks else w.abs()
+            return gamma(w.shape[1] + 4) * (ax @ w_abs.T)
+
+        return self.taps(x @ self.weight(name).T, 0.0, floor)
 
     def norm(self, h: torch.Tensor, name: str) -> torch.Tensor:
         y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
         return self.taps(y, gamma(h.shape[-1] + 4) * y.detach().abs())
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotary_tables(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] of positions 0..t-1, and their float32 error: the angle is
+        gamma(2) |angle| off, each of cos and sin 1 ulp."""
         half = self.head_dim // 2
         inv_freq = self.theta ** -(torch.arange(half, dtype=torch.float64) / half)
-        angle = positions[:, None].double() * inv_freq  # [T, half]
+        angle = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq  # [T, half]
         cos = torch.cat([angle.cos()] * 2, -1)[:, None]
         sin = torch.cat([angle.sin()] * 2, -1)[:, None]
+        trig = gamma(2) * torch.cat([angle.abs()] * 2, -1)[:, None] + 2 * U32
+        return cos, sin, trig
+
+    def rotary(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+        cos, sin, trig = tables
+        half = self.head_dim // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
         y = x * cos + rot * sin
-        # cos and sin of a float32 angle: the angle is gamma(2) |angle| off, each result 1 ulp.
-        trig = (gamma(2) * torch.cat([angle.abs()] * 2, -1)[:, None] + 2 * U32)
         ax, ar = x.detach().abs(), rot.detach().abs()
         return self.taps(y, gamma(3) * (ax * cos.abs() + ar * sin.abs()) + trig * (ax + ar))
 
@@ -200,7 +208,7 @@ class _Model:
 
     def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
         taps, d, t = self.taps, self.head_dim, ids.shape[0]
-        positions = torch.arange(t)
+        tables = self.rotary_tables(t)
         h = self.weight("model.embed_tokens.weight")[ids]
         for i in range(self.layers):
             p = f"model.layers.{i}."
@@ -208,7 +216,7 @@ class _Model:
             q = self.linear(x, p + "self_attn.q_proj.weight").reshape(t, self.heads, d)
             k = self.linear(x, p + "self_attn.k_proj.weight").reshape(t, self.kv_heads, d)
             v = self.linear(x, p + "self_attn.v_proj.weight").reshape(t, self.kv_heads, d)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            q, k = self.rotary(q, tables), self.rotary(k, tables)
             k_abs, v_abs = k.detach().abs(), v.detach().abs()
             k = taps(k, 0.0, lambda r: r.kv_unit_roundoff * k_abs)
             v = taps(v, 0.0, lambda r: r.kv_unit_roundoff * v_abs)

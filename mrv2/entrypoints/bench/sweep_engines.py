@@ -111,34 +111,32 @@ def read_sweep_model(model: str) -> SweepModel:
     config = EngineArgs(model=model).create_engine_config().model_config
     tokenizer = load_tokenizer(config.tokenizer_path)
     vocab = config.vocab_size if tokenizer is None else min(config.vocab_size, len(tokenizer))
-    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     gguf = is_gguf_path(config.model)
-    gguf_type = None
-    if gguf:  # the most frequent type of the layers' weights: the file's quantization
-        types = Counter(t.type_name for name, t in open_gguf(config.model).tensors.items()
-                        if name.startswith("blk.") and len(t.shape) == 2)
-        gguf_type = types.most_common(1)[0][0] if types else None
+    tensors = open_gguf(config.model).tensors if gguf else {}
+    layer_matrices = [t for name, t in tensors.items()
+                      if name.startswith("blk.") and len(t.shape) == 2]
+    # the most frequent type of the layers' weights: the file's quantization
+    types = Counter(t.type_name for t in layer_matrices)
+    gguf_type = types.most_common(1)[0][0] if types else None
+    shapes = _shapes(config, tensors, layer_matrices)
     path = Path(config.model)
     name = path.stem if gguf else path.name
-    return SweepModel(config.model, name, gguf, vocab, kv, gguf_type, _shapes(config, gguf))
+    return SweepModel(config.model, name, gguf, vocab, shapes.kv_bytes_per_token, gguf_type,
+                      shapes)
 
 
-def _shapes(config: Any, gguf: bool) -> ModelShapes:
+def _shapes(config: Any, tensors: dict[str, Any], layer_matrices: list[Any]) -> ModelShapes:
     """The checkpoint's decoder shapes and its weights' stored bytes: a GGUF's layer matrices
-    and LM head (output.weight, or the tied token_embd.weight) as blocks; a directory's at its
-    dtype's width."""
+    and LM head (output.weight, or the tied token_embd.weight) as blocks (`tensors`, empty for
+    a directory); a directory's at its dtype's width."""
     hf = config.hf_config
     heads = hf.num_attention_heads
     shapes = ModelShapes(config.num_layers, hf.hidden_size, heads * config.head_dim,
                          config.num_kv_heads * config.head_dim, hf.intermediate_size,
                          hf.vocab_size, weight_bytes=0)
-    if gguf:
-        from mrv2.models.gguf.checkpoint import open_gguf
-
-        tensors = open_gguf(config.model).tensors
+    if tensors:
         head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-        nbytes = sum(t.data.nbytes for name, t in tensors.items()
-                     if name.startswith("blk.") and len(t.shape) == 2)
+        nbytes = sum(t.data.nbytes for t in layer_matrices)
         nbytes += 0 if head is None else head.data.nbytes
     else:
         stored = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "")

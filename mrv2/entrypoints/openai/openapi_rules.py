@@ -64,22 +64,28 @@ NON_EMPTY_PROMPT_SCHEMA = {"anyOf": [
     {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA},
     {"type": "array", "minItems": 1,
      "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID_SCHEMA}}]}
+
+
+def _when_type(value: str, then: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema: `then` holds for an object whose "type" is `value`."""
+    return {"if": {"properties": {"type": {"const": value}}, "required": ["type"]},
+            "then": then}
+
+
+_HAS_SCHEMA = {"required": ["schema"], "properties": {"schema": {"type": "object"}}}
 # A Responses text.format of type json_schema needs its schema (a 400 without it).
-FORMAT_RULES = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-                "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}}
+FORMAT_RULES = _when_type("json_schema", _HAS_SCHEMA)
 # A chat response_format carries what its type needs (the handler's 400 otherwise): json_schema
 # its json_schema.schema; structural_tag xgrammar's `format`, or non-empty `structures` with
 # `triggers`.
 RESPONSE_FORMAT_RULES = {"allOf": [
-    {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-     "then": {"required": ["json_schema"], "properties": {"json_schema": {
-         "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}},
-    {"if": {"properties": {"type": {"const": "structural_tag"}}, "required": ["type"]},
-     "then": {"anyOf": [
-         {"required": ["format"], "properties": {"format": {"type": "object"}}},
-         {"required": ["structures", "triggers"],
-          "properties": {"structures": {"type": "array", "minItems": 1},
-                         "triggers": {"type": "array"}}}]}}]}
+    _when_type("json_schema", {"required": ["json_schema"], "properties": {
+        "json_schema": {"type": "object", **_HAS_SCHEMA}}}),
+    _when_type("structural_tag", {"anyOf": [
+        {"required": ["format"], "properties": {"format": {"type": "object"}}},
+        {"required": ["structures", "triggers"],
+         "properties": {"structures": {"type": "array", "minItems": 1},
+                        "triggers": {"type": "array"}}}]})]}
 # A tool_choice other than "none" (or unset) needs tools.
 TOOL_CHOICE_NEEDS_TOOLS = {"not": {"required": ["tool_choice"], "properties": {
     "tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},

@@ -64,8 +64,6 @@ class FakeLlamaCpp:
     parameters and every decoded batch; the logits of a token at position p put the maximum at
     (token + p) % FAKE_VOCAB, so the greedy continuation of each sequence is known."""
 
-    instances: list["FakeLlamaCpp"] = []
-
     def __init__(self) -> None:
         self.model_path: str | None = None
         self.context_params: Any = None
@@ -73,7 +71,6 @@ class FakeLlamaCpp:
         self.clears = 0
         self.freed: list[str] = []
         self._logits = np.zeros((0, FAKE_VOCAB), np.float32)
-        FakeLlamaCpp.instances.append(self)
 
     def llama_backend_init(self) -> None:
         pass
@@ -152,7 +149,7 @@ class FakeVllmLLM:
 
 def fake_peer_modules() -> dict[str, types.ModuleType]:
     """{"llama_cpp": ..., "vllm": ...}, fresh instance lists, to put in sys.modules."""
-    FakeLlamaCpp.instances, FakeVllmLLM.instances = [], []
+    FakeVllmLLM.instances = []
     llama_cpp = types.ModuleType("llama_cpp")
     llama_cpp.llama_cpp, llama_cpp.__version__ = FakeLlamaCpp(), "0.3.36-fake"
     vllm = types.ModuleType("vllm")
