@@ -4,7 +4,7 @@
 
 The 8 chat prompts of tests/entrypoints/test_llm_gguf.py, greedy, up to 64 tokens (EOS ends).
 Prints, per path, how many completions equal float32's and where the others first differ:
-`quantization="gguf"` on float32 x and on int8 x (MRV2_GGUF_INT8_ACTIVATIONS's path), and
+`quantization="gguf"` on float32, int16 (the default) and int8 x (MRV2_GGUF_ACTIVATIONS), and
 llama.cpp on the same file when llama-cpp-python is installed (the `peers` extra).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.builtin import builtin_model_path
-from mrv2.models.layers import quantized
+from mrv2.models.layers import quantized, quantized_numba
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "entrypoints"))
 from test_llm_gguf import QUESTIONS  # noqa: E402
@@ -72,11 +72,14 @@ def report(name: str, got: list[list[int]], want: list[list[int]]) -> None:
 def main() -> None:
     prompts, eos = _prompts_and_eos()
     reference = mrv2_greedy(prompts)
-    quantized.INT8_ACTIVATIONS = False
-    report("gguf blocks, float32 x", mrv2_greedy(prompts, quantization="gguf"), reference)
-    if quantized.X86_INT8_DOTS:
-        quantized.INT8_ACTIVATIONS = True
-        report("gguf blocks, int8 x", mrv2_greedy(prompts, quantization="gguf"), reference)
+    formats = {"float32": quantized_numba.X_FLOAT32, "int16 (default)": quantized_numba.X_INT16,
+               "int8": quantized_numba.X_INT8}
+    for name, x_format in formats.items():
+        if x_format != quantized_numba.X_FLOAT32 and not quantized.X86_INT8_DOTS:
+            continue  # integer x needs AVX2 code generation
+        quantized.GEMV_X_FORMAT = x_format
+        report(f"gguf blocks, {name} x", mrv2_greedy(prompts, quantization="gguf"), reference)
+    quantized.GEMV_X_FORMAT = quantized._gemv_x_format()
     peer = llama_cpp_greedy(prompts, eos)
     if peer is not None:
         report("llama.cpp", peer, reference)

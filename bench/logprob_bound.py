@@ -22,7 +22,7 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.builtin import builtin_model_path
-from mrv2.models.layers import quantized
+from mrv2.models.layers import quantized, quantized_numba
 from mrv2.testing.logprob_bound import (BFLOAT16_UNIT_ROUNDOFF, FLOAT16_UNIT_ROUNDOFF, Rounding,
                                         logprob_bounds)
 
@@ -30,17 +30,20 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "entrypoints"))
 from test_llm_gguf import QUESTIONS  # noqa: E402
 
 BLOCKS = Rounding(weights_in_blocks=True)
-# name: (LLM kwargs, int8 x, rounding)
+F32, I16, I8 = quantized_numba.X_FLOAT32, quantized_numba.X_INT16, quantized_numba.X_INT8
+# name: (LLM kwargs, the GEMV's x format, rounding)
 PATHS = {
-    "float32 weights": (dict(dtype="float32"), False, BLOCKS),
-    "blocks, float32 x": (dict(quantization="gguf"), False, BLOCKS),
-    "blocks, int8 x": (dict(quantization="gguf"), True,
-                       Rounding(int8_activations=True, weights_in_blocks=True)),
-    "bf16 weights": (dict(dtype="bfloat16"), False,
+    "float32 weights": (dict(dtype="float32"), F32, BLOCKS),
+    "blocks, float32 x": (dict(quantization="gguf"), F32, BLOCKS),
+    "blocks, int16 x (default)": (dict(quantization="gguf"), I16,
+                                  Rounding(activation_levels=32767, weights_in_blocks=True)),
+    "blocks, int8 x": (dict(quantization="gguf"), I8,
+                       Rounding(activation_levels=127, weights_in_blocks=True)),
+    "bf16 weights": (dict(dtype="bfloat16"), F32,
                      Rounding(weight_unit_roundoff=BFLOAT16_UNIT_ROUNDOFF, weights_in_blocks=True)),
-    "f16 weights": (dict(dtype="float16"), False,
+    "f16 weights": (dict(dtype="float16"), F32,
                     Rounding(weight_unit_roundoff=FLOAT16_UNIT_ROUNDOFF, weights_in_blocks=True)),
-    "blocks, bf16 KV cache": (dict(quantization="gguf", kv_cache_dtype="bfloat16"), False,
+    "blocks, bf16 KV cache": (dict(quantization="gguf", kv_cache_dtype="bfloat16"), F32,
                               Rounding(kv_unit_roundoff=BFLOAT16_UNIT_ROUNDOFF,
                                        weights_in_blocks=True)),
 }
@@ -76,18 +79,18 @@ def main() -> None:
                                        add_generation_prompt=True, return_dict=False)
                for q in QUESTIONS[:num_prompts]]
     runs = {}
-    for name, (kwargs, int8_x, rounding) in PATHS.items():
-        quantized.INT8_ACTIVATIONS = int8_x and quantized.X86_INT8_DOTS
-        if int8_x and not quantized.X86_INT8_DOTS:
-            print(f"{name}: skipped (int8 x needs x86 AVX2)")
+    for name, (kwargs, x_format, rounding) in PATHS.items():
+        if x_format != F32 and not quantized.X86_INT8_DOTS:
+            print(f"{name}: skipped (integer x needs x86 AVX2)")
             continue
+        quantized.GEMV_X_FORMAT = x_format
         tokens, logprobs, native = greedy_with_logprobs(prompts, new_tokens, kwargs)
         if native:
             print(f"{name}: skipped (this CPU computes in 16 bits; the bound covers 16-bit "
                   "weights with float32 compute)")
             continue
         runs[name] = (tokens, logprobs, rounding)
-    quantized.INT8_ACTIVATIONS = False
+    quantized.GEMV_X_FORMAT = quantized._gemv_x_format()
     reference_tokens = runs["float32 weights"][0]
     print(f"{num_prompts} prompts x {new_tokens} greedy tokens, SmolLM2-135M-Instruct Q4_1, "
           f"logprobs in nats")

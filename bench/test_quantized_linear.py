@@ -5,9 +5,9 @@ head 49152 x 576) at 1 and 8 (decode: the GEMV) and 32 (batched decode: tiled) r
 Q4_1 (the built-in file's layers), Q8_0 (its embedding / LM head) and BF16 (a 16-bit GGUF
 file's weights; F16 runs the same kernel with another widening). `quantized_linear` runs the
 numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows and the dequantize-tile + torch.mm path beyond;
-its GEMV on Q4_1 / Q8_0 blocks runs twice, on float32 x ("quantized_linear") and on x rounded
-to int8 per 32 inputs ("quantized_linear_int8x", opt-in where numba compiles AVX2),
-checked against the derived bound. extra_info: the weight bytes each call
+its GEMV on Q4_1 / Q8_0 blocks runs three times, on float32 x ("quantized_linear"), on x rounded
+to int16 per 32 inputs ("quantized_linear_int16x", the default where numba compiles AVX2) and
+to int8 ("quantized_linear_int8x", opt-in), each checked against its derived bound. extra_info: the weight bytes each call
 reads (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
 Random valid blocks (tests/models/test_quantized.py's generator, seed 0).
 """
@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrv2.models.layers import quantized
+from mrv2.models.layers import quantized, quantized_numba
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
 from test_quantized import random_raw  # noqa: E402
-from test_quantized_int8_numba import int8_activation_bound  # noqa: E402
+from test_quantized_int8_numba import integer_activation_bound  # noqa: E402
 
 SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x576": (3072, 576),
           "down_576x1536": (576, 1536), "lm_head_49152x576": (49152, 576)}
@@ -48,23 +48,31 @@ def weights(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Ten
     return _WEIGHTS[key]
 
 
-@pytest.mark.parametrize("impl", ["quantized_linear", "quantized_linear_int8x", "f_linear"])
+# impl -> (x format, its levels)
+INTEGER_X = {"quantized_linear_int16x": (quantized_numba.X_INT16, 32767),
+             "quantized_linear_int8x": (quantized_numba.X_INT8, 127)}
+
+
+@pytest.mark.parametrize("impl", ["quantized_linear", *INTEGER_X, "f_linear"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "BF16"])
 def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, impl):
-    int8x = impl == "quantized_linear_int8x"
-    if int8x and (gguf_type == "BF16" or rows > MAX_QUANTIZED_GEMV_ROWS):
+    integer_x = impl in INTEGER_X
+    if integer_x and (gguf_type == "BF16" or rows > MAX_QUANTIZED_GEMV_ROWS):
         pytest.skip("x stays float32 for 16-bit weights and on the tiled path")
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", int8x)
+    if integer_x and not quantized.X86_INT8_DOTS:
+        pytest.skip("integer x is taken where numba compiles AVX2")
+    x_format, levels = INTEGER_X.get(impl, (quantized_numba.X_FLOAT32, 0))
+    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", x_format)
     qw, wf = weights(gguf_type, shape_name)
     benchmark.group = f"quantized-linear-{gguf_type}-{shape_name}-{rows}rows"
     x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(1))
     expect = F.linear(x, wf)
     got = quantized_linear(x, qw)
-    if int8x:
+    if integer_x:
         slack = 1e-5 * (x.abs() @ wf.abs().T)
-        assert ((got - expect).abs() <= int8_activation_bound(x, wf) + slack).all()
+        assert ((got - expect).abs() <= integer_activation_bound(x, wf, levels) + slack).all()
     else:
         torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5 * expect.abs().max().item())
     if impl != "f_linear":

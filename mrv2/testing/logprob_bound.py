@@ -15,13 +15,13 @@ exact to first order for the b_i given (each e_i may take any sign), not a stati
 the second-order terms are products of two relative roundings (2^-16 for bfloat16) and are
 left out. A rounding is tapped where it happens, so that one error shared by many outputs is one
 e_i: a 16-bit weight is rounded once for every position (the tap is on the weight; a tied LM
-head shares the embedding's), and an int8 input once for every linear reading it (q, k and v;
+head shares the embedding's), and an integer input once for every linear reading it (q, k and v;
 gate and up). Bounds (u = 2^-24, gamma(n) = n u / (1 - n u), the classic bound on an n-term
 float32 sum, |x| and |W| elementwise absolute values):
 
 - 16-bit weights (`Rounding.weight_unit_roundoff` u_w): u_w |W| on every weight and embedding;
-- int8 activations: x rounded per 32-input block g to steps d_g = max |x_g| / 127, each input
-  moving at most d_g / 2 (the integer products are exact);
+- integer activations: x rounded per 32-input block g to steps d_g = max |x_g| / L (L = 127 for
+  int8, 32767 for int16), each input moving at most d_g / 2 (the integer products are exact);
 - a 16-bit KV cache: u_kv |k| and u_kv |v| at the cached (rotated) keys and values;
 - float32 arithmetic, on every path: a linear y = x W^T of K inputs gamma(K + 4) |x| |W'|^T,
   where W' is |W| for float weights and, for weights from GGUF blocks, twice the block's largest
@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK  # inputs sharing an int8 scale
+from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK  # inputs sharing an x scale
 
 U32 = 2.0 ** -24
 BFLOAT16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits, round to nearest
@@ -63,8 +63,9 @@ class Rounding:
 
     # Unit roundoff of the linears', embedding's and LM head's weights as kept (bfloat16: 2^-8).
     weight_unit_roundoff: float = 0.0
-    # Whether each linear's input is rounded to int8 per 32-input block.
-    int8_activations: bool = False
+    # The levels L each linear's input is rounded to per 32-input block (127: int8, 32767:
+    # int16; 0: x stays float32).
+    activation_levels: int = 0
     # Unit roundoff of the cached keys and values.
     kv_unit_roundoff: float = 0.0
     # Whether the weights come from GGUF blocks (see the module docstring's linear rule).
@@ -110,12 +111,12 @@ def _block_weight_abs(w: torch.Tensor) -> torch.Tensor:
             ).expand(n, k // INT8_BLOCK, INT8_BLOCK).reshape(n, k)
 
 
-def _int8_step(x: torch.Tensor) -> torch.Tensor:
-    """Half of each input's int8 step: max |x_g| / 127 / 2 over its 32-input block g."""
+def _integer_step(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """Half of each input's integer step: max |x_g| / levels / 2 over its 32-input block g."""
     t, k = x.shape
     if k % INT8_BLOCK:
-        raise ValueError(f"{k} inputs are not whole int8 blocks of {INT8_BLOCK}")
-    step = x.abs().reshape(t, k // INT8_BLOCK, INT8_BLOCK).amax(-1, keepdim=True) / 254
+        raise ValueError(f"{k} inputs are not whole blocks of {INT8_BLOCK}")
+    step = x.abs().reshape(t, k // INT8_BLOCK, INT8_BLOCK).amax(-1, keepdim=True) / (2 * levels)
     return step.expand(t, k // INT8_BLOCK, INT8_BLOCK).reshape(t, k)
 
 
@@ -150,8 +151,8 @@ class _Model:
     def linear_input(self, x: torch.Tensor) -> torch.Tensor:
         """x as the linears reading it see it: rounded to int8 per block on that path (one tap
         for every linear sharing x: each rounds it alike)."""
-        return self.taps(x, 0.0, lambda r: _int8_step(x.detach()) if r.int8_activations
-                         else 0.0)
+        return self.taps(x, 0.0, lambda r: _integer_step(x.detach(), r.activation_levels)
+                         if r.activation_levels else 0.0)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w = self.w[self.aliases.get(name, name)]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import quantized, quantized_int8_numba
+from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
 from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,17 +28,19 @@ def weights() -> dict[str, tuple[QuantizedWeight, torch.Tensor]]:
             for t, raw in raws.items()}
 
 
-def int8_activation_bound(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[T, N]: sum over 32-input blocks g of d_g / 2 * sum_{k in g} |w_k|, d_g = max |x_g| / 127
-    (x rounded to int8 moves each input by at most d_g / 2; the integer products are exact)."""
-    d = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 127
+def integer_activation_bound(x: torch.Tensor, ref: torch.Tensor, levels: int = 127
+                             ) -> torch.Tensor:
+    """[T, N]: sum over 32-input blocks g of d_g / 2 * sum_{k in g} |w_k|, d_g = max |x_g| /
+    levels (127: int8, 32767: int16; x rounded so moves each input by at most d_g / 2; the
+    integer products are exact)."""
+    d = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / levels
     return (d / 2) @ ref.double().abs().reshape(ref.shape[0], -1, 32).sum(-1).T
 
 
 @pytest.mark.parametrize("gguf_type", BLOCK_TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 def test_int8_activations_stay_within_the_derived_bound(weights, gguf_type, rows, monkeypatch):
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", True)
+    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
     w, ref = weights[gguf_type]
     x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
     x[0, 64:96] = 0.0  # an all-zero block quantizes to zeros
@@ -46,17 +48,17 @@ def test_int8_activations_stay_within_the_derived_bound(weights, gguf_type, rows
     error = (quantized_linear(x, w).double() - expect).abs()
     # float32 rounding of d and of the sums, relative to the output's size
     slack = 1e-5 * (x.double().abs() @ ref.double().abs().T)
-    assert (error <= int8_activation_bound(x, ref) + slack).all()
+    assert (error <= integer_activation_bound(x, ref) + slack).all()
     assert error.max() > 10 * slack.max()  # x really went through int8
 
 
-def test_quantize_rows_int8_rounds_each_block_to_half_a_step():
+def test_quantize_rows_rounds_each_block_to_half_a_step():
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor(
         [1e-3, 1.0, 1e3]).reshape(3, 1)
     x[1, 32:64] = 0.0
     x[2, 70] = -x[2, 64:96].abs().max() * 2  # the block's extreme is negative
     xq, dx = np.empty((3, 96), np.int8), np.empty((3, 3), np.float32)
-    quantized_int8_numba.quantize_rows_int8(x.numpy(), xq, dx)
+    quantized_int8_numba.quantize_rows(x.numpy(), xq, dx)
     blocks = x.reshape(3, 3, 32)
     assert torch.equal(torch.from_numpy(dx), blocks.abs().amax(-1) / 127)
     assert np.abs(xq.astype(np.int32)).max() == 127 and xq[2, 70] == -127
@@ -82,7 +84,7 @@ def test_generic_integer_ir_equals_the_avx2_intrinsics(weights, gguf_type):
     packed = w.layout == "u4"
     x = torch.randn(1, 1536, generator=torch.Generator().manual_seed(5)).numpy()
     xq, dx = np.empty((1, 1536), np.int8), np.empty((1, 48), np.float32)
-    quantized_int8_numba.quantize_rows_int8(x, xq, dx)
+    quantized_int8_numba.quantize_rows(x, xq, dx)
     q = w.q.view(torch.uint8).numpy() if packed else w.q.numpy()
     shift = 5 if w.group_size == 32 else 4
     mins = w.kernel_mins.numpy()

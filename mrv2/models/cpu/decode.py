@@ -56,7 +56,7 @@ MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 def _linear(x, w, out):
     """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
     (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size,
-    int8 activations) tuple
+    x format) tuple
     (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
@@ -215,7 +215,7 @@ def _projection_parameters(module) -> list[torch.Tensor]:
 def _projection_view(module, float32_tables: bool = False):
     """The kernel's view of one projection: the float32 weight, a 16-bit weight as (q int16,
     bfloat16), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
-    size, int8 activations: quantized.INT8_ACTIVATIONS when the view is built); with
+    size, x format: quantized.GEMV_X_FORMAT when the view is built); with
     `float32_tables`, float32 copies of float16 scale / min tables."""
     weight = _quantized(module)
     if weight is None:
@@ -225,7 +225,7 @@ def _projection_view(module, float32_tables: bool = False):
     if float32_tables:
         weight = weight._with_float32_tables()
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
-            weight.layout == "u4", weight.group_size, quantized.INT8_ACTIVATIONS)
+            weight.layout == "u4", weight.group_size, quantized.GEMV_X_FORMAT)
 
 
 def _projection_views(modules) -> typed.List:

@@ -40,14 +40,30 @@ QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
 # 16-bit float layout -> the torch dtype of its bit patterns; its GGUF type is the layout's
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-# Whether the GEMV on "u4" / "i8" weights quantizes x to int8 per 32 inputs and multiplies in
-# integer SIMD (quantized_int8_numba: llama.cpp's scheme, and its error bound). Opt-in, with
-# MRV2_GGUF_INT8_ACTIVATIONS=1, and only where numba compiles AVX2's byte multiply-adds: on
-# SmolLM2 it decodes ~10% faster at batch 1 and ~2x at batch 8, but its rounding (~1% of an
-# output) moves greedy chat completions off float32's as llama.cpp's does (bench/README.md);
-# float32 x keeps them equal.
-INT8_ACTIVATIONS: bool = (X86_INT8_DOTS
-                          and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1")
+
+
+def _gemv_x_format() -> int:
+    """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
+    AVX2's integer multiply-adds, quantized per 32 inputs to int16 (quantized_int16_numba:
+    1.05-1.25x float32 x's speed at 1-32 rows, an error 2^-16 of each block's largest input,
+    below a bfloat16 weight's; bench/README.md), else float32. MRV2_GGUF_ACTIVATIONS=float32
+    keeps x exact (x @ w.T up to summation order); =int8 is llama.cpp's scheme (faster still,
+    but its ~1% rounding moves greedy chat completions off float32's, as llama.cpp's does).
+    MRV2_GGUF_INT8_ACTIVATIONS=1, the older spelling of int8, still counts."""
+    choice = os.environ.get("MRV2_GGUF_ACTIVATIONS", "").strip().lower()
+    if not choice and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1":
+        choice = "int8"
+    formats = {"float32": quantized_numba.X_FLOAT32, "int16": quantized_numba.X_INT16,
+               "int8": quantized_numba.X_INT8}
+    if choice and choice not in formats:
+        raise ValueError(f"MRV2_GGUF_ACTIVATIONS={choice!r}: expected one of {sorted(formats)}")
+    if not X86_INT8_DOTS:
+        return quantized_numba.X_FLOAT32
+    return formats[choice or "int16"]
+
+
+# The x format every GEMV on GGUF blocks uses; the decode stack reads it when it is attached.
+GEMV_X_FORMAT: int = _gemv_x_format()
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py,
 # bench/README.md); the fused decode stack runs up to as many.
 MAX_QUANTIZED_GEMV_ROWS = 32
@@ -329,7 +345,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
         quantized_numba.gemv_groups(x.detach().contiguous().numpy(),
                                     weight.q.view(torch.uint8).numpy(),
                                     weight.scales.numpy(), mins.numpy(), weight.layout == "u4",
-                                    weight.group_size, INT8_ACTIVATIONS, out.numpy())
+                                    weight.group_size, GEMV_X_FORMAT, out.numpy())
     else:
         out = _tiled_linear(x.detach(), weight)
     if bias is not None:

@@ -20,18 +20,15 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, I32, V8F, V8H,
-                                          V8I, call_intrinsic,
-                                          for_each_unit, load_table, row_ptr, splat,
-                                          sum_accumulators, table_elem, vload, widen_half,
-                                          x_rows_and_accumulators)
+from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I32, V8F,
+                                          V8I, V16B, V16S, call_intrinsic, for_each_unit,
+                                          load_table, row_ptr, splat, sums_with_min_terms,
+                                          table_elem, vload, x_rows_and_accumulators)
 
-_V16B, _V32B = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
-_V16S, _V32I = ir.VectorType(I16, 16), ir.VectorType(I32, 32)
-INT8_BLOCK = 32  # inputs per quantization block of x, and per kernel unit
+_V32B, _V32I = ir.VectorType(I8, 32), ir.VectorType(I32, 32)
+INT8_BLOCK = 32  # inputs per quantization block of x (int8 or int16), and per kernel unit
 
 
 def _compiles_for_avx2() -> bool:
@@ -48,7 +45,7 @@ def _compiles_for_avx2() -> bool:
 X86_INT8_DOTS = _compiles_for_avx2()
 
 
-def _pair_sums(builder, v, lanes):
+def pair_sums(builder, v, lanes):
     """<2n x i32> -> <n x i32>, lane j = v[2j] + v[2j + 1]."""
     n = lanes // 2
     even, odd = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n),
@@ -64,12 +61,12 @@ def _int8_dot32(builder, w, x, signed, x86):
         if signed:
             x = call_intrinsic(builder, "llvm.x86.avx2.psign.b", _V32B, [x, w])
             w = call_intrinsic(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
-        pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [w, x])
+        pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [w, x])
         return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", V8I,
-                              [pairs, ir.Constant(_V16S, [1] * 16)])
+                              [pairs, ir.Constant(V16S, [1] * 16)])
     wide = builder.sext(w, _V32I) if signed else builder.zext(w, _V32I)
     products = builder.mul(wide, builder.sext(x, _V32I))
-    return _pair_sums(builder, _pair_sums(builder, products, 32), 16)
+    return pair_sums(builder, pair_sums(builder, products, 32), 16)
 
 
 def _make_int8_dots(nb, packed, x86):
@@ -90,7 +87,7 @@ def _make_int8_dots(nb, packed, x86):
             ity = r_.type
             qrow, _ = row_ptr(context, builder, qt, args[2], r_, I8)
             srow, _ = row_ptr(context, builder, st, args[3], r_, table_elem(st))
-            mrow, marr = row_ptr(context, builder, mnt, args[4], r_, table_elem(mnt))
+            mrow, _ = row_ptr(context, builder, mnt, args[4], r_, table_elem(mnt))
             xrows, k, accs = x_rows_and_accumulators(context, builder, xqt, args[0], m_, nb,
                                                      DOT_UNROLL, I8)
             drows, srows = ([row_ptr(context, builder, t, arr, builder.add(m_, ity(i)), F32)[0]
@@ -99,10 +96,10 @@ def _make_int8_dots(nb, packed, x86):
 
             def unit(c, slot):
                 if packed:  # low nibbles are inputs 0-15, high nibbles 16-31
-                    b = vload(builder, qrow, builder.mul(c, ity(16)), _V16B, 1)
+                    b = vload(builder, qrow, builder.mul(c, ity(16)), V16B, 1)
                     w = builder.shuffle_vector(
-                        builder.and_(b, ir.Constant(_V16B, [15] * 16)),
-                        builder.lshr(b, ir.Constant(_V16B, [4] * 16)),
+                        builder.and_(b, ir.Constant(V16B, [15] * 16)),
+                        builder.lshr(b, ir.Constant(V16B, [4] * 16)),
                         ir.Constant(_V32I, list(range(32))))
                     scale = splat(builder, load_table(builder, srow, c, st))
                 else:
@@ -124,35 +121,7 @@ def _make_int8_dots(nb, packed, x86):
                     builder.store(builder.fadd(acc, step, flags=FAST), accs[i][slot])
 
             for_each_unit(builder, builder.sdiv(k, ity(32)), DOT_UNROLL, unit)
-            # The min term, 8 groups a vector: sum_g mins[r, g] * xsum[m, g] (no groups, no
-            # iterations). The first accumulator slot takes it before the reduction.
-            groups = cgutils.unpack_tuple(builder, marr.shape, 2)[1]
-
-            def min_unit(u, slot):
-                base = builder.mul(u, ity(8))
-                if mnt.dtype == types.int16:
-                    mv = widen_half(builder, vload(builder, mrow, base, V8H, 2), False)
-                else:
-                    mv = vload(builder, mrow, base, V8F, 4)
-                for i in range(nb):
-                    xs = vload(builder, srows[i], base, V8F, 4)
-                    builder.store(builder.fadd(builder.load(accs[i][slot]),
-                                               builder.fmul(mv, xs, flags=FAST), flags=FAST),
-                                  accs[i][slot])
-
-            for_each_unit(builder, builder.sdiv(groups, ity(8)), DOT_UNROLL, min_unit)
-            tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(nb)]
-            tail_start = builder.mul(builder.sdiv(groups, ity(8)), ity(8))
-            with cgutils.for_range(builder, builder.sub(groups, tail_start)) as loop:
-                g = builder.add(tail_start, loop.index)
-                mn = load_table(builder, mrow, g, mnt)
-                for i in range(nb):
-                    term = builder.fmul(mn, builder.load(builder.gep(srows[i], [g])),
-                                        flags=FAST)
-                    builder.store(builder.fadd(builder.load(tails[i]), term, flags=FAST),
-                                  tails[i])
-            sums = [builder.fadd(sum_accumulators(builder, row_accs), builder.load(tail),
-                                 flags=FAST) for row_accs, tail in zip(accs, tails)]
+            sums = sums_with_min_terms(context, builder, mnt, args[4], mrow, srows, accs)
             return context.make_tuple(builder, ret, sums)
 
         return ret(xq, dx, q, scales, mins, xsum, shift, r, m0), codegen
@@ -189,17 +158,19 @@ def gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
 
 
 @njit(fastmath=True, cache=True)
-def quantize_rows_int8(x, xq, dx):
-    """x [M, K] float32 -> xq int8 [M, K], dx float32 [M, K // 32]: per block g of 32 inputs,
-    dx = max |x| / 127 and xq = round(x * 127 / max |x|) (0 for an all-zero block), so that
-    |x - dx * xq| <= dx / 2 (up to float32 rounding of dx)."""
+def quantize_rows(x, xq, dx):
+    """x [M, K] float32 -> xq [M, K] int8 or int16, dx float32 [M, K // 32]: per block g of 32
+    inputs, with Q = 127 (int8) or 32767 (int16), dx = max |x| / Q and xq = round(x * Q /
+    max |x|) (0 for an all-zero block), so that |x - dx * xq| <= dx / 2 (up to float32 rounding
+    of dx)."""
+    levels = np.float32(127.0) if xq.itemsize == 1 else np.float32(32767.0)
     for m in range(xq.shape[0]):
         for g in range(dx.shape[1]):
             base = g * INT8_BLOCK
             amax = np.float32(0.0)
             for j in range(INT8_BLOCK):
                 amax = max(amax, abs(x[m, base + j]))
-            dx[m, g] = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            dx[m, g] = amax / levels
+            inv = levels / amax if amax > 0 else np.float32(0.0)
             for j in range(INT8_BLOCK):
-                xq[m, base + j] = np.int8(round(x[m, base + j] * inv))
+                xq[m, base + j] = round(x[m, base + j] * inv)

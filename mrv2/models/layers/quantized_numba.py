@@ -37,14 +37,17 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.quantized_int8_numba import (INT8_BLOCK, gemv_rows_int8,
-                                                     quantize_rows_int8)
+from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, gemv_rows_int8, quantize_rows
+from mrv2.models.layers.quantized_int16_numba import gemv_rows_int16
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
                                           sum_accumulators, table_elem, table_value, vload,
                                           widen_half, x_rows_and_accumulators)
 
 GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
+# How gemv_groups takes x (`x_format`): as float32, or quantized per 32 inputs to int16
+# (quantized_int16_numba) or int8 (quantized_int8_numba) and multiplied in integer SIMD.
+X_FLOAT32, X_INT16, X_INT8 = 0, 1, 2
 # x up to this many bytes is read whole by every weight row (from L1: 32 KiB on x86 cores, room
 # left for the weight rows); a larger x in blocks of 4 rows (gemv_groups).
 X_IN_L1_BYTES = 24 * 1024
@@ -171,10 +174,14 @@ def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _rows_against(x, xq, dx, q, scales, mins, xsum, packed, shift, int8_x, r, m0, out):
-    """Rows m0.. of x (float32, or int8 with the min term inside) against weight row r."""
-    if int8_x:
+def _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift, x_format, r, m0,
+                  out):
+    """Rows m0.. of x (float32; or int16 / int8 with the min term inside) against weight row
+    r."""
+    if x_format == X_INT8:
         return gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
+    if x_format == X_INT16:
+        return gemv_rows_int16(xq16, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
     return _gemv_rows(x, q, scales, packed, shift, r, m0, out)
 
 
@@ -192,10 +199,10 @@ def _group_sums(x, gs, groups):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
+def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for the packed weight (x [M, K] contiguous rows;
-    gs 32, or 16 for an i8 weight). Float x: fp32 sums in another order than x @ w.T (~1e-7
-    relative); `int8_x`: x quantized per 32 inputs first (the bound above)."""
+    gs 32, or 16 for an i8 weight). X_FLOAT32: fp32 sums in another order than x @ w.T (~1e-7
+    relative); X_INT16 / X_INT8: x quantized per 32 inputs first (their modules' bounds)."""
     # The set-up runs in serial helpers: in this parallel function numba would turn each array
     # expression (np.zeros, a slice's .sum()) into a parallel region of its own, a fork and
     # join per group (this once cost more than the GEMV itself).
@@ -204,10 +211,12 @@ def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
     has_min = mins.shape[1] > 0
     shift = 5 if gs == 32 else 4
     xsum = _group_sums(x, gs, groups if has_min else 0)
-    xq = np.empty((m_rows if int8_x else 0, k_dim), np.int8)
-    dx = np.empty((xq.shape[0], k_dim // INT8_BLOCK), np.float32)
-    quantize_rows_int8(x, xq, dx)
-    x_bytes = m_rows * k_dim * (1 if int8_x else 4)
+    xq = np.empty((m_rows if x_format == X_INT8 else 0, k_dim), np.int8)
+    xq16 = np.empty((m_rows if x_format == X_INT16 else 0, k_dim), np.int16)
+    dx = np.empty((m_rows if x_format != X_FLOAT32 else 0, k_dim // INT8_BLOCK), np.float32)
+    quantize_rows(x, xq, dx)
+    quantize_rows(x, xq16, dx)
+    x_bytes = m_rows * k_dim * (4 if x_format == X_FLOAT32 else 2 if x_format == X_INT16 else 1)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
         r0, r1 = c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)
@@ -215,8 +224,8 @@ def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
             for r in range(r0, r1):
                 m0 = 0
                 while m0 < m_rows:
-                    m0 += _rows_against(x, xq, dx, q, scales, mins, xsum, packed, shift, int8_x,
-                                        r, m0, out)
+                    m0 += _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
+                                        x_format, r, m0, out)
         else:
             # x's rows outer, 4 at a time against each of the task's weight rows: those rows'
             # blocks and the 4 rows of x stay in L1 while every pair is summed (weight rows
@@ -225,10 +234,10 @@ def gemv_groups(x, q, scales, mins, packed, gs, int8_x, out):
             while m0 < m_rows:
                 done = 0
                 for r in range(r0, r1):
-                    done = _rows_against(x, xq, dx, q, scales, mins, xsum, packed, shift,
-                                         int8_x, r, m0, out)
+                    done = _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
+                                         x_format, r, m0, out)
                 m0 += done
-        if has_min and not int8_x:
+        if has_min and x_format == X_FLOAT32:
             for r in range(r0, r1):
                 for m in range(m_rows):
                     acc = np.float32(0.0)

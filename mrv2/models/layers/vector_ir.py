@@ -17,6 +17,7 @@ from numba.extending import intrinsic, overload
 F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 V8F, V8B, V8I = ir.VectorType(F32, 8), ir.VectorType(I8, 8), ir.VectorType(I32, 8)
 V8H = ir.VectorType(I16, 8)
+V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 FAST = ("fast",)
 DOT_ROWS = (4, 2, 1)  # rows of x per pass over a weight row (accumulators fit 16 ymm at 4)
 DOT_UNROLL = 2  # accumulator sets per row of x (FMA latency 4-5 cycles, 2 FMA pipes)
@@ -156,3 +157,37 @@ def widen_half(builder, bits, bf16):
 def call_intrinsic(builder, name, ret, args):
     fnty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+def sums_with_min_terms(context, builder, mins_type, mins, mins_row, xsum_rows, accs):
+    """Each row's accumulators summed to a float, plus its min term sum_g mins[r, g] *
+    xsum[m, g] (`mins_row` points at row r of the [N, groups] table, `xsum_rows` at the rows of
+    x's exact float group sums; a table of no columns adds nothing), 8 groups a vector into the
+    first accumulator slot, the remainder scalar."""
+    groups = cgutils.unpack_tuple(builder, context.make_array(mins_type)(
+        context, builder, mins).shape, 2)[1]
+    ity = groups.type
+
+    def min_unit(u, slot):
+        base = builder.mul(u, ity(8))
+        if mins_type.dtype == types.int16:
+            mv = widen_half(builder, vload(builder, mins_row, base, V8H, 2), False)
+        else:
+            mv = vload(builder, mins_row, base, V8F, 4)
+        for row_accs, xs_row in zip(accs, xsum_rows):
+            xs = vload(builder, xs_row, base, V8F, 4)
+            builder.store(builder.fadd(builder.load(row_accs[slot]),
+                                       builder.fmul(mv, xs, flags=FAST), flags=FAST),
+                          row_accs[slot])
+
+    for_each_unit(builder, builder.sdiv(groups, ity(8)), DOT_UNROLL, min_unit)
+    tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in accs]
+    tail_start = builder.mul(builder.sdiv(groups, ity(8)), ity(8))
+    with cgutils.for_range(builder, builder.sub(groups, tail_start)) as loop:
+        g = builder.add(tail_start, loop.index)
+        mn = load_table(builder, mins_row, g, mins_type)
+        for tail, xs_row in zip(tails, xsum_rows):
+            term = builder.fmul(mn, builder.load(builder.gep(xs_row, [g])), flags=FAST)
+            builder.store(builder.fadd(builder.load(tail), term, flags=FAST), tail)
+    return [builder.fadd(sum_accumulators(builder, row_accs), builder.load(tail), flags=FAST)
+            for row_accs, tail in zip(accs, tails)]
