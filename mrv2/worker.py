@@ -54,10 +54,9 @@ class Worker:
 
     def load_model(self) -> None:
         if self.device.type == "cpu":
-            # Intra-op threads = the machine's cores; torch's default may oversubscribe.
-            # Ranks on one machine share its cores.
-            torch.set_num_threads(max(1, torch.get_num_threads() // self.world_size))
-            if self.world_size == 1 and free_cores.enabled():
+            if self.world_size > 1:  # ranks on one machine share its cores
+                free_cores.share_cores_among_ranks(self.world_size)
+            elif free_cores.enabled():
                 self._free_cores = free_cores.FreeCoreThreads(numba.get_num_threads())
         elif self.device.index is not None:  # a CUDA rank: its own device
             torch.cuda.set_device(self.device)

@@ -103,3 +103,14 @@ def fit_kernel_threads(free: FreeCoreThreads) -> None:
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
         torch.set_num_threads(threads)
+
+
+def share_cores_among_ranks(world_size: int) -> int:
+    """Give each of `world_size` tensor-parallel ranks on this machine its share of the cores in
+    both of the kernels' pools (torch's intra-op threads and, for the calling thread, numba's):
+    ranks that each ran a thread per core would oversubscribe the cores, and every barrier would
+    wait on a thread another rank's had preempted. Returns numba's count."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    threads = max(1, numba.config.NUMBA_NUM_THREADS // world_size)
+    numba.set_num_threads(threads)
+    return threads

@@ -88,3 +88,16 @@ def test_reads_this_machine():
     fitter = free_cores.FreeCoreThreads(2)
     fitter._last = (fitter._last[0] - 1.0,) + fitter._last[1:]
     assert 1 <= fitter.update() <= 2
+
+
+@pytest.mark.parametrize("world_size", [2, 64])
+def test_ranks_share_the_cores_in_both_pools(world_size):
+    before = numba.get_num_threads(), torch.get_num_threads()
+    try:
+        threads = free_cores.share_cores_among_ranks(world_size)
+        assert threads == max(1, numba.config.NUMBA_NUM_THREADS // world_size)
+        assert numba.get_num_threads() == threads
+        assert torch.get_num_threads() == max(1, before[1] // world_size)
+    finally:
+        numba.set_num_threads(before[0])
+        torch.set_num_threads(before[1])
