@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, TypeAdapter,
                       ValidationError, WithJsonSchema, field_validator)
+from pydantic.json_schema import SkipJsonSchema
 
 from mrv2.entrypoints.openai.errors import BadRequest
 from mrv2.entrypoints.openai.openapi_rules import (CONTEXT_MARK, FORMAT_RULES, RESPONSES_RULES,
@@ -174,11 +175,8 @@ class ResponsesRequest(OpenAIBaseModel):
     text: TextConfig | None = None
     tools: list[Tool] | None = None
     # Other tool kinds' choices (dicts) are refused by name; the schema shows those served.
-    tool_choice: Annotated[
-        Literal["none", "auto", "required"] | FunctionToolChoice | dict[str, Any] | None,
-        WithJsonSchema({"anyOf": [{"enum": ["none", "auto", "required"]},
-                                  {"$ref": "#/components/schemas/FunctionToolChoice"},
-                                  {"type": "null"}]})] = None
+    tool_choice: (Literal["none", "auto", "required"] | FunctionToolChoice
+                  | SkipJsonSchema[dict[str, Any]] | None) = None
     parallel_tool_calls: StrictBool = True
     store: StrictBool = Field(True, description="kept in this server's memory (bounded) for GET "
                                           "/v1/responses/{id} and previous_response_id")

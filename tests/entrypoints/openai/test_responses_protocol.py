@@ -89,3 +89,17 @@ def test_defaults_and_ignored_fields(caplog):
     assert request.temperature is None and request.stream is False
     request.check()
     assert "unknown_field" in caplog.text
+
+
+def test_its_json_schema_builds_outside_fastapi():
+    """pydantic's own schema (refs under #/$defs, as a client generator or a test reading the
+    model asks for it) resolves every ref; tool_choice shows what is served and no bare object
+    (other tool kinds' choices are refused by name, not described)."""
+    schema = ResponsesRequest.model_json_schema()
+    choice = schema["properties"]["tool_choice"]["anyOf"]
+    assert {"enum": ["none", "auto", "required"], "type": "string"} in choice
+    assert {"$ref": "#/$defs/FunctionToolChoice"} in choice and {"type": "null"} in choice
+    assert len(choice) == 3 and "FunctionToolChoice" in schema["$defs"]
+    refs = [ref for ref in json.dumps(schema).split('"$ref": "')[1:]]
+    assert all(ref.startswith("#/$defs/") and ref.split('"')[0][8:] in schema["$defs"]
+               for ref in refs)
