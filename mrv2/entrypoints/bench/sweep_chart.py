@@ -1,6 +1,7 @@
 """The chart of `mrv2 bench sweep` (`--output-png`): grouped bars, one group per batch size, one
 bar per (engine, precision), its median decode tokens/s written on it and the spread of the
-repeats as a whisker; titled with the model and the CPU. matplotlib is optional (the `bench`
+repeats as a whisker, and where the result has a roofline a dashed line across each group at
+the decode tokens/s no engine passes on this machine; titled with the model and the CPU. matplotlib is optional (the `bench`
 extra); it is drawn without pyplot, so no display or global backend is touched.
 """
 
@@ -41,6 +42,13 @@ def _bars(result: dict[str, Any], column: str) -> tuple[list[float], list[list[f
     return heights, spread, labels
 
 
+def _roofline_marks(result: dict[str, Any]) -> list[tuple[int, float]]:
+    """(group index, roofline tok/s) for every batch size the result has a limit for."""
+    limits = result.get("roofline", {}).get("decode_tok_s") or {}
+    return [(i, float(limits[str(batch)])) for i, batch in enumerate(result["batch_sizes"])
+            if limits.get(str(batch)) is not None]
+
+
 def write_chart(result: dict[str, Any], path: str) -> None:
     from matplotlib.figure import Figure
 
@@ -56,6 +64,10 @@ def write_chart(result: dict[str, Any], path: str) -> None:
                       error_kw={"elinewidth": 0.8, "alpha": 0.6})
         for text in ax.bar_label(bars, labels=labels, padding=3, fontsize=8):
             text.set_bbox({"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+    for n, (group, limit) in enumerate(_roofline_marks(result)):
+        ax.hlines(limit, group - 0.45, group + 0.45, colors="black", linestyles="--",
+                  linewidth=1, label="roofline (float32)" if n == 0 else None)
+        ax.text(group, limit, f"{limit:.0f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel(f"decode output tokens/s (median of {result['repeats']})")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # room for the labels above the tallest bar
