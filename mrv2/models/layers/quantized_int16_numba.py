@@ -76,11 +76,6 @@ def _make_int16_dots(nb, layout, x86):
                 if packed:  # low nibbles are inputs 0-15, high nibbles 16-31
                     b = builder.zext(vload(builder, qrow, builder.mul(c, ity(16)), V16B, 1),
                                      V16S)
-                    if x86:  # widen once, split in 16 bits (LLVM would split the bytes first)
-                        hi = call_intrinsic(builder, "llvm.x86.avx2.psrli.w", V16S, [b, I32(4)])
-                        lo = builder.sub(b, call_intrinsic(builder, "llvm.x86.avx2.pslli.w", V16S,
-                                                           [hi, I32(4)]))
-                        return lo, hi
                     return (builder.and_(b, ir.Constant(V16S, [15] * 16)),
                             builder.lshr(b, ir.Constant(V16S, [4] * 16)))
                 return tuple(builder.sext(vload(builder, qrow, builder.add(
