@@ -74,8 +74,13 @@ def _make_int16_dots(nb, layout, x86):
             def weights(c):
                 """The unit's 32 weights as two <16 x i16> (inputs 0-15, 16-31)."""
                 if packed:  # low nibbles are inputs 0-15, high nibbles 16-31
-                    b = builder.zext(vload(builder, qrow, builder.mul(c, ity(16)), V16B, 1),
-                                     V16S)
+                    # Widened by interleaving with zero bytes: a zext would be narrowed back
+                    # (LLVM moves the split before it: two byte splits, two widenings).
+                    raw = vload(builder, qrow, builder.mul(c, ity(16)), V16B, 1)
+                    b = builder.bitcast(builder.shuffle_vector(
+                        raw, ir.Constant(V16B, [0] * 16),
+                        ir.Constant(ir.VectorType(I32, 32), [v for j in range(16)
+                                                              for v in (j, 16)])), V16S)
                     return (builder.and_(b, ir.Constant(V16S, [15] * 16)),
                             builder.lshr(b, ir.Constant(V16S, [4] * 16)))
                 return tuple(builder.sext(vload(builder, qrow, builder.add(
