@@ -45,10 +45,11 @@ HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 def _gemv_x_format() -> int:
     """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
     AVX2's integer multiply-adds, quantized per 32 inputs to int16 (quantized_int16_numba:
-    1.05-1.25x float32 x's speed at 1-32 rows, an error 2^-16 of each block's largest input,
-    below a bfloat16 weight's; bench/README.md), else float32. MRV2_GGUF_ACTIVATIONS=float32
-    keeps x exact (x @ w.T up to summation order); =int8 is llama.cpp's scheme (faster still,
-    but its ~1% rounding moves greedy chat completions off float32's, as llama.cpp's does).
+    faster than float32 x at 1-32 rows, 1.45-1.54x at one row, and than int8 x there; an error
+    2^-16 of each block's largest input, below a bfloat16 weight's; bench/README.md), else
+    float32. MRV2_GGUF_ACTIVATIONS=float32 keeps x exact (x @ w.T up to summation order); =int8
+    is llama.cpp's scheme (faster at several rows, but its ~1% rounding moves greedy chat
+    completions off float32's, as llama.cpp's does).
     MRV2_GGUF_INT8_ACTIVATIONS=1, the older spelling of int8, still counts."""
     choice = os.environ.get("MRV2_GGUF_ACTIVATIONS", "").strip().lower()
     if not choice and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1":
