@@ -45,8 +45,8 @@ HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 def _gemv_x_format() -> int:
     """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
     AVX2's integer multiply-adds, quantized per 32 inputs to int16 (quantized_int16_numba:
-    faster than float32 x at 1-32 rows, 1.45-1.54x at one row, and than int8 x there; an error
-    2^-16 of each block's largest input, below a bfloat16 weight's; bench/README.md), else
+    faster than float32 x at 1-32 rows and than int8 x at one row, bench/README.md; an error
+    2^-16 of each block's largest input, below a bfloat16 weight's), else
     float32. MRV2_GGUF_ACTIVATIONS=float32 keeps x exact (x @ w.T up to summation order); =int8
     is llama.cpp's scheme (faster at several rows, but its ~1% rounding moves greedy chat
     completions off float32's, as llama.cpp's does).

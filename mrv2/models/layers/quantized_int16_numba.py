@@ -3,8 +3,8 @@ a decode step of a few rows, where float32 activations make the GEMV compute-bou
 
 Why: with float32 x a 32-weight group of a row costs two byte widenings, two nibble splits,
 four int -> float conversions and four FMAs (plus the scale) per row of x, about 18 vector
-operations for 20 bytes of Q4_1: at one row of x the GEMV runs at a third of the memory
-bandwidth. Here each row of x is quantized per 32 inputs to int16 (d = max |x| / 32767,
+operations for 20 bytes of Q4_1: at one row of x the GEMV is bound by them, not by memory
+(bench/README.md). Here each row of x is quantized per 32 inputs to int16 (d = max |x| / 32767,
 q = round(x / d)) and a group costs one widening of its bytes to 16 lanes of i16, one nibble
 split, two vpmaddwd (i16 x i16, adjacent products summed in i32), one add, one conversion and
 one FMA. The integer part is exact: |w| <= 128 (i8 layouts) or 15 (u4), |q| <= 32767, so a lane
