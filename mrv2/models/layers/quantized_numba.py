@@ -218,25 +218,21 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     quantize_rows(x, xq16, dx)
     x_bytes = m_rows * k_dim * (4 if x_format == X_FLOAT32 else 2 if x_format == X_INT16 else 1)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
+    # Weight rows outer, each against all of x, while x fits L1; past that x's rows outer, 4 at
+    # a time against each of the task's weight rows: those rows' blocks and the 4 rows of x stay
+    # in L1 while every pair is summed (weight rows outer would read all of x from L2 once per
+    # weight row). One loop nest serves both orders: _rows_against is inlined at one site (each
+    # site holds every format's kernels; two sites doubled the compile time).
+    block = max(m_rows, 1) if x_bytes <= X_IN_L1_BYTES else 4
     for c in prange(num_chunks):
         r0, r1 = c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)
-        if x_bytes <= X_IN_L1_BYTES:  # weight rows outer, each against all of x (in L1)
+        for b0 in range(0, m_rows, block):
+            b1 = min(m_rows, b0 + block)
             for r in range(r0, r1):
-                m0 = 0
-                while m0 < m_rows:
+                m0 = b0
+                while m0 < b1:
                     m0 += _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
                                         x_format, r, m0, out)
-        else:
-            # x's rows outer, 4 at a time against each of the task's weight rows: those rows'
-            # blocks and the 4 rows of x stay in L1 while every pair is summed (weight rows
-            # outer would read all of x from L2 once per weight row).
-            m0 = 0
-            while m0 < m_rows:
-                done = 0
-                for r in range(r0, r1):
-                    done = _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
-                                         x_format, r, m0, out)
-                m0 += done
         if has_min and x_format == X_FLOAT32:
             for r in range(r0, r1):
                 for m in range(m_rows):
