@@ -48,6 +48,9 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
+    # vLLM's: prompts longer than the step's token budget are prefilled in chunks. Off, a
+    # prompt is scheduled whole, so the budget defaults to at least max_model_len (vLLM's rule).
+    enable_chunked_prefill: bool = True
     # None: "uni" for tensor_parallel_size=1, "mp" (one worker process per rank) above.
     distributed_executor_backend: str | None = None
     # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
@@ -150,9 +153,11 @@ class EngineArgs:
                                    pooler_config=pooler_config)
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:
-            max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+            max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,
+                             0 if self.enable_chunked_prefill else max_model_len)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
+                                           enable_chunked_prefill=self.enable_chunked_prefill,
                                            async_scheduling=self.async_scheduling)
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from mrv2.entrypoints.openai.cli_args import add_serve_args
+from mrv2.entrypoints.openai.vllm_serve_options import refuse_unknown_arguments
 
 # Asked through the chat template when no --prompt is given and the model has one (the
 # built-in SmolLM2-135M-Instruct does): answers a person can judge.
@@ -58,13 +59,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="what the KV cache stores: auto (the model's dtype), bfloat16 or "
                              "float16 (half the cache's memory and attention's reads)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+    parser.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
+                        default=None,
                         help="share of a GPU's memory the engine may use (default 0.9); "
                              "not used on the CPU")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, except that the arguments it does not take are refused by
+    `refuse_unknown_arguments`: a vLLM option mrv2 lacks is named as such, not as an
+    unrecognized argument. No abbreviations (as vLLM's parser): a vLLM option that is a prefix of
+    one of mrv2's would otherwise be taken as that option."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(refuse_unknown_arguments(extras))
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mrv2", description="mrv2 LLM inference engine")
+    parser = CommandParser(prog="mrv2", description="mrv2 LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation for one or more prompts")
     add_engine_args(gen)

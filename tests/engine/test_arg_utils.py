@@ -305,3 +305,17 @@ def test_runner_convert_and_pooler_config(tiny_llama):
                             ({"pooler_config": {"pooling_type": "MEAN"}}, "runner='pooling'")):
         with pytest.raises(ConfigError, match=message):
             config(**kwargs)
+
+
+def test_chunked_prefill_off_budgets_a_whole_prompt(config_only_dir):
+    """vLLM's rule: without chunked prefill a prompt is scheduled whole, so the default step
+    budget is at least max_model_len; a budget set below it is refused."""
+    model = config_only_dir(8192)
+    sched = EngineArgs(model=model, enable_chunked_prefill=False,
+                       device="cpu").create_engine_config().scheduler_config
+    assert not sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8192
+    on = EngineArgs(model=model, device="cpu").create_engine_config().scheduler_config
+    assert on.enable_chunked_prefill and on.max_num_batched_tokens < 8192
+    with pytest.raises(ConfigError, match="chunked prefill is disabled"):
+        EngineArgs(model=model, max_num_batched_tokens=512, enable_chunked_prefill=False,
+                   device="cpu").create_engine_config()

@@ -82,7 +82,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="default on (off with --pooler-config MEAN pooling)")
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                        default=False)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True)
     parser.add_argument("--chat-template", default=None,
@@ -91,7 +92,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: the model's generation_config.json gives default sampling "
                              "parameters; vllm: OpenAI's defaults; a folder path: the "
                              "generation_config.json in that folder")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+                        default=False,
                         help='tool_choice "auto": parse tool calls from the output with '
                              "--tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None,
@@ -116,7 +118,8 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
     for name in ("origins", "methods", "headers"):
         parser.add_argument(f"--allowed-{name}", type=json.loads, default=["*"],
                             help=f'CORS: a JSON list of allowed {name} (default ["*"])')
-    parser.add_argument("--allow-credentials", action="store_true", help="CORS: credentials")
+    parser.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction,
+                        default=False, help="CORS: credentials")
     parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
     parser.add_argument("--ssl-certfile", default=None, help="... and this certificate file")
     parser.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (uvicorn)")
@@ -134,8 +137,10 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
                         help="no periodic engine stats in the log")
     parser.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction,
                         default=True, help="count in-flight requests for /load (default on)")
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
-    parser.add_argument("--disable-fastapi-docs", action="store_true",
+    parser.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
+                        default=False)
+    parser.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction,
+                        default=False,
                         help="no /docs, /redoc or /openapi.json")
     parser.add_argument("--override-generation-config", type=json.loads, default=None,
                         help='JSON generation-config fields over --generation-config\'s, e.g. '

@@ -14,6 +14,14 @@ ignored.
 - `--swap-space`: mrv2 preempts by recompute and keeps no CPU swap: 0 and vLLM's default (4,
   the value scripts copy) say nothing mrv2 does not do; any other value is refused.
 - `--hf-overrides`: refused (mrv2's config loader takes no overrides: use --hf-config-path).
+- `--enable-chunked-prefill` / `--no-enable-chunked-prefill`: EngineArgs.enable_chunked_prefill
+  (off: a prompt is prefilled in one step, and the step budget is at least max_model_len).
+- `--distributed-executor-backend` uni | mp: EngineArgs' (ray and external_launcher are refused:
+  mrv2's ranks are local processes).
+- `--logprobs-mode`: EngineArgs.logprobs_mode (vLLM's four modes).
+- `-pp` / `--pipeline-parallel-size`, `-dp` / `--data-parallel-size`: 1, what mrv2 runs (one
+  pipeline stage, one engine); other sizes are refused (tensor parallelism is `-tp`).
+- `--scheduling-policy`: fcfs, mrv2's scheduler; priority is refused.
 - `--runner` generate | pooling, `--convert` embed (the same as --runner pooling) and
   `--pooler-config` JSON ({"pooling_type": "LAST" | "MEAN", "normalize": bool}): EngineArgs'
   runner / convert / pooler_config; a pooling server answers /v1/embeddings, /score, /rerank.
@@ -25,10 +33,13 @@ import argparse
 import json
 from typing import Any
 
+from mrv2.sampler.logprobs import LOGPROBS_MODES
+
 TOKENIZER_MODES = ("auto", "hf")
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 VLLM_SWAP_SPACE_GIB = 4.0
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def json_or_level(value: str) -> dict[str, Any] | int:
@@ -81,7 +92,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              '\'{"cudagraph_mode": "FULL"}\' (or a level, as -O)')
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="the most logprobs a request may ask for (default and most: 20)")
-    parser.add_argument("--trust-remote-code", action="store_true",
+    parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
+                        default=False,
                         help="accepted: mrv2 runs only its built-in architectures, never Hub code")
     parser.add_argument("--tokenizer-mode", default="auto",
                         help="auto or hf (a Hugging Face tokenizer); others are refused")
@@ -92,6 +104,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "default 4 are accepted")
     parser.add_argument("--hf-overrides", type=json.loads, default=None,
                         help="refused: mrv2 takes no config overrides (use --hf-config-path)")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=True, help="prefill long prompts in chunks (default on)")
+    parser.add_argument("--distributed-executor-backend", default=None,
+                        help="uni (one process) or mp (a process per tensor-parallel rank; "
+                             "the default above -tp 1)")
+    parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=tuple(LOGPROBS_MODES))
+    for flag, short in (("--pipeline-parallel-size", "-pp"), ("--data-parallel-size", "-dp")):
+        parser.add_argument(flag, short, type=int, default=1,
+                            help="only 1: mrv2 runs one pipeline stage and one engine")
+    parser.add_argument("--scheduling-policy", default="fcfs",
+                        help="fcfs (mrv2's scheduler); priority is not supported")
     parser.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
                         help="pooling: serve embeddings of the model's final hidden states "
                              "(/v1/embeddings, /score, /rerank) instead of generating")
@@ -122,7 +145,22 @@ def engine_flag_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
     if args.swap_space not in (None, 0, VLLM_SWAP_SPACE_GIB):
         raise ValueError(f"--swap-space {args.swap_space:g} is not supported: mrv2 keeps no CPU "
                          f"swap space (preempted requests are recomputed); leave it unset")
+    for flag, size in (("pipeline-parallel-size", args.pipeline_parallel_size),
+                       ("data-parallel-size", args.data_parallel_size)):
+        if size != 1:
+            raise ValueError(f"--{flag} {size} is not supported: mrv2 runs one pipeline stage "
+                             f"and one engine (use --tensor-parallel-size to split a model)")
+    if args.scheduling_policy != "fcfs":
+        raise ValueError(f"--scheduling-policy {args.scheduling_policy!r} is not supported: "
+                         f"mrv2 schedules first come, first served (fcfs)")
+    backend = args.distributed_executor_backend
+    if backend not in (None, *EXECUTOR_BACKENDS):
+        raise ValueError(f"--distributed-executor-backend {backend!r} is not supported: mrv2 "
+                         f"runs {' or '.join(EXECUTOR_BACKENDS)} (local processes)")
     values: dict[str, Any] = {"compilation_config": compilation_config(args),
+                              "enable_chunked_prefill": args.enable_chunked_prefill,
+                              "distributed_executor_backend": backend,
+                              "logprobs_mode": args.logprobs_mode,
                               "runner": args.runner, "convert": args.convert,
                               "pooler_config": args.pooler_config}
     if args.max_logprobs is not None:

@@ -9,6 +9,7 @@ import pytest
 from mrv2.entrypoints.cli import build_parser
 from mrv2.entrypoints.openai.cli_args import engine_args_from, resolve_model, server_config_from
 from mrv2.entrypoints.openai.config_file import expand_config_file
+from mrv2.entrypoints.openai.vllm_serve_options import VLLM_SERVE_OPTIONS
 
 # (argv after `serve /m`, where the value lands: "engine" | "server", the field, its value).
 # The names are vLLM's (docs.vllm.ai, `vllm serve` arguments).
@@ -77,6 +78,15 @@ HONOURED = [
     (["--swap-space", "4"], "engine", "model", "/m"),  # vLLM's default: nothing to do
     (["--swap-space", "0"], "engine", "model", "/m"),
     (["--runner", "pooling"], "engine", "runner", "pooling"),
+    (["--no-enable-chunked-prefill"], "engine", "enable_chunked_prefill", False),
+    (["--enable-chunked-prefill"], "engine", "enable_chunked_prefill", True),
+    (["--distributed-executor-backend", "mp"], "engine", "distributed_executor_backend", "mp"),
+    (["--logprobs-mode", "processed_logits"], "engine", "logprobs_mode", "processed_logits"),
+    (["-pp", "1", "--data-parallel-size", "1"], "engine", "tensor_parallel_size", 1),
+    (["--scheduling-policy", "fcfs"], "engine", "model", "/m"),  # what mrv2 does
+    (["--device-memory-utilization", "0.5"], "engine", "gpu_memory_utilization", 0.5),
+    (["--no-enforce-eager"], "engine", "enforce_eager", False),
+    (["--no-trust-remote-code"], "server", "trust_remote_code", False),
     (["--convert", "embed"], "engine", "convert", "embed"),
     (["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'], "engine",
      "pooler_config", {"pooling_type": "MEAN", "normalize": False}),
@@ -100,6 +110,11 @@ REFUSED = [
     (["--runner", "draft"], "--runner"),
     (["--convert", "classify"], "--convert"),
     (["--pooler-config", "MEAN"], "--pooler-config"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+    (["-dp", "2"], "--data-parallel-size 2"),
+    (["--scheduling-policy", "priority"], "--scheduling-policy 'priority'"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend 'ray'"),
+    (["--logprobs-mode", "sampled"], "--logprobs-mode"),
 ]
 
 
@@ -145,3 +160,26 @@ def test_every_flag_of_the_lists_is_a_serve_flag():
             if arg.startswith("-") and not arg.lstrip("-")[:1].isdigit():
                 name = arg.split(".")[0] if arg.startswith("-cc.") else arg
                 assert name in known or name[:2] in known, name
+
+
+def test_every_vllm_serve_option_is_honoured_or_refused_by_name(capsys):
+    """The whole of `vllm serve --help=all` (vllm_serve_options): an option mrv2's parser takes
+    is one of the cases above (honoured, or refused naming it); any other is refused by the
+    parser, naming it and its vLLM group, never accepted and ignored."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    actions = serve._option_string_actions
+    tested = {arg.split("=")[0] for argv, *_ in HONOURED + REFUSED for arg in argv
+              if arg.startswith("-") and not arg.lstrip("-")[:1].isdigit()}
+    # tested elsewhere: TLS files above, --model / --chat-template in test_cli_args.py,
+    # --config in test_config_file.py
+    tested |= {"--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--model", "--config",
+               "--chat-template"}
+    for group, options in VLLM_SERVE_OPTIONS.items():
+        for option in options:
+            if option in actions:
+                assert tested & set(actions[option].option_strings), option
+                continue
+            with pytest.raises(SystemExit):
+                build_parser().parse_args(["serve", "/m", option, "1"])
+            err = capsys.readouterr().err
+            assert f"{option} ({group})" in err and "unrecognized" not in err, err
