@@ -114,7 +114,7 @@ class VllmProcess:
                 self._proc.wait()
 
 
-def _serve() -> None:
+def _serve_vllm() -> None:
     """The child: load vLLM from the first line, then answer generate requests."""
     # The protocol keeps standard output's pipe; fd 1 becomes standard error, so that nothing
     # vLLM or its engine processes (which inherit the descriptors) print reaches the pipe.
@@ -147,4 +147,4 @@ def _serve() -> None:
 
 if __name__ == "__main__":
     del sys.path[0]  # this file's folder: its modules are mrv2's, not top-level packages
-    _serve()
+    _serve_vllm()
