@@ -33,13 +33,13 @@ import argparse
 import json
 from typing import Any
 
+from mrv2.config import ConfigError, ParallelConfig
 from mrv2.sampler.logprobs import LOGPROBS_MODES
 
 TOKENIZER_MODES = ("auto", "hf")
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 VLLM_SWAP_SPACE_GIB = 4.0
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)
-EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def json_or_level(value: str) -> dict[str, Any] | int:
@@ -109,7 +109,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", default=None,
                         help="uni (one process) or mp (a process per tensor-parallel rank; "
                              "the default above -tp 1)")
-    parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=tuple(LOGPROBS_MODES))
+    parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES)
     for flag, short in (("--pipeline-parallel-size", "-pp"), ("--data-parallel-size", "-dp")):
         parser.add_argument(flag, short, type=int, default=1,
                             help="only 1: mrv2 runs one pipeline stage and one engine")
@@ -154,9 +154,11 @@ def engine_flag_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
         raise ValueError(f"--scheduling-policy {args.scheduling_policy!r} is not supported: "
                          f"mrv2 schedules first come, first served (fcfs)")
     backend = args.distributed_executor_backend
-    if backend not in (None, *EXECUTOR_BACKENDS):
-        raise ValueError(f"--distributed-executor-backend {backend!r} is not supported: mrv2 "
-                         f"runs {' or '.join(EXECUTOR_BACKENDS)} (local processes)")
+    try:  # ParallelConfig's own check, before the server binds or loads anything
+        ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                       distributed_executor_backend=backend)
+    except ConfigError as error:
+        raise ValueError(f"--distributed-executor-backend {backend!r}: {error}") from None
     values: dict[str, Any] = {"compilation_config": compilation_config(args),
                               "enable_chunked_prefill": args.enable_chunked_prefill,
                               "distributed_executor_backend": backend,
