@@ -26,12 +26,13 @@ import time
 from typing import Any
 
 from mrv2.entrypoints.bench.dataset import random_token_prompts
-from mrv2.entrypoints.bench.sweep_engines import (ENGINE_KEYS, MRV2_KEYS, EngineSpec, Skip,
-                                                  SweepModel, SweepSetup, engine_version,
+from mrv2.entrypoints.bench.sweep_engines import (ENGINE_KEYS, MRV2_KEYS, VLLM_KEYS, EngineSpec,
+                                                  Skip, SweepModel, SweepSetup, engine_version,
                                                   load_engine, plan_engines, read_sweep_model)
 
 ALIASES = {"mrv2": MRV2_KEYS, "mrv2:bfloat16": ("mrv2:bf16",), "hf": ("transformers",),
-           "llama-cpp": ("llama.cpp",), "llama_cpp": ("llama.cpp",)}
+           "llama-cpp": ("llama.cpp",), "llama_cpp": ("llama.cpp",), "vllm": VLLM_KEYS,
+           "vllm:bfloat16": ("vllm:bf16",)}
 METRIC = ("decode output tokens/s = batch * (output_len - 1) / (seconds for output_len tokens "
           "- seconds for 1 token), median over repeats")
 
@@ -46,7 +47,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="output tokens (>= 2)")
     parser.add_argument("--engines", default=None,
                         help="comma-separated subset of " + ", ".join(ENGINE_KEYS)
-                             + " ('mrv2' = all its precisions; default: all)")
+                             + " ('mrv2', 'vllm' = all their precisions; default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--threads", type=int, default=None,
@@ -77,7 +78,7 @@ def parse_engines(text: str | None) -> list[str]:
         keys = ALIASES.get(name, (name,) if name in ENGINE_KEYS else None)
         if keys is None:
             raise ValueError(f"--engines: unknown engine {name!r}; expected some of "
-                             f"{', '.join(('mrv2',) + ENGINE_KEYS)}")
+                             f"{', '.join(('mrv2', 'vllm') + ENGINE_KEYS)}")
         chosen.update(keys)
     return [key for key in ENGINE_KEYS if key in chosen]
 

@@ -9,8 +9,10 @@ max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_to
   (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);
 - llama.cpp on the same GGUF file, through llama-cpp-python's bindings of its C API: every
   prompt a sequence of one batch, one `llama_decode` per step (as llama.cpp's server batches);
-- vLLM (`vllm.LLM`, prefix caching off), float32, on the weights transformers runs, in a
-  child interpreter (vllm_peer.py says why; `MRV2_VLLM_PYTHON` may name another environment's).
+- vLLM (`vllm.LLM`, prefix caching off), float32 and bfloat16 (its CPU default; only where the
+  CPU computes bf16 natively: emulated, one batch-1 run took longer than 7 minutes on a Zen 3),
+  on the weights transformers runs, in a child interpreter (vllm_peer.py says why;
+  `MRV2_VLLM_PYTHON` may name another environment's).
 
 The peers are optional (pyproject's `peers` extra): one that does not import is skipped, and
 the reason is printed.
@@ -30,7 +32,8 @@ from mrv2.entrypoints.bench.sweep_roofline import ModelShapes
 
 # --engines names: an engine, or one precision of mrv2.
 MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")
-ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp", "vllm")
+VLLM_KEYS = ("vllm:float32", "vllm:bf16")
+ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp") + VLLM_KEYS
 PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python")}  # vLLM: vllm_peer.probe
 # Room above input + output in each engine's context (as bench/e2e_workload sizes mrv2's).
 CONTEXT_MARGIN = 16
@@ -180,12 +183,17 @@ def plan_engines(keys: list[str], model: SweepModel,
             skips.append(Skip("llama.cpp", "it runs GGUF files, the model is a directory"))
         else:
             _, reason = _import_peer(key) if key == "llama.cpp" else vllm_peer.probe()
+            skip = Skip("llama.cpp" if key == "llama.cpp" else "vLLM", str(reason))
             if reason is not None:
-                skips.append(Skip("llama.cpp" if key == "llama.cpp" else "vLLM", reason))
+                if skip not in skips:  # vLLM's precisions share one reason
+                    skips.append(skip)
             elif key == "llama.cpp":
                 specs.append(EngineSpec(key, "llama.cpp", gguf))
+            elif key == "vllm:bf16" and bf16_precision != "bfloat16":
+                skips.append(Skip("vLLM bfloat16", "this CPU has no bfloat16 matrix "
+                                  "instructions (AVX-512 BF16 or AMX): vLLM would emulate them"))
             else:
-                specs.append(EngineSpec(key, "vLLM", "float32"))
+                specs.append(EngineSpec(key, "vLLM", _VLLM_DTYPES[key]))
     return specs, skips
 
 
@@ -244,6 +252,12 @@ class TransformersEngine:
         gc.collect()
 
 
+def _has_amx() -> bool:
+    from mrv2.entrypoints.bench.sweep_machine import read_cpu_info
+
+    return read_cpu_info().has("amx_int8")
+
+
 class LlamaCppEngine:
     """llama.cpp on the GGUF file through llama-cpp-python's bindings of its C API, every prompt
     one sequence of a batch (as llama.cpp's own server and batched examples run them): the
@@ -261,6 +275,10 @@ class LlamaCppEngine:
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
+        # ggml's AMX matmul (an "extra" buffer type, on CPUs with AMX) segfaults in
+        # llama-cpp-python 0.3.36 at the first decode (bench/README.md): its weights stay in
+        # plain CPU buffers there, the configuration of llama.cpp that runs.
+        model_params.use_extra_bufts = not _has_amx()
         self._model = lib.llama_model_load_from_file(model.path.encode(), model_params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {model.path}")
@@ -331,6 +349,9 @@ def _kv_cache_bytes(model: SweepModel, setup: SweepSetup) -> int:
     return int(1.25 * tokens * model.kv_bytes_per_token)
 
 
+_VLLM_DTYPES = {"vllm:float32": "float32", "vllm:bf16": "bfloat16"}
+
+
 class _VllmEngine(vllm_peer.VllmProcess):
     def __init__(self, spec: EngineSpec, **kwargs: Any) -> None:
         self.spec = spec
@@ -355,7 +376,7 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
         return TransformersEngine(spec, model)
     if spec.key == "llama.cpp":
         return LlamaCppEngine(spec, model, setup)
-    return _VllmEngine(spec, model=model.hf_dir(), dtype="float32",
+    return _VllmEngine(spec, model=model.hf_dir(), dtype=_VLLM_DTYPES[spec.key],
                        kv_cache_memory_bytes=_kv_cache_bytes(model, setup), **common)
 
 

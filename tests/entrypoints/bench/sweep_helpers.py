@@ -70,6 +70,7 @@ class FakeLlamaCpp:
 
     def __init__(self) -> None:
         self.model_path: str | None = None
+        self.model_params: Any = None
         self.context_params: Any = None
         self.batches: list[list[tuple[int, int, int, bool]]] = []
         self.clears = 0
@@ -84,7 +85,7 @@ class FakeLlamaCpp:
 
     def llama_model_load_from_file(self, path: bytes, params: Any) -> str:
         assert params.n_gpu_layers == 0
-        self.model_path = path.decode()
+        self.model_path, self.model_params = path.decode(), params
         return "model"
 
     def llama_context_default_params(self) -> Any:

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from sweep_helpers import fake_peer_modules, fake_vllm, fake_vllm_calls, png_size  # noqa: E402
 
+from mrv2.entrypoints.bench.sweep import parse_engines  # noqa: E402
 from mrv2.entrypoints.cli import main  # noqa: E402
 
 # One thread: on these shared 2-core machines two threads stall each other behind the load.
@@ -81,7 +82,7 @@ def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     log = fake_vllm(tmp_path, monkeypatch)
     code = main(["bench", "sweep", "--model", str(tiny_q4), *TINY, "--repeats", "1",
-                 "--engines", "llama.cpp,vllm", "--format", "text",
+                 "--engines", "llama.cpp,vllm:float32", "--format", "text",
                  "--output-json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -107,6 +108,12 @@ def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
     assert set(status.values()) == {"ok"} and len(status) == 4
     assert [e["version"] for e in result["engines"]] == ["0.3.36-fake", "0.32.0-fake"]
     assert "**" not in out  # text format
+
+
+def test_engine_names_and_aliases():
+    assert parse_engines("vllm,llama-cpp") == ["llama.cpp", "vllm:float32", "vllm:bf16"]
+    assert parse_engines("vllm:bfloat16, MRV2") == ["mrv2:float32", "mrv2:gguf", "mrv2:bf16",
+                                                    "vllm:bf16"]
 
 
 @pytest.mark.parametrize("flag, value, message", [

@@ -75,9 +75,15 @@ def test_plan_on_a_directory_with_bf16(no_peers):
 def test_plan_with_peers_installed_or_broken(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     fake_vllm(tmp_path, monkeypatch)  # in the child interpreter vLLM runs in
-    specs, skips = plan_engines(["llama.cpp", "vllm"], _model(), "bfloat16")
-    assert [s.column for s in specs] == ["llama.cpp gguf Q4_1", "vLLM float32"]
+    specs, skips = plan_engines(["llama.cpp", "vllm:float32", "vllm:bf16"], _model(),
+                                "bfloat16")
+    assert [s.column for s in specs] == ["llama.cpp gguf Q4_1", "vLLM float32", "vLLM bfloat16"]
     assert not skips and engine_version(specs[1]) == "0.32.0-fake"
+    specs, skips = plan_engines(["vllm:float32", "vllm:bf16"], _model(), "bf16 weights")
+    assert [s.column for s in specs] == ["vLLM float32"]
+    assert [s.line() for s in skips] == [
+        "skipped vLLM bfloat16: this CPU has no bfloat16 matrix instructions (AVX-512 BF16 or "
+        "AMX): vLLM would emulate them"]
 
     def broken(name):
         raise RuntimeError("no libstdc++")
@@ -87,8 +93,9 @@ def test_plan_with_peers_installed_or_broken(monkeypatch, tmp_path):
     assert skips[0].line() == "skipped llama.cpp: `import llama_cpp` failed: RuntimeError: " \
         "no libstdc++"
     fake_vllm(tmp_path, monkeypatch, "broken")
-    _, skips = plan_engines(["vllm"], _model(), "bfloat16")
-    assert skips[0].line() == "skipped vLLM: `import vllm` failed: RuntimeError: no libstdc++"
+    _, skips = plan_engines(["vllm:float32", "vllm:bf16"], _model(), "bfloat16")
+    assert [s.line() for s in skips] == [  # one reason for both precisions
+        "skipped vLLM: `import vllm` failed: RuntimeError: no libstdc++"]
 
 
 def test_setup_and_versions():
@@ -113,6 +120,19 @@ def test_llama_cpp_engine_batches_every_prompt(monkeypatch):
     assert lib.batches[2] == [(5, 3, 0, True), (5, 1, 1, True)]
     engine.shutdown()
     assert lib.freed == ["batch", "context", "model"]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_llama_cpp_keeps_plain_buffers_on_an_amx_cpu(monkeypatch, amx):
+    """ggml's AMX buffer type (one of llama.cpp's extra buffer types) crashes llama-cpp-python
+    0.3.36 at its first decode: on a CPU with AMX the sweep's llama.cpp does without them."""
+    for name, module in fake_peer_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sweep_engines, "_has_amx", lambda: amx)
+    engine = sweep_engines.load_engine(EngineSpec("llama.cpp", "llama.cpp", "gguf Q4_1"),
+                                       _model(), SweepSetup(1, 3, 4, 0, 1))
+    assert sys.modules["llama_cpp"].llama_cpp.model_params.use_extra_bufts is (not amx)
+    engine.shutdown()
 
 
 def test_llama_cpp_batch_equals_one_prompt_at_a_time(tiny_gguf_factory):
