@@ -7,7 +7,9 @@ file's weights; F16 runs the same kernel with another widening). `quantized_line
 numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows and the dequantize-tile + torch.mm path beyond;
 its GEMV on Q4_1 / Q8_0 blocks runs three times, on float32 x ("quantized_linear"), on x rounded
 to int16 per 32 inputs ("quantized_linear_int16x", the default where numba compiles AVX2) and
-to int8 ("quantized_linear_int8x", opt-in), each checked against its derived bound. extra_info: the weight bytes each call
+to int8 ("quantized_linear_int8x", opt-in), each checked against its derived bound. BF16 from
+MIN_NATIVE_HALF_ROWS rows on a CPU with bfloat16 matrix units runs on them
+(cpu_linear.native_16bit_linear, within its rounding bound). extra_info: the weight bytes each call
 reads (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
 Random valid blocks (tests/models/test_quantized.py's generator, seed 0).
 """
@@ -70,7 +72,12 @@ def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, i
     x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(1))
     expect = F.linear(x, wf)
     got = quantized_linear(x, qw)
-    if integer_x:
+    native = (qw.is_half and rows >= quantized.MIN_NATIVE_HALF_ROWS
+              and quantized.computes_natively(qw.half_dtype))
+    if native:  # x and the outputs rounded to bfloat16 (tests/models/test_quantized.py)
+        bound = (2 * 2.0 ** -8 + qw.in_features * 2.0 ** -24) * (x.abs() @ wf.abs().T)
+        assert ((got - expect).abs() <= bound).all()
+    elif integer_x:
         slack = 1e-5 * (x.abs() @ wf.abs().T)
         assert ((got - expect).abs() <= integer_activation_bound(x, wf, levels) + slack).all()
     else:
@@ -87,5 +94,5 @@ def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, i
     benchmark.extra_info.update(
         gguf_type=gguf_type, shape=SHAPES[shape_name], rows=rows, threads=2, seed=0,
         weight_bytes=nbytes, effective_gb_s=round(nbytes / median / 1e9, 2),
-        path=("gemv" if rows <= MAX_QUANTIZED_GEMV_ROWS else "tiled")
-        if impl != "f_linear" else "torch")
+        path="torch" if impl == "f_linear" else "native" if native else
+        "gemv" if rows <= MAX_QUANTIZED_GEMV_ROWS else "tiled")

@@ -147,14 +147,15 @@ def test_resolve_dtype() -> None:
             resolve_dtype(bad, bf16_config, "cpu")
 
 
-def test_split_cpu_dtype(monkeypatch) -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_split_cpu_dtype(monkeypatch, native) -> None:
+    # On the CPU 16-bit weights and float32 activations, whatever matrix units it has (the
+    # linears use them: cpu_linear.native_16bit_linear); on CUDA one dtype.
     from mrv2 import platform
     from mrv2.models.loader import split_cpu_dtype
 
-    monkeypatch.setattr(platform, "cpu_computes_natively", lambda d: d == torch.float32)
+    monkeypatch.setattr(platform, "cpu_computes_natively", lambda d: native or d == torch.float32)
     assert split_cpu_dtype(torch.bfloat16, "cpu") == (torch.float32, torch.bfloat16)
     assert split_cpu_dtype(torch.float16, "cpu") == (torch.float32, torch.float16)
     assert split_cpu_dtype(torch.float32, "cpu") == (torch.float32, None)
     assert split_cpu_dtype(torch.bfloat16, "cuda") == (torch.bfloat16, None)
-    monkeypatch.setattr(platform, "cpu_computes_natively", lambda d: True)
-    assert split_cpu_dtype(torch.bfloat16, "cpu") == (torch.bfloat16, None)

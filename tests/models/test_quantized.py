@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import quantized
+from mrv2.models.layers import cpu_linear, quantized
 from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
@@ -184,6 +184,21 @@ def test_errors(weights):
         weights["Q4_0"][0].dequantize_rows(torch.tensor([96]))
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, native):
+    """Where the CPU computes bfloat16 natively, MIN_NATIVE_HALF_ROWS rows and more run
+    cpu_linear.native_16bit_linear; fewer rows, and any rows elsewhere, the GEMV or tiles."""
+    calls = []
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
+    monkeypatch.setattr(cpu_linear, "native_16bit_linear",
+                        lambda x, w, dtype: calls.append(len(x)) or torch.zeros(len(x), 80))
+    w = QuantizedWeight.from_float(torch.randn(80, 300), torch.bfloat16)
+    low = quantized.MIN_NATIVE_HALF_ROWS
+    for rows in (1, low - 1, low, 40):
+        quantized_linear(torch.randn(rows, 300), w)
+    assert calls == ([low, 40] if native else [])
+
+
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)
 @pytest.mark.parametrize("n, k, rows", [(5, 3, 1), (33, 37, 3), (17, 8, 5), (9, 100, 2)])
 def test_half_gemv_on_widths_that_are_not_multiples_of_8(gguf_type, n, k, rows):
@@ -201,6 +216,7 @@ def test_half_gemv_on_widths_that_are_not_multiples_of_8(gguf_type, n, k, rows):
 @pytest.mark.parametrize("dtype, unit_roundoff", [(torch.bfloat16, 2.0 ** -8),
                                                   (torch.float16, 2.0 ** -11)])
 @pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.usefixtures("float_activations")
 def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, unit_roundoff, rows):
     # Derivation: rounding to nearest moves each weight by at most u |w| (u = 2^-8 for
     # bfloat16's 8-bit significand, 2^-11 for float16's 11; weights here are far above float16's

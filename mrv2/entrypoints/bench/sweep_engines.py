@@ -3,7 +3,7 @@ max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_to
 
 - mrv2 in each precision it has: float32 weights (a GGUF file dequantized at load),
   `quantization="gguf"` (a quantized GGUF file's blocks, as stored), dtype="bfloat16" (bf16
-  compute where the CPU has it, else bf16 weights and float32 compute:
+  weights; linears of several rows in bf16 where the CPU computes it, else widened to float32:
   sweep_machine.CpuInfo.bf16_precision);
 - transformers' `generate`, float32, on the same weights: for a GGUF file its safetensors twin
   (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);

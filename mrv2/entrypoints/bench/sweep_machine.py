@@ -2,9 +2,9 @@
 that decide which precisions are worth running (read at run time from /proc/cpuinfo, or from
 torch's own probes where that file is missing), the threads, the load average.
 
-mrv2's bfloat16 column computes in bf16 only where the CPU has instructions for it (avx512_bf16
-or AMX); elsewhere mrv2 keeps bf16 weights and computes in float32 (docs/architecture.md,
-section 5), and the column says so.
+mrv2's bfloat16 column (bf16 weights, float32 activations) runs its linears of several rows in
+bf16 only where the CPU has instructions for it (avx512_bf16 or AMX); elsewhere every linear
+widens the bf16 weights to float32 (docs/architecture.md, section 5), and the column says so.
 """
 
 from __future__ import annotations

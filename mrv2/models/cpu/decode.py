@@ -187,9 +187,15 @@ def qualifies(model) -> bool:
 
 
 def max_rows(model) -> int:
-    """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`)."""
-    quantized = all(kind != "float32" for kind in _kinds(model.layers[0]))
-    return MAX_QUANTIZED_DECODE_ROWS if quantized else MAX_DECODE_ROWS
+    """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`): where
+    every projection is 16-bit and the CPU computes its dtype natively, fewer rows than the
+    layer path's linears switch to the matrix units (quantized.MIN_NATIVE_HALF_ROWS)."""
+    layer = model.layers[0]
+    kinds = _kinds(layer)
+    if all(kind == "half" for kind in kinds) and quantized.computes_natively(
+            _quantized(layer.self_attn.qkv_proj).half_dtype):
+        return min(MAX_QUANTIZED_DECODE_ROWS, quantized.MIN_NATIVE_HALF_ROWS - 1)
+    return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
 def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta,

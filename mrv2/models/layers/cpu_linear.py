@@ -22,9 +22,12 @@ it), so packed layers hold their weights twice in host memory.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
+from mrv2 import platform
 from mrv2.models.layers import cpu_gemv
 
 _ATTR = "_mrv2_onednn_packed"  # (version, packed weight) on the weight tensor
@@ -60,13 +63,29 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ a weight oneDNN packed (`packed_weight`, or `_reorder_linear_weight` of a
+    16-bit weight, then x of its dtype) -> [M, N] of x's dtype, M padded to `padded_rows`."""
     rows = x.shape[0]
     x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))  # zero rows below x
-    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none",
-                                             [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return out[:rows]
+
+
+@lru_cache(maxsize=None)
+def computes_natively(dtype: torch.dtype) -> bool:
+    """Whether `native_16bit_linear` runs `dtype` on this CPU's matrix units:
+    platform.cpu_computes_natively, read once, where oneDNN is built in."""
+    return available() and platform.cpu_computes_natively(dtype)
+
+
+def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """x float32 [M, K] @ a `dtype` (16-bit) weight oneDNN packed -> float32 [M, N], on the
+    CPU's matrix units where `computes_natively(dtype)`: x rounded to `dtype`, the products
+    summed in float32, each output rounded to `dtype` once (as a bfloat16 model's linear)."""
+    return onednn_linear(x.to(dtype), packed).float()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -79,7 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return cpu_gemv.gemv(x, weight, bias)
     if not _AVAILABLE:
         return F.linear(x, weight, bias)
-    return _onednn_linear(x, weight, bias)
+    return onednn_linear(x, packed_weight(weight), bias)
 
 
 _AVAILABLE = available()

@@ -22,7 +22,10 @@ A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to MAX_QUANTIZED_GEMV_ROWS rows of x (decode) run the numba GEMV on the
 packed groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer
-and multiply each tile with torch.mm, so the float32 weight never exists whole.
+and multiply each tile with torch.mm, so the float32 weight never exists whole. A 16-bit weight
+on a CPU with matrix instructions for its dtype (platform.cpu_computes_natively: AMX or
+AVX-512 BF16 for bfloat16) runs from MIN_NATIVE_HALF_ROWS rows on them instead
+(cpu_linear.native_16bit_linear, the weight packed for oneDNN once).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import os
 import numpy as np
 import torch
 
-from mrv2.models.layers import quantized_numba
+from mrv2.models.layers import cpu_linear, quantized_numba
+from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
@@ -68,6 +72,9 @@ GEMV_X_FORMAT: int = _gemv_x_format()
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py,
 # bench/README.md); the fused decode stack runs up to as many.
 MAX_QUANTIZED_GEMV_ROWS = 32
+# Rows of x from which a 16-bit weight runs on the CPU's matrix units where it has them (the
+# GEMV streams the weight once per pass of 4 rows; oneDNN's AMX kernels read it once).
+MIN_NATIVE_HALF_ROWS = 8
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
 # A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
@@ -189,6 +196,7 @@ class QuantizedWeight:
         self.scales = None if scales is None else scales.contiguous()
         self.mins = None if mins is None else mins.contiguous()
         self.gguf_type = gguf_type
+        self._onednn_packed: torch.Tensor | None = None  # a 16-bit weight for oneDNN, once
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
@@ -300,6 +308,14 @@ class QuantizedWeight:
         """The float dtype whose bit patterns a 16-bit weight's `q` holds."""
         return HALF_DTYPES[self.layout]
 
+    def onednn_packed(self) -> torch.Tensor:
+        """A 16-bit weight in oneDNN's blocked layout (cpu_linear.native_16bit_linear), packed
+        at first use (`q` never changes in place)."""
+        if self._onednn_packed is None:
+            self._onednn_packed = torch.ops.mkldnn._reorder_linear_weight(
+                self.q.view(self.half_dtype))
+        return self._onednn_packed
+
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
         if self.is_half:  # an exact widening: torch's vectorised conversion does it
             torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
@@ -334,7 +350,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
-    if t <= MAX_QUANTIZED_GEMV_ROWS and weight.is_half:
+    if weight.is_half and t >= MIN_NATIVE_HALF_ROWS and computes_natively(weight.half_dtype):
+        out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
+    elif t <= MAX_QUANTIZED_GEMV_ROWS and weight.is_half:
         out = torch.empty(t, n, dtype=torch.float32)
         quantized_numba.gemv_half(x.detach().contiguous().numpy(), weight.q.numpy(),
                                   weight.layout == "bf16", out.numpy())

@@ -90,6 +90,25 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     assert_same_outputs(fused, plain)
 
 
+@pytest.mark.parametrize("tensor_type, native, rows", [
+    ("BF16", True, "native"), ("BF16", False, "quantized"), ("Q4_1", True, "quantized")])
+def test_stack_stops_where_16_bit_linears_move_to_matrix_units(tiny_gguf_factory, tensor_type,
+                                                                native, rows, monkeypatch):
+    """Where the CPU computes a 16-bit model's dtype natively, its linears of
+    MIN_NATIVE_HALF_ROWS rows or more run on the matrix units, so the stack takes fewer."""
+    from mrv2.models.layers import quantized
+
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
+    path = tiny_gguf_factory("llama", tensor_type)
+    llm = LLM(str(path), max_model_len=64, enable_prefix_caching=False, quantization="gguf",
+              max_num_seqs=2)
+    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
+    llm.shutdown()
+    assert model.forward_layers.max_rows == {
+        "native": quantized.MIN_NATIVE_HALF_ROWS - 1,
+        "quantized": cpu_decode.MAX_QUANTIZED_DECODE_ROWS}[rows]
+
+
 def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_gguf_factory):
     """A file mixing 32-input types (float16 tables) and K-quants (float32) in one projection:
     the stack's list gets float32 tables throughout, of the same values (the float32-table
