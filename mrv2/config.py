@@ -73,8 +73,8 @@ class ModelConfig:
     # weights of `dtype`.
     quantization: str | None = None
     # CPU only: the linears, the embedding and the LM head keep their weights in this 16-bit
-    # dtype and compute in `dtype` (float32): a bfloat16 / float16 model on a CPU without
-    # native 16-bit matrix instructions (loader.split_cpu_dtype). None: weights of `dtype`.
+    # dtype and the rest computes in `dtype` (float32): a bfloat16 / float16 model on the CPU
+    # (loader.split_cpu_dtype). None: weights of `dtype`.
     cpu_weight_dtype: torch.dtype | None = None
     # "pooling": every request is a prompt whose pooled hidden states are the result
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
@@ -130,7 +130,9 @@ class ModelConfig:
 
 
 # vLLM's kv_cache_dtype values that mrv2 stores, and their element type; "auto" stores the
-# model's compute dtype. fp8 and int8 caches (vLLM's other values) are not implemented.
+# model's dtype (a 16-bit model's on the CPU too, where it computes in float32: as vLLM's
+# "auto" would, and half the bytes each decode step reads from the cache). fp8 and int8
+# caches (vLLM's other values) are not implemented.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -370,4 +372,6 @@ class EngineConfig:
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: kv_cache_dtype's, or the model's for "auto"."""
-        return KV_CACHE_DTYPES[self.cache_config.cache_dtype] or self.model_config.dtype
+        model = self.model_config
+        return (KV_CACHE_DTYPES[self.cache_config.cache_dtype] or model.cpu_weight_dtype
+                or model.dtype)

@@ -94,6 +94,10 @@ def test_kv_cache_dtype_values() -> None:
     and int8 (vLLM's other values) are refused by name."""
     config = make_engine_config(64, 16)
     assert config.kv_cache_dtype == config.model_config.dtype
+    # a bfloat16 model on the CPU (float32 compute, bfloat16 weights) stores bfloat16
+    bf16_weights = dataclasses.replace(config.model_config, cpu_weight_dtype=torch.bfloat16)
+    assert dataclasses.replace(config, model_config=bf16_weights).kv_cache_dtype == \
+        torch.bfloat16
     for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         cache = CacheConfig(cache_dtype=name)
         assert dataclasses.replace(config, cache_config=cache).kv_cache_dtype == dtype

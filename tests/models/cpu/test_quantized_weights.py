@@ -134,12 +134,15 @@ def test_16bit_model_keeps_16bit_weights_and_float32_activations(tiny_model_fact
     assert paths.decode is not None  # the fused decode stack runs on them
 
     # The checkpoint's weights are bfloat16: kept as such they are exact, so the engine gives
-    # the float32 model's greedy tokens (float32 sums in another order: logprobs ~1e-6).
+    # the float32 model's greedy tokens (float32 sums in another order: logprobs ~1e-6) when
+    # that model stores its KV cache in bfloat16 too, as "auto" does for the bfloat16 model.
     prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7]} for i in range(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     outputs = {}
     for dtype in ("bfloat16", "float32"):
-        llm = LLM(str(path), dtype=dtype, max_model_len=64, enable_prefix_caching=False)
+        llm = LLM(str(path), dtype=dtype, max_model_len=64, enable_prefix_caching=False,
+                  kv_cache_dtype="auto" if dtype == "bfloat16" else "bfloat16")
+        assert llm.llm_engine.config.kv_cache_dtype == torch.bfloat16
         outputs[dtype] = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
         llm.shutdown()
     for got, want in zip(outputs["bfloat16"], outputs["float32"]):
