@@ -64,10 +64,13 @@ def probe() -> tuple[str | None, str | None]:
 class VllmProcess:
     """`vllm.LLM(**kwargs)` in a child interpreter; `generate` as the sweep's engines."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+        """`env`: variables added to the child's environment (vLLM reads its CPU settings
+        there)."""
         self._proc = subprocess.Popen([python(), os.path.abspath(__file__)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True, start_new_session=True)
+                                      text=True, start_new_session=True,
+                                      env={**os.environ, **(env or {})})
         self._ask(kwargs)
         self._signal(signal.SIGSTOP)
 

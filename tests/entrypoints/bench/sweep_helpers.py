@@ -139,8 +139,8 @@ class FakeLlamaCpp:
 
 
 # The fake vllm package a child interpreter imports (vllm_peer runs vLLM in one): records its
-# LLM's keyword arguments and each call's sampling parameters, one JSON line each, in the file
-# $MRV2_FAKE_VLLM_LOG.
+# LLM's keyword arguments, its VLLM_CPU_* environment and each call's sampling parameters, one
+# JSON line each, in the file $MRV2_FAKE_VLLM_LOG.
 FAKE_VLLM = {
     "ok": """
 import json, os, time, types
@@ -153,6 +153,7 @@ class SamplingParams(types.SimpleNamespace):
 class LLM:
     def __init__(self, **kwargs):
         _log({"kwargs": kwargs})
+        _log({"env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}})
     def generate(self, prompts, params, use_tqdm):
         _log({"params": vars(params)})
         out = []

@@ -89,6 +89,10 @@ def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
     llama, calls = sys.modules["llama_cpp"].llama_cpp, fake_vllm_calls(log)
     loads = [c["kwargs"] for c in calls if "kwargs" in c]
     assert len(loads) == 1 and llama.model_path == str(tiny_q4)
+    # vLLM's worker gets the sweep's one thread, no core kept back for its engine process
+    env = next(c["env"] for c in calls if "env" in c)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) == 1
     params = llama.context_params
     assert params.n_threads == params.n_threads_batch == 1
     assert params.n_seq_max == 2 and params.n_ctx == 2 * (8 + 6 + 16)

@@ -26,8 +26,8 @@ def test_generate_in_the_child(tmp_path, monkeypatch):
     engine.shutdown()
     engine.shutdown()  # idempotent
     calls = fake_vllm_calls(log)
-    assert calls[0] == {"kwargs": {"model": "/m", "dtype": "float32"}}
-    assert calls[1]["params"] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+    assert calls[0] == {"kwargs": {"model": "/m", "dtype": "float32"}} and "env" in calls[1]
+    assert calls[2]["params"] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
 
 
 def _state(pid: int) -> str:
