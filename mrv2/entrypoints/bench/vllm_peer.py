@@ -15,7 +15,9 @@ it. vLLM's own log goes to standard error. `probe()` asks a child whether vllm i
 
 Between calls the child and its engine processes (one session) are stopped (SIGSTOP): vLLM's
 idle engine polls for work and takes a share of a core, which the sweep's other engines,
-measured meanwhile, would pay for (mrv2 fits its threads to the cores left free).
+measured meanwhile, would pay for (mrv2 fits its threads to the cores left free). A stopped
+session outlives a parent that dies without `shutdown` (another engine crashing the sweep's
+process), holding its memory for good: a watchdog process outside it kills it then.
 
 Run as a script (this file's path) it is that child; it must import only the standard library
 and vllm.
@@ -36,6 +38,12 @@ _PROBE = ("import json\ntry:\n    import vllm\n    print(json.dumps({'version': 
           "getattr(vllm, '__version__', None)}))\nexcept ImportError:\n    print(json.dumps("
           "{'missing': True}))\nexcept Exception as e:\n    print(json.dumps({'error': "
           "f'{type(e).__name__}: {e}'}))\n")
+# argv: the parent's pid, the child's session (process group). Ends with the group; kills it
+# when the parent is gone (the watchdog was re-parented).
+_WATCHDOG = ("import os, signal, sys, time\nparent, group = int(sys.argv[1]), int(sys.argv[2])\n"
+             "while True:\n    time.sleep(0.2)\n    try:\n        os.killpg(group, 0)\n"
+             "    except ProcessLookupError:\n        break\n    if os.getppid() != parent:\n"
+             "        os.killpg(group, signal.SIGKILL)\n        break\n")
 
 
 def python() -> str:
@@ -71,6 +79,9 @@ class VllmProcess:
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True, start_new_session=True,
                                       env={**os.environ, **(env or {})})
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self._proc.pid)],
+            start_new_session=True)
         self._ask(kwargs)
         self._signal(signal.SIGSTOP)
 
@@ -115,6 +126,8 @@ class VllmProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        self._watchdog.kill()
+        self._watchdog.wait()
 
 
 def _serve_vllm() -> None:

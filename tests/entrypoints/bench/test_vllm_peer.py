@@ -4,6 +4,7 @@ none of mrv2's modules."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,30 @@ def test_generate_in_the_child(tmp_path, monkeypatch):
     calls = fake_vllm_calls(log)
     assert calls[0] == {"kwargs": {"model": "/m", "dtype": "float32"}} and "env" in calls[1]
     assert calls[2]["params"] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+
+
+def test_a_parent_dying_without_shutdown_takes_the_stopped_child_along(tmp_path, monkeypatch):
+    """A crash of the sweep's process (another engine's segfault) must not leave vLLM's
+    stopped session behind: the watchdog kills it."""
+    fake_vllm(tmp_path, monkeypatch)
+    script = ("import os\nfrom mrv2.entrypoints.bench import vllm_peer\n"
+              "engine = vllm_peer.VllmProcess(model='/m')\n"
+              "print(engine._proc.pid, flush=True)\nos._exit(1)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs or is stopped (a zombie has ended)."""
+    try:
+        return _state(pid) not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 def _state(pid: int) -> str:
