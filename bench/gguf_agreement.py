@@ -4,14 +4,18 @@
 
 The 8 chat prompts of tests/entrypoints/test_llm_gguf.py, greedy, up to 64 tokens (EOS ends).
 Prints, per path, how many completions equal float32's and where the others first differ:
-`quantization="gguf"` on float32, int16 (the default) and int8 x (MRV2_GGUF_ACTIVATIONS), and
-llama.cpp on the same file when llama-cpp-python is installed (the `peers` extra).
+`quantization="gguf"` on float32, int16 (the default) and int8 x (MRV2_GGUF_ACTIVATIONS),
+dtype="bfloat16" (bf16 weights, KV cache and, where the CPU has bf16 matrix units, linears of
+several rows), and llama.cpp on the same file when llama-cpp-python is installed (the `peers`
+extra).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.builtin import builtin_model_path
@@ -44,20 +48,23 @@ def mrv2_greedy(prompts: list[list[int]], **kwargs) -> list[list[int]]:
 
 
 def llama_cpp_greedy(prompts: list[list[int]], eos: set[int]) -> list[list[int]] | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    """llama.cpp through the sweep's engine (which keeps ggml's AMX matmul, crashing in
+    llama-cpp-python 0.3.36, off where the CPU has AMX), each completion cut at its EOS."""
+    from mrv2.entrypoints.bench import sweep_engines
+
+    if sweep_engines._import_peer("llama.cpp")[1] is not None:
         return None
-    model = Llama(model_path=str(builtin_model_path()), n_ctx=512, n_threads=2, verbose=False)
+    model = sweep_engines.read_sweep_model(str(builtin_model_path()))
+    setup = sweep_engines.SweepSetup(max_batch=1, input_len=max(map(len, prompts)),
+                                     output_len=MAX_TOKENS, seed=0, threads=2)
+    spec = sweep_engines.EngineSpec("llama.cpp", "llama.cpp", "gguf")
+    engine = sweep_engines.load_engine(spec, model, setup)
     out = []
     for prompt in prompts:
-        model.reset()
-        tokens: list[int] = []
-        for token in model.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-            tokens.append(token)
-            if token in eos or len(tokens) >= MAX_TOKENS:
-                break
-        out.append(tokens)
+        tokens = engine.generate([prompt], MAX_TOKENS)[0]
+        stop = next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
+        out.append(tokens[:stop])
+    engine.shutdown()
     return out
 
 
@@ -80,6 +87,9 @@ def main() -> None:
         quantized.GEMV_X_FORMAT = x_format
         report(f"gguf blocks, {name} x", mrv2_greedy(prompts, quantization="gguf"), reference)
     quantized.GEMV_X_FORMAT = quantized._gemv_x_format()
+    report("bfloat16 weights (on the CPU's bf16 matrix units from "
+           f"{quantized.MIN_NATIVE_HALF_ROWS} rows: {quantized.computes_natively(torch.bfloat16)})",
+           mrv2_greedy(prompts, dtype="bfloat16"), reference)
     peer = llama_cpp_greedy(prompts, eos)
     if peer is not None:
         report("llama.cpp", peer, reference)
