@@ -68,9 +68,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     """x [M, K] @ a weight oneDNN packed (`packed_weight`, or `_reorder_linear_weight` of a
     16-bit weight, then x of its dtype) -> [M, N] of x's dtype, M padded to `padded_rows`."""
     rows = x.shape[0]
-    x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))  # zero rows below x
+    padding = padded_rows(rows) - rows
+    if padding:  # zero rows below x (F.pad copies x even when it adds none)
+        x = F.pad(x, (0, 0, 0, padding))
     out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return out[:rows]
+    return out[:rows] if padding else out
 
 
 @lru_cache(maxsize=None)
