@@ -1,7 +1,7 @@
 """NaN logits never yield an out-of-vocabulary or NaN-chosen token, and the sampler reports the
 rows that held one (SamplerOutput.nan_rows, on the device), on the torch path and on the
 Triton path under the interpreter; the Triton kernels run there also after triton was imported
-in compiled mode (as a full test run does)."""
+in compiled mode (as a full test run does). Greedy ties, as NaN rows, go to the lowest token."""
 
 from __future__ import annotations
 
@@ -51,3 +51,17 @@ def test_greedy_nan_row_takes_the_argmax_of_the_rest(triton: bool) -> None:
     out = make_batch([SamplingParams(temperature=0.0)] * 2, 5).sample(logits, triton=triton)
     assert out.sampled.tolist() == [2, 2]
     assert out.nan_rows.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ties_go_to_the_lowest_token_on_a_wide_vocabulary(dtype) -> None:
+    # The all-greedy torch path takes max(dim)'s indices (faster than argmax on the CPU): the
+    # first maximum, as argmax, across a vocabulary the reduction splits into many chunks.
+    vocab = 49152
+    logits = torch.randint(0, 4, (6, vocab), generator=torch.Generator().manual_seed(0))
+    logits = logits.to(dtype)
+    logits[:, [40000, 7, 30000]] = 9.0  # ties at the maximum, the lowest not first in memory
+    logits[3, 5] = 9.0
+    out = make_batch([SamplingParams(temperature=0.0)] * 6, vocab).sample(logits)
+    assert out.sampled.tolist() == [7, 7, 7, 5, 7, 7]
+    assert out.sampled.tolist() == logits.float().argmax(dim=-1).tolist()
