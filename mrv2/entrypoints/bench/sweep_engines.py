@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -353,18 +352,6 @@ def _kv_cache_bytes(model: SweepModel, setup: SweepSetup) -> int:
 _VLLM_DTYPES = {"vllm:float32": "float32", "vllm:bf16": "bfloat16"}
 
 
-def vllm_cpu_env(threads: int) -> dict[str, str]:
-    """vLLM's CPU settings for `threads` compute threads, where the user has not set them:
-    by default vLLM keeps one core for its engine process (on 2 cores: one compute thread),
-    and its worker was faster with every core (bench/README.md); as every engine of the
-    sweep, it gets `threads` threads, on the first `threads` cores this process may use."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    wanted = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    if len(cores) >= threads:
-        wanted["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
-    return {name: os.environ.get(name, value) for name, value in wanted.items()}
-
-
 class _VllmEngine(vllm_peer.VllmProcess):
     def __init__(self, spec: EngineSpec, **kwargs: Any) -> None:
         self.spec = spec
@@ -389,7 +376,7 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
         return TransformersEngine(spec, model)
     if spec.key == "llama.cpp":
         return LlamaCppEngine(spec, model, setup)
-    return _VllmEngine(spec, env=vllm_cpu_env(setup.threads), model=model.hf_dir(),
+    return _VllmEngine(spec, env=vllm_peer.cpu_env(setup.threads), model=model.hf_dir(),
                        dtype=_VLLM_DTYPES[spec.key],
                        kv_cache_memory_bytes=_kv_cache_bytes(model, setup), **common)
 

@@ -69,6 +69,18 @@ def probe() -> tuple[str | None, str | None]:
     return answer.get("version"), None
 
 
+def cpu_env(threads: int) -> dict[str, str]:
+    """vLLM's CPU settings for `threads` compute threads, where the user has not set them:
+    by default vLLM keeps one core for its engine process (on 2 cores: one compute thread),
+    and its worker was faster with every core (bench/README.md); as every engine of `mrv2
+    bench sweep`, it gets `threads` threads, on the first `threads` cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    wanted = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if len(cores) >= threads:
+        wanted["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
+    return {name: os.environ.get(name, value) for name, value in wanted.items()}
+
+
 class VllmProcess:
     """`vllm.LLM(**kwargs)` in a child interpreter; `generate` as the sweep's engines."""
 

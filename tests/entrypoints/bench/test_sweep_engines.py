@@ -98,18 +98,6 @@ def test_plan_with_peers_installed_or_broken(monkeypatch, tmp_path):
         "skipped vLLM: `import vllm` failed: RuntimeError: no libstdc++"]
 
 
-def test_vllm_gets_the_sweeps_threads_unless_the_user_set_them(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(sweep_engines.os, "sched_getaffinity", lambda pid: {3, 1, 2})
-    assert sweep_engines.vllm_cpu_env(2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                                             "VLLM_CPU_OMP_THREADS_BIND": "1,2"}
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
-    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    assert sweep_engines.vllm_cpu_env(2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-                                             "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
-
-
 def test_setup_and_versions():
     assert SweepSetup(8, 64, 32, 0, 2).max_model_len == 64 + 32 + 16
     assert engine_version(EngineSpec("mrv2:float32", "mrv2", "float32"))

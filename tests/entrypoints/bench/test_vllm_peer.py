@@ -116,3 +116,15 @@ def test_probe_names_the_problem(tmp_path, monkeypatch):
     vllm_peer.probe.cache_clear()
     version, reason = vllm_peer.probe()
     assert version is None and reason.startswith(f"cannot run {tmp_path / 'no-such-python'}")
+
+
+def test_vllm_gets_the_sweeps_threads_unless_the_user_set_them(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(vllm_peer.os, "sched_getaffinity", lambda pid: {3, 1, 2})
+    assert vllm_peer.cpu_env(2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                                             "VLLM_CPU_OMP_THREADS_BIND": "1,2"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert vllm_peer.cpu_env(2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+                                             "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
