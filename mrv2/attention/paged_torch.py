@@ -55,10 +55,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         query_len, seq_len = end - start, int(meta.seq_lens_np[row])
         qi = q[start:end].transpose(0, 1)  # [H, q, D]
         if query_len == seq_len and own_kv:
-            o = F.scaled_dot_product_attention(
-                qi, k[start:end].transpose(0, 1).to(q.dtype),
-                v[start:end].transpose(0, 1).to(q.dtype), is_causal=True, scale=scale,
-                enable_gqa=True)
+            o = _sdpa(qi, k[start:end].transpose(0, 1).to(q.dtype),
+                      v[start:end].transpose(0, 1).to(q.dtype), scale, None)
             out[start:end] = o.transpose(0, 1)
             continue
         num_blocks = -(-seq_len // block_size)
@@ -66,17 +64,23 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         # [KV, L, D] in q's dtype (a 16-bit cache under a float32 model is widened here).
         kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        if query_len == seq_len:
-            o = F.scaled_dot_product_attention(qi, kr, vr, is_causal=True, scale=scale,
-                                               enable_gqa=True)
-        else:
+        mask = None
+        if query_len != seq_len:
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, kr, vr, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = _sdpa(qi, kr, vr, scale, mask).transpose(0, 1)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal (mask None) or masked attention of q [H, q, D] over k, v [KV, L, D] (GQA). Given
+    with a batch dimension: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones ran
+    its math fallback at half the speed (bench/README.md)."""
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=True)
+    return o[0]
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
