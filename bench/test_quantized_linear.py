@@ -28,6 +28,7 @@ from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeigh
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
 from test_quantized import random_raw  # noqa: E402
+from test_cpu_linear import bf16_matrix_unit_bound  # noqa: E402
 from test_quantized_int8_numba import integer_activation_bound  # noqa: E402
 
 SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x576": (3072, 576),
@@ -74,9 +75,8 @@ def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, i
     got = quantized_linear(x, qw)
     native = (qw.is_half and rows >= quantized.MIN_NATIVE_HALF_ROWS
               and quantized.computes_natively(qw.half_dtype))
-    if native:  # x and the outputs rounded to bfloat16 (tests/models/test_quantized.py)
-        bound = (2 * 2.0 ** -8 + qw.in_features * 2.0 ** -24) * (x.abs() @ wf.abs().T)
-        assert ((got - expect).abs() <= bound).all()
+    if native:  # x and the outputs rounded to bfloat16
+        assert ((got.double() - expect.double()).abs() <= bf16_matrix_unit_bound(x, wf)).all()
     elif integer_x:
         slack = 1e-5 * (x.abs() @ wf.abs().T)
         assert ((got - expect).abs() <= integer_activation_bound(x, wf, levels) + slack).all()

@@ -86,13 +86,19 @@ def test_every_row_count_leaves_memory_to_the_padded_sizes():
     assert rss_bytes(os.getpid()) - before < 100 << 20
 
 
+def bf16_matrix_unit_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per output, how far `native_16bit_linear` (bfloat16) may be from x @ w.T (w exact in
+    bfloat16). Derivation: x is rounded to bfloat16 (each |x_k| moves by at most u |x_k|,
+    u = 2^-8), the products of the rounded x and the exact weights are summed in float32 (a
+    few 2^-24 of sum |x| |w|), and the sum is rounded to bfloat16 once (u |out| <= u sum |x|
+    |w|): |error| <= (2u + K 2^-24) sum_k |x_k| |w_k|."""
+    return (2 * 2.0 ** -8 + w.shape[1] * 2.0 ** -24) * (x.double().abs() @ w.double().abs().T)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 45])
 def test_native_16bit_linear_stays_within_the_rounding_bound(rows):
-    # Derivation: x is rounded to bfloat16 (each |x_k| moves by at most u |x_k|, u = 2^-8),
-    # the products of the rounded x and the exact weights are summed in float32 (a few 2^-24
-    # of sum |x| |w|), and the sum is rounded to bfloat16 once (u |out| <= u sum |x| |w|):
-    # |error| <= (2u + K 2^-24) sum_k |x_k| |w_k|. Where oneDNN has no bfloat16 kernels for
-    # this CPU, mrv2 never takes this path (computes_natively is False).
+    # Where oneDNN has no bfloat16 kernels for this CPU, mrv2 never takes this path
+    # (computes_natively is False).
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bfloat16 kernels for this CPU")
     g = torch.Generator().manual_seed(rows)
@@ -101,9 +107,8 @@ def test_native_16bit_linear_stays_within_the_rounding_bound(rows):
     out = cpu_linear.native_16bit_linear(x, torch.ops.mkldnn._reorder_linear_weight(w),
                                          torch.bfloat16)
     assert out.dtype == torch.float32 and out.shape == (rows, 80)
-    ref = w.double()
-    bound = (2 * 2.0 ** -8 + 300 * 2.0 ** -24) * (x.double().abs() @ ref.abs().T)
-    error = (out.double() - x.double() @ ref.T).abs()
+    bound = bf16_matrix_unit_bound(x, w)
+    error = (out.double() - x.double() @ w.double().T).abs()
     assert bool((error <= bound).all()), (error / bound).max().item()
     assert (error / bound).max().item() > 1e-3  # the rounding is real
 

@@ -183,8 +183,8 @@ def plan_engines(keys: list[str], model: SweepModel,
             skips.append(Skip("llama.cpp", "it runs GGUF files, the model is a directory"))
         else:
             _, reason = _import_peer(key) if key == "llama.cpp" else vllm_peer.probe()
-            skip = Skip("llama.cpp" if key == "llama.cpp" else "vLLM", str(reason))
             if reason is not None:
+                skip = Skip("llama.cpp" if key == "llama.cpp" else "vLLM", reason)
                 if skip not in skips:  # vLLM's precisions share one reason
                     skips.append(skip)
             elif key == "llama.cpp":
@@ -384,8 +384,8 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
 def engine_version(spec: EngineSpec) -> str | None:
     if spec.engine == "vLLM":
         return vllm_peer.probe()[0]
-    module = {"mrv2": "mrv2", "transformers": "transformers", "llama.cpp": "llama_cpp",
-              }[spec.engine]
+    module = {"mrv2": "mrv2", "transformers": "transformers",
+              "llama.cpp": "llama_cpp"}[spec.engine]
     try:
         return getattr(importlib.import_module(module), "__version__", None)
     except Exception:  # noqa: BLE001 - a version is a nicety
