@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A fixed kernel thread count: fitted to the free cores (mrv2/utils/free_cores.py), it would
 # follow the other pytest worker's load, and with it the decode attention's work split.
 os.environ.setdefault("MRV2_FIT_THREADS_TO_FREE_CORES", "0")
+# dtype="auto" on the CPU follows the machine (bfloat16 where it has matrix units for it);
+# the suite's references are float32 models, so it pins float32 (tests of the choice unset it).
+os.environ.setdefault("MRV2_CPU_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

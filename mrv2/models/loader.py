@@ -92,12 +92,33 @@ def _config_dtype(hf_config: Any) -> torch.dtype | None:
     return _DTYPES.get(str(value).removeprefix("torch."))
 
 
+# Overrides what dtype="auto" runs on the CPU ("float32", "bfloat16" or "float16"): the test
+# suite pins float32, whose references are float32 models.
+CPU_AUTO_DTYPE_ENV = "MRV2_CPU_AUTO_DTYPE"
+
+
+def cpu_auto_dtype() -> torch.dtype:
+    """What dtype="auto" runs on the CPU, decided on the machine at run time: bfloat16 where
+    the CPU computes it natively (AMX or AVX-512 BF16, with oneDNN: 16-bit weights, the linears
+    of a batch on the matrix units), float32 elsewhere (bf16 matmuls there are emulated, orders
+    of magnitude slower). bench/README.md has both against each other. `MRV2_CPU_AUTO_DTYPE`
+    overrides the choice."""
+    forced = os.environ.get(CPU_AUTO_DTYPE_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"{CPU_AUTO_DTYPE_ENV}={forced!r}: expected 'float32', "
+                             f"'bfloat16' or 'float16'")
+        return _DTYPES[forced]
+    from mrv2.models.layers.cpu_linear import computes_natively
+
+    return torch.bfloat16 if computes_natively(torch.bfloat16) else torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) -> torch.dtype:
     """The dtype weights and activations run in.
 
-    "auto": float32 on CPU (bf16/fp16 matmuls are far slower than fp32 on CPUs without
-    native support, DESIGN.md section 5); on CUDA the checkpoint's dtype, float32 if the
-    config has none.
+    "auto": on the CPU `cpu_auto_dtype()` (the machine decides); on CUDA the checkpoint's
+    dtype, float32 if the config has none.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -107,7 +128,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) ->
     name = str(dtype).lower()
     if name == "auto":
         if device_type != "cuda":
-            return torch.float32
+            return cpu_auto_dtype()
         return _config_dtype(hf_config) or torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; accepted: 'auto', "
@@ -202,7 +223,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-__all__ = ["ModelNotFoundError", "UnsupportedModelError", "checkpoint_weights",
-           "iterate_safetensors",
+__all__ = ["CPU_AUTO_DTYPE_ENV", "ModelNotFoundError", "UnsupportedModelError",
+           "checkpoint_weights", "cpu_auto_dtype", "iterate_safetensors",
            "load_hf_config", "load_model", "resolve_dtype", "safetensors_files",
            "split_cpu_dtype"]

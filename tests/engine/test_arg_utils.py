@@ -157,6 +157,25 @@ def test_explicit_dtype(tiny_llama, dtype, expected, native, monkeypatch):
             torch.float32, expected)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_decided_by_the_cpu(tiny_llama, native, monkeypatch):
+    # dtype="auto" on the CPU: bfloat16 weights (and KV cache) where the CPU computes bf16 on
+    # matrix units, float32 where it would emulate it; a GGUF file's blocks keep their types.
+    from mrv2.models.layers import cpu_linear
+    from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
+
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
+    monkeypatch.setattr(cpu_linear, "computes_natively", lambda d: native)
+    config = EngineArgs(model=str(tiny_llama), device="cpu").create_engine_config()
+    weights = torch.bfloat16 if native else None
+    assert (config.model_config.dtype, config.model_config.cpu_weight_dtype) == (
+        torch.float32, weights)
+    assert config.kv_cache_dtype == (torch.bfloat16 if native else torch.float32)
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float32")
+    config = EngineArgs(model=str(tiny_llama), device="cpu").create_engine_config()
+    assert config.model_config.cpu_weight_dtype is None
+
+
 def test_bad_dtype(tiny_llama):
     with pytest.raises(ValueError, match="int8"):
         EngineArgs(model=str(tiny_llama), dtype="int8", device="cpu").create_engine_config()

@@ -15,6 +15,7 @@ from mrv2.config import ModelConfig
 from mrv2.models import (SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelNotFoundError,
                          Qwen3ForCausalLM, UnsupportedModelError, get_model_class,
                          iterate_safetensors, load_hf_config, load_model, resolve_dtype)
+from mrv2.models.loader import CPU_AUTO_DTYPE_ENV, cpu_auto_dtype
 
 
 @pytest.fixture
@@ -131,7 +132,7 @@ def test_load_model_converts_dtype_and_returns_eval(tiny_llama: Path) -> None:
 
 def test_resolve_dtype() -> None:
     bf16_config = SimpleNamespace(dtype=torch.bfloat16)
-    assert resolve_dtype("auto", bf16_config, "cpu") == torch.float32
+    assert resolve_dtype("auto", bf16_config, "cpu") == cpu_auto_dtype()
     assert resolve_dtype("auto", bf16_config, "cuda") == torch.bfloat16
     # transformers 4.x spelling, stored as a string.
     assert resolve_dtype("auto", SimpleNamespace(torch_dtype="float16"), "cuda") == torch.float16
@@ -145,6 +146,23 @@ def test_resolve_dtype() -> None:
         with pytest.raises(ValueError, match="accepted: 'auto', 'float32', 'float', "
                                              "'bfloat16', 'float16', 'half'"):
             resolve_dtype(bad, bf16_config, "cpu")
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_cpu_auto_dtype_follows_the_cpu_and_the_override(native, monkeypatch) -> None:
+    from mrv2.models.layers import cpu_linear
+
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "computes_natively", lambda d: native and d == torch.bfloat16)
+    assert cpu_auto_dtype() == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", SimpleNamespace(dtype=torch.float16), "cpu") == cpu_auto_dtype()
+    for value, dtype in (("float32", torch.float32), (" BFloat16 ", torch.bfloat16),
+                         ("float16", torch.float16)):
+        monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, value)
+        assert cpu_auto_dtype() == dtype
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match="MRV2_CPU_AUTO_DTYPE='fp8'"):
+        resolve_dtype("auto", None, "cpu")
 
 
 @pytest.mark.parametrize("native", [False, True])
