@@ -78,7 +78,7 @@ def report(name: str, got: list[list[int]], want: list[list[int]]) -> None:
 
 def main() -> None:
     prompts, eos = _prompts_and_eos()
-    reference = mrv2_greedy(prompts)
+    reference = mrv2_greedy(prompts, dtype="float32")
     formats = {"float32": quantized_numba.X_FLOAT32, "int16 (default)": quantized_numba.X_INT16,
                "int8": quantized_numba.X_INT8}
     for name, x_format in formats.items():
