@@ -173,7 +173,7 @@ def test_decode_attention_batch_1(benchmark, impl):
     table = (torch.randperm(blocks, generator=g) + 1).view(1, blocks).int().numpy()
     q = torch.randn(1, 9, 64, generator=g).numpy()
     lens = np.array([seq_len], np.int32)
-    split = decode_numba.work_split(1, 3, 2) if impl == "split_context" else (1, 1)
+    split = decode_numba.work_split(1, 3, 2, 0) if impl == "split_context" else (1, 1)
     outs = [np.empty_like(q) for _ in range(2)]
     for out, work in zip(outs, (split, (1, 1))):
         decode_numba.decode_kernel(q, caches[0][0], caches[0][1], table, lens,
@@ -184,6 +184,40 @@ def test_decode_attention_batch_1(benchmark, impl):
         for cache in caches:
             decode_numba.decode_kernel(q, cache[0], cache[1], table, lens, np.float32(0.125),
                                        outs[0], *split)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+# 32 rows of 192 tokens, SmolLM2's heads, a bfloat16 cache, 30 layers (141 MB of K/V a step):
+# work items of one kv head against items of a whole row (work_split picks by whether the
+# last-level cache holds the step's K/V). bench/README.md has the figures.
+@pytest.mark.parametrize("items", ["kv_head", "whole_row"])
+def test_decode_attention_work_items(benchmark, items):
+    from mrv2.attention import decode_numba
+    from mrv2.attention.kv_numba import numpy_view
+
+    rows, seq_len, block_size, layers = 32, 192, 16, 30
+    benchmark.group = f"decode-attention-{rows}x{seq_len}-{layers}layers-bf16"
+    benchmark.extra_info.update(rows=rows, seq_len=seq_len, heads=9, kv_heads=3, head_dim=64,
+                                block_size=block_size, layers=layers, threads=2)
+    g = torch.Generator().manual_seed(0)
+    blocks = rows * seq_len // block_size
+    caches = [numpy_view(torch.randn(2, blocks + 1, block_size, 3, 64, generator=g)
+                         .to(torch.bfloat16)) for _ in range(layers)]
+    tables = (torch.randperm(blocks, generator=g) + 1).view(rows, -1).int().numpy()
+    q = torch.randn(rows, 9, 64, generator=g).numpy()
+    lens = np.full(rows, seq_len, np.int32)
+    work = (1, 1) if items == "kv_head" else (3, 1)
+    outs = [np.empty_like(q) for _ in range(2)]
+    for out, split in zip(outs, ((1, 1), (3, 1))):
+        decode_numba.decode_kernel(q, caches[0][0], caches[0][1], tables, lens,
+                                   np.float32(0.125), out, *split)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+    def step() -> None:
+        for cache in caches:
+            decode_numba.decode_kernel(q, cache[0], cache[1], tables, lens, np.float32(0.125),
+                                       outs[0], *work)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 

@@ -66,6 +66,33 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
+@lru_cache(maxsize=1)
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of this CPU's last-level cache (the highest level sysfs lists for cpu0), or 0
+    where sysfs does not say."""
+    best_level, best_bytes = 0, 0
+    try:
+        entries = sorted(os.listdir(sysfs))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(sysfs, entry, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(sysfs, entry, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        scale = units.get(size[-1:].upper(), 1)
+        digits = size[:-1] if size[-1:].upper() in units else size
+        if digits.isdigit() and level >= best_level:
+            best_level, best_bytes = level, int(digits) * scale
+    return best_bytes
+
+
 def default_device() -> torch.device:
     return torch.device(device_type())
 

@@ -164,6 +164,7 @@ class ModelRunner:
         batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
                                self.buffers, num_tokens_padded=tokens_padded,
                                num_reqs_padded=reqs_padded)
+        batch.attn_metadata.num_layers = len(self.kv_caches)
         return batch, descriptor, batch_rows
 
     @torch.inference_mode()

@@ -197,3 +197,17 @@ def test_cpu_computes_natively_reads_torchs_probes(monkeypatch) -> None:
     monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
     assert platform.cpu_computes_natively(torch.float16)
     assert not platform.cpu_computes_natively(torch.int8)
+
+
+def test_last_level_cache_bytes_reads_the_highest_level(tmp_path) -> None:
+    for index, level, size in (("index0", 1, "48K"), ("index2", 2, "2048K"),
+                               ("index3", 3, "480M"), ("index1", 1, "32K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(f"{level}\n")
+        (tmp_path / index / "size").write_text(f"{size}\n")
+    (tmp_path / "uevent").write_text("")
+    read = platform.last_level_cache_bytes.__wrapped__
+    assert read(str(tmp_path)) == 480 << 20
+    assert read(str(tmp_path / "missing")) == 0
+    (tmp_path / "index3" / "size").write_text("unknown\n")
+    assert read(str(tmp_path)) == 2048 << 10

@@ -46,6 +46,9 @@ class AttentionMetadata:
     query_start_loc_np: np.ndarray
     seq_lens_np: np.ndarray
     max_seq_len: int
+    # How many layers read K/V under this metadata (the model's): sizes a decode step's cache
+    # reads for the CPU kernel's work split (decode_numba.work_split).
+    num_layers: int = 1
 
 
 def attention_backend(device: torch.device) -> str:

@@ -5,9 +5,10 @@ The torch formulation gathers every decode row's blocks into a padded [rows, max
 layer per step (and einsum copies it again into a contiguous layout); at 32 rows that copy cost
 more than the attention itself. This kernel walks each row's block table and reads keys and
 values where they lie, once, block by block. Work items (`work_split`): one row with all its
-kv heads when there are at least two rows per thread (each key/value row is then read as one
-contiguous run, which matters once the cache is larger than the L3); otherwise one (row, kv
-head); and when even those are fewer than two per thread, each row's context is split as well
+kv heads when there are at least two rows per thread and the step's K/V comes from DRAM (larger
+than the last-level cache: each key/value row is then read as one contiguous run); otherwise
+one (row, kv head); and when even those are fewer than two per thread, each row's context is
+split as well
 (flash-decoding: each split's max, exp-sum and unnormalised output, merged after). The query
 heads of a kv head's group (GQA) share each loaded key/value row, and scores and values are
 computed four positions per pass (`_block_scores`, `_block_values`). The blocks two ahead are
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from mrv2 import platform
 from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 from mrv2.models.layers.numba_exp import exp32
@@ -37,14 +39,22 @@ PREFETCH_DISTANCE = 2
 MIN_SPLIT_POSITIONS = 64
 
 
-def work_split(rows: int, num_kv_heads: int, threads: int) -> tuple[int, int]:
+def step_kv_bytes(seq_lens: np.ndarray, num_kv_heads: int, head_dim: int, itemsize: int,
+                  layers: int) -> int:
+    """Bytes of K and V that decode rows of these lengths read in a step of `layers` layers."""
+    return int(seq_lens.sum()) * 2 * num_kv_heads * head_dim * itemsize * layers
+
+
+def work_split(rows: int, num_kv_heads: int, threads: int, kv_bytes: int) -> tuple[int, int]:
     """(kv heads per work item, context splits per row) for `rows` decode rows on `threads`
-    threads. A work item is one row with all its kv heads (each key/value row is then one
-    contiguous read) when there are at least two rows per thread; otherwise one (row, kv
-    head), and when even those are fewer than two per thread each row's context is split too,
-    so that every thread has work (batch 1, 3 kv heads, 2 threads: 6 items of 3 per thread,
-    where 3 items took two rounds)."""
-    if rows >= 2 * threads:
+    threads reading `kv_bytes` of K/V in the step (`step_kv_bytes`). A work item is one row
+    with all its kv heads when there are at least two rows per thread and the step's K/V is
+    larger than the last-level cache: read from DRAM, each key/value row is then one
+    contiguous run. Otherwise one (row, kv head), which computed faster where the cache holds
+    the step's K/V (bench/README.md has both); and when even those are fewer than two per
+    thread each row's context is split too, so that every thread has work (batch 1, 3 kv
+    heads, 2 threads: 6 items of 3 per thread, where 3 items took two rounds)."""
+    if rows >= 2 * threads and kv_bytes > platform.last_level_cache_bytes():
         return num_kv_heads, 1
     items = rows * num_kv_heads
     splits = 1
@@ -265,9 +275,10 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: np.ndarray, scale: float) -> torch.Tensor:
+                     seq_lens: np.ndarray, scale: float, layers: int = 1) -> torch.Tensor:
     """q [rows, H, D] (one query token per row, the last position of its sequence) ->
-    [rows, H, D]. A row with seq_len 0 (padding) returns zeros."""
+    [rows, H, D]. A row with seq_len 0 (padding) returns zeros. `layers`: how many layers'
+    caches the step reads (this one's among them), for the work split."""
     rows = q.shape[0]
     out = torch.empty_like(q)
     if rows == 0:
@@ -275,8 +286,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     k_np = numpy_view(kv_cache[0])
     v_np = numpy_view(kv_cache[1])
     tables = block_tables[:rows].numpy()
-    kv_per_item, splits = work_split(rows, kv_cache.shape[3], numba.get_num_threads())
-    decode_kernel(q.contiguous().numpy(), k_np, v_np, tables,
-                  np.ascontiguousarray(seq_lens[:rows], dtype=np.int32), np.float32(scale),
+    lens = np.ascontiguousarray(seq_lens[:rows], dtype=np.int32)
+    kv_bytes = step_kv_bytes(lens, kv_cache.shape[3], kv_cache.shape[4], kv_cache.element_size(),
+                             layers)
+    kv_per_item, splits = work_split(rows, kv_cache.shape[3], numba.get_num_threads(), kv_bytes)
+    decode_kernel(q.contiguous().numpy(), k_np, v_np, tables, lens, np.float32(scale),
                   out.numpy(), kv_per_item, splits)
     return out

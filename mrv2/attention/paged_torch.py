@@ -42,7 +42,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         nd = meta.num_decodes
         if decode_numba.supported(q, kv_cache):
             out[:nd] = decode_numba.decode_attention(q[:nd], kv_cache, meta.block_tables,
-                                                     meta.seq_lens_np, scale)
+                                                     meta.seq_lens_np, scale, meta.num_layers)
         else:
             out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
     k_cache, v_cache = kv_cache[0], kv_cache[1]

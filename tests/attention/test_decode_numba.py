@@ -68,12 +68,22 @@ def test_every_work_split_gives_the_reference(kv_per_item, splits):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_work_split_gives_every_thread_two_items():
-    assert decode_numba.work_split(rows=4, num_kv_heads=3, threads=2) == (3, 1)
-    assert decode_numba.work_split(rows=2, num_kv_heads=3, threads=2) == (1, 1)
-    assert decode_numba.work_split(rows=1, num_kv_heads=3, threads=2) == (1, 2)
-    assert decode_numba.work_split(rows=1, num_kv_heads=1, threads=2) == (1, 4)
-    assert decode_numba.work_split(rows=3, num_kv_heads=5, threads=16) == (1, 3)
+def test_work_split_gives_every_thread_two_items(monkeypatch):
+    monkeypatch.setattr(decode_numba.platform, "last_level_cache_bytes", lambda: 1 << 20)
+    from_dram = 2 << 20
+    assert decode_numba.work_split(4, 3, 2, from_dram) == (3, 1)
+    assert decode_numba.work_split(4, 3, 2, 1 << 19) == (1, 1)  # the cache holds the K/V
+    for kv_bytes in (1 << 19, from_dram):  # too few rows for whole-row items either way
+        assert decode_numba.work_split(2, 3, 2, kv_bytes) == (1, 1)
+        assert decode_numba.work_split(1, 3, 2, kv_bytes) == (1, 2)
+        assert decode_numba.work_split(1, 1, 2, kv_bytes) == (1, 4)
+        assert decode_numba.work_split(3, 5, 16, kv_bytes) == (1, 3)
+
+
+def test_step_kv_bytes_counts_keys_and_values_of_every_layer():
+    lens = np.array([3, 0, 5], np.int32)
+    assert decode_numba.step_kv_bytes(lens, num_kv_heads=3, head_dim=64, itemsize=2,
+                                      layers=30) == 8 * 2 * 3 * 64 * 2 * 30
 
 
 def test_padding_rows_are_zero_and_extra_table_rows_are_ignored():

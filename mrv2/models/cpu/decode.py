@@ -36,7 +36,7 @@ from numba.extending import overload
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import decode_kernel, work_split
+from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
 from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
@@ -311,18 +311,18 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
     rows = hidden.shape[0]
     out = torch.empty_like(hidden)
     cos, sin = cos_sin
-    kv_per_item, splits = work_split(rows, attn.num_kv_heads, numba.get_num_threads())
+    seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
+    kv_bytes = step_kv_bytes(seq_lens, attn.num_kv_heads, attn.head_dim,
+                             args.kv_caches[0].itemsize, len(args.kv_caches))
+    kv_per_item, splits = work_split(rows, attn.num_kv_heads, numba.get_num_threads(), kv_bytes)
     _decode_model(
         hidden.contiguous().numpy(), args.ln1s, args.ln2s,
         np.float32(model.layers[0].input_layernorm.eps), args.w_qkvs, args.w_os,
         args.w_gate_ups, args.w_downs, args.final_norm, np.float32(model.norm.eps),
         cos.contiguous().numpy(), sin.contiguous().numpy(), args.kv_caches,
-        meta.block_tables.numpy(),
-        np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32),
-        meta.slot_mapping[:rows].numpy(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-        model.layers[0].mlp.intermediate_size, np.float32(attn.attn.scale), kv_per_item,
-        splits,
-        out.numpy())
+        meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(), attn.num_heads,
+        attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.intermediate_size,
+        np.float32(attn.attn.scale), kv_per_item, splits, out.numpy())
     return out
 
 
