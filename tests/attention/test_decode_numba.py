@@ -101,13 +101,15 @@ def test_padding_rows_are_zero_and_extra_table_rows_are_ignored():
 # cache type compiles the kernel again (~8 s of CI).
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_16_bit_caches_read_as_their_float32_values(dtype):
-    """A 16-bit cache is widened exactly: the same result as the float32 copy of its values."""
+    """A 16-bit cache is widened exactly: the result of the float32 copy of its values, to the
+    last few bits (the kernel compiled for each element type may vectorise its sums in another
+    order: 62 of 1536 outputs differed by up to 2 ulp in one CI run, none in others)."""
     q, kv_cache, tables, lens = _paged_case([1, 9, 33, 20], 6, 2, 64, 16, seed=5)
     cache = kv_cache.to(dtype)
     got = decode_numba.decode_attention(q, cache, tables, lens, 0.125)
     torch.testing.assert_close(got, decode_numba.decode_attention(q, cache.float(), tables,
                                                                   lens, 0.125),
-                               rtol=0, atol=0)
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_supported_only_for_float32_queries_and_contiguous_caches():
