@@ -13,7 +13,10 @@
 - `silu-and-mul`: W1's decode step (32 rows x 1408, 8 layers), the fused kernel with the
   vectorised `numba_exp.exp32` vs the same loop with numba's scalar libm exp;
 - `norm-rotary`: one W2 prefill layer's norms and q/k rotary (4096 rows), the fused kernels
-  in parallel row chunks vs the torch formulations.
+  in parallel row chunks vs the torch formulations;
+- `native-half-mlp`: SmolLM2's MLP at 32 rows, 30 layers of bfloat16 weights on the matrix
+  units, gate/up and the activation kept in bfloat16 vs the layer path's float32 round trip
+  (skips on a CPU without bfloat16 matrix units).
 """
 
 from __future__ import annotations
@@ -306,3 +309,38 @@ def test_prefill_norm_and_rotary(benchmark, impl):
                     _torch_rotary(t, cos, sin, head_dim)
 
     benchmark.pedantic(layer, rounds=ROUNDS, warmup_rounds=2)
+
+
+# SmolLM2's MLP (576 -> 2 x 1536 -> 576), 32 rows, 30 layers of bfloat16 weights (~160 MB):
+# native_half_mlp's bfloat16 intermediate against the layer path's own forward.
+@pytest.mark.parametrize("impl", ["bf16_intermediate", "float32_round_trip"])
+def test_native_half_mlp(benchmark, impl):
+    from mrv2.models import llama
+    from mrv2.models.cpu import mlp_chunks, native_half_mlp
+    from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
+    from mrv2.models.layers import quantized
+    from mrv2.models.layers.quantized import QuantizedWeight
+
+    if not quantized.computes_natively(torch.bfloat16):
+        pytest.skip("no bfloat16 matrix units on this CPU")
+    benchmark.group = "native-half-mlp-32rows-30layers"
+    benchmark.extra_info.update(rows=32, hidden=576, intermediate=1536, layers=30, threads=2)
+    g = torch.Generator().manual_seed(0)
+    forwards = []
+    for _ in range(30):
+        mlp = llama.LlamaMLP(576, 1536, bias=False, hidden_act="silu")
+        for module in (mlp.gate_up_proj, mlp.down_proj):
+            weight = torch.randn(module.weight.shape, generator=g) * 0.05
+            module.forward = QuantizedLinearForward(
+                module, QuantizedWeight.from_float(weight, torch.bfloat16))
+        own = mlp_chunks.own_forward(mlp)
+        fused = native_half_mlp.native_half_mlp(mlp, own)
+        forwards.append(fused if impl == "bf16_intermediate" else own)
+    x = torch.randn(32, 576, generator=g)
+
+    def step() -> None:
+        with torch.inference_mode():
+            for forward in forwards:
+                forward(x)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)

@@ -24,3 +24,14 @@ def test_silu_and_mul(rows):
     gate, up = gate_up.split(40, -1)
     torch.testing.assert_close(activation_numba.silu_and_mul(gate_up), F.silu(gate) * up,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 40])
+@torch.no_grad()
+def test_silu_and_mul_bf16_is_the_float32_result_rounded_once(rows):
+    gate_up = (torch.randn(rows, 2 * 40, generator=_gen(rows)) * 8).to(torch.bfloat16)
+    gate_up[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    expected = activation_numba.silu_and_mul(gate_up.float()).to(torch.bfloat16)
+    got = activation_numba.silu_and_mul_bf16(gate_up)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)

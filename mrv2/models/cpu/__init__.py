@@ -5,10 +5,12 @@ the weights are loaded) overrides a few forwards of one loaded Llama-family mode
 
 - loaded from a quantized GGUF file (`ModelConfig.quantization == "gguf"`): its linears, the
   embedding and the LM head compute on the file's blocks (`quantized_weights`);
-- a bfloat16 / float16 model on a CPU without 16-bit matrix instructions
-  (`ModelConfig.cpu_weight_dtype`): the same modules keep 16-bit weights and compute in
-  float32 (`quantized_weights.attach_half_weights`);
-- every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`);
+- a bfloat16 / float16 model (`ModelConfig.cpu_weight_dtype`): the same modules keep 16-bit
+  weights and compute in float32, or on the CPU's 16-bit matrix units where it has them
+  (`quantized_weights.attach_half_weights`);
+- every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`); where both
+  its projections got bfloat16 weights that this CPU multiplies natively, its gate/up output
+  and activation stay in bfloat16 (`native_half_mlp`);
 - `LlamaModel.forward_layers` runs decode steps of a few rows as one numba call for the
   whole decoder stack (`decode`), when the model's layers qualify: its projections compute on
   float32 weights or on the quantized blocks attached above, inside that one call.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mrv2.config import ModelConfig
-from mrv2.models.cpu import decode, mlp_chunks, quantized_weights
+from mrv2.models.cpu import decode, mlp_chunks, native_half_mlp, quantized_weights
 from mrv2.models.llama import LlamaModel
 
 
@@ -51,7 +53,8 @@ def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFast
         quantized = quantized_weights.attach_quantized_weights(model, model_config)
     elif model_config is not None and model_config.cpu_weight_dtype is not None:
         quantized = quantized_weights.attach_half_weights(model, model_config.cpu_weight_dtype)
-    mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp) for layer in inner.layers]
+    mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp, native_half_mlp.native_half_mlp(
+        layer.mlp, mlp_chunks.own_forward(layer.mlp))) for layer in inner.layers]
     fused = decode.attach_fused_decode(inner)
     return CpuFastPaths(mlps, fused, quantized)
 

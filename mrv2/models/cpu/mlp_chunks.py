@@ -7,6 +7,8 @@ has the measurement).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # The size of one chunk's [rows, 2I] float32 intermediate (a fraction of the last-level cache).
@@ -19,12 +21,13 @@ def chunk_rows(mlp) -> int:
 
 
 class ChunkedMLP:
-    """`forward` of one LlamaMLP: batches of more than `chunk_rows` rows on the CPU run the
-    MLP's own forward chunk by chunk, others run it once."""
+    """`forward` of one LlamaMLP: batches of more than `chunk_rows` rows on the CPU run
+    `forward` (the MLP's own unless another is given) chunk by chunk, others run it once."""
 
-    def __init__(self, mlp) -> None:
+    def __init__(self, mlp, forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
         self.mlp = mlp
-        self.forward = type(mlp).forward.__get__(mlp)  # the module's own forward
+        self.forward = forward or own_forward(mlp)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = chunk_rows(self.mlp)
@@ -36,7 +39,14 @@ class ChunkedMLP:
         return self.forward(x)
 
 
-def attach_chunked_mlp(mlp) -> ChunkedMLP:
-    """Run `mlp` (a LlamaMLP) in row chunks on long CPU batches."""
-    chunked = mlp.forward = ChunkedMLP(mlp)
+def own_forward(mlp) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's own forward, bound (whatever `mlp.forward` was set to since)."""
+    return type(mlp).forward.__get__(mlp)
+
+
+def attach_chunked_mlp(mlp, forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> ChunkedMLP:
+    """Run `mlp` (a LlamaMLP) in row chunks on long CPU batches, each through `forward` (the
+    module's own by default)."""
+    chunked = mlp.forward = ChunkedMLP(mlp, forward)
     return chunked

@@ -1,8 +1,11 @@
 """The numba twin of activation.py's SiLU-and-mul, float32 on CPU (numba_rows.py says when it
 runs). `silu_and_mul_kernel` is the serial kernel itself, for callers that are numba code
-(models/cpu/decode.py).
+(models/cpu/decode.py). `silu_and_mul_bf16` takes and gives bfloat16, for the MLP of a 16-bit
+model whose linears run on the CPU's matrix units (models/cpu/native_half_mlp.py).
 
-Numerics: float32; SiLU's exp is `numba_exp.exp32` (vectorised, 2.5 ulp).
+Numerics: float32; SiLU's exp is `numba_exp.exp32` (vectorised, 2.5 ulp). The bfloat16 form
+widens its input exactly and rounds each output once (to nearest, ties to even, as torch's
+`.to(torch.bfloat16)`): the float32 kernel's result, rounded.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from numba import njit, prange
 
 from mrv2.models.layers.numba_exp import exp32
 from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS, SERIAL_MAX_ROWS, rows_view
+from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits
 
 
 @njit(**NUMBA_OPTIONS)
@@ -38,4 +42,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
     kernel = silu_and_mul_kernel if gate_up.shape[0] <= SERIAL_MAX_ROWS else _silu_and_mul_rows
     kernel(rows_view(gate_up), width, out.numpy())
+    return out
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _silu_and_mul_bf16_rows(gate_up, width, out):
+    """gate_up, out: bfloat16 bit patterns (uint16)."""
+    rows = gate_up.shape[0]
+    for c in prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        for r in range(c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS)):
+            for i in range(width):
+                g = bf16_bits_to_float(gate_up[r, i])
+                up = bf16_bits_to_float(gate_up[r, width + i])
+                out[r, i] = float_to_bf16_bits(g / (np.float32(1.0) + exp32(-g)) * up)
+
+
+def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] bfloat16 (contiguous rows) -> silu(gate) * up [T, I] bfloat16."""
+    width = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], width, dtype=torch.bfloat16)
+    _silu_and_mul_bf16_rows(_bf16_bits(gate_up.contiguous()), width, _bf16_bits(out))
     return out
