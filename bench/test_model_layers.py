@@ -14,6 +14,8 @@
   vectorised `numba_exp.exp32` vs the same loop with numba's scalar libm exp;
 - `norm-rotary`: one W2 prefill layer's norms and q/k rotary (4096 rows), the fused kernels
   in parallel row chunks vs the torch formulations;
+- `write-kv`: a decode step's K/V write (8 rows, SmolLM2's kv heads, a bfloat16 cache, 30
+  layers), kv_numba's kernel vs torch's index_copy_;
 - `native-half-mlp`: SmolLM2's MLP at 32 rows, 30 layers of bfloat16 weights on the matrix
   units, gate/up and the activation kept in bfloat16 vs the layer path's float32 round trip
   (skips on a CPU without bfloat16 matrix units).
@@ -344,3 +346,24 @@ def test_native_half_mlp(benchmark, impl):
                 forward(x)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("impl", ["numba_kernel", "torch_index_copy"])
+def test_write_kv(benchmark, impl, monkeypatch):
+    from mrv2.attention import paged_torch
+
+    if impl == "torch_index_copy":
+        monkeypatch.setattr(paged_torch, "NUMBA_WRITE_MAX_TOKENS", 0)
+    benchmark.group = "write-kv-8rows-30layers-bf16"
+    benchmark.extra_info.update(rows=8, kv_heads=3, head_dim=64, layers=30, threads=2)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(8, 960, generator=g)
+    k, v = qkv[:, 576:768].view(8, 3, 64), qkv[:, 768:].view(8, 3, 64)
+    caches = [torch.zeros(2, 256, 16, 3, 64, dtype=torch.bfloat16) for _ in range(30)]
+    slots = torch.randperm(256 * 16, generator=g)[:8]
+
+    def step() -> None:
+        for cache in caches:
+            paged_torch.write_kv(k, v, cache, slots)
+
+    benchmark.pedantic(step, rounds=ROUNDS * 5, warmup_rounds=2)

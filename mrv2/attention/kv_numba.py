@@ -1,5 +1,5 @@
 """The KV cache's elements as the numba kernels see them (decode_numba.py's attention, the
-fused decode stack's KV write): float32, or 16-bit bit patterns, since numpy has no bfloat16.
+KV write below): float32, or 16-bit bit patterns, since numpy has no bfloat16.
 
 A float16 cache reaches numba as int16 and a bfloat16 cache as uint16 (`numpy_view`), so the
 element type picks the conversion when a kernel compiles: `widen` turns an element into float32
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import types
+from numba import njit, types
 from numba.extending import overload
 
 from mrv2.models.layers.vector_ir import (bf16_bits_to_float, f16_bits_to_float,
@@ -69,3 +69,20 @@ def _store_overload(cache, block, offset, head, dim, value):
             cache[block, offset, head, dim] = float_to_bf16_bits(np.float32(value))
         return store_bfloat16
     return None
+
+
+@njit(fastmath=True, error_model="numpy", cache=True)
+def write_kv_kernel(k, v, k_cache, v_cache, slots):
+    """k/v [T, KV*D] (rows may be strided) into the flat cache slots, each element narrowed
+    by `store` (slot < 0: padding, skipped). The fused decode stack's KV write, and
+    paged_torch.write_kv's for a decode step's few tokens."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    for t in range(k.shape[0]):
+        slot = slots[t]
+        if slot < 0:
+            continue
+        block, offset = slot // block_size, slot % block_size
+        for h in range(num_kv_heads):
+            for d in range(head_dim):
+                store(k_cache, block, offset, h, d, k[t, h * head_dim + d])
+                store(v_cache, block, offset, h, d, v[t, h * head_dim + d])

@@ -15,14 +15,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mrv2.attention import decode_numba
+from mrv2.attention import decode_numba, kv_numba
 from mrv2.attention.backend import AttentionMetadata
+
+
+# Tokens up to which a float32 write runs kv_numba's serial kernel: one call where index_copy_
+# took a min, two casts and two copies (a decode step's few rows); longer writes (prefill)
+# take torch's parallel copies.
+NUMBA_WRITE_MAX_TOKENS = 64
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k/v [T, KV, D] at flat slots; slots < 0 (padding) are skipped."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
+    tokens = k.shape[0]
+    if (0 < tokens <= NUMBA_WRITE_MAX_TOKENS and k.dtype == v.dtype == torch.float32
+            and k.device.type == "cpu" and kv_cache.dtype in kv_numba.NUMBA_KV_DTYPES
+            and kv_cache.is_contiguous()):
+        kv_numba.write_kv_kernel(
+            k.detach().reshape(tokens, -1).numpy(), v.detach().reshape(tokens, -1).numpy(),
+            kv_numba.numpy_view(kv_cache[0]), kv_numba.numpy_view(kv_cache[1]),
+            slot_mapping.numpy())
+        return
     k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
     v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:

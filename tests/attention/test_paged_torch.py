@@ -138,3 +138,22 @@ def test_write_kv_all_padding_is_a_no_op() -> None:
     kv_cache = torch.zeros(2, 2, 4, 1, 4)
     write_kv(torch.ones(3, 1, 4), torch.ones(3, 1, 4), kv_cache, torch.full((3,), -1))
     assert not kv_cache.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_few_tokens_by_numba_equal_the_torch_copies(dtype, monkeypatch) -> None:
+    # Decode-sized writes run kv_numba's kernel, longer ones index_copy_: the same cache
+    # either way, 16-bit caches rounded as torch rounds, strided v (a view of a fused qkv).
+    from mrv2.attention import paged_torch
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 3 * 16, generator=gen) * 3
+    k, v = qkv[:, 16:32].view(6, 2, 8), qkv[:, 32:].view(6, 2, 8)
+    slots = torch.tensor([13, -1, 2, 40, -1, 7])
+    caches = [torch.randn(2, 6, 8, 2, 8, generator=torch.Generator().manual_seed(4)).to(dtype)
+              for _ in range(2)]
+    write_kv(k, v, caches[0], slots)
+    monkeypatch.setattr(paged_torch, "NUMBA_WRITE_MAX_TOKENS", 0)
+    write_kv(k, v, caches[1], slots)
+    assert torch.equal(caches[0].view(torch.int16) if dtype != torch.float32 else caches[0],
+                       caches[1].view(torch.int16) if dtype != torch.float32 else caches[1])

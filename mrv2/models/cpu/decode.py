@@ -71,21 +71,6 @@ def _linear_overload(x, w, out):
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)
-def _write_kv(k, v, k_cache, v_cache, slots):
-    """k/v [T, KV*D] into the flat cache slots (slot < 0: padding, skipped)."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    for t in range(k.shape[0]):
-        slot = slots[t]
-        if slot < 0:
-            continue
-        block, offset = slot // block_size, slot % block_size
-        for h in range(num_kv_heads):
-            for d in range(head_dim):
-                kv_numba.store(k_cache, block, offset, h, d, k[t, h * head_dim + d])
-                kv_numba.store(v_cache, block, offset, h, d, v[t, h * head_dim + d])
-
-
-@njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
                   k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
                   head_dim, intermediate, scale, kv_per_item, splits, out, residual_out):
@@ -101,7 +86,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     k = np.empty((rows, kv_size), dtype=np.float32)
     rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
     rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
-    _write_kv(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
+    kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item, splits)
