@@ -74,13 +74,17 @@ def _store_overload(cache, block, offset, head, dim, value):
 @njit(fastmath=True, error_model="numpy", cache=True)
 def write_kv_kernel(k, v, k_cache, v_cache, slots):
     """k/v [T, KV*D] (rows may be strided) into the flat cache slots, each element narrowed
-    by `store` (slot < 0: padding, skipped). The fused decode stack's KV write, and
-    paged_torch.write_kv's for a decode step's few tokens."""
+    by `store` (slot < 0: padding, skipped; a slot past the cache raises IndexError, as
+    index_copy_ would, instead of writing out of bounds). The fused decode stack's KV write,
+    and paged_torch.write_kv's for a decode step's few tokens."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_slots = k_cache.shape[0] * block_size
     for t in range(k.shape[0]):
         slot = slots[t]
         if slot < 0:
             continue
+        if slot >= num_slots:
+            raise IndexError("KV write: a slot past the end of the cache")
         block, offset = slot // block_size, slot % block_size
         for h in range(num_kv_heads):
             for d in range(head_dim):

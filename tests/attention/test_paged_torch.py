@@ -157,3 +157,9 @@ def test_write_kv_few_tokens_by_numba_equal_the_torch_copies(dtype, monkeypatch)
     write_kv(k, v, caches[1], slots)
     assert torch.equal(caches[0].view(torch.int16) if dtype != torch.float32 else caches[0],
                        caches[1].view(torch.int16) if dtype != torch.float32 else caches[1])
+
+
+def test_write_kv_slot_past_the_cache_raises() -> None:
+    kv_cache = torch.zeros(2, 2, 4, 1, 4)
+    with pytest.raises(IndexError):
+        write_kv(torch.ones(2, 1, 4), torch.ones(2, 1, 4), kv_cache, torch.tensor([1, 8]))
