@@ -179,16 +179,24 @@ def test_decode_attention_batch_1(benchmark, impl):
     q = torch.randn(1, 9, 64, generator=g).numpy()
     lens = np.array([seq_len], np.int32)
     split = decode_numba.work_split(1, 3, 2, 0) if impl == "split_context" else (1, 1)
+    _time_work_split(benchmark, q, caches, table, lens, split, other=(1, 1))
+
+
+def _time_work_split(benchmark, q, caches, tables, lens, work, other) -> None:
+    """Check that the kernel gives the same result under work splits `work` and `other` (on
+    the first layer's cache), then time it under `work` over every layer's cache."""
+    from mrv2.attention import decode_numba
+
     outs = [np.empty_like(q) for _ in range(2)]
-    for out, work in zip(outs, (split, (1, 1))):
-        decode_numba.decode_kernel(q, caches[0][0], caches[0][1], table, lens,
-                                   np.float32(0.125), out, *work)
+    for out, split in zip(outs, (work, other)):
+        decode_numba.decode_kernel(q, caches[0][0], caches[0][1], tables, lens,
+                                   np.float32(0.125), out, *split)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
     def step() -> None:
         for cache in caches:
-            decode_numba.decode_kernel(q, cache[0], cache[1], table, lens, np.float32(0.125),
-                                       outs[0], *split)
+            decode_numba.decode_kernel(q, cache[0], cache[1], tables, lens, np.float32(0.125),
+                                       outs[0], *work)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 
@@ -198,7 +206,6 @@ def test_decode_attention_batch_1(benchmark, impl):
 # last-level cache holds the step's K/V). bench/README.md has the figures.
 @pytest.mark.parametrize("items", ["kv_head", "whole_row"])
 def test_decode_attention_work_items(benchmark, items):
-    from mrv2.attention import decode_numba
     from mrv2.attention.kv_numba import numpy_view
 
     rows, seq_len, block_size, layers = 32, 192, 16, 30
@@ -212,19 +219,9 @@ def test_decode_attention_work_items(benchmark, items):
     tables = (torch.randperm(blocks, generator=g) + 1).view(rows, -1).int().numpy()
     q = torch.randn(rows, 9, 64, generator=g).numpy()
     lens = np.full(rows, seq_len, np.int32)
-    work = (1, 1) if items == "kv_head" else (3, 1)
-    outs = [np.empty_like(q) for _ in range(2)]
-    for out, split in zip(outs, ((1, 1), (3, 1))):
-        decode_numba.decode_kernel(q, caches[0][0], caches[0][1], tables, lens,
-                                   np.float32(0.125), out, *split)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
-
-    def step() -> None:
-        for cache in caches:
-            decode_numba.decode_kernel(q, cache[0], cache[1], tables, lens, np.float32(0.125),
-                                       outs[0], *work)
-
-    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
+    kv_head, whole_row = (1, 1), (3, 1)
+    work, other = (kv_head, whole_row) if items == "kv_head" else (whole_row, kv_head)
+    _time_work_split(benchmark, q, caches, tables, lens, work, other)
 
 
 @njit(fastmath=True, error_model="numpy", cache=True)

@@ -15,7 +15,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from mrv2.models.layers.vector_ir import (bf16_bits_to_float, f16_bits_to_float,
-                                          float_to_bf16_bits, float_to_f16_bits)
+                                          float_to_bf16_bits, float_to_f16_bits, half_bits)
 
 # The cache dtypes the numba kernels read and write.
 NUMBA_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -25,10 +25,8 @@ def numpy_view(cache: torch.Tensor) -> np.ndarray:
     """A CPU cache tensor (or a slice of one) as the array the kernels take, sharing memory."""
     if cache.dtype == torch.float32:
         return cache.numpy()
-    if cache.dtype == torch.float16:
-        return cache.view(torch.int16).numpy()
-    if cache.dtype == torch.bfloat16:
-        return cache.view(torch.int16).numpy().view(np.uint16)
+    if cache.dtype in (torch.float16, torch.bfloat16):
+        return half_bits(cache)
     raise TypeError(f"no numba view of a {cache.dtype} KV cache")
 
 

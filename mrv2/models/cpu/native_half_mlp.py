@@ -22,17 +22,16 @@ from torch import nn
 
 from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers import activation_numba, cpu_linear, quantized
+from mrv2.models.layers.quantized import QuantizedWeight
 
 
 class NativeHalfMLP:
     """`forward` of one LlamaMLP whose gate/up and down projections compute on bfloat16
     weights that this CPU multiplies natively (`native_half_mlp` decides)."""
 
-    def __init__(self, mlp: nn.Module, own_forward: Callable[[torch.Tensor], torch.Tensor]
-                 ) -> None:
-        self.gate_up = mlp.gate_up_proj.forward.weight
-        self.down = mlp.down_proj.forward.weight
-        self.own_forward = own_forward
+    def __init__(self, gate_up: QuantizedWeight, down: QuantizedWeight,
+                 own_forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.gate_up, self.down, self.own_forward = gate_up, down, own_forward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dim() != 2 or x.shape[0] < quantized.MIN_NATIVE_HALF_ROWS
@@ -57,4 +56,4 @@ def native_half_mlp(mlp: nn.Module, own_forward: Callable[[torch.Tensor], torch.
         return None
     if not quantized.computes_natively(torch.bfloat16):
         return None
-    return NativeHalfMLP(mlp, own_forward)
+    return NativeHalfMLP(forwards[0].weight, forwards[1].weight, own_forward)

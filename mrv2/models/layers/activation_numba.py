@@ -16,7 +16,7 @@ from numba import njit, prange
 
 from mrv2.models.layers.numba_exp import exp32
 from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS, SERIAL_MAX_ROWS, rows_view
-from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits
+from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
 
 
 @njit(**NUMBA_OPTIONS)
@@ -57,13 +57,9 @@ def _silu_and_mul_bf16_rows(gate_up, width, out):
                 out[r, i] = float_to_bf16_bits(g / (np.float32(1.0) + exp32(-g)) * up)
 
 
-def _bf16_bits(t: torch.Tensor) -> np.ndarray:
-    return t.view(torch.int16).numpy().view(np.uint16)
-
-
 def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] bfloat16 (contiguous rows) -> silu(gate) * up [T, I] bfloat16."""
     width = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], width, dtype=torch.bfloat16)
-    _silu_and_mul_bf16_rows(_bf16_bits(gate_up.contiguous()), width, _bf16_bits(out))
+    _silu_and_mul_bf16_rows(half_bits(gate_up.contiguous()), width, half_bits(out))
     return out

@@ -9,6 +9,8 @@ the intrinsic being generated.
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -21,6 +23,14 @@ V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 FAST = ("fast",)
 DOT_ROWS = (4, 2, 1)  # rows of x per pass over a weight row (accumulators fit 16 ymm at 4)
 DOT_UNROLL = 2  # accumulator sets per row of x (FMA latency 4-5 cycles, 2 FMA pipes)
+
+
+def half_bits(t: torch.Tensor) -> np.ndarray:
+    """A float16 / bfloat16 CPU tensor as the numpy view of its bit patterns, sharing memory,
+    as the kernels below take them (numpy has no bfloat16): int16 for float16, uint16 for
+    bfloat16 (`f16_bits_to_float`, `bf16_bits_to_float`)."""
+    bits = t.view(torch.int16).numpy()
+    return bits.view(np.uint16) if t.dtype == torch.bfloat16 else bits
 
 
 def splat(builder, value):
