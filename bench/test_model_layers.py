@@ -224,6 +224,27 @@ def test_decode_attention_work_items(benchmark, items):
     _time_work_split(benchmark, q, caches, tables, lens, work, other)
 
 
+# Decode attention from the caches (4 rows of 192 tokens, one layer: 0.6 MB of K/V in
+# bfloat16), a bfloat16 cache against the same values in a float32 cache: a 16-bit key or value
+# row is widened once for the three query heads of its group (decode_numba.widen_four).
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float32"])
+def test_decode_attention_from_cache(benchmark, cache_dtype):
+    from mrv2.attention.kv_numba import numpy_view
+
+    rows, seq_len, block_size = 4, 192, 16
+    benchmark.group = f"decode-attention-{rows}x{seq_len}-hot"
+    benchmark.extra_info.update(rows=rows, seq_len=seq_len, heads=9, kv_heads=3, head_dim=64,
+                                cache_dtype=cache_dtype)
+    g = torch.Generator().manual_seed(0)
+    blocks = rows * seq_len // block_size
+    cache = torch.randn(2, blocks + 1, block_size, 3, 64, generator=g).to(torch.bfloat16)
+    caches = [numpy_view(cache.to(getattr(torch, cache_dtype)))]
+    tables = (torch.randperm(blocks, generator=g) + 1).view(rows, -1).int().numpy()
+    q = torch.randn(rows, 9, 64, generator=g).numpy()
+    lens = np.full(rows, seq_len, np.int32)
+    _time_work_split(benchmark, q, caches, tables, lens, (1, 1), (3, 1))
+
+
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _silu_and_mul_libm(gate_up, width, out):
     """activation_numba's SiLU-and-mul with numba's np.exp (a scalar libm call), the baseline."""

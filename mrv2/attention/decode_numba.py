@@ -25,7 +25,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from mrv2 import platform
 from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
@@ -77,9 +78,40 @@ def _prefetch_rows(cache, block, first, stop, row_bytes, start, length):
             line += CACHE_LINE_BYTES
 
 
+def widen_four(block, o, kv, scratch):
+    """A 16-bit cache: kv head `kv` of the block's positions o..o+3 widened into `scratch`
+    [4, head_dim] float32, once for all the query heads of the group that read them rather
+    than once per head. A float32 cache: nothing (`four_at` reads the block). Numba only."""
+    raise NotImplementedError("numba only")
+
+
+@overload(widen_four, inline="always")
+def _widen_four_overload(block, o, kv, scratch):
+    if block.dtype == types.float32:
+        return lambda block, o, kv, scratch: None
+
+    def widened(block, o, kv, scratch):
+        for i in range(4):
+            for d in range(scratch.shape[1]):
+                scratch[i, d] = widen(block[o + i, kv, d])
+    return widened
+
+
+def four_at(block, o, kv, scratch, i, d):
+    """Element d of position o + i's kv head `kv` as float32, after `widen_four`. Numba only."""
+    raise NotImplementedError("numba only")
+
+
+@overload(four_at, inline="always")
+def _four_at_overload(block, o, kv, scratch, i, d):
+    if block.dtype == types.float32:
+        return lambda block, o, kv, scratch, i, d: block[o + i, kv, d]
+    return lambda block, o, kv, scratch, i, d: scratch[i, d]
+
+
 @njit(inline="always", cache=True)
 def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache, ahead_block,
-                  row_bytes, start, length):
+                  row_bytes, start, length, scratch):
     """scores[h, t + o] = qs[h] . kb[o, kv head of h] for the block's positions o < count,
     prefetching the same rows of the block ahead as it goes (`_prefetch_rows`' arguments).
 
@@ -93,6 +125,7 @@ def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache
     if kv_per_item == 1:
         while o + 4 <= count:
             _prefetch_rows(ahead_cache, ahead_block, o, o + 4, row_bytes, start, length)
+            widen_four(kb, o, kv0, scratch)
             for g in range(group):
                 a0 = np.float32(0.0)
                 a1 = np.float32(0.0)
@@ -100,10 +133,10 @@ def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache
                 a3 = np.float32(0.0)
                 for d in range(head_dim):
                     x = qs[g, d]
-                    a0 += x * widen(kb[o, kv0, d])
-                    a1 += x * widen(kb[o + 1, kv0, d])
-                    a2 += x * widen(kb[o + 2, kv0, d])
-                    a3 += x * widen(kb[o + 3, kv0, d])
+                    a0 += x * four_at(kb, o, kv0, scratch, 0, d)
+                    a1 += x * four_at(kb, o, kv0, scratch, 1, d)
+                    a2 += x * four_at(kb, o, kv0, scratch, 2, d)
+                    a3 += x * four_at(kb, o, kv0, scratch, 3, d)
                 scores[g, t + o] = a0
                 scores[g, t + o + 1] = a1
                 scores[g, t + o + 2] = a2
@@ -124,7 +157,7 @@ def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache
 
 @njit(inline="always", cache=True)
 def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache, ahead_block,
-                  row_bytes, start, length):
+                  row_bytes, start, length, scratch):
     """acc[h] += sum over the block's positions o < count of probs[h, t + o] * vb[o, kv head
     of h], prefetching and ordered as `_block_scores` (an item of one kv head: four positions
     per pass, one load and store of acc per four multiply-adds)."""
@@ -133,15 +166,17 @@ def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache
     if kv_per_item == 1:
         while o + 4 <= count:
             _prefetch_rows(ahead_cache, ahead_block, o, o + 4, row_bytes, start, length)
+            widen_four(vb, o, kv0, scratch)
             for g in range(group):
                 p0 = probs[g, t + o]
                 p1 = probs[g, t + o + 1]
                 p2 = probs[g, t + o + 2]
                 p3 = probs[g, t + o + 3]
                 for d in range(head_dim):
-                    acc[g, d] += (p0 * widen(vb[o, kv0, d]) + p1 * widen(vb[o + 1, kv0, d])
-                                  + p2 * widen(vb[o + 2, kv0, d])
-                                  + p3 * widen(vb[o + 3, kv0, d]))
+                    acc[g, d] += (p0 * four_at(vb, o, kv0, scratch, 0, d)
+                                  + p1 * four_at(vb, o, kv0, scratch, 1, d)
+                                  + p2 * four_at(vb, o, kv0, scratch, 2, d)
+                                  + p3 * four_at(vb, o, kv0, scratch, 3, d))
             o += 4
     while o < count:
         _prefetch_rows(ahead_cache, ahead_block, o, o + 1, row_bytes, start, length)
@@ -199,6 +234,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
         base = first * block_size
         n = min(seq_len, stop * block_size) - base
         scores = np.empty((nh, n), dtype=np.float32)
+        scratch = np.empty((4, head_dim), dtype=np.float32)
         for b in range(first, min(first + PREFETCH_DISTANCE, stop)):
             _prefetch_rows(k_cache, np.int64(block_tables[row, b]), 0, block_size, row_bytes,
                            start, item_bytes)
@@ -215,7 +251,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
             t0 = b * block_size
             _block_scores(qs, k_cache[block_tables[row, b]], kv0, kv_per_item, group,
                           min(block_size, seq_len - t0), scores, t0 - base, ahead_cache,
-                          ahead_block, row_bytes, start, item_bytes)
+                          ahead_block, row_bytes, start, item_bytes, scratch)
         acc = np.zeros((nh, head_dim), dtype=np.float32)
         for h in range(nh):
             m = scores[h, 0]
@@ -234,7 +270,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
             t0 = b * block_size
             _block_values(scores, v_cache[block_tables[row, b]], kv0, kv_per_item, group,
                           min(block_size, seq_len - t0), t0 - base, acc, v_cache, v_block,
-                          row_bytes, start, item_bytes)
+                          row_bytes, start, item_bytes, scratch)
         if splits == 1:
             for h in range(nh):
                 inv = np.float32(1.0) / part_l[row, h0 + h, 0]
