@@ -41,7 +41,8 @@ def _effective_top_k(top_k: Tensor, vocab_size: int) -> Tensor:
 # Above this many columns a partial sort (topk) stops paying off against the threshold search.
 MAX_PARTIAL_SORT = 1024
 # Below this vocabulary the search's 2**16-bin histograms outweigh the row and a full sort is
-# faster (bench/test_sampler.py::test_sampler_filters, figures in bench/README.md).
+# faster on the CPU; on a CUDA GPU torch's segmented sort is faster at every vocabulary
+# measured (bench/test_sampler.py::test_sampler_filters, figures in bench/README.md).
 MIN_SEARCH_VOCAB = 1 << 17
 
 
@@ -60,8 +61,8 @@ def apply_top_k_top_p_(
     ``max_top_k`` > 0 promises that every filtered row has ``0 < top_k <= max_top_k`` (the host
     knows it from its mirrors): a small bound takes the top ``max_top_k`` values with
     torch.topk, which is all both stages read. Otherwise the thresholds come from a radix
-    select over the whole row (radix_select.py) on large vocabularies, a full sort on small
-    ones (where it is faster).
+    select over the whole row (radix_select.py) on large vocabularies on the CPU, a full sort
+    on small ones and on a GPU (where it is faster).
     """
     if top_k is None and top_p is None:
         return x
@@ -76,7 +77,7 @@ def apply_top_k_top_p_(
         filtered &= ~skip_rows
     if k is not None and 0 < max_top_k < min(vocab_size, MAX_PARTIAL_SORT + 1):
         threshold = _partial_sort_threshold(x, k, top_p, filtered, max_top_k)
-    elif vocab_size < MIN_SEARCH_VOCAB:
+    elif vocab_size < MIN_SEARCH_VOCAB or x.is_cuda:
         threshold = _partial_sort_threshold(
             x, k if k is not None else torch.full_like(filtered, vocab_size, dtype=torch.int64),
             top_p, filtered, vocab_size)

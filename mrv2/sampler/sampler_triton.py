@@ -72,4 +72,4 @@ def _scale_and_filter_(x: Tensor, idx_mapping: Tensor, states: SamplingStates,
     if flags.any_top_k or flags.any_top_p:
         apply_top_k_top_p_(x, states.top_k.tensor[idx] if flags.any_top_k else None,
                            states.top_p.tensor[idx] if flags.any_top_p else None,
-                           skip_rows=is_greedy)
+                           skip_rows=is_greedy, max_top_k=flags.max_top_k)

@@ -80,3 +80,29 @@ def test_radix_select_is_the_kth_value() -> None:
     expected = x.sort(dim=1, descending=True).values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
     assert torch.equal(keys_to_values(key), expected + 0.0)
     assert torch.equal(above, (x > expected.unsqueeze(1)).sum(1).float())
+
+
+_NEEDS_CUDA = [pytest.mark.cuda,
+               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_NEEDS_CUDA)])
+def test_whole_row_thresholds_sort_on_a_gpu(small_vocab_path: str, device: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a small top-k bound the CPU searches from MIN_SEARCH_VOCAB up, and a GPU
+    always sorts (torch's segmented sort measured faster there at 151,936 tokens)."""
+    calls: list[str] = []
+    for name in ("_searched_threshold", "_partial_sort_threshold"):
+        original = getattr(filters, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(filters, name, spy)
+    x, _, p = _rows(0)
+    expected = reference_top_k_top_p_(x.clone(), None, p)
+    got = apply_top_k_top_p_(x.to(device), None, p.to(device)).cpu()
+    searched = device == "cpu" and small_vocab_path == "search"
+    assert calls == ["_searched_threshold" if searched else "_partial_sort_threshold"]
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))

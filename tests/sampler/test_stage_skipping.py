@@ -115,6 +115,21 @@ def test_triton_path_skips_unused_stages(monkeypatch: pytest.MonkeyPatch) -> Non
     assert run(every) == Counter({name: 1 for name in names})
 
 
+@pytest.mark.parametrize("module", [torch_path, triton_path], ids=["torch", "triton"])
+def test_top_k_bound_reaches_the_filter(module: ModuleType,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths pass the batch's largest top-k (0 when a row filters by top-p alone) to
+    apply_top_k_top_p_, so small bounds take torch.topk rather than a whole-row threshold."""
+    log: dict[str, list[dict]] = {}
+    count_calls(monkeypatch, module, ["apply_top_k_top_p_"], log)
+    logits = random_logits(3, V, seed=4)
+    triton = module is triton_path
+    bounded = [random_params(1, top_k=5), random_params(2, top_k=7, top_p=0.9)]
+    make_batch(bounded, V).sample(logits[:2], triton=triton)
+    make_batch(bounded + [random_params(3, top_p=0.5)], V).sample(logits, triton=triton)
+    assert [kwargs["max_top_k"] for kwargs in log["apply_top_k_top_p_"]] == [7, 0]
+
+
 def _reachable_tensors(root: object) -> list[torch.Tensor]:
     """Every tensor held (directly or through mrv2 objects, lists, tuples and dicts) by
     ``root``."""
