@@ -37,6 +37,8 @@ from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
+from mrv2.models.cpu.native_half_decode import (MAX_NATIVE_DECODE_ROWS, PROJECTIONS,
+                                               native_half_decode)
 from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
@@ -122,9 +124,6 @@ def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, fi
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
 
 
-_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
 def _quantized(module) -> QuantizedWeight | None:
     """The GGUF weight `module` computes on as stored (quantized_weights attached it), or
     None."""
@@ -145,14 +144,14 @@ def _kind(module) -> str:
 
 def _kinds(layer) -> tuple[str, ...]:
     """Per projection of `layer`: its `_kind`."""
-    return tuple(_kind(layer.get_submodule(name)) for name in _PROJECTIONS)
+    return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
 
 
 def _layer_qualifies(layer) -> bool:
     """The parts that never change: float32 CPU norms, each projection quantized or float32
     CPU, tp 1, no biases, no q/k norm."""
     attn, mlp = layer.self_attn, layer.mlp
-    projections = [layer.get_submodule(name) for name in _PROJECTIONS]
+    projections = [layer.get_submodule(name) for name in PROJECTIONS]
     return (attn.q_norm is None and attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
             and all(p.bias is None for p in projections)
             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
@@ -235,7 +234,7 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
     out = [model.norm.weight, *kv_caches]
     for layer in model.layers:
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        for name in _PROJECTIONS:
+        for name in PROJECTIONS:
             out += _projection_parameters(layer.get_submodule(name))
     return out
 
@@ -275,7 +274,7 @@ class _StackArgs:
         self.ln2s = _views(layer.post_attention_layernorm.weight for layer in layers)
         (self.w_qkvs, self.w_os, self.w_gate_ups, self.w_downs) = (
             _projection_views([layer.get_submodule(name) for layer in layers])
-            for name in _PROJECTIONS)
+            for name in PROJECTIONS)
         self.kv_caches = _typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
         self.final_norm = model.norm.weight.detach().numpy()
 
@@ -313,7 +312,8 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
 
 class FusedDecode:
     """`forward_layers` of one qualifying LlamaModel: the fused stack where `applies` holds,
-    the model's own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
+    a bfloat16 model's native path (`native_half_decode`) for the rows it runs, the model's
+    own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
     the caches or any tensor's storage change."""
 
     def __init__(self, model) -> None:
@@ -321,10 +321,16 @@ class FusedDecode:
         self.forward_layers = type(model).forward_layers.__get__(model)  # the module path
         self.args: _StackArgs | None = None
         self.max_rows = max_rows(model)
+        # From the rows where its linears move to the matrix units, a bfloat16 model's steps
+        # run the layers between oneDNN calls instead (native_half_decode.py).
+        self.native = native_half_decode(model)
 
     def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         model = self.model
+        if (self.native is not None and self.native.runs(hidden.shape[0])
+                and applies(model, hidden, kv_caches, meta, MAX_NATIVE_DECODE_ROWS)):
+            return self.native(cos_sin, hidden, kv_caches, meta)
         if not applies(model, hidden, kv_caches, meta, self.max_rows):
             return self.forward_layers(cos_sin, hidden, kv_caches, meta)
         if self.args is None or not self.args.current(kv_caches):
