@@ -66,6 +66,12 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
+def cpu_has_matrix_tiles() -> bool:
+    """Whether this CPU has AMX tiles (its matrix units proper, as opposed to AVX-512 BF16's
+    vector dot products), read at run time."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 @lru_cache(maxsize=1)
 def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """The size of this CPU's last-level cache (the highest level sysfs lists for cpu0), or 0

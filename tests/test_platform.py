@@ -199,6 +199,15 @@ def test_cpu_computes_natively_reads_torchs_probes(monkeypatch) -> None:
     assert not platform.cpu_computes_natively(torch.int8)
 
 
+def test_cpu_has_matrix_tiles_reads_torchs_amx_probe(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert platform.cpu_has_matrix_tiles()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not platform.cpu_has_matrix_tiles()
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # an older torch
+    assert not platform.cpu_has_matrix_tiles()
+
+
 def test_last_level_cache_bytes_reads_the_highest_level(tmp_path) -> None:
     for index, level, size in (("index0", 1, "48K"), ("index2", 2, "2048K"),
                                ("index3", 3, "480M"), ("index1", 1, "32K")):

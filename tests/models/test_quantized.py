@@ -201,6 +201,7 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
 
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)
 @pytest.mark.parametrize("n, k, rows", [(5, 3, 1), (33, 37, 3), (17, 8, 5), (9, 100, 2)])
+@pytest.mark.usefixtures("float_activations")  # the GEMV at every row count, not oneDNN
 def test_half_gemv_on_widths_that_are_not_multiples_of_8(gguf_type, n, k, rows):
     # The 8-wide loop leaves a scalar tail; the stored values widen exactly, so the only error
     # is float32 summation order.
