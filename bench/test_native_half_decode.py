@@ -8,7 +8,8 @@ ignored, prefix caching off, 2 threads; one LLM serves every case. extra_info
 `decode_tokens_per_s` as bench/test_quantized_decode.py computes it (gguf_workload.py).
 Skipped where the CPU has no bfloat16 matrix units: there the path never runs.
 
-Under `--benchmark-disable` (CI) each case runs once with 4 tokens and checks which path ran.
+Under `--benchmark-disable` (CI) each case runs once, 16-token prompts and 4 tokens out, and
+checks which path ran.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def test_native_half_decode(benchmark, monkeypatch, batch, path):
     monkeypatch.setattr(NativeHalfDecode, "__call__", counted)
     if path == "layers":
         monkeypatch.setattr(NativeHalfDecode, "runs", staticmethod(lambda rows: False))
+    prompt_len = 16 if benchmark.disabled else PROMPT_LEN
     prompts = [{"prompt_token_ids": [(i * 7919 + t * 104729) % 49000 + 100
-                                     for t in range(PROMPT_LEN)]} for i in range(batch)]
+                                     for t in range(prompt_len)]} for i in range(batch)]
     tokens = 4 if benchmark.disabled else OUTPUT_LEN
 
     def generate(n: int) -> float:
