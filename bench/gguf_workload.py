@@ -9,6 +9,7 @@ same file, one through the safetensors path, one dequantizing.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -68,6 +69,26 @@ def safetensors_twin(path: Path | None = None,
     from mrv2.testing.gguf_twin import safetensors_twin as twin
 
     return twin(path or gguf_path(), hf_model)
+
+
+def token_id_prompts(batch: int, length: int) -> list[dict]:
+    """`batch` prompts of `length` fixed pseudo-random token ids each (every row the same
+    length, none of SmolLM2's special tokens)."""
+    return [{"prompt_token_ids": [(i * 7919 + t * 104729) % 49000 + 100 for t in range(length)]}
+            for i in range(batch)]
+
+
+def greedy_timer(llm, prompts) -> Callable[[int], float]:
+    """generate(n): seconds for `llm` to generate n greedy tokens (EOS ignored) for `prompts`."""
+    from mrv2 import SamplingParams
+
+    def generate(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return generate
 
 
 def decode_tokens_per_s(benchmark, generate: Callable[[int], float], tokens: int, batch: int,

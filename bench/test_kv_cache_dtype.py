@@ -21,11 +21,10 @@ untimed pass would cost CI ~20 s (the built-in model's load and a 1536-token pre
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
-from gguf_workload import decode_tokens_per_s, gguf_path
+from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer, token_id_prompts
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -57,20 +56,14 @@ def _shutdown():
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])
 @pytest.mark.parametrize("batch", [1, 32])
 def test_kv_cache_dtype_decode(benchmark, batch, kv_cache_dtype):
-    from mrv2 import SamplingParams
 
     if benchmark.disabled:
         pytest.skip("timed runs only (see the module docstring)")
     llm = _llm(kv_cache_dtype)
-    prompts = [{"prompt_token_ids": [(i * 7919 + t * 104729) % 49000 + 100
-                                     for t in range(PROMPT_LENS[batch])]} for i in range(batch)]
+    prompts = token_id_prompts(batch, PROMPT_LENS[batch])
     tokens = OUTPUT_LEN
 
-    def generate(n: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+    generate = greedy_timer(llm, prompts)
 
     benchmark.group = f"kv-cache-dtype-b{batch}"
     generate(4)  # warm-up

@@ -14,12 +14,11 @@ checks which path ran.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from gguf_workload import decode_tokens_per_s, gguf_path
+from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer, token_id_prompts
 from mrv2.models.layers import quantized
 
 ROUNDS = 5
@@ -54,7 +53,6 @@ def _shutdown():
 @pytest.mark.parametrize("path", ["native", "layers"])
 @pytest.mark.parametrize("batch", [8, 32])
 def test_native_half_decode(benchmark, monkeypatch, batch, path):
-    from mrv2 import SamplingParams
     from mrv2.models.cpu.native_half_decode import NativeHalfDecode
 
     llm = _llm()
@@ -69,15 +67,10 @@ def test_native_half_decode(benchmark, monkeypatch, batch, path):
     if path == "layers":
         monkeypatch.setattr(NativeHalfDecode, "runs", staticmethod(lambda rows: False))
     prompt_len = 16 if benchmark.disabled else PROMPT_LEN
-    prompts = [{"prompt_token_ids": [(i * 7919 + t * 104729) % 49000 + 100
-                                     for t in range(prompt_len)]} for i in range(batch)]
+    prompts = token_id_prompts(batch, prompt_len)
     tokens = 4 if benchmark.disabled else OUTPUT_LEN
 
-    def generate(n: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+    generate = greedy_timer(llm, prompts)
 
     benchmark.group = f"native-half-decode-b{batch}"
     if benchmark.disabled:

@@ -14,11 +14,10 @@ quantized stack ran (and that the unfused case did not).
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
-from gguf_workload import decode_tokens_per_s, gguf_path
+from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -49,7 +48,6 @@ def _shutdown():
 @pytest.mark.parametrize("kind", ["gguf", "gguf_unfused", "float32"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_quantized_decode(benchmark, monkeypatch, batch, kind):
-    from mrv2 import SamplingParams
     from mrv2.models.cpu import decode as cpu_decode
 
     llm = _llm(kind != "float32")
@@ -66,11 +64,7 @@ def test_quantized_decode(benchmark, monkeypatch, batch, kind):
     prompts = [f"Tell me a short story about the number {i}." for i in range(batch)]
     tokens = 4 if benchmark.disabled else OUTPUT_LEN
 
-    def generate(n: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+    generate = greedy_timer(llm, prompts)
 
     benchmark.group = f"quantized-decode-b{batch}"
     if benchmark.disabled:

@@ -328,11 +328,12 @@ class FusedDecode:
     def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         model = self.model
-        if (self.native is not None and self.native.runs(hidden.shape[0])
-                and applies(model, hidden, kv_caches, meta, MAX_NATIVE_DECODE_ROWS)):
-            return self.native(cos_sin, hidden, kv_caches, meta)
-        if not applies(model, hidden, kv_caches, meta, self.max_rows):
+        native = self.native is not None and self.native.runs(hidden.shape[0])
+        rows_limit = MAX_NATIVE_DECODE_ROWS if native else self.max_rows
+        if not applies(model, hidden, kv_caches, meta, rows_limit):
             return self.forward_layers(cos_sin, hidden, kv_caches, meta)
+        if native:
+            return self.native(cos_sin, hidden, kv_caches, meta)
         if self.args is None or not self.args.current(kv_caches):
             self.args = _StackArgs(model, kv_caches)
         return decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)

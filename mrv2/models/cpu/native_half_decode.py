@@ -33,9 +33,8 @@ from numba import njit
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
-from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
+from mrv2.models.cpu.quantized_weights import bfloat16_weight
 from mrv2.models.layers import activation_numba, cpu_linear, quantized
-from mrv2.models.layers.quantized import QuantizedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS
 from mrv2.models.layers.rotary_numba import rotary_kernel
@@ -117,15 +116,6 @@ class _StepBuffers:
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def _bfloat16_weight(module) -> QuantizedWeight | None:
-    """The bfloat16 weight quantized_weights attached to a bias-free projection, or None."""
-    forward = module.__dict__.get("forward")
-    if (module.bias is None and isinstance(forward, QuantizedLinearForward)
-            and forward.weight.is_half and forward.weight.half_dtype == torch.bfloat16):
-        return forward.weight
-    return None
-
-
 class NativeHalfDecode:
     """`forward_layers` of a decode step of one LlamaModel whose projections all compute on
     bfloat16 weights this CPU multiplies natively (`native_half_decode` decides); decode.py's
@@ -140,7 +130,7 @@ class NativeHalfDecode:
         self.eps = np.float32(self.layers[0].input_layernorm.eps)
         # Each layer's projections packed for oneDNN (the layer path's packing: the same
         # QuantizedWeight objects).
-        self.packed = [tuple(_bfloat16_weight(layer.get_submodule(name)).onednn_packed()
+        self.packed = [tuple(bfloat16_weight(layer.get_submodule(name)).onednn_packed()
                              for name in PROJECTIONS) for layer in self.layers]
 
     @staticmethod
@@ -195,7 +185,7 @@ def native_half_decode(model) -> NativeHalfDecode | None:
     multiplies bfloat16 natively; else None."""
     if not quantized.computes_natively(torch.bfloat16):
         return None
-    if not all(_bfloat16_weight(layer.get_submodule(name)) is not None
+    if not all(bfloat16_weight(layer.get_submodule(name)) is not None
                for layer in model.layers for name in PROJECTIONS):
         return None
     return NativeHalfDecode(model)

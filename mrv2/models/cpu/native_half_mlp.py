@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
+from mrv2.models.cpu.quantized_weights import bfloat16_weight
 from mrv2.models.layers import activation_numba, cpu_linear, quantized
 from mrv2.models.layers.quantized import QuantizedWeight
 
@@ -48,12 +48,7 @@ def native_half_mlp(mlp: nn.Module, own_forward: Callable[[torch.Tensor], torch.
     """A `NativeHalfMLP` for `mlp` (a LlamaMLP) where both projections were given bfloat16
     weights (quantized_weights), have no bias, and this CPU computes bfloat16 natively; else
     None."""
-    forwards = [mlp.gate_up_proj.__dict__.get("forward"), mlp.down_proj.__dict__.get("forward")]
-    if not all(isinstance(f, QuantizedLinearForward) and f.weight.is_half
-               and f.weight.half_dtype == torch.bfloat16 for f in forwards):
+    gate_up, down = bfloat16_weight(mlp.gate_up_proj), bfloat16_weight(mlp.down_proj)
+    if gate_up is None or down is None or not quantized.computes_natively(torch.bfloat16):
         return None
-    if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
-        return None
-    if not quantized.computes_natively(torch.bfloat16):
-        return None
-    return NativeHalfMLP(forwards[0].weight, forwards[1].weight, own_forward)
+    return NativeHalfMLP(gate_up, down, own_forward)

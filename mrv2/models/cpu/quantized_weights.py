@@ -58,6 +58,16 @@ class QuantizedLinearForward:
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def bfloat16_weight(module: nn.Module) -> QuantizedWeight | None:
+    """The bfloat16 weight attached to a bias-free projection (`QuantizedLinearForward`), or
+    None: what the matrix-unit paths (native_half_mlp, native_half_decode) compute on."""
+    forward = module.__dict__.get("forward")
+    if (module.bias is None and isinstance(forward, QuantizedLinearForward)
+            and forward.weight.is_half and forward.weight.half_dtype == torch.bfloat16):
+        return forward.weight
+    return None
+
+
 class QuantizedEmbeddingForward:
     """`forward` of the token embedding: the rows of the looked-up ids, dequantized."""
 
