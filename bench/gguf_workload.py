@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from e2e_workload import Workload, set_threads
@@ -105,3 +106,16 @@ def decode_tokens_per_s(benchmark, generate: Callable[[int], float], tokens: int
     benchmark.pedantic(round_, rounds=rounds, iterations=1)
     decode_s = benchmark.stats.stats.median - 2 * statistics.median(ones)
     return round((tokens - 1) * batch / decode_s, 1)
+
+
+def shutdown_after_module(llms: dict):
+    """A module-scoped autouse fixture that shuts down every LLM left in `llms` (a bench
+    module's cache of engines, by key) once the module's cases are done; assign it to a
+    module-level name."""
+    @pytest.fixture(scope="module", autouse=True)
+    def _shutdown():
+        yield
+        for llm in llms.values():
+            llm.shutdown()
+        llms.clear()
+    return _shutdown

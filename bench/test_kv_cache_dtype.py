@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import pytest
 
-from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer, token_id_prompts
+from gguf_workload import (decode_tokens_per_s, gguf_path, greedy_timer,
+                           shutdown_after_module, token_id_prompts)
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -45,12 +46,7 @@ def _llm(kv_cache_dtype: str):
     return _LLMS[kv_cache_dtype]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown():
-    yield
-    for llm in _LLMS.values():
-        llm.shutdown()
-    _LLMS.clear()
+_shutdown = shutdown_after_module(_LLMS)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])

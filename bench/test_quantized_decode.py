@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer
+from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer, shutdown_after_module
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -37,12 +37,7 @@ def _llm(quantized: bool):
     return _LLMS[key]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown():
-    yield
-    for llm in _LLMS.values():
-        llm.shutdown()
-    _LLMS.clear()
+_shutdown = shutdown_after_module(_LLMS)
 
 
 @pytest.mark.parametrize("kind", ["gguf", "gguf_unfused", "float32"])

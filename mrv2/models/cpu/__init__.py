@@ -13,7 +13,9 @@ the weights are loaded) overrides a few forwards of one loaded Llama-family mode
   and activation stay in bfloat16 (`native_half_mlp`);
 - `LlamaModel.forward_layers` runs decode steps of a few rows as one numba call for the
   whole decoder stack (`decode`), when the model's layers qualify: its projections compute on
-  float32 weights or on the quantized blocks attached above, inside that one call.
+  float32 weights or on the quantized blocks attached above, inside that one call; from the
+  rows where a float32 or bfloat16 model's linears move to oneDNN, its decode steps run the
+  layers between oneDNN calls instead (`onednn_decode`).
 
 What was attached is returned as a `CpuFastPaths`; nothing is cached on the model.
 """

@@ -37,8 +37,7 @@ from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
-from mrv2.models.cpu.native_half_decode import (MAX_NATIVE_DECODE_ROWS, PROJECTIONS,
-                                               native_half_decode)
+from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
@@ -312,8 +311,8 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
 
 class FusedDecode:
     """`forward_layers` of one qualifying LlamaModel: the fused stack where `applies` holds,
-    a bfloat16 model's native path (`native_half_decode`) for the rows it runs, the model's
-    own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
+    the layers between oneDNN calls (`onednn_decode`) for the rows that path runs, the
+    model's own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
     the caches or any tensor's storage change."""
 
     def __init__(self, model) -> None:
@@ -321,19 +320,19 @@ class FusedDecode:
         self.forward_layers = type(model).forward_layers.__get__(model)  # the module path
         self.args: _StackArgs | None = None
         self.max_rows = max_rows(model)
-        # From the rows where its linears move to the matrix units, a bfloat16 model's steps
-        # run the layers between oneDNN calls instead (native_half_decode.py).
-        self.native = native_half_decode(model)
+        # From the rows where its linears move to oneDNN, a bfloat16 or float32 model's steps
+        # run the layers between oneDNN calls instead (onednn_decode.py).
+        self.onednn = onednn_decode(model)
 
     def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         model = self.model
-        native = self.native is not None and self.native.runs(hidden.shape[0])
-        rows_limit = MAX_NATIVE_DECODE_ROWS if native else self.max_rows
+        onednn = self.onednn is not None and self.onednn.runs(hidden.shape[0])
+        rows_limit = MAX_ONEDNN_DECODE_ROWS if onednn else self.max_rows
         if not applies(model, hidden, kv_caches, meta, rows_limit):
             return self.forward_layers(cos_sin, hidden, kv_caches, meta)
-        if native:
-            return self.native(cos_sin, hidden, kv_caches, meta)
+        if onednn:
+            return self.onednn(cos_sin, hidden, kv_caches, meta)
         if self.args is None or not self.args.current(kv_caches):
             self.args = _StackArgs(model, kv_caches)
         return decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)

@@ -60,11 +60,21 @@ class QuantizedLinearForward:
 
 def bfloat16_weight(module: nn.Module) -> QuantizedWeight | None:
     """The bfloat16 weight attached to a bias-free projection (`QuantizedLinearForward`), or
-    None: what the matrix-unit paths (native_half_mlp, native_half_decode) compute on."""
+    None: what the matrix-unit paths (native_half_mlp, onednn_decode) compute on."""
     forward = module.__dict__.get("forward")
     if (module.bias is None and isinstance(forward, QuantizedLinearForward)
             and forward.weight.is_half and forward.weight.half_dtype == torch.bfloat16):
         return forward.weight
+    return None
+
+
+def float32_weight(module: nn.Module) -> torch.Tensor | None:
+    """The float32 CPU weight of a bias-free projection that computes on it (nothing
+    attached), or None: what onednn_decode packs for a float32 model."""
+    weight = module.weight
+    if (module.bias is None and "forward" not in module.__dict__ and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and weight.is_contiguous()):
+        return weight
     return None
 
 

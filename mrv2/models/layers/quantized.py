@@ -74,7 +74,7 @@ GEMV_X_FORMAT: int = _gemv_x_format()
 # bench/README.md); the fused decode stack runs up to as many.
 MAX_QUANTIZED_GEMV_ROWS = 32
 # Rows of x from which a 16-bit weight runs on the CPU's matrix units: with AMX tiles from 2 (a
-# bf16 model's decode step then runs native_half_decode.py, faster than the fused stack's GEMV
+# bf16 model's decode step then runs onednn_decode.py, faster than the fused stack's GEMV
 # but at 1 row), with AVX-512 BF16 alone from 8 (not measured lower; bench/README.md).
 MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() else 8
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.

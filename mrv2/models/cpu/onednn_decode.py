@@ -1,0 +1,240 @@
+"""Decode steps whose linears run on oneDNN, with one numba call between each pair of them: a
+bfloat16 model's on a CPU that multiplies bfloat16 natively, from
+`quantized.MIN_NATIVE_HALF_ROWS` rows (where its linears move to the matrix units), and a
+float32 model's beyond the fused stack's GEMV rows (`cpu_gemv.MAX_GEMV_ROWS`, where
+`cpu_linear.linear` moves to oneDNN); both up to `MAX_ONEDNN_DECODE_ROWS`.
+
+Why: the fused stack (decode.py) cannot call oneDNN, so from these rows the layer path ran
+the step op by op: per layer about fifteen torch and numba calls and module dispatch, and for
+bfloat16 a float32 round trip of every linear's input and output
+(`cpu_linear.native_16bit_linear` rounds x to bfloat16 and widens its output). Here each
+numba segment reads the output of the linear before it and writes the input of the linear
+after it, both in the model's dtype:
+
+    norm:      residual += previous down output; RMSNorm
+    qkv_proj   (oneDNN)
+    attention: rotary on q and k; the K/V write; attention
+    o_proj     (oneDNN)
+    norm:      residual += o; RMSNorm
+    gate_up    (oneDNN)
+    SiLU-and-mul (activation_numba)
+    down_proj  (oneDNN)
+
+then the final norm after the last layer. The residual stream and all arithmetic are float32:
+a bfloat16 linear's output widens exactly on entry to a segment and the next linear's input
+rounds to bfloat16 on exit (`_linear_output_as_float`, `_store_as_linear_input`); a float32
+model's linears read and write the segments' own arrays. The kernels are the layer path's
+(norm_numba, rotary_numba, kv_numba, decode_numba, activation_numba) with the same roundings
+in the same places: the result is the layer path's bit for bit (tested, both dtypes).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, types
+from numba.extending import overload
+
+from mrv2.attention import kv_numba
+from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
+from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
+from mrv2.models.cpu.quantized_weights import bfloat16_weight, float32_weight
+from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
+from mrv2.models.layers.quantized import QuantizedWeight
+from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
+from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS
+from mrv2.models.layers.rotary_numba import rotary_kernel
+from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
+
+# The most rows this path runs: the layer path's KV write and norms take the same serial
+# kernels up to here (beyond, other kernels with their own summation orders).
+MAX_ONEDNN_DECODE_ROWS = min(NUMBA_WRITE_MAX_TOKENS, SERIAL_MAX_ROWS)
+
+# The projections of a Llama layer, in the order the kernels take them (decode.py too).
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _linear_output_as_float(out, scratch):
+    """A linear's output `out` as float32 rows: `out` itself, or a bfloat16 output's bit
+    patterns widened into `scratch` (numba only: see the overload)."""
+    raise NotImplementedError("compiled into the segments only")
+
+
+@overload(_linear_output_as_float, jit_options={"fastmath": True})
+def _linear_output_as_float_overload(out, scratch):
+    if out.dtype == types.float32:
+        return lambda out, scratch: out
+
+    def widen(out, scratch):
+        for r in range(out.shape[0]):
+            for i in range(out.shape[1]):
+                scratch[r, i] = bf16_bits_to_float(out[r, i])
+        return scratch
+    return widen
+
+
+def _store_as_linear_input(values, linear_in):
+    """float32 `values` as the next linear's input: rounded to bfloat16 bit patterns, or
+    copied unless `linear_in` is `values` itself (numba only: see the overload)."""
+    raise NotImplementedError("compiled into the segments only")
+
+
+@overload(_store_as_linear_input, jit_options={"fastmath": True})
+def _store_as_linear_input_overload(values, linear_in):
+    if linear_in.dtype == types.float32:
+        def copy(values, linear_in):
+            if values.ctypes.data != linear_in.ctypes.data:
+                linear_in[:] = values
+        return copy
+
+    def narrow(values, linear_in):
+        for r in range(values.shape[0]):
+            for i in range(values.shape[1]):
+                linear_in[r, i] = float_to_bf16_bits(values[r, i])
+    return narrow
+
+
+@njit(**NUMBA_OPTIONS)
+def _norm_segment(x, residual, weight, eps, scratch, normed, residual_out, linear_in):
+    """residual_out = x + residual (a [0, 0] residual: none, and residual_out unwritten),
+    normed = weight * norm(residual_out), stored as `linear_in`; x: a linear's output
+    (`_linear_output_as_float`) or the float32 embedding."""
+    add_rms_norm_kernel(_linear_output_as_float(x, scratch), residual, weight, eps, normed,
+                        residual_out)
+    _store_as_linear_input(normed, linear_in)
+
+
+@njit(**NUMBA_OPTIONS)
+def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_cache,
+                       v_cache, slots, block_tables, seq_lens, scale, kv_per_item, splits,
+                       scratch, q, k, attn, linear_in):
+    """The step's attention from qkv_proj's output: rotary on q and k, this step's K/V into
+    the cache, attention over it into `attn` [rows, heads, head_dim], stored as `linear_in`."""
+    rows = qkv_out.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _linear_output_as_float(qkv_out, scratch)
+    rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
+    rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
+    kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
+    decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
+                  seq_lens, scale, attn, kv_per_item, splits)
+    _store_as_linear_input(attn.reshape(rows, q_size), linear_in)
+
+
+def _kernel_view(t: torch.Tensor) -> np.ndarray:
+    """A linear's input or output as the segments take it: float32 as is, bfloat16 as bits."""
+    return t.numpy() if t.dtype == torch.float32 else half_bits(t)
+
+
+class _StepBuffers:
+    """A step's activations, allocated once per step and reused by every layer: the inputs of
+    the linears (torch tensors, and the views the kernels write), the residual stream's two
+    buffers (each add writes the one it does not read) and float32 scratch. In float32 the
+    norm and attention write the linears' inputs directly and nothing is widened."""
+
+    def __init__(self, rows: int, hidden: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.x = torch.empty(rows, hidden, dtype=dtype)
+        self.attn = torch.empty(rows, q_size, dtype=dtype)
+        self.x_in, self.attn_in = _kernel_view(self.x), _kernel_view(self.attn)
+        self.residuals = (np.empty((rows, hidden), np.float32),
+                          np.empty((rows, hidden), np.float32))
+        self.q = np.empty((rows, q_size), np.float32)
+        self.k = np.empty((rows, kv_size), np.float32)
+        if dtype == torch.float32:
+            self.normed, self.scratch, self.qkv_scratch = self.x_in, NO_RESIDUAL, NO_RESIDUAL
+            self.attn_out = self.attn_in.reshape(rows, num_heads, head_dim)
+        else:
+            self.normed = np.empty((rows, hidden), np.float32)
+            self.scratch = np.empty((rows, hidden), np.float32)
+            self.qkv_scratch = np.empty((rows, q_size + 2 * kv_size), np.float32)
+            self.attn_out = np.empty((rows, num_heads, head_dim), np.float32)
+
+
+class OneDnnDecode:
+    """`forward_layers` of a decode step of one LlamaModel whose projections all compute on
+    bfloat16 weights this CPU multiplies natively, or all on float32 weights
+    (`onednn_decode` decides); decode.py's FusedDecode calls it for the rows it `runs`."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self.layers = list(model.layers)
+        attn = self.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.scale = attn.head_dim, np.float32(attn.attn.scale)
+        self.eps = np.float32(self.layers[0].input_layernorm.eps)
+        # The rows from which the layer path's linears run on oneDNN.
+        self.min_rows = (quantized.MIN_NATIVE_HALF_ROWS if dtype == torch.bfloat16
+                         else cpu_gemv.MAX_GEMV_ROWS + 1)
+        self.silu_and_mul = (activation_numba.silu_and_mul_bf16 if dtype == torch.bfloat16
+                             else activation_numba.silu_and_mul)
+        # Each layer's projection weights, packed for oneDNN each step as the layer path packs
+        # them: the same QuantizedWeight objects (packed once), or the float32 weight (packed
+        # once, repacked after an in-place change).
+        weight = bfloat16_weight if dtype == torch.bfloat16 else float32_weight
+        self.weights = [tuple(weight(layer.get_submodule(name)) for name in PROJECTIONS)
+                        for layer in self.layers]
+        self.pack = (QuantizedWeight.onednn_packed if dtype == torch.bfloat16
+                     else cpu_linear.packed_weight)
+
+    def runs(self, rows: int) -> bool:
+        return self.min_rows <= rows <= MAX_ONEDNN_DECODE_ROWS
+
+    def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        rows, hidden_size = hidden.shape
+        buf = _StepBuffers(rows, hidden_size, self.num_heads, self.num_kv_heads,
+                           self.head_dim, self.dtype)
+        cos, sin = (t.contiguous().numpy() for t in cos_sin)
+        seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
+        caches = [(kv_numba.numpy_view(c[0]), kv_numba.numpy_view(c[1])) for c in kv_caches]
+        kv_bytes = step_kv_bytes(seq_lens, self.num_kv_heads, self.head_dim,
+                                 caches[0][0].itemsize, len(caches))
+        kv_per_item, splits = work_split(rows, self.num_kv_heads, numba.get_num_threads(),
+                                         kv_bytes)
+        tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
+        # The first layer's residual stream is its input (the norm adds nothing to it).
+        residual, turn, down = hidden.contiguous().numpy(), 0, None
+        for i, (layer, weights) in enumerate(zip(self.layers, self.weights)):
+            packed = [self.pack(w) for w in weights]
+            ln1 = layer.input_layernorm.weight.numpy()
+            if down is None:
+                _norm_segment(residual, NO_RESIDUAL, ln1, self.eps, buf.scratch, buf.normed,
+                              NO_RESIDUAL, buf.x_in)
+            else:  # the previous layer's MLP output joins the residual stream
+                _norm_segment(_kernel_view(down), residual, ln1, self.eps, buf.scratch,
+                              buf.normed, buf.residuals[turn], buf.x_in)
+                residual, turn = buf.residuals[turn], 1 - turn
+            qkv = cpu_linear.onednn_linear(buf.x, packed[0])
+            _attention_segment(_kernel_view(qkv), cos, sin, self.num_heads, self.num_kv_heads,
+                               self.head_dim, caches[i][0], caches[i][1], slots, tables,
+                               seq_lens, self.scale, kv_per_item, splits, buf.qkv_scratch,
+                               buf.q, buf.k, buf.attn_out, buf.attn_in)
+            o = cpu_linear.onednn_linear(buf.attn, packed[1])
+            _norm_segment(_kernel_view(o), residual,
+                          layer.post_attention_layernorm.weight.numpy(), self.eps,
+                          buf.scratch, buf.normed, buf.residuals[turn], buf.x_in)
+            residual, turn = buf.residuals[turn], 1 - turn
+            down = cpu_linear.onednn_linear(
+                self.silu_and_mul(cpu_linear.onednn_linear(buf.x, packed[2])), packed[3])
+        out = torch.empty(rows, hidden_size, dtype=torch.float32)
+        _norm_segment(_kernel_view(down), residual, self.model.norm.weight.numpy(),
+                      np.float32(self.model.norm.eps), buf.scratch, out.numpy(),
+                      buf.residuals[turn], out.numpy())
+        return out
+
+
+def onednn_decode(model) -> OneDnnDecode | None:
+    """A `OneDnnDecode` for `model` (a LlamaModel that decode.py's stack `qualifies`) where
+    every projection of every layer computes on a bias-free bfloat16 weight and this CPU
+    multiplies bfloat16 natively, or on a bias-free float32 weight and oneDNN is built in;
+    else None."""
+    projections = [layer.get_submodule(name) for layer in model.layers for name in PROJECTIONS]
+    if (quantized.computes_natively(torch.bfloat16)
+            and all(bfloat16_weight(p) is not None for p in projections)):
+        return OneDnnDecode(model, torch.bfloat16)
+    if cpu_linear.available() and all(float32_weight(p) is not None for p in projections):
+        return OneDnnDecode(model, torch.float32)
+    return None

@@ -1,0 +1,114 @@
+"""Decode steps between oneDNN linears against the layer path, for a bfloat16 model (on a CPU
+that multiplies bfloat16 natively) and a float32 model: the same tokens and logprobs bit for
+bit through the engine, taken only for the rows the path runs, and only for bias-free
+projections of one of those two kinds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrv2 import LLM, SamplingParams
+from mrv2.models.cpu import onednn_decode
+from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, OneDnnDecode
+from mrv2.models.layers import cpu_gemv, cpu_linear, quantized
+
+native = pytest.mark.skipif(not quantized.computes_natively(torch.bfloat16),
+                            reason="this CPU has no bfloat16 matrix units (or no oneDNN)")
+onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
+# The fewest rows the path runs per model dtype (OneDnnDecode.min_rows).
+MIN_ROWS = {"bfloat16": quantized.MIN_NATIVE_HALF_ROWS, "float32": cpu_gemv.MAX_GEMV_ROWS + 1}
+DTYPES = [pytest.param("bfloat16", marks=native), pytest.param("float32", marks=onednn)]
+
+
+def _generate(llm: LLM, prompts, use_onednn: bool, monkeypatch) -> tuple[list, int]:
+    calls = {"n": 0}
+    real = OneDnnDecode.__call__
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return real(self, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(OneDnnDecode, "__call__", counted)
+        if not use_onednn:
+            m.setattr(OneDnnDecode, "runs", lambda self, rows: False)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, calls["n"]
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [
+    pytest.param("bfloat16", "auto", marks=native),
+    pytest.param("bfloat16", "float16", marks=native),
+    pytest.param("float32", "auto", marks=onednn),
+    pytest.param("float32", "bfloat16", marks=onednn)])
+def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_dtype,
+                                                    monkeypatch):
+    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=16,
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))}
+               for i in range(MIN_ROWS[dtype] + 3)]
+    fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    assert fast_calls > 0 and plain_calls == 0
+    for a, b in zip(fast, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fewer_rows_than_the_linears_take_to_onednn_stay_off(tiny_llama, dtype, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=16,
+              enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + i))}
+               for i in range(MIN_ROWS[dtype] - 1)]
+    _, calls = _generate(llm, prompts, True, monkeypatch)
+    assert calls == 0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_runs_from_the_rows_the_linears_take_to_onednn_to_its_maximum(dtype):
+    path = OneDnnDecode.__new__(OneDnnDecode)
+    path.min_rows = MIN_ROWS[str(dtype).removeprefix("torch.")]
+    assert not path.runs(path.min_rows - 1)
+    assert path.runs(path.min_rows)
+    assert path.runs(MAX_ONEDNN_DECODE_ROWS)
+    assert not path.runs(MAX_ONEDNN_DECODE_ROWS + 1)
+
+
+@pytest.mark.parametrize("dtype, natively, attached", [
+    ("bfloat16", True, torch.bfloat16), ("bfloat16", False, None), ("float16", True, None),
+    ("float32", True, torch.float32), ("float32", False, torch.float32)])
+def test_only_bfloat16_projections_on_a_native_cpu_or_float32_ones(tiny_llama, monkeypatch,
+                                                                   dtype, natively, attached):
+    from mrv2.engine.arg_utils import EngineArgs
+    from mrv2.models import cpu, load_model
+
+    monkeypatch.setattr(quantized, "computes_natively", lambda d: natively)
+    config = EngineArgs(model=str(tiny_llama), dtype=dtype,
+                        device="cpu").create_engine_config().model_config
+    model = load_model(config, torch.device("cpu"))
+    cpu.attach(model, config)
+    path = onednn_decode.onednn_decode(model.model)
+    assert (path.dtype if path is not None else None) == attached
+
+
+def test_not_for_gguf_blocks_or_a_biased_projection(tiny_llama, tiny_gguf_factory):
+    from mrv2.engine.arg_utils import EngineArgs
+    from mrv2.models import cpu, load_model
+
+    config = EngineArgs(model=str(tiny_gguf_factory("llama", "Q8_0")), quantization="gguf",
+                        device="cpu").create_engine_config().model_config
+    model = load_model(config, torch.device("cpu"))
+    cpu.attach(model, config)
+    assert onednn_decode.onednn_decode(model.model) is None
+    config = EngineArgs(model=str(tiny_llama), dtype="float32",
+                        device="cpu").create_engine_config().model_config
+    model = load_model(config, torch.device("cpu"))
+    model.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(
+        model.model.layers[1].self_attn.o_proj.weight.shape[0]))
+    assert onednn_decode.onednn_decode(model.model) is None
