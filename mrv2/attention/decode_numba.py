@@ -117,9 +117,9 @@ def _block_scores(qs, kb, kv0, kv_per_item, group, count, scores, t, ahead_cache
 
     An item of one kv head takes four positions per pass: four independent accumulators per
     head, so the FMA chains overlap (one chain per position, each ending in a horizontal sum,
-    left the FMA units idle: 1.5-1.7x from the caches). An item of all kv heads (many rows,
-    waiting on DRAM) reads the block in order, a position's heads after another's, with a
-    row's prefetch per position: in four-position passes it ran 10-25% slower from DRAM."""
+    left the FMA units idle). An item of all kv heads (many rows, waiting on DRAM) reads the
+    block in order, a position's heads after another's, with a row's prefetch per position:
+    four-position passes ran slower there (bench/README.md has both measurements)."""
     head_dim = qs.shape[1]
     o = 0
     if kv_per_item == 1:
@@ -240,8 +240,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                            start, item_bytes)
         for b in range(first, stop):
             # Ahead: the next K blocks, then (near the end) the first V blocks, spread out
-            # rather than in a burst (32 rows of 256 tokens over 8 layers, from DRAM: 3.1-3.8
-            # ms against 5.4-5.7 ms).
+            # rather than in a burst, which waited longer on DRAM (bench/README.md).
             ahead = b + PREFETCH_DISTANCE
             ahead_cache, ahead_block = v_cache, np.int64(-1)
             if ahead < stop:
