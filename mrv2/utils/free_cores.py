@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numba
 import torch
@@ -34,6 +35,21 @@ SAMPLE_SECONDS = 0.5
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
+
+
+@contextmanager
+def off_while_loading() -> Iterator[None]:
+    """Fitting off for the workers loaded inside the block (a worker reads ENV as it loads its
+    model); the previous setting is back after it."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
 
 
 def read_proc_stat() -> str:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from mrv2.entrypoints.bench import vllm_peer
+from mrv2.utils import free_cores
 from mrv2.entrypoints.bench.sweep_roofline import ModelShapes
 
 # --engines names: an engine, or one precision of mrv2.
@@ -198,12 +199,18 @@ def plan_engines(keys: list[str], model: SweepModel,
 
 
 class _OfflineLLM:
-    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored."""
+    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored.
+
+    Built with its kernel threads not fitted to the free cores (free_cores.py): the sweep runs
+    one engine at a time, so what the fitting would see as a neighbour is the sweep's other
+    engines loading and running while this one idles; its first step then ran on one thread,
+    and mrv2 measured ~30% slower for the rest of the sweep (bench/README.md)."""
 
     def __init__(self, spec: EngineSpec, module: Any, **kwargs: Any) -> None:
         self.spec = spec
         self._params = module.SamplingParams
-        self.llm = module.LLM(**kwargs)
+        with free_cores.off_while_loading():
+            self.llm = module.LLM(**kwargs)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -4,8 +4,10 @@ engine's batching here, faked and (where installed) real."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,30 @@ def test_llama_cpp_batch_equals_one_prompt_at_a_time(tiny_gguf_factory):
     finally:
         engine.shutdown()
     assert batched == alone and all(len(t) == 6 for t in batched)
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+def test_mrv2_engines_load_without_thread_fitting(tiny_llama, monkeypatch, before):
+    """The worker reads the fitting switch as it loads the model: off then, restored after."""
+    from mrv2 import worker
+    from mrv2.utils import free_cores
+
+    if before is None:
+        monkeypatch.delenv(free_cores.ENV, raising=False)
+    else:
+        monkeypatch.setenv(free_cores.ENV, before)
+    seen = []
+    real = worker.Worker.load_model
+
+    def load_model(self):
+        seen.append(free_cores.enabled())
+        real(self)
+
+    monkeypatch.setattr(worker.Worker, "load_model", load_model)
+    model = replace(_model(), path=str(tiny_llama))
+    engine = sweep_engines.load_engine(EngineSpec("mrv2:float32", "mrv2", "float32"), model,
+                                       SweepSetup(2, 16, 4, 0, 1))
+    assert seen == [False]
+    assert len(engine.generate([[1, 2, 3]], 2)[0]) == 2
+    engine.shutdown()
+    assert os.environ.get(free_cores.ENV) == before
