@@ -21,7 +21,6 @@ untimed pass would cost CI ~20 s (the built-in model's load and a 1536-token pre
 
 from __future__ import annotations
 
-
 import pytest
 
 from gguf_workload import (decode_tokens_per_s, gguf_path, greedy_timer,
@@ -52,7 +51,6 @@ _shutdown = shutdown_after_module(_LLMS)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])
 @pytest.mark.parametrize("batch", [1, 32])
 def test_kv_cache_dtype_decode(benchmark, batch, kv_cache_dtype):
-
     if benchmark.disabled:
         pytest.skip("timed runs only (see the module docstring)")
     llm = _llm(kv_cache_dtype)

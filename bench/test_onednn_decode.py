@@ -13,7 +13,6 @@ checks which path ran.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

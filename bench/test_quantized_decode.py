@@ -14,7 +14,6 @@ quantized stack ran (and that the unfused case did not).
 
 from __future__ import annotations
 
-
 import pytest
 
 from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer, shutdown_after_module

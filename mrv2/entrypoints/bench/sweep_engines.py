@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from mrv2.entrypoints.bench import vllm_peer
-from mrv2.utils import free_cores
 from mrv2.entrypoints.bench.sweep_roofline import ModelShapes
+from mrv2.utils import free_cores
 
 # --engines names: an engine, or one precision of mrv2.
 MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")

@@ -143,7 +143,7 @@ class _StepBuffers:
                           np.empty((rows, hidden), np.float32))
         self.q = np.empty((rows, q_size), np.float32)
         self.k = np.empty((rows, kv_size), np.float32)
-        if dtype == torch.float32:
+        if dtype == torch.float32:  # no scratch: an empty [0, 0] array stands in
             self.normed, self.scratch, self.qkv_scratch = self.x_in, NO_RESIDUAL, NO_RESIDUAL
             self.attn_out = self.attn_in.reshape(rows, num_heads, head_dim)
         else:

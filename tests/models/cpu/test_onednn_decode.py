@@ -95,6 +95,8 @@ def test_only_bfloat16_projections_on_a_native_cpu_or_float32_ones(tiny_llama, m
     cpu.attach(model, config)
     path = onednn_decode.onednn_decode(model.model)
     assert (path.dtype if path is not None else None) == attached
+    if path is not None:  # from the rows where the layer path's linears move to oneDNN
+        assert path.min_rows == MIN_ROWS[dtype]
 
 
 def test_not_for_gguf_blocks_or_a_biased_projection(tiny_llama, tiny_gguf_factory):
