@@ -20,12 +20,16 @@ after it, both in the model's dtype:
     SiLU-and-mul (activation_numba)
     down_proj  (oneDNN)
 
+On a CPU with AMX a bfloat16 model's linears run on tile_linear's kernel instead, which reads
+the same oneDNN-packed weights (no second copy) at nearer the machine's streaming rate.
+
 then the final norm after the last layer. The residual stream and all arithmetic are float32:
 a bfloat16 linear's output widens exactly on entry to a segment and the next linear's input
 rounds to bfloat16 on exit (`_linear_output_as_float`, `_store_as_linear_input`); a float32
 model's linears read and write the segments' own arrays. The kernels are the layer path's
 (norm_numba, rotary_numba, kv_numba, decode_numba, activation_numba) with the same roundings
-in the same places: the result is the layer path's bit for bit (tested, both dtypes).
+in the same places: the result is the layer path's bit for bit (tested, both dtypes), but for
+tile_linear's sums beyond 32 rows (oneDNN splits K there; see tile_linear).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
 from mrv2.models.cpu.quantized_weights import bfloat16_weight, float32_weight
-from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
+from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized, tile_linear
 from mrv2.models.layers.quantized import QuantizedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS
@@ -134,8 +138,15 @@ class _StepBuffers:
     norm and attention write the linears' inputs directly and nothing is widened."""
 
     def __init__(self, rows: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, widths: tuple[int, ...]) -> None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # Each projection's output (widths: theirs, in PROJECTIONS' order) and the MLP's
+        # activation, with their views, for the linears that write into given memory
+        # (tile_linear); oneDNN's calls allocate their own.
+        self.outs = [(out, _kernel_view(out))
+                     for out in (torch.empty(rows, n, dtype=dtype) for n in widths)]
+        self.act = torch.empty(rows, widths[2] // 2, dtype=dtype)
+        self.act_in = _kernel_view(self.act)
         self.x = torch.empty(rows, hidden, dtype=dtype)
         self.attn = torch.empty(rows, q_size, dtype=dtype)
         self.x_in, self.attn_in = _kernel_view(self.x), _kernel_view(self.attn)
@@ -153,6 +164,17 @@ class _StepBuffers:
             self.attn_out = np.empty((rows, num_heads, head_dim), np.float32)
 
 
+def _step_linear(x: torch.Tensor, x_view: np.ndarray, weight: torch.Tensor | np.ndarray,
+                 out: tuple[torch.Tensor, np.ndarray], threads: int) -> torch.Tensor:
+    """x @ a projection's weight as `OneDnnDecode.step_weights` gives it: a tile view runs
+    tile_linear's kernel from x's view into `out` (the tensor and its view, from the step's
+    buffers) on `threads` threads; a oneDNN-packed tensor, oneDNN."""
+    if isinstance(weight, np.ndarray):
+        tile_linear.tile_linear_kernel(x_view, weight, out[1], threads)
+        return out[0]
+    return cpu_linear.onednn_linear(x, weight)
+
+
 class OneDnnDecode:
     """`forward_layers` of a decode step of one LlamaModel whose projections all compute on
     bfloat16 weights this CPU multiplies natively, or all on float32 weights
@@ -168,16 +190,36 @@ class OneDnnDecode:
         # The rows from which the layer path's linears run on oneDNN.
         self.min_rows = (quantized.MIN_NATIVE_HALF_ROWS if dtype == torch.bfloat16
                          else cpu_gemv.MAX_GEMV_ROWS + 1)
+        # (gate_up, the step's activation buffer) -> the MLP's activation: bfloat16 into the
+        # buffer (whose view the next linear may read), float32 a new tensor.
         self.silu_and_mul = (activation_numba.silu_and_mul_bf16 if dtype == torch.bfloat16
-                             else activation_numba.silu_and_mul)
+                             else lambda gate_up, out: activation_numba.silu_and_mul(gate_up))
         # Each layer's projection weights, packed for oneDNN each step as the layer path packs
         # them: the same QuantizedWeight objects (packed once), or the float32 weight (packed
         # once, repacked after an in-place change).
         weight = bfloat16_weight if dtype == torch.bfloat16 else float32_weight
         self.weights = [tuple(weight(layer.get_submodule(name)) for name in PROJECTIONS)
                         for layer in self.layers]
+        first = [self.layers[0].get_submodule(name) for name in PROJECTIONS]
+        self.widths = tuple(getattr(m, "output_size_per_partition", m.output_size)
+                            for m in first)
         self.pack = (QuantizedWeight.onednn_packed if dtype == torch.bfloat16
                      else cpu_linear.packed_weight)
+        # A bfloat16 model's tile views, made at the first step (packing is lazy) and kept:
+        # its packed weights never change (QuantizedWeight.onednn_packed).
+        self._tile_weights: list[tuple] | None = None
+
+    def step_weights(self) -> list[tuple]:
+        """Each layer's four projections as the step's linears take them: on a CPU with AMX a
+        bfloat16 weight's tile view where tile_linear reads its shape, else oneDNN-packed."""
+        if self._tile_weights is not None:
+            return self._tile_weights
+        packed = [tuple(self.pack(w) for w in weights) for weights in self.weights]
+        if self.dtype != torch.bfloat16 or not tile_linear.usable():
+            return packed
+        self._tile_weights = [tuple(p if (t := tile_linear.weight_tiles(p)) is None else t
+                                    for p in layer) for layer in packed]
+        return self._tile_weights
 
     def runs(self, rows: int) -> bool:
         return self.min_rows <= rows <= MAX_ONEDNN_DECODE_ROWS
@@ -186,7 +228,8 @@ class OneDnnDecode:
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         rows, hidden_size = hidden.shape
         buf = _StepBuffers(rows, hidden_size, self.num_heads, self.num_kv_heads,
-                           self.head_dim, self.dtype)
+                           self.head_dim, self.dtype, self.widths)
+        threads = numba.get_num_threads()
         cos, sin = (t.contiguous().numpy() for t in cos_sin)
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
         caches = [(kv_numba.numpy_view(c[0]), kv_numba.numpy_view(c[1])) for c in kv_caches]
@@ -197,8 +240,7 @@ class OneDnnDecode:
         tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
         # The first layer's residual stream is its input (the norm adds nothing to it).
         residual, turn, down = hidden.contiguous().numpy(), 0, None
-        for i, (layer, weights) in enumerate(zip(self.layers, self.weights)):
-            packed = [self.pack(w) for w in weights]
+        for i, (layer, packed) in enumerate(zip(self.layers, self.step_weights())):
             ln1 = layer.input_layernorm.weight.numpy()
             if down is None:
                 _norm_segment(residual, NO_RESIDUAL, ln1, self.eps, buf.scratch, buf.normed,
@@ -207,18 +249,19 @@ class OneDnnDecode:
                 _norm_segment(_kernel_view(down), residual, ln1, self.eps, buf.scratch,
                               buf.normed, buf.residuals[turn], buf.x_in)
                 residual, turn = buf.residuals[turn], 1 - turn
-            qkv = cpu_linear.onednn_linear(buf.x, packed[0])
+            qkv = _step_linear(buf.x, buf.x_in, packed[0], buf.outs[0], threads)
             _attention_segment(_kernel_view(qkv), cos, sin, self.num_heads, self.num_kv_heads,
                                self.head_dim, caches[i][0], caches[i][1], slots, tables,
                                seq_lens, self.scale, kv_per_item, splits, buf.qkv_scratch,
                                buf.q, buf.k, buf.attn_out, buf.attn_in)
-            o = cpu_linear.onednn_linear(buf.attn, packed[1])
+            o = _step_linear(buf.attn, buf.attn_in, packed[1], buf.outs[1], threads)
             _norm_segment(_kernel_view(o), residual,
                           layer.post_attention_layernorm.weight.numpy(), self.eps,
                           buf.scratch, buf.normed, buf.residuals[turn], buf.x_in)
             residual, turn = buf.residuals[turn], 1 - turn
-            down = cpu_linear.onednn_linear(
-                self.silu_and_mul(cpu_linear.onednn_linear(buf.x, packed[2])), packed[3])
+            gate_up = _step_linear(buf.x, buf.x_in, packed[2], buf.outs[2], threads)
+            act = self.silu_and_mul(gate_up, buf.act)
+            down = _step_linear(act, buf.act_in, packed[3], buf.outs[3], threads)
         out = torch.empty(rows, hidden_size, dtype=torch.float32)
         _norm_segment(_kernel_view(down), residual, self.model.norm.weight.numpy(),
                       np.float32(self.model.norm.eps), buf.scratch, out.numpy(),

@@ -57,9 +57,11 @@ def _silu_and_mul_bf16_rows(gate_up, width, out):
                 out[r, i] = float_to_bf16_bits(g / (np.float32(1.0) + exp32(-g)) * up)
 
 
-def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] bfloat16 (contiguous rows) -> silu(gate) * up [T, I] bfloat16."""
+def silu_and_mul_bf16(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] bfloat16 (contiguous rows) -> silu(gate) * up [T, I] bfloat16, into
+    `out` where given (contiguous)."""
     width = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], width, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(gate_up.shape[0], width, dtype=torch.bfloat16)
     _silu_and_mul_bf16_rows(half_bits(gate_up.contiguous()), width, half_bits(out))
     return out

@@ -5,13 +5,14 @@ projections of one of those two kinds."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.cpu import onednn_decode
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, OneDnnDecode
-from mrv2.models.layers import cpu_gemv, cpu_linear, quantized
+from mrv2.models.layers import cpu_gemv, cpu_linear, quantized, tile_linear
 
 native = pytest.mark.skipif(not quantized.computes_natively(torch.bfloat16),
                             reason="this CPU has no bfloat16 matrix units (or no oneDNN)")
@@ -114,3 +115,20 @@ def test_not_for_gguf_blocks_or_a_biased_projection(tiny_llama, tiny_gguf_factor
     model.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(
         model.model.layers[1].self_attn.o_proj.weight.shape[0]))
     assert onednn_decode.onednn_decode(model.model) is None
+
+
+@pytest.mark.skipif(not tile_linear.usable(), reason="this CPU has no AMX tiles")
+def test_bfloat16_linears_on_amx_tiles_where_the_shapes_allow(tiny_llama):
+    """The tiny model's projections are all multiples of 32 wide: on AMX every one is a tile
+    view, kept from the first step on (the bit-for-bit test above then runs the tiles)."""
+    from mrv2.engine.arg_utils import EngineArgs
+    from mrv2.models import cpu, load_model
+
+    config = EngineArgs(model=str(tiny_llama), dtype="bfloat16",
+                        device="cpu").create_engine_config().model_config
+    model = load_model(config, torch.device("cpu"))
+    cpu.attach(model, config)
+    path = onednn_decode.onednn_decode(model.model)
+    weights = path.step_weights()
+    assert all(isinstance(w, np.ndarray) for layer in weights for w in layer)
+    assert path.step_weights() is weights
