@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrv2.models.layers import cpu_gemv, cpu_linear
+from mrv2.models.layers import cpu_gemv, cpu_linear, tile_linear
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
 
@@ -124,3 +124,18 @@ def test_computes_natively_needs_onednn(monkeypatch):
         assert cpu_linear.computes_natively(torch.bfloat16)
     finally:
         cpu_linear.computes_natively.cache_clear()
+
+
+@pytest.mark.skipif(not tile_linear.usable(), reason="this CPU has no AMX tiles")
+@pytest.mark.parametrize("rows, on_tiles", [(2, True), (tile_linear.MAX_ROWS, True),
+                                            (tile_linear.MAX_ROWS + 1, False)])
+def test_half_linear_takes_the_tiles_up_to_their_rows(monkeypatch, rows, on_tiles):
+    w = torch.randn(64, 96).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    calls = []
+    real = tile_linear.tile_linear
+    monkeypatch.setattr(tile_linear, "tile_linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(rows, 96).bfloat16()
+    out = cpu_linear.half_linear(x, packed)
+    assert bool(calls) is on_tiles
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2e-2, atol=5e-2)

@@ -38,9 +38,9 @@ class NativeHalfMLP:
                 or x.dtype != torch.float32 or x.device.type != "cpu"
                 or torch.is_grad_enabled()):
             return self.own_forward(x)
-        gate_up = cpu_linear.onednn_linear(x.to(torch.bfloat16), self.gate_up.onednn_packed())
+        gate_up = cpu_linear.half_linear(x.to(torch.bfloat16), self.gate_up.onednn_packed())
         act = activation_numba.silu_and_mul_bf16(gate_up)
-        return cpu_linear.onednn_linear(act, self.down.onednn_packed()).float()
+        return cpu_linear.half_linear(act, self.down.onednn_packed()).float()
 
 
 def native_half_mlp(mlp: nn.Module, own_forward: Callable[[torch.Tensor], torch.Tensor]

@@ -28,8 +28,7 @@ a bfloat16 linear's output widens exactly on entry to a segment and the next lin
 rounds to bfloat16 on exit (`_linear_output_as_float`, `_store_as_linear_input`); a float32
 model's linears read and write the segments' own arrays. The kernels are the layer path's
 (norm_numba, rotary_numba, kv_numba, decode_numba, activation_numba) with the same roundings
-in the same places: the result is the layer path's bit for bit (tested, both dtypes), but for
-tile_linear's sums beyond 32 rows (oneDNN splits K there; see tile_linear).
+in the same places: the result is the layer path's bit for bit (tested, both dtypes).
 """
 
 from __future__ import annotations
@@ -54,6 +53,9 @@ from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits,
 # The most rows this path runs: the layer path's KV write and norms take the same serial
 # kernels up to here (beyond, other kernels with their own summation orders).
 MAX_ONEDNN_DECODE_ROWS = min(NUMBA_WRITE_MAX_TOKENS, SERIAL_MAX_ROWS)
+# Invariant (tested): at most tile_linear.MAX_ROWS, so that the layer path's 16-bit linears
+# (cpu_linear.half_linear) take tile_linear's kernel for every row count this path runs, as
+# `step_weights` does, and the two agree bit for bit.
 
 # The projections of a Llama layer, in the order the kernels take them (decode.py too).
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

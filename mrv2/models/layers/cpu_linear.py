@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2 import platform
-from mrv2.models.layers import cpu_gemv
+from mrv2.models.layers import cpu_gemv, tile_linear
 
 _ATTR = "_mrv2_onednn_packed"  # (version, packed weight) on the weight tensor
 
@@ -82,12 +82,23 @@ def computes_natively(dtype: torch.dtype) -> bool:
     return available() and platform.cpu_computes_natively(dtype)
 
 
+def half_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] of a 16-bit dtype @ a weight of that dtype oneDNN packed -> [M, N] of x's
+    dtype, products summed in float32 and each output rounded once: on AMX tiles
+    (tile_linear) up to `tile_linear.MAX_ROWS` rows of a bfloat16 weight whose packing the
+    kernel reads, else oneDNN."""
+    tiles = tile_linear.weight_tiles(packed) if x.shape[0] <= tile_linear.MAX_ROWS else None
+    if tiles is not None:
+        return tile_linear.tile_linear(x, tiles)
+    return onednn_linear(x, packed)
+
+
 def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
     """x float32 [M, K] @ a `dtype` (16-bit) weight oneDNN packed -> float32 [M, N], on the
     CPU's matrix units where `computes_natively(dtype)`: x rounded to `dtype`, the products
     summed in float32, each output rounded to `dtype` once (as a bfloat16 model's linear)."""
-    return onednn_linear(x.to(dtype), packed).float()
+    return half_linear(x.to(dtype), packed).float()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,

@@ -1,5 +1,6 @@
 """Bfloat16 linears of a few rows on the CPU's AMX tiles, reading oneDNN's packed weights in
-place: the decode steps' linears (onednn_decode.py) on CPUs with AMX.
+place: on CPUs with AMX, a bfloat16 model's linears of up to `MAX_ROWS` rows
+(cpu_linear.half_linear decides; onednn_decode.py calls the kernel into its step's buffers).
 
 Why: at decode's 2-64 rows a linear is a stream of its weight, and oneDNN's inner product
 reads it at about half the rate the machine streams (its tile loads wait on memory one after
@@ -30,12 +31,14 @@ from numba import njit, prange
 
 from mrv2 import platform
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
-from mrv2.models.layers import cpu_linear
 from mrv2.models.layers.amx_ir import (tile_config, tile_dot_bf16, tile_load, tile_release,
                                        tile_store, tile_zero)
 from mrv2.models.layers.vector_ir import half_bits
 
 BLOCK = 32  # outputs and inputs of a packed block; rows of x per pass
+# The most rows the kernel takes (cpu_linear.half_linear): beyond, a linear is no longer bound
+# by its weight's stream and oneDNN's blocking computes faster (bench/README.md).
+MAX_ROWS = 64
 _BLOCK_BYTES = BLOCK * BLOCK * 2
 _ROW_BYTES = 2 * BLOCK * 2  # a block row: 32 outputs x a pair of inputs, bfloat16
 # How far ahead of its tile loads a thread prefetches its weight (measured against none, 1, 2
@@ -46,10 +49,10 @@ _TILES_ATTR = "_mrv2_weight_tiles"
 
 @lru_cache(maxsize=1)
 def usable() -> bool:
-    """Whether this process can run the kernel: a CPU with AMX tiles, oneDNN built in, and the
-    kernel's permission for the tiles' state (asked for here, once)."""
-    return (platform.cpu_has_matrix_tiles() and cpu_linear.available()
-            and bool(torch.cpu._init_amx()))
+    """Whether this process can run the kernel: a CPU with AMX tiles and the kernel's
+    permission for the tiles' state (asked for here, once). Its weights come packed by oneDNN,
+    so where there are any oneDNN is built in."""
+    return platform.cpu_has_matrix_tiles() and bool(torch.cpu._init_amx())
 
 
 def _tile_view(packed: torch.Tensor) -> np.ndarray:

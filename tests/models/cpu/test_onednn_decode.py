@@ -39,17 +39,17 @@ def _generate(llm: LLM, prompts, use_onednn: bool, monkeypatch) -> tuple[list, i
     return outputs, calls["n"]
 
 
-@pytest.mark.parametrize("dtype, kv_cache_dtype", [
-    pytest.param("bfloat16", "auto", marks=native),
-    pytest.param("bfloat16", "float16", marks=native),
-    pytest.param("float32", "auto", marks=onednn),
-    pytest.param("float32", "bfloat16", marks=onednn)])
-def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_dtype,
+@pytest.mark.parametrize("dtype, kv_cache_dtype, rows", [
+    pytest.param("bfloat16", "auto", MIN_ROWS["bfloat16"] + 3, marks=native),
+    pytest.param("bfloat16", "float16", MIN_ROWS["bfloat16"] + 3, marks=native),
+    pytest.param("bfloat16", "auto", 40, marks=native),  # beyond a 32-row pass of the tiles
+    pytest.param("float32", "auto", MIN_ROWS["float32"] + 3, marks=onednn),
+    pytest.param("float32", "bfloat16", MIN_ROWS["float32"] + 3, marks=onednn)])
+def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_dtype, rows,
                                                     monkeypatch):
-    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=16,
+    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=rows,
               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
-    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))}
-               for i in range(MIN_ROWS[dtype] + 3)]
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(rows)]
     fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
     plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
     assert fast_calls > 0 and plain_calls == 0
@@ -79,6 +79,8 @@ def test_runs_from_the_rows_the_linears_take_to_onednn_to_its_maximum(dtype):
     assert path.runs(path.min_rows)
     assert path.runs(MAX_ONEDNN_DECODE_ROWS)
     assert not path.runs(MAX_ONEDNN_DECODE_ROWS + 1)
+    # the layer path's 16-bit linears run where the path's do for every row count it takes
+    assert MAX_ONEDNN_DECODE_ROWS <= tile_linear.MAX_ROWS
 
 
 @pytest.mark.parametrize("dtype, natively, attached", [
