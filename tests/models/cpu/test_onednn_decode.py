@@ -47,7 +47,7 @@ def _generate(llm: LLM, prompts, use_onednn: bool, monkeypatch) -> tuple[list, i
     pytest.param("float32", "bfloat16", MIN_ROWS["float32"] + 3, marks=onednn)])
 def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_dtype, rows,
                                                     monkeypatch):
-    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=rows,
+    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=max(16, rows),
               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(rows)]
     fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
