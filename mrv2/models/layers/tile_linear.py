@@ -15,8 +15,11 @@ tiles with a 128-byte stride. `weight_tiles` views that memory as [N/32, K/32, 1
 after checking, once per shape, that oneDNN packs that shape so (`_packs_as_tiles`); other
 shapes, and CPUs without AMX (`usable`), stay on oneDNN.
 
-Numerics: the same tile products as oneDNN's kernel in the same order of K, each output
-rounded to bfloat16 once: the result is oneDNN's bit for bit (tested).
+Numerics: the same tile products as oneDNN's kernel, all of K summed in the tiles in order,
+each output rounded to bfloat16 once. Up to 32 rows that is oneDNN's result bit for bit
+(tested on SmolLM2's shapes); beyond, oneDNN splits K into parts summed apart (by shape and row
+count), and the two differ by at most one rounding. Every 16-bit linear of up to `MAX_ROWS`
+rows takes this kernel (cpu_linear.half_linear), so the decode paths and the layer path agree.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from mrv2.models.layers.amx_ir import (tile_config, tile_dot_bf16, tile_load, ti
 from mrv2.models.layers.vector_ir import half_bits
 
 BLOCK = 32  # outputs and inputs of a packed block; rows of x per pass
-# The most rows the kernel takes (cpu_linear.half_linear): beyond, a linear is no longer bound
-# by its weight's stream and oneDNN's blocking computes faster (bench/README.md).
+# The most rows the kernel takes (cpu_linear.half_linear): by 64 a linear is bound by its
+# products rather than its weight's stream, and the kernel and oneDNN are level
+# (bench/README.md); onednn_decode's rows stay within it.
 MAX_ROWS = 64
 _BLOCK_BYTES = BLOCK * BLOCK * 2
 _ROW_BYTES = 2 * BLOCK * 2  # a block row: 32 outputs x a pair of inputs, bfloat16
