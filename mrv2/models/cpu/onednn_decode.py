@@ -20,15 +20,17 @@ after it, both in the model's dtype:
     SiLU-and-mul (activation_numba)
     down_proj  (oneDNN)
 
-On a CPU with AMX a bfloat16 model's linears run on tile_linear's kernel instead, which reads
-the same oneDNN-packed weights (no second copy) at nearer the machine's streaming rate.
-
 then the final norm after the last layer. The residual stream and all arithmetic are float32:
 a bfloat16 linear's output widens exactly on entry to a segment and the next linear's input
 rounds to bfloat16 on exit (`_linear_output_as_float`, `_store_as_linear_input`); a float32
 model's linears read and write the segments' own arrays. The kernels are the layer path's
 (norm_numba, rotary_numba, kv_numba, decode_numba, activation_numba) with the same roundings
 in the same places: the result is the layer path's bit for bit (tested, both dtypes).
+
+On a CPU with AMX a bfloat16 model's linears run on tile_linear's kernel instead of oneDNN,
+reading the same oneDNN-packed weights (no second copy) nearer the machine's streaming rate,
+written into the step's buffers; the layer path takes the same kernel for these row counts
+(cpu_linear.half_linear), so the two still agree bit for bit.
 """
 
 from __future__ import annotations
