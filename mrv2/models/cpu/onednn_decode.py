@@ -142,15 +142,19 @@ class _StepBuffers:
     norm and attention write the linears' inputs directly and nothing is widened."""
 
     def __init__(self, rows: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, widths: tuple[int, ...]) -> None:
+                 head_dim: int, dtype: torch.dtype, tile_widths: tuple[int, ...] | None
+                 ) -> None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        # Each projection's output (widths: theirs, in PROJECTIONS' order) and the MLP's
-        # activation, with their views, for the linears that write into given memory
-        # (tile_linear); oneDNN's calls allocate their own.
-        self.outs = [(out, _kernel_view(out))
-                     for out in (torch.empty(rows, n, dtype=dtype) for n in widths)]
-        self.act = torch.empty(rows, widths[2] // 2, dtype=dtype)
-        self.act_in = _kernel_view(self.act)
+        # Where the step's linears run on tiles (tile_widths: the projections' output widths,
+        # in PROJECTIONS' order), each one's output and the MLP's activation, with their views:
+        # tile_linear writes into given memory, oneDNN's calls allocate their own.
+        self.outs: list = [None] * len(PROJECTIONS)
+        self.act, self.act_in = None, None
+        if tile_widths is not None:
+            self.outs = [(out, _kernel_view(out))
+                         for out in (torch.empty(rows, n, dtype=dtype) for n in tile_widths)]
+            self.act = torch.empty(rows, tile_widths[2] // 2, dtype=dtype)
+            self.act_in = _kernel_view(self.act)
         self.x = torch.empty(rows, hidden, dtype=dtype)
         self.attn = torch.empty(rows, q_size, dtype=dtype)
         self.x_in, self.attn_in = _kernel_view(self.x), _kernel_view(self.attn)
@@ -168,8 +172,9 @@ class _StepBuffers:
             self.attn_out = np.empty((rows, num_heads, head_dim), np.float32)
 
 
-def _step_linear(x: torch.Tensor, x_view: np.ndarray, weight: torch.Tensor | np.ndarray,
-                 out: tuple[torch.Tensor, np.ndarray], threads: int) -> torch.Tensor:
+def _step_linear(x: torch.Tensor, x_view: np.ndarray | None,
+                 weight: torch.Tensor | np.ndarray,
+                 out: tuple[torch.Tensor, np.ndarray] | None, threads: int) -> torch.Tensor:
     """x @ a projection's weight as `OneDnnDecode.step_weights` gives it: a tile view runs
     tile_linear's kernel from x's view into `out` (the tensor and its view, from the step's
     buffers) on `threads` threads; a oneDNN-packed tensor, oneDNN."""
@@ -231,20 +236,21 @@ class OneDnnDecode:
     def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         rows, hidden_size = hidden.shape
+        weights = self.step_weights()
         buf = _StepBuffers(rows, hidden_size, self.num_heads, self.num_kv_heads,
-                           self.head_dim, self.dtype, self.widths)
+                           self.head_dim, self.dtype,
+                           None if self._tile_weights is None else self.widths)
         threads = numba.get_num_threads()
         cos, sin = (t.contiguous().numpy() for t in cos_sin)
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
         caches = [(kv_numba.numpy_view(c[0]), kv_numba.numpy_view(c[1])) for c in kv_caches]
         kv_bytes = step_kv_bytes(seq_lens, self.num_kv_heads, self.head_dim,
                                  caches[0][0].itemsize, len(caches))
-        kv_per_item, splits = work_split(rows, self.num_kv_heads, numba.get_num_threads(),
-                                         kv_bytes)
+        kv_per_item, splits = work_split(rows, self.num_kv_heads, threads, kv_bytes)
         tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
         # The first layer's residual stream is its input (the norm adds nothing to it).
         residual, turn, down = hidden.contiguous().numpy(), 0, None
-        for i, (layer, packed) in enumerate(zip(self.layers, self.step_weights())):
+        for i, (layer, packed) in enumerate(zip(self.layers, weights)):
             ln1 = layer.input_layernorm.weight.numpy()
             if down is None:
                 _norm_segment(residual, NO_RESIDUAL, ln1, self.eps, buf.scratch, buf.normed,
