@@ -1,7 +1,7 @@
 """Decode steps between oneDNN linears against the layer path, for a bfloat16 model (on a CPU
-that multiplies bfloat16 natively) and a float32 model: the same tokens and logprobs bit for
-bit through the engine, taken only for the rows the path runs, and only for bias-free
-projections of one of those two kinds."""
+that multiplies bfloat16 natively) and a float32 model: the same tokens, and logprobs equal to
+within float32 rounding (`LOGPROB_SLACK`), through the engine, taken only for the rows the path
+runs, and only for bias-free projections of one of those two kinds."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built with
 # The fewest rows the path runs per model dtype (OneDnnDecode.min_rows).
 MIN_ROWS = {"bfloat16": quantized.MIN_NATIVE_HALF_ROWS, "float32": cpu_gemv.MAX_GEMV_ROWS + 1}
 DTYPES = [pytest.param("bfloat16", marks=native), pytest.param("float32", marks=onednn)]
+# Equal bit for bit in a fresh process. In the suite's cold-cache runs (two workers sharing one
+# numba disk cache) the layer path's float32 result differed by up to 1.9e-6 in one logprob in
+# about half the runs: in such a process the same answers on every repeat, while a fresh
+# process, cold or warm, gives the fast path's. So some layer-path kernel compiled differently
+# there: float32 rounding, far below a path's error (one bfloat16 rounding moves ~1e-3).
+LOGPROB_SLACK = 1e-5
 
 
 def _generate(llm: LLM, prompts, use_onednn: bool, monkeypatch) -> tuple[list, int]:
@@ -56,7 +62,9 @@ def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_
     for a, b in zip(fast, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+            assert la.keys() == lb.keys()
+            assert [la[t].logprob for t in la] == pytest.approx(
+                [lb[t].logprob for t in la], rel=0, abs=LOGPROB_SLACK)
     llm.shutdown()
 
 
