@@ -22,9 +22,8 @@ ROUNDS = 200
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _stream(weights: np.ndarray) -> np.ndarray:
-    """Read every element once, split across the kernel threads (a GEMV's access pattern)."""
-    threads = numba.get_num_threads()
+def _stream(weights: np.ndarray, threads: int) -> np.ndarray:
+    """Read every element once, split across `threads` (a GEMV's access pattern)."""
     sums = np.zeros(threads * 16, np.float32)  # a cache line apart
     n = weights.shape[0]
     for t in prange(threads):
@@ -42,7 +41,8 @@ def test_small_torch_op(benchmark, before):
     hidden = torch.randn(1, 512)
     rows = torch.zeros(1, dtype=torch.int64)
     weights = np.ones(STREAM_MB * 2**20 // 4, np.float32)
-    _stream(weights)
+    threads = numba.get_num_threads()
+    _stream(weights, threads)
 
     def op() -> None:
         with torch.inference_mode():
@@ -50,7 +50,7 @@ def test_small_torch_op(benchmark, before):
 
     def setup() -> None:
         if before == "after_weight_stream":
-            _stream(weights)
+            _stream(weights, threads)
         else:
             op()
 
