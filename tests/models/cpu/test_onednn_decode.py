@@ -24,7 +24,9 @@ DTYPES = [pytest.param("bfloat16", marks=native), pytest.param("float32", marks=
 # numba disk cache) the layer path's float32 result differed by up to 1.9e-6 in one logprob in
 # about half the runs: in such a process the same answers on every repeat, while a fresh
 # process, cold or warm, gives the fast path's. So some layer-path kernel compiled differently
-# there: float32 rounding, far below a path's error (one bfloat16 rounding moves ~1e-3).
+# there (reproduced every time by deleting only decode_numba.decode_kernel's entries from a
+# CI run's numba cache): float32 rounding, far below a path's error (one bfloat16 rounding
+# moves a logprob ~1e-3).
 LOGPROB_SLACK = 1e-5
 
 
