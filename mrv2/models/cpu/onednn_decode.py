@@ -25,7 +25,8 @@ a bfloat16 linear's output widens exactly on entry to a segment and the next lin
 rounds to bfloat16 on exit (`_linear_output_as_float`, `_store_as_linear_input`); a float32
 model's linears read and write the segments' own arrays. The kernels are the layer path's
 (norm_numba, rotary_numba, kv_numba, decode_numba, activation_numba) with the same roundings
-in the same places: the result is the layer path's bit for bit (tested, both dtypes).
+in the same places: the result is the layer path's bit for bit (its test allows float32
+rounding, for a difference the numba cache's state caused there: see the test).
 
 On a CPU with AMX a bfloat16 model's linears run on tile_linear's kernel instead of oneDNN,
 reading the same oneDNN-packed weights (no second copy) nearer the machine's streaming rate,

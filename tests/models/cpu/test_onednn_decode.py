@@ -64,9 +64,8 @@ def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_
     for a, b in zip(fast, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys()
-            assert [la[t].logprob for t in la] == pytest.approx(
-                [lb[t].logprob for t in la], rel=0, abs=LOGPROB_SLACK)
+            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
+                {t: p.logprob for t, p in lb.items()}, rel=0, abs=LOGPROB_SLACK)
     llm.shutdown()
 
 
