@@ -199,6 +199,27 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
     assert calls == ([low, 40] if native else [])
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("gguf_type", ["Q8_0", "BF16"])
+def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monkeypatch):
+    """The fused decode stack computes an LM head's logits for up to `max_gemv_rows` rows,
+    trusting that `quantized_linear` runs the same GEMV kernel there and none beyond."""
+    calls = []
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
+    for name in ("gemv_groups", "gemv_half"):
+        monkeypatch.setattr(quantized.quantized_numba, name,
+                            lambda x, *args: calls.append(len(x)))
+    monkeypatch.setattr(cpu_linear, "native_16bit_linear",
+                        lambda x, w, dtype: torch.zeros(len(x), w.shape[0]))
+    w = weights[gguf_type][0]
+    limit = quantized.max_gemv_rows(w)
+    for rows in (1, limit, limit + 1):
+        quantized_linear(torch.randn(rows, w.in_features), w)
+    assert calls == [1, limit]
+    assert limit == (quantized.MIN_NATIVE_HALF_ROWS - 1 if native and w.is_half
+                     else quantized.MAX_QUANTIZED_GEMV_ROWS)
+
+
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)
 @pytest.mark.parametrize("n, k, rows", [(5, 3, 1), (33, 37, 3), (17, 8, 5), (9, 100, 2)])
 @pytest.mark.usefixtures("float_activations")  # the GEMV at every row count, not oneDNN

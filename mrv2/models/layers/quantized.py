@@ -20,12 +20,11 @@ exact in float32 (<= 11 + 8 + 6 bits) and `dequantize()` rounds once, on the add
 exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/test_quantized.py).
 A 16-bit weight widens to float32 exactly.
 
-`quantized_linear`: up to MAX_QUANTIZED_GEMV_ROWS rows of x (decode) run the numba GEMV on the
-packed groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer
-and multiply each tile with torch.mm, so the float32 weight never exists whole. A 16-bit weight
-on a CPU with matrix instructions for its dtype (platform.cpu_computes_natively: AMX or
-AVX-512 BF16 for bfloat16) runs from MIN_NATIVE_HALF_ROWS rows on them instead
-(cpu_linear.native_16bit_linear, the weight packed for oneDNN once).
+`quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
+groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer and
+multiply each with torch.mm, so the float32 weight never exists whole. A 16-bit weight on a CPU
+with matrix instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for
+bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once).
 """
 
 from __future__ import annotations
@@ -51,11 +50,11 @@ def _gemv_x_format() -> int:
     """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
     AVX2's integer multiply-adds, quantized per 32 inputs to int16 (quantized_int16_numba:
     faster than float32 x at 1-32 rows and than int8 x at one row, bench/README.md; an error
-    2^-16 of each block's largest input, below a bfloat16 weight's), else
-    float32. MRV2_GGUF_ACTIVATIONS=float32 keeps x exact (x @ w.T up to summation order); =int8
-    is llama.cpp's scheme (faster at several rows, but its ~1% rounding moves greedy chat
-    completions off float32's, as llama.cpp's does).
-    MRV2_GGUF_INT8_ACTIVATIONS=1, the older spelling of int8, still counts."""
+    2^-16 of each block's largest input, below a bfloat16 weight's), else float32.
+    MRV2_GGUF_ACTIVATIONS=float32 keeps x exact (x @ w.T up to summation order); =int8 is
+    llama.cpp's scheme (faster at several rows, but its ~1% rounding moves greedy chat
+    completions off float32's, as llama.cpp's does); MRV2_GGUF_INT8_ACTIVATIONS=1, the older
+    spelling of int8, still counts."""
     choice = os.environ.get("MRV2_GGUF_ACTIVATIONS", "").strip().lower()
     if not choice and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1":
         choice = "int8"
@@ -277,10 +276,7 @@ class QuantizedWeight:
         for p in parts[1:]:
             if (p.layout, p.group_size, p.in_features) != (
                     first.layout, first.group_size, first.in_features):
-                raise ValueError(
-                    f"cannot cat {p.gguf_type} ({p.layout}, group {p.group_size}, K "
-                    f"{p.in_features}) onto {first.gguf_type} ({first.layout}, group "
-                    f"{first.group_size}, K {first.in_features})")
+                raise ValueError(f"cannot cat {p!r} onto {first!r} (layout/group, K differ)")
         if len({p.scales.dtype for p in parts if p.scales is not None}) > 1:
             parts = [p._with_float32_tables() for p in parts]
         mins = None
@@ -346,27 +342,35 @@ class QuantizedWeight:
                 f"[{self.out_features}, {self.in_features}], {self.nbytes} B)")
 
 
+def max_gemv_rows(weight: QuantizedWeight) -> int:
+    """The most rows of x `quantized_linear` multiplies by `weight` on the GEMV kernels
+    (`gemv_groups`, `gemv_half`): beyond, on tiles or (16-bit, natively) the matrix units."""
+    if weight.is_half and computes_natively(weight.half_dtype):
+        return min(MAX_QUANTIZED_GEMV_ROWS, MIN_NATIVE_HALF_ROWS - 1)
+    return MAX_QUANTIZED_GEMV_ROWS
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N]."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
-    if weight.is_half and t >= MIN_NATIVE_HALF_ROWS and computes_natively(weight.half_dtype):
+    if t <= max_gemv_rows(weight):
+        out = torch.empty(t, n, dtype=torch.float32)
+        x_np = x.detach().contiguous().numpy()
+        if weight.is_half:
+            quantized_numba.gemv_half(x_np, weight.q.numpy(), weight.layout == "bf16",
+                                      out.numpy())
+        else:
+            # q as bytes for both layouts (the kernel reads each as its layout says), as the
+            # decode stack passes it: one compiled variant per table dtype, not two.
+            quantized_numba.gemv_groups(x_np, weight.q.view(torch.uint8).numpy(),
+                                        weight.scales.numpy(), weight.kernel_mins.numpy(),
+                                        weight.layout == "u4", weight.group_size,
+                                        GEMV_X_FORMAT, out.numpy())
+    elif weight.is_half and computes_natively(weight.half_dtype):
         out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
-    elif t <= MAX_QUANTIZED_GEMV_ROWS and weight.is_half:
-        out = torch.empty(t, n, dtype=torch.float32)
-        quantized_numba.gemv_half(x.detach().contiguous().numpy(), weight.q.numpy(),
-                                  weight.layout == "bf16", out.numpy())
-    elif t <= MAX_QUANTIZED_GEMV_ROWS:
-        out = torch.empty(t, n, dtype=torch.float32)
-        mins = weight.kernel_mins
-        # q as bytes for both layouts (the kernel reads each as its layout says), as the decode
-        # stack passes it: one compiled variant per table dtype, not two.
-        quantized_numba.gemv_groups(x.detach().contiguous().numpy(),
-                                    weight.q.view(torch.uint8).numpy(),
-                                    weight.scales.numpy(), mins.numpy(), weight.layout == "u4",
-                                    weight.group_size, GEMV_X_FORMAT, out.numpy())
     else:
         out = _tiled_linear(x.detach(), weight)
     if bias is not None:
