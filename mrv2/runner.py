@@ -278,7 +278,10 @@ class ModelRunner:
         if state.batch is None:
             return EMPTY_OUTPUT
         batch = state.batch
-        last_hidden = state.hidden_states[batch.logits_indices]
+        # A step of one token per row samples every row: its hidden states go on whole (the
+        # CPU decode stack has their logits already: models/cpu/decode.py).
+        last_hidden = (state.hidden_states if batch.num_tokens == len(batch.req_ids)
+                       else state.hidden_states[batch.logits_indices])
         logits = self.model.compute_logits(last_hidden)
         if grammar_output is not None and grammar_output.num_rows:
             logits = self._apply_grammar(logits, grammar_output, state.batch_rows)

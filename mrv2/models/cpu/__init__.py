@@ -15,7 +15,8 @@ the weights are loaded) overrides a few forwards of one loaded Llama-family mode
   whole decoder stack (`decode`), when the model's layers qualify: its projections compute on
   float32 weights or on the quantized blocks attached above, inside that one call; from the
   rows where a float32 or bfloat16 model's linears move to oneDNN, its decode steps run the
-  layers between oneDNN calls instead (`onednn_decode`).
+  layers between oneDNN calls instead (`onednn_decode`). The stack computes the LM head's
+  logits of its rows too, handed to `compute_logits` (`decode_logits`).
 
 What was attached is returned as a `CpuFastPaths`; nothing is cached on the model.
 """
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from mrv2.config import ModelConfig
-from mrv2.models.cpu import decode, mlp_chunks, native_half_mlp, quantized_weights
+from mrv2.models.cpu import (decode, decode_logits, mlp_chunks, native_half_mlp,
+                             quantized_weights)
 from mrv2.models.llama import LlamaModel
 
 
@@ -58,6 +60,8 @@ def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFast
     mlps = [mlp_chunks.attach_chunked_mlp(layer.mlp, native_half_mlp.native_half_mlp(
         layer.mlp, mlp_chunks.own_forward(layer.mlp))) for layer in inner.layers]
     fused = decode.attach_fused_decode(inner)
+    if fused is not None:
+        decode_logits.attach_stack_logits(model, fused)
     return CpuFastPaths(mlps, fused, quantized)
 
 

@@ -27,6 +27,8 @@ the model's own layers otherwise.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import numba
@@ -47,6 +49,9 @@ from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeigh
 from mrv2.models.layers.quantized_numba import gemv_groups, gemv_half
 from mrv2.models.layers.rotary_numba import rotary_kernel
 
+if TYPE_CHECKING:
+    from mrv2.models.cpu.decode_logits import LmHead
+
 # Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
 # (oneDNN beyond); when every projection is quantized the module path itself runs the packed
 # GEMV up to MAX_QUANTIZED_GEMV_ROWS, so the stack does too.
@@ -64,6 +69,8 @@ def _linear(x, w, out):
 
 @overload(_linear, jit_options={"fastmath": True})
 def _linear_overload(x, w, out):
+    if isinstance(w, types.NoneType):  # no LM head in the stack
+        return lambda x, w, out: None
     if isinstance(w, types.Array):
         return lambda x, w, out: gemv_kernel(x, w, out)
     if len(w) == 2:
@@ -106,7 +113,8 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
 @njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
                   final_eps, cos, sin, kv_caches, block_tables, seq_lens, slots, num_heads,
-                  num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out):
+                  num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
+                  w_head, logits):
     rows, hidden_size = hidden.shape
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
@@ -121,6 +129,8 @@ def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, fi
         x, residual = layer_out, residual_out
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
+    if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
+        _linear(out, w_head, logits)
 
 
 def _quantized(module) -> QuantizedWeight | None:
@@ -201,20 +211,26 @@ def _projection_parameters(module) -> list[torch.Tensor]:
     return [module.weight] if _quantized(module) is None else []
 
 
-def _projection_view(module, float32_tables: bool = False):
-    """The kernel's view of one projection: the float32 weight, a 16-bit weight as (q int16,
+def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = False):
+    """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as (q int16,
     bfloat16), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
     size, x format: quantized.GEMV_X_FORMAT when the view is built); with
     `float32_tables`, float32 copies of float16 scale / min tables."""
-    weight = _quantized(module)
-    if weight is None:
-        return module.weight.detach().numpy()
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().numpy()
     if weight.is_half:
         return (weight.q.numpy(), weight.layout == "bf16")
     if float32_tables:
         weight = weight._with_float32_tables()
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
             weight.layout == "u4", weight.group_size, quantized.GEMV_X_FORMAT)
+
+
+def _projection_view(module, float32_tables: bool = False):
+    """The kernel's view of one projection (`_weight_view`): the GGUF blocks or 16-bit weight
+    attached to it, else its float32 weight."""
+    weight = _quantized(module)
+    return _weight_view(module.weight if weight is None else weight, float32_tables)
 
 
 def _projection_views(modules) -> typed.List:
@@ -227,10 +243,14 @@ def _projection_views(modules) -> typed.List:
     return _typed_list(tuple(views))
 
 
-def _stack_tensors(model, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
+                   ) -> list[torch.Tensor]:
     """Every tensor the kernel reads through a standing view that may be given new storage:
-    the final norm, the caches, then each layer's norms and float32 projections."""
+    the final norm, the caches, a float32 LM head, then each layer's norms and float32
+    projections."""
     out = [model.norm.weight, *kv_caches]
+    if head is not None and isinstance(head.weight, torch.Tensor):
+        out.append(head.weight)
     for layer in model.layers:
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         for name in PROJECTIONS:
@@ -254,7 +274,8 @@ def _typed_list(items):
 
 
 class _StackArgs:
-    """The kernel's typed lists of weight and cache views, built once per (weights, caches).
+    """The kernel's typed lists of weight and cache views (and its view of the LM head), built
+    once per (weights, caches).
 
     The views share memory with the tensors, so in-place weight changes are seen; `key` is
     the data pointer of every parameter and cache the views read, checked each step, so a
@@ -264,9 +285,9 @@ class _StackArgs:
     weight's tensors are not in the key (on SmolLM2's 30 layers: 91 pointers a step instead of
     421)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, model, kv_caches: list[torch.Tensor], head: LmHead | None) -> None:
         self.kv_caches_list = kv_caches
-        self.tensors = _stack_tensors(model, kv_caches)
+        self.tensors = _stack_tensors(model, kv_caches, head)
         self.key = self.current_key()
         layers = list(model.layers)
         self.ln1s = _views(layer.input_layernorm.weight for layer in layers)
@@ -276,6 +297,11 @@ class _StackArgs:
             for name in PROJECTIONS)
         self.kv_caches = _typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
         self.final_norm = model.norm.weight.detach().numpy()
+        self.head = head
+        self.w_head = None if head is None else _weight_view(head.weight)
+        self.vocab_rows = 0 if head is None else (
+            head.weight.shape[0] if isinstance(head.weight, torch.Tensor)
+            else head.weight.out_features)
 
     def current_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)
@@ -286,13 +312,18 @@ class _StackArgs:
 
 
 def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                 hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+                 hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`LlamaModel.forward_layers` for a decode step (`applies` holds), with `args` built for
     `kv_caches`: every layer, writing this step's K/V into `kv_caches`, then the final norm
-    -> [rows, hidden]."""
+    -> [rows, hidden]; with it the rows' logits [rows, vocab] when `args` has an LM head
+    that runs this many rows (else None)."""
     attn = model.layers[0].self_attn
     rows = hidden.shape[0]
     out = torch.empty_like(hidden)
+    head = args.head
+    with_logits = head is not None and rows <= head.max_rows
+    logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
     cos, sin = cos_sin
     seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
     kv_bytes = step_kv_bytes(seq_lens, attn.num_kv_heads, attn.head_dim,
@@ -305,28 +336,35 @@ def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Ten
         cos.contiguous().numpy(), sin.contiguous().numpy(), args.kv_caches,
         meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(), attn.num_heads,
         attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.intermediate_size,
-        np.float32(attn.attn.scale), kv_per_item, splits, out.numpy())
-    return out
+        np.float32(attn.attn.scale), kv_per_item, splits, out.numpy(), args.w_head,
+        logits.numpy())
+    return out, logits if with_logits else None
 
 
 class FusedDecode:
     """`forward_layers` of one qualifying LlamaModel: the fused stack where `applies` holds,
     the layers between oneDNN calls (`onednn_decode`) for the rows that path runs, the
     model's own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
-    the caches or any tensor's storage change."""
+    the caches or any tensor's storage change. With an LM head (`attach_stack_logits`), the
+    stack's steps compute their rows' logits too, held for `take_logits`."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.forward_layers = type(model).forward_layers.__get__(model)  # the module path
         self.args: _StackArgs | None = None
+        self.head: LmHead | None = None
         self.max_rows = max_rows(model)
         # From the rows where its linears move to oneDNN, a bfloat16 or float32 model's steps
         # run the layers between oneDNN calls instead (onednn_decode.py).
         self.onednn = onednn_decode(model)
+        # (the hidden states the last stack step returned, their logits): until taken or the
+        # next step.
+        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         model = self.model
+        self._logits = None
         onednn = self.onednn is not None and self.onednn.runs(hidden.shape[0])
         rows_limit = MAX_ONEDNN_DECODE_ROWS if onednn else self.max_rows
         if not applies(model, hidden, kv_caches, meta, rows_limit):
@@ -334,8 +372,20 @@ class FusedDecode:
         if onednn:
             return self.onednn(cos_sin, hidden, kv_caches, meta)
         if self.args is None or not self.args.current(kv_caches):
-            self.args = _StackArgs(model, kv_caches)
-        return decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)
+            self.args = _StackArgs(model, kv_caches, self.head)
+        out, logits = decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)
+        if logits is not None:
+            self._logits = (out, logits)
+        return out
+
+    def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits the last step computed, if `hidden` is the very tensor that step
+        returned; once (a second call gets None)."""
+        pending = self._logits
+        if pending is None or pending[0] is not hidden:
+            return None
+        self._logits = None
+        return pending[1]
 
 
 def attach_fused_decode(model) -> FusedDecode | None:
