@@ -287,8 +287,8 @@ class ModelRunner:
             logits = self._apply_grammar(logits, grammar_output, state.batch_rows)
         idx = batch.idx_mapping
         # The position of the token being sampled keys its noise (invariant 7) and counts the
-        # outputs so far (min_tokens).
-        positions = batch.positions[batch.logits_indices] + 1
+        # outputs so far (min_tokens): one past the row's last token, its sequence length.
+        positions = batch.attn_metadata.seq_lens[:len(batch.req_ids)]
         out = self.sampler(logits, idx, batch.idx_mapping_np, positions)
         prompt_logprobs = None
         if self.prompt_logprobs:  # only while some request still needs prompt rows

@@ -63,8 +63,8 @@ class Sampler:
         Args:
             logits: [B, V], any float dtype.
             idx_mapping: [B] batch row -> slot (device); ``idx_mapping_np`` its host copy.
-            positions: [B] int64, the position of the token being sampled (it keys the noise
-                and counts the outputs so far for min_tokens).
+            positions: [B] int32 or int64, the position of the token being sampled (it keys
+                the noise and counts the outputs so far for min_tokens).
         """
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape[1] == self.states.vocab_size, (
@@ -72,11 +72,12 @@ class Sampler:
             f"{self.states.vocab_size}")
         flags = self.states.batch_flags(idx_mapping_np)
         if platform.kernel_impl(logits.device) == platform.CPU:
-            sampled, nan_rows, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np, positions,
-                                             self.states, flags, self.logprobs_mode)
+            sampled, nan_rows, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np,
+                                                       positions, self.states, flags,
+                                                       self.logprobs_mode)
         else:
             from mrv2.sampler.sampler_triton import sample_triton
 
-            sampled, nan_rows, logprobs = sample_triton(logits, idx_mapping, positions, self.states,
-                                              flags, self.logprobs_mode)
+            sampled, nan_rows, logprobs = sample_triton(logits, idx_mapping, positions,
+                                                        self.states, flags, self.logprobs_mode)
         return SamplerOutput(sampled, logprobs, nan_rows)

@@ -156,6 +156,9 @@ class SamplingStates:
         self.greedy_host = np.ones(max_num_seqs, dtype=bool)
         self.features_host = np.zeros(max_num_seqs, dtype=np.uint8)
         self.num_logprobs_host = np.full(max_num_seqs, -1, dtype=np.int8)
+        # The last batch's rows (as bytes) and their flags: a decode batch keeps its rows for
+        # many steps, and the mirrors change only in `add`, which drops it.
+        self._last_flags: tuple[bytes, BatchFlags] | None = None
 
     def add(self, slot: int, req_id: str, params: SamplingParams, prompt_token_ids,
             prefill_token_ids=None, *, eos_token_id: int | None = None) -> None:
@@ -217,6 +220,7 @@ class SamplingStates:
         self.frequency_penalty_host[slot] = params.frequency_penalty
         self.min_tokens_host[slot] = params.min_tokens if stop_ids else 0
         self._dirty.append(slot)
+        self._last_flags = None
         self.greedy_host[slot] = greedy
         self.features_host[slot] = features
         self.num_logprobs_host[slot] = -1 if params.logprobs is None else params.logprobs
@@ -239,6 +243,16 @@ class SamplingStates:
         self.penalties.apply_staged_writes()
 
     def batch_flags(self, idx_mapping_np: np.ndarray) -> BatchFlags:
+        """The stages the batch of slots `idx_mapping_np` (int64) uses."""
+        rows = np.ascontiguousarray(idx_mapping_np, dtype=np.int64).tobytes()
+        last = self._last_flags
+        if last is not None and last[0] == rows:
+            return last[1]
+        flags = self._batch_flags(idx_mapping_np)
+        self._last_flags = (rows, flags)
+        return flags
+
+    def _batch_flags(self, idx_mapping_np: np.ndarray) -> BatchFlags:
         greedy = self.greedy_host[idx_mapping_np]
         row_features = self.features_host[idx_mapping_np]
         features = int(np.bitwise_or.reduce(row_features))

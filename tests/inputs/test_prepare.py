@@ -19,7 +19,7 @@ import torch
 # Triton): Triton's own jitted helpers (tl.zeros, tl.cdiv, ...) then fail under the
 # interpreter, so the kernels must not use them.
 import triton.language  # noqa: F401
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mrv2.inputs.batch import InputBatch
@@ -391,6 +391,19 @@ def test_matches_per_request_reference(kernels, scenario) -> None:
         check_against_reference(w, w.prepare(scheduled), scheduled)
         w.buffers.slot_mapping.fill_(7)  # stale values: padding must overwrite them
         check_against_reference(w, w.prepare(scheduled, **padding), scheduled)
+
+
+@pytest.mark.parametrize("kernels", IMPLS)
+@settings(max_examples=15, deadline=None)
+@given(scenarios())
+def test_each_rows_seq_len_is_one_past_its_last_token(kernels, scenario) -> None:
+    """The runner passes seq_lens to the sampler as the positions of the tokens it samples
+    (one past each row's last token)."""
+    with dispatch.kernels_on_cpu(kernels):
+        w, scheduled, padding = build_scenario(scenario)
+        batch = w.prepare(scheduled, **padding)
+        last = batch.positions[batch.logits_indices]
+        assert torch.equal(batch.attn_metadata.seq_lens[:len(scheduled)].long(), last + 1)
 
 
 def garbage_buffers(w: World) -> InputBuffers:

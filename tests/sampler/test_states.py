@@ -183,6 +183,23 @@ def test_batch_flags_per_batch_subset() -> None:
     assert list(states.num_logprobs(np.array([5, 6, 1]))) == [3, 0, -1]
 
 
+def test_batch_flags_are_kept_for_the_same_rows_until_a_slot_is_added() -> None:
+    """A decode batch asks for its flags every step: the same rows get the flags computed
+    last time, other rows new ones, and `add` (which changes the mirrors) drops them."""
+    states = make_states(3)
+    states.add(0, "a", SamplingParams(temperature=0.0), [1])
+    states.add(1, "b", SamplingParams(temperature=0.0), [1])
+    rows = np.array([0, 1], dtype=np.int64)
+    first = states.batch_flags(rows)
+    assert first.all_greedy
+    assert states.batch_flags(rows.copy()) is first
+    assert states.batch_flags(np.array([1, 0], dtype=np.int64)) is not first
+    states.add(1, "c", SamplingParams(temperature=1.0, top_k=4, logprobs=2), [1])
+    again = states.batch_flags(rows)
+    assert again == BatchFlags(all_greedy=False, all_random=False, any_top_k=True,
+                               max_top_k=4, max_num_logprobs=2)
+
+
 def test_min_tokens_without_stop_ids_is_off() -> None:
     """min_tokens masks EOS + stop_token_ids; with ignore_eos and no stop ids nothing is masked,
     and a resumed request that already has min_tokens outputs needs no masking either."""
