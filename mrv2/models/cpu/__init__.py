@@ -11,12 +11,13 @@ the weights are loaded) overrides a few forwards of one loaded Llama-family mode
 - every `LlamaMLP.forward` runs long batches in chunks of rows (`mlp_chunks`); where both
   its projections got bfloat16 weights that this CPU multiplies natively, its gate/up output
   and activation stay in bfloat16 (`native_half_mlp`);
-- `LlamaModel.forward_layers` runs decode steps of a few rows as one numba call for the
-  whole decoder stack (`decode`), when the model's layers qualify: its projections compute on
-  float32 weights or on the quantized blocks attached above, inside that one call; from the
-  rows where a float32 or bfloat16 model's linears move to oneDNN, its decode steps run the
-  layers between oneDNN calls instead (`onednn_decode`). The stack computes the LM head's
-  logits of its rows too, handed to `compute_logits` (`decode_logits`).
+- `LlamaModel.forward` runs decode steps of a few rows as one numba call, token ids to final
+  hidden states (`decode`), when the model qualifies: its embedding and projections compute
+  on float32 weights or on the quantized blocks attached above, inside that one call, which
+  computes the LM head's logits of its rows too, handed to `compute_logits`
+  (`decode_logits`); from the rows where a float32 or bfloat16 model's linears move to
+  oneDNN, its decode steps run the layers between oneDNN calls instead (`onednn_decode`,
+  as `forward_layers`).
 
 What was attached is returned as a `CpuFastPaths`; nothing is cached on the model.
 """

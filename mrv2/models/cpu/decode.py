@@ -1,28 +1,25 @@
-"""Every Llama decoder layer and the final norm for a decode step of a few rows, as one numba
-call (float32 activations, CPU; float32 weights, or GGUF blocks or 16-bit weights kept as
-stored).
+"""A Llama model's decode step of a few rows as one numba call (decode_stack_numba.py): token
+ids to final hidden states and the LM head's logits (CPU, float32 activations; float32
+weights, or GGUF blocks or 16-bit weights kept as stored).
 
 Why: a decode step of 1-4 tokens is bound by streaming the weights (the GEMVs run at the
 memory bandwidth), and what is left is per-op overhead. Op by op (two norms, four
 projections, rotary twice, the KV write, attention, SiLU-and-mul: about fifteen torch / numba
 calls per layer) that overhead is a large share of a small model's step, and even one call per
 layer pays Python and argument unboxing per layer (bench/README.md has the measurements). Here
-the whole stack is one call: the weights and KV caches reach it as numba typed lists of views
-built once, and its parallel parts (the projections, attention) are parallel loops inside it.
+the whole step is one call, the embedding lookup and the rotary tables' rows included: the
+weights and KV caches reach it as numba typed lists of views built once, and its parallel
+parts (the projections, attention) are parallel loops inside it. Each projection is a float32
+weight or, for a model loaded with quantization="gguf" or kept in 16 bits, the blocks or
+16-bit weight quantized_weights attached to it, computed by the kernels the module path calls.
 
-The arithmetic is the same as the module path (norm_numba, rotary_numba, activation_numba,
-cpu_gemv or quantized_numba, decode_numba): RMSNorm in float32 then the weight multiply,
-rotate-half rotary, SiLU(gate) * up, attention over the paged cache after this step's K/V are
-written. Each projection is a float32 weight (cpu_gemv's kernel) or, for a model loaded with
-quantization="gguf", the blocks or 16-bit weight quantized_weights attached to it (the packed
-GEMV `gemv_groups` or the 16-bit `gemv_half`, the kernels the module path calls): `_linear`
-picks one at compile time from the typed list's item type.
-
-`attach` gives a loaded LlamaModel whose layers `qualify` (each projection float32 CPU or
-quantized, the same kind in every layer; one tensor-parallel rank, no biases and no per-head
-q/k norm in any layer) a `FusedDecode` as its `forward_layers`; it runs the fused stack for the
-steps where `applies` holds (every row a decode row, one token, at most `max_rows` rows) and
-the model's own layers otherwise.
+`attach_fused_decode` gives a loaded LlamaModel that `qualifies` (each projection float32 CPU
+or quantized, the same kind in every layer; one tensor-parallel rank, no biases and no
+per-head q/k norm in any layer; an embedding the stack can read) a `FusedDecode` as its
+`forward`, which runs the stack for the steps where `applies` holds (every row a decode row,
+one token, at most `max_rows` rows) and the model's own forward otherwise; and as its
+`forward_layers`, which runs the layers between oneDNN calls (`onednn_decode`) where that
+path takes the rows.
 """
 
 from __future__ import annotations
@@ -32,22 +29,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import numba
-from numba import njit, typed, types
-from numba.extending import overload
+from numba import njit, typed
 
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
+from mrv2.attention.decode_numba import step_kv_bytes, work_split
+from mrv2.models.cpu.decode_stack_numba import decode_stack
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
-from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
-from mrv2.models.layers.activation_numba import silu_and_mul_kernel
-from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS, gemv_kernel
-from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.cpu.quantized_weights import QuantizedEmbeddingForward, QuantizedLinearForward
+from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
-from mrv2.models.layers.quantized_numba import gemv_groups, gemv_half
-from mrv2.models.layers.rotary_numba import rotary_kernel
+from mrv2.models.llama import LlamaModel
 
 if TYPE_CHECKING:
     from mrv2.models.cpu.decode_logits import LmHead
@@ -57,80 +51,6 @@ if TYPE_CHECKING:
 # GEMV up to MAX_QUANTIZED_GEMV_ROWS, so the stack does too.
 MAX_DECODE_ROWS = MAX_GEMV_ROWS
 MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
-
-
-def _linear(x, w, out):
-    """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
-    (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size,
-    x format) tuple
-    (numba only: see the overload)."""
-    raise NotImplementedError("compiled into the decode stack only")
-
-
-@overload(_linear, jit_options={"fastmath": True})
-def _linear_overload(x, w, out):
-    if isinstance(w, types.NoneType):  # no LM head in the stack
-        return lambda x, w, out: None
-    if isinstance(w, types.Array):
-        return lambda x, w, out: gemv_kernel(x, w, out)
-    if len(w) == 2:
-        return lambda x, w, out: gemv_half(x, w[0], w[1], out)
-    return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
-
-
-@njit(fastmath=True, error_model="numpy", cache=True)
-def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
-                  k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
-                  head_dim, intermediate, scale, kv_per_item, splits, out, residual_out):
-    rows, hidden_size = hidden.shape
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    normed = np.empty((rows, hidden_size), dtype=np.float32)
-    add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
-    if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
-        residual_out[:] = hidden
-    qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
-    _linear(normed, w_qkv, qkv)
-    q = np.empty((rows, q_size), dtype=np.float32)
-    k = np.empty((rows, kv_size), dtype=np.float32)
-    rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
-    rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
-    kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
-    attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
-    decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item, splits)
-    o = np.empty((rows, hidden_size), dtype=np.float32)
-    _linear(attn.reshape(rows, q_size), w_o, o)
-    summed = np.empty((rows, hidden_size), dtype=np.float32)
-    add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
-    residual_out[:] = summed
-    gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
-    _linear(normed, w_gate_up, gate_up)
-    act = np.empty((rows, intermediate), dtype=np.float32)
-    silu_and_mul_kernel(gate_up, intermediate, act)
-    _linear(act, w_down, out)
-
-
-@njit(fastmath=True, error_model="numpy", cache=True)
-def _decode_model(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
-                  final_eps, cos, sin, kv_caches, block_tables, seq_lens, slots, num_heads,
-                  num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
-                  w_head, logits):
-    rows, hidden_size = hidden.shape
-    x = hidden
-    residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
-    for i in range(len(w_qkvs)):
-        layer_out = np.empty((rows, hidden_size), dtype=np.float32)
-        residual_out = np.empty((rows, hidden_size), dtype=np.float32)
-        kv = kv_caches[i]
-        _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
-                      w_downs[i], cos, sin, kv[0], kv[1], block_tables, seq_lens, slots,
-                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
-                      splits, layer_out, residual_out)
-        x, residual = layer_out, residual_out
-    summed = np.empty((rows, hidden_size), dtype=np.float32)
-    add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
-    if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
-        _linear(out, w_head, logits)
 
 
 def _quantized(module) -> QuantizedWeight | None:
@@ -169,14 +89,32 @@ def _layer_qualifies(layer) -> bool:
             and all(_quantized(p) is not None or _float32(p.weight) for p in projections))
 
 
+def _embedding(model) -> QuantizedWeight | torch.Tensor | None:
+    """The table `model`'s (a LlamaModel's) embedding looks its rows up in, as the stack
+    reads it: the GGUF blocks or 16-bit weight quantized_weights attached, or a float32 CPU
+    weight on one rank; None otherwise."""
+    embed = model.embed_tokens
+    forward = embed.__dict__.get("forward")
+    if isinstance(forward, QuantizedEmbeddingForward):
+        return forward.weight
+    if forward is None and embed.tp_size == 1 and _float32(embed.weight):
+        return embed.weight
+    return None
+
+
 def qualifies(model) -> bool:
-    """Whether the fused stack can run `model` (a LlamaModel): every layer qualifies, all with
-    one norm eps (the kernel takes one) and each projection of one kind (float32, GGUF blocks
-    or 16-bit: one typed list per projection), and the final norm is float32 on the CPU."""
+    """Whether the fused stack can run `model` (a LlamaModel, its forward the class's): every
+    layer qualifies, all with one norm eps (the kernel takes one) and each projection of one
+    kind (float32, GGUF blocks or 16-bit: one typed list per projection), the embedding is one
+    the stack reads, and the final norm and the rotary tables are float32 on the CPU."""
     layers = list(model.layers)
-    return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
+    rotary = model.rotary_emb
+    return (type(model).forward is LlamaModel.forward and len(layers) > 0
+            and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
-            and len({_kinds(layer) for layer in layers}) == 1 and _float32(model.norm.weight))
+            and len({_kinds(layer) for layer in layers}) == 1 and _float32(model.norm.weight)
+            and _embedding(model) is not None
+            and _float32(rotary.cos_cache) and _float32(rotary.sin_cache))
 
 
 def max_rows(model) -> int:
@@ -191,16 +129,18 @@ def max_rows(model) -> int:
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
-def applies(model, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta,
+def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,
             rows_limit: int = MAX_DECODE_ROWS) -> bool:
-    """Whether `decode_model` computes this step of `model` (a LlamaModel that `qualifies`):
-    a decode step (every row one token) of at most `rows_limit` rows on the CPU (torch
-    attention backend) in float32, over a float32 or 16-bit cache."""
-    rows = hidden.shape[0]
+    """Whether a fused path computes this step of `model` (a LlamaModel that `qualifies`;
+    `x` its input ids or float32 hidden states): a decode step (every row one token) of at
+    most `rows_limit` rows on the CPU (torch attention backend), over a float32 or 16-bit
+    cache."""
+    rows = x.shape[0]
     return (0 < rows <= rows_limit and meta.num_decodes == meta.num_reqs == rows
-            and meta.num_actual_tokens == rows and hidden.device.type == "cpu"
-            and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
-            and attention_backend(hidden.device) == platform.CPU
+            and meta.num_actual_tokens == rows and x.device.type == "cpu"
+            and (x.dtype == torch.float32 or not x.is_floating_point())
+            and not torch.is_grad_enabled()
+            and attention_backend(x.device) == platform.CPU
             and all(c.dtype in kv_numba.NUMBA_KV_DTYPES and c.is_contiguous()
                     for c in kv_caches))
 
@@ -246,11 +186,13 @@ def _projection_views(modules) -> typed.List:
 def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
                    ) -> list[torch.Tensor]:
     """Every tensor the kernel reads through a standing view that may be given new storage:
-    the final norm, the caches, a float32 LM head, then each layer's norms and float32
-    projections."""
-    out = [model.norm.weight, *kv_caches]
-    if head is not None and isinstance(head.weight, torch.Tensor):
-        out.append(head.weight)
+    the final norm, the rotary tables, the caches, a float32 embedding and LM head, then each
+    layer's norms and float32 projections."""
+    out = [model.norm.weight, model.rotary_emb.cos_cache, model.rotary_emb.sin_cache,
+           *kv_caches]
+    embedding = _embedding(model)
+    out += [w for w in (embedding, None if head is None else head.weight)
+            if isinstance(w, torch.Tensor)]
     for layer in model.layers:
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         for name in PROJECTIONS:
@@ -297,6 +239,17 @@ class _StackArgs:
             for name in PROJECTIONS)
         self.kv_caches = _typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
         self.final_norm = model.norm.weight.detach().numpy()
+        self.w_embed = _weight_view(_embedding(model))
+        self.cos_cache = model.rotary_emb.cos_cache.numpy()
+        self.sin_cache = model.rotary_emb.sin_cache.numpy()
+        # The kernel's scalars, read once: the module attributes cost microseconds a step.
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.eps = np.float32(layers[0].input_layernorm.eps)
+        self.final_eps = np.float32(model.norm.eps)
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.intermediate = attn.head_dim, mlp.intermediate_size
+        self.scale = np.float32(attn.attn.scale)
+        self.hidden_size = model.norm.weight.shape[0]
         self.head = head
         self.w_head = None if head is None else _weight_view(head.weight)
         self.vocab_rows = 0 if head is None else (
@@ -311,46 +264,45 @@ class _StackArgs:
         return self.kv_caches_list is kv_caches and self.key == self.current_key()
 
 
-def decode_model(model, args: _StackArgs, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                 hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`LlamaModel.forward_layers` for a decode step (`applies` holds), with `args` built for
-    `kv_caches`: every layer, writing this step's K/V into `kv_caches`, then the final norm
-    -> [rows, hidden]; with it the rows' logits [rows, vocab] when `args` has an LM head
-    that runs this many rows (else None)."""
-    attn = model.layers[0].self_attn
-    rows = hidden.shape[0]
-    out = torch.empty_like(hidden)
+def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`LlamaModel.forward` for a decode step (`applies` holds), with `args` built for the
+    step's caches: the embedding, every layer (writing this step's K/V into the caches), the
+    final norm -> [rows, hidden]; with it the rows' logits [rows, vocab] when `args` has an
+    LM head that runs this many rows (else None)."""
+    rows = input_ids.shape[0]
+    out = torch.empty(rows, args.hidden_size, dtype=torch.float32)
     head = args.head
     with_logits = head is not None and rows <= head.max_rows
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
-    cos, sin = cos_sin
     seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
-    kv_bytes = step_kv_bytes(seq_lens, attn.num_kv_heads, attn.head_dim,
+    kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim,
                              args.kv_caches[0].itemsize, len(args.kv_caches))
-    kv_per_item, splits = work_split(rows, attn.num_kv_heads, numba.get_num_threads(), kv_bytes)
-    _decode_model(
-        hidden.contiguous().numpy(), args.ln1s, args.ln2s,
-        np.float32(model.layers[0].input_layernorm.eps), args.w_qkvs, args.w_os,
-        args.w_gate_ups, args.w_downs, args.final_norm, np.float32(model.norm.eps),
-        cos.contiguous().numpy(), sin.contiguous().numpy(), args.kv_caches,
-        meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(), attn.num_heads,
-        attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.intermediate_size,
-        np.float32(attn.attn.scale), kv_per_item, splits, out.numpy(), args.w_head,
-        logits.numpy())
+    kv_per_item, splits = work_split(rows, args.num_kv_heads, numba.get_num_threads(),
+                                     kv_bytes)
+    decode_stack(
+        input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
+        args.cos_cache, args.sin_cache, args.ln1s, args.ln2s, args.eps, args.w_qkvs, args.w_os,
+        args.w_gate_ups, args.w_downs, args.final_norm, args.final_eps, args.kv_caches,
+        meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(), args.num_heads,
+        args.num_kv_heads, args.head_dim, args.intermediate, args.scale, kv_per_item, splits,
+        out.numpy(), args.w_head, logits.numpy())
     return out, logits if with_logits else None
 
 
 class FusedDecode:
-    """`forward_layers` of one qualifying LlamaModel: the fused stack where `applies` holds,
-    the layers between oneDNN calls (`onednn_decode`) for the rows that path runs, the
-    model's own layers otherwise. It keeps the kernel's views (`_StackArgs`), rebuilt when
-    the caches or any tensor's storage change. With an LM head (`attach_stack_logits`), the
-    stack's steps compute their rows' logits too, held for `take_logits`."""
+    """The fused paths of one qualifying LlamaModel. Called, it is the model's `forward`: the
+    stack where `applies` holds, else the class's forward, whose `forward_layers` is this
+    object's `layers`: the layers between oneDNN calls (`onednn_decode`) for the rows that
+    path runs, the model's own layers otherwise. It keeps the kernel's views (`_StackArgs`),
+    rebuilt when the caches or any tensor's storage change. With an LM head
+    (`decode_logits.attach_stack_logits`), the stack's steps compute their rows' logits too,
+    held for `take_logits`."""
 
     def __init__(self, model) -> None:
         self.model = model
-        self.forward_layers = type(model).forward_layers.__get__(model)  # the module path
+        self.own_forward = type(model).forward.__get__(model)
+        self.own_layers = type(model).forward_layers.__get__(model)  # the module path
         self.args: _StackArgs | None = None
         self.head: LmHead | None = None
         self.max_rows = max_rows(model)
@@ -361,22 +313,27 @@ class FusedDecode:
         # next step.
         self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        model = self.model
         self._logits = None
-        onednn = self.onednn is not None and self.onednn.runs(hidden.shape[0])
-        rows_limit = MAX_ONEDNN_DECODE_ROWS if onednn else self.max_rows
-        if not applies(model, hidden, kv_caches, meta, rows_limit):
-            return self.forward_layers(cos_sin, hidden, kv_caches, meta)
-        if onednn:
-            return self.onednn(cos_sin, hidden, kv_caches, meta)
+        rows = input_ids.shape[0]
+        if ((self.onednn is not None and self.onednn.runs(rows))
+                or not applies(self.model, input_ids, kv_caches, meta, self.max_rows)):
+            return self.own_forward(input_ids, positions, kv_caches, meta)
         if self.args is None or not self.args.current(kv_caches):
-            self.args = _StackArgs(model, kv_caches, self.head)
-        out, logits = decode_model(model, self.args, cos_sin, hidden, kv_caches, meta)
+            self.args = _StackArgs(self.model, kv_caches, self.head)
+        out, logits = decode_model(self.args, input_ids, positions, meta)
         if logits is not None:
             self._logits = (out, logits)
         return out
+
+    def layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+               kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        """`forward_layers`: the oneDNN path's steps, the module path's otherwise."""
+        if (self.onednn is not None and self.onednn.runs(hidden.shape[0])
+                and applies(self.model, hidden, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS)):
+            return self.onednn(cos_sin, hidden, kv_caches, meta)
+        return self.own_layers(cos_sin, hidden, kv_caches, meta)
 
     def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits the last step computed, if `hidden` is the very tensor that step
@@ -389,10 +346,12 @@ class FusedDecode:
 
 
 def attach_fused_decode(model) -> FusedDecode | None:
-    """Route `model`'s (a LlamaModel's) decode steps through the fused stack when it
-    `qualifies` (checked once, on the loaded weights and the attached quantized blocks);
-    returns the attached path, or None."""
+    """Route `model`'s (a LlamaModel's) decode steps through the fused paths when it
+    `qualifies` (checked once, on the loaded weights and the attached quantized blocks):
+    `FusedDecode` becomes its `forward`, and its `layers` the `forward_layers`; returns it,
+    or None."""
     if not qualifies(model):
         return None
-    fused = model.forward_layers = FusedDecode(model)
+    fused = FusedDecode(model)
+    model.forward, model.forward_layers = fused, fused.layers
     return fused

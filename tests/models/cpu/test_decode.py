@@ -69,7 +69,7 @@ def test_bfloat16_cache_same_as_the_module_path(tiny_llama, monkeypatch):
 @pytest.mark.usefixtures("float_activations")
 @pytest.mark.parametrize("tensor_type, tied, num_prompts", [
     ("Q4_1", True, 1), ("Q4_1", False, 8), ("Q8_0", False, 3), ("Q4_0", True, 5),
-    ("Q5_1", False, 2), ("BF16", True, 3)])
+    ("Q5_1", False, 2), ("BF16", True, 3), ("F16", False, 2)])
 def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, tensor_type,
                                                            tied, num_prompts, monkeypatch):
     """quantization="gguf": the stack runs the projections on the attached blocks (u4 and i8
@@ -79,8 +79,8 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False, quantization="gguf",
               max_num_seqs=8)
     model = llm.llm_engine.engine_core.executor.worker.runner.model.model
-    assert isinstance(model.forward_layers, cpu_decode.FusedDecode)
-    assert model.forward_layers.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
+    assert isinstance(model.forward, cpu_decode.FusedDecode)
+    assert model.forward.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
     assert model.layers[0].mlp.down_proj.weight.numel() == 0  # blocks only
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
     fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
@@ -104,7 +104,7 @@ def test_stack_stops_where_16_bit_linears_move_to_matrix_units(tiny_gguf_factory
               max_num_seqs=2)
     model = llm.llm_engine.engine_core.executor.worker.runner.model.model
     llm.shutdown()
-    assert model.forward_layers.max_rows == {
+    assert model.forward.max_rows == {
         "native": quantized.MIN_NATIVE_HALF_ROWS - 1,
         "quantized": cpu_decode.MAX_QUANTIZED_DECODE_ROWS}[rows]
 

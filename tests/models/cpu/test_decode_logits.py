@@ -57,7 +57,7 @@ def test_float32_head_in_every_stack_step(tiny_llama, monkeypatch):
     llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False)
     model = llm.llm_engine.engine_core.executor.worker.runner.model
     assert isinstance(model.compute_logits, decode_logits.StackLogits)
-    assert model.model.forward_layers.head.max_rows == cpu_decode.MAX_DECODE_ROWS
+    assert model.model.forward.head.max_rows == cpu_decode.MAX_DECODE_ROWS
     fused, stack, logits = _generate(llm, _prompts(3), True, monkeypatch)
     plain, plain_stack, plain_logits = _generate(llm, _prompts(3), False, monkeypatch)
     llm.shutdown()
@@ -75,7 +75,7 @@ def test_gguf_head_in_every_stack_step(tiny_gguf_factory, tensor_type, tied, mon
     llm = LLM(str(tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)),
               max_model_len=128, max_num_seqs=4, enable_prefix_caching=False,
               quantization="gguf")
-    head = llm.llm_engine.engine_core.executor.worker.runner.model.model.forward_layers.head
+    head = llm.llm_engine.engine_core.executor.worker.runner.model.model.forward.head
     rows = min(2, head.max_rows)
     fused, stack, logits = _generate(llm, _prompts(rows), True, monkeypatch)
     plain, _, _ = _generate(llm, _prompts(rows), False, monkeypatch)
@@ -91,7 +91,7 @@ def test_steps_beyond_the_heads_gemv_rows_take_compute_logits(tiny_gguf_factory,
     those steps, and the engine's come from `compute_logits` itself."""
     llm = LLM(str(tiny_gguf_factory("llama", "Q8_0")), max_model_len=128, max_num_seqs=8,
               enable_prefix_caching=False, quantization="gguf")
-    fused = llm.llm_engine.engine_core.executor.worker.runner.model.model.forward_layers
+    fused = llm.llm_engine.engine_core.executor.worker.runner.model.model.forward
     assert fused.head.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
     fused.head, fused.args = dataclasses.replace(fused.head, max_rows=2), None
     wide, wide_stack, wide_logits = _generate(llm, _prompts(3), True, monkeypatch)
@@ -109,7 +109,7 @@ def test_logits_go_once_to_the_tensor_they_came_with(tiny_llama):
     llm = LLM(str(tiny_llama), max_model_len=64)
     model = llm.llm_engine.engine_core.executor.worker.runner.model
     llm.shutdown()
-    fused = model.model.forward_layers
+    fused = model.model.forward
     hidden = torch.randn(2, model.model.norm.weight.shape[0])
     own = model.compute_logits(hidden)
     marked = torch.full_like(own, 7.0)

@@ -1,0 +1,164 @@
+"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama model,
+token ids to final hidden states (and the LM head's logits), as one numba call (CPU, float32
+activations). decode.py decides when it runs and builds the views it reads.
+
+The arithmetic is the same as the module path's (norm_numba, rotary_numba, activation_numba,
+cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or
+dequantized exactly), RMSNorm in float32 then the weight multiply, rotate-half rotary, SiLU(gate)
+* up, attention over the paged cache after this step's K/V are written. Each weight is a
+float32 view, a 16-bit weight's (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins,
+packed, group size, x format) tuple; `_linear` and `_embed` pick their kernel at compile time
+from its type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from mrv2.attention import kv_numba
+from mrv2.attention.decode_numba import decode_kernel
+from mrv2.models.layers.activation_numba import silu_and_mul_kernel
+from mrv2.models.layers.cpu_gemv import gemv_kernel
+from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
+from mrv2.models.layers.rotary_numba import rotary_kernel
+from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
+
+
+def _linear(x, w, out):
+    """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
+    (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size,
+    x format) tuple
+    (numba only: see the overload)."""
+    raise NotImplementedError("compiled into the decode stack only")
+
+
+@overload(_linear, jit_options={"fastmath": True})
+def _linear_overload(x, w, out):
+    if isinstance(w, types.NoneType):  # no LM head in the stack
+        return lambda x, w, out: None
+    if isinstance(w, types.Array):
+        return lambda x, w, out: gemv_kernel(x, w, out)
+    if len(w) == 2:
+        return lambda x, w, out: gemv_half(x, w[0], w[1], out)
+    return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
+
+
+def _embed(ids, w, out):
+    """out[i] = row ids[i] of the embedding `w` (a float32 table, a 16-bit weight's (q int16,
+    bfloat16) or GGUF blocks' tuple, as `_linear` takes them), widened or dequantized exactly
+    as the module path's lookup does; an id outside the table raises IndexError (numba only:
+    see the overload)."""
+    raise NotImplementedError("compiled into the decode stack only")
+
+
+@njit(cache=True)
+def _check_ids(ids, vocab_rows):
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= vocab_rows:
+            raise IndexError("a token id outside the embedding table")
+
+
+@overload(_embed, jit_options={"fastmath": True})
+def _embed_overload(ids, w, out):
+    if isinstance(w, types.Array):
+        def table_rows(ids, w, out):
+            _check_ids(ids, w.shape[0])
+            for i in range(ids.shape[0]):
+                out[i] = w[ids[i]]
+        return table_rows
+    if len(w) == 2:
+        def half_rows(ids, w, out):
+            q, bf16 = w
+            _check_ids(ids, q.shape[0])
+            for i in range(ids.shape[0]):
+                row = q[ids[i]]
+                for j in range(row.shape[0]):
+                    out[i, j] = bf16_bits_to_float(row[j]) if bf16 else f16_bits_to_float(row[j])
+        return half_rows
+
+    def block_rows(ids, w, out):
+        q, scales, mins, packed, group_size = w[0], w[1], w[2], w[3], w[4]
+        _check_ids(ids, q.shape[0])
+        if packed:
+            dequant_rows_serial(q, scales, mins, True, group_size, ids, out)
+        else:  # the view's q is bytes; "i8" values are signed
+            dequant_rows_serial(q.view(np.int8), scales, mins, False, group_size, ids, out)
+    return block_rows
+
+
+@njit(cache=True)
+def rotary_rows(positions, table):
+    """The rows of a rotary table (cos or sin, [max_position, head_dim]) at `positions`, as
+    the module path's `get_cos_sin` gathers them; a position outside raises IndexError."""
+    out = np.empty((positions.shape[0], table.shape[1]), dtype=np.float32)
+    for i in range(positions.shape[0]):
+        if positions[i] < 0 or positions[i] >= table.shape[0]:
+            raise IndexError("a position outside the rotary tables")
+        out[i] = table[positions[i]]
+    return out
+
+
+@njit(fastmath=True, error_model="numpy", cache=True)
+def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
+                  k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
+                  head_dim, intermediate, scale, kv_per_item, splits, out, residual_out):
+    rows, hidden_size = hidden.shape
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    normed = np.empty((rows, hidden_size), dtype=np.float32)
+    add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
+    if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
+        residual_out[:] = hidden
+    qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
+    _linear(normed, w_qkv, qkv)
+    q = np.empty((rows, q_size), dtype=np.float32)
+    k = np.empty((rows, kv_size), dtype=np.float32)
+    rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
+    rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
+    kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
+    attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
+    decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
+                   seq_lens, scale, attn, kv_per_item, splits)
+    o = np.empty((rows, hidden_size), dtype=np.float32)
+    _linear(attn.reshape(rows, q_size), w_o, o)
+    summed = np.empty((rows, hidden_size), dtype=np.float32)
+    add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
+    residual_out[:] = summed
+    gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
+    _linear(normed, w_gate_up, gate_up)
+    act = np.empty((rows, intermediate), dtype=np.float32)
+    silu_and_mul_kernel(gate_up, intermediate, act)
+    _linear(act, w_down, out)
+
+
+@njit(fastmath=True, error_model="numpy", cache=True)
+def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
+                 w_gate_ups, w_downs, final_norm, final_eps, kv_caches, block_tables, seq_lens,
+                 slots, num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
+                 splits, out, w_head, logits):
+    """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
+    their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
+    `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
+    outside their tables raise IndexError before anything is written."""
+    rows, hidden_size = out.shape
+    hidden = np.empty((rows, hidden_size), dtype=np.float32)
+    _embed(ids, w_embed, hidden)
+    cos = rotary_rows(positions, cos_cache)
+    sin = rotary_rows(positions, sin_cache)
+    x = hidden
+    residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
+    for i in range(len(w_qkvs)):
+        layer_out = np.empty((rows, hidden_size), dtype=np.float32)
+        residual_out = np.empty((rows, hidden_size), dtype=np.float32)
+        kv = kv_caches[i]
+        _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
+                      w_downs[i], cos, sin, kv[0], kv[1], block_tables, seq_lens, slots,
+                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
+                      splits, layer_out, residual_out)
+        x, residual = layer_out, residual_out
+    summed = np.empty((rows, hidden_size), dtype=np.float32)
+    add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
+    if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
+        _linear(out, w_head, logits)

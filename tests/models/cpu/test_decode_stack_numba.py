@@ -1,0 +1,72 @@
+"""The fused decode stack kernel's own parts: its embedding lookup on every weight kind
+against the module path's lookup (bit for bit), and the rotary rows at the step's positions;
+both raise IndexError outside their tables. The whole stack against the module path is
+test_decode.py's."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from mrv2.models.cpu import decode as cpu_decode
+from mrv2.models.cpu.decode_stack_numba import _embed, rotary_rows
+from mrv2.models.layers.quantized import QuantizedWeight
+
+VOCAB, WIDTH = 40, 256
+
+
+@njit
+def _lookup(ids, w, out):
+    _embed(ids, w, out)
+
+
+def _weights() -> dict[str, QuantizedWeight | torch.Tensor]:
+    values = torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(0))
+    # float16's subnormals, its largest value and an infinity: every branch of the widening.
+    values[3, :4] = torch.tensor([3e-7, -5.9e-8, 65504.0, float("inf")])
+    out: dict[str, QuantizedWeight | torch.Tensor] = {"float32": values}
+    for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        out[name] = QuantizedWeight.from_float(values, dtype)
+    for gguf_type in ("Q8_0", "Q4_1", "Q5_1"):  # "i8", "u4" with mins, "i8" with mins
+        raw = gguf.quants.quantize(values.clamp(-8, 8).numpy(),
+                                   gguf.GGMLQuantizationType[gguf_type])
+        out[gguf_type] = QuantizedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
+    # float32 tables (a K-quant's, or a stack list mixing both)
+    out["Q4_1 float32 tables"] = out["Q4_1"]._with_float32_tables()
+    return out
+
+
+WEIGHTS = _weights()
+
+
+@pytest.mark.parametrize("kind", list(WEIGHTS))
+def test_embedding_rows_are_the_module_paths(kind):
+    weight = WEIGHTS[kind]
+    ids = np.array([3, 0, VOCAB - 1, 3, 17], dtype=np.int32)
+    out = np.full((len(ids), WIDTH), np.nan, dtype=np.float32)
+    _lookup(ids, cpu_decode._weight_view(weight), out)
+    if isinstance(weight, torch.Tensor):
+        expect = torch.nn.functional.embedding(torch.from_numpy(ids).long(), weight)
+    else:
+        expect = weight.dequantize_rows(torch.from_numpy(ids))
+    assert np.array_equal(out.view(np.int32), expect.numpy().view(np.int32))
+
+
+@pytest.mark.parametrize("kind", ["float32", "bf16", "Q8_0"])
+@pytest.mark.parametrize("bad", [-1, VOCAB])
+def test_an_id_outside_the_table_raises(kind, bad):
+    out = np.zeros((2, WIDTH), dtype=np.float32)
+    with pytest.raises(IndexError):
+        _lookup(np.array([1, bad], dtype=np.int32), cpu_decode._weight_view(WEIGHTS[kind]), out)
+
+
+def test_rotary_rows_at_the_positions():
+    table = np.arange(12 * 4, dtype=np.float32).reshape(12, 4)
+    positions = np.array([5, 0, 11], dtype=np.int64)
+    assert np.array_equal(rotary_rows(positions, table), table[positions])
+    for bad in (-1, 12):
+        with pytest.raises(IndexError):
+            rotary_rows(np.array([bad], dtype=np.int64), table)
