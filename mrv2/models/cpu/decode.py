@@ -238,6 +238,7 @@ class _StackArgs:
             _projection_views([layer.get_submodule(name) for layer in layers])
             for name in PROJECTIONS)
         self.kv_caches = _typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
+        self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
         self.final_norm = model.norm.weight.detach().numpy()
         self.w_embed = _weight_view(_embedding(model))
         self.cos_cache = model.rotary_emb.cos_cache.numpy()
@@ -276,8 +277,8 @@ def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Ten
     with_logits = head is not None and rows <= head.max_rows
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
     seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
-    kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim,
-                             args.kv_caches[0].itemsize, len(args.kv_caches))
+    kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim, args.kv_itemsize,
+                             len(args.kv_caches_list))
     kv_per_item, splits = work_split(rows, args.num_kv_heads, numba.get_num_threads(),
                                      kv_bytes)
     decode_stack(
