@@ -108,6 +108,22 @@ def decode_tokens_per_s(benchmark, generate: Callable[[int], float], tokens: int
     return round((tokens - 1) * batch / decode_s, 1)
 
 
+def decode_case(benchmark, generate: Callable[[int], float], tokens: int, batch: int,
+                rounds: int, took_path: Callable[[], bool], expected: bool, **info) -> None:
+    """One decode benchmark case: under `--benchmark-disable` (CI) one untimed
+    `generate(tokens)` that checks the path under test ran exactly when `expected`
+    (`took_path()`, read after the run); otherwise a warm-up, the timed rounds of
+    `decode_tokens_per_s`, and the rate with `info` in extra_info."""
+    if benchmark.disabled:
+        benchmark(generate, tokens)
+        assert took_path() is expected
+        return
+    generate(8)  # warm-up
+    rate = decode_tokens_per_s(benchmark, generate, tokens, batch, rounds)
+    benchmark.extra_info.update(batch=batch, output_len=tokens, threads=2,
+                                decode_tokens_per_s=rate, **info)
+
+
 def shutdown_after_module(llms: dict):
     """A module-scoped autouse fixture that shuts down every LLM left in `llms` (a bench
     module's cache of engines, by key) once the module's cases are done; assign it to a

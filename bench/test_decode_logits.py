@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from gguf_workload import (decode_tokens_per_s, gguf_path, greedy_timer, shutdown_after_module,
+from gguf_workload import (decode_case, gguf_path, greedy_timer, shutdown_after_module,
                            token_id_prompts)
 
 ROUNDS = 5
@@ -60,11 +60,5 @@ def test_decode_logits(benchmark, monkeypatch, batch, head):
     tokens = 4 if benchmark.disabled else OUTPUT_LEN
 
     benchmark.group = f"decode-logits-b{batch}"
-    if benchmark.disabled:
-        benchmark(generate, tokens)
-        assert (taken["n"] > 0) is (head == "in_stack")
-        return
-    generate(8)  # warm-up
-    rate = decode_tokens_per_s(benchmark, generate, tokens, batch, ROUNDS)
-    benchmark.extra_info.update(head=head, batch=batch, output_len=tokens, threads=2,
-                                decode_tokens_per_s=rate)
+    decode_case(benchmark, generate, tokens, batch, ROUNDS, lambda: taken["n"] > 0,
+                head == "in_stack", head=head)

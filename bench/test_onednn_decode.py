@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gguf_workload import (decode_tokens_per_s, gguf_path, greedy_timer,
+from gguf_workload import (decode_case, gguf_path, greedy_timer,
                            shutdown_after_module, token_id_prompts)
 from mrv2.models.layers import cpu_linear, quantized
 
@@ -74,11 +74,5 @@ def test_onednn_decode(benchmark, monkeypatch, dtype, batch, path):
     generate = greedy_timer(llm, prompts)
 
     benchmark.group = f"onednn-decode-{dtype}-b{batch}"
-    if benchmark.disabled:
-        benchmark(generate, tokens)
-        assert (calls["n"] > 0) is (path == "onednn")
-        return
-    generate(8)  # warm-up
-    rate = decode_tokens_per_s(benchmark, generate, tokens, batch, ROUNDS)
-    benchmark.extra_info.update(path=path, dtype=dtype, batch=batch, output_len=tokens,
-                                threads=2, decode_tokens_per_s=rate)
+    decode_case(benchmark, generate, tokens, batch, ROUNDS, lambda: calls["n"] > 0,
+                path == "onednn", path=path, dtype=dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from gguf_workload import decode_tokens_per_s, gguf_path, greedy_timer, shutdown_after_module
+from gguf_workload import decode_case, gguf_path, greedy_timer, shutdown_after_module
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -61,11 +61,5 @@ def test_quantized_decode(benchmark, monkeypatch, batch, kind):
     generate = greedy_timer(llm, prompts)
 
     benchmark.group = f"quantized-decode-b{batch}"
-    if benchmark.disabled:
-        benchmark(generate, tokens)
-        assert (calls["n"] > 0) is (kind == "gguf" or (kind == "float32" and batch <= 4))
-        return
-    generate(8)  # warm-up
-    rate = decode_tokens_per_s(benchmark, generate, tokens, batch, ROUNDS)
-    benchmark.extra_info.update(kind=kind, batch=batch, output_len=tokens, threads=2,
-                                decode_tokens_per_s=rate)
+    decode_case(benchmark, generate, tokens, batch, ROUNDS, lambda: calls["n"] > 0,
+                kind == "gguf" or (kind == "float32" and batch <= 4), kind=kind)
