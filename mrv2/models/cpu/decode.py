@@ -119,13 +119,12 @@ def qualifies(model) -> bool:
 
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`): where
-    every projection is 16-bit and the CPU computes its dtype natively, fewer rows than the
-    layer path's linears switch to the matrix units (quantized.MIN_NATIVE_HALF_ROWS)."""
+    every projection is 16-bit, as many as the layer path's linears keep on the GEMV
+    (`quantized.max_gemv_rows`: fewer where the CPU computes the dtype on matrix units)."""
     layer = model.layers[0]
     kinds = _kinds(layer)
-    if all(kind == "half" for kind in kinds) and quantized.computes_natively(
-            _quantized(layer.self_attn.qkv_proj).half_dtype):
-        return min(MAX_QUANTIZED_DECODE_ROWS, quantized.MIN_NATIVE_HALF_ROWS - 1)
+    if all(kind == "half" for kind in kinds):
+        return quantized.max_gemv_rows(_quantized(layer.self_attn.qkv_proj))
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
