@@ -151,3 +151,19 @@ def test_reference_multinomial(benchmark, vocab: int) -> None:
         _sync()
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.parametrize("impl", ["numba", "torch_max"])
+def test_greedy_argmax(benchmark, impl: str, rows: int) -> None:
+    """The greedy fast path's argmax alone on float32 CPU logits, SmolLM2's vocabulary
+    (49,152): greedy_numba's kernel against torch's max(dim) (the fallback) in the same run."""
+    from mrv2.sampler import greedy_numba
+    from mrv2.sampler.sampler_torch import greedy_argmax_torch
+
+    benchmark.group = f"greedy-argmax-{rows}"
+    logits = torch.randn(rows, 49_152, generator=torch.Generator().manual_seed(rows))
+    fn = greedy_numba.greedy_argmax_float32 if impl == "numba" else greedy_argmax_torch
+    assert torch.equal(fn(logits)[0], logits.argmax(dim=-1))
+    benchmark.pedantic(fn, args=(logits,), rounds=1 if benchmark.disabled else 200,
+                       warmup_rounds=0 if benchmark.disabled else 5)

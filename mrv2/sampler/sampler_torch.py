@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mrv2.sampler import greedy_numba
 from mrv2.sampler.bias import apply_allowed_, apply_logit_bias_, apply_min_tokens_
 from mrv2.sampler.filters import apply_min_p_, apply_top_k_top_p_
 from mrv2.sampler.logprobs import LogprobsTensors, compute_logprobs
@@ -113,14 +114,7 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
     if flags.all_greedy and not flags.any_processing and not (want_logprobs and processed):
         # Converting to float32 is exact and order-preserving, so the argmax (ties included)
         # equals the float32 copy's; skipping the copy saves a [B, V] pass.
-        # max(dim) gives argmax's indices (the first maximum; a NaN where the row holds one)
-        # in about a third of its time on the CPU (bench/README.md), and the values with them.
-        best, sampled = logits.max(dim=-1)
-        # Rows whose maximum is a NaN are redone with NaN as -inf.
-        nan_rows = best.isnan()
-        if nan_rows.any():  # a CPU tensor: no device sync
-            rows = nan_rows.nonzero().squeeze(1)
-            sampled[rows] = _nan_as_neg_inf(logits[rows]).argmax(dim=-1)
+        sampled, nan_rows = _greedy_argmax(logits)
         if want_logprobs:
             for start in range(0, num_rows, tile):
                 rows = slice(start, start + tile)
@@ -151,6 +145,26 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
             fill_logprobs(rows, x if processed else source, sampled)
         out[rows] = sampled
     return out, nan_rows, lp_out
+
+
+def _greedy_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(argmax of each row, NaN read as -inf, ties to the lowest index; which rows held a
+    NaN): greedy_numba's kernel on float32 CPU logits, else `greedy_argmax_torch`."""
+    if greedy_numba.takes(logits):
+        return greedy_numba.greedy_argmax_float32(logits)
+    return greedy_argmax_torch(logits)
+
+
+def greedy_argmax_torch(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """`_greedy_argmax` in torch ops: max(dim) gives argmax's indices (the first maximum; a
+    NaN where the row holds one) in about a third of argmax's time on the CPU
+    (bench/README.md); rows whose maximum is a NaN are redone with NaN as -inf."""
+    best, sampled = logits.max(dim=-1)
+    nan_rows = best.isnan()
+    if nan_rows.any():  # a CPU tensor: no device sync
+        rows = nan_rows.nonzero().squeeze(1)
+        sampled[rows] = _nan_as_neg_inf(logits[rows]).argmax(dim=-1)
+    return sampled, nan_rows
 
 
 def _nan_as_neg_inf(x: Tensor) -> Tensor:
