@@ -11,9 +11,11 @@ one (row, kv head); and when even those are fewer than two per thread, each row'
 split as well
 (flash-decoding: each split's max, exp-sum and unnormalised output, merged after). The query
 heads of a kv head's group (GQA) share each loaded key/value row, and scores and values are
-computed four positions per pass (`_block_scores`, `_block_values`). The blocks two ahead are
-prefetched while one is computed (prefetch_numba.py), each token's rows with the token
-computed rather than a whole block at once.
+computed in the loops of decode_vector_ir.py (LLVM vector IR: a position's row widened once,
+the heads' sums in registers) where the head size is whole vectors, else four positions per
+pass in numba (`_block_scores`, `_block_values`). The blocks two ahead are prefetched while one
+is computed (prefetch_numba.py): a whole block before the vector loops, each token's rows with
+the token in the numba loops.
 
 Numerics: fp32 accumulation in a different order than torch (fastmath lets the compiler
 vectorise the head_dim reductions), and the softmax's exp is `numba_exp.exp32` (vectorised,
@@ -29,12 +31,17 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from mrv2 import platform
+from mrv2.attention.decode_vector_ir import block_scores, block_values, vector_width
 from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 from mrv2.models.layers.numba_exp import exp32
 
 # Blocks prefetched ahead of the one being computed (measured best among 1, 2 and 4).
 PREFETCH_DISTANCE = 2
+# Head sizes of whole vectors take decode_vector_ir's block loops
+# (`decode_vector_ir.takes_head_dim`), others the numba loops below (a global: numba compiles
+# it in as a constant).
+VECTOR_WIDTH = vector_width()
 # Fewest positions in a context split: below it a split's fixed costs (its scratch, its share
 # of the merge) outweigh a second thread's help.
 MIN_SPLIT_POSITIONS = 64
@@ -203,6 +210,7 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
     items_per_row = num_kv_heads // kv_per_item
     nh = kv_per_item * group
     min_split_blocks = (MIN_SPLIT_POSITIONS + block_size - 1) // block_size
+    vectorised = head_dim % VECTOR_WIDTH == 0
     # Each split's running max, exp-sum and unnormalised output, merged below (splits > 1).
     part_m = np.empty((rows, num_heads, splits), dtype=np.float32)
     part_l = np.empty((rows, num_heads, splits), dtype=np.float32)  # (np.zeros: a parfor)
@@ -248,9 +256,17 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
             elif ahead - stop < stop - first:
                 ahead_block = np.int64(block_tables[row, first + ahead - stop])
             t0 = b * block_size
-            _block_scores(qs, k_cache[block_tables[row, b]], kv0, kv_per_item, group,
-                          min(block_size, seq_len - t0), scores, t0 - base, ahead_cache,
-                          ahead_block, row_bytes, start, item_bytes, scratch)
+            count = min(block_size, seq_len - t0)
+            if vectorised:
+                _prefetch_rows(ahead_cache, ahead_block, 0, block_size, row_bytes, start,
+                               item_bytes)
+                for j in range(kv_per_item):
+                    block_scores(qs[j * group:(j + 1) * group], k_cache[block_tables[row, b]],
+                                 kv0 + j, count, scores[j * group:(j + 1) * group], t0 - base)
+            else:
+                _block_scores(qs, k_cache[block_tables[row, b]], kv0, kv_per_item, group,
+                              count, scores, t0 - base, ahead_cache, ahead_block, row_bytes,
+                              start, item_bytes, scratch)
         acc = np.zeros((nh, head_dim), dtype=np.float32)
         for h in range(nh):
             m = scores[h, 0]
@@ -267,9 +283,17 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
             v_block = (np.int64(block_tables[row, b + PREFETCH_DISTANCE])
                        if b + PREFETCH_DISTANCE < stop else np.int64(-1))
             t0 = b * block_size
-            _block_values(scores, v_cache[block_tables[row, b]], kv0, kv_per_item, group,
-                          min(block_size, seq_len - t0), t0 - base, acc, v_cache, v_block,
-                          row_bytes, start, item_bytes, scratch)
+            count = min(block_size, seq_len - t0)
+            if vectorised:
+                _prefetch_rows(v_cache, v_block, 0, block_size, row_bytes, start, item_bytes)
+                for j in range(kv_per_item):
+                    block_values(scores[j * group:(j + 1) * group], t0 - base,
+                                 v_cache[block_tables[row, b]], kv0 + j, count,
+                                 acc[j * group:(j + 1) * group])
+            else:
+                _block_values(scores, v_cache[block_tables[row, b]], kv0, kv_per_item, group,
+                              count, t0 - base, acc, v_cache, v_block, row_bytes, start,
+                              item_bytes, scratch)
         if splits == 1:
             for h in range(nh):
                 inv = np.float32(1.0) / part_l[row, h0 + h, 0]

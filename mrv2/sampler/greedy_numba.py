@@ -71,14 +71,14 @@ def greedy_argmax_kernel(bits, sampled, nan_rows):
         nan_rows[r] = magnitude > _INF_BITS
 
 
-def takes(logits: torch.Tensor) -> bool:
+def takes_logits(logits: torch.Tensor) -> bool:
     """The kernel takes contiguous float32 CPU logits with at least one column."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.dim() == 2 and logits.shape[1] > 0 and logits.is_contiguous())
 
 
 def greedy_argmax_float32(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sampled [B] int64, nan_rows [B] bool) of float32 `logits` [B, V] (`takes`)."""
+    """(sampled [B] int64, nan_rows [B] bool) of float32 `logits` [B, V] (`takes_logits`)."""
     rows = logits.shape[0]
     sampled = torch.empty(rows, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)

@@ -150,7 +150,7 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
 def _greedy_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     """(argmax of each row, NaN read as -inf, ties to the lowest index; which rows held a
     NaN): greedy_numba's kernel on float32 CPU logits, else `greedy_argmax_torch`."""
-    if greedy_numba.takes(logits):
+    if greedy_numba.takes_logits(logits):
         return greedy_numba.greedy_argmax_float32(logits)
     return greedy_argmax_torch(logits)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.attention import decode_numba
+from mrv2.attention import decode_numba, decode_vector_ir
 
 
 def _paged_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -43,23 +43,28 @@ def _reference(q, kv_cache, tables, seq_lens, scale):
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_matches_dense_reference(num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("head_dim", [32, 12])
+def test_matches_dense_reference(num_heads, num_kv_heads, block_size, head_dim):
+    """Head sizes of whole vectors take decode_vector_ir's loops, 12 the numba loops."""
+    assert decode_vector_ir.takes_head_dim(head_dim) == (head_dim == 32)
+    assert decode_numba.VECTOR_WIDTH == decode_vector_ir.vector_width()
     seq_lens = [1, 5, 16, 17, 40, 3]
-    q, kv_cache, tables, lens = _paged_case(seq_lens, num_heads, num_kv_heads, 32, block_size,
-                                            seed=num_heads * 31 + block_size)
-    scale = 32 ** -0.5
+    q, kv_cache, tables, lens = _paged_case(seq_lens, num_heads, num_kv_heads, head_dim,
+                                            block_size, seed=num_heads * 31 + block_size)
+    scale = head_dim ** -0.5
     got = decode_numba.decode_attention(q, kv_cache, tables, lens, scale)
     torch.testing.assert_close(got, _reference(q, kv_cache, tables, lens, scale),
                                rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_per_item, splits", [(1, 1), (2, 1), (1, 3), (2, 2)])
-def test_every_work_split_gives_the_reference(kv_per_item, splits):
+@pytest.mark.parametrize("head_dim", [32, 12])
+def test_every_work_split_gives_the_reference(kv_per_item, splits, head_dim):
     """Items of one or all kv heads, contexts whole or split (flash-decoding, merged): rows
     that fill every split, fewer blocks than splits (empty splits), padding, and lengths that
-    end inside a four-position pass."""
+    end inside a four-position pass; in the vector loops and the numba loops."""
     seq_lens = [1, 70, 203, 0, 130]
-    q, kv_cache, tables, lens = _paged_case(seq_lens, 6, 2, 32, 16, seed=11 + splits)
+    q, kv_cache, tables, lens = _paged_case(seq_lens, 6, 2, head_dim, 16, seed=11 + splits)
     out = torch.full_like(q, float("nan"))
     decode_numba.decode_kernel(q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(),
                                tables.numpy(), lens, np.float32(0.2), out.numpy(),

@@ -83,12 +83,12 @@ def test_no_rows() -> None:
     assert sampled.shape == (0,) and nan_rows.shape == (0,)
 
 
-def test_takes() -> None:
-    assert greedy_numba.takes(torch.zeros(2, 4))
-    assert not greedy_numba.takes(torch.zeros(2, 4, dtype=torch.bfloat16))
-    assert not greedy_numba.takes(torch.zeros(4, 2).t())
-    assert not greedy_numba.takes(torch.zeros(2, 0))
-    assert not greedy_numba.takes(torch.zeros(8))
+def test_takes_logits() -> None:
+    assert greedy_numba.takes_logits(torch.zeros(2, 4))
+    assert not greedy_numba.takes_logits(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert not greedy_numba.takes_logits(torch.zeros(4, 2).t())
+    assert not greedy_numba.takes_logits(torch.zeros(2, 0))
+    assert not greedy_numba.takes_logits(torch.zeros(8))
 
 
 def test_the_torch_fallback_agrees() -> None:

@@ -33,13 +33,16 @@ def half_bits(t: torch.Tensor) -> np.ndarray:
     return bits.view(np.uint16) if t.dtype == torch.bfloat16 else bits
 
 
-def splat(builder, value):
-    v = builder.insert_element(ir.Constant(V8F, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(v, v, ir.Constant(V8I, [0] * 8))
+def splat(builder, value, width=8):
+    """<width x float> of `value` in every lane."""
+    vf, vi = ir.VectorType(F32, width), ir.VectorType(I32, width)
+    v = builder.insert_element(ir.Constant(vf, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(vi, [0] * width))
 
 
 def hsum(builder, v):
-    width = 8
+    """The sum of a float vector's lanes (any power-of-two count), halves added."""
+    width = v.type.count
     while width > 1:
         width //= 2
         mask = ir.VectorType(I32, width)

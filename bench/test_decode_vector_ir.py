@@ -1,0 +1,72 @@
+"""Decode attention's block loops: decode_vector_ir's (a position's row widened once, the heads'
+sums in registers) against the numba loops they replaced, same kernel otherwise, same run.
+
+The baseline is decode_numba.decode_kernel compiled again with a vector width no head size is a
+multiple of, so every block takes `_block_scores` / `_block_values`. Shapes: a batch-32 decode
+step at 192 tokens of context, a bfloat16 cache, one work item per (row, kv head) (the split
+work_split gives where the step's K/V is larger than the cache it reports), over every layer's
+cache (more than the last-level cache, as in a step): SmolLM2-135M's heads (9 query, 3 kv, 30
+layers, 141 MB a step) and W2's (16 query, 8 kv, 16 layers, 201 MB); and one row of SmolLM2
+at 256 tokens split over the threads (the batch-1 case). bench/README.md has the figures.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from mrv2.attention import decode_numba
+from mrv2.attention.kv_numba import numpy_view
+
+pytestmark = pytest.mark.usefixtures("two_threads")  # bench/conftest.py
+
+SHAPES = {  # rows, seq_len, query heads, kv heads, layers
+    "smollm2-b32": (32, 192, 9, 3, 30),
+    "w2-b32": (32, 192, 16, 8, 16),
+    "smollm2-b1": (1, 256, 9, 3, 30),
+}
+
+
+def _numba_loops_kernel():
+    """decode_kernel's source compiled with no head size taking the vector loops."""
+    source = decode_numba.decode_kernel.py_func
+    scope = dict(source.__globals__, VECTOR_WIDTH=1 << 30)
+    function = types.FunctionType(source.__code__, scope, source.__name__)
+    return numba.njit(parallel=True, fastmath=True, error_model="numpy")(function)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("impl", ["vector_ir", "numba_loops"])
+def test_decode_attention_block_loops(benchmark, impl: str, shape: str) -> None:
+    rows, seq_len, heads, kv_heads, layers = SHAPES[shape]
+    block_size, head_dim = 16, 64
+    if benchmark.disabled:  # the suite's check: one layer's cache, the two kernels agree
+        layers = 1
+    benchmark.group = f"decode-attention-loops-{shape}"
+    benchmark.extra_info.update(rows=rows, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                                head_dim=head_dim, layers=layers, cache_dtype="bfloat16")
+    g = torch.Generator().manual_seed(0)
+    blocks = rows * seq_len // block_size
+    caches = [numpy_view(torch.randn(2, blocks + 1, block_size, kv_heads, head_dim,
+                                     generator=g).to(torch.bfloat16)) for _ in range(layers)]
+    tables = (torch.randperm(blocks, generator=g) + 1).view(rows, -1).int().numpy()
+    q = torch.randn(rows, heads, head_dim, generator=g).numpy()
+    lens = np.full(rows, seq_len, np.int32)
+    kv_bytes = decode_numba.step_kv_bytes(lens, kv_heads, head_dim, 2, layers)
+    split = (1, 1) if rows > 1 else decode_numba.work_split(1, kv_heads, 2, kv_bytes)
+    kernel = (decode_numba.decode_kernel if impl == "vector_ir" else _numba_loops_kernel())
+    outs = [np.empty_like(q) for _ in range(2)]
+    decode_numba.decode_kernel(q, *caches[0], tables, lens, np.float32(0.125), outs[0], *split)
+    kernel(q, *caches[0], tables, lens, np.float32(0.125), outs[1], *split)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+    def step() -> None:
+        for k_cache, v_cache in caches:
+            kernel(q, k_cache, v_cache, tables, lens, np.float32(0.125), outs[1], *split)
+
+    benchmark.pedantic(step, rounds=1 if benchmark.disabled else 15,
+                       warmup_rounds=0 if benchmark.disabled else 2)

@@ -1,0 +1,259 @@
+"""Decode attention's inner loops over one cache block as LLVM vector IR (numba intrinsics):
+the scores of a block's positions against a kv head's query heads (`block_scores`), and the
+block's values weighted by their probabilities into the heads' accumulators (`block_values`).
+decode_numba.py's kernel calls them for items of one kv head when `takes_head_dim`.
+
+Why IR: in numba loops the heads' running sums and the query live in memory (numba arrays may
+alias, so LLVM reloads and stores them around every position), and each 16-bit cache row was
+widened into a scratch array and read back once per query head. Here a position's key or value
+row is loaded and widened once into registers, and up to `HEADS` query heads' accumulators
+(times up to `VECTORS` vectors of the head dimension, for the values) stay in registers for
+the whole block. Vectors are 16 floats where the CPU has AVX-512, else 8; the code for each
+count of heads (and of vectors) is generated once and chosen by a switch at run time, so one
+compiled kernel serves every model shape.
+
+Numerics: float32 products and sums, each score's dot product summed in another order than the
+numba loops' (fastmath); the results agree with them to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from llvmlite import binding, ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from mrv2.models.layers.vector_ir import FAST, F32, I8, I16, I32, hsum, splat
+
+I64 = ir.IntType(64)
+HEADS = 4  # query heads per register block (a GQA group is usually 1-8)
+
+
+@lru_cache(maxsize=1)
+def vector_width() -> int:
+    """Floats per vector: 16 where the CPU has AVX-512 (32 vector registers), else 8."""
+    return 16 if binding.get_host_cpu_features().get("avx512f", False) else 8
+
+
+def _vectors_per_block() -> int:
+    """Vectors of the head dimension per value register block: 4 x HEADS accumulators fit 32
+    AVX-512 registers; AVX2's 16 take 2 x HEADS."""
+    return 4 if vector_width() == 16 else 2
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether the intrinsics take this head size (whole vectors)."""
+    return head_dim % vector_width() == 0
+
+
+def _array(context, builder, array_type, value):
+    arr = context.make_array(array_type)(context, builder, value)
+    return (arr, cgutils.unpack_tuple(builder, arr.shape, array_type.ndim),
+            cgutils.unpack_tuple(builder, arr.strides, array_type.ndim))
+
+
+def _at(builder, data, byte_offset, elem):
+    return builder.bitcast(builder.gep(builder.bitcast(data, I8.as_pointer()), [byte_offset]),
+                           elem.as_pointer())
+
+
+def _load_widened(builder, ptr, dtype, width):
+    """<width x float> from `width` cache elements at `ptr` (float32, or float16 / bfloat16
+    bit patterns: int16 / uint16, as kv_numba's views)."""
+    if dtype == types.float32:
+        vf = ir.VectorType(F32, width)
+        return builder.load(builder.bitcast(ptr, vf.as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(I16, width).as_pointer()), align=2)
+    if dtype == types.uint16:
+        vi = ir.VectorType(I32, width)
+        wide = builder.shl(builder.zext(bits, vi), ir.Constant(vi, [16] * width))
+        return builder.bitcast(wide, ir.VectorType(F32, width))
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), width)),
+                         ir.VectorType(F32, width))
+
+
+def _switch(builder, value, cases, emit):
+    """emit(case) in a block of its own for each of `cases` (ints), chosen by `value`."""
+    done = builder.append_basic_block("switch.done")
+    switch = builder.switch(value, done)
+    for case in cases:
+        block = builder.append_basic_block(f"case.{case}")
+        switch.add_case(value.type(case), block)
+        builder.position_at_end(block)
+        emit(case)
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
+def _typed(context, builder, sig, args, i):
+    return context.cast(builder, args[i], sig.args[i], types.int64)
+
+
+def _sum_each(builder, vectors, width):
+    """<4 x float> of the horizontal sums of four <width x float> vectors: halves of pairs
+    added (each level a pair of two-source shuffles and one add) instead of four separate
+    reductions."""
+    def add_halves(a, b, lanes, part):
+        """[a's and b's lanes, in `part`-wide runs, the first of each pair of runs] + [the
+        second]: each run of a (and of b) summed with its neighbour."""
+        first = [i for r in range(0, lanes, 2 * part) for i in range(r, r + part)]
+        second = [i + part for i in first]
+        picks = [first + [i + lanes for i in first], second + [i + lanes for i in second]]
+        mask = ir.VectorType(I32, lanes)
+        x, y = (builder.shuffle_vector(a, b, ir.Constant(mask, p)) for p in picks)
+        return builder.fadd(x, y, flags=FAST)
+
+    ab = add_halves(vectors[0], vectors[1], width, width // 2)
+    cd = add_halves(vectors[2], vectors[3], width, width // 2)
+    v, lanes, part = add_halves(ab, cd, width, width // 4), width, width // 4
+    # v: four runs of `part` partial sums (one run per vector); halve the runs to one lane.
+    while part > 1:
+        half = ir.VectorType(I32, lanes // 2)
+        first = [i for r in range(0, lanes, part) for i in range(r, r + part // 2)]
+        second = [i + part // 2 for i in first]
+        v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(half, first)),
+                         builder.shuffle_vector(v, v, ir.Constant(half, second)), flags=FAST)
+        lanes, part = lanes // 2, part // 2
+    return v
+
+
+@intrinsic
+def block_scores(typingctx, qs, kb, kv, count, scores, t):
+    """scores[h, t + o] = qs[h] . kb[o, kv] for every query head h (qs [heads, head_dim]
+    float32, C-contiguous) and position o < count of the cache block kb [block_size, kv heads,
+    head_dim] (`takes_head_dim`). With 16-float vectors, four positions a pass: each
+    head's four sums reduced together (`_sum_each`) and stored as one vector."""
+    if not (isinstance(qs, types.Array) and isinstance(kb, types.Array)
+            and isinstance(scores, types.Array)):
+        return None
+    width = vector_width()
+    # Positions a pass: 4 x HEADS accumulators + 4 rows fit AVX-512's 32 registers.
+    passes = 4 if width == 16 else 1
+
+    def codegen(context, builder, sig, args):
+        (q_arr, (heads, head_dim), _), (k_arr, _, k_strides), (s_arr, _, s_strides) = (
+            _array(context, builder, sig.args[i], args[i]) for i in (0, 1, 4))
+        kv_, count_, t_ = (_typed(context, builder, sig, args, i) for i in (2, 3, 5))
+        vectors = builder.sdiv(head_dim, I64(width))
+        vf = ir.VectorType(F32, width)
+        accs = [[cgutils.alloca_once(builder, vf) for _ in range(4)] for _ in range(HEADS)]
+        kv_bytes = builder.mul(kv_, k_strides[1])
+        elem_bytes = I64(sig.args[1].dtype.bitwidth // 8)
+        dtype = sig.args[1].dtype
+
+        def positions(h0, n, first, span):
+            """Scores of positions first..first+span-1 (span: 1 or 4) for heads h0..h0+n-1."""
+            rows = [builder.add(builder.mul(builder.add(first, I64(p)), k_strides[0]),
+                                kv_bytes) for p in range(span)]
+            for h in range(n):
+                for p in range(span):
+                    builder.store(ir.Constant(vf, [0.0] * width), accs[h][p])
+            with cgutils.for_range(builder, vectors) as vec:
+                d = builder.mul(vec.index, I64(width))
+                keys = [_load_widened(builder, _at(builder, k_arr.data, builder.add(
+                    row, builder.mul(d, elem_bytes)), I8), dtype, width) for row in rows]
+                for h in range(n):
+                    q_ptr = builder.gep(q_arr.data, [builder.add(builder.mul(
+                        builder.add(h0, I64(h)), head_dim), d)])
+                    q = builder.load(builder.bitcast(q_ptr, vf.as_pointer()), align=4)
+                    for p, k in enumerate(keys):
+                        builder.store(builder.fadd(builder.load(accs[h][p]), builder.fmul(
+                            q, k, flags=FAST), flags=FAST), accs[h][p])
+            for h in range(n):
+                at = builder.add(builder.mul(builder.add(h0, I64(h)), s_strides[0]),
+                                 builder.mul(builder.add(t_, first), I64(4)))
+                if span == 1:
+                    builder.store(hsum(builder, builder.load(accs[h][0])),
+                                  _at(builder, s_arr.data, at, F32))
+                else:
+                    sums = _sum_each(builder, [builder.load(a) for a in accs[h]], width)
+                    builder.store(sums, _at(builder, s_arr.data, at, ir.VectorType(F32, 4)),
+                                  align=4)
+
+        with cgutils.for_range_slice(builder, I64(0), heads, I64(HEADS)) as (h0, _):
+            block_heads = builder.sub(heads, h0)
+            block_heads = builder.select(builder.icmp_signed(">", block_heads, I64(HEADS)),
+                                         I64(HEADS), block_heads)
+
+            def emit(n):
+                whole = builder.mul(builder.sdiv(count_, I64(passes)), I64(passes))
+                if passes > 1:
+                    with cgutils.for_range_slice(builder, I64(0), whole,
+                                                 I64(passes)) as (first, _):
+                        positions(h0, n, first, passes)
+                with cgutils.for_range_slice(builder, whole, count_, I64(1)) as (first, _):
+                    positions(h0, n, first, 1)
+
+            _switch(builder, block_heads, range(1, HEADS + 1), emit)
+        return context.get_dummy_value()
+
+    return types.void(qs, kb, kv, count, scores, t), codegen
+
+
+@intrinsic
+def block_values(typingctx, probs, t, vb, kv, count, acc):
+    """acc[h] += sum over positions o < count of probs[h, t + o] * vb[o, kv] for every query
+    head h (acc [heads, head_dim] float32, C-contiguous; vb a cache block as `block_scores`)."""
+    if not (isinstance(probs, types.Array) and isinstance(vb, types.Array)
+            and isinstance(acc, types.Array)):
+        return None
+    width, per_block = vector_width(), _vectors_per_block()
+
+    def codegen(context, builder, sig, args):
+        (p_arr, _, p_strides), (v_arr, _, v_strides), (a_arr, (heads, head_dim), _) = (
+            _array(context, builder, sig.args[i], args[i]) for i in (0, 2, 5))
+        t_, kv_, count_ = (_typed(context, builder, sig, args, i) for i in (1, 3, 4))
+        vectors = builder.sdiv(head_dim, I64(width))
+        vf = ir.VectorType(F32, width)
+        slots = [[cgutils.alloca_once(builder, vf) for _ in range(per_block)]
+                 for _ in range(HEADS)]
+        kv_bytes = builder.mul(kv_, v_strides[1])
+        elem_bytes = I64(sig.args[2].dtype.bitwidth // 8)
+
+        def clamp(left, most):
+            return builder.select(builder.icmp_signed(">", left, I64(most)), I64(most), left)
+
+        with cgutils.for_range_slice(builder, I64(0), heads, I64(HEADS)) as (h0, _):
+            block_heads = clamp(builder.sub(heads, h0), HEADS)
+            with cgutils.for_range_slice(builder, I64(0), vectors, I64(per_block)) as (v0, _):
+                block_vectors = clamp(builder.sub(vectors, v0), per_block)
+                # One switch value for (heads, vectors): heads * 8 + vectors.
+                key = builder.add(builder.mul(block_heads, I64(8)), block_vectors)
+
+                def acc_ptr(h, j):
+                    d = builder.mul(builder.add(v0, I64(j)), I64(width))
+                    at = builder.add(builder.mul(builder.add(h0, I64(h)), head_dim), d)
+                    return builder.bitcast(builder.gep(a_arr.data, [at]), vf.as_pointer())
+
+                def emit(case):
+                    n, m = divmod(case, 8)
+                    for h in range(n):
+                        for j in range(m):
+                            builder.store(builder.load(acc_ptr(h, j), align=4), slots[h][j])
+                    with cgutils.for_range(builder, count_) as pos:
+                        row = builder.add(builder.mul(pos.index, v_strides[0]), kv_bytes)
+                        values = [_load_widened(builder, _at(builder, v_arr.data, builder.add(
+                            row, builder.mul(builder.mul(builder.add(v0, I64(j)), I64(width)),
+                                             elem_bytes)), I8), sig.args[2].dtype, width)
+                            for j in range(m)]
+                        column = builder.mul(builder.add(t_, pos.index), I64(4))
+                        for h in range(n):
+                            p = builder.load(_at(builder, p_arr.data, builder.add(builder.mul(
+                                builder.add(h0, I64(h)), p_strides[0]), column), F32))
+                            p = splat(builder, p, width)
+                            for j in range(m):
+                                builder.store(builder.fadd(builder.load(slots[h][j]),
+                                                           builder.fmul(p, values[j],
+                                                                        flags=FAST),
+                                                           flags=FAST), slots[h][j])
+                    for h in range(n):
+                        for j in range(m):
+                            builder.store(builder.load(slots[h][j]), acc_ptr(h, j), align=4)
+
+                _switch(builder, key, [n * 8 + m for n in range(1, HEADS + 1)
+                                       for m in range(1, per_block + 1)], emit)
+        return context.get_dummy_value()
+
+    return types.void(probs, t, vb, kv, count, acc), codegen
