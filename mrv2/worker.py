@@ -27,7 +27,7 @@ from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner import ModelRunner
-from mrv2.utils import free_cores
+from mrv2.utils import free_cores, huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,7 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
         shape = kv_cache_shape(1, cc.block_size, self.num_kv_heads, mc.head_dim)
-        caches = [torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
-                  for _ in range(mc.num_layers)]
+        caches = [self._kv_cache_zeros(shape) for _ in range(mc.num_layers)]
         ModelRunner(self.config, self.model, caches, self.device).profile_run()
         if not cuda:
             return 0
@@ -132,12 +131,18 @@ class Worker:
         torch.cuda.empty_cache()  # the throwaway runner's memory goes back before sizing
         return peak
 
+    def _kv_cache_zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's KV cache. Zeros, not empty: masked-out keys and values must never be NaN
+        (0 * NaN = NaN). On the CPU on huge pages (utils/huge_pages.py: the blocks a step reads
+        lie scattered over the cache)."""
+        if self.device.type == "cpu":
+            return huge_pages.zeros(shape, self.config.kv_cache_dtype)
+        return torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         shape = kv_cache_shape(num_blocks, cc.block_size, self.num_kv_heads, mc.head_dim)
-        # Zeros, not empty: masked-out keys and values must never be NaN (0 * NaN = NaN).
-        kv_caches = [torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
-                     for _ in range(mc.num_layers)]
+        kv_caches = [self._kv_cache_zeros(shape) for _ in range(mc.num_layers)]
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
         self.runner.capture_model()
@@ -169,7 +174,7 @@ class Worker:
         the weights again from the checkpoint (vLLM leaves that to the user)."""
         if self._kv_shapes is not None:
             for cache, shape in zip(self.runner.kv_caches, self._kv_shapes):
-                cache.set_(cache.new_zeros(shape))
+                cache.set_(self._kv_cache_zeros(shape))
             self._kv_shapes = None
         if self.model is None:
             self._load_weights()

@@ -78,6 +78,29 @@ def test_kv_caches_are_zeros_with_paged_shape(tiny_llama):
     assert caches[0].data_ptr() != caches[1].data_ptr()
 
 
+def test_cpu_kv_caches_sit_on_huge_pages_and_come_back_zeroed_after_sleep(tiny_llama):
+    """A layer of 2 MiB or more (513 blocks of 4 KiB here) is advised onto huge pages
+    (utils/huge_pages.py), at start-up and again when wake_up gives the memory back."""
+    from mrv2.utils import huge_pages
+
+    worker = make_worker(tiny_llama, 1000, max_num_seqs=64)
+    worker.load_model()
+    worker.initialize_kv_cache(worker.determine_num_kv_blocks())
+    caches = worker.runner.kv_caches
+    assert caches[0].shape == (2, 513, 16, 2, 16)
+    thp = huge_pages.advised_huge(huge_pages.zeros((huge_pages.HUGE_PAGE_BYTES,), torch.uint8))
+    for cache in caches:
+        assert cache.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+        assert huge_pages.advised_huge(cache) == thp
+        cache.fill_(1.0)
+    worker.sleep(1)
+    assert all(cache.numel() == 0 for cache in caches)
+    worker.wake_up()
+    for cache in worker.runner.kv_caches:
+        assert cache.shape == (2, 513, 16, 2, 16) and not cache.any()
+        assert huge_pages.advised_huge(cache) == thp
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kv_budget_leaves_room_for_the_largest_step(tiny_llama):

@@ -1,0 +1,59 @@
+"""Host memory on transparent huge pages, for the CPU KV cache (worker.py allocates it here).
+
+Why: a decode step reads each row's KV blocks where its block table puts them, scattered over
+the whole cache. On 4 KiB pages nearly every block costs a TLB miss and a page walk through page
+tables that are themselves out of the cache; one 2 MiB page covers a run of blocks (bench/
+README.md has the measurement). Linux backs memory with huge pages where the memory asks for
+them (madvise) and transparent huge pages are "madvise" or "always"; elsewhere, or where the
+kernel refuses, the same call gives ordinary pages.
+
+The memory is a fresh anonymous mapping: zeroed by the kernel and only made resident where it is
+first written, as torch.zeros' memory is zero; it is unmapped when the last tensor viewing it
+goes.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory starts on a huge-page boundary and is advised onto huge
+    pages (MADV_HUGEPAGE); under a huge page's size, or where the platform has no such advice,
+    torch.zeros."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    # One huge page more than needed, so that a huge-page-aligned run of nbytes lies inside.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except OSError:  # transparent huge pages off or unsupported: ordinary pages
+        pass
+    return whole[start:start + nbytes].view(dtype).view(shape)
+
+
+def advised_huge(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> bool:
+    """Whether the mapping holding `tensor`'s first byte is advised onto huge pages (its
+    VmFlags list "hg"); False where /proc says nothing."""
+    address = tensor.data_ptr()
+    try:
+        with open(smaps) as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    low, high = (int(part, 16) for part in head.split("-"))
+                    inside = low <= address < high
+                elif inside and head == "VmFlags:":
+                    return "hg" in line.split()[1:]
+    except OSError:
+        return False
+    return False

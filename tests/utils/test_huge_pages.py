@@ -1,0 +1,63 @@
+"""huge_pages.zeros: zeroed, writable, the shape and dtype asked for, starting on a huge page
+and advised onto huge pages where the kernel takes the advice; small tensors are plain."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mrv2.utils import huge_pages
+from mrv2.utils.huge_pages import HUGE_PAGE_BYTES
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeros_of_the_shape_asked_for(dtype):
+    shape = (2, 33, 16, 3, 64)  # a KV cache layer of 33 blocks
+    t = huge_pages.zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    t[1, 32, 15, 2, 63] = 3.0
+    t[0, 0, 0, 0, 0] = -1.0
+    assert t.sum().item() == 2.0
+    if t.numel() * t.element_size() >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+
+
+def test_large_tensors_are_advised_onto_huge_pages():
+    t = huge_pages.zeros((3, HUGE_PAGE_BYTES // 4), torch.float32)
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+    if _thp_mode() in ("madvise", "always") and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert huge_pages.advised_huge(t)
+    assert not huge_pages.advised_huge(torch.zeros(1000))  # the heap: no advice
+
+
+def test_small_tensors_are_plain_zeros():
+    t = huge_pages.zeros((4, 1024), torch.float32)
+    assert not t.any() and t.shape == (4, 1024)
+    assert not huge_pages.advised_huge(t)
+
+
+def test_the_memory_lives_as_long_as_a_view_of_it():
+    t = huge_pages.zeros((HUGE_PAGE_BYTES // 2,), torch.float32)
+    part = t[10:20]
+    del t
+    gc.collect()
+    part.fill_(7.0)
+    assert part.sum().item() == 70.0
+
+
+def test_advised_huge_without_proc_says_no(tmp_path):
+    t = huge_pages.zeros((HUGE_PAGE_BYTES,), torch.uint8)
+    assert not huge_pages.advised_huge(t, smaps=str(tmp_path / "missing"))
