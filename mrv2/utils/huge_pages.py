@@ -30,7 +30,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so that a huge-page-aligned run of nbytes lies inside.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES)
+    # Private: a shared anonymous mapping is shmem, whose huge pages another setting governs
+    # (shmem_enabled, usually "never").
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     start = -whole.data_ptr() % HUGE_PAGE_BYTES
     try:

@@ -35,12 +35,29 @@ def test_zeros_of_the_shape_asked_for(dtype):
         assert t.data_ptr() % HUGE_PAGE_BYTES == 0
 
 
-def test_large_tensors_are_advised_onto_huge_pages():
+def _huge_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mapping holding the tensor's first byte, in KiB (/proc)."""
+    address, inside = tensor.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_large_tensors_are_advised_onto_huge_pages_and_get_them():
     t = huge_pages.zeros((3, HUGE_PAGE_BYTES // 4), torch.float32)
     assert t.data_ptr() % HUGE_PAGE_BYTES == 0
-    if _thp_mode() in ("madvise", "always") and hasattr(mmap, "MADV_HUGEPAGE"):
-        assert huge_pages.advised_huge(t)
     assert not huge_pages.advised_huge(torch.zeros(1000))  # the heap: no advice
+    if _thp_mode() not in ("madvise", "always") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    assert huge_pages.advised_huge(t)
+    t.fill_(1.0)  # pages are made resident (as huge pages) where first written
+    # A private mapping: a shared anonymous one (shmem) got none under "madvise".
+    assert _huge_kib(t) >= HUGE_PAGE_BYTES // 1024
 
 
 def test_small_tensors_are_plain_zeros():
