@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("two_threads")  # bench/conftest.py
 @pytest.mark.parametrize("pages", ["huge", "ordinary"])
 def test_decode_attention_over_the_cache(benchmark, pages: str) -> None:
     rows, seq_len, block_size, heads, kv_heads, head_dim = 32, 192, 16, 9, 3, 64
-    layers, blocks = (1, 64) if benchmark.disabled else (30, 2048)
+    layers, blocks = (1, rows * seq_len // block_size) if benchmark.disabled else (30, 2048)
     benchmark.group = "decode-attention-kv-pages"
     benchmark.extra_info.update(rows=rows, seq_len=seq_len, layers=layers, blocks=blocks,
                                 cache_dtype="bfloat16", pages=pages)

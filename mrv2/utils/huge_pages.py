@@ -7,9 +7,10 @@ README.md has the measurement). Linux backs memory with huge pages where the mem
 them (madvise) and transparent huge pages are "madvise" or "always"; elsewhere, or where the
 kernel refuses, the same call gives ordinary pages.
 
-The memory is a fresh anonymous mapping: zeroed by the kernel and only made resident where it is
-first written, as torch.zeros' memory is zero; it is unmapped when the last tensor viewing it
-goes.
+The memory is a fresh anonymous mapping, written with zeros at once as torch.zeros' is: every
+page is resident (as huge pages) from the start, so a machine without the memory fails when
+the cache is allocated rather than in the middle of a request. It is unmapped when the last
+tensor viewing it goes.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # (shmem_enabled, usually "never").
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # its storage keeps the mapping
     start = -whole.data_ptr() % HUGE_PAGE_BYTES
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     except OSError:  # transparent huge pages off or unsupported: ordinary pages
         pass
-    return whole[start:start + nbytes].view(dtype).view(shape)
+    # A tensor on the mapping's storage, not a view of `whole`: a view keeps its base alive,
+    # so the worker's `set_` (sleep) would not free the memory.
+    tensor = torch.empty(0, dtype=dtype).set_(whole.untyped_storage(), start // dtype.itemsize,
+                                               shape)
+    return tensor.zero_()  # fault every page in now, after the advice
 
 
 def advised_huge(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> bool:

@@ -78,3 +78,17 @@ def test_the_memory_lives_as_long_as_a_view_of_it():
 def test_advised_huge_without_proc_says_no(tmp_path):
     t = huge_pages.zeros((HUGE_PAGE_BYTES,), torch.uint8)
     assert not huge_pages.advised_huge(t, smaps=str(tmp_path / "missing"))
+
+
+def test_setting_an_empty_storage_frees_the_memory():
+    """Worker.sleep empties the cache tensors in place (`set_`): the tensor must be no view of
+    another that would keep the mapping, and every page goes back to the system."""
+    from tests.entrypoints.test_llm_sleep import resident_gb
+
+    t = huge_pages.zeros((2, HUGE_PAGE_BYTES), torch.uint8)
+    assert t._base is None
+    ranges = [(t.data_ptr(), t.numel())]
+    assert resident_gb(ranges) * (1 << 30) == t.numel()  # zeroed at once: all resident
+    t.set_(t.new_empty(0))
+    gc.collect()
+    assert resident_gb(ranges) == 0
