@@ -7,10 +7,11 @@ Why IR: in numba loops the heads' running sums and the query live in memory (num
 alias, so LLVM reloads and stores them around every position), and each 16-bit cache row was
 widened into a scratch array and read back once per query head. Here a position's key or value
 row is loaded and widened once into registers, and up to `HEADS` query heads' accumulators
-(times up to `VECTORS` vectors of the head dimension, for the values) stay in registers for
-the whole block. Vectors are 16 floats where the CPU has AVX-512, else 8; the code for each
-count of heads (and of vectors) is generated once and chosen by a switch at run time, so one
-compiled kernel serves every model shape.
+(for the values, times up to `_vectors_per_block()` vectors of the head dimension) stay in
+registers for the whole block; four positions' scores are reduced together (`_sum_each`).
+Vectors are 16 floats where the CPU has AVX-512, else 8; the code for each count of heads (and
+of vectors) is generated once and chosen by a switch at run time, so one compiled kernel serves
+every model shape.
 
 Numerics: float32 products and sums, each score's dot product summed in another order than the
 numba loops' (fastmath); the results agree with them to float32 rounding.
@@ -25,7 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.vector_ir import FAST, F32, I8, I16, I32, hsum, splat
+from mrv2.models.layers.vector_ir import FAST, F32, I8, I16, I32, hsum, splat, widen_half
 
 I64 = ir.IntType(64)
 HEADS = 4  # query heads per register block (a GQA group is usually 1-8)
@@ -66,12 +67,7 @@ def _load_widened(builder, ptr, dtype, width):
         vf = ir.VectorType(F32, width)
         return builder.load(builder.bitcast(ptr, vf.as_pointer()), align=4)
     bits = builder.load(builder.bitcast(ptr, ir.VectorType(I16, width).as_pointer()), align=2)
-    if dtype == types.uint16:
-        vi = ir.VectorType(I32, width)
-        wide = builder.shl(builder.zext(bits, vi), ir.Constant(vi, [16] * width))
-        return builder.bitcast(wide, ir.VectorType(F32, width))
-    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), width)),
-                         ir.VectorType(F32, width))
+    return widen_half(builder, bits, dtype == types.uint16)
 
 
 def _switch(builder, value, cases, emit):

@@ -1,12 +1,13 @@
 """Greedy sampling's argmax on the CPU: the numba twin of noise_triton.greedy_argmax for
 float32 logits (sampler_torch.py calls it; other dtypes keep torch's `max`).
 
-Why: torch's `max(dim=-1)` on the CPU walks a row comparing values and carrying indices, about
-four times slower than its plain `amax` (bench/README.md has both), and a NaN row must then be
-redone. Here each row is read once as integers: every float32's bit pattern maps to an int32
-key in the floats' order (`_order_key`), so the row's maximum is an integer max over runs of
-`_RUN` elements that the compiler vectorises, with a NaN flag OR-ed in the same pass; only the
-run that first reached the maximum is read again, for the first index holding it.
+Why: torch's `max(dim=-1)` on the CPU walks a row comparing values and carrying indices, several
+times slower than a plain maximum, and a NaN row must then be redone (bench/README.md has the
+kernel against it). Here each row is read once as integers: every float32's bit pattern maps to
+an int32 key in the floats' order (`_order_key`), so the row's maximum is an integer max over
+runs of `_RUN` elements that the compiler vectorises, with the largest magnitude (above +inf's
+where a NaN is) taken in the same pass; only the run that first reached the maximum is read
+again, for the first index holding it.
 
 Semantics (those of torch.argmax on the row with NaN read as -inf, and of the Triton twin):
 ties go to the lowest index, -0.0 equals 0.0, a row of NaN and -inf only gives token 0, and

@@ -156,15 +156,17 @@ def sum_accumulators(builder, row_accs):
 
 
 def widen_half(builder, bits, bf16):
-    """<8 x i16> (or i16) bit patterns -> <8 x float> (or float)."""
-    vector = isinstance(bits.type, ir.VectorType)
+    """<n x i16> (or i16) bit patterns -> <n x float> (or float): bfloat16 shifted into a
+    float's high half, float16 converted."""
+    if isinstance(bits.type, ir.VectorType):
+        n = bits.type.count
+        ints, floats, halves = (ir.VectorType(t, n) for t in (I32, F32, ir.HalfType()))
+        sixteen = ir.Constant(ints, [16] * n)
+    else:
+        ints, floats, halves, sixteen = I32, F32, ir.HalfType(), I32(16)
     if bf16:
-        wide = builder.zext(bits, V8I if vector else I32)
-        shifted = builder.shl(wide, ir.Constant(V8I, [16] * 8) if vector else I32(16))
-        return builder.bitcast(shifted, V8F if vector else F32)
-    half = ir.HalfType()
-    return builder.fpext(builder.bitcast(bits, ir.VectorType(half, 8) if vector else half),
-                         V8F if vector else F32)
+        return builder.bitcast(builder.shl(builder.zext(bits, ints), sixteen), floats)
+    return builder.fpext(builder.bitcast(bits, halves), floats)
 
 
 def call_intrinsic(builder, name, ret, args):
