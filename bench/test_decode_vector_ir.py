@@ -13,6 +13,7 @@ at 256 tokens split over the threads (the batch-1 case). bench/README.md has the
 from __future__ import annotations
 
 import types
+from functools import lru_cache
 
 import numba
 import numpy as np
@@ -31,8 +32,10 @@ SHAPES = {  # rows, seq_len, query heads, kv heads, layers
 }
 
 
+@lru_cache(maxsize=1)
 def _numba_loops_kernel():
-    """decode_kernel's source compiled with no head size taking the vector loops."""
+    """decode_kernel's source compiled with no head size taking the vector loops (once: a
+    compile takes ~15 s)."""
     source = decode_numba.decode_kernel.py_func
     scope = dict(source.__globals__, VECTOR_WIDTH=1 << 30)
     function = types.FunctionType(source.__code__, scope, source.__name__)
