@@ -83,6 +83,11 @@ def _switch(builder, value, cases, emit):
     builder.position_at_end(done)
 
 
+def _clamp(builder, left, most):
+    """min(left, most) of an i64 and a constant: the rows of the last register block."""
+    return builder.select(builder.icmp_signed(">", left, I64(most)), I64(most), left)
+
+
 def _typed(context, builder, sig, args, i):
     return context.cast(builder, args[i], sig.args[i], types.int64)
 
@@ -169,9 +174,7 @@ def block_scores(typingctx, qs, kb, kv, count, scores, t):
                                   align=4)
 
         with cgutils.for_range_slice(builder, I64(0), heads, I64(HEADS)) as (h0, _):
-            block_heads = builder.sub(heads, h0)
-            block_heads = builder.select(builder.icmp_signed(">", block_heads, I64(HEADS)),
-                                         I64(HEADS), block_heads)
+            block_heads = _clamp(builder, builder.sub(heads, h0), HEADS)
 
             def emit(n):
                 whole = builder.mul(builder.sdiv(count_, I64(passes)), I64(passes))
@@ -208,13 +211,10 @@ def block_values(typingctx, probs, t, vb, kv, count, acc):
         kv_bytes = builder.mul(kv_, v_strides[1])
         elem_bytes = I64(sig.args[2].dtype.bitwidth // 8)
 
-        def clamp(left, most):
-            return builder.select(builder.icmp_signed(">", left, I64(most)), I64(most), left)
-
         with cgutils.for_range_slice(builder, I64(0), heads, I64(HEADS)) as (h0, _):
-            block_heads = clamp(builder.sub(heads, h0), HEADS)
+            block_heads = _clamp(builder, builder.sub(heads, h0), HEADS)
             with cgutils.for_range_slice(builder, I64(0), vectors, I64(per_block)) as (v0, _):
-                block_vectors = clamp(builder.sub(vectors, v0), per_block)
+                block_vectors = _clamp(builder, builder.sub(vectors, v0), per_block)
                 # One switch value for (heads, vectors): heads * 8 + vectors.
                 key = builder.add(builder.mul(block_heads, I64(8)), block_vectors)
 

@@ -48,20 +48,27 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor.zero_()  # fault every page in now, after the advice
 
 
+def mapping_fields(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> dict[str, str]:
+    """The /proc smaps fields ("VmFlags", "AnonHugePages", ...) of the mapping holding
+    `tensor`'s first byte, each with the rest of its line; empty where /proc says nothing."""
+    address, fields, inside = tensor.data_ptr(), {}, False
+    try:
+        with open(smaps) as f:
+            for line in f:
+                head, _, rest = line.partition(" ")
+                if "-" in head and not head.endswith(":"):  # a mapping's address range
+                    if fields:
+                        break
+                    low, high = (int(part, 16) for part in head.split("-"))
+                    inside = low <= address < high
+                elif inside:
+                    fields[head.rstrip(":")] = rest.strip()
+    except OSError:
+        return {}
+    return fields
+
+
 def advised_huge(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> bool:
     """Whether the mapping holding `tensor`'s first byte is advised onto huge pages (its
     VmFlags list "hg"); False where /proc says nothing."""
-    address = tensor.data_ptr()
-    try:
-        with open(smaps) as f:
-            inside = False
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):
-                    low, high = (int(part, 16) for part in head.split("-"))
-                    inside = low <= address < high
-                elif inside and head == "VmFlags:":
-                    return "hg" in line.split()[1:]
-    except OSError:
-        return False
-    return False
+    return "hg" in mapping_fields(tensor, smaps).get("VmFlags", "").split()

@@ -37,15 +37,7 @@ def test_zeros_of_the_shape_asked_for(dtype):
 
 def _huge_kib(tensor: torch.Tensor) -> int:
     """AnonHugePages of the mapping holding the tensor's first byte, in KiB (/proc)."""
-    address, inside = tensor.data_ptr(), False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            low, high = (int(part, 16) for part in head.split("-"))
-            inside = low <= address < high
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+    return int(huge_pages.mapping_fields(tensor).get("AnonHugePages", "0 kB").split()[0])
 
 
 def test_large_tensors_are_advised_onto_huge_pages_and_get_them():
