@@ -68,6 +68,7 @@ class Worker:
         self.model = load_model(self.config.model_config, self.device)
         if self.device.type == "cpu":
             self._fast_paths = cpu_fast_paths.attach(self.model, self.config.model_config)
+            _weights_onto_huge_pages(self.model, self._fast_paths)
         elif self.device.type == "cuda":
             # Decode-only steps split long contexts over several programs (flash-decoding);
             # the partials' scratch is allocated once here, before warm-up and graph capture.
@@ -201,6 +202,18 @@ class Worker:
         if isinstance(output, AsyncOutput) and not output.copy_in_flight:
             return output.get_output()
         return output
+
+
+def _weights_onto_huge_pages(model: torch.nn.Module,
+                             fast_paths: cpu_fast_paths.CpuFastPaths | None) -> None:
+    """Move every weight a CPU decode step streams onto huge pages (huge_pages.collapse): the
+    model's parameters and buffers, and the quantized or 16-bit weights the fast paths compute
+    on in their place. oneDNN's packed copies are collapsed where they are made."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if fast_paths is not None and fast_paths.quantized is not None:
+        tensors += [t for weight in fast_paths.quantized.weights.values()
+                    for t in (weight.q, weight.scales, weight.mins) if t is not None]
+    huge_pages.collapse(tensors)
 
 
 def _return_free_heap_pages() -> None:

@@ -101,6 +101,35 @@ def test_cpu_kv_caches_sit_on_huge_pages_and_come_back_zeroed_after_sleep(tiny_l
         assert huge_pages.advised_huge(cache) == thp
 
 
+def test_cpu_weights_are_collapsed_onto_huge_pages_once_each(monkeypatch):
+    """Every parameter and buffer, and the q / scale tables of the weights the fast paths
+    attached in their place, are handed to huge_pages.collapse; their values unchanged."""
+    from mrv2.models import cpu as cpu_fast_paths
+    from mrv2.models.cpu.quantized_weights import QuantizedModules
+    from mrv2.models.layers.quantized import QuantizedWeight
+    from mrv2.utils import huge_pages
+    from mrv2.worker import _weights_onto_huge_pages
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(1024, 1024)  # 4 MiB
+    model.head = torch.nn.Linear(1024, 1024, bias=False)
+    model.head.weight = model.embed.weight  # tied: one memory
+    model.register_buffer("table", torch.ones(8))
+    half = QuantizedWeight("bf16", 0, torch.zeros(1024, 2048, dtype=torch.int16), None, None,
+                           "BF16")
+    blocks = QuantizedWeight("i8", 32, torch.zeros(64, 64, dtype=torch.int8),
+                             torch.ones(64, 2, dtype=torch.int16), None, "Q8_0")
+    paths = cpu_fast_paths.CpuFastPaths([], None, QuantizedModules({"a": half, "b": blocks}))
+    seen = []
+    real = huge_pages.collapse
+    monkeypatch.setattr(huge_pages, "collapse", lambda ts: seen.extend(ts) or real(ts))
+    _weights_onto_huge_pages(model, paths)
+    addresses = {huge_pages.memory_of(t)[0] for t in seen}
+    assert addresses == {model.embed.weight.data_ptr(), model.table.data_ptr(),
+                         half.q.data_ptr(), blocks.q.data_ptr(), blocks.scales.data_ptr()}
+    assert torch.equal(half.q, torch.zeros_like(half.q))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kv_budget_leaves_room_for_the_largest_step(tiny_llama):

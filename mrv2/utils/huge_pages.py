@@ -1,4 +1,6 @@
-"""Host memory on transparent huge pages, for the CPU KV cache (worker.py allocates it here).
+"""Host memory on transparent huge pages: the CPU KV cache (worker.py allocates it here) and
+the weights a decode step streams (`collapse`: the worker's loaded weights, oneDNN's packed
+copies where they are made).
 
 Why: a decode step reads each row's KV blocks where its block table puts them, scattered over
 the whole cache. On 4 KiB pages nearly every block costs a TLB miss and a page walk through page
@@ -11,16 +13,29 @@ The memory is a fresh anonymous mapping, written with zeros at once as torch.zer
 page is resident (as huge pages) from the start, so a machine without the memory fails when
 the cache is allocated rather than in the middle of a request. It is unmapped when the last
 tensor viewing it goes.
+
+Weights already in memory (allocated by torch, glibc or oneDNN, on ordinary pages) are moved
+onto huge pages in place by `collapse` (MADV_COLLAPSE, Linux 6.1): every 2 MiB page of the
+address space that holds any of a tensor's bytes, so a huge page may hold other memory too
+(the kernel copies it along; nothing changes for it, and the page's untouched 4 KiB pages
+become resident). A
+decode step reads every weight once: on 4 KiB pages its stream takes a TLB miss per page, and
+under a hypervisor each walk is two-dimensional.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import sys
+from collections.abc import Iterable
+from functools import lru_cache
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
+_MADV_COLLAPSE = 25  # linux/mman.h; Python's mmap module names it from 3.14 only
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +61,48 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(0, dtype=dtype).set_(whole.untyped_storage(), start // dtype.itemsize,
                                                shape)
     return tensor.zero_()  # fault every page in now, after the advice
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    """libc's madvise(address, length, advice), or None off Linux or without it."""
+    if sys.platform != "linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def memory_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory holding a CPU tensor: its storage, or the buffer of a
+    tensor in oneDNN's opaque layout (a packed weight)."""
+    if tensor.layout == torch._mkldnn:
+        return torch.ops.mkldnn.data_ptr(tensor), torch.ops.mkldnn._nbytes(tensor)
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def collapse(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the memory of `tensors` (CPU tensors, `memory_of` each) onto huge pages now, in
+    place, contents unchanged: every 2 MiB page holding any of their bytes, each once, so
+    small tensors side by side share their pages. Returns how many pages the kernel collapsed.
+    Best effort: off the CPU, on a kernel without MADV_COLLAPSE, or where the kernel refuses a
+    page (one spanning two kinds of mapping, no free huge page), pages stay as they are."""
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    pages: set[int] = set()
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            address, nbytes = memory_of(tensor)
+            pages.update(range(address // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES, address + nbytes,
+                               HUGE_PAGE_BYTES))
+    # One page at a time: a refused page leaves the others to be collapsed.
+    return sum(madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0 for page in sorted(pages))
 
 
 def mapping_fields(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> dict[str, str]:

@@ -84,3 +84,62 @@ def test_setting_an_empty_storage_frees_the_memory():
     t.set_(t.new_empty(0))
     gc.collect()
     assert resident_gb(ranges) == 0
+
+
+def _kernel_collapses() -> bool:
+    """Linux 6.1 or later (MADV_COLLAPSE) with transparent huge pages on."""
+    import platform
+
+    try:
+        major, minor = (int(part) for part in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (platform.system() == "Linux" and (major, minor) >= (6, 1)
+            and _thp_mode() in ("madvise", "always"))
+
+
+def test_collapse_moves_a_tensor_onto_huge_pages_in_place():
+    t = torch.randn(3 * HUGE_PAGE_BYTES // 4 + 1000)  # torch's own allocation, 4 KiB pages
+    before, address = t.clone(), t.data_ptr()
+    pages = huge_pages.collapse([t])
+    assert t.data_ptr() == address and torch.equal(t, before)
+    if not _kernel_collapses():
+        return
+    # At least the 2 MiB pages wholly inside its ~6 MiB; the two it shares with the memory
+    # around it where that memory is an anonymous mapping too.
+    assert 2 <= pages <= 4
+    assert _huge_kib(t) >= 2 * HUGE_PAGE_BYTES // 1024
+
+
+def test_collapse_takes_a_packed_weight_and_leaves_its_products_unchanged():
+    from mrv2.models.layers import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("torch without oneDNN")
+    weight = torch.randn(1024, 1536)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    address, nbytes = huge_pages.memory_of(packed)
+    assert address == torch.ops.mkldnn.data_ptr(packed) and nbytes >= weight.nbytes
+    x = torch.randn(5, 1536)
+    before = cpu_linear.onednn_linear(x, packed)
+    pages = huge_pages.collapse([packed])
+    assert torch.equal(cpu_linear.onednn_linear(x, packed), before)
+    if _kernel_collapses():
+        assert pages >= nbytes // HUGE_PAGE_BYTES - 1
+
+
+def test_collapse_counts_each_page_once_and_a_view_by_its_whole_storage():
+    whole = torch.zeros(HUGE_PAGE_BYTES)  # 8 MiB of float32
+    part = whole[:10]
+    assert huge_pages.memory_of(part) == (whole.data_ptr(), whole.nbytes)
+    spanned = (whole.data_ptr() + whole.nbytes - 1) // HUGE_PAGE_BYTES \
+        - whole.data_ptr() // HUGE_PAGE_BYTES + 1
+    pages = huge_pages.collapse([part, whole, whole[5:]])
+    assert pages <= spanned
+    if _kernel_collapses():
+        assert pages >= 3  # the pages wholly inside its 8 MiB, not just those of the view
+    assert not whole.any()
+    small = [torch.ones(100), torch.ones(100)]
+    assert huge_pages.collapse(small) <= 2
+    assert all(t.sum().item() == 100 for t in small)
+    assert huge_pages.collapse([]) == 0

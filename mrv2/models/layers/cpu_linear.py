@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from mrv2 import platform
 from mrv2.models.layers import cpu_gemv, tile_linear
+from mrv2.utils import huge_pages
 
 _ATTR = "_mrv2_onednn_packed"  # (version, packed weight) on the weight tensor
 
@@ -50,6 +51,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     if cached is not None and cached[0] == weight._version:
         return cached[1]
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    huge_pages.collapse([packed])  # each decode step streams it
     setattr(weight, _ATTR, (weight._version, packed))
     return packed
 
