@@ -37,6 +37,22 @@ def test_packed_weight_is_cached_and_repacked_after_in_place_changes():
     torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@needs_onednn
+@torch.no_grad()
+def test_onednn_pack_puts_the_packed_weight_on_huge_pages(monkeypatch):
+    """Both packings (float32 here, QuantizedWeight.onednn_packed for 16-bit) go through
+    onednn_pack, which collapses the packed memory; the products are oneDNN's as before."""
+    from mrv2.utils import huge_pages
+
+    collapsed = []
+    monkeypatch.setattr(huge_pages, "collapse", lambda ts: collapsed.extend(ts) or len(ts))
+    w, x = torch.randn(96, 64), torch.randn(20, 64)
+    packed = cpu_linear.packed_weight(w)
+    assert [huge_pages.memory_of(t) for t in collapsed] == [huge_pages.memory_of(packed)]
+    expected = cpu_linear.onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(w))
+    assert torch.equal(cpu_linear.onednn_linear(x, packed), expected)
+
+
 @torch.no_grad()
 def test_parameters_and_strided_inputs():
     layer = torch.nn.Linear(48, 40)

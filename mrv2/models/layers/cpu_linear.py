@@ -50,9 +50,16 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     cached = getattr(weight, _ATTR, None)
     if cached is not None and cached[0] == weight._version:
         return cached[1]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-    huge_pages.collapse([packed])  # each decode step streams it
+    packed = onednn_pack(weight.detach().contiguous())
     setattr(weight, _ATTR, (weight._version, packed))
+    return packed
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a contiguous [N, K] weight, for `onednn_linear`, on huge pages
+    (huge_pages.collapse: each decode step streams it)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    huge_pages.collapse([packed])
     return packed
 
 

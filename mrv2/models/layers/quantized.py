@@ -38,7 +38,6 @@ from mrv2 import platform
 from mrv2.models.layers import cpu_linear, quantized_numba
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
-from mrv2.utils import huge_pages
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
     {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"})
@@ -311,9 +310,7 @@ class QuantizedWeight:
         """A 16-bit weight in oneDNN's blocked layout (cpu_linear.native_16bit_linear), packed
         at first use (`q` never changes in place)."""
         if self._onednn_packed is None:
-            self._onednn_packed = torch.ops.mkldnn._reorder_linear_weight(
-                self.q.view(self.half_dtype))
-            huge_pages.collapse([self._onednn_packed])  # each decode step streams it
+            self._onednn_packed = cpu_linear.onednn_pack(self.q.view(self.half_dtype))
         return self._onednn_packed
 
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
