@@ -33,3 +33,16 @@ def test_float32_cpu_inference_only():
         assert not float32_cpu_inference(torch.zeros(2, 2, 4))
         assert float32_cpu_inference(torch.zeros(4096, 4))  # prefills: the parallel form
     assert not float32_cpu_inference(x)  # autograd on: the torch path keeps the graph
+
+
+def test_typed_list_holds_the_items_themselves_in_order():
+    import numpy as np
+
+    from mrv2.models.layers.numba_rows import typed_list
+
+    arrays = tuple(np.full((2, 3), i, np.float32) for i in range(4))
+    listed = typed_list(arrays)
+    assert len(listed) == 4
+    assert [int(a[0, 0]) for a in listed] == [0, 1, 2, 3]
+    arrays[2][1, 1] = 7.0  # views, not copies: an in-place change is seen
+    assert listed[2][1, 1] == 7.0

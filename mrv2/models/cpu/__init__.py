@@ -45,6 +45,8 @@ class CpuFastPaths:
         so the cache can be freed (Worker.sleep); the next step builds them again."""
         if self.decode is not None:
             self.decode.args = None
+            if self.decode.onednn is not None:
+                self.decode.onednn.release_kv_views()
 
 
 def attach(model: nn.Module, model_config: ModelConfig | None = None) -> CpuFastPaths | None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import numba
-from numba import njit, typed
+from numba import typed
 
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
@@ -41,6 +41,7 @@ from mrv2.models.cpu.quantized_weights import QuantizedEmbeddingForward, Quantiz
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
+from mrv2.models.layers.numba_rows import typed_list
 from mrv2.models.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ def _projection_views(modules) -> typed.List:
     views = [_projection_view(m) for m in modules]
     if len({numba.typeof(v) for v in views}) > 1:
         views = [_projection_view(m, float32_tables=True) for m in modules]
-    return _typed_list(tuple(views))
+    return typed_list(tuple(views))
 
 
 def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
@@ -200,18 +201,7 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
 
 
 def _views(tensors) -> typed.List:
-    return _typed_list(tuple(t.detach().numpy() for t in tensors))
-
-
-@njit(cache=True)
-def _typed_list(items):
-    """A typed list of `items` (a tuple whose items share one numba type). Built in a cached
-    function: `typed.List(...)` from Python compiles numba's list helpers for each item type
-    in every process (0.4-1 s a type, ~2 s an engine start), and does not cache them."""
-    out = typed.List()
-    for item in items:
-        out.append(item)
-    return out
+    return typed_list(tuple(t.detach().numpy() for t in tensors))
 
 
 class _StackArgs:
@@ -236,7 +226,7 @@ class _StackArgs:
         (self.w_qkvs, self.w_os, self.w_gate_ups, self.w_downs) = (
             _projection_views([layer.get_submodule(name) for layer in layers])
             for name in PROJECTIONS)
-        self.kv_caches = _typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
+        self.kv_caches = typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
         self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
         self.final_norm = model.norm.weight.detach().numpy()
         self.w_embed = _weight_view(_embedding(model))

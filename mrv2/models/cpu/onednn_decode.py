@@ -31,7 +31,10 @@ rounding, for a difference the numba cache's state caused there: see the test).
 On a CPU with AMX a bfloat16 model's linears run on tile_linear's kernel instead of oneDNN,
 reading the same oneDNN-packed weights (no second copy) nearer the machine's streaming rate,
 written into the step's buffers; the layer path takes the same kernel for these row counts
-(cpu_linear.half_linear), so the two still agree bit for bit.
+(cpu_linear.half_linear), so the two still agree bit for bit. Where every projection runs on
+the tiles, the whole step is one numba call (`_layers_on_tiles`: the same segments and kernel
+in the same order), so no Python runs between the layers: after a linear has streamed its
+weight, each Python operation's objects come back from memory, tens of microseconds apiece.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from mrv2.models.cpu.quantized_weights import bfloat16_weight, float32_weight
 from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized, tile_linear
 from mrv2.models.layers.quantized import QuantizedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
-from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS
+from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS, typed_list
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
 
@@ -129,6 +132,39 @@ def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_c
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                   seq_lens, scale, attn, kv_per_item, splits)
     _store_as_linear_input(attn.reshape(rows, q_size), linear_in)
+
+
+@njit(**NUMBA_OPTIONS)
+def _layers_on_tiles(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
+                     final_eps, kv_caches, cos, sin, num_heads, num_kv_heads, head_dim, slots,
+                     tables, seq_lens, scale, kv_per_item, splits, threads, linear_views,
+                     scratches, out):
+    """The step of `OneDnnDecode.__call__`'s loop, every linear on tile_linear's kernel, as one
+    call: hidden [rows, hidden] float32 -> the final norm's output in `out`. linear_views: the
+    bfloat16 bits of (x, qkv, attn, o, gate_up, act, down), each linear's input or output;
+    scratches: `_StepBuffers`' float32 arrays (residuals, scratch, qkv_scratch, normed, q, k,
+    attn_out)."""
+    x_in, qkv, attn_in, o, gate_up, act, down = linear_views
+    residuals, scratch, qkv_scratch, normed, q, k, attn_out = scratches
+    none = np.empty((0, 0), np.float32)  # no residual: the first layer's stream is its input
+    _norm_segment(hidden, none, ln1s[0], eps, scratch, normed, none, x_in)
+    residual, turn = hidden, 0
+    for i in range(len(w_qkvs)):
+        if i > 0:  # the previous layer's MLP output joins the residual stream
+            _norm_segment(down, residual, ln1s[i], eps, scratch, normed, residuals[turn], x_in)
+            residual, turn = residuals[turn], 1 - turn
+        tile_linear.tile_linear_kernel(x_in, w_qkvs[i], qkv, threads)
+        kv = kv_caches[i]
+        _attention_segment(qkv, cos, sin, num_heads, num_kv_heads, head_dim, kv[0], kv[1],
+                           slots, tables, seq_lens, scale, kv_per_item, splits, qkv_scratch,
+                           q, k, attn_out, attn_in)
+        tile_linear.tile_linear_kernel(attn_in, w_os[i], o, threads)
+        _norm_segment(o, residual, ln2s[i], eps, scratch, normed, residuals[turn], x_in)
+        residual, turn = residuals[turn], 1 - turn
+        tile_linear.tile_linear_kernel(x_in, w_gate_ups[i], gate_up, threads)
+        activation_numba.silu_and_mul_bf16_kernel(gate_up, act.shape[1], act)
+        tile_linear.tile_linear_kernel(act, w_downs[i], down, threads)
+    _norm_segment(down, residual, final_norm, final_eps, scratch, out, residuals[turn], out)
 
 
 def _kernel_view(t: torch.Tensor) -> np.ndarray:
@@ -218,6 +254,11 @@ class OneDnnDecode:
         # A bfloat16 model's tile views, made at the first step (packing is lazy) and kept:
         # its packed weights never change (QuantizedWeight.onednn_packed).
         self._tile_weights: list[tuple] | None = None
+        # Where every projection has a tile view, `_layers_on_tiles`' typed lists of them and
+        # of the norms' weights (views: an in-place change is seen), made with the views.
+        self._tile_lists: tuple | None = None
+        # The KV caches' typed list for `_layers_on_tiles` and the data pointers it views.
+        self._kv_lists: tuple[tuple[int, ...], object] | None = None
 
     def step_weights(self) -> list[tuple]:
         """Each layer's four projections as the step's linears take them: on a CPU with AMX a
@@ -229,7 +270,31 @@ class OneDnnDecode:
             return packed
         self._tile_weights = [tuple(p if (t := tile_linear.weight_tiles(p)) is None else t
                                     for p in layer) for layer in packed]
+        if all(isinstance(w, np.ndarray) for layer in self._tile_weights for w in layer):
+            norms = [[layer.get_submodule(name).weight.detach().numpy() for layer in self.layers]
+                     for name in ("input_layernorm", "post_attention_layernorm")]
+            self._tile_lists = (*(typed_list(tuple(view)) for view in norms),
+                                *(typed_list(tuple(layer[j] for layer in self._tile_weights))
+                                  for j in range(len(PROJECTIONS))))
         return self._tile_weights
+
+    @property
+    def one_call(self) -> bool:
+        """Whether a step runs as one numba call (`_layers_on_tiles`): every projection on
+        the tiles. Known from the first step on (`step_weights`)."""
+        return self._tile_lists is not None
+
+    def kv_lists(self, kv_caches: list[torch.Tensor]):
+        """The caches as `_layers_on_tiles` takes them (a typed list of views), made again
+        when a cache has new memory (wake_up)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._kv_lists is None or self._kv_lists[0] != key:
+            self._kv_lists = (key, typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
+        return self._kv_lists[1]
+
+    def release_kv_views(self) -> None:
+        """Drop the views of the KV caches (they keep its memory alive: Worker.sleep)."""
+        self._kv_lists = None
 
     def runs(self, rows: int) -> bool:
         return self.min_rows <= rows <= MAX_ONEDNN_DECODE_ROWS
@@ -244,11 +309,24 @@ class OneDnnDecode:
         threads = numba.get_num_threads()
         cos, sin = (t.contiguous().numpy() for t in cos_sin)
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
-        caches = [(kv_numba.numpy_view(c[0]), kv_numba.numpy_view(c[1])) for c in kv_caches]
         kv_bytes = step_kv_bytes(seq_lens, self.num_kv_heads, self.head_dim,
-                                 caches[0][0].itemsize, len(caches))
+                                 kv_caches[0].element_size(), len(kv_caches))
         kv_per_item, splits = work_split(rows, self.num_kv_heads, threads, kv_bytes)
         tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
+        if self.one_call:
+            out = torch.empty(rows, hidden_size, dtype=torch.float32)
+            ln1s, ln2s, w_qkvs, w_os, w_gate_ups, w_downs = self._tile_lists
+            _layers_on_tiles(
+                hidden.contiguous().numpy(), ln1s, ln2s, self.eps, w_qkvs, w_os, w_gate_ups,
+                w_downs, self.model.norm.weight.numpy(), np.float32(self.model.norm.eps),
+                self.kv_lists(kv_caches), cos, sin, self.num_heads, self.num_kv_heads,
+                self.head_dim, slots, tables, seq_lens, self.scale, kv_per_item, splits, threads,
+                (buf.x_in, buf.outs[0][1], buf.attn_in, buf.outs[1][1], buf.outs[2][1],
+                 buf.act_in, buf.outs[3][1]),
+                (buf.residuals, buf.scratch, buf.qkv_scratch, buf.normed, buf.q, buf.k,
+                 buf.attn_out), out.numpy())
+            return out
+        caches = [(kv_numba.numpy_view(c[0]), kv_numba.numpy_view(c[1])) for c in kv_caches]
         # The first layer's residual stream is its input (the norm adds nothing to it).
         residual, turn, down = hidden.contiguous().numpy(), 0, None
         for i, (layer, packed) in enumerate(zip(self.layers, weights)):

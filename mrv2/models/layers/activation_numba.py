@@ -46,7 +46,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @njit(parallel=True, **NUMBA_OPTIONS)
-def _silu_and_mul_bf16_rows(gate_up, width, out):
+def silu_and_mul_bf16_kernel(gate_up, width, out):
     """gate_up, out: bfloat16 bit patterns (uint16)."""
     rows = gate_up.shape[0]
     for c in prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
@@ -63,5 +63,5 @@ def silu_and_mul_bf16(gate_up: torch.Tensor, out: torch.Tensor | None = None) ->
     width = gate_up.shape[1] // 2
     if out is None:
         out = torch.empty(gate_up.shape[0], width, dtype=torch.bfloat16)
-    _silu_and_mul_bf16_rows(half_bits(gate_up.contiguous()), width, half_bits(out))
+    silu_and_mul_bf16_kernel(half_bits(gate_up.contiguous()), width, half_bits(out))
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit, typed
 
 # Compile options of every layer kernel: cached on disk, IEEE corner cases not checked.
 NUMBA_OPTIONS = dict(fastmath=True, error_model="numpy", cache=True)
@@ -33,3 +34,15 @@ def rows_view(t: torch.Tensor) -> np.ndarray:
     if t.stride(-1) != 1:
         t = t.contiguous()
     return t.detach().numpy()
+
+
+@njit(cache=True)
+def typed_list(items):
+    """A typed list of `items` (a tuple whose items share one numba type), as the kernels take
+    a model's per-layer views. Built in a cached function: `typed.List(...)` from Python
+    compiles numba's list helpers for each item type in every process (0.4-1 s a type, ~2 s an
+    engine start), and does not cache them."""
+    out = typed.List()
+    for item in items:
+        out.append(item)
+    return out

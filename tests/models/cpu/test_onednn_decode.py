@@ -131,15 +131,27 @@ def test_not_for_gguf_blocks_or_a_biased_projection(tiny_llama, tiny_gguf_factor
 @pytest.mark.skipif(not tile_linear.usable(), reason="this CPU has no AMX tiles")
 def test_bfloat16_linears_on_amx_tiles_where_the_shapes_allow(tiny_llama):
     """The tiny model's projections are all multiples of 32 wide: on AMX every one is a tile
-    view, kept from the first step on (the bit-for-bit test above then runs the tiles)."""
+    view, kept from the first step on, and a step is one numba call (the bit-for-bit test
+    above then runs it); its typed list of the KV caches is kept while their memory is, and
+    dropped for Worker.sleep (CpuFastPaths.release_kv_views)."""
     from mrv2.engine.arg_utils import EngineArgs
     from mrv2.models import cpu, load_model
 
     config = EngineArgs(model=str(tiny_llama), dtype="bfloat16",
                         device="cpu").create_engine_config().model_config
     model = load_model(config, torch.device("cpu"))
-    cpu.attach(model, config)
-    path = onednn_decode.onednn_decode(model.model)
+    paths = cpu.attach(model, config)
+    path = paths.decode.onednn
+    assert not path.one_call  # until the first step packs the weights
     weights = path.step_weights()
     assert all(isinstance(w, np.ndarray) for layer in weights for w in layer)
-    assert path.step_weights() is weights
+    assert path.step_weights() is weights and path.one_call
+    caches = [torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16) for _ in weights]
+    views = path.kv_lists(caches)
+    assert path.kv_lists(caches) is views and len(views) == len(weights)
+    assert np.shares_memory(views[1], onednn_decode.kv_numba.numpy_view(caches[1]))
+    caches[1] = torch.zeros_like(caches[1])  # new memory (wake_up): new views
+    assert np.shares_memory(path.kv_lists(caches)[1],
+                            onednn_decode.kv_numba.numpy_view(caches[1]))
+    paths.release_kv_views()
+    assert path._kv_lists is None
