@@ -206,14 +206,14 @@ class Worker:
 
 def _weights_onto_huge_pages(model: torch.nn.Module,
                              fast_paths: cpu_fast_paths.CpuFastPaths | None) -> None:
-    """Move every weight a CPU decode step streams onto huge pages (huge_pages.collapse): the
-    model's parameters and buffers, and the quantized or 16-bit weights the fast paths compute
-    on in their place. oneDNN's packed copies are collapsed where they are made."""
+    """Move every weight a CPU decode step streams onto huge pages (huge_pages.collapse_weights):
+    the model's parameters and buffers, and the quantized or 16-bit weights the fast paths
+    compute on in their place. oneDNN's packed copies are collapsed where they are made."""
     tensors = [*model.parameters(), *model.buffers()]
     if fast_paths is not None and fast_paths.quantized is not None:
         tensors += [t for weight in fast_paths.quantized.weights.values()
                     for t in (weight.q, weight.scales, weight.mins) if t is not None]
-    huge_pages.collapse(tensors)
+    huge_pages.collapse_weights(tensors)
 
 
 def _return_free_heap_pages() -> None:

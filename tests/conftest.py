@@ -17,6 +17,10 @@ os.environ.setdefault("MRV2_FIT_THREADS_TO_FREE_CORES", "0")
 # dtype="auto" on the CPU follows the machine (bfloat16 where it has matrix units for it);
 # the suite's references are float32 models, so it pins float32 (tests of the choice unset it).
 os.environ.setdefault("MRV2_CPU_AUTO_DTYPE", "float32")
+# Weights stay on the pages they were loaded on: collapsing them onto huge pages costs each
+# engine start about a second a gigabyte (utils/huge_pages.py; its tests and the worker's
+# turn it on where they check it).
+os.environ.setdefault("MRV2_HUGE_PAGE_WEIGHTS", "0")
 
 
 @pytest.fixture(scope="session")

@@ -123,6 +123,10 @@ def test_cpu_weights_are_collapsed_onto_huge_pages_once_each(monkeypatch):
     seen = []
     real = huge_pages.collapse
     monkeypatch.setattr(huge_pages, "collapse", lambda ts: seen.extend(ts) or real(ts))
+    monkeypatch.setenv(huge_pages.WEIGHTS_ENV, "0")  # the suite's setting: nothing collapsed
+    _weights_onto_huge_pages(model, paths)
+    assert seen == []
+    monkeypatch.setenv(huge_pages.WEIGHTS_ENV, "1")
     _weights_onto_huge_pages(model, paths)
     addresses = {huge_pages.memory_of(t)[0] for t in seen}
     assert addresses == {model.embed.weight.data_ptr(), model.table.data_ptr(),

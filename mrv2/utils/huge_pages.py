@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 import sys
 from collections.abc import Iterable
 from functools import lru_cache
@@ -35,6 +36,10 @@ from functools import lru_cache
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
+# "0" leaves the weights on the pages they were allocated on (`collapse_weights`): collapsing
+# copies every weight once (about a second a gigabyte here), which start-up-bound runs such as
+# the test suite skip.
+WEIGHTS_ENV = "MRV2_HUGE_PAGE_WEIGHTS"
 _MADV_COLLAPSE = 25  # linux/mman.h; Python's mmap module names it from 3.14 only
 
 
@@ -103,6 +108,14 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
                                HUGE_PAGE_BYTES))
     # One page at a time: a refused page leaves the others to be collapsed.
     return sum(madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0 for page in sorted(pages))
+
+
+def collapse_weights(tensors: Iterable[torch.Tensor]) -> int:
+    """`collapse` for the weights a decode step streams (the worker's loaded weights, oneDNN's
+    packings), unless MRV2_HUGE_PAGE_WEIGHTS is "0"."""
+    if os.environ.get(WEIGHTS_ENV, "1") == "0":
+        return 0
+    return collapse(tensors)
 
 
 def mapping_fields(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> dict[str, str]:

@@ -46,6 +46,7 @@ def test_onednn_pack_puts_the_packed_weight_on_huge_pages(monkeypatch):
 
     collapsed = []
     monkeypatch.setattr(huge_pages, "collapse", lambda ts: collapsed.extend(ts) or len(ts))
+    monkeypatch.setenv(huge_pages.WEIGHTS_ENV, "1")
     w, x = torch.randn(96, 64), torch.randn(20, 64)
     packed = cpu_linear.packed_weight(w)
     assert [huge_pages.memory_of(t) for t in collapsed] == [huge_pages.memory_of(packed)]

@@ -143,3 +143,12 @@ def test_collapse_counts_each_page_once_and_a_view_by_its_whole_storage():
     assert huge_pages.collapse(small) <= 2
     assert all(t.sum().item() == 100 for t in small)
     assert huge_pages.collapse([]) == 0
+
+
+def test_collapse_weights_follows_the_switch(monkeypatch):
+    t = torch.randn(HUGE_PAGE_BYTES // 4 * 3)
+    monkeypatch.setenv(huge_pages.WEIGHTS_ENV, "0")
+    assert huge_pages.collapse_weights([t]) == 0
+    monkeypatch.setenv(huge_pages.WEIGHTS_ENV, "1")
+    pages = huge_pages.collapse_weights([t])
+    assert pages >= 2 if _kernel_collapses() else pages == 0

@@ -59,7 +59,7 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of a contiguous [N, K] weight, for `onednn_linear`, on huge pages
     (huge_pages.collapse: each decode step streams it)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    huge_pages.collapse([packed])
+    huge_pages.collapse_weights([packed])
     return packed
 
 
