@@ -18,9 +18,8 @@ Weights already in memory (allocated by torch, glibc or oneDNN, on ordinary page
 onto huge pages in place by `collapse` (MADV_COLLAPSE, Linux 6.1): every 2 MiB page of the
 address space that holds any of a tensor's bytes, so a huge page may hold other memory too
 (the kernel copies it along; nothing changes for it, and the page's untouched 4 KiB pages
-become resident). A
-decode step reads every weight once: on 4 KiB pages its stream takes a TLB miss per page, and
-under a hypervisor each walk is two-dimensional.
+become resident). A decode step reads every weight once: on 4 KiB pages its stream takes a
+TLB miss per page, and under a hypervisor each walk is two-dimensional.
 """
 
 from __future__ import annotations
