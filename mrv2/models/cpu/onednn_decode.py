@@ -233,6 +233,7 @@ class OneDnnDecode:
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.scale = attn.head_dim, np.float32(attn.attn.scale)
         self.eps = np.float32(self.layers[0].input_layernorm.eps)
+        self.final_eps = np.float32(model.norm.eps)
         # The rows from which the layer path's linears run on oneDNN.
         self.min_rows = (quantized.MIN_NATIVE_HALF_ROWS if dtype == torch.bfloat16
                          else cpu_gemv.MAX_GEMV_ROWS + 1)
@@ -318,7 +319,7 @@ class OneDnnDecode:
             ln1s, ln2s, w_qkvs, w_os, w_gate_ups, w_downs = self._tile_lists
             _layers_on_tiles(
                 hidden.contiguous().numpy(), ln1s, ln2s, self.eps, w_qkvs, w_os, w_gate_ups,
-                w_downs, self.model.norm.weight.numpy(), np.float32(self.model.norm.eps),
+                w_downs, self.model.norm.weight.numpy(), self.final_eps,
                 self.kv_lists(kv_caches), cos, sin, self.num_heads, self.num_kv_heads,
                 self.head_dim, slots, tables, seq_lens, self.scale, kv_per_item, splits, threads,
                 (buf.x_in, buf.outs[0][1], buf.attn_in, buf.outs[1][1], buf.outs[2][1],
@@ -353,7 +354,7 @@ class OneDnnDecode:
             down = _step_linear(act, buf.act_in, packed[3], buf.outs[3], threads)
         out = torch.empty(rows, hidden_size, dtype=torch.float32)
         _norm_segment(_kernel_view(down), residual, self.model.norm.weight.numpy(),
-                      np.float32(self.model.norm.eps), buf.scratch, out.numpy(),
+                      self.final_eps, buf.scratch, out.numpy(),
                       buf.residuals[turn], out.numpy())
         return out
 
