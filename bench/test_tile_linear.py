@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrv2.models.layers import tile_linear
+from mrv2.models.layers import cpu_linear, tile_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -44,7 +44,7 @@ def test_decode_linears(benchmark, rows, impl):
         weights = [[tile_linear.weight_tiles(p) for p in layer] for layer in layers]
 
         def run():
-            return [tile_linear.tile_linear(x, w) for layer in weights
+            return [cpu_linear.few_rows_linear(x, w) for layer in weights
                     for x, w in zip(xs, layer)]
     else:
         def run():

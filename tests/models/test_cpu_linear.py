@@ -3,11 +3,13 @@ packed-weight cache's invalidation."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mrv2.models.layers import cpu_gemv, cpu_linear, tile_linear
+from mrv2.models.layers import cpu_gemv, cpu_linear, dot_linear, tile_linear
+from mrv2.models.layers.vector_ir import half_bits
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
 
@@ -143,16 +145,40 @@ def test_computes_natively_needs_onednn(monkeypatch):
         cpu_linear.computes_natively.cache_clear()
 
 
-@pytest.mark.skipif(not tile_linear.usable(), reason="this CPU has no AMX tiles")
-@pytest.mark.parametrize("rows, on_tiles", [(2, True), (tile_linear.MAX_ROWS, True),
-                                            (tile_linear.MAX_ROWS + 1, False)])
-def test_half_linear_takes_the_tiles_up_to_their_rows(monkeypatch, rows, on_tiles):
-    w = torch.randn(64, 96).bfloat16()
+few_rows = pytest.mark.skipif(not (tile_linear.usable() or dot_linear.runs_here()),
+                              reason="this CPU has neither AMX tiles nor AVX-512 BF16")
+
+
+@few_rows
+@pytest.mark.parametrize("rows, on_kernel", [(2, True), (cpu_linear.FEW_ROWS_MAX, True),
+                                             (cpu_linear.FEW_ROWS_MAX + 1, False)])
+def test_half_linear_takes_the_few_row_kernel_up_to_its_rows(monkeypatch, rows, on_kernel):
+    w = torch.randn(128, 96).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     calls = []
-    real = tile_linear.tile_linear
-    monkeypatch.setattr(tile_linear, "tile_linear", lambda *a: calls.append(1) or real(*a))
+    real = cpu_linear.few_rows_linear
+    monkeypatch.setattr(cpu_linear, "few_rows_linear", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(rows, 96).bfloat16()
     out = cpu_linear.half_linear(x, packed)
-    assert bool(calls) is on_tiles
+    assert bool(calls) is on_kernel
     torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2e-2, atol=5e-2)
+
+
+@few_rows
+def test_few_rows_view_is_this_cpus_kernels_and_the_kernel_follows_it():
+    """AMX tiles (4-d) where the CPU has them, else AVX-512 BF16 pairs (3-d); the same
+    products from Python and from numba code (few_rows_kernel's overload)."""
+    from numba import njit
+
+    w = torch.randn(128, 64).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    view = cpu_linear.few_rows_view(packed)
+    assert view.ndim == (4 if tile_linear.usable() else 3)
+    assert cpu_linear.few_rows_view(torch.ops.mkldnn._reorder_linear_weight(w.float())) is None
+    x = half_bits(torch.randn(3, 64).bfloat16())
+    out, from_numba = np.empty((3, 128), np.uint16), np.empty((3, 128), np.uint16)
+    cpu_linear.few_rows_kernel(x, view, out, 2)
+    njit(lambda *a: cpu_linear.few_rows_kernel(*a))(x, view, from_numba, 2)
+    np.testing.assert_array_equal(out, from_numba)
+    np.testing.assert_array_equal(out, half_bits(cpu_linear.half_linear(
+        torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), packed)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import tile_linear
+from mrv2.models.layers import cpu_linear, tile_linear
 from mrv2.models.layers.vector_ir import half_bits
 
 amx = pytest.mark.skipif(not tile_linear.usable(), reason="this CPU has no AMX tiles")
@@ -53,11 +53,11 @@ def test_store_rounded_rounds_as_torch():
     values = np.concatenate([special, rng.standard_normal(22).astype(np.float32)])
     values = values.reshape(1, 32)
     out = np.empty((1, 32), np.uint16)
-    tile_linear._store_rounded(values.view(np.uint32), 1, out, 0, 0)
+    tile_linear.store_rounded(values.view(np.uint32), 1, out, 0, 0)
     expected = half_bits(torch.from_numpy(values).bfloat16())
     np.testing.assert_array_equal(out, expected)
     nan = np.full((1, 32), np.nan, np.float32)
-    tile_linear._store_rounded(nan.view(np.uint32), 1, out, 0, 0)
+    tile_linear.store_rounded(nan.view(np.uint32), 1, out, 0, 0)
     assert torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).isnan().all()
 
 
@@ -84,7 +84,7 @@ def test_tile_linear_is_onednns_linear_up_to_32_rows(shape, rows):
     w = (torch.randn(*shape, generator=gen) * 0.05).bfloat16()
     x = torch.randn(rows, shape[1], generator=gen).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
-    out = tile_linear.tile_linear(x, tile_linear.weight_tiles(packed))
+    out = cpu_linear.few_rows_linear(x, tile_linear.weight_tiles(packed))
     assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[0])
     torch.testing.assert_close(out, _onednn(x, packed), rtol=0, atol=0)
 
@@ -99,7 +99,7 @@ def test_tile_linear_beyond_32_rows_within_summation_and_one_rounding(rows):
     w = (torch.randn(3072, 576, generator=gen) * 0.05).bfloat16()
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
-    out = tile_linear.tile_linear(x, tile_linear.weight_tiles(packed)).float()
+    out = cpu_linear.few_rows_linear(x, tile_linear.weight_tiles(packed)).float()
     reference = _onednn(x, packed).float()
     magnitude = x.float().abs() @ w.float().abs().T
     bound = (torch.finfo(torch.bfloat16).eps * reference.abs()
@@ -124,6 +124,6 @@ def test_tile_linear_writes_into_out_and_takes_no_rows():
     tiles = tile_linear.weight_tiles(torch.ops.mkldnn._reorder_linear_weight(w))
     out = torch.full((3, 64), 7.0, dtype=torch.bfloat16)
     x = torch.randn(3, 64).bfloat16()
-    assert tile_linear.tile_linear(x, tiles, out) is out
+    assert cpu_linear.few_rows_linear(x, tiles, out) is out
     torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
-    assert tile_linear.tile_linear(x[:0], tiles).shape == (0, 64)
+    assert cpu_linear.few_rows_linear(x[:0], tiles).shape == (0, 64)

@@ -28,13 +28,14 @@ model's linears read and write the segments' own arrays. The kernels are the lay
 in the same places: the result is the layer path's bit for bit (its test allows float32
 rounding, for a difference the numba cache's state caused there: see the test).
 
-On a CPU with AMX a bfloat16 model's linears run on tile_linear's kernel instead of oneDNN,
-reading the same oneDNN-packed weights (no second copy) nearer the machine's streaming rate,
-written into the step's buffers; the layer path takes the same kernel for these row counts
+Where the CPU has a few-row kernel (cpu_linear.few_rows_view: AMX tiles, tile_linear.py, or
+AVX-512 BF16 dot products, dot_linear.py) a bfloat16 model's linears run on it instead of
+oneDNN, reading the same oneDNN-packed weights in place (no second copy), written into the
+step's buffers; the layer path takes the same kernel for these row counts
 (cpu_linear.half_linear), so the two still agree bit for bit. Where every projection runs on
-the tiles, the whole step is one numba call (`_layers_on_tiles`: the same segments and kernel
-in the same order), so no Python runs between the layers: after a linear has streamed its
-weight, each Python operation's objects come back from memory, tens of microseconds apiece.
+it, the whole step is one numba call (`_step_in_one_call`: the same segments and kernel in the
+same order), so no Python runs between the layers: after a linear has streamed its weight,
+each Python operation's objects come back from memory, tens of microseconds apiece.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
 from mrv2.models.cpu.quantized_weights import bfloat16_weight, float32_weight
-from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized, tile_linear
+from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
 from mrv2.models.layers.quantized import QuantizedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS, typed_list
@@ -59,9 +60,9 @@ from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits,
 # The most rows this path runs: the layer path's KV write and norms take the same serial
 # kernels up to here (beyond, other kernels with their own summation orders).
 MAX_ONEDNN_DECODE_ROWS = min(NUMBA_WRITE_MAX_TOKENS, SERIAL_MAX_ROWS)
-# Invariant (tested): at most tile_linear.MAX_ROWS, so that the layer path's 16-bit linears
-# (cpu_linear.half_linear) take tile_linear's kernel for every row count this path runs, as
-# `step_weights` does, and the two agree bit for bit.
+# Invariant (tested): at most cpu_linear.FEW_ROWS_MAX, so that the layer path's 16-bit
+# linears (cpu_linear.half_linear) take the few-row kernel for every row count this path runs,
+# as `step_weights` does, and the two agree bit for bit.
 
 # The projections of a Llama layer, in the order the kernels take them (decode.py too).
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -135,11 +136,11 @@ def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_c
 
 
 @njit(**NUMBA_OPTIONS)
-def _layers_on_tiles(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
+def _step_in_one_call(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
                      final_eps, kv_caches, cos, sin, num_heads, num_kv_heads, head_dim, slots,
                      tables, seq_lens, scale, kv_per_item, splits, threads, linear_views,
                      scratches, out):
-    """The step of `OneDnnDecode.__call__`'s loop, every linear on tile_linear's kernel, as one
+    """The step of `OneDnnDecode.__call__`'s loop, every linear on the few-row kernel, as one
     call: hidden [rows, hidden] float32 -> the final norm's output in `out`. linear_views: the
     bfloat16 bits of (x, qkv, attn, o, gate_up, act, down), each linear's input or output;
     scratches: `_StepBuffers`' float32 arrays (residuals, scratch, qkv_scratch, normed, q, k,
@@ -153,17 +154,17 @@ def _layers_on_tiles(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs,
         if i > 0:  # the previous layer's MLP output joins the residual stream
             _norm_segment(down, residual, ln1s[i], eps, scratch, normed, residuals[turn], x_in)
             residual, turn = residuals[turn], 1 - turn
-        tile_linear.tile_linear_kernel(x_in, w_qkvs[i], qkv, threads)
+        cpu_linear.few_rows_kernel(x_in, w_qkvs[i], qkv, threads)
         kv = kv_caches[i]
         _attention_segment(qkv, cos, sin, num_heads, num_kv_heads, head_dim, kv[0], kv[1],
                            slots, tables, seq_lens, scale, kv_per_item, splits, qkv_scratch,
                            q, k, attn_out, attn_in)
-        tile_linear.tile_linear_kernel(attn_in, w_os[i], o, threads)
+        cpu_linear.few_rows_kernel(attn_in, w_os[i], o, threads)
         _norm_segment(o, residual, ln2s[i], eps, scratch, normed, residuals[turn], x_in)
         residual, turn = residuals[turn], 1 - turn
-        tile_linear.tile_linear_kernel(x_in, w_gate_ups[i], gate_up, threads)
+        cpu_linear.few_rows_kernel(x_in, w_gate_ups[i], gate_up, threads)
         activation_numba.silu_and_mul_bf16_kernel(gate_up, act.shape[1], act)
-        tile_linear.tile_linear_kernel(act, w_downs[i], down, threads)
+        cpu_linear.few_rows_kernel(act, w_downs[i], down, threads)
     _norm_segment(down, residual, final_norm, final_eps, scratch, out, residuals[turn], out)
 
 
@@ -179,18 +180,19 @@ class _StepBuffers:
     norm and attention write the linears' inputs directly and nothing is widened."""
 
     def __init__(self, rows: int, hidden: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, tile_widths: tuple[int, ...] | None
+                 head_dim: int, dtype: torch.dtype, kernel_widths: tuple[int, ...] | None
                  ) -> None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        # Where the step's linears run on tiles (tile_widths: the projections' output widths,
-        # in PROJECTIONS' order), each one's output and the MLP's activation, with their views:
-        # tile_linear writes into given memory, oneDNN's calls allocate their own.
+        # Where the step's linears run on the few-row kernel (kernel_widths: the projections'
+        # output widths, in PROJECTIONS' order), each one's output and the MLP's activation,
+        # with their views: the kernel writes into given memory, oneDNN's calls allocate
+        # their own.
         self.outs: list = [None] * len(PROJECTIONS)
         self.act, self.act_in = None, None
-        if tile_widths is not None:
+        if kernel_widths is not None:
             self.outs = [(out, _kernel_view(out))
-                         for out in (torch.empty(rows, n, dtype=dtype) for n in tile_widths)]
-            self.act = torch.empty(rows, tile_widths[2] // 2, dtype=dtype)
+                         for out in (torch.empty(rows, n, dtype=dtype) for n in kernel_widths)]
+            self.act = torch.empty(rows, kernel_widths[2] // 2, dtype=dtype)
             self.act_in = _kernel_view(self.act)
         self.x = torch.empty(rows, hidden, dtype=dtype)
         self.attn = torch.empty(rows, q_size, dtype=dtype)
@@ -212,11 +214,11 @@ class _StepBuffers:
 def _step_linear(x: torch.Tensor, x_view: np.ndarray | None,
                  weight: torch.Tensor | np.ndarray,
                  out: tuple[torch.Tensor, np.ndarray] | None, threads: int) -> torch.Tensor:
-    """x @ a projection's weight as `OneDnnDecode.step_weights` gives it: a tile view runs
-    tile_linear's kernel from x's view into `out` (the tensor and its view, from the step's
+    """x @ a projection's weight as `OneDnnDecode.step_weights` gives it: a few-row view runs
+    its kernel from x's view into `out` (the tensor and its view, from the step's
     buffers) on `threads` threads; a oneDNN-packed tensor, oneDNN."""
     if isinstance(weight, np.ndarray):
-        tile_linear.tile_linear_kernel(x_view, weight, out[1], threads)
+        cpu_linear.few_rows_kernel(x_view, weight, out[1], threads)
         return out[0]
     return cpu_linear.onednn_linear(x, weight)
 
@@ -252,41 +254,41 @@ class OneDnnDecode:
                             for m in first)
         self.pack = (QuantizedWeight.onednn_packed if dtype == torch.bfloat16
                      else cpu_linear.packed_weight)
-        # A bfloat16 model's tile views, made at the first step (packing is lazy) and kept:
+        # A bfloat16 model's few-row views, made at the first step (packing is lazy) and kept:
         # its packed weights never change (QuantizedWeight.onednn_packed).
-        self._tile_weights: list[tuple] | None = None
-        # Where every projection has a tile view, `_layers_on_tiles`' typed lists of them and
+        self._kernel_weights: list[tuple] | None = None
+        # Where every projection has a few-row view, `_step_in_one_call`'s typed lists of them and
         # of the norms' weights (views: an in-place change is seen), made with the views.
-        self._tile_lists: tuple | None = None
-        # The KV caches' typed list for `_layers_on_tiles` and the data pointers it views.
+        self._step_lists: tuple | None = None
+        # The KV caches' typed list for `_step_in_one_call` and the data pointers it views.
         self._kv_lists: tuple[tuple[int, ...], object] | None = None
 
     def step_weights(self) -> list[tuple]:
-        """Each layer's four projections as the step's linears take them: on a CPU with AMX a
-        bfloat16 weight's tile view where tile_linear reads its shape, else oneDNN-packed."""
-        if self._tile_weights is not None:
-            return self._tile_weights
+        """Each layer's four projections as the step's linears take them: a bfloat16 weight's
+        few-row view where a kernel reads it (cpu_linear.few_rows_view), else oneDNN-packed."""
+        if self._kernel_weights is not None:
+            return self._kernel_weights
         packed = [tuple(self.pack(w) for w in weights) for weights in self.weights]
-        if self.dtype != torch.bfloat16 or not tile_linear.usable():
+        if self.dtype != torch.bfloat16:
             return packed
-        self._tile_weights = [tuple(p if (t := tile_linear.weight_tiles(p)) is None else t
+        self._kernel_weights = [tuple(p if (t := cpu_linear.few_rows_view(p)) is None else t
                                     for p in layer) for layer in packed]
-        if all(isinstance(w, np.ndarray) for layer in self._tile_weights for w in layer):
+        if all(isinstance(w, np.ndarray) for layer in self._kernel_weights for w in layer):
             norms = [[layer.get_submodule(name).weight.detach().numpy() for layer in self.layers]
                      for name in ("input_layernorm", "post_attention_layernorm")]
-            self._tile_lists = (*(typed_list(tuple(view)) for view in norms),
-                                *(typed_list(tuple(layer[j] for layer in self._tile_weights))
+            self._step_lists = (*(typed_list(tuple(view)) for view in norms),
+                                *(typed_list(tuple(layer[j] for layer in self._kernel_weights))
                                   for j in range(len(PROJECTIONS))))
-        return self._tile_weights
+        return self._kernel_weights
 
     @property
     def one_call(self) -> bool:
-        """Whether a step runs as one numba call (`_layers_on_tiles`): every projection on
-        the tiles. Known from the first step on (`step_weights`)."""
-        return self._tile_lists is not None
+        """Whether a step runs as one numba call (`_step_in_one_call`): every projection on
+        the few-row kernel. Known from the first step on (`step_weights`)."""
+        return self._step_lists is not None
 
     def kv_lists(self, kv_caches: list[torch.Tensor]):
-        """The caches as `_layers_on_tiles` takes them (a typed list of views), made again
+        """The caches as `_step_in_one_call` takes them (a typed list of views), made again
         when a cache has new memory (wake_up)."""
         key = tuple(c.data_ptr() for c in kv_caches)
         if self._kv_lists is None or self._kv_lists[0] != key:
@@ -306,7 +308,7 @@ class OneDnnDecode:
         weights = self.step_weights()
         buf = _StepBuffers(rows, hidden_size, self.num_heads, self.num_kv_heads,
                            self.head_dim, self.dtype,
-                           None if self._tile_weights is None else self.widths)
+                           None if self._kernel_weights is None else self.widths)
         threads = numba.get_num_threads()
         cos, sin = (t.contiguous().numpy() for t in cos_sin)
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
@@ -316,8 +318,8 @@ class OneDnnDecode:
         tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
         if self.one_call:
             out = torch.empty(rows, hidden_size, dtype=torch.float32)
-            ln1s, ln2s, w_qkvs, w_os, w_gate_ups, w_downs = self._tile_lists
-            _layers_on_tiles(
+            ln1s, ln2s, w_qkvs, w_os, w_gate_ups, w_downs = self._step_lists
+            _step_in_one_call(
                 hidden.contiguous().numpy(), ln1s, ln2s, self.eps, w_qkvs, w_os, w_gate_ups,
                 w_downs, self.model.norm.weight.numpy(), self.final_eps,
                 self.kv_lists(kv_caches), cos, sin, self.num_heads, self.num_kv_heads,

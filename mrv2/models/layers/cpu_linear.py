@@ -24,11 +24,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numba.extending import overload
 
 from mrv2 import platform
-from mrv2.models.layers import cpu_gemv, tile_linear
+from mrv2.models.layers import cpu_gemv, dot_linear, tile_linear
+from mrv2.models.layers.vector_ir import half_bits
 from mrv2.utils import huge_pages
 
 _ATTR = "_mrv2_onednn_packed"  # (version, packed weight) on the weight tensor
@@ -91,14 +95,55 @@ def computes_natively(dtype: torch.dtype) -> bool:
     return available() and platform.cpu_computes_natively(dtype)
 
 
+# The most rows a few-row kernel takes (`half_linear`; onednn_decode's rows stay within it).
+FEW_ROWS_MAX = tile_linear.MAX_ROWS
+
+
+def few_rows_view(packed: torch.Tensor) -> np.ndarray | None:
+    """The view of a bfloat16 weight oneDNN packed that this CPU's few-row kernel reads in
+    place: AMX tiles (tile_linear, 4-d) where the CPU has them, else AVX-512 BF16 pairs
+    (dot_linear, 3-d); None where neither reads it (CPU, dtype, shape)."""
+    if tile_linear.usable():
+        return tile_linear.weight_tiles(packed)
+    return dot_linear.weight_pairs(packed)
+
+
+def few_rows_kernel(x: np.ndarray, view: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """out [M, N] = x [M, K] @ the weight `view` (`few_rows_view`) shows, bfloat16 bits, on
+    `threads` threads: the kernel that reads the view. Also callable from numba code."""
+    (tile_linear.tile_linear_kernel if view.ndim == 4
+     else dot_linear.dot_linear_kernel)(x, view, out, threads)
+
+
+@overload(few_rows_kernel)
+def _few_rows_kernel_overload(x, view, out, threads):
+    # Typed by the view's rank, so only the kernel this CPU runs is compiled (AMX's
+    # instructions do not compile for a CPU without them).
+    kernel = (tile_linear.tile_linear_kernel if view.ndim == 4
+              else dot_linear.dot_linear_kernel)
+    return lambda x, view, out, threads: kernel(x, view, out, threads)
+
+
+def few_rows_linear(x: torch.Tensor, view: np.ndarray, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """x bfloat16 [M, K] @ the weight `view` shows (`few_rows_view`) -> bfloat16 [M, N], into
+    `out` where given (bfloat16 [M, N], contiguous), on numba's threads."""
+    if out is None:
+        n = view.shape[0] * (tile_linear.BLOCK if view.ndim == 4 else dot_linear.BLOCK_OUTPUTS)
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if x.shape[0]:
+        few_rows_kernel(half_bits(x.contiguous()), view, half_bits(out), numba.get_num_threads())
+    return out
+
+
 def half_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] of a 16-bit dtype @ a weight of that dtype oneDNN packed -> [M, N] of x's
-    dtype, products summed in float32 and each output rounded once: on AMX tiles
-    (tile_linear) up to `tile_linear.MAX_ROWS` rows of a bfloat16 weight whose packing the
-    kernel reads, else oneDNN."""
-    tiles = tile_linear.weight_tiles(packed) if x.shape[0] <= tile_linear.MAX_ROWS else None
-    if tiles is not None:
-        return tile_linear.tile_linear(x, tiles)
+    dtype, products summed in float32 and each output rounded once: up to `FEW_ROWS_MAX` rows
+    of a bfloat16 weight whose packing a few-row kernel reads (`few_rows_view`), that kernel;
+    else oneDNN."""
+    view = few_rows_view(packed) if x.shape[0] <= FEW_ROWS_MAX else None
+    if view is not None:
+        return few_rows_linear(x, view)
     return onednn_linear(x, packed)
 
 

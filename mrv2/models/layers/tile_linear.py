@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -76,29 +75,38 @@ def tiles_of(weight: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 3, 1, 4).reshape(n // BLOCK, k // BLOCK, BLOCK // 2, 2 * BLOCK)
 
 
-@lru_cache(maxsize=None)
-def _packs_as_tiles(n: int, k: int) -> bool:
-    """Whether oneDNN packs a bfloat16 [n, k] weight in the layout `tiles_of` gives (a probe
-    weight packed and compared, once per shape)."""
-    if n % BLOCK or k % BLOCK or not usable():
-        return False
+def onednn_packs_as(n: int, k: int, reference, view) -> bool:
+    """Whether oneDNN packs a bfloat16 [n, k] weight as `reference(weight)` lays it out, read
+    through `view(packed)`: a probe weight packed and compared."""
     probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(probe)
     if torch.ops.mkldnn._nbytes(packed) != n * k * 2:
         return False
-    return bool(np.array_equal(_tile_view(packed), half_bits(tiles_of(probe))))
+    return bool(np.array_equal(view(packed), half_bits(reference(probe))))
+
+
+def kept_view(packed: torch.Tensor, attr: str, packs_as, view) -> np.ndarray | None:
+    """A kernel's view of a weight oneDNN packed, `view(packed)`, where the weight is bfloat16
+    and `packs_as(n, k)` holds for its shape, else None; made once and kept on the packed
+    tensor as `attr`."""
+    cached = getattr(packed, attr, None)
+    if cached is None:
+        usable_here = packed.dtype == torch.bfloat16 and packs_as(*packed.shape)
+        cached = (view(packed) if usable_here else None,)
+        setattr(packed, attr, cached)
+    return cached[0]
+
+
+@lru_cache(maxsize=None)
+def _packs_as_tiles(n: int, k: int) -> bool:
+    return (n % BLOCK == 0 and k % BLOCK == 0 and usable()
+            and onednn_packs_as(n, k, tiles_of, _tile_view))
 
 
 def weight_tiles(packed: torch.Tensor) -> np.ndarray | None:
     """The tile view of a bfloat16 weight oneDNN packed (`_reorder_linear_weight`), kept on
     the packed tensor; None where the kernel cannot read it (shape, layout or CPU)."""
-    cached = getattr(packed, _TILES_ATTR, None)
-    if cached is None:
-        n, k = packed.shape
-        usable_here = packed.dtype == torch.bfloat16 and _packs_as_tiles(n, k)
-        cached = (_tile_view(packed) if usable_here else None,)
-        setattr(packed, _TILES_ATTR, cached)
-    return cached[0]
+    return kept_view(packed, _TILES_ATTR, _packs_as_tiles, _tile_view)
 
 
 @njit(cache=True)
@@ -121,7 +129,7 @@ def _configurations(rows):
 
 
 @njit(inline="always", cache=True)
-def _store_rounded(bits, rows, out, row0, col0):
+def store_rounded(bits, rows, out, row0, col0):
     """out[row0 + r, col0 + j] = the float32 sum whose bit pattern is bits[r, j], for r < rows,
     rounded to bfloat16 (vector_ir.float_to_bf16_bits' rounding, written on the bits). Each
     row of `out` is sliced before the loop: indexed as out[row0 + r, col0 + j], numba's
@@ -182,20 +190,6 @@ def tile_linear_kernel(x, w, out, threads):
                 if both:
                     tile_store(2, sums, BLOCK * BLOCK * 2, BLOCK * 4)
                     tile_store(3, sums, BLOCK * BLOCK * 2 + BLOCK * 2, BLOCK * 4)
-                _store_rounded(sums.view(np.uint32), min(BLOCK, rows - m0), out, m0,
+                store_rounded(sums.view(np.uint32), min(BLOCK, rows - m0), out, m0,
                                b * BLOCK)
         tile_release()
-
-
-def tile_linear(x: torch.Tensor, tiles: np.ndarray, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """x bfloat16 [M, K] @ the weight of `tiles` (`weight_tiles`) -> bfloat16 [M, N], into
-    `out` where given (bfloat16 [M, N], contiguous)."""
-    rows = x.shape[0]
-    n = tiles.shape[0] * BLOCK
-    if out is None:
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-    if rows:
-        tile_linear_kernel(half_bits(x.contiguous()), tiles, half_bits(out),
-                           numba.get_num_threads())
-    return out

@@ -12,7 +12,7 @@ import torch
 from mrv2 import LLM, SamplingParams
 from mrv2.models.cpu import onednn_decode
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, OneDnnDecode
-from mrv2.models.layers import cpu_gemv, cpu_linear, quantized, tile_linear
+from mrv2.models.layers import cpu_gemv, cpu_linear, dot_linear, quantized, tile_linear
 
 native = pytest.mark.skipif(not quantized.computes_natively(torch.bfloat16),
                             reason="this CPU has no bfloat16 matrix units (or no oneDNN)")
@@ -89,7 +89,7 @@ def test_runs_from_the_rows_the_linears_take_to_onednn_to_its_maximum(dtype):
     assert path.runs(MAX_ONEDNN_DECODE_ROWS)
     assert not path.runs(MAX_ONEDNN_DECODE_ROWS + 1)
     # the layer path's 16-bit linears run where the path's do for every row count it takes
-    assert MAX_ONEDNN_DECODE_ROWS <= tile_linear.MAX_ROWS
+    assert MAX_ONEDNN_DECODE_ROWS <= cpu_linear.FEW_ROWS_MAX
 
 
 @pytest.mark.parametrize("dtype, natively, attached", [
@@ -128,12 +128,13 @@ def test_not_for_gguf_blocks_or_a_biased_projection(tiny_llama, tiny_gguf_factor
     assert onednn_decode.onednn_decode(model.model) is None
 
 
-@pytest.mark.skipif(not tile_linear.usable(), reason="this CPU has no AMX tiles")
-def test_bfloat16_linears_on_amx_tiles_where_the_shapes_allow(tiny_llama):
-    """The tiny model's projections are all multiples of 32 wide: on AMX every one is a tile
-    view, kept from the first step on, and a step is one numba call (the bit-for-bit test
-    above then runs it); its typed list of the KV caches is kept while their memory is, and
-    dropped for Worker.sleep (CpuFastPaths.release_kv_views)."""
+@pytest.mark.skipif(not (tile_linear.usable() or dot_linear.runs_here()),
+                    reason="this CPU has neither AMX tiles nor AVX-512 BF16")
+def test_bfloat16_linears_on_the_few_row_kernel_where_the_shapes_allow(tiny_llama):
+    """The tiny model's projections are all multiples of 64 wide: on AMX every one is a tile
+    view, on AVX-512 BF16 a pair view, kept from the first step on, and a step is one numba
+    call (the bit-for-bit test above then runs it); its typed list of the KV caches is kept
+    while their memory is, and dropped for Worker.sleep (CpuFastPaths.release_kv_views)."""
     from mrv2.engine.arg_utils import EngineArgs
     from mrv2.models import cpu, load_model
 
