@@ -2,8 +2,10 @@
 the layers between oneDNN calls (mrv2/models/cpu/onednn_decode.py) against the layer path (the
 same model with that path turned off), in the same run; in bfloat16 on a CPU with bfloat16
 matrix units (skipped elsewhere: there the path never runs) and in float32. In bfloat16, where
-every linear runs on the AMX tiles, the path is one numba call a step; `onednn_loop` runs the
-same kernels from its Python loop over the layers instead, as on a CPU without tiles.
+every linear runs on a few-row kernel (AMX tiles or AVX-512 BF16 dot products:
+cpu_linear.few_rows_view), the path is one numba call a step; `onednn_loop` runs the same
+kernels from its Python loop over the layers instead, and `onednn_linears` the loop with every
+linear on oneDNN (the path on a CPU without a few-row kernel).
 
 128-token prompts (token ids, not text: every row the same length), greedy, 64 tokens, EOS
 ignored, prefix caching off, 2 threads; one LLM per dtype serves its cases. extra_info
@@ -48,7 +50,7 @@ def _llm(dtype: str):
 _shutdown = shutdown_after_module(_LLMS)
 
 
-@pytest.mark.parametrize("path", ["onednn", "onednn_loop", "layers"])
+@pytest.mark.parametrize("path", ["onednn", "onednn_loop", "onednn_linears", "layers"])
 @pytest.mark.parametrize("batch", [8, 32])
 @pytest.mark.parametrize("dtype", [
     pytest.param("bfloat16", marks=pytest.mark.skipif(
@@ -69,10 +71,13 @@ def test_onednn_decode(benchmark, monkeypatch, dtype, batch, path):
     monkeypatch.setattr(OneDnnDecode, "__call__", counted)
     if path == "layers":
         monkeypatch.setattr(OneDnnDecode, "runs", lambda self, rows: False)
-    if path == "onednn_loop":
+    if path in ("onednn_loop", "onednn_linears"):
         if dtype == "float32":
-            pytest.skip("a float32 step is always the loop")
+            pytest.skip("a float32 step is always the loop, on oneDNN")
         monkeypatch.setattr(OneDnnDecode, "one_call", property(lambda self: False))
+    if path == "onednn_linears":
+        monkeypatch.setattr(OneDnnDecode, "step_weights", lambda self: [
+            tuple(self.pack(w) for w in weights) for weights in self.weights])
     prompt_len = 16 if benchmark.disabled else PROMPT_LEN
     prompts = token_id_prompts(batch, prompt_len)
     tokens = 4 if benchmark.disabled else OUTPUT_LEN
