@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from mrv2 import platform
-from mrv2.models.layers import cpu_linear, quantized_numba
+from mrv2.models.layers import cpu_linear, dot_linear, quantized_numba
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
@@ -72,10 +72,11 @@ GEMV_X_FORMAT: int = _gemv_x_format()
 # Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py,
 # bench/README.md); the fused decode stack runs up to as many.
 MAX_QUANTIZED_GEMV_ROWS = 32
-# Rows of x from which a 16-bit weight runs on the CPU's matrix units: with AMX tiles from 2 (a
-# bf16 model's decode step then runs onednn_decode.py, faster than the fused stack's GEMV
-# but at 1 row), with AVX-512 BF16 alone from 8 (not measured lower; bench/README.md).
-MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() else 8
+# Rows of x from which a 16-bit weight runs on the CPU's matrix units: from 2 where a few-row
+# kernel reads the packed weights (AMX tiles, or AVX-512 BF16's dot_linear: a bf16 model's
+# decode step then runs onednn_decode.py as one call, faster than the fused stack's GEMV but
+# at 1 row), else from 8 (oneDNN's calls; bench/README.md has each CPU's figures).
+MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() or dot_linear.runs_here() else 8
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
 # A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
