@@ -50,7 +50,9 @@ def test_sweep_mrv2_and_transformers(tiny_q4, tmp_path, capsys, monkeypatch):
 
     result = json.loads(out_json.read_text())
     limits = result["roofline"]["decode_tok_s"]
-    assert set(limits) == {"1", "2"} and limits["2"] > limits["1"] > 0
+    # batch 2 no lower; equal where both are bound by the GEMM rate (the tiny model's weights
+    # are few: on a Zen 4 the measured bandwidth outran the float32 GEMM rate at batch 1)
+    assert set(limits) == {"1", "2"} and limits["2"] >= limits["1"] > 0
     assert result["roofline"]["rates"]["read_GB_per_s"] > 0
     assert [e["column"] for e in result["engines"]] == columns
     assert result["engines"][0]["version"] and result["batch_sizes"] == [1, 2]
