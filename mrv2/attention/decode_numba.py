@@ -42,6 +42,10 @@ PREFETCH_DISTANCE = 2
 # (`decode_vector_ir.takes_head_dim`), others the numba loops below (a global: numba compiles
 # it in as a constant).
 VECTOR_WIDTH = vector_width()
+# Whether `work_split` makes whole-row items where the step's K/V comes from DRAM: only where
+# vectors are 8 floats (AVX2), where they were faster (Zen 3); with AVX-512 (Zen 4) (row, kv
+# head) items were faster or level there too (bench/README.md has both).
+WHOLE_ROW_ITEMS = VECTOR_WIDTH == 8
 # Fewest positions in a context split: below it a split's fixed costs (its scratch, its share
 # of the merge) outweigh a second thread's help.
 MIN_SPLIT_POSITIONS = 64
@@ -57,12 +61,13 @@ def work_split(rows: int, num_kv_heads: int, threads: int, kv_bytes: int) -> tup
     """(kv heads per work item, context splits per row) for `rows` decode rows on `threads`
     threads reading `kv_bytes` of K/V in the step (`step_kv_bytes`). A work item is one row
     with all its kv heads when there are at least two rows per thread and the step's K/V is
-    larger than the last-level cache: read from DRAM, each key/value row is then one
-    contiguous run. Otherwise one (row, kv head), which computed faster where the cache holds
-    the step's K/V (bench/README.md has both); and when even those are fewer than two per
-    thread each row's context is split too, so that every thread has work (batch 1, 3 kv
-    heads, 2 threads: 6 items of 3 per thread, where 3 items took two rounds)."""
-    if rows >= 2 * threads and kv_bytes > platform.last_level_cache_bytes():
+    larger than the last-level cache, on a CPU of `WHOLE_ROW_ITEMS`: read from DRAM, each
+    key/value row is then one contiguous run. Otherwise one (row, kv head), which computed
+    faster where the cache holds the step's K/V (bench/README.md has both); and when even
+    those are fewer than two per thread each row's context is split too, so that every thread
+    has work (batch 1, 3 kv heads, 2 threads: 6 items of 3 per thread, where 3 items took two
+    rounds)."""
+    if WHOLE_ROW_ITEMS and rows >= 2 * threads and kv_bytes > platform.last_level_cache_bytes():
         return num_kv_heads, 1
     items = rows * num_kv_heads
     splits = 1

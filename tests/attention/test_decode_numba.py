@@ -75,6 +75,7 @@ def test_every_work_split_gives_the_reference(kv_per_item, splits, head_dim):
 
 def test_work_split_gives_every_thread_two_items(monkeypatch):
     monkeypatch.setattr(decode_numba.platform, "last_level_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(decode_numba, "WHOLE_ROW_ITEMS", True)
     from_dram = 2 << 20
     assert decode_numba.work_split(4, 3, 2, from_dram) == (3, 1)
     assert decode_numba.work_split(4, 3, 2, 1 << 19) == (1, 1)  # the cache holds the K/V
@@ -83,6 +84,14 @@ def test_work_split_gives_every_thread_two_items(monkeypatch):
         assert decode_numba.work_split(1, 3, 2, kv_bytes) == (1, 2)
         assert decode_numba.work_split(1, 1, 2, kv_bytes) == (1, 4)
         assert decode_numba.work_split(3, 5, 16, kv_bytes) == (1, 3)
+
+
+def test_no_whole_row_items_on_a_cpu_without_them(monkeypatch):
+    """AVX-512 CPUs: (row, kv head) items wherever the K/V lies."""
+    monkeypatch.setattr(decode_numba.platform, "last_level_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(decode_numba, "WHOLE_ROW_ITEMS", False)
+    assert decode_numba.work_split(4, 3, 2, 2 << 20) == (1, 1)
+    assert decode_numba.work_split(32, 8, 2, 200 << 20) == (1, 1)
 
 
 def test_step_kv_bytes_counts_keys_and_values_of_every_layer():
