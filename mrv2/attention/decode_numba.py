@@ -6,8 +6,8 @@ layer per step (and einsum copies it again into a contiguous layout); at 32 rows
 more than the attention itself. This kernel walks each row's block table and reads keys and
 values where they lie, once, block by block. Work items (`work_split`): one row with all its
 kv heads when there are at least two rows per thread and the step's K/V comes from DRAM (larger
-than the last-level cache: each key/value row is then read as one contiguous run); otherwise
-one (row, kv head); and when even those are fewer than two per thread, each row's context is
+than the last-level cache: each key/value row is then read as one contiguous run) on AVX2
+CPUs (`WHOLE_ROW_ITEMS`); otherwise one (row, kv head); and when even those are fewer than two per thread, each row's context is
 split as well
 (flash-decoding: each split's max, exp-sum and unnormalised output, merged after). The query
 heads of a kv head's group (GQA) share each loaded key/value row, and scores and values are
