@@ -4,18 +4,18 @@ a float32, float16 or bfloat16 cache, widened to float32 as it is read: kv_numba
 The torch formulation gathers every decode row's blocks into a padded [rows, max_len] copy per
 layer per step (and einsum copies it again into a contiguous layout); at 32 rows that copy cost
 more than the attention itself. This kernel walks each row's block table and reads keys and
-values where they lie, once, block by block. Work items (`work_split`): one row with all its
-kv heads when there are at least two rows per thread and the step's K/V comes from DRAM (larger
-than the last-level cache: each key/value row is then read as one contiguous run) on AVX2
-CPUs (`WHOLE_ROW_ITEMS`); otherwise one (row, kv head); and when even those are fewer than two per thread, each row's context is
-split as well
-(flash-decoding: each split's max, exp-sum and unnormalised output, merged after). The query
-heads of a kv head's group (GQA) share each loaded key/value row, and scores and values are
-computed in the loops of decode_vector_ir.py (LLVM vector IR: a position's row widened once,
-the heads' sums in registers) where the head size is whole vectors, else four positions per
-pass in numba (`_block_scores`, `_block_values`). The blocks two ahead are prefetched while one
-is computed (prefetch_numba.py): a whole block before the vector loops, each token's rows with
-the token in the numba loops.
+values where they lie, once, block by block. Work items (`work_split`): one row with all its kv
+heads when there are at least two rows per thread and the step's K/V comes from DRAM (larger
+than the last-level cache: each key/value row is then read as one contiguous run) on AVX2 CPUs
+(`WHOLE_ROW_ITEMS`); otherwise one (row, kv head); and when even those are fewer than two per
+thread, each row's context is split as well (flash-decoding: each split's max, exp-sum and
+unnormalised output, merged after). The query heads of a kv head's group (GQA) share each
+loaded key/value row, and scores and values are computed in the loops of decode_vector_ir.py
+(LLVM vector IR: a position's row widened once, the heads' sums in registers) where the head
+size is whole vectors, else four positions per pass in numba (`_block_scores`,
+`_block_values`). The blocks two ahead are prefetched while one is computed
+(prefetch_numba.py): a whole block before the vector loops, each token's rows with the token in
+the numba loops.
 
 Numerics: fp32 accumulation in a different order than torch (fastmath lets the compiler
 vectorise the head_dim reductions), and the softmax's exp is `numba_exp.exp32` (vectorised,
