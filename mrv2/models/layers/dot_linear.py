@@ -149,6 +149,8 @@ def _block_sums(typingctx, w, block, x, m0, rows, sums):
 
 @njit(inline="always", cache=True)
 def _pass(w, b, x, m0, rows, sums):
+    """`_block_sums` for `rows` (1 to PASS_ROWS) rows: each count is a literal the intrinsic
+    is generated for."""
     if rows == 6:
         _block_sums(w, b, x, m0, 6, sums)
     elif rows == 5:
