@@ -272,7 +272,7 @@ class OneDnnDecode:
         if self.dtype != torch.bfloat16:
             return packed
         self._kernel_weights = [tuple(p if (t := cpu_linear.few_rows_view(p)) is None else t
-                                    for p in layer) for layer in packed]
+                                      for p in layer) for layer in packed]
         if all(isinstance(w, np.ndarray) for layer in self._kernel_weights for w in layer):
             norms = [[layer.get_submodule(name).weight.detach().numpy() for layer in self.layers]
                      for name in ("input_layernorm", "post_attention_layernorm")]

@@ -108,19 +108,22 @@ def few_rows_view(packed: torch.Tensor) -> np.ndarray | None:
     return dot_linear.weight_pairs(packed)
 
 
+def _kernel_of(view_ndim: int):
+    """The kernel that reads a `few_rows_view` of this rank: 4-d tiles, 3-d pairs."""
+    return tile_linear.tile_linear_kernel if view_ndim == 4 else dot_linear.dot_linear_kernel
+
+
 def few_rows_kernel(x: np.ndarray, view: np.ndarray, out: np.ndarray, threads: int) -> None:
     """out [M, N] = x [M, K] @ the weight `view` (`few_rows_view`) shows, bfloat16 bits, on
     `threads` threads: the kernel that reads the view. Also callable from numba code."""
-    (tile_linear.tile_linear_kernel if view.ndim == 4
-     else dot_linear.dot_linear_kernel)(x, view, out, threads)
+    _kernel_of(view.ndim)(x, view, out, threads)
 
 
 @overload(few_rows_kernel)
 def _few_rows_kernel_overload(x, view, out, threads):
     # Typed by the view's rank, so only the kernel this CPU runs is compiled (AMX's
     # instructions do not compile for a CPU without them).
-    kernel = (tile_linear.tile_linear_kernel if view.ndim == 4
-              else dot_linear.dot_linear_kernel)
+    kernel = _kernel_of(view.ndim)
     return lambda x, view, out, threads: kernel(x, view, out, threads)
 
 
