@@ -39,6 +39,7 @@ from mrv2.models.cpu.decode_stack_numba import decode_stack
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.quantized_weights import QuantizedEmbeddingForward, QuantizedLinearForward
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
+from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS
 from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
 from mrv2.models.layers.numba_rows import typed_list
@@ -121,11 +122,11 @@ def qualifies(model) -> bool:
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`): where
     every projection is 16-bit, as many as the layer path's linears keep on the GEMV
-    (`quantized.max_gemv_rows`: fewer where the CPU computes the dtype on matrix units)."""
+    (`quantized.max_numba_rows`: fewer where the CPU computes the dtype on matrix units)."""
     layer = model.layers[0]
     kinds = _kinds(layer)
     if all(kind == "half" for kind in kinds):
-        return quantized.max_gemv_rows(_quantized(layer.self_attn.qkv_proj))
+        return quantized.max_numba_rows(_quantized(layer.self_attn.qkv_proj))
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
@@ -151,15 +152,19 @@ def _projection_parameters(module) -> list[torch.Tensor]:
     return [module.weight] if _quantized(module) is None else []
 
 
-def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = False):
+def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = False,
+                 linear: bool = True):
     """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as (q int16,
-    bfloat16), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
+    bfloat16, panels: the weight's where `quantized.takes_panels` and it serves as a `linear`,
+    else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
     size, x format: quantized.GEMV_X_FORMAT when the view is built); with
     `float32_tables`, float32 copies of float16 scale / min tables."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     if weight.is_half:
-        return (weight.q.numpy(), weight.layout == "bf16")
+        panels = (weight.panels() if linear and quantized.takes_panels(weight)
+                  else np.empty((0, 0, PANEL_OUTPUTS), np.int16))
+        return (weight.q.numpy(), weight.layout == "bf16", panels)
     if float32_tables:
         weight = weight._with_float32_tables()
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
@@ -229,7 +234,7 @@ class _StackArgs:
         self.kv_caches = typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
         self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
         self.final_norm = model.norm.weight.detach().numpy()
-        self.w_embed = _weight_view(_embedding(model))
+        self.w_embed = _weight_view(_embedding(model), linear=False)
         self.cos_cache = model.rotary_emb.cos_cache.numpy()
         self.sin_cache = model.rotary_emb.sin_cache.numpy()
         # The kernel's scalars, read once: the module attributes cost microseconds a step.

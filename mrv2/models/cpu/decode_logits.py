@@ -43,7 +43,7 @@ def lm_head(model) -> LmHead | None:
     own `compute_logits` on one rank; None when its logits are computed any other way."""
     logits = model.__dict__.get("compute_logits")
     if isinstance(logits, QuantizedLogits):
-        return LmHead(logits.weight, quantized.max_gemv_rows(logits.weight))
+        return LmHead(logits.weight, quantized.max_numba_rows(logits.weight))
     if logits is not None or type(model).compute_logits is not LlamaForCausalLM.compute_logits:
         return None
     head = getattr(model, "lm_head", None)

@@ -6,9 +6,9 @@ The arithmetic is the same as the module path's (norm_numba, rotary_numba, activ
 cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or
 dequantized exactly), RMSNorm in float32 then the weight multiply, rotate-half rotary, SiLU(gate)
 * up, attention over the paged cache after this step's K/V are written. Each weight is a
-float32 view, a 16-bit weight's (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins,
-packed, group size, x format) tuple; `_linear` and `_embed` pick their kernel at compile time
-from its type.
+float32 view, a 16-bit weight's (q int16, bfloat16, panels) or GGUF blocks' (q as bytes,
+scales, mins, packed, group size, x format) tuple; `_linear` and `_embed` pick their kernel at
+compile time from its type (and a 16-bit weight's from the rows, as quantized_linear does).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import gemv_kernel
+from mrv2.models.layers.half_panel_linear import half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
 from mrv2.models.layers.rotary_numba import rotary_kernel
@@ -29,9 +30,9 @@ from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 
 def _linear(x, w, out):
     """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
-    (q int16, bfloat16) or GGUF blocks' (q as bytes, scales, mins, packed, group size,
-    x format) tuple
-    (numba only: see the overload)."""
+    (q int16, bfloat16, panels: half_panel_linear's, from 2 rows, where it has them) or GGUF
+    blocks' (q as bytes, scales, mins, packed, group size, x format) tuple (numba only: see
+    the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
 
@@ -41,16 +42,21 @@ def _linear_overload(x, w, out):
         return lambda x, w, out: None
     if isinstance(w, types.Array):
         return lambda x, w, out: gemv_kernel(x, w, out)
-    if len(w) == 2:
-        return lambda x, w, out: gemv_half(x, w[0], w[1], out)
+    if len(w) == 3:
+        def half(x, w, out):
+            if x.shape[0] >= 2 and w[2].shape[0] > 0:  # as quantized_linear: the panels
+                half_panel_kernel(x, w[2], w[1], out)
+            else:
+                gemv_half(x, w[0], w[1], out)
+        return half
     return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
 
 
 def _embed(ids, w, out):
     """out[i] = row ids[i] of the embedding `w` (a float32 table, a 16-bit weight's (q int16,
-    bfloat16) or GGUF blocks' tuple, as `_linear` takes them), widened or dequantized exactly
-    as the module path's lookup does; an id outside the table raises IndexError (numba only:
-    see the overload)."""
+    bfloat16, no panels) or GGUF blocks' tuple, as `_linear` takes them), widened or
+    dequantized exactly as the module path's lookup does; an id outside the table raises
+    IndexError (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
 
@@ -69,9 +75,9 @@ def _embed_overload(ids, w, out):
             for i in range(ids.shape[0]):
                 out[i] = w[ids[i]]
         return table_rows
-    if len(w) == 2:
+    if len(w) == 3:
         def half_rows(ids, w, out):
-            q, bf16 = w
+            q, bf16 = w[0], w[1]
             _check_ids(ids, q.shape[0])
             for i in range(ids.shape[0]):
                 row = q[ids[i]]

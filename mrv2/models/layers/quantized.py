@@ -24,7 +24,9 @@ A 16-bit weight widens to float32 exactly.
 groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer and
 multiply each with torch.mm, so the float32 weight never exists whole. A 16-bit weight on a CPU
 with matrix instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for
-bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once).
+bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
+on a CPU without them where half_panel_linear's kernel runs (AVX-512), from 2 rows on that
+kernel, in float32 (the weight repacked into panels once, at its first batched use).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import numpy as np
 import torch
 
 from mrv2 import platform
-from mrv2.models.layers import cpu_linear, dot_linear, quantized_numba
+from mrv2.models.layers import cpu_linear, dot_linear, half_panel_linear, quantized_numba
 from mrv2.models.layers.cpu_linear import computes_natively
+from mrv2.models.layers.gguf_blocks import pack_u4, unpack_blocks
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
@@ -82,75 +85,6 @@ TILE_ELEMENTS = 1 << 18
 # A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
 # dominates instead: larger tiles (4 MiB) measured faster (bench/README.md).
 HALF_TILE_ELEMENTS = 1 << 20
-_QK_K = 256  # inputs per K-quant super-block
-
-
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The f16 field at byte `start` of each block, as float32 [nb]."""
-    return blocks[:, start:start + 2].copy().view(np.float16)[:, 0].astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
-    """[nb, c * width] bytes -> [nb, 2c, width] uint8: each `width` run of bytes gives its low
-    nibbles, then its high nibbles (the order of Q4_0/Q4_1/Q5_x (width 16), Q4_K/Q5_K (32))."""
-    nb = qs.shape[0]
-    qs = qs.reshape(nb, -1, 1, width)
-    return ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(nb, -1, width)
-
-
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 packed bytes -> the 8 six-bit scales and mins per super-block [nb, 8]."""
-    nb = scales.shape[0]
-    d, m, m_d = np.split(scales.reshape(nb, 3, 4), 3, axis=-2)
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.reshape(nb, 8).astype(np.float32), mn.reshape(nb, 8).astype(np.float32)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """Q5_0/Q5_1's little-endian 32-bit qh -> bit 4 of each of the 32 values [nb, 32]."""
-    qh = qh.copy().view("<u4").reshape(-1, 1)
-    return (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-
-
-def _unpack(b: np.ndarray, gguf_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks [nb, block_bytes] -> (values [nb, block_size] (uint8 for u4 types, int8 else),
-    scales [nb, groups], mins [nb, groups] or None), values in input order."""
-    nb = b.shape[0]
-    if gguf_type == "Q4_0":
-        d = _f16(b, 0)[:, None]
-        return _nibbles(b[:, 2:], 16).reshape(nb, 32), d, -8.0 * d
-    if gguf_type == "Q4_1":
-        return _nibbles(b[:, 4:], 16).reshape(nb, 32), _f16(b, 0)[:, None], _f16(b, 2)[:, None]
-    if gguf_type == "Q8_0":
-        return b[:, 2:].view(np.int8), _f16(b, 0)[:, None], None
-    if gguf_type in ("Q5_0", "Q5_1"):
-        off = 2 if gguf_type == "Q5_0" else 4
-        q = _nibbles(b[:, off + 4:], 16).reshape(nb, 32) | _high_bits(b[:, off:off + 4])
-        d = _f16(b, 0)[:, None]
-        if gguf_type == "Q5_0":
-            return (q.astype(np.int16) - 16).astype(np.int8), d, None
-        return q.astype(np.int8), d, _f16(b, 2)[:, None]
-    if gguf_type in ("Q4_K", "Q5_K"):
-        sc, mn = _k_scale_min(b[:, 4:16])
-        scales = _f16(b, 0)[:, None] * sc
-        mins = -(_f16(b, 2)[:, None] * mn)
-        if gguf_type == "Q4_K":
-            return _nibbles(b[:, 16:], 32).reshape(nb, _QK_K), scales, mins
-        qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        q = _nibbles(b[:, 48:], 32) | ((qh & 1) << 4)
-        return q.reshape(nb, _QK_K).astype(np.int8), scales, mins
-    if gguf_type == "Q6_K":
-        ql = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
-        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
-            1, 1, 4, 1)
-        q = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).astype(np.int16) - 32
-        scales = _f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
-        return q.reshape(nb, _QK_K).astype(np.int8), scales, None
-    raise ValueError(f"unsupported GGUF type {gguf_type!r}; accepted: "
-                     f"{sorted(QUANTIZED_GGUF_TYPES)}")
-
-
 def _compact_tables(scales: np.ndarray, mins: np.ndarray | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 scale / min tables -> int16 float16 bit patterns when every value of both is
@@ -166,13 +100,6 @@ def _compact_tables(scales: np.ndarray, mins: np.ndarray | None
 
 def _float32_table(table: torch.Tensor) -> torch.Tensor:
     return table.view(torch.float16).float() if table.dtype == torch.int16 else table
-
-
-def _pack_u4(vals: np.ndarray) -> np.ndarray:
-    """Values [N, K] in 0..15 -> the u4 layout [N, K // 2] (byte j of group g: inputs 32 g + j
-    low, 32 g + 16 + j high)."""
-    v = vals.reshape(vals.shape[0], -1, 2, 16)
-    return (v[:, :, 0, :] | (v[:, :, 1, :] << 4)).reshape(vals.shape[0], -1)
 
 
 class QuantizedWeight:
@@ -199,6 +126,7 @@ class QuantizedWeight:
         self.mins = None if mins is None else mins.contiguous()
         self.gguf_type = gguf_type
         self._onednn_packed: torch.Tensor | None = None  # a 16-bit weight for oneDNN, once
+        self._panels: np.ndarray | None = None  # a 16-bit weight's panels, once
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
@@ -226,14 +154,14 @@ class QuantizedWeight:
             bits = torch.from_numpy(raw.view(np.int16).reshape(n, k).copy())
             return cls(gguf_type.lower(), 0, bits, None, None, gguf_type)
         blocks = raw.reshape(-1, block_bytes)
-        vals, scales, mins = _unpack(blocks, gguf_type)
+        vals, scales, mins = unpack_blocks(blocks, gguf_type)
         vals = vals.reshape(n, k)
         scales = scales.astype(np.float32).reshape(n, -1)
         group = k // scales.shape[1]
         mins = None if mins is None else mins.astype(np.float32).reshape(n, -1)
         scales, mins = _compact_tables(scales, mins)
         if gguf_type in ("Q4_0", "Q4_1", "Q4_K"):
-            q, layout = torch.from_numpy(_pack_u4(vals)), "u4"
+            q, layout = torch.from_numpy(pack_u4(vals)), "u4"
         else:
             q, layout = torch.from_numpy(np.ascontiguousarray(vals.view(np.int8))), "i8"
         return cls(layout, group, q, scales, mins, gguf_type)
@@ -314,6 +242,14 @@ class QuantizedWeight:
             self._onednn_packed = cpu_linear.onednn_pack(self.q.view(self.half_dtype))
         return self._onednn_packed
 
+    def panels(self) -> np.ndarray:
+        """A 16-bit weight as half_panel_linear's panels, made at first use (`q` never changes
+        in place). A second copy of the weight: made only where the panel kernel takes the
+        weight's batched rows (`takes_panels`)."""
+        if self._panels is None:
+            self._panels = half_panel_linear.panels_of(self.q)
+        return self._panels
+
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
         if self.is_half:  # an exact widening: torch's vectorised conversion does it
             torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
@@ -342,12 +278,29 @@ class QuantizedWeight:
                 f"[{self.out_features}, {self.in_features}], {self.nbytes} B)")
 
 
+def takes_panels(weight: QuantizedWeight) -> bool:
+    """Whether `weight`'s batched rows run on half_panel_linear's kernel: a 16-bit weight
+    whose dtype this CPU has no matrix instructions for, where the kernel runs."""
+    return (weight.is_half and not computes_natively(weight.half_dtype)
+            and half_panel_linear.panels_run_here())
+
+
 def max_gemv_rows(weight: QuantizedWeight) -> int:
     """The most rows of x `quantized_linear` multiplies by `weight` on the GEMV kernels
-    (`gemv_groups`, `gemv_half`): beyond, on tiles or (16-bit, natively) the matrix units."""
+    (`gemv_groups`, `gemv_half`): beyond, on tiles, (16-bit) the matrix units or the panel
+    kernel (from 2 rows, where it is faster than the GEMV on the rows: bench/README.md)."""
     if weight.is_half and computes_natively(weight.half_dtype):
         return min(MAX_QUANTIZED_GEMV_ROWS, MIN_NATIVE_HALF_ROWS - 1)
+    if takes_panels(weight):
+        return 1
     return MAX_QUANTIZED_GEMV_ROWS
+
+
+def max_numba_rows(weight: QuantizedWeight) -> int:
+    """The most rows of x whose product with `weight` numba code (the decode stack) computes
+    as `quantized_linear` does: the GEMV's rows, and with the panels every count up to
+    MAX_QUANTIZED_GEMV_ROWS (numba callers take the panel kernel from 2 rows too)."""
+    return MAX_QUANTIZED_GEMV_ROWS if takes_panels(weight) else max_gemv_rows(weight)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
@@ -371,6 +324,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                                         GEMV_X_FORMAT, out.numpy())
     elif weight.is_half and computes_natively(weight.half_dtype):
         out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
+    elif takes_panels(weight):
+        out = half_panel_linear.half_panel_linear(x.detach(), weight.panels(),
+                                                  weight.layout == "bf16", n)
     else:
         out = _tiled_linear(x.detach(), weight)
     if bias is not None:

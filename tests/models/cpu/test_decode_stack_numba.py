@@ -1,6 +1,7 @@
 """The fused decode stack kernel's own parts: its embedding lookup on every weight kind
-against the module path's lookup (bit for bit), and the rotary rows at the step's positions;
-both raise IndexError outside their tables. The whole stack against the module path is
+against the module path's lookup (bit for bit), a 16-bit weight's linear against
+quantized_linear's (bit for bit, GEMV and panels), and the rotary rows at the step's positions;
+the lookups raise IndexError outside their tables. The whole stack against the module path is
 test_decode.py's."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 from numba import njit
 
 from mrv2.models.cpu import decode as cpu_decode
-from mrv2.models.cpu.decode_stack_numba import _embed, rotary_rows
-from mrv2.models.layers.quantized import QuantizedWeight
+from mrv2.models.cpu.decode_stack_numba import _embed, _linear, rotary_rows
+from mrv2.models.layers import quantized
+from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 VOCAB, WIDTH = 40, 256
 
@@ -21,6 +23,11 @@ VOCAB, WIDTH = 40, 256
 @njit
 def _lookup(ids, w, out):
     _embed(ids, w, out)
+
+
+@njit
+def _stack_linear(x, w, out):
+    _linear(x, w, out)
 
 
 def _weights() -> dict[str, QuantizedWeight | torch.Tensor]:
@@ -61,6 +68,20 @@ def test_an_id_outside_the_table_raises(kind, bad):
     out = np.zeros((2, WIDTH), dtype=np.float32)
     with pytest.raises(IndexError):
         _lookup(np.array([1, bad], dtype=np.int32), cpu_decode._weight_view(WEIGHTS[kind]), out)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_16_bit_linear_is_quantized_linears(kind, rows, monkeypatch):
+    """The stack's kernel for a 16-bit projection at each row count is quantized_linear's (the
+    GEMV at 1 row, the panels from 2 where the weight takes them), so the stack and the layer
+    path agree bit for bit."""
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)
+    weight = WEIGHTS[kind]
+    x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
+    out = np.full((rows, VOCAB), np.nan, dtype=np.float32)
+    _stack_linear(x.numpy(), cpu_decode._weight_view(weight), out)
+    assert np.array_equal(out.view(np.int32), quantized_linear(x, weight).numpy().view(np.int32))
 
 
 def test_rotary_rows_at_the_positions():

@@ -1,0 +1,86 @@
+"""GGUF's integer block types decoded into the kernel layouts' values and tables
+(quantized.QuantizedWeight.from_gguf): each block's values in input order with its scales and
+mins, and the 4-bit values packed two to a byte. Numpy, at load time only.
+
+The block formats are ggml's (gguf.quants reads the same bytes; tests/models/test_quantized.py
+checks QuantizedWeight's dequantization against it bit for bit for every type).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_QK_K = 256  # inputs per K-quant super-block
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The f16 field at byte `start` of each block, as float32 [nb]."""
+    return blocks[:, start:start + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[nb, c * width] bytes -> [nb, 2c, width] uint8: each `width` run of bytes gives its low
+    nibbles, then its high nibbles (the order of Q4_0/Q4_1/Q5_x (width 16), Q4_K/Q5_K (32))."""
+    nb = qs.shape[0]
+    qs = qs.reshape(nb, -1, 1, width)
+    return ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(nb, -1, width)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes -> the 8 six-bit scales and mins per super-block [nb, 8]."""
+    nb = scales.shape[0]
+    d, m, m_d = np.split(scales.reshape(nb, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.reshape(nb, 8).astype(np.float32), mn.reshape(nb, 8).astype(np.float32)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's little-endian 32-bit qh -> bit 4 of each of the 32 values [nb, 32]."""
+    qh = qh.copy().view("<u4").reshape(-1, 1)
+    return (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def unpack_blocks(b: np.ndarray, gguf_type: str
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Blocks [nb, block_bytes] -> (values [nb, block_size] (uint8 for u4 types, int8 else),
+    scales [nb, groups], mins [nb, groups] or None), values in input order."""
+    nb = b.shape[0]
+    if gguf_type == "Q4_0":
+        d = _f16(b, 0)[:, None]
+        return _nibbles(b[:, 2:], 16).reshape(nb, 32), d, -8.0 * d
+    if gguf_type == "Q4_1":
+        return _nibbles(b[:, 4:], 16).reshape(nb, 32), _f16(b, 0)[:, None], _f16(b, 2)[:, None]
+    if gguf_type == "Q8_0":
+        return b[:, 2:].view(np.int8), _f16(b, 0)[:, None], None
+    if gguf_type in ("Q5_0", "Q5_1"):
+        off = 2 if gguf_type == "Q5_0" else 4
+        q = _nibbles(b[:, off + 4:], 16).reshape(nb, 32) | _high_bits(b[:, off:off + 4])
+        d = _f16(b, 0)[:, None]
+        if gguf_type == "Q5_0":
+            return (q.astype(np.int16) - 16).astype(np.int8), d, None
+        return q.astype(np.int8), d, _f16(b, 2)[:, None]
+    if gguf_type in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scale_min(b[:, 4:16])
+        scales = _f16(b, 0)[:, None] * sc
+        mins = -(_f16(b, 2)[:, None] * mn)
+        if gguf_type == "Q4_K":
+            return _nibbles(b[:, 16:], 32).reshape(nb, _QK_K), scales, mins
+        qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = _nibbles(b[:, 48:], 32) | ((qh & 1) << 4)
+        return q.reshape(nb, _QK_K).astype(np.int8), scales, mins
+    if gguf_type == "Q6_K":
+        ql = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
+        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 4, 1)
+        q = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).astype(np.int16) - 32
+        scales = _f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+        return q.reshape(nb, _QK_K).astype(np.int8), scales, None
+    raise ValueError(f"{gguf_type!r} is not a GGUF block type of integers")
+
+
+def pack_u4(vals: np.ndarray) -> np.ndarray:
+    """Values [N, K] in 0..15 -> the u4 layout [N, K // 2] (byte j of group g: inputs 32 g + j
+    low, 32 g + 16 + j high)."""
+    v = vals.reshape(vals.shape[0], -1, 2, 16)
+    return (v[:, :, 0, :] | (v[:, :, 1, :] << 4)).reshape(vals.shape[0], -1)
