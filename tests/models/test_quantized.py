@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import cpu_linear, quantized
+from mrv2.models.layers import cpu_linear, half_panel_linear, quantized
 from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
@@ -202,8 +202,9 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "BF16"])
 def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monkeypatch):
-    """The fused decode stack computes an LM head's logits for up to `max_gemv_rows` rows,
-    trusting that `quantized_linear` runs the same GEMV kernel there and none beyond."""
+    """`quantized_linear` runs the GEMV kernels up to `max_gemv_rows` rows and none beyond
+    (a 16-bit weight: the matrix units, or the panel kernel where it runs, from there on); the
+    fused decode stack trusts it up to `max_numba_rows`, which adds the panels' rows."""
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     for name in ("gemv_groups", "gemv_half"):
@@ -216,8 +217,12 @@ def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monke
     for rows in (1, limit, limit + 1):
         quantized_linear(torch.randn(rows, w.in_features), w)
     assert calls == [1, limit]
+    panels = quantized.takes_panels(w)
+    assert panels == (w.is_half and not native and half_panel_linear.panels_run_here())
     assert limit == (quantized.MIN_NATIVE_HALF_ROWS - 1 if native and w.is_half
-                     else quantized.MAX_QUANTIZED_GEMV_ROWS)
+                     else 1 if panels else quantized.MAX_QUANTIZED_GEMV_ROWS)
+    assert quantized.max_numba_rows(w) == (quantized.MAX_QUANTIZED_GEMV_ROWS if panels
+                                           else limit)
 
 
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)
