@@ -121,8 +121,9 @@ def qualifies(model) -> bool:
 
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`): where
-    every projection is 16-bit, as many as the layer path's linears keep on the GEMV
-    (`quantized.max_numba_rows`: fewer where the CPU computes the dtype on matrix units)."""
+    every projection is 16-bit, as many as numba code computes as the layer path's linears do
+    (`quantized.max_numba_rows`: the GEMV's rows and the panel kernel's; fewer where the CPU
+    computes the dtype on matrix units)."""
     layer = model.layers[0]
     kinds = _kinds(layer)
     if all(kind == "half" for kind in kinds):
