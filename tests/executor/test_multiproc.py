@@ -46,6 +46,19 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def new_engine_segments(before: set[str]) -> list[str]:
+    """The /dev/shm entries created since `before` that this test's engine may have left: its
+    segments (`mrv2_<pid>_`: this process's, or a process no longer alive, its workers') and
+    semaphores. A live process's other than this one is another test worker's engine (the
+    suite runs in parallel), not a leftover of this test."""
+    def ours(name: str) -> bool:
+        if name.startswith("sem."):
+            return True
+        pid = name.split("_")[1] if name.startswith("mrv2_") else ""
+        return pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid)))
+    return sorted(n for n in shm_entries() - before if ours(n))
+
+
 def assert_nothing_left(executor: MultiprocExecutor, shm_before: set[str]) -> None:
     left = engine_leftovers(worker_pids(executor), shm_names(executor), shm_before)
     assert not left, f"left behind: {left}"
@@ -228,7 +241,7 @@ def test_killed_worker_fails_pending_and_later_calls_fast(engines):
         assert time.monotonic() - start < 1
         # The shared memory is unlinked even before shutdown.
         deadline = time.monotonic() + 5
-        while [n for n in shm_entries() - before if n.startswith("mrv2_")]:
+        while [n for n in new_engine_segments(before) if n.startswith("mrv2_")]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
@@ -267,7 +280,7 @@ def test_startup_error_in_load_model_raises_the_workers_error(tiny_llama, tmp_pa
     assert "Traceback" in error.remote_traceback and "load_model" in error.remote_traceback
     assert not isinstance(error, EngineDeadError)
     assert set(mp.active_children()) <= children
-    assert not [n for n in shm_entries() - before if n.startswith(("mrv2_", "sem."))]
+    assert not new_engine_segments(before)
 
 
 def test_startup_error_before_ready_carries_the_traceback(config):
@@ -278,7 +291,7 @@ def test_startup_error_before_ready_carries_the_traceback(config):
     assert isinstance(info.value, WorkerError)
     assert "nonsense" in info.value.remote_traceback and "Traceback" in str(info.value)
     assert set(mp.active_children()) <= children
-    assert not [n for n in shm_entries() - before if n.startswith(("mrv2_", "sem."))]
+    assert not new_engine_segments(before)
 
 
 def test_startup_timeout_names_the_silent_rank_and_stops_it(config, tmp_path, monkeypatch):
@@ -294,4 +307,4 @@ def test_startup_timeout_names_the_silent_rank_and_stops_it(config, tmp_path, mo
         MultiprocExecutor(config, worker_cls="stuck_worker:StuckWorker", startup_timeout_s=3.0)
     assert time.monotonic() - start < 3.0 + _STOP_BUDGET_S
     assert set(mp.active_children()) <= children
-    assert not [n for n in shm_entries() - before if n.startswith(("mrv2_", "sem."))]
+    assert not new_engine_segments(before)
