@@ -23,6 +23,7 @@ from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.layers.quantized import MIN_PANEL_ROWS
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
@@ -30,9 +31,9 @@ from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 
 def _linear(x, w, out):
     """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
-    (q int16, bfloat16, panels: half_panel_linear's, from 2 rows, where it has them) or GGUF
-    blocks' (q as bytes, scales, mins, packed, group size, x format) tuple (numba only: see
-    the overload)."""
+    (q int16, bfloat16, panels: half_panel_linear's, from MIN_PANEL_ROWS, where it has them) or
+    GGUF blocks' (q as bytes, scales, mins, packed, group size, x format) tuple (numba only:
+    see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
 
@@ -44,7 +45,7 @@ def _linear_overload(x, w, out):
         return lambda x, w, out: gemv_kernel(x, w, out)
     if len(w) == 3:
         def half(x, w, out):
-            if x.shape[0] >= 2 and w[2].shape[0] > 0:  # as quantized_linear: the panels
+            if x.shape[0] >= MIN_PANEL_ROWS and w[2].shape[0] > 0:  # as quantized_linear
                 half_panel_kernel(x, w[2], w[1], out)
             else:
                 gemv_half(x, w[0], w[1], out)

@@ -25,8 +25,8 @@ groups; more rows (prefill) dequantize tiles of output rows into a reused float3
 multiply each with torch.mm, so the float32 weight never exists whole. A 16-bit weight on a CPU
 with matrix instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for
 bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
-on a CPU without them where half_panel_linear's kernel runs (AVX-512), from 2 rows on that
-kernel, in float32 (the weight repacked into panels once, at its first batched use).
+on a CPU without them where half_panel_linear's kernel runs (AVX-512), from MIN_PANEL_ROWS
+rows on that kernel, in float32 (the weight repacked into panels once, at its first batched use).
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ MAX_QUANTIZED_GEMV_ROWS = 32
 # decode step then runs onednn_decode.py as one call, faster than the fused stack's GEMV but
 # at 1 row), else from 8 (oneDNN's calls; bench/README.md has each CPU's figures).
 MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() or dot_linear.runs_here() else 8
+# Rows of x from which a 16-bit weight that `takes_panels` runs on the panel kernel (at one row
+# the GEMV on the rows was level or faster; bench/README.md).
+MIN_PANEL_ROWS = 2
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
 # A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
@@ -288,18 +291,18 @@ def takes_panels(weight: QuantizedWeight) -> bool:
 def max_gemv_rows(weight: QuantizedWeight) -> int:
     """The most rows of x `quantized_linear` multiplies by `weight` on the GEMV kernels
     (`gemv_groups`, `gemv_half`): beyond, on tiles, (16-bit) the matrix units or the panel
-    kernel (from 2 rows, where it is faster than the GEMV on the rows: bench/README.md)."""
+    kernel (from MIN_PANEL_ROWS)."""
     if weight.is_half and computes_natively(weight.half_dtype):
         return min(MAX_QUANTIZED_GEMV_ROWS, MIN_NATIVE_HALF_ROWS - 1)
     if takes_panels(weight):
-        return 1
+        return MIN_PANEL_ROWS - 1
     return MAX_QUANTIZED_GEMV_ROWS
 
 
 def max_numba_rows(weight: QuantizedWeight) -> int:
     """The most rows of x whose product with `weight` numba code (the decode stack) computes
     as `quantized_linear` does: the GEMV's rows, and with the panels every count up to
-    MAX_QUANTIZED_GEMV_ROWS (numba callers take the panel kernel from 2 rows too)."""
+    MAX_QUANTIZED_GEMV_ROWS (numba callers take the panel kernel from MIN_PANEL_ROWS too)."""
     return MAX_QUANTIZED_GEMV_ROWS if takes_panels(weight) else max_gemv_rows(weight)
 
 
