@@ -29,11 +29,10 @@ from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS, pair_sums
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, I32, V8F, V8H,
-                                          V8I, V16B, V16S, call_intrinsic, load_table, row_ptr,
-                                          splat, sums_with_min_terms, table_elem, vload,
+                                          V8I, V16B, V16I, V16S, call_intrinsic, load_table,
+                                          row_ptr, splat, sums_with_min_terms, table_elem, vload,
                                           widen_half, x_rows_and_accumulators)
 
-_V16I = ir.VectorType(I32, 16)
 _SCALE_BLOCK = 8  # groups whose scale * d is formed as one vector
 
 
@@ -41,7 +40,7 @@ def _int16_dot16(builder, w, x, x86):
     """<16 x i16> weights and activations -> <8 x i32>, lane j = products 2j and 2j + 1."""
     if x86:
         return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", V8I, [w, x])
-    return pair_sums(builder, builder.mul(builder.sext(w, _V16I), builder.sext(x, _V16I)), 16)
+    return pair_sums(builder, builder.mul(builder.sext(w, V16I), builder.sext(x, V16I)), 16)
 
 
 def _make_int16_dots(nb, layout, x86):

@@ -23,11 +23,11 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I32, V8F,
-                                          V8I, V16B, V16S, call_intrinsic, for_each_unit,
+                                          V8I, V16B, V16S, V32B, call_intrinsic, for_each_unit,
                                           load_table, row_ptr, splat, sums_with_min_terms,
                                           table_elem, vload, x_rows_and_accumulators)
 
-_V32B, _V32I = ir.VectorType(I8, 32), ir.VectorType(I32, 32)
+_V32I = ir.VectorType(I32, 32)
 INT8_BLOCK = 32  # inputs per quantization block of x (int8 or int16), and per kernel unit
 
 
@@ -59,8 +59,8 @@ def _int8_dot32(builder, w, x, signed, x86):
     lane j = the sum of products 4j .. 4j + 3."""
     if x86:
         if signed:
-            x = call_intrinsic(builder, "llvm.x86.avx2.psign.b", _V32B, [x, w])
-            w = call_intrinsic(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
+            x = call_intrinsic(builder, "llvm.x86.avx2.psign.b", V32B, [x, w])
+            w = call_intrinsic(builder, "llvm.abs.v32i8", V32B, [w, ir.Constant(ir.IntType(1), 0)])
         pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [w, x])
         return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", V8I,
                               [pairs, ir.Constant(V16S, [1] * 16)])
@@ -103,7 +103,7 @@ def _make_int8_dots(nb, packed, x86):
                         ir.Constant(_V32I, list(range(32))))
                     scale = splat(builder, load_table(builder, srow, c, st))
                 else:
-                    w = vload(builder, qrow, builder.mul(c, ity(32)), _V32B, 1)
+                    w = vload(builder, qrow, builder.mul(c, ity(32)), V32B, 1)
                     first = builder.shl(c, groups_log2)
                     last = builder.add(first, builder.sub(builder.shl(ity(1), groups_log2),
                                                           ity(1)))
@@ -113,7 +113,7 @@ def _make_int8_dots(nb, packed, x86):
                         V8I, [0, 1, 2, 3, 8, 9, 10, 11]))
                 base = builder.mul(c, ity(32))
                 for i in range(nb):
-                    xv = vload(builder, xrows[i][0], base, _V32B, 1)
+                    xv = vload(builder, xrows[i][0], base, V32B, 1)
                     sums = builder.sitofp(_int8_dot32(builder, w, xv, not packed, x86), V8F)
                     d = splat(builder, builder.load(builder.gep(drows[i], [c])))
                     acc = builder.load(accs[i][slot])

@@ -38,6 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, gemv_rows_int8, quantize_rows
+from mrv2.models.layers.quantized_vnni_numba import VNNI_DOTS, gemv_row_vnni, offset_terms
 from mrv2.models.layers.quantized_int16_numba import gemv_rows_int16
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
@@ -174,11 +175,14 @@ def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift, x_format, r, m0,
-                  out):
+def _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed, shift, x_format, r,
+                  m0, out):
     """Rows m0.. of x (float32; or int16 / int8 with the min term inside) against weight row
-    r."""
+    r. One row of int8 x with 32-input groups takes VNNI's kernel where the host has it (at more
+    rows the AVX2 kernel's 4 rows a pass were faster: bench/README.md)."""
     if x_format == X_INT8:
+        if VNNI_DOTS and shift == 5 and xq.shape[0] == 1:
+            return gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out)
         return gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
     if x_format == X_INT16:
         return gemv_rows_int16(xq16, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
@@ -216,6 +220,10 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     dx = np.empty((m_rows if x_format != X_FLOAT32 else 0, k_dim // INT8_BLOCK), np.float32)
     quantize_rows(x, xq, dx)
     quantize_rows(x, xq16, dx)
+    # vpdpbusd's unsigned operand is an "i8" weight + 128: its groups' extra terms, per call.
+    vnni_i8 = VNNI_DOTS and x_format == X_INT8 and shift == 5 and not packed and m_rows == 1
+    terms = np.empty((m_rows if vnni_i8 else 0, k_dim // INT8_BLOCK), np.float32)
+    offset_terms(xq[:terms.shape[0]], dx, terms)
     x_bytes = m_rows * k_dim * (4 if x_format == X_FLOAT32 else 2 if x_format == X_INT16 else 1)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     # Weight rows outer, each against all of x, while x fits L1; past that x's rows outer, 4 at
@@ -231,8 +239,8 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
             for r in range(r0, r1):
                 m0 = b0
                 while m0 < b1:
-                    m0 += _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
-                                        x_format, r, m0, out)
+                    m0 += _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed,
+                                        shift, x_format, r, m0, out)
         if has_min and x_format == X_FLOAT32:
             for r in range(r0, r1):
                 for m in range(m_rows):

@@ -1,0 +1,210 @@
+"""AVX-512 VNNI for the int8-activation GEMV on GGUF blocks (quantized_int8_numba's format):
+one row of x against a weight row, 64 weights an instruction.
+
+Why: the AVX2 int8 kernel spends per 32 weights a vpmaddubsw, a vpmaddwd against ones and
+(for signed weights) a vpsignb and a vpabsb on 256-bit vectors; `vpdpbusd` on 512 bits sums
+u8 x s8 products four to a 32-bit lane, accumulating, in one instruction for 64 weights (two
+groups of 32: lanes 0-7 hold the first group, 8-15 the second). The group scales (times x's d)
+are formed 8 groups a vector and spread to the two halves by one permute; one conversion and
+one FMA per 64 weights follow.
+
+vpdpbusd multiplies an unsigned byte by a signed one:
+- "u4" weights (0..15) are the unsigned operand as they are; x's int8 the signed one.
+- "i8" weights are signed: they enter as w + 128 (bits flipped at the top: w ^ 0x80, an
+  unsigned 0..255), so each group's integer sum is sum w q + 128 sum q; the extra term is
+  removed in float after the units, per group: scale * d * (-128 * sum_g q), the per-call
+  `offset_terms` of x, 8 groups a vector like the min term (which follows the same loop).
+The integer part is exact: a lane sums four products of at most 255 * 127 (no saturation in
+vpdpbusd). Numerics: those of the int8 format (quantized_int8_numba's bound: x's rounding);
+the float sums differ from the AVX2 kernel's only in order (tests/models/test_quantized_vnni
+_numba.py holds both to each other and to the bound).
+
+Only for one row of x at a time, 32-input groups (not Q6_K's 16), where numba compiles for a
+host with AVX-512 VNNI and BW (`VNNI_DOTS`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from mrv2.models.layers.vector_ir import (FAST, F32, I8, I16, I32, V8F, V8H, V16I, V32B,
+                                          call_intrinsic, hsum, load_table, row_ptr, splat,
+                                          table_elem, vload, widen_half)
+
+_V16F = ir.VectorType(F32, 16)
+_V64B, _V32S = ir.VectorType(I8, 64), ir.VectorType(I16, 32)
+_V8I = ir.VectorType(I32, 8)
+_GROUPS = 8  # groups whose scale * d is formed as one vector (4 units of 64 weights)
+
+
+def _compiles_for_vnni() -> bool:
+    """Whether numba compiles for this host (no NUMBA_CPU_NAME) and the host has AVX-512 VNNI
+    (with BW, for the byte shuffles)."""
+    import platform as host
+
+    from llvmlite import binding
+    from numba.core import config
+    if config.CPU_NAME is not None or host.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    features = binding.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx512vnni", "avx512bw", "avx512f"))
+
+
+VNNI_DOTS = _compiles_for_vnni()
+
+
+def _weights64(builder, qrow, unit, packed, ity):
+    """Unit `unit`'s 64 weights (groups 2u, 2u + 1) as the unsigned operand: u4 nibbles
+    (inputs 0-15 low, 16-31 high, per 16 bytes) spread to one byte each; i8 values + 128."""
+    if packed:
+        raw = vload(builder, qrow, builder.mul(unit, ity(32)), V32B, 1)
+        spread = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(I32, 64), [
+            j for half in (range(16), range(16, 32)) for _ in range(2) for j in half]))
+        shifts = ir.Constant(_V32S, ([0] * 8 + [4] * 8) * 2)
+        shifted = builder.bitcast(builder.lshr(builder.bitcast(spread, _V32S), shifts), _V64B)
+        return builder.and_(shifted, ir.Constant(_V64B, [15] * 64))
+    w = vload(builder, qrow, builder.mul(unit, ity(64)), _V64B, 1)
+    return builder.xor(w, ir.Constant(_V64B, [-128] * 64))
+
+
+def _weights32(builder, qrow, group, packed, ity):
+    """One group's 32 weights as the unsigned operand (the tail past whole units)."""
+    if packed:
+        raw = vload(builder, qrow, builder.mul(group, ity(16)), ir.VectorType(I8, 16), 1)
+        lo = builder.and_(raw, ir.Constant(ir.VectorType(I8, 16), [15] * 16))
+        hi = builder.lshr(raw, ir.Constant(ir.VectorType(I8, 16), [4] * 16))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32),
+                                                    list(range(32))))
+    w = vload(builder, qrow, builder.mul(group, ity(32)), V32B, 1)
+    return builder.xor(w, ir.Constant(V32B, [-128] * 32))
+
+
+def _scale_vector(builder, srow, st, drow, g0):
+    """<8 x float> scale * d of groups g0..g0+7."""
+    if st.dtype == types.int16:
+        sv = widen_half(builder, vload(builder, srow, g0, V8H, 2), False)
+    else:
+        sv = vload(builder, srow, g0, V8F, 4)
+    return builder.fmul(sv, vload(builder, drow, g0, V8F, 4), flags=FAST)
+
+
+@intrinsic
+def _vnni_dot(typingctx, xq, dx, terms, q, scales, mins, xsum, packed, r, m):
+    """sum_k d * xq * scale(r, k) * q(r, k) for row m of x (int8 [M, K], dx [M, K // 32]), the
+    "i8" offset removed with `terms` ([M, K // 32]: -128 * d * sum_g xq, or no rows for "u4"),
+    plus sum_g mins[r, g] * xsum[m, g] when `mins` has columns. `packed` must be a literal."""
+    if not isinstance(packed, types.BooleanLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        xqt, dxt, tt, qt, st, mnt, xst, _, rt, mt = signature.args
+        is_u4 = packed.literal_value
+        r_, m_ = (context.cast(builder, v, t, types.intp)
+                  for v, t in ((args[8], rt), (args[9], mt)))
+        ity = r_.type
+        qrow, _ = row_ptr(context, builder, qt, args[3], r_, I8)
+        srow, _ = row_ptr(context, builder, st, args[4], r_, table_elem(st))
+        xrow, xarr = row_ptr(context, builder, xqt, args[0], m_, I8)
+        drow, _ = row_ptr(context, builder, dxt, args[1], m_, F32)
+        k = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
+        groups = builder.sdiv(k, ity(32))
+        zero16 = ir.Constant(V16I, [0] * 16)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
+                for _ in range(2)]
+
+        def dpbusd(w, x, lanes):
+            name = "llvm.x86.avx512.vpdpbusd." + ("512" if lanes == 16 else "256")
+            vty = V16I if lanes == 16 else _V8I
+            zero = zero16 if lanes == 16 else ir.Constant(_V8I, [0] * 8)
+            return call_intrinsic(builder, name, vty, [zero, w, x])
+
+        whole = builder.sdiv(groups, ity(_GROUPS))
+        with cgutils.for_range(builder, whole) as loop:
+            g0 = builder.mul(loop.index, ity(_GROUPS))
+            sv = _scale_vector(builder, srow, st, drow, g0)
+            for u in range(_GROUPS // 2):
+                unit = builder.add(builder.sdiv(g0, ity(2)), ity(u))
+                w = _weights64(builder, qrow, unit, is_u4, ity)
+                x = vload(builder, xrow, builder.mul(unit, ity(64)), _V64B, 1)
+                sums = builder.sitofp(dpbusd(w, x, 16), _V16F)
+                spread = builder.shuffle_vector(sv, sv, ir.Constant(
+                    ir.VectorType(I32, 16), [2 * u] * 8 + [2 * u + 1] * 8))
+                acc = accs[u % 2]
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(
+                    sums, spread, flags=FAST), flags=FAST), acc)
+        total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=FAST)
+        halves = [builder.shuffle_vector(total, total, ir.Constant(_V8I, list(range(h, h + 8))))
+                  for h in (0, 8)]
+        tail_acc = cgutils.alloca_once_value(builder, builder.fadd(*halves, flags=FAST))
+        done = builder.mul(whole, ity(_GROUPS))
+        with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
+            g = builder.add(done, loop.index)
+            w = _weights32(builder, qrow, g, is_u4, ity)
+            x = vload(builder, xrow, builder.mul(g, ity(32)), V32B, 1)
+            scale = builder.fmul(load_table(builder, srow, g, st),
+                                 builder.load(builder.gep(drow, [g])), flags=FAST)
+            step = builder.fmul(builder.sitofp(dpbusd(w, x, 8), V8F), splat(builder, scale),
+                                flags=FAST)
+            builder.store(builder.fadd(builder.load(tail_acc), step, flags=FAST), tail_acc)
+        result = hsum(builder, builder.load(tail_acc))
+        # Per-group float terms: the i8 offset (scale * terms), then the min term.
+        pairs = [(mnt, args[5], xst, args[6])] + ([] if is_u4 else [(st, args[4], tt, args[2])])
+        for table_t, table, other_t, other in pairs:
+            result = builder.fadd(result, _group_terms(context, builder, table_t, table, r_,
+                                                       other_t, other, m_), flags=FAST)
+        return result
+
+    sig = types.float32(xq, dx, terms, q, scales, mins, xsum, packed, r, m)
+    return sig, codegen
+
+
+def _group_terms(context, builder, tt, table, r, vt, values, m):
+    """sum_g table[r, g] * values[m, g] (a table of no columns: 0), 8 groups a vector."""
+    arr = context.make_array(tt)(context, builder, table)
+    groups = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
+    ity = groups.type
+    total = cgutils.alloca_once_value(builder, F32(0.0))
+    with builder.if_then(builder.icmp_signed(">", groups, ity(0))):
+        trow, _ = row_ptr(context, builder, tt, table, r, table_elem(tt))
+        vrow, _ = row_ptr(context, builder, vt, values, m, F32)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8))
+        whole = builder.sdiv(groups, ity(8))
+        with cgutils.for_range(builder, whole) as loop:
+            g0 = builder.mul(loop.index, ity(8))
+            tv = (widen_half(builder, vload(builder, trow, g0, V8H, 2), False)
+                  if tt.dtype == types.int16 else vload(builder, trow, g0, V8F, 4))
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(
+                tv, vload(builder, vrow, g0, V8F, 4), flags=FAST), flags=FAST), acc)
+        builder.store(hsum(builder, builder.load(acc)), total)
+        with cgutils.for_range(builder, builder.sub(groups, builder.mul(whole, ity(8)))) as loop:
+            g = builder.add(builder.mul(whole, ity(8)), loop.index)
+            term = builder.fmul(load_table(builder, trow, g, tt),
+                                builder.load(builder.gep(vrow, [g])), flags=FAST)
+            builder.store(builder.fadd(builder.load(total), term, flags=FAST), total)
+    return builder.load(total)
+
+
+@njit(cache=True)
+def offset_terms(xq, dx, out):
+    """out[m, g] = -128 * dx[m, g] * sum of xq[m] over group g: what an "i8" weight's + 128
+    adds to each group's sum, in x's units (`_vnni_dot`)."""
+    for m in range(xq.shape[0]):
+        for g in range(dx.shape[1]):
+            s = 0
+            for j in range(32 * g, 32 * g + 32):
+                s += np.int32(xq[m, j])
+            out[m, g] = np.float32(-128.0) * dx[m, g] * np.float32(s)
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m, out):
+    """out[m, r]: row m of the int8 x against weight row r (32-input groups); returns 1."""
+    if packed:
+        out[m, r] = _vnni_dot(xq, dx, terms, q, scales, mins, xsum, True, r, m)
+    else:
+        out[m, r] = _vnni_dot(xq, dx, terms, q, scales, mins, xsum, False, r, m)
+    return 1
