@@ -188,3 +188,9 @@ def gemv_rows_int16(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
         return 2
     out[m0, r] = _dots1(xq, dx, q, scales, mins, xsum, packed, shift, r, m0)[0]
     return 1
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def gemv_row_int16(xq, dx, q, scales, mins, xsum, packed, shift, r, m, out):
+    """out[m, r]: row m of the int16 x against weight row r alone (a one-row GEMV's loop)."""
+    out[m, r] = _dots1(xq, dx, q, scales, mins, xsum, packed, shift, r, m)[0]

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, gemv_rows_int8, quantize_rows
 from mrv2.models.layers.quantized_vnni_numba import VNNI_DOTS, gemv_row_vnni, offset_terms
-from mrv2.models.layers.quantized_int16_numba import gemv_rows_int16
+from mrv2.models.layers.quantized_int16_numba import gemv_row_int16, gemv_rows_int16
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
                                           sum_accumulators, table_elem, table_value, vload,
@@ -175,14 +175,10 @@ def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed, shift, x_format, r,
-                  m0, out):
+def _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift, x_format, r, m0, out):
     """Rows m0.. of x (float32; or int16 / int8 with the min term inside) against weight row
-    r. One row of int8 x with 32-input groups takes VNNI's kernel where the host has it (at more
-    rows the AVX2 kernel's 4 rows a pass were faster: bench/README.md)."""
+    r."""
     if x_format == X_INT8:
-        if VNNI_DOTS and shift == 5 and xq.shape[0] == 1:
-            return gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out)
         return gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
     if x_format == X_INT16:
         return gemv_rows_int16(xq16, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
@@ -202,11 +198,41 @@ def _group_sums(x, gs, groups):
     return xsum
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for the packed weight (x [M, K] contiguous rows;
     gs 32, or 16 for an i8 weight). X_FLOAT32: fp32 sums in another order than x @ w.T (~1e-7
-    relative); X_INT16 / X_INT8: x quantized per 32 inputs first (their modules' bounds)."""
+    relative); X_INT16 / X_INT8: x quantized per 32 inputs first (their modules' bounds).
+
+    One parallel function per x format, each the same body with the format a constant: with
+    the format a run-time value every format's kernels sat in one loop nest and each ran
+    slower there than alone (the VNNI row 1.6x, the int16 rows ~8%: bench/README.md)."""
+    if x_format == X_INT16:
+        _gemv_int16(x, q, scales, mins, packed, gs, out)
+    elif x_format == X_INT8:
+        _gemv_int8(x, q, scales, mins, packed, gs, out)
+    else:
+        _gemv_float32(x, q, scales, mins, packed, gs, out)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gemv_int16(x, q, scales, mins, packed, gs, out):
+    _gemv_body(x, q, scales, mins, packed, gs, X_INT16, out)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gemv_int8(x, q, scales, mins, packed, gs, out):
+    _gemv_body(x, q, scales, mins, packed, gs, X_INT8, out)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gemv_float32(x, q, scales, mins, packed, gs, out):
+    _gemv_body(x, q, scales, mins, packed, gs, X_FLOAT32, out)
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
+    """gemv_groups for one x format, inlined into that format's parallel function."""
     # The set-up runs in serial helpers: in this parallel function numba would turn each array
     # expression (np.zeros, a slice's .sum()) into a parallel region of its own, a fork and
     # join per group (this once cost more than the GEMV itself).
@@ -220,9 +246,12 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     dx = np.empty((m_rows if x_format != X_FLOAT32 else 0, k_dim // INT8_BLOCK), np.float32)
     quantize_rows(x, xq, dx)
     quantize_rows(x, xq16, dx)
-    # vpdpbusd's unsigned operand is an "i8" weight + 128: its groups' extra terms, per call.
-    vnni_i8 = VNNI_DOTS and x_format == X_INT8 and shift == 5 and not packed and m_rows == 1
-    terms = np.empty((m_rows if vnni_i8 else 0, k_dim // INT8_BLOCK), np.float32)
+    # One row of int8 x in 32-input groups takes VNNI's kernel where the host has it (at more
+    # rows the AVX2 kernel's 4 rows a pass were faster: bench/README.md), in a loop of its own
+    # (beside the other kernels it ran 1.6x slower). vpdpbusd's unsigned operand is an "i8"
+    # weight + 128: its groups' extra terms, per call.
+    vnni_row = VNNI_DOTS and x_format == X_INT8 and shift == 5 and m_rows == 1
+    terms = np.empty((m_rows if vnni_row and not packed else 0, k_dim // INT8_BLOCK), np.float32)
     offset_terms(xq[:terms.shape[0]], dx, terms)
     x_bytes = m_rows * k_dim * (4 if x_format == X_FLOAT32 else 2 if x_format == X_INT16 else 1)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
@@ -234,13 +263,21 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     block = max(m_rows, 1) if x_bytes <= X_IN_L1_BYTES else 4
     for c in prange(num_chunks):
         r0, r1 = c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)
+        if vnni_row:
+            for r in range(r0, r1):
+                gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, 0, out)
+            continue
+        if x_format == X_INT16 and m_rows == 1:
+            for r in range(r0, r1):
+                gemv_row_int16(xq16, dx, q, scales, mins, xsum, packed, shift, r, 0, out)
+            continue
         for b0 in range(0, m_rows, block):
             b1 = min(m_rows, b0 + block)
             for r in range(r0, r1):
                 m0 = b0
                 while m0 < b1:
-                    m0 += _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed,
-                                        shift, x_format, r, m0, out)
+                    m0 += _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
+                                        x_format, r, m0, out)
         if has_min and x_format == X_FLOAT32:
             for r in range(r0, r1):
                 for m in range(m_rows):
