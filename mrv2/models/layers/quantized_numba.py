@@ -38,7 +38,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, gemv_rows_int8, quantize_rows
-from mrv2.models.layers.quantized_vnni_numba import VNNI_DOTS, gemv_row_vnni, offset_terms
+from mrv2.models.layers.quantized_vnni_numba import (VNNI_DOTS, gemv_row_vnni, gemv_rows_vnni,
+                                                    offset_terms)
 from mrv2.models.layers.quantized_int16_numba import gemv_row_int16, gemv_rows_int16
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
@@ -175,10 +176,13 @@ def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift, x_format, r, m0, out):
+def _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed, shift, x_format, r,
+                  m0, out):
     """Rows m0.. of x (float32; or int16 / int8 with the min term inside) against weight row
-    r."""
+    r. Int8 x in 32-input groups takes VNNI's kernel where the host has it."""
     if x_format == X_INT8:
+        if VNNI_DOTS and shift == 5:
+            return gemv_rows_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out)
         return gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
     if x_format == X_INT16:
         return gemv_rows_int16(xq16, dx, q, scales, mins, xsum, packed, shift, r, m0, out)
@@ -246,12 +250,12 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
     dx = np.empty((m_rows if x_format != X_FLOAT32 else 0, k_dim // INT8_BLOCK), np.float32)
     quantize_rows(x, xq, dx)
     quantize_rows(x, xq16, dx)
-    # One row of int8 x in 32-input groups takes VNNI's kernel where the host has it (at more
-    # rows the AVX2 kernel's 4 rows a pass were faster: bench/README.md), in a loop of its own
-    # (beside the other kernels it ran 1.6x slower). vpdpbusd's unsigned operand is an "i8"
-    # weight + 128: its groups' extra terms, per call.
-    vnni_row = VNNI_DOTS and x_format == X_INT8 and shift == 5 and m_rows == 1
-    terms = np.empty((m_rows if vnni_row and not packed else 0, k_dim // INT8_BLOCK), np.float32)
+    # Int8 x in 32-input groups takes VNNI's kernel where the host has it; one row of it in a
+    # loop of its own (beside the other kernels it ran 1.6x slower). vpdpbusd's unsigned
+    # operand is an "i8" weight + 128: its groups' extra terms, per call.
+    vnni = VNNI_DOTS and x_format == X_INT8 and shift == 5
+    vnni_row = vnni and m_rows == 1
+    terms = np.empty((m_rows if vnni and not packed else 0, k_dim // INT8_BLOCK), np.float32)
     offset_terms(xq[:terms.shape[0]], dx, terms)
     x_bytes = m_rows * k_dim * (4 if x_format == X_FLOAT32 else 2 if x_format == X_INT16 else 1)
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
@@ -276,8 +280,8 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
             for r in range(r0, r1):
                 m0 = b0
                 while m0 < b1:
-                    m0 += _rows_against(x, xq, xq16, dx, q, scales, mins, xsum, packed, shift,
-                                        x_format, r, m0, out)
+                    m0 += _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed,
+                                        shift, x_format, r, m0, out)
         if has_min and x_format == X_FLOAT32:
             for r in range(r0, r1):
                 for m in range(m_rows):

@@ -1,5 +1,5 @@
 """AVX-512 VNNI for the int8-activation GEMV on GGUF blocks (quantized_int8_numba's format):
-one row of x against a weight row, 64 weights an instruction.
+64 weights an instruction.
 
 Why: the AVX2 int8 kernel spends per 32 weights a vpmaddubsw, a vpmaddwd against ones and
 (for signed weights) a vpsignb and a vpabsb on 256-bit vectors; `vpdpbusd` on 512 bits sums
@@ -19,8 +19,9 @@ vpdpbusd). Numerics: those of the int8 format (quantized_int8_numba's bound: x's
 the float sums differ from the AVX2 kernel's only in order (tests/models/test_quantized_vnni
 _numba.py holds both to each other and to the bound).
 
-Only for one row of x at a time, 32-input groups (not Q6_K's 16), where numba compiles for a
-host with AVX-512 VNNI and BW (`VNNI_DOTS`).
+Rows of x 4, 2 or 1 at a time against a weight row (a unit's weights loaded once for them),
+32-input groups (not Q6_K's 16), where numba compiles for a host with AVX-512 VNNI and BW
+(`VNNI_DOTS`).
 """
 
 from __future__ import annotations
@@ -92,74 +93,94 @@ def _scale_vector(builder, srow, st, drow, g0):
     return builder.fmul(sv, vload(builder, drow, g0, V8F, 4), flags=FAST)
 
 
-@intrinsic
-def _vnni_dot(typingctx, xq, dx, terms, q, scales, mins, xsum, packed, r, m):
-    """sum_k d * xq * scale(r, k) * q(r, k) for row m of x (int8 [M, K], dx [M, K // 32]), the
-    "i8" offset removed with `terms` ([M, K // 32]: -128 * d * sum_g xq, or no rows for "u4"),
-    plus sum_g mins[r, g] * xsum[m, g] when `mins` has columns. `packed` must be a literal."""
-    if not isinstance(packed, types.BooleanLiteral):
-        return None
+def _make_vnni_dots(nb: int):
+    """An intrinsic (xq, dx, terms, q, scales, mins, xsum, packed, r, m0) -> UniTuple(float32,
+    nb): for rows m0..m0+nb-1 of x (int8 [M, K], dx [M, K // 32]) sum_k d * xq * scale(r, k) *
+    q(r, k), the "i8" offset removed with `terms` ([M, K // 32]: -128 * d * sum_g xq; no rows
+    for "u4"), plus sum_g mins[r, g] * xsum[m, g] when `mins` has columns. A unit's weights are
+    loaded (and made unsigned) once for the nb rows. `packed` must be a literal."""
 
-    def codegen(context, builder, signature, args):
-        xqt, dxt, tt, qt, st, mnt, xst, _, rt, mt = signature.args
-        is_u4 = packed.literal_value
-        r_, m_ = (context.cast(builder, v, t, types.intp)
-                  for v, t in ((args[8], rt), (args[9], mt)))
-        ity = r_.type
-        qrow, _ = row_ptr(context, builder, qt, args[3], r_, I8)
-        srow, _ = row_ptr(context, builder, st, args[4], r_, table_elem(st))
-        xrow, xarr = row_ptr(context, builder, xqt, args[0], m_, I8)
-        drow, _ = row_ptr(context, builder, dxt, args[1], m_, F32)
-        k = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
-        groups = builder.sdiv(k, ity(32))
-        zero16 = ir.Constant(V16I, [0] * 16)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
-                for _ in range(2)]
+    @intrinsic
+    def dots(typingctx, xq, dx, terms, q, scales, mins, xsum, packed, r, m0):
+        if not isinstance(packed, types.BooleanLiteral):
+            return None
+        ret = types.UniTuple(types.float32, nb)
 
-        def dpbusd(w, x, lanes):
-            name = "llvm.x86.avx512.vpdpbusd." + ("512" if lanes == 16 else "256")
-            vty = V16I if lanes == 16 else _V8I
-            zero = zero16 if lanes == 16 else ir.Constant(_V8I, [0] * 8)
-            return call_intrinsic(builder, name, vty, [zero, w, x])
+        def codegen(context, builder, signature, args):
+            xqt, dxt, tt, qt, st, mnt, xst, _, rt, mt = signature.args
+            is_u4 = packed.literal_value
+            r_, m_ = (context.cast(builder, v, t, types.intp)
+                      for v, t in ((args[8], rt), (args[9], mt)))
+            ity = r_.type
+            ms = [builder.add(m_, ity(i)) for i in range(nb)]
+            qrow, _ = row_ptr(context, builder, qt, args[3], r_, I8)
+            srow, _ = row_ptr(context, builder, st, args[4], r_, table_elem(st))
+            xrows = [row_ptr(context, builder, xqt, args[0], m, I8) for m in ms]
+            drows = [row_ptr(context, builder, dxt, args[1], m, F32)[0] for m in ms]
+            k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
+            groups = builder.sdiv(k, ity(32))
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
+                     for _ in range(2)] for _ in range(nb)]
 
-        whole = builder.sdiv(groups, ity(_GROUPS))
-        with cgutils.for_range(builder, whole) as loop:
-            g0 = builder.mul(loop.index, ity(_GROUPS))
-            sv = _scale_vector(builder, srow, st, drow, g0)
-            for u in range(_GROUPS // 2):
-                unit = builder.add(builder.sdiv(g0, ity(2)), ity(u))
-                w = _weights64(builder, qrow, unit, is_u4, ity)
-                x = vload(builder, xrow, builder.mul(unit, ity(64)), _V64B, 1)
-                sums = builder.sitofp(dpbusd(w, x, 16), _V16F)
-                spread = builder.shuffle_vector(sv, sv, ir.Constant(
-                    ir.VectorType(I32, 16), [2 * u] * 8 + [2 * u + 1] * 8))
-                acc = accs[u % 2]
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(
-                    sums, spread, flags=FAST), flags=FAST), acc)
-        total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=FAST)
-        halves = [builder.shuffle_vector(total, total, ir.Constant(_V8I, list(range(h, h + 8))))
-                  for h in (0, 8)]
-        tail_acc = cgutils.alloca_once_value(builder, builder.fadd(*halves, flags=FAST))
-        done = builder.mul(whole, ity(_GROUPS))
-        with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
-            g = builder.add(done, loop.index)
-            w = _weights32(builder, qrow, g, is_u4, ity)
-            x = vload(builder, xrow, builder.mul(g, ity(32)), V32B, 1)
-            scale = builder.fmul(load_table(builder, srow, g, st),
-                                 builder.load(builder.gep(drow, [g])), flags=FAST)
-            step = builder.fmul(builder.sitofp(dpbusd(w, x, 8), V8F), splat(builder, scale),
-                                flags=FAST)
-            builder.store(builder.fadd(builder.load(tail_acc), step, flags=FAST), tail_acc)
-        result = hsum(builder, builder.load(tail_acc))
-        # Per-group float terms: the i8 offset (scale * terms), then the min term.
-        pairs = [(mnt, args[5], xst, args[6])] + ([] if is_u4 else [(st, args[4], tt, args[2])])
-        for table_t, table, other_t, other in pairs:
-            result = builder.fadd(result, _group_terms(context, builder, table_t, table, r_,
-                                                       other_t, other, m_), flags=FAST)
-        return result
+            def dpbusd(w, x, lanes):
+                vty = V16I if lanes == 16 else _V8I
+                return call_intrinsic(builder, f"llvm.x86.avx512.vpdpbusd.{lanes * 32}", vty,
+                                      [ir.Constant(vty, [0] * lanes), w, x])
 
-    sig = types.float32(xq, dx, terms, q, scales, mins, xsum, packed, r, m)
-    return sig, codegen
+            whole = builder.sdiv(groups, ity(_GROUPS))
+            with cgutils.for_range(builder, whole) as loop:
+                g0 = builder.mul(loop.index, ity(_GROUPS))
+                svs = [_scale_vector(builder, srow, st, d, g0) for d in drows]
+                for u in range(_GROUPS // 2):
+                    unit = builder.add(builder.sdiv(g0, ity(2)), ity(u))
+                    w = _weights64(builder, qrow, unit, is_u4, ity)
+                    for i in range(nb):
+                        x = vload(builder, xrows[i][0], builder.mul(unit, ity(64)), _V64B, 1)
+                        sums = builder.sitofp(dpbusd(w, x, 16), _V16F)
+                        spread = builder.shuffle_vector(svs[i], svs[i], ir.Constant(
+                            ir.VectorType(I32, 16), [2 * u] * 8 + [2 * u + 1] * 8))
+                        acc = accs[i][u % 2]
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(
+                            sums, spread, flags=FAST), flags=FAST), acc)
+            tails = []
+            for i in range(nb):
+                total = builder.fadd(builder.load(accs[i][0]), builder.load(accs[i][1]),
+                                     flags=FAST)
+                halves = [builder.shuffle_vector(total, total, ir.Constant(
+                    _V8I, list(range(h, h + 8)))) for h in (0, 8)]
+                tails.append(cgutils.alloca_once_value(builder, builder.fadd(*halves,
+                                                                             flags=FAST)))
+            done = builder.mul(whole, ity(_GROUPS))
+            with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
+                g = builder.add(done, loop.index)
+                w = _weights32(builder, qrow, g, is_u4, ity)
+                scale = load_table(builder, srow, g, st)
+                for i in range(nb):
+                    x = vload(builder, xrows[i][0], builder.mul(g, ity(32)), V32B, 1)
+                    d = builder.fmul(scale, builder.load(builder.gep(drows[i], [g])), flags=FAST)
+                    step = builder.fmul(builder.sitofp(dpbusd(w, x, 8), V8F), splat(builder, d),
+                                        flags=FAST)
+                    builder.store(builder.fadd(builder.load(tails[i]), step, flags=FAST),
+                                  tails[i])
+            results = []
+            for i in range(nb):
+                result = hsum(builder, builder.load(tails[i]))
+                # Per-group float terms: the min term, then the i8 offset (scale * terms).
+                pairs = [(mnt, args[5], xst, args[6])]
+                if not is_u4:
+                    pairs.append((st, args[4], tt, args[2]))
+                for table_t, table, other_t, other in pairs:
+                    result = builder.fadd(result, _group_terms(
+                        context, builder, table_t, table, r_, other_t, other, ms[i]), flags=FAST)
+                results.append(result)
+            return context.make_tuple(builder, ret, results)
+
+        return ret(xq, dx, terms, q, scales, mins, xsum, packed, r, m0), codegen
+
+    return dots
+
+
+_vnni_dots4, _vnni_dots2, _vnni_dots1 = (_make_vnni_dots(n) for n in (4, 2, 1))
 
 
 def _group_terms(context, builder, tt, table, r, vt, values, m):
@@ -191,7 +212,7 @@ def _group_terms(context, builder, tt, table, r, vt, values, m):
 @njit(cache=True)
 def offset_terms(xq, dx, out):
     """out[m, g] = -128 * dx[m, g] * sum of xq[m] over group g: what an "i8" weight's + 128
-    adds to each group's sum, in x's units (`_vnni_dot`)."""
+    adds to each group's sum, in x's units (the VNNI dots)."""
     for m in range(xq.shape[0]):
         for g in range(dx.shape[1]):
             s = 0
@@ -202,9 +223,34 @@ def offset_terms(xq, dx, out):
 
 @njit(inline="always", fastmath=True, cache=True)
 def gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m, out):
-    """out[m, r]: row m of the int8 x against weight row r (32-input groups); returns 1."""
+    """out[m, r]: row m of the int8 x against weight row r alone (a one-row GEMV's loop)."""
     if packed:
-        out[m, r] = _vnni_dot(xq, dx, terms, q, scales, mins, xsum, True, r, m)
+        out[m, r] = _vnni_dots1(xq, dx, terms, q, scales, mins, xsum, True, r, m)[0]
     else:
-        out[m, r] = _vnni_dot(xq, dx, terms, q, scales, mins, xsum, False, r, m)
+        out[m, r] = _vnni_dots1(xq, dx, terms, q, scales, mins, xsum, False, r, m)[0]
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _vnni_rows(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out):
+    """`gemv_rows_vnni` for a literal `packed`."""
+    left = xq.shape[0] - m0
+    if left >= 4:
+        t4 = _vnni_dots4(xq, dx, terms, q, scales, mins, xsum, packed, r, m0)
+        for i in range(4):
+            out[m0 + i, r] = t4[i]
+        return 4
+    if left >= 2:
+        t2 = _vnni_dots2(xq, dx, terms, q, scales, mins, xsum, packed, r, m0)
+        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+        return 2
+    out[m0, r] = _vnni_dots1(xq, dx, terms, q, scales, mins, xsum, packed, r, m0)[0]
     return 1
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def gemv_rows_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out):
+    """Rows m0.. of the int8 x (4, 2 or 1, as many as are left) against weight row r; returns
+    how many."""
+    if packed:
+        return _vnni_rows(xq, dx, terms, q, scales, mins, xsum, True, r, m0, out)
+    return _vnni_rows(xq, dx, terms, q, scales, mins, xsum, False, r, m0, out)
