@@ -38,9 +38,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, gemv_rows_int8, quantize_rows
+from mrv2.models.layers.quantized_int16_numba import gemv_row_int16, gemv_rows_int16
 from mrv2.models.layers.quantized_vnni_numba import (VNNI_DOTS, gemv_row_vnni, gemv_rows_vnni,
                                                     offset_terms)
-from mrv2.models.layers.quantized_int16_numba import gemv_row_int16, gemv_rows_int16
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
                                           sum_accumulators, table_elem, table_value, vload,
@@ -262,8 +262,9 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
     # Weight rows outer, each against all of x, while x fits L1; past that x's rows outer, 4 at
     # a time against each of the task's weight rows: those rows' blocks and the 4 rows of x stay
     # in L1 while every pair is summed (weight rows outer would read all of x from L2 once per
-    # weight row). One loop nest serves both orders: _rows_against is inlined at one site (each
-    # site holds every format's kernels; two sites doubled the compile time).
+    # weight row). One loop nest serves both orders: _rows_against is inlined at one site per
+    # format's function (a second site doubled the compile time); one-row steps of the int16
+    # and VNNI kernels run a loop of their own before it.
     block = max(m_rows, 1) if x_bytes <= X_IN_L1_BYTES else 4
     for c in prange(num_chunks):
         r0, r1 = c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)
