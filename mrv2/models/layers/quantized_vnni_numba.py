@@ -16,8 +16,8 @@ vpdpbusd multiplies an unsigned byte by a signed one:
   `offset_terms` of x, 8 groups a vector like the min term (which follows the same loop).
 The integer part is exact: a lane sums four products of at most 255 * 127 (no saturation in
 vpdpbusd). Numerics: those of the int8 format (quantized_int8_numba's bound: x's rounding);
-the float sums differ from the AVX2 kernel's only in order (tests/models/test_quantized_vnni
-_numba.py holds both to each other and to the bound).
+the float sums differ from the AVX2 kernel's only in order (the module's test holds the two to
+each other; the int8 format's bound test runs through this kernel where the host has VNNI).
 
 Rows of x 4, 2 or 1 at a time against a weight row (a unit's weights loaded once for them),
 32-input groups (not Q6_K's 16), where numba compiles for a host with AVX-512 VNNI and BW
