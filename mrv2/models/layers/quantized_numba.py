@@ -210,7 +210,7 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
 
     One parallel function per x format, each the same body with the format a constant: with
     the format a run-time value every format's kernels sat in one loop nest and each ran
-    slower there than alone (the VNNI row 1.6x, the int16 rows ~8%: bench/README.md)."""
+    slower there than alone (bench/README.md has the figures)."""
     if x_format == X_INT16:
         _gemv_int16(x, q, scales, mins, packed, gs, out)
     elif x_format == X_INT8:
@@ -251,7 +251,7 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
     quantize_rows(x, xq, dx)
     quantize_rows(x, xq16, dx)
     # Int8 x in 32-input groups takes VNNI's kernel where the host has it; one row of it in a
-    # loop of its own (beside the other kernels it ran 1.6x slower). vpdpbusd's unsigned
+    # loop of its own (beside the other kernels it ran slower). vpdpbusd's unsigned
     # operand is an "i8" weight + 128: its groups' extra terms, per call.
     vnni = VNNI_DOTS and x_format == X_INT8 and shift == 5
     vnni_row = vnni and m_rows == 1
