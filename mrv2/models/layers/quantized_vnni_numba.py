@@ -32,9 +32,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.vector_ir import (FAST, F32, I8, I16, I32, V8F, V8H, V16I, V32B,
-                                          call_intrinsic, hsum, load_table, row_ptr, splat,
-                                          table_elem, vload, widen_half)
+from mrv2.models.layers.vector_ir import (DOT_UNROLL, FAST, F32, I8, I16, I32, V8F, V8H, V16I,
+                                          V32B, add_group_terms, call_intrinsic, load_table,
+                                          row_ptr, splat, sum_accumulators, table_elem, vload,
+                                          widen_half)
 
 _V16F = ir.VectorType(F32, 16)
 _V64B, _V32S = ir.VectorType(I8, 64), ir.VectorType(I16, 32)
@@ -142,14 +143,17 @@ def _make_vnni_dots(nb: int):
                         acc = accs[i][u % 2]
                         builder.store(builder.fadd(builder.load(acc), builder.fmul(
                             sums, spread, flags=FAST), flags=FAST), acc)
-            tails = []
+            # Each row's two 16-lane accumulators folded to 8 lanes, plus a second zeroed
+            # slot: the per-group terms below add 8 groups a vector into DOT_UNROLL slots.
+            row_accs = []
             for i in range(nb):
                 total = builder.fadd(builder.load(accs[i][0]), builder.load(accs[i][1]),
                                      flags=FAST)
                 halves = [builder.shuffle_vector(total, total, ir.Constant(
                     _V8I, list(range(h, h + 8)))) for h in (0, 8)]
-                tails.append(cgutils.alloca_once_value(builder, builder.fadd(*halves,
-                                                                             flags=FAST)))
+                row_accs.append([cgutils.alloca_once_value(builder, builder.fadd(
+                    *halves, flags=FAST))] + [cgutils.alloca_once_value(builder, ir.Constant(
+                        V8F, [0.0] * 8)) for _ in range(DOT_UNROLL - 1)])
             done = builder.mul(whole, ity(_GROUPS))
             with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
                 g = builder.add(done, loop.index)
@@ -160,18 +164,23 @@ def _make_vnni_dots(nb: int):
                     d = builder.fmul(scale, builder.load(builder.gep(drows[i], [g])), flags=FAST)
                     step = builder.fmul(builder.sitofp(dpbusd(w, x, 8), V8F), splat(builder, d),
                                         flags=FAST)
-                    builder.store(builder.fadd(builder.load(tails[i]), step, flags=FAST),
-                                  tails[i])
+                    builder.store(builder.fadd(builder.load(row_accs[i][0]), step, flags=FAST),
+                                  row_accs[i][0])
+            # Per-group float terms: the min term, then (i8) the offset, scale * terms.
+            mrow, _ = row_ptr(context, builder, mnt, args[5], r_, table_elem(mnt))
+            term_tables = [(mnt, args[5], mrow, xst, args[6])]
+            if not is_u4:
+                term_tables.append((st, args[4], srow, tt, args[2]))
+            scalars = []
+            for table_t, table, trow, vt, values in term_tables:
+                value_rows = [row_ptr(context, builder, vt, values, m, F32)[0] for m in ms]
+                scalars.append(add_group_terms(context, builder, table_t, table, trow,
+                                               value_rows, row_accs))
             results = []
             for i in range(nb):
-                result = hsum(builder, builder.load(tails[i]))
-                # Per-group float terms: the min term, then the i8 offset (scale * terms).
-                pairs = [(mnt, args[5], xst, args[6])]
-                if not is_u4:
-                    pairs.append((st, args[4], tt, args[2]))
-                for table_t, table, other_t, other in pairs:
-                    result = builder.fadd(result, _group_terms(
-                        context, builder, table_t, table, r_, other_t, other, ms[i]), flags=FAST)
+                result = sum_accumulators(builder, row_accs[i])
+                for tails in scalars:
+                    result = builder.fadd(result, builder.load(tails[i]), flags=FAST)
                 results.append(result)
             return context.make_tuple(builder, ret, results)
 
@@ -181,32 +190,6 @@ def _make_vnni_dots(nb: int):
 
 
 _vnni_dots4, _vnni_dots2, _vnni_dots1 = (_make_vnni_dots(n) for n in (4, 2, 1))
-
-
-def _group_terms(context, builder, tt, table, r, vt, values, m):
-    """sum_g table[r, g] * values[m, g] (a table of no columns: 0), 8 groups a vector."""
-    arr = context.make_array(tt)(context, builder, table)
-    groups = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
-    ity = groups.type
-    total = cgutils.alloca_once_value(builder, F32(0.0))
-    with builder.if_then(builder.icmp_signed(">", groups, ity(0))):
-        trow, _ = row_ptr(context, builder, tt, table, r, table_elem(tt))
-        vrow, _ = row_ptr(context, builder, vt, values, m, F32)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8))
-        whole = builder.sdiv(groups, ity(8))
-        with cgutils.for_range(builder, whole) as loop:
-            g0 = builder.mul(loop.index, ity(8))
-            tv = (widen_half(builder, vload(builder, trow, g0, V8H, 2), False)
-                  if tt.dtype == types.int16 else vload(builder, trow, g0, V8F, 4))
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(
-                tv, vload(builder, vrow, g0, V8F, 4), flags=FAST), flags=FAST), acc)
-        builder.store(hsum(builder, builder.load(acc)), total)
-        with cgutils.for_range(builder, builder.sub(groups, builder.mul(whole, ity(8)))) as loop:
-            g = builder.add(builder.mul(whole, ity(8)), loop.index)
-            term = builder.fmul(load_table(builder, trow, g, tt),
-                                builder.load(builder.gep(vrow, [g])), flags=FAST)
-            builder.store(builder.fadd(builder.load(total), term, flags=FAST), total)
-    return builder.load(total)
 
 
 @njit(cache=True)

@@ -175,35 +175,42 @@ def call_intrinsic(builder, name, ret, args):
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
 
-def sums_with_min_terms(context, builder, mins_type, mins, mins_row, xsum_rows, accs):
-    """Each row's accumulators summed to a float, plus its min term sum_g mins[r, g] *
-    xsum[m, g] (`mins_row` points at row r of the [N, groups] table, `xsum_rows` at the rows of
-    x's exact float group sums; a table of no columns adds nothing), 8 groups a vector into the
-    first accumulator slot, the remainder scalar."""
-    groups = cgutils.unpack_tuple(builder, context.make_array(mins_type)(
-        context, builder, mins).shape, 2)[1]
+def add_group_terms(context, builder, table_type, table, table_row, value_rows, accs):
+    """Adds sum_g table[r, g] * values[m, g] to each row m's accumulators (`table_row` points
+    at row r of the [N, groups] table, `value_rows` at the rows of a float32 [M, groups] array;
+    a table of no columns adds nothing), 8 groups a vector into the accumulator slots; returns
+    each row's scalar remainder (an alloca'd float) for the groups past the last whole 8."""
+    groups = cgutils.unpack_tuple(builder, context.make_array(table_type)(
+        context, builder, table).shape, 2)[1]
     ity = groups.type
 
-    def min_unit(u, slot):
+    def term_unit(u, slot):
         base = builder.mul(u, ity(8))
-        if mins_type.dtype == types.int16:
-            mv = widen_half(builder, vload(builder, mins_row, base, V8H, 2), False)
+        if table_type.dtype == types.int16:
+            tv = widen_half(builder, vload(builder, table_row, base, V8H, 2), False)
         else:
-            mv = vload(builder, mins_row, base, V8F, 4)
-        for row_accs, xs_row in zip(accs, xsum_rows):
-            xs = vload(builder, xs_row, base, V8F, 4)
+            tv = vload(builder, table_row, base, V8F, 4)
+        for row_accs, v_row in zip(accs, value_rows):
+            v = vload(builder, v_row, base, V8F, 4)
             builder.store(builder.fadd(builder.load(row_accs[slot]),
-                                       builder.fmul(mv, xs, flags=FAST), flags=FAST),
+                                       builder.fmul(tv, v, flags=FAST), flags=FAST),
                           row_accs[slot])
 
-    for_each_unit(builder, builder.sdiv(groups, ity(8)), DOT_UNROLL, min_unit)
+    for_each_unit(builder, builder.sdiv(groups, ity(8)), DOT_UNROLL, term_unit)
     tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in accs]
     tail_start = builder.mul(builder.sdiv(groups, ity(8)), ity(8))
     with cgutils.for_range(builder, builder.sub(groups, tail_start)) as loop:
         g = builder.add(tail_start, loop.index)
-        mn = load_table(builder, mins_row, g, mins_type)
-        for tail, xs_row in zip(tails, xsum_rows):
-            term = builder.fmul(mn, builder.load(builder.gep(xs_row, [g])), flags=FAST)
+        t = load_table(builder, table_row, g, table_type)
+        for tail, v_row in zip(tails, value_rows):
+            term = builder.fmul(t, builder.load(builder.gep(v_row, [g])), flags=FAST)
             builder.store(builder.fadd(builder.load(tail), term, flags=FAST), tail)
+    return tails
+
+
+def sums_with_min_terms(context, builder, mins_type, mins, mins_row, xsum_rows, accs):
+    """Each row's accumulators summed to a float, plus its min term sum_g mins[r, g] *
+    xsum[m, g] (`xsum_rows`: the rows of x's exact float group sums; `add_group_terms`)."""
+    tails = add_group_terms(context, builder, mins_type, mins, mins_row, xsum_rows, accs)
     return [builder.fadd(sum_accumulators(builder, row_accs), builder.load(tail), flags=FAST)
             for row_accs, tail in zip(accs, tails)]
