@@ -202,14 +202,16 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "BF16"])
 def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monkeypatch):
-    """`quantized_linear` runs the GEMV kernels up to `max_gemv_rows` rows and none beyond
-    (a 16-bit weight: the matrix units, or the panel kernel where it runs, from there on); the
-    fused decode stack trusts it up to `max_numba_rows`, which adds the panels' rows."""
+    """`quantized_linear` runs the GEMV kernels (or the group panels') up to `max_gemv_rows`
+    rows and none beyond (a 16-bit weight: the matrix units, or the panel kernel where it runs,
+    from there on); the fused decode stack trusts it up to `max_numba_rows`, which adds the
+    panels' rows."""
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
-    for name in ("gemv_groups", "gemv_half"):
-        monkeypatch.setattr(quantized.quantized_numba, name,
-                            lambda x, *args: calls.append(len(x)))
+    for module, name in ((quantized.quantized_numba, "gemv_groups"),
+                         (quantized.quantized_numba, "gemv_half"),
+                         (quantized.quantized_panel_numba, "group_panel_kernel")):
+        monkeypatch.setattr(module, name, lambda x, *args: calls.append(len(x)))
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
                         lambda x, w, dtype: torch.zeros(len(x), w.shape[0]))
     w = weights[gguf_type][0]

@@ -68,7 +68,7 @@ def _int8_rows(gguf_type: str, k: int, rows: int, seed: int):
     xq, dx = np.empty((rows, k), np.int8), np.empty((rows, k // 32), np.float32)
     quantized_int8_numba.quantize_rows(x, xq, dx)
     mins = w.kernel_mins.numpy()
-    xsum = quantized_numba._group_sums(x, 32, mins.shape[1])  # gemv_groups' float sums
+    xsum = quantized_int8_numba.group_sums(x, 32, mins.shape[1])  # gemv_groups' float sums
     terms = np.empty((rows, k // 32), np.float32)
     quantized_vnni_numba.offset_terms(xq, dx, terms)
     q = w.q.view(torch.uint8).numpy()
@@ -107,10 +107,3 @@ def test_gemv_groups_takes_vnni_for_int8_x(gguf_type, rows):
     quantized_numba.gemv_groups(x, q, scales, mins, packed, w.group_size,
                                 quantized_numba.X_INT8, routed)
     assert np.array_equal(direct, routed)
-
-
-def test_vnni_dots_needs_every_feature(monkeypatch):
-    from llvmlite import binding
-    monkeypatch.setattr(binding, "get_host_cpu_features",
-                        lambda: {"avx512f": True, "avx512bw": True, "avx512vnni": False})
-    assert not quantized_vnni_numba._compiles_for_vnni()

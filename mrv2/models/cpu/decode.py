@@ -42,6 +42,7 @@ from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS
 from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
+from mrv2.models.layers.quantized_panel_numba import no_group_panels
 from mrv2.models.layers.numba_rows import typed_list
 from mrv2.models.llama import LlamaModel
 
@@ -158,7 +159,8 @@ def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = 
     """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as (q int16,
     bfloat16, panels: the weight's where `quantized.takes_panels` and it serves as a `linear`,
     else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
-    size, x format: quantized.GEMV_X_FORMAT when the view is built); with
+    size, x format: quantized.GEMV_X_FORMAT when the view is built, group panels: the
+    weight's where `quantized.takes_group_panels` and it serves as a `linear`, else none); with
     `float32_tables`, float32 copies of float16 scale / min tables."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
@@ -166,10 +168,12 @@ def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = 
         panels = (weight.panels() if linear and quantized.takes_panels(weight)
                   else np.empty((0, 0, PANEL_OUTPUTS), np.int16))
         return (weight.q.numpy(), weight.layout == "bf16", panels)
+    panels = (weight.group_panels() if linear and quantized.takes_group_panels(weight)
+              else no_group_panels())
     if float32_tables:
         weight = weight._with_float32_tables()
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
-            weight.layout == "u4", weight.group_size, quantized.GEMV_X_FORMAT)
+            weight.layout == "u4", weight.group_size, quantized.GEMV_X_FORMAT, panels)
 
 
 def _projection_view(module, float32_tables: bool = False):

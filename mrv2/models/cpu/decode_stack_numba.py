@@ -25,6 +25,7 @@ from mrv2.models.layers.half_panel_linear import half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.quantized import MIN_PANEL_ROWS
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
+from mrv2.models.layers.quantized_panel_numba import group_panel_kernel
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 
@@ -32,8 +33,8 @@ from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 def _linear(x, w, out):
     """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
     (q int16, bfloat16, panels: half_panel_linear's, from MIN_PANEL_ROWS, where it has them) or
-    GGUF blocks' (q as bytes, scales, mins, packed, group size, x format) tuple (numba only:
-    see the overload)."""
+    GGUF blocks' (q as bytes, scales, mins, packed, group size, x format, group panels:
+    quantized_panel_numba's, where it has them) tuple (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
 
 
@@ -50,7 +51,12 @@ def _linear_overload(x, w, out):
             else:
                 gemv_half(x, w[0], w[1], out)
         return half
-    return lambda x, w, out: gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
+    def blocks(x, w, out):
+        if w[6][0].shape[0] > 0:  # as quantized_linear, for every row count
+            group_panel_kernel(x, w[6][0], w[6][1], w[6][2], out)
+        else:
+            gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
+    return blocks
 
 
 def _embed(ids, w, out):

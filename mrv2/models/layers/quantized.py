@@ -21,7 +21,8 @@ exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/
 A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
-groups; more rows (prefill) dequantize tiles of output rows into a reused float32 buffer and
+groups ("i8" blocks of 32 inputs with int16 x on AVX-512: quantized_panel_numba's kernel on a
+panel copy of the weight, made at first use); more rows (prefill) dequantize tiles of output rows into a reused float32 buffer and
 multiply each with torch.mm, so the float32 weight never exists whole. A 16-bit weight on a CPU
 with matrix instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for
 bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
@@ -37,7 +38,8 @@ import numpy as np
 import torch
 
 from mrv2 import platform
-from mrv2.models.layers import cpu_linear, dot_linear, half_panel_linear, quantized_numba
+from mrv2.models.layers import (cpu_linear, dot_linear, half_panel_linear, quantized_numba,
+                                quantized_panel_numba)
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.gguf_blocks import pack_u4, unpack_blocks
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
@@ -130,6 +132,7 @@ class QuantizedWeight:
         self.gguf_type = gguf_type
         self._onednn_packed: torch.Tensor | None = None  # a 16-bit weight for oneDNN, once
         self._panels: np.ndarray | None = None  # a 16-bit weight's panels, once
+        self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # "i8"'s
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
@@ -253,6 +256,16 @@ class QuantizedWeight:
             self._panels = half_panel_linear.panels_of(self.q)
         return self._panels
 
+    def group_panels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """An "i8" weight of 32-input groups as quantized_panel_numba's panels (weights, scales,
+        mins), made at first use (`q` and the tables never change in place). A second copy of
+        the weight: made only where the panel kernel takes its rows (`takes_group_panels`)."""
+        if self._group_panels is None:
+            self._group_panels = quantized_panel_numba.group_panels_of(
+                self.q.numpy(), _float32_table(self.scales).numpy(),
+                None if self.mins is None else _float32_table(self.mins).numpy())
+        return self._group_panels
+
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
         if self.is_half:  # an exact widening: torch's vectorised conversion does it
             torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
@@ -288,6 +301,14 @@ def takes_panels(weight: QuantizedWeight) -> bool:
             and half_panel_linear.panels_run_here())
 
 
+def takes_group_panels(weight: QuantizedWeight) -> bool:
+    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: "i8" blocks of 32
+    inputs, int16 x (GEMV_X_FORMAT), where the kernel runs."""
+    return (weight.layout == "i8" and weight.group_size == 32
+            and GEMV_X_FORMAT == quantized_numba.X_INT16
+            and quantized_panel_numba.GROUP_PANELS_RUN)
+
+
 def max_gemv_rows(weight: QuantizedWeight) -> int:
     """The most rows of x `quantized_linear` multiplies by `weight` on the GEMV kernels
     (`gemv_groups`, `gemv_half`): beyond, on tiles, (16-bit) the matrix units or the panel
@@ -318,6 +339,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
         if weight.is_half:
             quantized_numba.gemv_half(x_np, weight.q.numpy(), weight.layout == "bf16",
                                       out.numpy())
+        elif takes_group_panels(weight):
+            quantized_panel_numba.group_panel_kernel(x_np, *weight.group_panels(), out.numpy())
         else:
             # q as bytes for both layouts (the kernel reads each as its layout says), as the
             # decode stack passes it: one compiled variant per table dtype, not two.

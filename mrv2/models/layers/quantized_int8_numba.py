@@ -174,3 +174,16 @@ def quantize_rows(x, xq, dx):
             inv = levels / amax if amax > 0 else np.float32(0.0)
             for j in range(INT8_BLOCK):
                 xq[m, base + j] = round(x[m, base + j] * inv)
+
+
+@njit(fastmath=True, cache=True)
+def group_sums(x, gs, groups):
+    """[M, groups] sums of x over each group of `gs` inputs (groups 0: an [M, 0] array)."""
+    xsum = np.zeros((x.shape[0], groups), np.float32)
+    for m in range(x.shape[0]):
+        for g in range(groups):
+            acc = np.float32(0.0)
+            for j in range(g * gs, (g + 1) * gs):
+                acc += x[m, j]
+            xsum[m, g] = acc
+    return xsum

@@ -37,7 +37,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, gemv_rows_int8, quantize_rows
+from mrv2.models.layers.quantized_int8_numba import (INT8_BLOCK, gemv_rows_int8, group_sums,
+                                                     quantize_rows)
 from mrv2.models.layers.quantized_int16_numba import gemv_row_int16, gemv_rows_int16
 from mrv2.models.layers.quantized_vnni_numba import (VNNI_DOTS, gemv_row_vnni, gemv_rows_vnni,
                                                     offset_terms)
@@ -190,19 +191,6 @@ def _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed, shift, 
 
 
 @njit(fastmath=True, cache=True)
-def _group_sums(x, gs, groups):
-    """[M, groups] sums of x over each group of `gs` inputs (groups 0: an [M, 0] array)."""
-    xsum = np.zeros((x.shape[0], groups), np.float32)
-    for m in range(x.shape[0]):
-        for g in range(groups):
-            acc = np.float32(0.0)
-            for j in range(g * gs, (g + 1) * gs):
-                acc += x[m, j]
-            xsum[m, g] = acc
-    return xsum
-
-
-@njit(fastmath=True, cache=True)
 def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for the packed weight (x [M, K] contiguous rows;
     gs 32, or 16 for an i8 weight). X_FLOAT32: fp32 sums in another order than x @ w.T (~1e-7
@@ -244,7 +232,7 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
     n_dim, groups = q.shape[0], scales.shape[1]
     has_min = mins.shape[1] > 0
     shift = 5 if gs == 32 else 4
-    xsum = _group_sums(x, gs, groups if has_min else 0)
+    xsum = group_sums(x, gs, groups if has_min else 0)
     xq = np.empty((m_rows if x_format == X_INT8 else 0, k_dim), np.int8)
     xq16 = np.empty((m_rows if x_format == X_INT16 else 0, k_dim), np.int16)
     dx = np.empty((m_rows if x_format != X_FLOAT32 else 0, k_dim // INT8_BLOCK), np.float32)

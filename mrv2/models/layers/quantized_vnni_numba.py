@@ -32,31 +32,18 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.vector_ir import (DOT_UNROLL, FAST, F32, I8, I16, I32, V8F, V8H, V16I,
-                                          V32B, add_group_terms, call_intrinsic, load_table,
-                                          row_ptr, splat, sum_accumulators, table_elem, vload,
-                                          widen_half)
+from mrv2.models.layers.vector_ir import (DOT_UNROLL, FAST, F32, I8, I32, V8F, V8H, V16F,
+                                          V16I, V32B, V32S, add_group_terms, call_intrinsic,
+                                          host_compiles_with, load_table, row_ptr, splat,
+                                          sum_accumulators, table_elem, vload, widen_half)
 
-_V16F = ir.VectorType(F32, 16)
-_V64B, _V32S = ir.VectorType(I8, 64), ir.VectorType(I16, 32)
+_V64B = ir.VectorType(I8, 64)
 _V8I = ir.VectorType(I32, 8)
 _GROUPS = 8  # groups whose scale * d is formed as one vector (4 units of 64 weights)
 
 
-def _compiles_for_vnni() -> bool:
-    """Whether numba compiles for this host (no NUMBA_CPU_NAME) and the host has AVX-512 VNNI
-    (with BW, for the byte shuffles)."""
-    import platform as host
-
-    from llvmlite import binding
-    from numba.core import config
-    if config.CPU_NAME is not None or host.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    features = binding.get_host_cpu_features()
-    return all(features.get(f, False) for f in ("avx512vnni", "avx512bw", "avx512f"))
-
-
-VNNI_DOTS = _compiles_for_vnni()
+# numba compiles for this host and it has AVX-512 VNNI (with BW, for the byte shuffles).
+VNNI_DOTS = host_compiles_with("avx512vnni", "avx512bw", "avx512f")
 
 
 def _weights64(builder, qrow, unit, packed, ity):
@@ -66,8 +53,8 @@ def _weights64(builder, qrow, unit, packed, ity):
         raw = vload(builder, qrow, builder.mul(unit, ity(32)), V32B, 1)
         spread = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(I32, 64), [
             j for half in (range(16), range(16, 32)) for _ in range(2) for j in half]))
-        shifts = ir.Constant(_V32S, ([0] * 8 + [4] * 8) * 2)
-        shifted = builder.bitcast(builder.lshr(builder.bitcast(spread, _V32S), shifts), _V64B)
+        shifts = ir.Constant(V32S, ([0] * 8 + [4] * 8) * 2)
+        shifted = builder.bitcast(builder.lshr(builder.bitcast(spread, V32S), shifts), _V64B)
         return builder.and_(shifted, ir.Constant(_V64B, [15] * 64))
     w = vload(builder, qrow, builder.mul(unit, ity(64)), _V64B, 1)
     return builder.xor(w, ir.Constant(_V64B, [-128] * 64))
@@ -120,7 +107,7 @@ def _make_vnni_dots(nb: int):
             drows = [row_ptr(context, builder, dxt, args[1], m, F32)[0] for m in ms]
             k = cgutils.unpack_tuple(builder, xrows[0][1].shape, 2)[1]
             groups = builder.sdiv(k, ity(32))
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
                      for _ in range(2)] for _ in range(nb)]
 
             def dpbusd(w, x, lanes):
@@ -137,7 +124,7 @@ def _make_vnni_dots(nb: int):
                     w = _weights64(builder, qrow, unit, is_u4, ity)
                     for i in range(nb):
                         x = vload(builder, xrows[i][0], builder.mul(unit, ity(64)), _V64B, 1)
-                        sums = builder.sitofp(dpbusd(w, x, 16), _V16F)
+                        sums = builder.sitofp(dpbusd(w, x, 16), V16F)
                         spread = builder.shuffle_vector(svs[i], svs[i], ir.Constant(
                             ir.VectorType(I32, 16), [2 * u] * 8 + [2 * u + 1] * 8))
                         acc = accs[i][u % 2]

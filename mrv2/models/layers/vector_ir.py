@@ -20,7 +20,7 @@ F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32
 V8F, V8B, V8I = ir.VectorType(F32, 8), ir.VectorType(I8, 8), ir.VectorType(I32, 8)
 V8H = ir.VectorType(I16, 8)
 V16B, V16S, V16I = ir.VectorType(I8, 16), ir.VectorType(I16, 16), ir.VectorType(I32, 16)
-V32B = ir.VectorType(I8, 32)
+V32B, V32S, V16F = ir.VectorType(I8, 32), ir.VectorType(I16, 32), ir.VectorType(F32, 16)
 FAST = ("fast",)
 DOT_ROWS = (4, 2, 1)  # rows of x per pass over a weight row (accumulators fit 16 ymm at 4)
 DOT_UNROLL = 2  # accumulator sets per row of x (FMA latency 4-5 cycles, 2 FMA pipes)
@@ -168,6 +168,20 @@ def widen_half(builder, bits, bf16):
     if bf16:
         return builder.bitcast(builder.shl(builder.zext(bits, ints), sixteen), floats)
     return builder.fpext(builder.bitcast(bits, halves), floats)
+
+
+def host_compiles_with(*features: str) -> bool:
+    """Whether numba compiles for this host (no NUMBA_CPU_NAME), an x86-64 CPU with every one
+    of `features` (LLVM's names: "avx512bw", "avx512vnni", ...): what an intrinsic that calls
+    those instructions by name needs."""
+    import platform as host
+
+    from llvmlite import binding
+    from numba.core import config
+    if config.CPU_NAME is not None or host.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    found = binding.get_host_cpu_features()
+    return all(found.get(f, False) for f in features)
 
 
 def call_intrinsic(builder, name, ret, args):

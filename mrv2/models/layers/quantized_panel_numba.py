@@ -1,0 +1,203 @@
+"""The int16-activation product with 32-input-group GGUF blocks, the weight repacked into panels
+of 64 outputs: AVX-512 integer dot products against a broadcast pair of x, no horizontal sums.
+
+Why: the GEMV on the rows (quantized_int16_numba) multiplies one weight row by up to 4 rows of x
+at a time; per group and row of x it pays, besides its two multiply-adds, an add, a conversion,
+an FMA and a lane read of the group's scale, and each output ends in a horizontal sum. Here a
+weight [N, K] is held as [ceil(N / 64), K / 2, 128] int8: for each pair of inputs (2p, 2p + 1)
+the 64 outputs' two weights, 128 contiguous bytes. Four loads sign-extended to <32 x i16> give
+four vectors of 16 outputs x 2 inputs; x's int16 pair (x[2p], x[2p + 1]), broadcast to every
+32-bit lane, multiplies each with one vpmaddwd (LLVM fuses the add: vpdpwssd), 32 products an
+instruction summed pairwise into the outputs' lanes. A group's 16 pairs accumulate in int32; at
+its end one conversion and one FMA per 16 outputs apply scale x d (the scales a float32 panel
+[ceil(N / 64), K / 32, 64], the mins likewise). Up to 4 rows of x share each weight load.
+
+Numerics: x is the int16 format's (quantized_int16_numba: d = max |x| / 32767 per 32 inputs), the
+integer sums are exact (|w| <= 128, |xq| <= 32767: a group's 32 products stay below 2^27) and
+equal the GEMV's; out[m, n] = sum over groups in order of float(isum) * (scale * d) (+ min *
+sum_g x), in float32: the GEMV's sums in another order (the tests hold the two together).
+
+Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K); "u4" blocks widened to a
+byte each would double their memory, so they keep the GEMV. The panels are a second copy of
+the weight (QuantizedWeight.group_panels, made at first use). Runs where numba compiles for a
+host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit vpmaddwd and 32 vector registers for the
+4 x 4 x 2 accumulators.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
+from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16F, V16I, V32B, V32S,
+                                          call_intrinsic, host_compiles_with, row_ptr, splat,
+                                          vload)
+
+GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
+GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
+_VECTORS = GROUP_PANEL_OUTPUTS // 16  # 16-output vectors of a panel
+_PAIRS = INT8_BLOCK // 2  # input pairs of a group
+
+GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
+
+
+def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An "i8" weight's int8 values `q` [N, K] and its float32 [N, K / 32] scale and min tables
+    (mins None: no min term) -> the kernel's (weights int8 [B, K / 2, 128], scales float32
+    [B, K / 32, 64], mins float32 [B, K / 32 or 0, 64]), B = ceil(N / 64): panel b, pair p holds
+    w[64 b + o, 2 p + t] at byte 2 o + t; outputs past N are zeros."""
+    n, k = q.shape
+    if k % INT8_BLOCK or scales.shape != (n, k // INT8_BLOCK):
+        raise ValueError(f"weight {q.shape} with scales {scales.shape}: 32-input groups only")
+    blocks = -(-n // GROUP_PANEL_OUTPUTS)
+    padded = np.zeros((blocks * GROUP_PANEL_OUTPUTS, k), np.int8)
+    padded[:n] = q
+    weights = np.ascontiguousarray(padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2)
+                                   .transpose(0, 2, 1, 3)).reshape(blocks, k // 2, -1)
+
+    def table_panels(table: np.ndarray) -> np.ndarray:
+        out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, table.shape[1]), np.float32)
+        out[:n] = table
+        return np.ascontiguousarray(out.reshape(blocks, GROUP_PANEL_OUTPUTS, table.shape[1])
+                                    .transpose(0, 2, 1))
+
+    no_mins = np.zeros((n, 0), np.float32)
+    return weights, table_panels(scales), table_panels(no_mins if mins is None else mins)
+
+
+def no_group_panels() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What `group_panels_of` returns, with no panels: a weight view's (the decode stack's)
+    stand-in where the kernel does not take the weight."""
+    return (np.empty((0, 0, 2 * GROUP_PANEL_OUTPUTS), np.int8),
+            np.empty((0, 0, GROUP_PANEL_OUTPUTS), np.float32),
+            np.empty((0, 0, GROUP_PANEL_OUTPUTS), np.float32))
+
+
+@intrinsic(prefer_literal=True)
+def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, sums):
+    """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums,
+    read where `mins` has groups) . the 64 outputs of panel `block`, for r < rows (a literal, 1
+    to GROUP_PANEL_ROWS)."""
+    if not (isinstance(rows, types.IntegerLiteral)
+            and 1 <= rows.literal_value <= GROUP_PANEL_ROWS):
+        return None
+    count = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        wt, _, xqt, dxt, st, mnt, xst, _, _, sumt = signature.args
+        block, m0 = (context.cast(builder, args[i], signature.args[i], types.intp)
+                     for i in (1, 7))
+        ity = block.type
+        panel, _ = row_ptr(context, builder, wt, args[0], block, I8)
+        scale_panel, sarr = row_ptr(context, builder, st, args[4], block, F32)
+        min_panel, marr = row_ptr(context, builder, mnt, args[5], block, F32)
+        groups = cgutils.unpack_tuple(builder, sarr.shape, 3)[1]
+        has_min = builder.icmp_signed(">", cgutils.unpack_tuple(builder, marr.shape, 3)[1],
+                                      ity(0))
+        ms = [builder.add(m0, ity(r)) for r in range(count)]
+        # x's int16 pairs read as one i32 each: the lane pattern vpmaddwd pairs with a weight's
+        x_pairs = [builder.bitcast(row_ptr(context, builder, xqt, args[2], m, I16)[0],
+                                   I32.as_pointer()) for m in ms]
+        d_rows = [row_ptr(context, builder, dxt, args[3], m, F32)[0] for m in ms]
+        xsum_rows = [row_ptr(context, builder, xst, args[6], m, F32)[0] for m in ms]
+        zero_f, zero_i = ir.Constant(V16F, [0.0] * 16), ir.Constant(V16I, [0] * 16)
+        sums = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(_VECTORS)]
+                for _ in range(count)]
+        ints = [[cgutils.alloca_once(builder, V16I) for _ in range(_VECTORS)]
+                for _ in range(count)]
+        with cgutils.for_range(builder, groups) as group_loop:
+            g = group_loop.index
+            for row in ints:
+                for acc in row:
+                    builder.store(zero_i, acc)
+            with cgutils.for_range(builder, ity(_PAIRS)) as pair_loop:
+                pair = builder.add(builder.mul(g, ity(_PAIRS)), pair_loop.index)
+                first = builder.mul(pair, ity(2 * GROUP_PANEL_OUTPUTS))
+                wv = [builder.sext(vload(builder, panel, builder.add(first, ity(32 * j)), V32B,
+                                         1), V32S) for j in range(_VECTORS)]
+                for r in range(count):
+                    xv = builder.insert_element(ir.Constant(V16I, ir.Undefined), builder.load(
+                        builder.gep(x_pairs[r], [pair])), I32(0))
+                    xv = builder.bitcast(builder.shuffle_vector(
+                        xv, xv, ir.Constant(V16I, [0] * 16)), V32S)
+                    for j in range(_VECTORS):
+                        products = call_intrinsic(builder, "llvm.x86.avx512.pmaddw.d.512", V16I,
+                                                  [wv[j], xv])
+                        builder.store(builder.add(builder.load(ints[r][j]), products),
+                                      ints[r][j])
+            offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
+                       for j in range(_VECTORS)]
+            scale_vectors = [vload(builder, scale_panel, o, V16F, 4) for o in offsets]
+            for r in range(count):
+                d = splat(builder, builder.load(builder.gep(d_rows[r], [g])), 16)
+                for j in range(_VECTORS):
+                    term = builder.fmul(builder.sitofp(builder.load(ints[r][j]), V16F),
+                                        builder.fmul(scale_vectors[j], d, flags=FAST),
+                                        flags=FAST)
+                    builder.store(builder.fadd(builder.load(sums[r][j]), term, flags=FAST),
+                                  sums[r][j])
+            with builder.if_then(has_min):
+                min_vectors = [vload(builder, min_panel, o, V16F, 4) for o in offsets]
+                for r in range(count):
+                    xs = splat(builder, builder.load(builder.gep(xsum_rows[r], [g])), 16)
+                    for j in range(_VECTORS):
+                        term = builder.fmul(min_vectors[j], xs, flags=FAST)
+                        builder.store(builder.fadd(builder.load(sums[r][j]), term, flags=FAST),
+                                      sums[r][j])
+        for r in range(count):
+            out = row_ptr(context, builder, sumt, args[9], ity(r), V16F)[0]
+            for j in range(_VECTORS):
+                builder.store(builder.load(sums[r][j]), builder.gep(out, [ity(j)]), align=4)
+        return context.get_dummy_value()
+
+    return types.void(w, block, xq, dx, scales, mins, xsum, m0, rows, sums), codegen
+
+
+@njit(inline="always", cache=True)
+def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, sums):
+    """`_group_panel_sums` for `rows` (1 to GROUP_PANEL_ROWS) rows: each count a literal."""
+    if rows == 4:
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 4, sums)
+    elif rows == 3:
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 3, sums)
+    elif rows == 2:
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 2, sums)
+    else:
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 1, sums)
+
+
+@njit(cache=True)
+def _int16_x(x, with_sums):
+    """x float32 [M, K] -> (xq int16 [M, K], dx [M, K / 32], x's float group sums [M, K / 32],
+    or [M, 0] without `with_sums`), as gemv_groups forms them: serial, outside the parallel
+    loop (numba would make each array expression a parallel region of its own)."""
+    m_rows, k = x.shape
+    xq = np.empty((m_rows, k), np.int16)
+    dx = np.empty((m_rows, k // INT8_BLOCK), np.float32)
+    quantize_rows(x, xq, dx)
+    return xq, dx, group_sums(x, INT8_BLOCK, k // INT8_BLOCK if with_sums else 0)
+
+
+@njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+def group_panel_kernel(x, w, scales, mins, out):
+    """out [M, N] float32 = x float32 [M, K] (rows contiguous), quantized to the int16 format,
+    @ the weight whose panels (`group_panels_of`) are w, scales, mins. The panels are shared
+    among numba's threads (prange's static schedule), each taking all of x's rows,
+    GROUP_PANEL_ROWS at a time. No thread count is read inside (it would keep the decode stack
+    from being cached)."""
+    rows, n = out.shape
+    xq, dx, xsum = _int16_x(x, mins.shape[1] > 0)
+    for b in prange(w.shape[0]):
+        sums = np.empty((GROUP_PANEL_ROWS, GROUP_PANEL_OUTPUTS), np.float32)
+        n0 = b * GROUP_PANEL_OUTPUTS
+        width = min(GROUP_PANEL_OUTPUTS, n - n0)
+        for m0 in range(0, rows, GROUP_PANEL_ROWS):
+            count = min(GROUP_PANEL_ROWS, rows - m0)
+            _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, sums)
+            for r in range(count):
+                out[m0 + r, n0:n0 + width] = sums[r, :width]

@@ -1,0 +1,121 @@
+"""The int16-activation panel kernel on 32-input-group blocks (quantized_panel_numba): the panel
+layout, the kernel against the exact sum of its quantized operands (and the int16 GEMV on the
+rows) for signed blocks with and without min terms, float16 and float32 tables, outputs past
+whole panels and rows past whole passes; quantized_linear's and the decode stack's routing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
+from mrv2.models.layers import quantized_panel_numba as panel
+from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_quantized import random_raw  # noqa: E402
+
+needs_panels = pytest.mark.skipif(not panel.GROUP_PANELS_RUN,
+                                  reason="needs a host with AVX-512 BW")
+# "i8" layouts of 32-input groups: no min (Q8_0, Q5_0), a min (Q5_1), float32 tables (Q5_K).
+I8_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K"]
+
+
+def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    return QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
+
+
+def _float_table(table: torch.Tensor | None) -> np.ndarray | None:
+    if table is None:
+        return None
+    return (table.view(torch.float16).float() if table.dtype == torch.int16 else table).numpy()
+
+
+def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
+    rng = np.random.default_rng(0)
+    q = rng.integers(-128, 128, size=(70, 64), dtype=np.int8)
+    scales = rng.random((70, 2), dtype=np.float32)
+    weights, scale_panels, min_panels = panel.group_panels_of(q, scales, None)
+    assert weights.shape == (2, 32, 128) and scale_panels.shape == (2, 2, 64)
+    assert min_panels.shape == (2, 0, 64)
+    for row, p, t in ((0, 0, 0), (5, 3, 1), (63, 31, 1), (64, 7, 0), (69, 31, 1)):
+        assert weights[row // 64, p, 2 * (row % 64) + t] == q[row, 2 * p + t]
+        assert scale_panels[row // 64, p % 2, row % 64] == scales[row, p % 2]
+    assert not weights[1, :, 2 * 6:].any() and not scale_panels[1, :, 6:].any()
+    with pytest.raises(ValueError, match="32-input groups"):
+        panel.group_panels_of(q[:, :48], scales, None)
+
+
+def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """x's int16 format against w in float64: the sum the kernel rounds, and the sum of its
+    terms' magnitudes (for the float32 order bound)."""
+    xq = np.empty(x.shape, np.int16)
+    dx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+    quantized_int8_numba.quantize_rows(x, xq, dx)
+    groups = x.shape[1] // 32
+    q = w.q.numpy().astype(np.float64).reshape(w.out_features, groups, 32)
+    xg = xq.astype(np.float64).reshape(len(x), groups, 32)
+    isum = np.einsum("ngk,mgk->mng", q, xg)
+    terms = isum * _float_table(w.scales)[None] * dx[:, None, :]
+    mins = _float_table(w.mins)
+    if mins is not None:
+        xsum = x.astype(np.float64).reshape(len(x), groups, 32).sum(-1)
+        terms = np.concatenate([terms, mins[None] * xsum[:, None, :]], axis=-1)
+    return terms.sum(-1), np.abs(terms).sum(-1)
+
+
+# (n, k, rows): one whole panel and pass, outputs past whole panels, rows past whole passes;
+# K-quants take K in 256-input super-blocks.
+_SHAPES = [(64, 32, 1), (70, 96, 3), (130, 256, 5), (40, 288, 9)]
+_CASES = [(t, *shape) for t in I8_TYPES for shape in _SHAPES
+          if not (t.endswith("_K") and shape[1] % 256)] + [("Q5_K", 70, 512, 6)]
+
+
+@needs_panels
+@pytest.mark.parametrize("gguf_type, n, k, rows", _CASES)
+def test_kernel_is_the_exact_sum_up_to_float32_order(gguf_type, n, k, rows):
+    w = _weight(gguf_type, n, k, seed=n + k)
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero group: d = 0
+    out = np.empty((rows, n), np.float32)
+    panel.group_panel_kernel(x, *w.group_panels(), out)
+    exact, magnitude = _exact(x, w)
+    bound = (2 * k // 32 + 2) * 2.0 ** -24 * magnitude
+    assert np.all(np.abs(out - exact) <= bound)
+    # The GEMV on the rows sums the same integers in another float order.
+    gemv = np.empty_like(out)
+    quantized_numba.gemv_groups(x, w.q.view(torch.uint8).numpy(), w.scales.numpy(),
+                                w.kernel_mins.numpy(), False, 32, quantized_numba.X_INT16, gemv)
+    assert np.all(np.abs(out - gemv) <= 2 * bound)
+
+
+@pytest.mark.parametrize("gguf_type, takes", [("Q8_0", True), ("Q5_1", True), ("Q4_1", False),
+                                              ("Q6_K", False), ("F16", False)])
+def test_takes_group_panels_only_i8_blocks_of_32_with_int16_x(gguf_type, takes, monkeypatch):
+    w = _weight(gguf_type, 16, 256)
+    monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
+    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
+    assert quantized.takes_group_panels(w) == takes
+    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
+    assert not quantized.takes_group_panels(w)
+    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
+    monkeypatch.setattr(panel, "GROUP_PANELS_RUN", False)
+    assert not quantized.takes_group_panels(w)
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_quantized_linear_runs_the_panels_and_makes_them_once(rows, monkeypatch):
+    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
+    w = _weight("Q8_0", 100, 128, seed=3)
+    x = torch.randn(rows, 128)
+    got = quantized_linear(x, w)
+    panels = w.group_panels()
+    assert w.group_panels() is panels
+    direct = np.empty((rows, 100), np.float32)
+    panel.group_panel_kernel(x.numpy(), *panels, direct)
+    assert np.array_equal(got.numpy(), direct)
