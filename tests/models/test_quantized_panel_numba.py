@@ -14,6 +14,7 @@ import torch
 
 from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
 from mrv2.models.layers import quantized_panel_numba as panel
+from mrv2.models.layers.gguf_blocks import pack_u4
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,8 +22,9 @@ from test_quantized import random_raw  # noqa: E402
 
 needs_panels = pytest.mark.skipif(not panel.GROUP_PANELS_RUN,
                                   reason="needs a host with AVX-512 BW")
-# "i8" layouts of 32-input groups: no min (Q8_0, Q5_0), a min (Q5_1), float32 tables (Q5_K).
-I8_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K"]
+# 32-input groups: "i8" without a min (Q8_0, Q5_0), with one (Q5_1), float32 tables (Q5_K);
+# "u4" nibbles with Q4_0's offset as a min, Q4_1's min, float32 tables (Q4_K).
+BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K"]
 
 
 def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -48,6 +50,21 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     assert not weights[1, :, 2 * 6:].any() and not scale_panels[1, :, 6:].any()
     with pytest.raises(ValueError, match="32-input groups"):
         panel.group_panels_of(q[:, :48], scales, None)
+    # "u4": the pair's two values in one byte, input 2 p low, 2 p + 1 high.
+    values = rng.integers(0, 16, size=(70, 64), dtype=np.uint8)
+    nibbles, _, _ = panel.group_panels_of(pack_u4(values), scales, None, packed=True)
+    assert nibbles.shape == (2, 32, 64)
+    for row, p in ((0, 0), (5, 3), (63, 31), (64, 7), (69, 20)):
+        byte = int(nibbles[row // 64, p, row % 64]) & 0xFF
+        assert (byte & 15, byte >> 4) == (values[row, 2 * p], values[row, 2 * p + 1])
+    assert not nibbles[1, :, 6:].any()
+
+
+def _u4_values(q: np.ndarray) -> np.ndarray:
+    """The u4 layout's bytes [N, K / 2] -> values [N, K] (byte j of group g: input 32 g + j in
+    the low nibble, 32 g + 16 + j in the high one)."""
+    groups = q.reshape(q.shape[0], -1, 1, 16).astype(np.float64)
+    return np.concatenate([groups % 16, groups // 16], axis=2).reshape(q.shape[0], -1)
 
 
 def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +74,8 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     dx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
     quantized_int8_numba.quantize_rows(x, xq, dx)
     groups = x.shape[1] // 32
-    q = w.q.numpy().astype(np.float64).reshape(w.out_features, groups, 32)
+    q = w.q.numpy().astype(np.float64) if w.layout == "i8" else _u4_values(w.q.numpy())
+    q = q.reshape(w.out_features, groups, 32)
     xg = xq.astype(np.float64).reshape(len(x), groups, 32)
     isum = np.einsum("ngk,mgk->mng", q, xg)
     terms = isum * _float_table(w.scales)[None] * dx[:, None, :]
@@ -71,8 +89,9 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
 # (n, k, rows): one whole panel and pass, outputs past whole panels, rows past whole passes;
 # K-quants take K in 256-input super-blocks.
 _SHAPES = [(64, 32, 1), (70, 96, 3), (130, 256, 5), (40, 288, 9)]
-_CASES = [(t, *shape) for t in I8_TYPES for shape in _SHAPES
-          if not (t.endswith("_K") and shape[1] % 256)] + [("Q5_K", 70, 512, 6)]
+_CASES = [(t, *shape) for t in BLOCK_TYPES for shape in _SHAPES
+          if not (t.endswith("_K") and shape[1] % 256)] + [("Q5_K", 70, 512, 6),
+                                                            ("Q4_K", 70, 512, 6)]
 
 
 @needs_panels
@@ -82,20 +101,21 @@ def test_kernel_is_the_exact_sum_up_to_float32_order(gguf_type, n, k, rows):
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero group: d = 0
     out = np.empty((rows, n), np.float32)
-    panel.group_panel_kernel(x, *w.group_panels(), out)
+    panel.group_panel_kernel(x, *w.group_panels(), w.layout == "u4", out)
     exact, magnitude = _exact(x, w)
     bound = (2 * k // 32 + 2) * 2.0 ** -24 * magnitude
     assert np.all(np.abs(out - exact) <= bound)
     # The GEMV on the rows sums the same integers in another float order.
     gemv = np.empty_like(out)
     quantized_numba.gemv_groups(x, w.q.view(torch.uint8).numpy(), w.scales.numpy(),
-                                w.kernel_mins.numpy(), False, 32, quantized_numba.X_INT16, gemv)
+                                w.kernel_mins.numpy(), w.layout == "u4", 32,
+                                quantized_numba.X_INT16, gemv)
     assert np.all(np.abs(out - gemv) <= 2 * bound)
 
 
-@pytest.mark.parametrize("gguf_type, takes", [("Q8_0", True), ("Q5_1", True), ("Q4_1", False),
+@pytest.mark.parametrize("gguf_type, takes", [("Q8_0", True), ("Q5_1", True), ("Q4_1", True),
                                               ("Q6_K", False), ("F16", False)])
-def test_takes_group_panels_only_i8_blocks_of_32_with_int16_x(gguf_type, takes, monkeypatch):
+def test_takes_group_panels_only_blocks_of_32_with_int16_x(gguf_type, takes, monkeypatch):
     w = _weight(gguf_type, 16, 256)
     monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
     monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
@@ -117,5 +137,5 @@ def test_quantized_linear_runs_the_panels_and_makes_them_once(rows, monkeypatch)
     panels = w.group_panels()
     assert w.group_panels() is panels
     direct = np.empty((rows, 100), np.float32)
-    panel.group_panel_kernel(x.numpy(), *panels, direct)
+    panel.group_panel_kernel(x.numpy(), *panels, False, direct)
     assert np.array_equal(got.numpy(), direct)

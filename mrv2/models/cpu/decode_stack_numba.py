@@ -53,7 +53,7 @@ def _linear_overload(x, w, out):
         return half
     def blocks(x, w, out):
         if w[6][0].shape[0] > 0:  # as quantized_linear, for every row count
-            group_panel_kernel(x, w[6][0], w[6][1], w[6][2], out)
+            group_panel_kernel(x, w[6][0], w[6][1], w[6][2], w[3], out)
         else:
             gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
     return blocks

@@ -21,9 +21,10 @@ exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/
 A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
-groups ("i8" blocks of 32 inputs with int16 x on AVX-512: quantized_panel_numba's kernel on a
-panel copy of the weight, made at first use); more rows (prefill) dequantize tiles of output rows into a reused float32 buffer and
-multiply each with torch.mm, so the float32 weight never exists whole. A 16-bit weight on a CPU
+groups (blocks of 32 inputs with int16 x on AVX-512: quantized_panel_numba's kernel on a panel
+copy of the weight, made at first use); more rows (prefill) dequantize tiles of output rows
+into a reused float32 buffer and multiply each with torch.mm, so the float32 weight never exists
+whole. A 16-bit weight on a CPU
 with matrix instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for
 bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
 on a CPU without them where half_panel_linear's kernel runs (AVX-512), from MIN_PANEL_ROWS
@@ -257,13 +258,14 @@ class QuantizedWeight:
         return self._panels
 
     def group_panels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """An "i8" weight of 32-input groups as quantized_panel_numba's panels (weights, scales,
+        """A weight of 32-input groups as quantized_panel_numba's panels (weights, scales,
         mins), made at first use (`q` and the tables never change in place). A second copy of
         the weight: made only where the panel kernel takes its rows (`takes_group_panels`)."""
         if self._group_panels is None:
             self._group_panels = quantized_panel_numba.group_panels_of(
                 self.q.numpy(), _float32_table(self.scales).numpy(),
-                None if self.mins is None else _float32_table(self.mins).numpy())
+                None if self.mins is None else _float32_table(self.mins).numpy(),
+                packed=self.layout == "u4")
         return self._group_panels
 
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
@@ -302,9 +304,9 @@ def takes_panels(weight: QuantizedWeight) -> bool:
 
 
 def takes_group_panels(weight: QuantizedWeight) -> bool:
-    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: "i8" blocks of 32
-    inputs, int16 x (GEMV_X_FORMAT), where the kernel runs."""
-    return (weight.layout == "i8" and weight.group_size == 32
+    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: "i8" or "u4" blocks
+    of 32 inputs, int16 x (GEMV_X_FORMAT), where the kernel runs."""
+    return (weight.layout in ("i8", "u4") and weight.group_size == 32
             and GEMV_X_FORMAT == quantized_numba.X_INT16
             and quantized_panel_numba.GROUP_PANELS_RUN)
 
@@ -340,7 +342,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
             quantized_numba.gemv_half(x_np, weight.q.numpy(), weight.layout == "bf16",
                                       out.numpy())
         elif takes_group_panels(weight):
-            quantized_panel_numba.group_panel_kernel(x_np, *weight.group_panels(), out.numpy())
+            quantized_panel_numba.group_panel_kernel(x_np, *weight.group_panels(),
+                                                     weight.layout == "u4", out.numpy())
         else:
             # q as bytes for both layouts (the kernel reads each as its layout says), as the
             # decode stack passes it: one compiled variant per table dtype, not two.

@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
-from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16F, V16I, V32B, V32S,
+from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V32B, V32S,
                                           call_intrinsic, host_compiles_with, row_ptr, splat,
                                           vload)
 
@@ -45,20 +45,29 @@ _PAIRS = INT8_BLOCK // 2  # input pairs of a group
 GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
 
 
-def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """An "i8" weight's int8 values `q` [N, K] and its float32 [N, K / 32] scale and min tables
-    (mins None: no min term) -> the kernel's (weights int8 [B, K / 2, 128], scales float32
-    [B, K / 32, 64], mins float32 [B, K / 32 or 0, 64]), B = ceil(N / 64): panel b, pair p holds
-    w[64 b + o, 2 p + t] at byte 2 o + t; outputs past N are zeros."""
-    n, k = q.shape
+def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
+                    packed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A weight's blocks -> the kernel's (weights int8 [B, K / 2, 128] ("i8") or [B, K / 2, 64]
+    (`packed`: "u4"), scales float32 [B, K / 32, 64], mins float32 [B, K / 32 or 0, 64]),
+    B = ceil(N / 64). `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's
+    layout); `scales` / `mins` float32 [N, K / 32] (mins None: no min term). Panel b, pair p
+    holds w[64 b + o, 2 p + t] at byte 2 o + t, or for "u4" in byte o, low nibble t = 0, high
+    nibble t = 1; outputs past N are zeros."""
+    n = q.shape[0]
+    if packed:  # byte j of group g: input 32 g + j low, 32 g + 16 + j high
+        nibbles = q.reshape(n, -1, 1, 16)
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(n, -1).astype(np.int8)
+    k = q.shape[1]
     if k % INT8_BLOCK or scales.shape != (n, k // INT8_BLOCK):
         raise ValueError(f"weight {q.shape} with scales {scales.shape}: 32-input groups only")
     blocks = -(-n // GROUP_PANEL_OUTPUTS)
     padded = np.zeros((blocks * GROUP_PANEL_OUTPUTS, k), np.int8)
     padded[:n] = q
-    weights = np.ascontiguousarray(padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2)
-                                   .transpose(0, 2, 1, 3)).reshape(blocks, k // 2, -1)
+    pairs = padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2).transpose(0, 2, 1, 3)
+    if packed:
+        weights = np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4))
+    else:
+        weights = np.ascontiguousarray(pairs).reshape(blocks, k // 2, -1)
 
     def table_panels(table: np.ndarray) -> np.ndarray:
         out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, table.shape[1]), np.float32)
@@ -78,18 +87,34 @@ def no_group_panels() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.empty((0, 0, GROUP_PANEL_OUTPUTS), np.float32))
 
 
+def _pair_weights(builder, panel, pair, j, is_u4):
+    """Outputs 16 j .. 16 j + 15 of input pair `pair` as <32 x i16> (lane 2 o + t: output o,
+    input 2 pair + t): "i8" bytes sign-extended; "u4" bytes zero-extended to 32-bit lanes, the
+    high nibble moved to the lane's upper half."""
+    ity = pair.type
+    if not is_u4:
+        first = builder.add(builder.mul(pair, ity(2 * GROUP_PANEL_OUTPUTS)), ity(32 * j))
+        return builder.sext(vload(builder, panel, first, V32B, 1), V32S)
+    first = builder.add(builder.mul(pair, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
+    lanes = builder.zext(vload(builder, panel, first, V16B, 1), V16I)
+    low = builder.and_(lanes, ir.Constant(V16I, [15] * 16))
+    high = builder.shl(builder.and_(lanes, ir.Constant(V16I, [0xF0] * 16)),
+                       ir.Constant(V16I, [12] * 16))
+    return builder.bitcast(builder.or_(low, high), V32S)
+
+
 @intrinsic(prefer_literal=True)
-def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, sums):
+def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, packed, sums):
     """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums,
     read where `mins` has groups) . the 64 outputs of panel `block`, for r < rows (a literal, 1
-    to GROUP_PANEL_ROWS)."""
-    if not (isinstance(rows, types.IntegerLiteral)
+    to GROUP_PANEL_ROWS); `packed` (a literal): the panel holds "u4" nibbles."""
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(packed, types.BooleanLiteral)
             and 1 <= rows.literal_value <= GROUP_PANEL_ROWS):
         return None
-    count = rows.literal_value
+    count, is_u4 = rows.literal_value, packed.literal_value
 
     def codegen(context, builder, signature, args):
-        wt, _, xqt, dxt, st, mnt, xst, _, _, sumt = signature.args
+        wt, _, xqt, dxt, st, mnt, xst, _, _, _, sumt = signature.args
         block, m0 = (context.cast(builder, args[i], signature.args[i], types.intp)
                      for i in (1, 7))
         ity = block.type
@@ -117,9 +142,7 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                     builder.store(zero_i, acc)
             with cgutils.for_range(builder, ity(_PAIRS)) as pair_loop:
                 pair = builder.add(builder.mul(g, ity(_PAIRS)), pair_loop.index)
-                first = builder.mul(pair, ity(2 * GROUP_PANEL_OUTPUTS))
-                wv = [builder.sext(vload(builder, panel, builder.add(first, ity(32 * j)), V32B,
-                                         1), V32S) for j in range(_VECTORS)]
+                wv = [_pair_weights(builder, panel, pair, j, is_u4) for j in range(_VECTORS)]
                 for r in range(count):
                     xv = builder.insert_element(ir.Constant(V16I, ir.Undefined), builder.load(
                         builder.gep(x_pairs[r], [pair])), I32(0))
@@ -150,25 +173,26 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                         builder.store(builder.fadd(builder.load(sums[r][j]), term, flags=FAST),
                                       sums[r][j])
         for r in range(count):
-            out = row_ptr(context, builder, sumt, args[9], ity(r), V16F)[0]
+            out = row_ptr(context, builder, sumt, args[10], ity(r), V16F)[0]
             for j in range(_VECTORS):
                 builder.store(builder.load(sums[r][j]), builder.gep(out, [ity(j)]), align=4)
         return context.get_dummy_value()
 
-    return types.void(w, block, xq, dx, scales, mins, xsum, m0, rows, sums), codegen
+    return types.void(w, block, xq, dx, scales, mins, xsum, m0, rows, packed, sums), codegen
 
 
 @njit(inline="always", cache=True)
-def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, sums):
-    """`_group_panel_sums` for `rows` (1 to GROUP_PANEL_ROWS) rows: each count a literal."""
+def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, packed, sums):
+    """`_group_panel_sums` for `rows` (1 to GROUP_PANEL_ROWS) rows, `packed` a literal: each
+    count a literal."""
     if rows == 4:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 4, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 4, packed, sums)
     elif rows == 3:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 3, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 3, packed, sums)
     elif rows == 2:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 2, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 2, packed, sums)
     else:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 1, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 1, packed, sums)
 
 
 @njit(cache=True)
@@ -184,12 +208,12 @@ def _int16_x(x, with_sums):
 
 
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-def group_panel_kernel(x, w, scales, mins, out):
+def group_panel_kernel(x, w, scales, mins, packed, out):
     """out [M, N] float32 = x float32 [M, K] (rows contiguous), quantized to the int16 format,
-    @ the weight whose panels (`group_panels_of`) are w, scales, mins. The panels are shared
-    among numba's threads (prange's static schedule), each taking all of x's rows,
-    GROUP_PANEL_ROWS at a time. No thread count is read inside (it would keep the decode stack
-    from being cached)."""
+    @ the weight whose panels (`group_panels_of`, "u4" nibbles where `packed`) are w, scales,
+    mins. The panels are shared among numba's threads (prange's static schedule), each taking
+    all of x's rows, GROUP_PANEL_ROWS at a time. No thread count is read inside (it would keep
+    the decode stack from being cached)."""
     rows, n = out.shape
     xq, dx, xsum = _int16_x(x, mins.shape[1] > 0)
     for b in prange(w.shape[0]):
@@ -198,6 +222,9 @@ def group_panel_kernel(x, w, scales, mins, out):
         width = min(GROUP_PANEL_OUTPUTS, n - n0)
         for m0 in range(0, rows, GROUP_PANEL_ROWS):
             count = min(GROUP_PANEL_ROWS, rows - m0)
-            _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, sums)
+            if packed:
+                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, True, sums)
+            else:
+                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, False, sums)
             for r in range(count):
                 out[m0 + r, n0:n0 + width] = sums[r, :width]
