@@ -17,11 +17,12 @@ integer sums are exact (|w| <= 128, |xq| <= 32767: a group's 32 products stay be
 equal the GEMV's; out[m, n] = sum over groups in order of float(isum) * (scale * d) (+ min *
 sum_g x), in float32: the GEMV's sums in another order (the tests hold the two together).
 
-Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K); "u4" blocks widened to a
-byte each would double their memory, so they keep the GEMV. The panels are a second copy of
-the weight (QuantizedWeight.group_panels, made at first use). Runs where numba compiles for a
-host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit vpmaddwd and 32 vector registers for the
-4 x 4 x 2 accumulators.
+Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K), and "u4" ones (Q4_0, Q4_1,
+Q4_K) as nibbles, a pair's two values in one byte (the file's bytes: [B, K / 2, 64]), each 16
+bytes zero-extended to 32-bit lanes and the high nibble moved to the lane's upper half in
+register. The panels are a second copy of the weight (QuantizedWeight.group_panels, made at
+first use). Runs where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit
+vpmaddwd, and 32 vector registers for up to 4 x 4 x 2 accumulators.
 """
 
 from __future__ import annotations
