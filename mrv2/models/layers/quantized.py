@@ -24,9 +24,9 @@ A 16-bit weight widens to float32 exactly.
 groups (blocks of 32 inputs with int16 x on AVX-512: quantized_panel_numba's kernel on a panel
 copy of the weight, made at first use); more rows (prefill) dequantize tiles of output rows
 into a reused float32 buffer and multiply each with torch.mm, so the float32 weight never exists
-whole. A 16-bit weight on a CPU
-with matrix instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for
-bfloat16) runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
+whole. A 16-bit weight on a CPU with matrix instructions for its dtype
+(cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16) runs on them from
+MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
 on a CPU without them where half_panel_linear's kernel runs (AVX-512), from MIN_PANEL_ROWS
 rows on that kernel, in float32 (the weight repacked into panels once, at its first batched use).
 """
@@ -133,7 +133,8 @@ class QuantizedWeight:
         self.gguf_type = gguf_type
         self._onednn_packed: torch.Tensor | None = None  # a 16-bit weight for oneDNN, once
         self._panels: np.ndarray | None = None  # a 16-bit weight's panels, once
-        self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # "i8"'s
+        # 32-input blocks' panels (quantized_panel_numba), once
+        self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
