@@ -31,12 +31,6 @@ def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     return QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
 
 
-def _float_table(table: torch.Tensor | None) -> np.ndarray | None:
-    if table is None:
-        return None
-    return (table.view(torch.float16).float() if table.dtype == torch.int16 else table).numpy()
-
-
 def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     rng = np.random.default_rng(0)
     q = rng.integers(-128, 128, size=(70, 64), dtype=np.int8)
@@ -78,8 +72,9 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     q = q.reshape(w.out_features, groups, 32)
     xg = xq.astype(np.float64).reshape(len(x), groups, 32)
     isum = np.einsum("ngk,mgk->mng", q, xg)
-    terms = isum * _float_table(w.scales)[None] * dx[:, None, :]
-    mins = _float_table(w.mins)
+    tables = w._with_float32_tables()  # float16-bit tables widened as the kernels do
+    terms = isum * tables.scales.numpy()[None] * dx[:, None, :]
+    mins = None if tables.mins is None else tables.mins.numpy()
     if mins is not None:
         xsum = x.astype(np.float64).reshape(len(x), groups, 32).sum(-1)
         terms = np.concatenate([terms, mins[None] * xsum[:, None, :]], axis=-1)
