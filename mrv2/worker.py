@@ -212,7 +212,7 @@ def _weights_onto_huge_pages(model: torch.nn.Module,
     tensors = [*model.parameters(), *model.buffers()]
     if fast_paths is not None and fast_paths.quantized is not None:
         tensors += [t for weight in fast_paths.quantized.weights.values()
-                    for t in (weight.q, weight.scales, weight.mins) if t is not None]
+                    for t in weight.storage_tensors()]
     huge_pages.collapse_weights(tensors)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import cpu_linear, half_panel_linear, quantized
+from mrv2.models.layers import cpu_linear, half_panel_linear, quantized, quantized_tiles
 from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
@@ -71,11 +71,12 @@ def test_dequantize_is_bit_exact(gguf_type, n, k):
                        ref)
 
 
-def test_layouts_and_sizes(weights):
+def test_layouts_and_sizes():
     expect = {"Q4_0": ("u4", 32), "Q4_1": ("u4", 32), "Q4_K": ("u4", 32), "Q8_0": ("i8", 32),
               "Q5_0": ("i8", 32), "Q5_1": ("i8", 32), "Q5_K": ("i8", 32), "Q6_K": ("i8", 16),
               "F16": ("f16", 0), "BF16": ("bf16", 0)}
-    for t, (w, _) in weights.items():
+    for i, t in enumerate(TYPES):  # fresh weights: no panels made by other tests
+        w = QuantizedWeight.from_gguf(random_raw(t, 96, 1536, seed=i), t, (96, 1536))
         assert (w.layout, w.group_size) == expect[t]
         per_weight = 8 * w.nbytes / (96 * 1536)
         if t in HALF_TYPES:
@@ -127,8 +128,9 @@ def test_both_paths_agree_at_the_threshold(weights, gguf_type, monkeypatch):
     x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))
     gemv = quantized_linear(x, w)
     monkeypatch.setattr(quantized, "MAX_QUANTIZED_GEMV_ROWS", 0)
-    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 40 * 1536)  # 40-row tiles: a ragged last one
-    monkeypatch.setattr(quantized, "HALF_TILE_ELEMENTS", 40 * 1536)
+    # 40-row tiles: a ragged last one
+    monkeypatch.setattr(quantized_tiles, "TILE_ELEMENTS", 40 * 1536)
+    monkeypatch.setattr(quantized_tiles, "HALF_TILE_ELEMENTS", 40 * 1536)
     tiled = quantized_linear(x, w)
     expect = x @ ref.T
     atol = 1e-5 * expect.abs().max().item()  # fp32 sums in another order, relative to the size
@@ -145,7 +147,7 @@ def test_rows_and_cat_round_trip(weights, gguf_type):
     assert torch.equal(parts[1].dequantize(), ref[10:64])
     assert parts[1].q.untyped_storage().nbytes() < w.q.untyped_storage().nbytes()
     back = QuantizedWeight.cat(parts)
-    assert back.gguf_type == gguf_type and back.nbytes == w.nbytes
+    assert back.gguf_type == gguf_type and back.nbytes == sum(p.nbytes for p in parts)
     assert torch.equal(back.dequantize(), ref)
     x = torch.randn(2, 1536, generator=torch.Generator().manual_seed(4))
     expect = x @ ref[64:96].T  # fp32 sums in another order: tolerance relative to the size
@@ -182,6 +184,43 @@ def test_errors(weights):
         quantized_linear(torch.randn(2, 64), weights["Q4_0"][0])
     with pytest.raises(IndexError):
         weights["Q4_0"][0].dequantize_rows(torch.tensor([96]))
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_1", "Q5_K"])
+def test_a_weight_held_as_its_group_panels(gguf_type):
+    # 130 outputs: two whole panels and a ragged third.
+    raw = random_raw(gguf_type, 130, 512, seed=7)
+    w, ref = QuantizedWeight.from_gguf(raw, gguf_type, (130, 512)), reference(raw, gguf_type,
+                                                                             130, 512)
+    if not quantized.takes_group_panels(w):
+        pytest.skip("the group panel kernel does not take this weight here")
+    g = torch.Generator().manual_seed(8)
+    x_rows, x_tiles = torch.randn(3, 512, generator=g), torch.randn(40, 512, generator=g)
+    rows_before, tiles_before = quantized_linear(x_rows, w), quantized_linear(x_tiles, w)
+    blocks_bytes = w.q.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
+    w.store_as_group_panels()
+    assert w.panel_storage and w.q.shape == (130, 0) and w.scales.shape == (130, 0)
+    # The panels hold the blocks' bytes (tables in the blocks' dtype), padded to 192 outputs.
+    assert w.nbytes == blocks_bytes * 192 // 130
+    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(w.dequantize_rows(torch.tensor([129, 0, 64])), ref[[129, 0, 64]])
+    assert torch.equal(quantized_linear(x_rows, w), rows_before)  # the same kernel and panels
+    # The tiles hold the same float32 weights; torch.mm may sum another tile shape in another
+    # order.
+    torch.testing.assert_close(quantized_linear(x_tiles, w), tiles_before, rtol=1e-5,
+                               atol=1e-5 * tiles_before.abs().max().item())
+    with pytest.raises(ValueError, match="group panels"):
+        w.rows(0, 64)
+    with pytest.raises(ValueError, match="group panels"):
+        QuantizedWeight.cat([w, w])
+    with pytest.raises(IndexError):
+        w.dequantize_rows(torch.tensor([130]))
+
+
+def test_only_32_input_groups_are_held_as_group_panels(weights):
+    for t in ("Q6_K", "F16"):
+        with pytest.raises(ValueError, match="32-input groups"):
+            weights[t][0].store_as_group_panels()
 
 
 @pytest.mark.parametrize("native", [False, True])

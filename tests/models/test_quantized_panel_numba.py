@@ -1,7 +1,9 @@
 """The int16-activation panel kernel on 32-input-group blocks (quantized_panel_numba): the panel
-layout, the kernel against the exact sum of its quantized operands (and the int16 GEMV on the
-rows) for signed blocks with and without min terms, float16 and float32 tables, outputs past
-whole panels and rows past whole passes; quantized_linear's and the decode stack's routing."""
+layout (float16 or float32 tables), the kernel against the exact sum of its quantized operands
+(and the int16 GEMV on the rows) for signed blocks with and without min terms, float16 and
+float32 tables, outputs past whole panels and rows past whole passes; the float32 rows and
+transposed tiles of the panels against the blocks' dequantization; quantized_linear's and the
+decode stack's routing."""
 
 from __future__ import annotations
 
@@ -52,6 +54,29 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
         byte = int(nibbles[row // 64, p, row % 64]) & 0xFF
         assert (byte & 15, byte >> 4) == (values[row, 2 * p], values[row, 2 * p + 1])
     assert not nibbles[1, :, 6:].any()
+    # Float16 bit-pattern tables stay float16 in the panels; the two tables share one dtype.
+    bits = rng.random((70, 2), dtype=np.float32).astype(np.float16).view(np.int16)
+    _, scale_panels, min_panels = panel.group_panels_of(q, bits, bits)
+    assert scale_panels.dtype == min_panels.dtype == np.int16
+    assert scale_panels[1, 1, 5] == bits[69, 1] and not min_panels[1, :, 6:].any()
+    with pytest.raises(ValueError, match="one dtype"):
+        panel.group_panels_of(q, bits, scales)
+
+
+@pytest.mark.parametrize("gguf_type", BLOCK_TYPES)
+def test_rows_and_tiles_of_the_panels_are_the_dequantized_weight(gguf_type):
+    n, k = 150, 512  # two whole panels and a ragged third
+    w = _weight(gguf_type, n, k, seed=11)
+    exact = w.dequantize().numpy()
+    panels, packed = w.group_panels(), w.layout == "u4"
+    ids = np.array([149, 0, 64, 63, 128], np.int64)
+    rows = np.empty((len(ids), k), np.float32)
+    panel.panel_rows(*panels, packed, ids, rows)
+    assert np.array_equal(rows, exact[ids])
+    tile = np.full((k, 3 * 64 + 5), np.nan, np.float32)
+    panel.panel_tile_t(*panels, packed, 1, 2, tile)  # panels 1 and 2: outputs 64 .. 191
+    assert np.array_equal(tile[:, :n - 64], exact[64:].T)
+    assert not tile[:, n - 64:128].any() and np.isnan(tile[:, 128:]).all()
 
 
 def _u4_values(q: np.ndarray) -> np.ndarray:
@@ -120,6 +145,11 @@ def test_takes_group_panels_only_blocks_of_32_with_int16_x(gguf_type, takes, mon
     monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
     monkeypatch.setattr(panel, "GROUP_PANELS_RUN", False)
     assert not quantized.takes_group_panels(w)
+    if takes:  # a weight held as its panels has no other form to compute on
+        monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
+        w.store_as_group_panels()
+        monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
+        assert quantized.takes_group_panels(w)
 
 
 @needs_panels

@@ -160,18 +160,21 @@ def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = 
     bfloat16, panels: the weight's where `quantized.takes_panels` and it serves as a `linear`,
     else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
     size, x format: quantized.GEMV_X_FORMAT when the view is built, group panels: the
-    weight's where `quantized.takes_group_panels` and it serves as a `linear`, else none); with
-    `float32_tables`, float32 copies of float16 scale / min tables."""
+    weight's where it is held as them or `quantized.takes_group_panels` and it serves as a
+    `linear`, else none, their tables of the blocks' dtype); with `float32_tables`, float32
+    copies of float16 scale / min tables. A weight held as its panels has blocks of N rows
+    and no columns."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     if weight.is_half:
         panels = (weight.panels() if linear and quantized.takes_panels(weight)
                   else np.empty((0, 0, PANEL_OUTPUTS), np.int16))
         return (weight.q.numpy(), weight.layout == "bf16", panels)
-    panels = (weight.group_panels() if linear and quantized.takes_group_panels(weight)
-              else no_group_panels())
     if float32_tables:
         weight = weight._with_float32_tables()
+    takes_panels = weight.panel_storage or (linear and quantized.takes_group_panels(weight))
+    panels = (weight.group_panels() if takes_panels
+              else no_group_panels(weight.scales.numpy().dtype))
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
             weight.layout == "u4", weight.group_size, quantized.GEMV_X_FORMAT, panels)
 

@@ -7,8 +7,9 @@ cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened
 dequantized exactly), RMSNorm in float32 then the weight multiply, rotate-half rotary, SiLU(gate)
 * up, attention over the paged cache after this step's K/V are written. Each weight is a
 float32 view, a 16-bit weight's (q int16, bfloat16, panels) or GGUF blocks' (q as bytes,
-scales, mins, packed, group size, x format) tuple; `_linear` and `_embed` pick their kernel at
-compile time from its type (and a 16-bit weight's from the rows, as quantized_linear does).
+scales, mins, packed, group size, x format, group panels) tuple; `_linear` and `_embed` pick
+their kernel at compile time from its type (and a 16-bit weight's from the rows, as
+quantized_linear does).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mrv2.models.layers.half_panel_linear import half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.quantized import MIN_PANEL_ROWS
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
-from mrv2.models.layers.quantized_panel_numba import group_panel_kernel
+from mrv2.models.layers.quantized_panel_numba import group_panel_kernel, panel_rows
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 
@@ -95,7 +96,9 @@ def _embed_overload(ids, w, out):
     def block_rows(ids, w, out):
         q, scales, mins, packed, group_size = w[0], w[1], w[2], w[3], w[4]
         _check_ids(ids, q.shape[0])
-        if packed:
+        if q.shape[1] == 0:  # held as its group panels alone
+            panel_rows(w[6][0], w[6][1], w[6][2], packed, ids, out)
+        elif packed:
             dequant_rows_serial(q, scales, mins, True, group_size, ids, out)
         else:  # the view's q is bytes; "i8" values are signed
             dequant_rows_serial(q.view(np.int8), scales, mins, False, group_size, ids, out)

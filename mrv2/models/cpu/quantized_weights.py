@@ -5,7 +5,9 @@ Why: at batch 1 a decode step streams every weight once, so bytes per weight dec
 a Q4_1 file holds ~5 bits per weight against float32's 32. Each linear (and the embedding and
 the LM head, tied or not) whose file tensors are of a type `QuantizedWeight` takes is given
 its blocks, repacked once (models/layers/quantized.py), and computes on them; the float32
-weight the loader wrote is released, so resident weight memory follows the file's size.
+weight the loader wrote is released, so resident weight memory follows the file's size. A
+linear (the LM head too) whose blocks the panel kernel takes is held as its panels alone
+(QuantizedWeight.store_as_group_panels); an untied embedding keeps its blocks.
 
 Fused projections (q/k/v, gate/up) take their shards' blocks concatenated when every shard
 has one layout; otherwise the module keeps its float32 weight. So does every module under
@@ -26,7 +28,7 @@ from mrv2.config import ModelConfig
 from mrv2.models.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
 from mrv2.models.layers.quantized import (QUANTIZED_GGUF_TYPES, QuantizedWeight,
-                                          quantized_linear)
+                                          quantized_linear, takes_group_panels)
 
 # Fused module (relative to a layer) -> the checkpoint modules whose rows it stacks, in order.
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -176,9 +178,17 @@ def attach_half_weights(model: nn.Module, dtype: torch.dtype) -> QuantizedModule
     return attached
 
 
+def _hold_as_computed(weight: QuantizedWeight) -> QuantizedWeight:
+    """A linear's weight, held as the GEMV computes on it: as its group panels alone where
+    the panel kernel takes it (the blocks released), else as it is."""
+    if takes_group_panels(weight):
+        weight.store_as_group_panels()
+    return weight
+
+
 def _attach_linear(module: nn.Module, weight: QuantizedWeight, name: str,
                    attached: QuantizedModules) -> None:
-    module.forward = QuantizedLinearForward(module, weight)
+    module.forward = QuantizedLinearForward(module, _hold_as_computed(weight))
     _release(module)
     attached.weights[name] = weight
 
@@ -202,7 +212,7 @@ def _attach_vocab(model: nn.Module, inner: nn.Module,
             _release(head)
             attached.weights["lm_head"] = head_weight
     if head_weight is not None:
-        model.compute_logits = QuantizedLogits(head_weight)
+        model.compute_logits = QuantizedLogits(_hold_as_computed(head_weight))
     if embed_weight is not None:
         # Neither the lookup nor the logits read the float32 table now (tied: the logits
         # use embed_weight; untied: the head's own weight).

@@ -1,6 +1,7 @@
 """GGUF's integer block types decoded into the kernel layouts' values and tables
 (quantized.QuantizedWeight.from_gguf): each block's values in input order with its scales and
-mins, and the 4-bit values packed two to a byte. Numpy, at load time only.
+mins, the 4-bit values packed two to a byte, and the tables kept in float16 where exact. Numpy,
+at load time only.
 
 The block formats are ggml's (gguf.quants reads the same bytes; tests/models/test_quantized.py
 checks QuantizedWeight's dequantization against it bit for bit for every type).
@@ -9,6 +10,7 @@ checks QuantizedWeight's dequantization against it bit for bit for every type).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 _QK_K = 256  # inputs per K-quant super-block
 
@@ -84,3 +86,17 @@ def pack_u4(vals: np.ndarray) -> np.ndarray:
     low, 32 g + 16 + j high)."""
     v = vals.reshape(vals.shape[0], -1, 2, 16)
     return (v[:, :, 0, :] | (v[:, :, 1, :] << 4)).reshape(vals.shape[0], -1)
+
+
+def compact_tables(scales: np.ndarray, mins: np.ndarray | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 scale / min tables -> int16 float16 bit patterns when every value of both is
+    exactly a float16 (the 32-input types' f16 fields), else float32 (a K type's products):
+    the tables QuantizedWeight keeps."""
+    tables = [t for t in (scales, mins) if t is not None]
+    with np.errstate(over="ignore"):
+        exact = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
+    out = [None if t is None else torch.from_numpy(
+        np.ascontiguousarray(t.astype(np.float16).view(np.int16) if exact else t))
+        for t in (scales, mins)]
+    return out[0], out[1]

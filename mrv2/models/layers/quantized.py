@@ -21,14 +21,13 @@ exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/
 A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
-groups (blocks of 32 inputs with int16 x on AVX-512: quantized_panel_numba's kernel on a panel
-copy of the weight, made at first use); more rows (prefill) dequantize tiles of output rows
-into a reused float32 buffer and multiply each with torch.mm, so the float32 weight never exists
-whole. A 16-bit weight on a CPU with matrix instructions for its dtype
+groups (32-input blocks with int16 x on AVX-512: quantized_panel_numba's kernel, a model's
+linears held as its panels alone from load); more rows (prefill) quantized_tiles' float32
+tiles and torch.mm. A 16-bit weight on a CPU with matrix instructions for its dtype
 (cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16) runs on them from
-MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once);
-on a CPU without them where half_panel_linear's kernel runs (AVX-512), from MIN_PANEL_ROWS
-rows on that kernel, in float32 (the weight repacked into panels once, at its first batched use).
+MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once); on a CPU without them where
+half_panel_linear's kernel runs (AVX-512), from MIN_PANEL_ROWS rows on that kernel, in float32
+(the weight repacked into panels once, at its first batched use).
 """
 
 from __future__ import annotations
@@ -40,9 +39,9 @@ import torch
 
 from mrv2 import platform
 from mrv2.models.layers import (cpu_linear, dot_linear, half_panel_linear, quantized_numba,
-                                quantized_panel_numba)
+                                quantized_panel_numba, quantized_tiles)
 from mrv2.models.layers.cpu_linear import computes_natively
-from mrv2.models.layers.gguf_blocks import pack_u4, unpack_blocks
+from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4, unpack_blocks
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
@@ -86,22 +85,6 @@ MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() or dot_linear.runs_h
 # Rows of x from which a 16-bit weight that `takes_panels` runs on the panel kernel (at one row
 # the GEMV on the rows was level or faster; bench/README.md).
 MIN_PANEL_ROWS = 2
-# Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
-TILE_ELEMENTS = 1 << 18
-# A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
-# dominates instead: larger tiles (4 MiB) measured faster (bench/README.md).
-HALF_TILE_ELEMENTS = 1 << 20
-def _compact_tables(scales: np.ndarray, mins: np.ndarray | None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 scale / min tables -> int16 float16 bit patterns when every value of both is
-    exactly a float16, else float32 (see QuantizedWeight)."""
-    tables = [t for t in (scales, mins) if t is not None]
-    with np.errstate(over="ignore"):
-        exact = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
-    out = [None if t is None else torch.from_numpy(
-        np.ascontiguousarray(t.astype(np.float16).view(np.int16) if exact else t))
-        for t in (scales, mins)]
-    return out[0], out[1]
 
 
 def _float32_table(table: torch.Tensor) -> torch.Tensor:
@@ -118,6 +101,9 @@ class QuantizedWeight:
     file's f16 fields: 2 bytes a group instead of 4, and a decode step reads every one),
     float32 otherwise (a K-quant's super-block scale times a 6-bit scale); the 16-bit layouts
     have neither (group size 0).
+
+    Stored as group panels (`store_as_group_panels`, `panel_storage`): `q`, `scales` and `mins`
+    keep their dtypes and N rows but no columns; the panels hold the weight.
     """
 
     def __init__(self, layout: str, group_size: int, q: torch.Tensor,
@@ -135,6 +121,7 @@ class QuantizedWeight:
         self._panels: np.ndarray | None = None  # a 16-bit weight's panels, once
         # 32-input blocks' panels (quantized_panel_numba), once
         self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.panel_storage = False  # the group panels alone hold the weight
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
@@ -167,7 +154,7 @@ class QuantizedWeight:
         scales = scales.astype(np.float32).reshape(n, -1)
         group = k // scales.shape[1]
         mins = None if mins is None else mins.astype(np.float32).reshape(n, -1)
-        scales, mins = _compact_tables(scales, mins)
+        scales, mins = compact_tables(scales, mins)
         if gguf_type in ("Q4_0", "Q4_1", "Q4_K"):
             q, layout = torch.from_numpy(pack_u4(vals)), "u4"
         else:
@@ -188,13 +175,26 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes of the packed weight."""
-        tensors = (self.q, self.scales, self.mins)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Resident bytes of the packed weight: the blocks (or 16-bit values) and the panels
+        made of them."""
+        return sum(memory.numel() * memory.element_size() for memory in self.storage_tensors())
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the weight (the worker moves them onto huge pages): `q` and the
+        tables, and the panels where made (numpy arrays seen as tensors, sharing memory)."""
+        tensors = [t for t in (self.q, self.scales, self.mins) if t is not None and t.numel()]
+        panels = list(self._group_panels or ()) + ([] if self._panels is None else [self._panels])
+        return tensors + [torch.from_numpy(p) for p in panels if p.size]
+
+    def _blocks_held(self, action: str) -> None:
+        if self.panel_storage:
+            raise ValueError(f"cannot {action} {self!r}: it is held as group panels "
+                             f"(split or join weights before store_as_group_panels)")
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output rows [start, stop) as a weight that owns its storage (a tensor-parallel shard
         must not keep the whole tensor resident)."""
+        self._blocks_held("take rows of")
         if not 0 <= start <= stop <= self.out_features:
             raise ValueError(f"rows [{start}, {stop}) out of [0, {self.out_features})")
         scales, mins = (None if t is None else t[start:stop].clone()
@@ -210,6 +210,8 @@ class QuantizedWeight:
         if not parts:
             raise ValueError("cat of no parts")
         first = parts[0]
+        for p in parts:
+            p._blocks_held("cat")
         for p in parts[1:]:
             if (p.layout, p.group_size, p.in_features) != (
                     first.layout, first.group_size, first.in_features):
@@ -234,9 +236,17 @@ class QuantizedWeight:
         return torch.empty(self.out_features, 0, dtype=self.scales.dtype)
 
     def _with_float32_tables(self) -> QuantizedWeight:
-        """This weight with float32 scale / min tables (a cat with float32-table parts)."""
+        """This weight with float32 scale / min tables (a cat with float32-table parts; the
+        decode stack's views of layers whose table dtypes differ), its panels' tables too."""
         scales, mins = (None if t is None else _float32_table(t) for t in (self.scales, self.mins))
-        return QuantizedWeight(self.layout, self.group_size, self.q, scales, mins, self.gguf_type)
+        out = QuantizedWeight(self.layout, self.group_size, self.q, scales, mins, self.gguf_type)
+        out.in_features = self.in_features
+        if self._group_panels is not None:
+            w, panel_scales, panel_mins = self._group_panels
+            out._group_panels = (w, *(_float32_table(torch.from_numpy(t)).numpy()
+                                      for t in (panel_scales, panel_mins)))
+        out.panel_storage = self.panel_storage
+        return out
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -260,19 +270,39 @@ class QuantizedWeight:
 
     def group_panels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A weight of 32-input groups as quantized_panel_numba's panels (weights, scales,
-        mins), made at first use (`q` and the tables never change in place). A second copy of
-        the weight: made only where the panel kernel takes its rows (`takes_group_panels`)."""
+        mins; the tables in this weight's table dtype), made at first use (`q` and the tables
+        never change in place): a copy beside the blocks until `store_as_group_panels`."""
         if self._group_panels is None:
             self._group_panels = quantized_panel_numba.group_panels_of(
-                self.q.numpy(), _float32_table(self.scales).numpy(),
-                None if self.mins is None else _float32_table(self.mins).numpy(),
-                packed=self.layout == "u4")
+                self.q.numpy(), self.scales.numpy(),
+                None if self.mins is None else self.mins.numpy(), packed=self.layout == "u4")
         return self._group_panels
 
-    def _dequant_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True) -> None:
+    def store_as_group_panels(self) -> None:
+        """Hold this weight as its group panels alone (a model's linear that
+        `takes_group_panels`, at load): the blocks are released, and the kernel, the float32
+        rows (`dequantize_rows`) and the prefill tiles read the panels; `rows` and `cat` no
+        longer apply."""
+        if self.layout not in ("i8", "u4") or self.group_size != 32:
+            raise ValueError(f"{self!r}: only 32-input groups are held as group panels")
+        if not quantized_panel_numba.GROUP_PANELS_RUN:
+            raise ValueError("the group panel kernel does not run on this CPU (AVX-512 BW)")
+        self.group_panels()
+        n = self.out_features
+        self.q, self.scales = self.q.new_empty(n, 0), self.scales.new_empty(n, 0)
+        self.mins = None if self.mins is None else self.mins.new_empty(n, 0)
+        self.panel_storage = True
+
+    def dequantize_rows_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True
+                             ) -> None:
+        """out[:len(ids)] = float32 rows `ids` (int64, in range); `parallel`: on numba's
+        threads, else the calling thread's."""
         if self.is_half:  # an exact widening: torch's vectorised conversion does it
             torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
                 self.half_dtype))
+            return
+        if self.panel_storage:
+            quantized_panel_numba.panel_rows(*self._group_panels, self.layout == "u4", ids, out)
             return
         mins = self.kernel_mins
         kernel = quantized_numba.dequant_rows if parallel else quantized_numba.dequant_rows_serial
@@ -285,7 +315,7 @@ class QuantizedWeight:
         if idx.size and (idx.min() < 0 or idx.max() >= self.out_features):
             raise IndexError(f"row ids outside [0, {self.out_features})")
         out = torch.empty(idx.size, self.in_features, dtype=torch.float32)
-        self._dequant_into(np.ascontiguousarray(idx), out.numpy())
+        self.dequantize_rows_into(np.ascontiguousarray(idx), out.numpy())
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -305,9 +335,10 @@ def takes_panels(weight: QuantizedWeight) -> bool:
 
 
 def takes_group_panels(weight: QuantizedWeight) -> bool:
-    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: "i8" or "u4" blocks
-    of 32 inputs, int16 x (GEMV_X_FORMAT), where the kernel runs."""
-    return (weight.layout in ("i8", "u4") and weight.group_size == 32
+    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: a weight held as
+    its panels, or "i8" / "u4" blocks of 32 inputs, int16 x (GEMV_X_FORMAT), where the kernel
+    runs."""
+    return weight.panel_storage or (weight.layout in ("i8", "u4") and weight.group_size == 32
             and GEMV_X_FORMAT == quantized_numba.X_INT16
             and quantized_panel_numba.GROUP_PANELS_RUN)
 
@@ -358,29 +389,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
         out = half_panel_linear.half_panel_linear(x.detach(), weight.panels(),
                                                   weight.layout == "bf16", n)
     else:
-        out = _tiled_linear(x.detach(), weight)
+        out = quantized_tiles.tiled_linear(x.detach(), weight)
     if bias is not None:
         out += bias
     return out
-
-
-def _tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm writes
-    # them in place; one buffer of <= TILE_ELEMENTS floats (HALF_TILE_ELEMENTS for a 16-bit
-    # weight) is reused for every tile. The tile is dequantized on this thread (torch.mm
-    # parallelises; see dequant_rows_serial).
-    n, k = weight.out_features, weight.in_features
-    tile_elements = HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS
-    tile = max(16, min(n, tile_elements // k))
-    buf = torch.empty(tile, k, dtype=torch.float32)
-    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
-    xt = x.t()
-    for n0 in range(0, n, tile):
-        rows = min(tile, n - n0)
-        if weight.is_half:  # a slice, widened by torch (no gather of row ids)
-            buf[:rows].copy_(weight.q[n0:n0 + rows].view(weight.half_dtype))
-        else:
-            ids = np.arange(n0, n0 + rows, dtype=np.int64)
-            weight._dequant_into(ids, buf.numpy(), parallel=False)
-        torch.mm(buf[:rows], xt, out=out_t[n0:n0 + rows])
-    return out_t.t().contiguous()

@@ -20,8 +20,12 @@ sum_g x), in float32: the GEMV's sums in another order (the tests hold the two t
 Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K), and "u4" ones (Q4_0, Q4_1,
 Q4_K) as nibbles, a pair's two values in one byte (the file's bytes: [B, K / 2, 64]), each 16
 bytes zero-extended to 32-bit lanes and the high nibble moved to the lane's upper half in
-register. The panels are a second copy of the weight (QuantizedWeight.group_panels, made at
-first use). Runs where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit
+register. The scale and min panels keep the weight's table dtype (float16 bit patterns for the
+32-input types, whose scales are the file's f16 fields; float32 for the K types), so a panel
+weight holds the file's bytes. A weight served as a linear is stored as its panels alone
+(QuantizedWeight.store_as_group_panels): `panel_rows` and `panel_tile_t` give its float32
+rows, for the embedding lookup and the prefill tiles, exactly as the blocks' dequantization
+does. Runs where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit
 vpmaddwd, and 32 vector registers for up to 4 x 4 x 2 accumulators.
 """
 
@@ -34,9 +38,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
-from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V32B, V32S,
-                                          call_intrinsic, host_compiles_with, row_ptr, splat,
-                                          vload)
+from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S, V32B,
+                                          V32S, call_intrinsic, host_compiles_with, row_ptr,
+                                          splat, table_elem, table_value, vload, widen_half)
 
 GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
@@ -49,11 +53,12 @@ GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
 def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
                     packed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A weight's blocks -> the kernel's (weights int8 [B, K / 2, 128] ("i8") or [B, K / 2, 64]
-    (`packed`: "u4"), scales float32 [B, K / 32, 64], mins float32 [B, K / 32 or 0, 64]),
-    B = ceil(N / 64). `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's
-    layout); `scales` / `mins` float32 [N, K / 32] (mins None: no min term). Panel b, pair p
-    holds w[64 b + o, 2 p + t] at byte 2 o + t, or for "u4" in byte o, low nibble t = 0, high
-    nibble t = 1; outputs past N are zeros."""
+    (`packed`: "u4"), scales [B, K / 32, 64], mins [B, K / 32 or 0, 64]), B = ceil(N / 64).
+    `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's layout);
+    `scales` / `mins` [N, K / 32] float32 or int16 float16 bit patterns, the panels' tables in
+    the same dtype (mins None: no min term). Panel b, pair p holds w[64 b + o, 2 p + t] at byte
+    2 o + t, or for "u4" in byte o, low nibble t = 0, high nibble t = 1; outputs past N are
+    zeros (zero weights and tables)."""
     n = q.shape[0]
     if packed:  # byte j of group g: input 32 g + j low, 32 g + 16 + j high
         nibbles = q.reshape(n, -1, 1, 16)
@@ -61,6 +66,10 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     k = q.shape[1]
     if k % INT8_BLOCK or scales.shape != (n, k // INT8_BLOCK):
         raise ValueError(f"weight {q.shape} with scales {scales.shape}: 32-input groups only")
+    if scales.dtype not in (np.float32, np.int16) or (mins is not None
+                                                      and mins.dtype != scales.dtype):
+        raise ValueError(f"tables of {scales.dtype} / {None if mins is None else mins.dtype}: "
+                         f"one dtype, float32 or int16 float16 bit patterns")
     blocks = -(-n // GROUP_PANEL_OUTPUTS)
     padded = np.zeros((blocks * GROUP_PANEL_OUTPUTS, k), np.int8)
     padded[:n] = q
@@ -71,21 +80,22 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
         weights = np.ascontiguousarray(pairs).reshape(blocks, k // 2, -1)
 
     def table_panels(table: np.ndarray) -> np.ndarray:
-        out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, table.shape[1]), np.float32)
+        out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, table.shape[1]), scales.dtype)
         out[:n] = table
         return np.ascontiguousarray(out.reshape(blocks, GROUP_PANEL_OUTPUTS, table.shape[1])
                                     .transpose(0, 2, 1))
 
-    no_mins = np.zeros((n, 0), np.float32)
+    no_mins = np.zeros((n, 0), scales.dtype)
     return weights, table_panels(scales), table_panels(no_mins if mins is None else mins)
 
 
-def no_group_panels() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def no_group_panels(table_dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What `group_panels_of` returns, with no panels: a weight view's (the decode stack's)
-    stand-in where the kernel does not take the weight."""
+    stand-in where the kernel does not take the weight, its tables of `table_dtype` (the
+    blocks', so that views of one table dtype share one numba type)."""
     return (np.empty((0, 0, 2 * GROUP_PANEL_OUTPUTS), np.int8),
-            np.empty((0, 0, GROUP_PANEL_OUTPUTS), np.float32),
-            np.empty((0, 0, GROUP_PANEL_OUTPUTS), np.float32))
+            np.empty((0, 0, GROUP_PANEL_OUTPUTS), table_dtype),
+            np.empty((0, 0, GROUP_PANEL_OUTPUTS), table_dtype))
 
 
 def _pair_weights(builder, panel, pair, j, is_u4):
@@ -104,6 +114,13 @@ def _pair_weights(builder, panel, pair, j, is_u4):
     return builder.bitcast(builder.or_(low, high), V32S)
 
 
+def _table_vector(builder, panel, offset, table_type):
+    """16 entries of a scale / min panel from `offset` as <16 x float>."""
+    if table_type.dtype == types.int16:
+        return widen_half(builder, vload(builder, panel, offset, V16S, 2), False)
+    return vload(builder, panel, offset, V16F, 4)
+
+
 @intrinsic(prefer_literal=True)
 def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, packed, sums):
     """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums,
@@ -120,8 +137,8 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                      for i in (1, 7))
         ity = block.type
         panel, _ = row_ptr(context, builder, wt, args[0], block, I8)
-        scale_panel, sarr = row_ptr(context, builder, st, args[4], block, F32)
-        min_panel, marr = row_ptr(context, builder, mnt, args[5], block, F32)
+        scale_panel, sarr = row_ptr(context, builder, st, args[4], block, table_elem(st))
+        min_panel, marr = row_ptr(context, builder, mnt, args[5], block, table_elem(mnt))
         groups = cgutils.unpack_tuple(builder, sarr.shape, 3)[1]
         has_min = builder.icmp_signed(">", cgutils.unpack_tuple(builder, marr.shape, 3)[1],
                                       ity(0))
@@ -156,7 +173,7 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                                       ints[r][j])
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
                        for j in range(_VECTORS)]
-            scale_vectors = [vload(builder, scale_panel, o, V16F, 4) for o in offsets]
+            scale_vectors = [_table_vector(builder, scale_panel, o, st) for o in offsets]
             for r in range(count):
                 d = splat(builder, builder.load(builder.gep(d_rows[r], [g])), 16)
                 for j in range(_VECTORS):
@@ -166,7 +183,7 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                     builder.store(builder.fadd(builder.load(sums[r][j]), term, flags=FAST),
                                   sums[r][j])
             with builder.if_then(has_min):
-                min_vectors = [vload(builder, min_panel, o, V16F, 4) for o in offsets]
+                min_vectors = [_table_vector(builder, min_panel, o, mnt) for o in offsets]
                 for r in range(count):
                     xs = splat(builder, builder.load(builder.gep(xsum_rows[r], [g])), 16)
                     for j in range(_VECTORS):
@@ -229,3 +246,47 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
                 _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, False, sums)
             for r in range(count):
                 out[m0 + r, n0:n0 + width] = sums[r, :width]
+
+
+@njit(inline="always")
+def _panel_value(w, b, pair, o, t, packed):
+    """The integer weight of output 64 b + o, input 2 pair + t, from its panel."""
+    if packed:
+        byte = np.int32(np.uint8(w[b, pair, o]))
+        return np.float32(byte >> 4) if t else np.float32(byte & 15)
+    return np.float32(w[b, pair, 2 * o + t])
+
+
+@njit(fastmath=True, cache=True)
+def panel_rows(w, scales, mins, packed, ids, out):
+    """out[i, :] = the float32 weight row ids[i] of a weight held as its panels, on the calling
+    thread: scale x q (+ min), the value quantized_numba's dequantization gives from the
+    blocks (scale x q is exact in float32, so one rounding)."""
+    has_min = mins.shape[1] > 0
+    for i in range(ids.shape[0]):
+        b, o = ids[i] // GROUP_PANEL_OUTPUTS, ids[i] % GROUP_PANEL_OUTPUTS
+        for g in range(scales.shape[1]):
+            s = table_value(scales[b], g, o)
+            mn = table_value(mins[b], g, o) if has_min else np.float32(0.0)
+            for pair in range(g * _PAIRS, (g + 1) * _PAIRS):
+                for t in range(2):
+                    out[i, 2 * pair + t] = s * _panel_value(w, b, pair, o, t, packed) + mn
+
+
+@njit(fastmath=True, cache=True)
+def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
+    """out_t[:, :64 count] ([K, >= 64 count]) = the float32 weights of panels b0 .. b0 + count
+    - 1, transposed (column 64 (b - b0) + o: output 64 b + o), as `panel_rows` gives them; on
+    the calling thread (the tiled linear alternates it with torch.mm). Each panel is read in
+    order, each input's 64 outputs written side by side."""
+    has_min = mins.shape[1] > 0
+    for c in range(count):
+        b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
+        for g in range(scales.shape[1]):
+            for pair in range(g * _PAIRS, (g + 1) * _PAIRS):
+                for t in range(2):
+                    for o in range(GROUP_PANEL_OUTPUTS):
+                        mn = table_value(mins[b], g, o) if has_min else np.float32(0.0)
+                        out_t[2 * pair + t, col + o] = (table_value(scales[b], g, o)
+                                                        * _panel_value(w, b, pair, o, t, packed)
+                                                        + mn)

@@ -127,6 +127,11 @@ def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_
         weight = module.forward.weight
         assert np.array_equal(view[1], weight.scales.view(torch.float16).float().numpy())
         assert np.array_equal(view[2], weight.mins.view(torch.float16).float().numpy())
+        if weight.panel_storage:  # the tables are the panels'
+            panels, widened = weight.group_panels(), view[6]
+            assert widened[1].dtype == widened[2].dtype == np.float32
+            for table, wide in zip(panels[1:], widened[1:]):
+                assert np.array_equal(wide, table.view(np.float16).astype(np.float32))
 
 
 def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monkeypatch):

@@ -1,8 +1,8 @@
-"""The fused decode stack kernel's own parts: its embedding lookup on every weight kind
-against the module path's lookup (bit for bit), a 16-bit weight's linear against
-quantized_linear's (bit for bit, GEMV and panels), and the rotary rows at the step's positions;
-the lookups raise IndexError outside their tables. The whole stack against the module path is
-test_decode.py's."""
+"""The fused decode stack kernel's own parts: its embedding lookup on every weight kind (GGUF
+blocks, or held as group panels) against the module path's lookup (bit for bit), a 16-bit
+weight's linear against quantized_linear's (bit for bit, GEMV and panels), and the rotary rows
+at the step's positions; the lookups raise IndexError outside their tables. The whole stack
+against the module path is test_decode.py's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from numba import njit
 
 from mrv2.models.cpu import decode as cpu_decode
 from mrv2.models.cpu.decode_stack_numba import _embed, _linear, rotary_rows
-from mrv2.models.layers import quantized
+from mrv2.models.layers import quantized, quantized_panel_numba
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 VOCAB, WIDTH = 40, 256
@@ -43,6 +43,14 @@ def _weights() -> dict[str, QuantizedWeight | torch.Tensor]:
         out[gguf_type] = QuantizedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
     # float32 tables (a K-quant's, or a stack list mixing both)
     out["Q4_1 float32 tables"] = out["Q4_1"]._with_float32_tables()
+    if quantized_panel_numba.GROUP_PANELS_RUN:  # held as group panels alone, as a model's are
+        for gguf_type in ("Q8_0", "Q4_1"):
+            raw = gguf.quants.quantize(values.clamp(-8, 8).numpy(),
+                                       gguf.GGMLQuantizationType[gguf_type])
+            weight = QuantizedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
+            weight.store_as_group_panels()
+            out[f"{gguf_type} as panels"] = weight
+        out["Q4_1 as panels, float32 tables"] = out["Q4_1 as panels"]._with_float32_tables()
     return out
 
 
@@ -57,8 +65,8 @@ def test_embedding_rows_are_the_module_paths(kind):
     _lookup(ids, cpu_decode._weight_view(weight), out)
     if isinstance(weight, torch.Tensor):
         expect = torch.nn.functional.embedding(torch.from_numpy(ids).long(), weight)
-    else:
-        expect = weight.dequantize_rows(torch.from_numpy(ids))
+    else:  # a weight held as panels against its blocks' rows
+        expect = WEIGHTS[kind.split(" as panels")[0]].dequantize_rows(torch.from_numpy(ids))
     assert np.array_equal(out.view(np.int32), expect.numpy().view(np.int32))
 
 

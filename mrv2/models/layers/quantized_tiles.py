@@ -1,0 +1,71 @@
+"""Prefill on a packed weight (quantized.py): float32 tiles of output rows dequantized into one
+reused buffer, each multiplied with torch.mm, so the float32 weight never exists whole.
+
+Why tiles: past the GEMV's rows a prefill step is bound by its multiply-adds, which torch.mm
+(oneDNN / MKL) does at the CPU's float32 rate; a tile small enough to stay in cache while
+torch.mm reads it costs one pass over the weight's bytes. The tile is dequantized on the calling
+thread (torch.mm parallelises; see quantized_numba.dequant_rows_serial), exactly: the products
+are those of x @ dequantize().T, in torch.mm's summation order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mrv2.models.layers import quantized_panel_numba
+
+if TYPE_CHECKING:
+    from mrv2.models.layers.quantized import QuantizedWeight
+
+# Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
+TILE_ELEMENTS = 1 << 18
+# A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
+# dominates instead: larger tiles (4 MiB) measured faster (bench/README.md).
+HALF_TILE_ELEMENTS = 1 << 20
+
+
+def tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x float32 [T, K] @ weight^T -> float32 [T, N], tile by tile."""
+    if weight.panel_storage:
+        return _panel_tiled_linear(x, weight)
+    # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm writes
+    # them in place; one buffer of <= TILE_ELEMENTS floats (HALF_TILE_ELEMENTS for a 16-bit
+    # weight) is reused for every tile.
+    n, k = weight.out_features, weight.in_features
+    tile_elements = HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS
+    tile = max(16, min(n, tile_elements // k))
+    buf = torch.empty(tile, k, dtype=torch.float32)
+    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
+    xt = x.t()
+    for n0 in range(0, n, tile):
+        rows = min(tile, n - n0)
+        if weight.is_half:  # a slice, widened by torch (no gather of row ids)
+            buf[:rows].copy_(weight.q[n0:n0 + rows].view(weight.half_dtype))
+        else:
+            ids = np.arange(n0, n0 + rows, dtype=np.int64)
+            weight.dequantize_rows_into(ids, buf.numpy(), parallel=False)
+        torch.mm(buf[:rows], xt, out=out_t[n0:n0 + rows])
+    return out_t.t().contiguous()
+
+
+def _panel_tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    # A weight held as group panels: a tile of whole panels dequantized transposed ([K,
+    # outputs]: a panel's outputs lie side by side in memory), torch.mm taking its transpose.
+    n, k = weight.out_features, weight.in_features
+    width = quantized_panel_numba.GROUP_PANEL_OUTPUTS
+    panels = -(-n // width)
+    per_tile = max(1, min(panels, TILE_ELEMENTS // (k * width)))
+    buf_t = torch.empty(k, per_tile * width, dtype=torch.float32)
+    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
+    xt = x.t()
+    for b0 in range(0, panels, per_tile):
+        count = min(per_tile, panels - b0)
+        quantized_panel_numba.panel_tile_t(*weight.group_panels(), weight.layout == "u4", b0,
+                                           count, buf_t.numpy())
+        n0 = b0 * width
+        rows = min(count * width, n - n0)
+        torch.mm(buf_t[:, :rows].t(), xt, out=out_t[n0:n0 + rows])
+    return out_t.t().contiguous()
