@@ -76,8 +76,8 @@ def test_inf_and_nan_weights_propagate():
 
 @pytest.mark.parametrize("gguf_type", ["F16", "BF16"])
 def test_quantized_linear_takes_the_panels_where_they_run(gguf_type, monkeypatch):
-    """A 16-bit weight without matrix instructions for its dtype: the GEMV at 1 row, the
-    panels from 2 (made once), float32 sums either way; elsewhere (the dtype on matrix units,
+    """A 16-bit weight without matrix instructions for its dtype: the panels at every row
+    count (made once), float32 sums; elsewhere (the dtype on matrix units,
     which round x, or a CPU without AVX-512) the panels are never made."""
     dtype = torch.float16 if gguf_type == "F16" else torch.bfloat16
     w = _weight(96, 64, dtype)
@@ -94,7 +94,7 @@ def test_quantized_linear_takes_the_panels_where_they_run(gguf_type, monkeypatch
             _assert_float32_sum(out, x, w)
     if quantized.takes_panels(qw):
         assert not quantized.cpu_linear.computes_natively(dtype)
-        assert quantized.max_gemv_rows(qw) == 1 and calls == [2, 9, 40]
+        assert quantized.max_gemv_rows(qw) == 0 and calls == [1, 2, 9, 40]
         assert qw.panels() is qw.panels()
     else:
         assert calls == [] and qw._panels is None

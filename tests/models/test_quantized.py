@@ -198,7 +198,7 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     x_rows, x_tiles = torch.randn(3, 512, generator=g), torch.randn(40, 512, generator=g)
     rows_before, tiles_before = quantized_linear(x_rows, w), quantized_linear(x_tiles, w)
     blocks_bytes = w.q.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
-    w.store_as_group_panels()
+    w.store_as_panels()
     assert w.panel_storage and w.q.shape == (130, 0) and w.scales.shape == (130, 0)
     # The panels hold the blocks' bytes (tables in the blocks' dtype), padded to 192 outputs.
     assert w.nbytes == blocks_bytes * 192 // 130
@@ -209,18 +209,38 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     # order.
     torch.testing.assert_close(quantized_linear(x_tiles, w), tiles_before, rtol=1e-5,
                                atol=1e-5 * tiles_before.abs().max().item())
-    with pytest.raises(ValueError, match="group panels"):
+    with pytest.raises(ValueError, match="its panels"):
         w.rows(0, 64)
-    with pytest.raises(ValueError, match="group panels"):
+    with pytest.raises(ValueError, match="its panels"):
         QuantizedWeight.cat([w, w])
     with pytest.raises(IndexError):
         w.dequantize_rows(torch.tensor([130]))
 
 
-def test_only_32_input_groups_are_held_as_group_panels(weights):
-    for t in ("Q6_K", "F16"):
-        with pytest.raises(ValueError, match="32-input groups"):
-            weights[t][0].store_as_group_panels()
+def test_only_16_bit_weights_and_32_input_groups_are_held_as_panels(weights):
+    with pytest.raises(ValueError, match="32-input groups"):
+        weights["Q6_K"][0].store_as_panels()
+
+
+@pytest.mark.parametrize("gguf_type", HALF_TYPES)
+def test_a_16_bit_weight_held_as_its_panels(gguf_type, monkeypatch):
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)
+    raw = random_raw(gguf_type, 130, 96, seed=9)
+    w, ref = QuantizedWeight.from_gguf(raw, gguf_type, (130, 96)), reference(raw, gguf_type,
+                                                                            130, 96)
+    if not half_panel_linear.panels_run_here():
+        with pytest.raises(ValueError, match="does not run"):
+            w.store_as_panels()
+        return
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(10))
+    before = quantized_linear(x, w)
+    w.store_as_panels()
+    assert w.panel_storage and w.q.shape == (130, 0) and quantized.takes_panels(w)
+    assert w.nbytes == 192 * 96 * 2  # the panels alone, padded to three panels of 64
+    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(quantized_linear(x, w), before)
+    with pytest.raises(ValueError, match="its panels"):
+        w.rows(0, 10)
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -242,9 +262,9 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "BF16"])
 def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monkeypatch):
     """`quantized_linear` runs the GEMV kernels (or the group panels') up to `max_gemv_rows`
-    rows and none beyond (a 16-bit weight: the matrix units, or the panel kernel where it runs,
-    from there on); the fused decode stack trusts it up to `max_numba_rows`, which adds the
-    panels' rows."""
+    rows and none beyond (a 16-bit weight: the matrix units from there on, or the panel kernel
+    at every row count where it runs); the fused decode stack trusts it up to
+    `max_numba_rows`, which adds the panels' rows."""
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     for module, name in ((quantized.quantized_numba, "gemv_groups"),
@@ -254,14 +274,13 @@ def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monke
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
                         lambda x, w, dtype: torch.zeros(len(x), w.shape[0]))
     w = weights[gguf_type][0]
-    limit = quantized.max_gemv_rows(w)
+    limit, panels = quantized.max_gemv_rows(w), quantized.takes_panels(w)
     for rows in (1, limit, limit + 1):
         quantized_linear(torch.randn(rows, w.in_features), w)
-    assert calls == [1, limit]
-    panels = quantized.takes_panels(w)
+    assert calls == ([] if panels else [1, limit])
     assert panels == (w.is_half and not native and half_panel_linear.panels_run_here())
     assert limit == (quantized.MIN_NATIVE_HALF_ROWS - 1 if native and w.is_half
-                     else 1 if panels else quantized.MAX_QUANTIZED_GEMV_ROWS)
+                     else 0 if panels else quantized.MAX_QUANTIZED_GEMV_ROWS)
     assert quantized.max_numba_rows(w) == (quantized.MAX_QUANTIZED_GEMV_ROWS if panels
                                            else limit)
 

@@ -147,7 +147,7 @@ def test_takes_group_panels_only_blocks_of_32_with_int16_x(gguf_type, takes, mon
     assert not quantized.takes_group_panels(w)
     if takes:  # a weight held as its panels has no other form to compute on
         monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
-        w.store_as_group_panels()
+        w.store_as_panels()
         monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
         assert quantized.takes_group_panels(w)
 

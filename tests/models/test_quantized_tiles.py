@@ -42,6 +42,6 @@ def test_tiles_of_a_weight_held_as_its_group_panels(gguf_type, tile_panels, monk
     dense = w.dequantize()
     # Only the panels' dequantization runs here, not their kernel.
     monkeypatch.setattr(quantized_panel_numba, "GROUP_PANELS_RUN", True)
-    w.store_as_group_panels()
+    w.store_as_panels()
     monkeypatch.setattr(quantized_tiles, "TILE_ELEMENTS", tile_panels * 64 * k)
     _check(torch.randn(33, k, generator=torch.Generator().manual_seed(2)), w, dense)

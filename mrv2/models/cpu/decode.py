@@ -157,18 +157,18 @@ def _projection_parameters(module) -> list[torch.Tensor]:
 def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = False,
                  linear: bool = True):
     """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as (q int16,
-    bfloat16, panels: the weight's where `quantized.takes_panels` and it serves as a `linear`,
-    else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]: none), packed, group
-    size, x format: quantized.GEMV_X_FORMAT when the view is built, group panels: the
-    weight's where it is held as them or `quantized.takes_group_panels` and it serves as a
-    `linear`, else none, their tables of the blocks' dtype); with `float32_tables`, float32
-    copies of float16 scale / min tables. A weight held as its panels has blocks of N rows
-    and no columns."""
+    bfloat16, panels: the weight's where it is held as them or `quantized.takes_panels` and it
+    serves as a `linear`, else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]:
+    none), packed, group size, x format: quantized.GEMV_X_FORMAT when the view is built, group
+    panels: the weight's where it is held as them or `quantized.takes_group_panels` and it
+    serves as a `linear`, else none, their tables of the blocks' dtype); with
+    `float32_tables`, float32 copies of float16 scale / min tables. A weight held as its
+    panels has a `q` (and tables) of N rows and no columns."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     if weight.is_half:
-        panels = (weight.panels() if linear and quantized.takes_panels(weight)
-                  else np.empty((0, 0, PANEL_OUTPUTS), np.int16))
+        takes_panels = weight.panel_storage or (linear and quantized.takes_panels(weight))
+        panels = weight.panels() if takes_panels else np.empty((0, 0, PANEL_OUTPUTS), np.int16)
         return (weight.q.numpy(), weight.layout == "bf16", panels)
     if float32_tables:
         weight = weight._with_float32_tables()

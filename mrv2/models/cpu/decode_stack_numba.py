@@ -22,9 +22,8 @@ from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import decode_kernel
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import gemv_kernel
-from mrv2.models.layers.half_panel_linear import half_panel_kernel
+from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
-from mrv2.models.layers.quantized import MIN_PANEL_ROWS
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
 from mrv2.models.layers.quantized_panel_numba import group_panel_kernel, panel_rows
 from mrv2.models.layers.rotary_numba import rotary_kernel
@@ -33,7 +32,7 @@ from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 
 def _linear(x, w, out):
     """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
-    (q int16, bfloat16, panels: half_panel_linear's, from MIN_PANEL_ROWS, where it has them) or
+    (q int16, bfloat16, panels: half_panel_linear's, at every row count where it has them) or
     GGUF blocks' (q as bytes, scales, mins, packed, group size, x format, group panels:
     quantized_panel_numba's, where it has them) tuple (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
@@ -47,7 +46,7 @@ def _linear_overload(x, w, out):
         return lambda x, w, out: gemv_kernel(x, w, out)
     if len(w) == 3:
         def half(x, w, out):
-            if x.shape[0] >= MIN_PANEL_ROWS and w[2].shape[0] > 0:  # as quantized_linear
+            if w[2].shape[0] > 0:  # as quantized_linear
                 half_panel_kernel(x, w[2], w[1], out)
             else:
                 gemv_half(x, w[0], w[1], out)
@@ -85,12 +84,15 @@ def _embed_overload(ids, w, out):
         return table_rows
     if len(w) == 3:
         def half_rows(ids, w, out):
-            q, bf16 = w[0], w[1]
+            q, bf16, panels = w[0], w[1], w[2]
             _check_ids(ids, q.shape[0])
             for i in range(ids.shape[0]):
-                row = q[ids[i]]
-                for j in range(row.shape[0]):
-                    out[i, j] = bf16_bits_to_float(row[j]) if bf16 else f16_bits_to_float(row[j])
+                for j in range(out.shape[1]):
+                    if q.shape[1] == 0:  # held as its panels alone: input j, lane o
+                        bits = panels[ids[i] // PANEL_OUTPUTS, j, ids[i] % PANEL_OUTPUTS]
+                    else:
+                        bits = q[ids[i], j]
+                    out[i, j] = bf16_bits_to_float(bits) if bf16 else f16_bits_to_float(bits)
         return half_rows
 
     def block_rows(ids, w, out):

@@ -6,8 +6,8 @@ a Q4_1 file holds ~5 bits per weight against float32's 32. Each linear (and the 
 the LM head, tied or not) whose file tensors are of a type `QuantizedWeight` takes is given
 its blocks, repacked once (models/layers/quantized.py), and computes on them; the float32
 weight the loader wrote is released, so resident weight memory follows the file's size. A
-linear (the LM head too) whose blocks the panel kernel takes is held as its panels alone
-(QuantizedWeight.store_as_group_panels); an untied embedding keeps its blocks.
+linear (the LM head too) that a panel kernel takes is held as its panels alone
+(QuantizedWeight.store_as_panels); an untied embedding keeps its blocks.
 
 Fused projections (q/k/v, gate/up) take their shards' blocks concatenated when every shard
 has one layout; otherwise the module keeps its float32 weight. So does every module under
@@ -28,7 +28,7 @@ from mrv2.config import ModelConfig
 from mrv2.models.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
 from mrv2.models.layers.quantized import (QUANTIZED_GGUF_TYPES, QuantizedWeight,
-                                          quantized_linear, takes_group_panels)
+                                          holds_panels, quantized_linear)
 
 # Fused module (relative to a layer) -> the checkpoint modules whose rows it stacks, in order.
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -179,10 +179,10 @@ def attach_half_weights(model: nn.Module, dtype: torch.dtype) -> QuantizedModule
 
 
 def _hold_as_computed(weight: QuantizedWeight) -> QuantizedWeight:
-    """A linear's weight, held as the GEMV computes on it: as its group panels alone where
-    the panel kernel takes it (the blocks released), else as it is."""
-    if takes_group_panels(weight):
-        weight.store_as_group_panels()
+    """A linear's weight, held as its kernels compute on it: as its panels alone where a
+    panel kernel takes it (`q` and the tables released), else as it is."""
+    if holds_panels(weight):
+        weight.store_as_panels()
     return weight
 
 

@@ -4,21 +4,18 @@ Why: materialising a quantized checkpoint as float32 multiplies its resident siz
 makes every decode step stream 4-8x more bytes from DRAM. Here a weight is repacked once at load
 into one of two kernel layouts that keep (about) the file's bits per weight:
 
-- "u4": 4-bit values, two per byte (`q` uint8 [N, K // 2], see quantized_numba.py for the nibble
-  order), a float32 scale and min per group of 32 inputs: w = scale * q + min.
-  Q4_0 (scale d, min -8 d), Q4_1 (d, m), Q4_K (per 32-wide sub-block: d * sc, -dmin * m).
-- "i8": int8 values (`q` int8 [N, K]), a float32 scale (and optional min) per group of 32
-  (16 for Q6_K): w = scale * q (+ min). Q8_0, Q5_0 (q - 16), Q5_1 (q, min m), Q5_K, Q6_K.
-  The 5- and 6-bit types are widened to a byte (1.6x / 1.3x their file size) so that the
-  kernels read whole bytes.
-- "f16", "bf16": the F16 / BF16 tensors of a GGUF file, kept at 16 bits (`q` int16 [N, K], the
-  bit patterns), no groups (`scales` and `mins` None, group size 0): w is the stored value,
-  widened to float32 in the kernels.
+- "u4": 4-bit values two per byte (`q` uint8 [N, K // 2], the nibble order in quantized_numba.py),
+  a scale and min per group of 32 inputs: w = scale * q + min. Q4_0 (scale d, min -8 d), Q4_1
+  (d, m), Q4_K (per 32-wide sub-block: d * sc, -dmin * m).
+- "i8": int8 values (`q` int8 [N, K]), a scale (and optional min) per group of 32 (16 for Q6_K):
+  Q8_0, Q5_0 (q - 16), Q5_1 (q, min m), Q5_K, Q6_K; the 5- and 6-bit types widened to a byte
+  (1.6x / 1.3x their file size) so that the kernels read whole bytes.
+- "f16", "bf16": F16 / BF16 tensors kept at 16 bits (`q` int16 [N, K], the bit patterns), no
+  groups (`scales`, `mins` None, group size 0), widened to float32 in the kernels.
 
 Exactness: every scale is an f16 (times a 6- or 8-bit integer for the K types), so scale * q is
-exact in float32 (<= 11 + 8 + 6 bits) and `dequantize()` rounds once, on the add of the min,
-exactly as gguf.quants.dequantize does: the two agree bit for bit (tests/models/test_quantized.py).
-A 16-bit weight widens to float32 exactly.
+exact in float32 and `dequantize()` rounds once, on the add of the min, as gguf.quants.dequantize
+does: the two agree bit for bit. A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
 groups (32-input blocks with int16 x on AVX-512: quantized_panel_numba's kernel, a model's
@@ -26,8 +23,8 @@ linears held as its panels alone from load); more rows (prefill) quantized_tiles
 tiles and torch.mm. A 16-bit weight on a CPU with matrix instructions for its dtype
 (cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16) runs on them from
 MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once); on a CPU without them where
-half_panel_linear's kernel runs (AVX-512), from MIN_PANEL_ROWS rows on that kernel, in float32
-(the weight repacked into panels once, at its first batched use).
+half_panel_linear's kernel runs (AVX-512), at every row count on that kernel, in float32 (a
+model's linears held as their panels alone from load).
 """
 
 from __future__ import annotations
@@ -53,13 +50,10 @@ HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 def _gemv_x_format() -> int:
     """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
-    AVX2's integer multiply-adds, quantized per 32 inputs to int16 (quantized_int16_numba:
-    faster than float32 x at 1-32 rows and than int8 x at one row, bench/README.md; an error
-    2^-16 of each block's largest input, below a bfloat16 weight's), else float32.
-    MRV2_GGUF_ACTIVATIONS=float32 keeps x exact (x @ w.T up to summation order); =int8 is
-    llama.cpp's scheme (faster at several rows, but its ~1% rounding moves greedy chat
-    completions off float32's, as llama.cpp's does); MRV2_GGUF_INT8_ACTIVATIONS=1, the older
-    spelling of int8, still counts."""
+    AVX2's integer multiply-adds, int16 per 32 inputs (quantized_int16_numba: an error 2^-16 of
+    each block's largest input), else float32. MRV2_GGUF_ACTIVATIONS=float32 keeps x exact;
+    =int8 is llama.cpp's scheme (its ~1% rounding moves greedy outputs off float32's, as
+    llama.cpp's does); MRV2_GGUF_INT8_ACTIVATIONS=1, the older spelling of int8, still counts."""
     choice = os.environ.get("MRV2_GGUF_ACTIVATIONS", "").strip().lower()
     if not choice and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1":
         choice = "int8"
@@ -82,9 +76,6 @@ MAX_QUANTIZED_GEMV_ROWS = 32
 # decode step then runs onednn_decode.py as one call, faster than the fused stack's GEMV but
 # at 1 row), else from 8 (oneDNN's calls; bench/README.md has each CPU's figures).
 MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() or dot_linear.runs_here() else 8
-# Rows of x from which a 16-bit weight that `takes_panels` runs on the panel kernel (at one row
-# the GEMV on the rows was level or faster; bench/README.md).
-MIN_PANEL_ROWS = 2
 
 
 def _float32_table(table: torch.Tensor) -> torch.Tensor:
@@ -102,8 +93,8 @@ class QuantizedWeight:
     float32 otherwise (a K-quant's super-block scale times a 6-bit scale); the 16-bit layouts
     have neither (group size 0).
 
-    Stored as group panels (`store_as_group_panels`, `panel_storage`): `q`, `scales` and `mins`
-    keep their dtypes and N rows but no columns; the panels hold the weight.
+    Held as its panels (`store_as_panels`, `panel_storage`): `q`, `scales` and `mins` keep their
+    dtypes and N rows but no columns; the panels (`panels` or `group_panels`) hold the weight.
     """
 
     def __init__(self, layout: str, group_size: int, q: torch.Tensor,
@@ -121,7 +112,7 @@ class QuantizedWeight:
         self._panels: np.ndarray | None = None  # a 16-bit weight's panels, once
         # 32-input blocks' panels (quantized_panel_numba), once
         self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.panel_storage = False  # the group panels alone hold the weight
+        self.panel_storage = False  # the panels alone hold the weight
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
@@ -175,8 +166,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes of the packed weight: the blocks (or 16-bit values) and the panels
-        made of them."""
+        """Resident bytes: the blocks (or 16-bit values) and the panels made of them."""
         return sum(memory.numel() * memory.element_size() for memory in self.storage_tensors())
 
     def storage_tensors(self) -> list[torch.Tensor]:
@@ -188,8 +178,8 @@ class QuantizedWeight:
 
     def _blocks_held(self, action: str) -> None:
         if self.panel_storage:
-            raise ValueError(f"cannot {action} {self!r}: it is held as group panels "
-                             f"(split or join weights before store_as_group_panels)")
+            raise ValueError(f"cannot {action} {self!r}: it is held as its panels "
+                             f"(split or join weights before store_as_panels)")
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output rows [start, stop) as a weight that owns its storage (a tensor-parallel shard
@@ -229,8 +219,7 @@ class QuantizedWeight:
 
     @property
     def kernel_mins(self) -> torch.Tensor:
-        """`mins` as the kernels take it: the table, or an [N, 0] one of the scales' dtype for
-        "no min term" (the same dtype keeps one compiled variant per table dtype)."""
+        """`mins`, or for "no min term" [N, 0] of the scales' dtype (one variant per dtype)."""
         if self.mins is not None:
             return self.mins
         return torch.empty(self.out_features, 0, dtype=self.scales.dtype)
@@ -262,8 +251,7 @@ class QuantizedWeight:
 
     def panels(self) -> np.ndarray:
         """A 16-bit weight as half_panel_linear's panels, made at first use (`q` never changes
-        in place). A second copy of the weight: made only where the panel kernel takes the
-        weight's batched rows (`takes_panels`)."""
+        in place): a copy beside `q` until `store_as_panels`."""
         if self._panels is None:
             self._panels = half_panel_linear.panels_of(self.q)
         return self._panels
@@ -271,26 +259,34 @@ class QuantizedWeight:
     def group_panels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A weight of 32-input groups as quantized_panel_numba's panels (weights, scales,
         mins; the tables in this weight's table dtype), made at first use (`q` and the tables
-        never change in place): a copy beside the blocks until `store_as_group_panels`."""
+        never change in place): a copy beside the blocks until `store_as_panels`."""
         if self._group_panels is None:
             self._group_panels = quantized_panel_numba.group_panels_of(
                 self.q.numpy(), self.scales.numpy(),
                 None if self.mins is None else self.mins.numpy(), packed=self.layout == "u4")
         return self._group_panels
 
-    def store_as_group_panels(self) -> None:
-        """Hold this weight as its group panels alone (a model's linear that
-        `takes_group_panels`, at load): the blocks are released, and the kernel, the float32
-        rows (`dequantize_rows`) and the prefill tiles read the panels; `rows` and `cat` no
-        longer apply."""
-        if self.layout not in ("i8", "u4") or self.group_size != 32:
-            raise ValueError(f"{self!r}: only 32-input groups are held as group panels")
-        if not quantized_panel_numba.GROUP_PANELS_RUN:
-            raise ValueError("the group panel kernel does not run on this CPU (AVX-512 BW)")
-        self.group_panels()
+    def store_as_panels(self) -> None:
+        """Hold this weight as its panels alone (a model's linear, at load, where the panel
+        kernels take it: `holds_panels`): a 16-bit weight as `panels`, 32-input blocks as
+        `group_panels`. `q` and the tables are released; the kernels, the float32 rows
+        (`dequantize_rows`) and the prefill tiles read the panels; `rows` and `cat` no longer
+        apply."""
+        if self.is_half:
+            if not half_panel_linear.panels_run_here():
+                raise ValueError("the 16-bit panel kernel does not run on this CPU (AVX-512)")
+            self.panels()
+        else:
+            if self.layout not in ("i8", "u4") or self.group_size != 32:
+                raise ValueError(f"{self!r}: only 16-bit weights and 32-input groups are held "
+                                 f"as panels")
+            if not quantized_panel_numba.GROUP_PANELS_RUN:
+                raise ValueError("the group panel kernel does not run on this CPU (AVX-512 BW)")
+            self.group_panels()
         n = self.out_features
-        self.q, self.scales = self.q.new_empty(n, 0), self.scales.new_empty(n, 0)
-        self.mins = None if self.mins is None else self.mins.new_empty(n, 0)
+        self.q = self.q.new_empty(n, 0)
+        self.scales, self.mins = (None if t is None else t.new_empty(n, 0)
+                                  for t in (self.scales, self.mins))
         self.panel_storage = True
 
     def dequantize_rows_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True
@@ -298,8 +294,12 @@ class QuantizedWeight:
         """out[:len(ids)] = float32 rows `ids` (int64, in range); `parallel`: on numba's
         threads, else the calling thread's."""
         if self.is_half:  # an exact widening: torch's vectorised conversion does it
-            torch.from_numpy(out)[:len(ids)].copy_(self.q[torch.from_numpy(ids)].view(
-                self.half_dtype))
+            if self.panel_storage:  # panel b, input k, lane o: output 64 b + o
+                width = half_panel_linear.PANEL_OUTPUTS
+                bits = torch.from_numpy(self._panels[ids // width, :, ids % width])
+            else:
+                bits = self.q[torch.from_numpy(ids)]
+            torch.from_numpy(out)[:len(ids)].copy_(bits.view(self.half_dtype))
             return
         if self.panel_storage:
             quantized_panel_numba.panel_rows(*self._group_panels, self.layout == "u4", ids, out)
@@ -328,36 +328,41 @@ class QuantizedWeight:
 
 
 def takes_panels(weight: QuantizedWeight) -> bool:
-    """Whether `weight`'s batched rows run on half_panel_linear's kernel: a 16-bit weight
-    whose dtype this CPU has no matrix instructions for, where the kernel runs."""
-    return (weight.is_half and not computes_natively(weight.half_dtype)
-            and half_panel_linear.panels_run_here())
+    """Whether `weight`'s rows run on half_panel_linear's kernel (every row count): a 16-bit
+    weight held as its panels, or one whose dtype this CPU has no matrix instructions for,
+    where the kernel runs."""
+    return weight.is_half and (weight.panel_storage or (
+        not computes_natively(weight.half_dtype) and half_panel_linear.panels_run_here()))
 
 
 def takes_group_panels(weight: QuantizedWeight) -> bool:
-    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: a weight held as
-    its panels, or "i8" / "u4" blocks of 32 inputs, int16 x (GEMV_X_FORMAT), where the kernel
+    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: blocks held as
+    their panels, or "i8" / "u4" blocks of 32 inputs, int16 x (GEMV_X_FORMAT), where the kernel
     runs."""
-    return weight.panel_storage or (weight.layout in ("i8", "u4") and weight.group_size == 32
-            and GEMV_X_FORMAT == quantized_numba.X_INT16
-            and quantized_panel_numba.GROUP_PANELS_RUN)
+    return not weight.is_half and (weight.panel_storage or (
+        weight.layout in ("i8", "u4") and weight.group_size == 32
+        and GEMV_X_FORMAT == quantized_numba.X_INT16 and quantized_panel_numba.GROUP_PANELS_RUN))
+
+
+def holds_panels(weight: QuantizedWeight) -> bool:
+    """Whether a model's linear keeps `weight` as its panels alone (`store_as_panels`): where
+    a panel kernel takes its rows."""
+    return takes_panels(weight) or takes_group_panels(weight)
 
 
 def max_gemv_rows(weight: QuantizedWeight) -> int:
     """The most rows of x `quantized_linear` multiplies by `weight` on the GEMV kernels
-    (`gemv_groups`, `gemv_half`): beyond, on tiles, (16-bit) the matrix units or the panel
-    kernel (from MIN_PANEL_ROWS)."""
+    (`gemv_groups` or the group panels, `gemv_half`): beyond, on tiles or (16-bit) the matrix
+    units; none for a 16-bit weight on its panels."""
     if weight.is_half and computes_natively(weight.half_dtype):
         return min(MAX_QUANTIZED_GEMV_ROWS, MIN_NATIVE_HALF_ROWS - 1)
-    if takes_panels(weight):
-        return MIN_PANEL_ROWS - 1
-    return MAX_QUANTIZED_GEMV_ROWS
+    return 0 if takes_panels(weight) else MAX_QUANTIZED_GEMV_ROWS
 
 
 def max_numba_rows(weight: QuantizedWeight) -> int:
     """The most rows of x whose product with `weight` numba code (the decode stack) computes
-    as `quantized_linear` does: the GEMV's rows, and with the panels every count up to
-    MAX_QUANTIZED_GEMV_ROWS (numba callers take the panel kernel from MIN_PANEL_ROWS too)."""
+    as `quantized_linear` does: the GEMV's rows, and with the 16-bit panels every count up to
+    MAX_QUANTIZED_GEMV_ROWS."""
     return MAX_QUANTIZED_GEMV_ROWS if takes_panels(weight) else max_gemv_rows(weight)
 
 
@@ -367,7 +372,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
-    if t <= max_gemv_rows(weight):
+    if takes_panels(weight):
+        out = half_panel_linear.half_panel_linear(x.detach(), weight.panels(),
+                                                  weight.layout == "bf16", n)
+    elif t <= max_gemv_rows(weight):
         out = torch.empty(t, n, dtype=torch.float32)
         x_np = x.detach().contiguous().numpy()
         if weight.is_half:
@@ -385,9 +393,6 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                                         GEMV_X_FORMAT, out.numpy())
     elif weight.is_half and computes_natively(weight.half_dtype):
         out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
-    elif takes_panels(weight):
-        out = half_panel_linear.half_panel_linear(x.detach(), weight.panels(),
-                                                  weight.layout == "bf16", n)
     else:
         out = quantized_tiles.tiled_linear(x.detach(), weight)
     if bias is not None:

@@ -23,7 +23,7 @@ bytes zero-extended to 32-bit lanes and the high nibble moved to the lane's uppe
 register. The scale and min panels keep the weight's table dtype (float16 bit patterns for the
 32-input types, whose scales are the file's f16 fields; float32 for the K types), so a panel
 weight holds the file's bytes. A weight served as a linear is stored as its panels alone
-(QuantizedWeight.store_as_group_panels): `panel_rows` and `panel_tile_t` give its float32
+(QuantizedWeight.store_as_panels): `panel_rows` and `panel_tile_t` give its float32
 rows, for the embedding lookup and the prefill tiles, exactly as the blocks' dequantization
 does. Runs where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit
 vpmaddwd, and 32 vector registers for up to 4 x 4 x 2 accumulators.

@@ -14,7 +14,7 @@ from numba import njit
 
 from mrv2.models.cpu import decode as cpu_decode
 from mrv2.models.cpu.decode_stack_numba import _embed, _linear, rotary_rows
-from mrv2.models.layers import quantized, quantized_panel_numba
+from mrv2.models.layers import half_panel_linear, quantized, quantized_panel_numba
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 VOCAB, WIDTH = 40, 256
@@ -48,9 +48,13 @@ def _weights() -> dict[str, QuantizedWeight | torch.Tensor]:
             raw = gguf.quants.quantize(values.clamp(-8, 8).numpy(),
                                        gguf.GGMLQuantizationType[gguf_type])
             weight = QuantizedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
-            weight.store_as_group_panels()
+            weight.store_as_panels()
             out[f"{gguf_type} as panels"] = weight
         out["Q4_1 as panels, float32 tables"] = out["Q4_1 as panels"]._with_float32_tables()
+    if half_panel_linear.panels_run_here():
+        for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+            out[f"{name} as panels"] = QuantizedWeight.from_float(values, dtype)
+            out[f"{name} as panels"].store_as_panels()
     return out
 
 
@@ -78,12 +82,12 @@ def test_an_id_outside_the_table_raises(kind, bad):
         _lookup(np.array([1, bad], dtype=np.int32), cpu_decode._weight_view(WEIGHTS[kind]), out)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("kind", [k for k in WEIGHTS if k.startswith(("bf16", "f16"))])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_16_bit_linear_is_quantized_linears(kind, rows, monkeypatch):
     """The stack's kernel for a 16-bit projection at each row count is quantized_linear's (the
-    GEMV at 1 row, the panels from 2 where the weight takes them), so the stack and the layer
-    path agree bit for bit."""
+    panels where the weight takes them or is held as them, else the GEMV), so the stack and the
+    layer path agree bit for bit."""
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)
     weight = WEIGHTS[kind]
     x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
