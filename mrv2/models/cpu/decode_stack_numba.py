@@ -8,8 +8,8 @@ dequantized exactly), RMSNorm in float32 then the weight multiply, rotate-half r
 * up, attention over the paged cache after this step's K/V are written. Each weight is a
 float32 view, a 16-bit weight's (q int16, bfloat16, panels) or GGUF blocks' (q as bytes,
 scales, mins, packed, group size, x format, group panels) tuple; `_linear` and `_embed` pick
-their kernel at compile time from its type (and a 16-bit weight's from the rows, as
-quantized_linear does).
+their kernel at compile time from its type, and at run time from whether the view has panels
+(and blocks), as quantized_linear does.
 """
 
 from __future__ import annotations
