@@ -17,6 +17,10 @@ import shutil
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# Source digests whose numba caches stay on disk: the running one and the most recently used
+# others, so that switching between versions (or timing two checkouts against each other)
+# compiles each once, not at every start; older ones are removed.
+KEPT_NUMBA_CACHES = 3
 
 
 def cache_root() -> Path:
@@ -36,23 +40,32 @@ def source_digest(root: Path = PACKAGE_ROOT) -> str:
 
 def key_numba_cache_to_sources() -> str | None:
     """Set NUMBA_CACHE_DIR (environment, inherited by workers, and numba's config) to
-    `cache_root()/numba/<source digest>` unless it is set; returns the directory in use.
-    Directories of other digests are removed (best effort: another version may be running).
+    `cache_root()/numba/<source digest>` unless it is set; returns the directory in use, marked
+    as just used (its mtime). Of the other digests' directories the KEPT_NUMBA_CACHES - 1 most
+    recently used stay; the rest are removed (best effort: another version may be running).
     Where the directory cannot be made (a read-only home) numba keeps its default (None)."""
     current = os.environ.get("NUMBA_CACHE_DIR")
     if current:
         return current
     parent = cache_root() / "numba"
     directory = parent / source_digest()
-    if not directory.exists():
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return None
-        for old in parent.iterdir():
-            if old != directory:
-                shutil.rmtree(old, ignore_errors=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.utime(directory)
+    except OSError:
+        return None
+    others = sorted((d for d in parent.iterdir() if d != directory), key=_last_used,
+                    reverse=True)
+    for old in others[KEPT_NUMBA_CACHES - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
     os.environ["NUMBA_CACHE_DIR"] = str(directory)
     from numba.core import config  # after the environment: a config reload reads it too
     config.CACHE_DIR = str(directory)
     return str(directory)
+
+
+def _last_used(directory: Path) -> float:
+    try:
+        return directory.stat().st_mtime
+    except OSError:  # removed meanwhile by another process
+        return 0.0

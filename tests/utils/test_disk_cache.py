@@ -40,11 +40,20 @@ def _numba_cache_dir_of_a_fresh_import(env: dict[str, str]) -> str:
 def test_importing_mrv2_keys_numba_cache_to_the_sources(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["MRV2_CACHE_DIR"] = str(tmp_path)
-    stale = tmp_path / "numba" / "0123456789abcdef"  # an older version's cache
-    stale.mkdir(parents=True)
+    # Other versions' caches, last used 1 to 4 days ago: the most recent ones stay.
+    others = [tmp_path / "numba" / f"{i:016x}" for i in range(4)]
+    for days, other in enumerate(others, start=1):
+        other.mkdir(parents=True)
+        os.utime(other, (0, other.stat().st_mtime - days * 86400))
     used = Path(_numba_cache_dir_of_a_fresh_import(env))
     assert used == tmp_path / "numba" / disk_cache.source_digest() and used.is_dir()
-    assert not stale.exists()
+    kept = disk_cache.KEPT_NUMBA_CACHES - 1
+    assert [o.exists() for o in others] == [i < kept for i in range(len(others))]
+    # Another start of the same version keeps them, and marks its own as the newest.
+    before = used.stat().st_mtime
+    os.utime(used, (0, before - 10 * 86400))
+    assert Path(_numba_cache_dir_of_a_fresh_import(env)) == used
+    assert used.stat().st_mtime >= before and sum(o.exists() for o in others) == kept
 
 
 def test_a_numba_cache_dir_the_user_set_stands(monkeypatch, tmp_path):
