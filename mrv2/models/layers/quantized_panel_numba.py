@@ -280,13 +280,17 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     the calling thread (the tiled linear alternates it with torch.mm). Each panel is read in
     order, each input's 64 outputs written side by side."""
     has_min = mins.shape[1] > 0
+    s = np.empty(GROUP_PANEL_OUTPUTS, np.float32)  # a group's 64 scales and mins, widened once
+    mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
     for c in range(count):
         b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
         for g in range(scales.shape[1]):
+            for o in range(GROUP_PANEL_OUTPUTS):
+                s[o] = table_value(scales[b], g, o)
+                if has_min:
+                    mn[o] = table_value(mins[b], g, o)
             for pair in range(g * _PAIRS, (g + 1) * _PAIRS):
                 for t in range(2):
                     for o in range(GROUP_PANEL_OUTPUTS):
-                        mn = table_value(mins[b], g, o) if has_min else np.float32(0.0)
-                        out_t[2 * pair + t, col + o] = (table_value(scales[b], g, o)
-                                                        * _panel_value(w, b, pair, o, t, packed)
-                                                        + mn)
+                        out_t[2 * pair + t, col + o] = (s[o] * _panel_value(w, b, pair, o, t,
+                                                                            packed) + mn[o])
