@@ -47,22 +47,24 @@ def tiny_llama(tiny_model_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gguf_factory(tiny_model_factory, tmp_path_factory):
-    """Returns build(arch="llama", tensor_type="F16", num_splits=1, **model_kwargs) -> the GGUF
-    file (the first of a split) written from the tiny model as llama.cpp's converter would."""
+    """Returns build(arch="llama", tensor_type="F16", num_splits=1, tensor_types=None,
+    **model_kwargs) -> the GGUF file (the first of a split) written from the tiny model as
+    llama.cpp's converter would (`tensor_types`: per-name types, gguf_writer.write_gguf)."""
     from mrv2.testing.gguf_writer import write_gguf
 
     root = tmp_path_factory.mktemp("gguf")
     built: dict[tuple, Path] = {}
 
     def build(arch: str = "llama", tensor_type: str = "F16", num_splits: int = 1,
-              **kwargs) -> Path:
-        key = (arch, tensor_type, num_splits, tuple(sorted((k, repr(v))
-                                                           for k, v in kwargs.items())))
+              tensor_types: dict[str, str] | None = None, **kwargs) -> Path:
+        key = (arch, tensor_type, num_splits, repr(sorted((tensor_types or {}).items())),
+               tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
         if key not in built:
             model_dir = tiny_model_factory(arch, **kwargs)
             out = root / f"{arch}-{len(built)}" / f"tiny-{tensor_type}.gguf"
             out.parent.mkdir()
-            built[key] = write_gguf(model_dir, out, tensor_type, num_splits=num_splits)[0]
+            built[key] = write_gguf(model_dir, out, tensor_type, num_splits=num_splits,
+                                    tensor_types=tensor_types)[0]
         return built[key]
 
     return build

@@ -181,6 +181,7 @@ def _tensor_type(new_name: str, n_dims: int,
 
 def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_ARCH,
                      undo_permute: bool, requested: gguf.GGMLQuantizationType,
+                     overrides: dict[str, gguf.GGMLQuantizationType],
                      ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
     """``prepare_tensors``: every tensor as (GGUF name, data, type), in the converter's order."""
     tensor_map = gguf.get_tensor_name_map(arch, _find(hparams, _BLOCK_COUNT_KEYS))
@@ -205,7 +206,9 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
     out = []
     for new_name, data_torch in named:
         data = data_torch.numpy()
-        qtype = _tensor_type(new_name, data.ndim, requested)
+        own = next((t for suffix, t in overrides.items() if new_name.endswith(suffix)),
+                   requested)
+        qtype = _tensor_type(new_name, data.ndim, own)
         try:
             qdata = gguf.quants.quantize(data, qtype)
         except gguf.QuantError:  # row length not a multiple of the block size: converter's fallback
@@ -340,16 +343,20 @@ def _shard_starts(num_tensors: int, num_splits: int) -> list[int]:
 
 
 def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "F16",
-               num_splits: int = 1) -> list[Path]:
+               num_splits: int = 1, tensor_types: dict[str, str] | None = None) -> list[Path]:
     """Write the HF model in model_dir as GGUF the way convert_hf_to_gguf.py does; returns the
     file(s) written.
 
-    ``tensor_type`` is one of :data:`WRITABLE_TYPES`. With ``num_splits > 1`` the files are
+    ``tensor_type`` is one of :data:`WRITABLE_TYPES`; ``tensor_types`` gives the tensors whose
+    GGUF name ends with a key that value's type instead (a mixed file, as llama.cpp's Q4_K_M
+    is: ``{"attn_v.weight": "Q8_0"}``). With ``num_splits > 1`` the files are
     ``<stem>-0000i-of-0000N.gguf`` next to ``out_path`` (gguf-split's names), metadata in the
     first, ``split.no`` / ``split.count`` / ``split.tensors.count`` in each.
     """
-    if tensor_type not in _GGML_TYPE_OF:
-        raise ValueError(f"tensor_type {tensor_type!r} not writable; one of {WRITABLE_TYPES}")
+    tensor_types = dict(tensor_types or {})
+    for name in (tensor_type, *tensor_types.values()):
+        if name not in _GGML_TYPE_OF:
+            raise ValueError(f"tensor_type {name!r} not writable; one of {WRITABLE_TYPES}")
     model_dir, out_path = Path(model_dir), Path(out_path)
     hparams = load_hparams(model_dir)
     hf_arch = (hparams.get("architectures") or [None])[0]
@@ -358,7 +365,8 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
     arch, undo_permute = _GGUF_ARCH_OF[hf_arch]
     qtype, ftype = _GGML_TYPE_OF[tensor_type]
 
-    converted = _convert_tensors(model_dir, hparams, arch, undo_permute, qtype)
+    converted = _convert_tensors(model_dir, hparams, arch, undo_permute, qtype,
+                                 {k: _GGML_TYPE_OF[v][0] for k, v in tensor_types.items()})
     starts = set(_shard_starts(len(converted), num_splits))  # before writing anything
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
     for i, (name, data, dtype) in enumerate(converted):

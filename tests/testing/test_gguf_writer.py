@@ -352,3 +352,17 @@ def test_bad_arguments(build: Any, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_splits"):
         write_gguf(build("llama"), tmp_path / "m.gguf", "F16", num_splits=0)
     assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_tensor_types_give_some_tensors_another_type(build: Any, tmp_path: Path) -> None:
+    # A mixed file as llama.cpp's Q4_K_M is: most weights of one type, attn_v and the output of
+    # another; norms stay F32 whatever is asked.
+    (path,) = write_gguf(build("llama"), tmp_path / "mixed.gguf", "Q4_0",
+                         tensor_types={"attn_v.weight": "Q8_0", "output.weight": "F16"})
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_v.weight"] == "Q8_0" and types["output.weight"] == "F16"
+    assert types["blk.0.attn_q.weight"] == "Q4_0" and types["blk.0.ffn_down.weight"] == "Q4_0"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    with pytest.raises(ValueError, match="not writable"):
+        write_gguf(build("llama"), tmp_path / "bad.gguf", "Q4_0",
+                   tensor_types={"attn_v.weight": "Q6_K"})

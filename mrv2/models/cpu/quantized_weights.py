@@ -9,8 +9,11 @@ weight the loader wrote is released, so resident weight memory follows the file'
 linear (the LM head too) that a panel kernel takes is held as its panels alone
 (QuantizedWeight.store_as_panels); an untied embedding keeps its blocks.
 
-Fused projections (q/k/v, gate/up) take their shards' blocks concatenated when every shard
-has one layout; otherwise the module keeps its float32 weight. So does every module under
+Fused projections (q/k/v, gate/up) take their shards' blocks concatenated; shards of
+different integer layouts (a Q4_K_M file's Q4_K q / k beside a Q6_K v) are first given one,
+bytes in the smallest group size among them (gguf_blocks.as_byte_groups: the same values, so
+such a layer stays on the blocks and in the decode stack). A projection mixing 16-bit and
+integer shards keeps its float32 weight, as does every module under
 tensor parallelism (a rank's column slice of a row-parallel weight would cut blocks apart),
 and every tensor of a type the kernels do not take (F32 among them). F16 and BF16 tensors
 stay 16-bit (half the bytes of float32 per decode step).
@@ -27,6 +30,7 @@ from torch import nn
 from mrv2.config import ModelConfig
 from mrv2.models.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
+from mrv2.models.layers.gguf_blocks import as_byte_groups
 from mrv2.models.layers.quantized import (QUANTIZED_GGUF_TYPES, QuantizedWeight,
                                           holds_panels, quantized_linear)
 
@@ -118,12 +122,30 @@ def _release(module: nn.Module) -> None:
                                  requires_grad=False)
 
 
+def _in_one_layout(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
+    """The shards of a fused projection in one layout: as they are when they share one, else
+    every shard as bytes in the smallest group size among them (exact); None when a shard is
+    16-bit and another is not, or two 16-bit ones differ."""
+    if len({(p.layout, p.group_size) for p in parts}) == 1:
+        return parts
+    if any(p.is_half for p in parts):
+        return None
+    group = min(p.group_size for p in parts)
+    return [QuantizedWeight("i8", group, *(None if t is None else torch.from_numpy(t) for t in
+                                           as_byte_groups(p.q.numpy(), p.scales.numpy(),
+                                                          None if p.mins is None
+                                                          else p.mins.numpy(),
+                                                          p.layout == "u4", group)),
+                            p.gguf_type) for p in parts]
+
+
 def _stack(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
     if any(p is None for p in parts):
         return None
-    if len({(p.layout, p.group_size) for p in parts}) != 1:
-        return None
-    return parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+    if len(parts) == 1:
+        return parts[0]
+    same = _in_one_layout(parts)
+    return None if same is None else QuantizedWeight.cat(same)
 
 
 def attach_quantized_weights(model: nn.Module, model_config: ModelConfig

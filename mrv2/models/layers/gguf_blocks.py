@@ -88,6 +88,29 @@ def pack_u4(vals: np.ndarray) -> np.ndarray:
     return (v[:, :, 0, :] | (v[:, :, 1, :] << 4)).reshape(vals.shape[0], -1)
 
 
+def unpack_u4(q: np.ndarray) -> np.ndarray:
+    """The u4 layout [N, K // 2] -> its values [N, K] in 0..15, uint8 (`pack_u4`'s inverse)."""
+    n = q.shape[0]
+    halves = (q.reshape(n, -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    return halves.reshape(n, -1)
+
+
+def as_byte_groups(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, packed: bool,
+                   group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A weight's values and tables as the "i8" layout with `group_size`-input groups (one that
+    divides the weight's): the same dequantized values exactly, as 4-bit values (0..15) fit a
+    byte and each table entry is repeated for the smaller groups it covers. How a fused
+    projection whose shards differ in layout (Q4_K q / k with a Q6_K v, in a Q4_K_M file)
+    becomes one weight."""
+    values = unpack_u4(q) if packed else q
+    own_group = values.shape[1] // scales.shape[1]
+    if own_group % group_size:
+        raise ValueError(f"{own_group}-input groups cannot be split into {group_size}-input ones")
+    repeat = own_group // group_size
+    scales, mins = (None if t is None else np.repeat(t, repeat, axis=1) for t in (scales, mins))
+    return np.ascontiguousarray(values.view(np.int8)), scales, mins
+
+
 def compact_tables(scales: np.ndarray, mins: np.ndarray | None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 scale / min tables -> int16 float16 bit patterns when every value of both is

@@ -76,6 +76,38 @@ def test_llm_generates_the_dequantized_models_tokens(tiny_gguf_factory):
     assert got == want
 
 
+@pytest.mark.usefixtures("float_activations")
+def test_shards_of_different_layouts_are_fused_as_bytes(tiny_gguf_factory):
+    """A Q4_K_M-like file: 4-bit q / k beside an 8-bit v (and 4-bit layers whose down
+    projection is 8-bit). The fused q/k/v takes one byte layout holding the same values, so the
+    layer stays on the blocks and the decode stack runs: greedy tokens equal those of the
+    loader's dequantized float32 model in the same engine."""
+    path = tiny_gguf_factory("llama", "Q4_0", tensor_types={"attn_v.weight": "Q8_0",
+                                                            "ffn_down.weight": "Q8_0"})
+    config = _configs(path, quantization="gguf").model_config
+    reference = load_model(config, CPU)
+    model = load_model(config, CPU)
+    paths = attach(model, config)
+    qkv = paths.quantized.weights["model.layers.0.self_attn.qkv_proj"]
+    assert (qkv.layout, qkv.group_size, qkv.gguf_type) == ("i8", 32, "Q4_0+Q8_0")
+    assert paths.quantized.weights["model.layers.0.mlp.gate_up_proj"].layout == "u4"
+    assert paths.decode is not None
+    x = torch.randn(3, config.hf_config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        attn, ref_attn = model.model.layers[0].self_attn, reference.model.layers[0].self_attn
+        torch.testing.assert_close(attn.qkv_proj(x), ref_attn.qkv_proj(x), rtol=1e-4, atol=1e-4)
+
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = _quantized(path, max_num_seqs=4)
+    worker = llm.llm_engine.engine_core.executor.worker
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    worker.model = load_model(llm.llm_engine.engine_core.config.model_config, CPU)
+    worker.runner.model = worker.model
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+
+
 def test_quantization_option(tiny_gguf_factory, tiny_llama):
     # Off unless asked for: dequantized float32 is the faster path on the CPUs measured.
     assert _configs(tiny_gguf_factory("llama", "Q8_0")).model_config.quantization is None
