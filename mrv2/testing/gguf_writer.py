@@ -171,17 +171,16 @@ def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
-def _tensor_type(new_name: str, n_dims: int,
-                 requested: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
-    """``prepare_tensors``' type choice for the tensors these archs have."""
+def _tensor_type(new_name: str, n_dims: int, types: dict[str, gguf.GGMLQuantizationType]
+                 ) -> gguf.GGMLQuantizationType:
+    """``prepare_tensors``' type choice; `types`: name ending -> type, the first that matches."""
     if n_dims <= 1 or new_name.endswith("_norm.weight") or not new_name.endswith(".weight"):
         return gguf.GGMLQuantizationType.F32  # llama.cpp reads norms, biases and rope_freqs as F32
-    return requested
+    return next(t for end, t in types.items() if new_name.endswith(end))
 
 
 def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_ARCH,
-                     undo_permute: bool, requested: gguf.GGMLQuantizationType,
-                     overrides: dict[str, gguf.GGMLQuantizationType],
+                     undo_permute: bool, types: dict[str, gguf.GGMLQuantizationType],
                      ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
     """``prepare_tensors``: every tensor as (GGUF name, data, type), in the converter's order."""
     tensor_map = gguf.get_tensor_name_map(arch, _find(hparams, _BLOCK_COUNT_KEYS))
@@ -206,9 +205,7 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
     out = []
     for new_name, data_torch in named:
         data = data_torch.numpy()
-        own = next((t for suffix, t in overrides.items() if new_name.endswith(suffix)),
-                   requested)
-        qtype = _tensor_type(new_name, data.ndim, own)
+        qtype = _tensor_type(new_name, data.ndim, types)
         try:
             qdata = gguf.quants.quantize(data, qtype)
         except gguf.QuantError:  # row length not a multiple of the block size: converter's fallback
@@ -347,33 +344,29 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
     """Write the HF model in model_dir as GGUF the way convert_hf_to_gguf.py does; returns the
     file(s) written.
 
-    ``tensor_type`` is one of :data:`WRITABLE_TYPES`; ``tensor_types`` gives the tensors whose
-    GGUF name ends with a key that value's type instead (a mixed file, as llama.cpp's Q4_K_M
-    is: ``{"attn_v.weight": "Q8_0"}``). With ``num_splits > 1`` the files are
-    ``<stem>-0000i-of-0000N.gguf`` next to ``out_path`` (gguf-split's names), metadata in the
-    first, ``split.no`` / ``split.count`` / ``split.tensors.count`` in each.
+    ``tensor_type`` is one of :data:`WRITABLE_TYPES`, and so is each value of ``tensor_types``:
+    the type of the tensors whose GGUF name ends with its key (a mixed file, as a Q4_K_M is).
+    With ``num_splits > 1`` the files are ``<stem>-0000i-of-0000N.gguf`` next to ``out_path``
+    (gguf-split's names), metadata in the first, ``split.*`` counts in each.
     """
-    tensor_types = dict(tensor_types or {})
-    for name in (tensor_type, *tensor_types.values()):
-        if name not in _GGML_TYPE_OF:
-            raise ValueError(f"tensor_type {name!r} not writable; one of {WRITABLE_TYPES}")
+    types = {**(tensor_types or {}), "": tensor_type}  # name ending -> type; "" matches all
+    if bad := [t for t in types.values() if t not in _GGML_TYPE_OF]:
+        raise ValueError(f"tensor_type {bad[0]!r} not writable; one of {WRITABLE_TYPES}")
     model_dir, out_path = Path(model_dir), Path(out_path)
     hparams = load_hparams(model_dir)
     hf_arch = (hparams.get("architectures") or [None])[0]
     if hf_arch not in _GGUF_ARCH_OF:
         raise ValueError(f"architecture {hf_arch!r} not supported; one of {list(_GGUF_ARCH_OF)}")
     arch, undo_permute = _GGUF_ARCH_OF[hf_arch]
-    qtype, ftype = _GGML_TYPE_OF[tensor_type]
-
-    converted = _convert_tensors(model_dir, hparams, arch, undo_permute, qtype,
-                                 {k: _GGML_TYPE_OF[v][0] for k, v in tensor_types.items()})
+    ftype = _GGML_TYPE_OF[tensor_type][1]
+    converted = _convert_tensors(model_dir, hparams, arch, undo_permute,
+                                 {end: _GGML_TYPE_OF[t][0] for end, t in types.items()})
     starts = set(_shard_starts(len(converted), num_splits))  # before writing anything
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
     for i, (name, data, dtype) in enumerate(converted):
         if i in starts:
             writer.tensors.append({})  # a new file; GGUFWriter's own split does the same
         writer.add_tensor(name, data, raw_dtype=dtype)
-
     # ModelBase.prepare_metadata, then TextModel.prepare_metadata's set_vocab.
     total, shared, expert, expert_count = writer.get_total_parameter_count()
     metadata = gguf.Metadata.load(None, model_dir, None, total)
@@ -391,7 +384,6 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
         if (add_prefix_space := config.get("add_prefix_space")) is not None:
             writer.add_add_space_prefix(add_prefix_space)
     _add_vocab(writer, model_dir, hparams)
-
     # Written in a scratch dir and renamed into place: a reader never sees a partial file.
     out_path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
