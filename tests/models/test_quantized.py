@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import cpu_linear, half_panel_linear, quantized, quantized_tiles
+from mrv2.models.layers import (cpu_linear, half_panel_linear, quantized,
+                               quantized_panel_numba, quantized_tiles)
 from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
@@ -186,7 +187,7 @@ def test_errors(weights):
         weights["Q4_0"][0].dequantize_rows(torch.tensor([96]))
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_1", "Q5_K"])
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_a_weight_held_as_its_group_panels(gguf_type):
     # 130 outputs: two whole panels and a ragged third.
     raw = random_raw(gguf_type, 130, 512, seed=7)
@@ -217,9 +218,11 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
         w.dequantize_rows(torch.tensor([130]))
 
 
-def test_only_16_bit_weights_and_32_input_groups_are_held_as_panels(weights):
-    with pytest.raises(ValueError, match="32-input groups"):
+def test_blocks_are_not_held_as_panels_where_the_kernel_does_not_run(weights, monkeypatch):
+    monkeypatch.setattr(quantized_panel_numba, "GROUP_PANELS_RUN", False)
+    with pytest.raises(ValueError, match="does not run"):
         weights["Q6_K"][0].store_as_panels()
+    assert not weights["Q6_K"][0].panel_storage
 
 
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)

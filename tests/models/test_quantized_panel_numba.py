@@ -1,9 +1,9 @@
-"""The int16-activation panel kernel on 32-input-group blocks (quantized_panel_numba): the panel
-layout (float16 or float32 tables), the kernel against the exact sum of its quantized operands
-(and the int16 GEMV on the rows) for signed blocks with and without min terms, float16 and
-float32 tables, outputs past whole panels and rows past whole passes; the float32 rows and
-transposed tiles of the panels against the blocks' dequantization; quantized_linear's and the
-decode stack's routing."""
+"""The int16-activation panel kernel on GGUF blocks (quantized_panel_numba): the panel layout
+(float16 or float32 tables), the kernel against the exact sum of its quantized operands (and the
+int16 GEMV on the rows) for signed blocks with and without min terms, 32- and 16-input groups,
+float16 and float32 tables, outputs past whole panels and rows past whole passes; the float32
+rows and transposed tiles of the panels against the blocks' dequantization; quantized_linear's
+and the decode stack's routing."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
 from mrv2.models.layers import quantized_panel_numba as panel
-from mrv2.models.layers.gguf_blocks import pack_u4
+from mrv2.models.layers.gguf_blocks import as_byte_groups, pack_u4
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,11 +25,17 @@ from test_quantized import random_raw  # noqa: E402
 needs_panels = pytest.mark.skipif(not panel.GROUP_PANELS_RUN,
                                   reason="needs a host with AVX-512 BW")
 # 32-input groups: "i8" without a min (Q8_0, Q5_0), with one (Q5_1), float32 tables (Q5_K);
-# "u4" nibbles with Q4_0's offset as a min, Q4_1's min, float32 tables (Q4_K).
-BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K"]
+# "u4" nibbles with Q4_0's offset as a min, Q4_1's min, float32 tables (Q4_K). 16-input groups:
+# "i8" without a min (Q6_K), and with one ("Q4_K/16": Q4_K as bytes in 16-input groups, as a
+# fused projection mixing it with Q6_K holds it).
+BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K/16"]
 
 
 def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    if gguf_type == "Q4_K/16":
+        w = _weight("Q4_K", n, k, seed)
+        tables = as_byte_groups(w.q.numpy(), w.scales.numpy(), w.mins.numpy(), True, 16)
+        return QuantizedWeight("i8", 16, *(torch.from_numpy(t) for t in tables), "Q4_K")
     return QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
 
 
@@ -44,8 +50,11 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
         assert weights[row // 64, p, 2 * (row % 64) + t] == q[row, 2 * p + t]
         assert scale_panels[row // 64, p % 2, row % 64] == scales[row, p % 2]
     assert not weights[1, :, 2 * 6:].any() and not scale_panels[1, :, 6:].any()
-    with pytest.raises(ValueError, match="32-input groups"):
+    with pytest.raises(ValueError, match="groups of 32"):
         panel.group_panels_of(q[:, :48], scales, None)
+    # Bytes in 16-input groups: a table entry per 8 pairs.
+    _, scale_panels, _ = panel.group_panels_of(q, np.repeat(scales, 2, axis=1), None)
+    assert scale_panels.shape == (2, 4, 64) and scale_panels[1, 3, 5] == scales[69, 1]
     # "u4": the pair's two values in one byte, input 2 p low, 2 p + 1 high.
     values = rng.integers(0, 16, size=(70, 64), dtype=np.uint8)
     nibbles, _, _ = panel.group_panels_of(pack_u4(values), scales, None, packed=True)
@@ -54,6 +63,8 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
         byte = int(nibbles[row // 64, p, row % 64]) & 0xFF
         assert (byte & 15, byte >> 4) == (values[row, 2 * p], values[row, 2 * p + 1])
     assert not nibbles[1, :, 6:].any()
+    with pytest.raises(ValueError, match="not nibbles"):
+        panel.group_panels_of(pack_u4(values), np.repeat(scales, 2, axis=1), None, packed=True)
     # Float16 bit-pattern tables stay float16 in the panels; the two tables share one dtype.
     bits = rng.random((70, 2), dtype=np.float32).astype(np.float16).view(np.int16)
     _, scale_panels, min_panels = panel.group_panels_of(q, bits, bits)
@@ -92,16 +103,16 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     xq = np.empty(x.shape, np.int16)
     dx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
     quantized_int8_numba.quantize_rows(x, xq, dx)
-    groups = x.shape[1] // 32
+    groups, size = w.scales.shape[1], w.group_size  # a 16-input group: its 32-block's d
     q = w.q.numpy().astype(np.float64) if w.layout == "i8" else _u4_values(w.q.numpy())
-    q = q.reshape(w.out_features, groups, 32)
-    xg = xq.astype(np.float64).reshape(len(x), groups, 32)
+    q = q.reshape(w.out_features, groups, size)
+    xg = xq.astype(np.float64).reshape(len(x), groups, size)
     isum = np.einsum("ngk,mgk->mng", q, xg)
     tables = w._with_float32_tables()  # float16-bit tables widened as the kernels do
-    terms = isum * tables.scales.numpy()[None] * dx[:, None, :]
+    terms = isum * tables.scales.numpy()[None] * np.repeat(dx, 32 // size, axis=1)[:, None, :]
     mins = None if tables.mins is None else tables.mins.numpy()
     if mins is not None:
-        xsum = x.astype(np.float64).reshape(len(x), groups, 32).sum(-1)
+        xsum = x.astype(np.float64).reshape(len(x), groups, size).sum(-1)
         terms = np.concatenate([terms, mins[None] * xsum[:, None, :]], axis=-1)
     return terms.sum(-1), np.abs(terms).sum(-1)
 
@@ -110,8 +121,8 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
 # K-quants take K in 256-input super-blocks.
 _SHAPES = [(64, 32, 1), (70, 96, 3), (130, 256, 5), (40, 288, 9)]
 _CASES = [(t, *shape) for t in BLOCK_TYPES for shape in _SHAPES
-          if not (t.endswith("_K") and shape[1] % 256)] + [("Q5_K", 70, 512, 6),
-                                                            ("Q4_K", 70, 512, 6)]
+          if not ("_K" in t and shape[1] % 256)] + [(t, 70, 512, 6) for t in
+                                                     ("Q5_K", "Q4_K", "Q6_K", "Q4_K/16")]
 
 
 @needs_panels
@@ -123,19 +134,19 @@ def test_kernel_is_the_exact_sum_up_to_float32_order(gguf_type, n, k, rows):
     out = np.empty((rows, n), np.float32)
     panel.group_panel_kernel(x, *w.group_panels(), w.layout == "u4", out)
     exact, magnitude = _exact(x, w)
-    bound = (2 * k // 32 + 2) * 2.0 ** -24 * magnitude
+    bound = (2 * k // w.group_size + 2) * 2.0 ** -24 * magnitude
     assert np.all(np.abs(out - exact) <= bound)
     # The GEMV on the rows sums the same integers in another float order.
     gemv = np.empty_like(out)
     quantized_numba.gemv_groups(x, w.q.view(torch.uint8).numpy(), w.scales.numpy(),
-                                w.kernel_mins.numpy(), w.layout == "u4", 32,
+                                w.kernel_mins.numpy(), w.layout == "u4", w.group_size,
                                 quantized_numba.X_INT16, gemv)
     assert np.all(np.abs(out - gemv) <= 2 * bound)
 
 
 @pytest.mark.parametrize("gguf_type, takes", [("Q8_0", True), ("Q5_1", True), ("Q4_1", True),
-                                              ("Q6_K", False), ("F16", False)])
-def test_takes_group_panels_only_blocks_of_32_with_int16_x(gguf_type, takes, monkeypatch):
+                                              ("Q6_K", True), ("Q4_K/16", True), ("F16", False)])
+def test_takes_group_panels_only_integer_blocks_with_int16_x(gguf_type, takes, monkeypatch):
     w = _weight(gguf_type, 16, 256)
     monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
     monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)

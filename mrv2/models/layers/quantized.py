@@ -18,7 +18,7 @@ exact in float32 and `dequantize()` rounds once, on the add of the min, as gguf.
 does: the two agree bit for bit. A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
-groups (32-input blocks with int16 x on AVX-512: quantized_panel_numba's kernel, a model's
+groups (the blocks with int16 x on AVX-512: quantized_panel_numba's kernel, a model's
 linears held as its panels alone from load); more rows (prefill) quantized_tiles' float32
 tiles and torch.mm. A 16-bit weight on a CPU with matrix instructions for its dtype
 (cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16) runs on them from
@@ -110,7 +110,7 @@ class QuantizedWeight:
         self.gguf_type = gguf_type
         self._onednn_packed: torch.Tensor | None = None  # a 16-bit weight for oneDNN, once
         self._panels: np.ndarray | None = None  # a 16-bit weight's panels, once
-        # 32-input blocks' panels (quantized_panel_numba), once
+        # integer blocks' panels (quantized_panel_numba), once
         self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.panel_storage = False  # the panels alone hold the weight
         self.out_features = int(q.shape[0])
@@ -257,7 +257,7 @@ class QuantizedWeight:
         return self._panels
 
     def group_panels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A weight of 32-input groups as quantized_panel_numba's panels (weights, scales,
+        """A weight of integer blocks as quantized_panel_numba's panels (weights, scales,
         mins; the tables in this weight's table dtype), made at first use (`q` and the tables
         never change in place): a copy beside the blocks until `store_as_panels`."""
         if self._group_panels is None:
@@ -268,7 +268,7 @@ class QuantizedWeight:
 
     def store_as_panels(self) -> None:
         """Hold this weight as its panels alone (a model's linear, at load, where the panel
-        kernels take it: `holds_panels`): a 16-bit weight as `panels`, 32-input blocks as
+        kernels take it: `holds_panels`): a 16-bit weight as `panels`, integer blocks as
         `group_panels`. `q` and the tables are released; the kernels, the float32 rows
         (`dequantize_rows`) and the prefill tiles read the panels; `rows` and `cat` no longer
         apply."""
@@ -277,8 +277,8 @@ class QuantizedWeight:
                 raise ValueError("the 16-bit panel kernel does not run on this CPU (AVX-512)")
             self.panels()
         else:
-            if self.layout not in ("i8", "u4") or self.group_size != 32:
-                raise ValueError(f"{self!r}: only 16-bit weights and 32-input groups are held "
+            if self.layout not in ("i8", "u4"):
+                raise ValueError(f"{self!r}: only 16-bit weights and integer blocks are held "
                                  f"as panels")
             if not quantized_panel_numba.GROUP_PANELS_RUN:
                 raise ValueError("the group panel kernel does not run on this CPU (AVX-512 BW)")
@@ -337,11 +337,11 @@ def takes_panels(weight: QuantizedWeight) -> bool:
 
 def takes_group_panels(weight: QuantizedWeight) -> bool:
     """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: blocks held as
-    their panels, or "i8" / "u4" blocks of 32 inputs, int16 x (GEMV_X_FORMAT), where the kernel
-    runs."""
+    their panels, or "i8" (groups of 32 or 16 inputs) / "u4" blocks, int16 x (GEMV_X_FORMAT),
+    where the kernel runs."""
     return not weight.is_half and (weight.panel_storage or (
-        weight.layout in ("i8", "u4") and weight.group_size == 32
-        and GEMV_X_FORMAT == quantized_numba.X_INT16 and quantized_panel_numba.GROUP_PANELS_RUN))
+        weight.layout in ("i8", "u4") and GEMV_X_FORMAT == quantized_numba.X_INT16
+        and quantized_panel_numba.GROUP_PANELS_RUN))
 
 
 def holds_panels(weight: QuantizedWeight) -> bool:

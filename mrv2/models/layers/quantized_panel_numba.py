@@ -1,5 +1,6 @@
-"""The int16-activation product with 32-input-group GGUF blocks, the weight repacked into panels
-of 64 outputs: AVX-512 integer dot products against a broadcast pair of x, no horizontal sums.
+"""The int16-activation product with GGUF blocks (groups of 32 or 16 inputs), the weight
+repacked into panels of 64 outputs: AVX-512 integer dot products against a broadcast pair of x,
+no horizontal sums.
 
 Why: the GEMV on the rows (quantized_int16_numba) multiplies one weight row by up to 4 rows of x
 at a time; per group and row of x it pays, besides its two multiply-adds, an add, a conversion,
@@ -17,16 +18,18 @@ integer sums are exact (|w| <= 128, |xq| <= 32767: a group's 32 products stay be
 equal the GEMV's; out[m, n] = sum over groups in order of float(isum) * (scale * d) (+ min *
 sum_g x), in float32: the GEMV's sums in another order (the tests hold the two together).
 
-Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K), and "u4" ones (Q4_0, Q4_1,
-Q4_K) as nibbles, a pair's two values in one byte (the file's bytes: [B, K / 2, 64]), each 16
-bytes zero-extended to 32-bit lanes and the high nibble moved to the lane's upper half in
-register. The scale and min panels keep the weight's table dtype (float16 bit patterns for the
-32-input types, whose scales are the file's f16 fields; float32 for the K types), so a panel
-weight holds the file's bytes. A weight served as a linear is stored as its panels alone
-(QuantizedWeight.store_as_panels): `panel_rows` and `panel_tile_t` give its float32
-rows, for the embedding lookup and the prefill tiles, exactly as the blocks' dequantization
-does. Runs where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit
-vpmaddwd, and 32 vector registers for up to 4 x 4 x 2 accumulators.
+Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K) or of 16 (Q6_K, and the
+byte groups of a fused projection whose shards differ in layout: each 16-input group's sum is
+scaled alone, with x's d of its 32-input block), and "u4" ones (Q4_0, Q4_1, Q4_K) as nibbles, a
+pair's two values in one byte (the file's bytes: [B, K / 2, 64]), each 16 bytes zero-extended
+to 32-bit lanes and the high nibble moved to the lane's upper half in register. The scale and
+min panels keep the weight's table dtype (float16 bit patterns for the 32-input types, whose
+scales are the file's f16 fields; float32 for the K types), so a panel weight holds the file's
+bytes. A weight served as a linear is stored as its panels alone
+(QuantizedWeight.store_as_panels): `panel_rows` and `panel_tile_t` give its float32 rows, for
+the embedding lookup and the prefill tiles, exactly as the blocks' dequantization does. Runs
+where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit vpmaddwd, and 32
+vector registers for up to 4 x 4 x 2 accumulators.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V
 GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
 _VECTORS = GROUP_PANEL_OUTPUTS // 16  # 16-output vectors of a panel
-_PAIRS = INT8_BLOCK // 2  # input pairs of a group
 
 GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
 
@@ -53,19 +55,21 @@ GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
 def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
                     packed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A weight's blocks -> the kernel's (weights int8 [B, K / 2, 128] ("i8") or [B, K / 2, 64]
-    (`packed`: "u4"), scales [B, K / 32, 64], mins [B, K / 32 or 0, 64]), B = ceil(N / 64).
+    (`packed`: "u4"), scales [B, G, 64], mins [B, G or 0, 64]), B = ceil(N / 64).
     `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's layout);
-    `scales` / `mins` [N, K / 32] float32 or int16 float16 bit patterns, the panels' tables in
-    the same dtype (mins None: no min term). Panel b, pair p holds w[64 b + o, 2 p + t] at byte
-    2 o + t, or for "u4" in byte o, low nibble t = 0, high nibble t = 1; outputs past N are
-    zeros (zero weights and tables)."""
+    `scales` / `mins` [N, G] (G = K / 32, or K / 16 for "i8") float32 or int16 float16 bit
+    patterns, the panels' tables in the same dtype (mins None: no min term). Panel b, pair p
+    holds w[64 b + o, 2 p + t] at byte 2 o + t, or for "u4" in byte o, low nibble t = 0, high
+    nibble t = 1; outputs past N are zeros (zero weights and tables)."""
     n = q.shape[0]
     if packed:  # byte j of group g: input 32 g + j low, 32 g + 16 + j high
         nibbles = q.reshape(n, -1, 1, 16)
         q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(n, -1).astype(np.int8)
     k = q.shape[1]
-    if k % INT8_BLOCK or scales.shape != (n, k // INT8_BLOCK):
-        raise ValueError(f"weight {q.shape} with scales {scales.shape}: 32-input groups only")
+    if k % INT8_BLOCK or scales.shape not in ((n, k // INT8_BLOCK),
+                                              *(() if packed else ((n, k // 16),))):
+        raise ValueError(f"weight {q.shape} with scales {scales.shape}: groups of 32 inputs, "
+                         f"or 16 for bytes (not nibbles)")
     if scales.dtype not in (np.float32, np.int16) or (mins is not None
                                                       and mins.dtype != scales.dtype):
         raise ValueError(f"tables of {scales.dtype} / {None if mins is None else mins.dtype}: "
@@ -136,10 +140,13 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
         block, m0 = (context.cast(builder, args[i], signature.args[i], types.intp)
                      for i in (1, 7))
         ity = block.type
-        panel, _ = row_ptr(context, builder, wt, args[0], block, I8)
+        panel, warr = row_ptr(context, builder, wt, args[0], block, I8)
         scale_panel, sarr = row_ptr(context, builder, st, args[4], block, table_elem(st))
         min_panel, marr = row_ptr(context, builder, mnt, args[5], block, table_elem(mnt))
         groups = cgutils.unpack_tuple(builder, sarr.shape, 3)[1]
+        # Input pairs of a weight group: 16 (32 inputs) or 8 (16 inputs, "i8" only); x's scale
+        # d covers 16 pairs, so a 16-input group's is its pair's 32-input block's.
+        group_pairs = builder.sdiv(cgutils.unpack_tuple(builder, warr.shape, 3)[1], groups)
         has_min = builder.icmp_signed(">", cgutils.unpack_tuple(builder, marr.shape, 3)[1],
                                       ity(0))
         ms = [builder.add(m0, ity(r)) for r in range(count)]
@@ -158,8 +165,9 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
             for row in ints:
                 for acc in row:
                     builder.store(zero_i, acc)
-            with cgutils.for_range(builder, ity(_PAIRS)) as pair_loop:
-                pair = builder.add(builder.mul(g, ity(_PAIRS)), pair_loop.index)
+            first_pair = builder.mul(g, group_pairs)
+            with cgutils.for_range(builder, group_pairs) as pair_loop:
+                pair = builder.add(first_pair, pair_loop.index)
                 wv = [_pair_weights(builder, panel, pair, j, is_u4) for j in range(_VECTORS)]
                 for r in range(count):
                     xv = builder.insert_element(ir.Constant(V16I, ir.Undefined), builder.load(
@@ -174,8 +182,9 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
                        for j in range(_VECTORS)]
             scale_vectors = [_table_vector(builder, scale_panel, o, st) for o in offsets]
+            x_block = builder.lshr(first_pair, ity(4))
             for r in range(count):
-                d = splat(builder, builder.load(builder.gep(d_rows[r], [g])), 16)
+                d = splat(builder, builder.load(builder.gep(d_rows[r], [x_block])), 16)
                 for j in range(_VECTORS):
                     term = builder.fmul(builder.sitofp(builder.load(ints[r][j]), V16F),
                                         builder.fmul(scale_vectors[j], d, flags=FAST),
@@ -214,15 +223,16 @@ def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, packed, sums):
 
 
 @njit(cache=True)
-def _int16_x(x, with_sums):
-    """x float32 [M, K] -> (xq int16 [M, K], dx [M, K / 32], x's float group sums [M, K / 32],
-    or [M, 0] without `with_sums`), as gemv_groups forms them: serial, outside the parallel
-    loop (numba would make each array expression a parallel region of its own)."""
+def _int16_x(x, groups):
+    """x float32 [M, K] -> (xq int16 [M, K], dx [M, K / 32], x's float sums over each of
+    `groups` groups of inputs [M, groups] (0: none)), as gemv_groups forms them: serial,
+    outside the parallel loop (numba would make each array expression a parallel region of
+    its own)."""
     m_rows, k = x.shape
     xq = np.empty((m_rows, k), np.int16)
     dx = np.empty((m_rows, k // INT8_BLOCK), np.float32)
     quantize_rows(x, xq, dx)
-    return xq, dx, group_sums(x, INT8_BLOCK, k // INT8_BLOCK if with_sums else 0)
+    return xq, dx, group_sums(x, k // max(groups, 1), groups)
 
 
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
@@ -233,7 +243,7 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
     all of x's rows, GROUP_PANEL_ROWS at a time. No thread count is read inside (it would keep
     the decode stack from being cached)."""
     rows, n = out.shape
-    xq, dx, xsum = _int16_x(x, mins.shape[1] > 0)
+    xq, dx, xsum = _int16_x(x, mins.shape[1])
     for b in prange(w.shape[0]):
         sums = np.empty((GROUP_PANEL_ROWS, GROUP_PANEL_OUTPUTS), np.float32)
         n0 = b * GROUP_PANEL_OUTPUTS
@@ -263,12 +273,13 @@ def panel_rows(w, scales, mins, packed, ids, out):
     thread: scale x q (+ min), the value quantized_numba's dequantization gives from the
     blocks (scale x q is exact in float32, so one rounding)."""
     has_min = mins.shape[1] > 0
+    group_pairs = w.shape[1] // scales.shape[1]
     for i in range(ids.shape[0]):
         b, o = ids[i] // GROUP_PANEL_OUTPUTS, ids[i] % GROUP_PANEL_OUTPUTS
         for g in range(scales.shape[1]):
             s = table_value(scales[b], g, o)
             mn = table_value(mins[b], g, o) if has_min else np.float32(0.0)
-            for pair in range(g * _PAIRS, (g + 1) * _PAIRS):
+            for pair in range(g * group_pairs, (g + 1) * group_pairs):
                 for t in range(2):
                     out[i, 2 * pair + t] = s * _panel_value(w, b, pair, o, t, packed) + mn
 
@@ -280,6 +291,7 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     the calling thread (the tiled linear alternates it with torch.mm). Each panel is read in
     order, each input's 64 outputs written side by side."""
     has_min = mins.shape[1] > 0
+    group_pairs = w.shape[1] // scales.shape[1]
     s = np.empty(GROUP_PANEL_OUTPUTS, np.float32)  # a group's 64 scales and mins, widened once
     mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
     for c in range(count):
@@ -289,7 +301,7 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
                 s[o] = table_value(scales[b], g, o)
                 if has_min:
                     mn[o] = table_value(mins[b], g, o)
-            for pair in range(g * _PAIRS, (g + 1) * _PAIRS):
+            for pair in range(g * group_pairs, (g + 1) * group_pairs):
                 for t in range(2):
                     for o in range(GROUP_PANEL_OUTPUTS):
                         out_t[2 * pair + t, col + o] = (s[o] * _panel_value(w, b, pair, o, t,
