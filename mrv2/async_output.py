@@ -34,7 +34,8 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None,
                  nan_rows: torch.Tensor | None = None,
                  pooled: torch.Tensor | None = None) -> None:
-        """``prompt_logprobs``: req_id -> (first prompt position, rows), see
+        """``sampled``: [B] int64, or [B, steps] for a run of decode steps (runner.py).
+        ``prompt_logprobs``: req_id -> (first prompt position, rows), see
         sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
         (their requests are reported in ``nan_req_ids``). ``pooled``: [B, hidden] float32
         (state/pooling.py)."""
@@ -95,9 +96,13 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
             self._device = None
         # Token ids are below the vocabulary size: int32 holds them (no overflow check, which
         # would cost more than the rest of this method on a 256-row step).
-        tokens = self._sampled_host.numpy().reshape(-1).astype(np.int32)
-        # One token per sampling row; a prefill chunk that did not finish its prompt has none.
-        if self.is_sampling.all():  # the common case: every row samples
+        host = self._sampled_host.numpy()
+        tokens = host.reshape(-1).astype(np.int32)
+        # One token per sampling row, or one per decode step of a run of them ([rows, steps]:
+        # every row samples); a prefill chunk that did not finish its prompt has none.
+        if host.ndim == 2:
+            sampled, num_sampled = tokens, int32_bytes(np.full(len(host), host.shape[1]))
+        elif self.is_sampling.all():  # the common case: every row samples
             sampled, num_sampled = tokens, ones_int32_bytes(len(tokens))
         else:
             sampled = tokens[self.is_sampling]

@@ -170,10 +170,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while step N runs; tokens not sampled yet are placeholders.
     async_scheduling: bool = True
+    # vLLM's multi-step scheduling: a step whose rows all decode by argmax runs up to this many
+    # decode steps in the runner before the scheduler sees them (core/decode_steps.py).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
+        if self.num_scheduler_steps < 1:
+            raise ConfigError(
+                f"num_scheduler_steps={self.num_scheduler_steps} must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")

@@ -94,18 +94,23 @@ class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+    # > 1: every row decodes (one token each) by argmax, and the runner runs this many decode
+    # steps, sampling as many tokens per row (core/decode_steps.py).
+    num_decode_steps: int = 1
 
     @classmethod
     def build(cls, scheduled_new_reqs: list[NewRequestData],
               scheduled_cached_reqs: CachedRequestData,
               num_scheduled_tokens: Mapping[str, int], total_num_scheduled_tokens: int,
               finished_req_ids: list[str] | None = None,
-              preempted_req_ids: list[str] | None = None) -> SchedulerOutput:
+              preempted_req_ids: list[str] | None = None,
+              num_decode_steps: int = 1) -> SchedulerOutput:
         """`num_scheduled_tokens`: req_id -> tokens, in batch order (insertion order)."""
         return cls(scheduled_new_reqs, scheduled_cached_reqs,
                    pack_ids(list(num_scheduled_tokens)), len(num_scheduled_tokens),
                    int32_bytes(list(num_scheduled_tokens.values())),
-                   total_num_scheduled_tokens, finished_req_ids or [], preempted_req_ids or [])
+                   total_num_scheduled_tokens, finished_req_ids or [], preempted_req_ids or [],
+                   num_decode_steps)
 
     @property
     def req_ids(self) -> list[str]:

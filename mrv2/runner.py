@@ -4,9 +4,12 @@ Phase 1, `execute_model(scheduler_output)`: free finished slots, add new request
 block-table deltas of running ones, apply all staged writes, prepare inputs, run the forward.
 It returns nothing; what phase 2 needs is kept in an `ExecuteState`.
 Phase 2, `sample_tokens(grammar_output)`: logits of each row's last token, sampling, the
-on-device post_update, then the one device-to-host copy of the sampled tokens. When a request
-of the batch asked for prompt logprobs, phase 2 also computes the logits of its prompt
-positions (sampler/prompt_logprobs.py); otherwise nothing beyond the rows' last tokens is.
+on-device post_update, then the one device-to-host copy of the sampled tokens. A step of
+`num_decode_steps` > 1 (core/decode_steps.py: every row decodes by argmax) runs the further
+decode steps here, each from the state the last one left, and copies all their tokens at
+once. When a request of the batch asked for prompt logprobs, phase 2 also computes the logits
+of its prompt positions (sampler/prompt_logprobs.py); otherwise nothing beyond the rows' last
+tokens is.
 On a pooling engine (ModelConfig.runner) phase 2 also pools each row's final hidden states
 (state/pooling.py); the rows that complete their prefill ship them with the same copy.
 """
@@ -30,6 +33,7 @@ from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import (NULL_BLOCK_ID, CachedRequestData, GrammarOutput, ModelRunnerOutput,
                            NewRequestData, SchedulerOutput)
 from mrv2.sampler import Sampler, SamplingStates
+from mrv2.sampler.sampler import SamplerOutput
 from mrv2.sampler.grammar_bitmask import apply_grammar_bitmask_
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -50,6 +54,7 @@ class ExecuteState:
     # Scheduler row -> batch row, where _prepare_batch reordered the rows (decode first);
     # None when they are the same.
     batch_rows: np.ndarray | None = None
+    num_steps: int = 1  # the decode steps phase 2 completes (SchedulerOutput.num_decode_steps)
 
 
 class ModelRunner:
@@ -96,15 +101,20 @@ class ModelRunner:
             self._execute_state = ExecuteState(batch=None, hidden_states=None)
             return
         batch, descriptor, batch_rows = self._prepare_batch(scheduler_output, cached_slots)
+        num_steps = scheduler_output.num_decode_steps
+        if num_steps > 1 and batch.num_tokens != len(batch.req_ids):
+            raise ValueError(f"a step of {num_steps} decode steps with prefill rows")
+        self._execute_state = ExecuteState(batch=batch, hidden_states=self._forward(batch,
+                                                                                  descriptor),
+                                           batch_rows=batch_rows, num_steps=num_steps)
+
+    def _forward(self, batch: InputBatch, descriptor: BatchDescriptor | None) -> torch.Tensor:
         if descriptor is not None:
             # Replay reads the persistent buffers prepare_inputs just filled (padded).
-            hidden = self.cudagraphs.replay(descriptor)[:batch.num_tokens]
-        else:
-            n = batch.num_tokens
-            hidden = self.model(batch.input_ids[:n], batch.positions[:n], self.kv_caches,
-                                batch.attn_metadata)
-        self._execute_state = ExecuteState(batch=batch, hidden_states=hidden,
-                                           batch_rows=batch_rows)
+            return self.cudagraphs.replay(descriptor)[:batch.num_tokens]
+        n = batch.num_tokens
+        return self.model(batch.input_ids[:n], batch.positions[:n], self.kv_caches,
+                          batch.attn_metadata)
 
     def _update_states(self, out: SchedulerOutput) -> np.ndarray:
         """Apply the step's state changes; returns the slots of the cached (running) rows."""
@@ -158,14 +168,21 @@ class ModelRunner:
             slots, num_scheduled = slots[order], num_scheduled[order]
             batch_rows = np.empty_like(order)
             batch_rows[order] = np.arange(len(order))
-        num_tokens = out.total_num_scheduled_tokens
+        batch, descriptor = self._inputs(req_ids, slots, num_scheduled,
+                                         out.total_num_scheduled_tokens)
+        return batch, descriptor, batch_rows
+
+    def _inputs(self, req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,
+                num_tokens: int) -> tuple[InputBatch, BatchDescriptor | None]:
+        """The step's inputs from the slots' state (rows in decode-first order), padded for
+        its graph where one is captured."""
         tokens_padded, reqs_padded, descriptor = self.cudagraphs.padded_sizes(
             num_tokens, len(req_ids), uniform_decode=num_tokens == len(req_ids))
         batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
                                self.buffers, num_tokens_padded=tokens_padded,
                                num_reqs_padded=reqs_padded)
         batch.attn_metadata.num_layers = len(self.kv_caches)
-        return batch, descriptor, batch_rows
+        return batch, descriptor
 
     @torch.inference_mode()
     def capture_model(self) -> None:
@@ -306,9 +323,36 @@ class ModelRunner:
         # A row samples once its prefill is complete; the host knows this from its mirrors.
         is_sampling = self.requests.advance_num_computed_host(batch.idx_mapping_np,
                                                               batch.num_scheduled_np)
+        sampled, nan_rows = out.sampled, out.nan_rows
+        if state.num_steps > 1:
+            sampled, nan_rows = self._decode_steps(batch, out, state.num_steps)
         num_logprobs = (None if out.logprobs is None
                         else self.sampling.num_logprobs(batch.idx_mapping_np))
-        return AsyncOutput(batch.req_ids, out.sampled, is_sampling, self._copy_stream,
+        return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
                            logprobs=out.logprobs, num_logprobs=num_logprobs,
-                           prompt_logprobs=prompt_logprobs, nan_rows=out.nan_rows,
+                           prompt_logprobs=prompt_logprobs, nan_rows=nan_rows,
                            pooled=pooled)
+
+    def _decode_steps(self, batch: InputBatch, first: SamplerOutput, num_steps: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After a decode step's sampling and post_update: `num_steps` - 1 more decode steps of
+        the same rows, each fed the token the last one sampled. Returns the tokens [rows,
+        num_steps] and the rows whose logits held a NaN at any of the steps. Every row must
+        decode by argmax (the scheduler's rule): no grammar, logprobs or logits processing."""
+        flags = self.sampling.batch_flags(batch.idx_mapping_np)
+        if not flags.all_greedy or flags.any_processing or flags.max_num_logprobs >= 0:
+            raise ValueError(f"{num_steps} decode steps for rows that do not decode by argmax")
+        columns, nans = [first.sampled], [first.nan_rows]
+        for _ in range(num_steps - 1):
+            step, descriptor = self._inputs(batch.req_ids, batch.idx_mapping_np,
+                                            batch.num_scheduled_np, batch.num_tokens)
+            logits = self.model.compute_logits(self._forward(step, descriptor))
+            positions = step.attn_metadata.seq_lens[:len(step.req_ids)]
+            out = self.sampler(logits, step.idx_mapping, step.idx_mapping_np, positions)
+            self.requests.post_update(step.idx_mapping, step.num_scheduled, out.sampled)
+            self.sampling.post_update(step.idx_mapping, step.idx_mapping_np, positions,
+                                      out.sampled)
+            self.requests.advance_num_computed_host(step.idx_mapping_np, step.num_scheduled_np)
+            columns.append(out.sampled)
+            nans.append(out.nan_rows)
+        return torch.stack(columns, dim=1), torch.stack(nans, dim=1).any(dim=1)

@@ -108,7 +108,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 f"; got {', '.join(kinds) if kinds else 'none'}")
         if self.choice is not None:
             _require(bool(self.choice) and all(isinstance(c, str) for c in self.choice),
-                     "structured_outputs.choice", self.choice, "must be a non-empty list of strings")
+                     "structured_outputs.choice", self.choice,
+                     "must be a non-empty list of strings")
 
     @property
     def kind(self) -> str:
@@ -209,6 +210,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def sampling_type_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def decodes_by_argmax(self) -> bool:
+        """Every token is the argmax of the raw logits and nothing else is read: greedy, no
+        stage that changes the logits (bias, allowed ids, min_tokens, penalties), no logprobs,
+        no grammar, no stop strings (found in text, after the tokens). Such a request can
+        decode several tokens in one scheduled step (SchedulerConfig.num_scheduler_steps)."""
+        return (self.sampling_type_greedy and not self.logit_bias
+                and self.allowed_token_ids is None and self.min_tokens == 0
+                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and self.logprobs is None
+                and self.prompt_logprobs is None and not self.stop
+                and self.structured_outputs is None)
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)

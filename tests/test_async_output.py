@@ -17,6 +17,13 @@ def test_cpu_output_reads_the_sampled_tensor():
     assert result.sampled_token_ids == [[5], [], [9]]
 
 
+def test_a_run_of_decode_steps_gives_each_row_its_tokens_in_order():
+    # [rows, steps] (runner.py's multi-step decode): every row samples one token a step.
+    sampled = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    result = AsyncOutput(["a", "b"], sampled, np.array([True, True])).get_output()
+    assert result.sampled_token_ids == [[5, 6, 7], [8, 9, 10]]
+
+
 def test_logprobs_and_prompt_logprobs_ride_on_the_output():
     from mrv2.sampler import LogprobsTensors
 

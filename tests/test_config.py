@@ -55,6 +55,8 @@ def test_scheduler_config_limits() -> None:
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ConfigError, match="num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=0)
     assert SchedulerConfig(max_num_seqs=1).max_num_seqs == 1
 
 

@@ -7,7 +7,8 @@ import math
 import msgspec
 import pytest
 
-from mrv2.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from mrv2.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams,
+                                  StructuredOutputsParams)
 
 
 def test_defaults_match_vllm() -> None:
@@ -132,6 +133,17 @@ def test_validate_for_vocab_accepts_in_range_ids() -> None:
     SamplingParams(logit_bias={0: 1.0, 9: -1.0}, allowed_token_ids=[9], stop_token_ids=[0, 9]
                    ).validate_for_vocab(10)
     SamplingParams().validate_for_vocab(1)
+
+
+def test_decodes_by_argmax() -> None:
+    assert SamplingParams(temperature=0.0).decodes_by_argmax
+    assert SamplingParams(top_k=1, stop_token_ids=[3], ignore_eos=True).decodes_by_argmax
+    for changes in (dict(temperature=0.7), dict(logprobs=0), dict(prompt_logprobs=1),
+                    dict(stop=["."]), dict(min_tokens=1), dict(logit_bias={1: 2.0}),
+                    dict(allowed_token_ids=[1]), dict(repetition_penalty=1.1),
+                    dict(presence_penalty=0.1), dict(frequency_penalty=0.1),
+                    dict(structured_outputs=StructuredOutputsParams(regex="a+"))):
+        assert not SamplingParams(**{"temperature": 0.0, **changes}).decodes_by_argmax, changes
 
 
 def test_greedy() -> None:

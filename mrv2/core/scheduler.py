@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from executor.packed import check_id
+from mrv2.core.decode_steps import decode_steps
 from mrv2.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from mrv2.core.request import Request, RequestStatus
 from mrv2.core.structured_output import StructuredOutputManager
@@ -45,6 +46,7 @@ class Scheduler:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
+        self.num_scheduler_steps = sched.num_scheduler_steps
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -164,6 +166,9 @@ class Scheduler:
         idx = 0
         running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         max_model_len = self.max_model_len
+        num_steps = decode_steps(running, len(self.waiting), self.num_scheduler_steps,
+                                 max_model_len, self.kv_cache_manager.num_free_blocks,
+                                 self.block_size)  # > 1: every running row decodes
         while idx < len(running) and budget > 0:
             request = running[idx]
             placeholders = request.num_output_placeholders
@@ -176,14 +181,15 @@ class Scheduler:
                     or known >= max_model_len)):
                 idx += 1
                 continue
-            new_blocks = allocate_slots(request, num_new)
+            span = num_new + num_steps - 1  # tokens whose KV the step writes
+            new_blocks = allocate_slots(request, span)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, span)
             if new_blocks is None:  # it preempted itself; it was the tail, so the loop ends
                 break
             num_scheduled[request.request_id] = num_new
@@ -244,15 +250,15 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=preempted_ids)
+            preempted_req_ids=preempted_ids, num_decode_steps=num_steps)
         self._finished_req_ids = []  # a fresh list: the output keeps the old one
         async_scheduling = self.async_scheduling
         for request in scheduled:
-            request.num_computed_tokens += num_scheduled[request.request_id]
+            request.num_computed_tokens += num_scheduled[request.request_id] + num_steps - 1
             if (async_scheduling and request.num_computed_tokens
                     >= len(request.all_token_ids) + request.num_output_placeholders):
-                # This step reaches the end of the known tokens: it samples one.
-                request.num_output_placeholders += 1
+                # This step reaches the end of the known tokens: it samples one a decode step.
+                request.num_output_placeholders += num_steps
         return output
 
     def _grammar_ready(self, request: Request) -> bool:

@@ -48,6 +48,8 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
+    # vLLM's --num-scheduler-steps: decode steps one scheduled step may run (SchedulerConfig).
+    num_scheduler_steps: int = 1
     # vLLM's: prompts longer than the step's token budget are prefilled in chunks. Off, a
     # prompt is scheduled whole, so the budget defaults to at least max_model_len (vLLM's rule).
     enable_chunked_prefill: bool = True
@@ -158,7 +160,8 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
-                                           async_scheduling=self.async_scheduling)
+                                           async_scheduling=self.async_scheduling,
+                                           num_scheduler_steps=self.num_scheduler_steps)
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
         return EngineConfig(model_config=model_config, cache_config=cache_config,

@@ -1,0 +1,46 @@
+"""How many decode steps one scheduled step runs (vLLM's multi-step scheduling,
+`SchedulerConfig.num_scheduler_steps`).
+
+Why: a decode step of a small batch spends a large share of its time outside the forward (the
+scheduler, the runner's bookkeeping, the output processing, each a few tens of microseconds;
+more after the forward has streamed the weights through the caches). Running several decode
+steps per scheduled step pays the scheduler's and the engine's part once for all of them.
+
+When: the runner samples each inner step's tokens itself, so every running row must decode
+one token by argmax (`SamplingParams.decodes_by_argmax`: no stage reads the logits beyond the
+argmax, no stop string to find in the text, no grammar) and nothing may be waiting (a new
+request would wait for the whole run). The count never takes a row past its max_tokens or
+max_model_len; a stop token inside the run ends its request there, the later tokens of that
+row being dropped (Scheduler.update_from_output), as vLLM's multi-step did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mrv2.core.request import Request
+
+
+def decode_steps(running: Sequence[Request], num_waiting: int, num_scheduler_steps: int,
+                 max_model_len: int, num_free_blocks: int, block_size: int) -> int:
+    """The decode steps the next scheduled step runs: `num_scheduler_steps` or fewer, 1 where
+    the rule above does not hold. A row's known tokens include its placeholders (async
+    scheduling: tokens of a step in flight). The pool must hold the blocks every row may need
+    for the run (so that it never preempts for it)."""
+    steps = num_scheduler_steps
+    if steps == 1 or num_waiting or not running:
+        return 1
+    for request in running:
+        placeholders = request.num_output_placeholders
+        known = len(request.all_token_ids) + placeholders
+        if (known - request.num_computed_tokens != 1 or request.grammar is not None
+                or not request.sampling_params.decodes_by_argmax):
+            return 1
+        steps = min(steps, request.max_tokens - len(request.output_token_ids) - placeholders,
+                    max_model_len - known)
+        if steps <= 1:
+            return 1
+    # A row's run of `steps` tokens spans at most this many blocks it may not hold yet.
+    if len(running) * (-(-steps // block_size) + 1) > num_free_blocks:
+        return 1
+    return steps

@@ -1,0 +1,116 @@
+"""Multi-step decoding (core/decode_steps.py): the rule that picks how many decode steps a
+scheduled step runs, and end to end through the scheduler and the runner: the same greedy
+tokens as one decode step at a time, stop tokens and length limits inside a run, mixed batches,
+with async scheduling on and off."""
+
+from __future__ import annotations
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from mrv2.core.decode_steps import decode_steps
+from mrv2.core.request import Request
+from mrv2.core.scheduler import Scheduler
+from mrv2.sampling_params import StructuredOutputsParams
+
+
+def _decoding(max_tokens: int = 20, outputs: int = 3, placeholders: int = 0,
+              **params) -> Request:
+    """A running greedy request (unless `params` say otherwise) that decodes next: a 5-token
+    prompt, `outputs` tokens sampled, its KV computed up to the last known token."""
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **params})
+    request = Request("r", [5, 6, 7, 8, 9], params, eos_token_id=1)
+    request.append_output_token_ids([10] * outputs)
+    request.num_output_placeholders = placeholders
+    request.num_computed_tokens = len(request.all_token_ids) + placeholders - 1
+    return request
+
+
+def _steps(running, waiting=0, k=8, max_model_len=64, free_blocks=100, block_size=4) -> int:
+    return decode_steps(running, waiting, k, max_model_len, free_blocks, block_size)
+
+
+def test_greedy_decoding_rows_run_the_configured_steps():
+    assert _steps([_decoding(), _decoding()]) == 8
+    assert _steps([_decoding()], k=1) == 1
+    assert _steps([]) == 1
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(logprobs=2),
+                                    dict(stop=["x"]), dict(min_tokens=5),
+                                    dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[3, 4]),
+                                    dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
+                                    dict(structured_outputs=StructuredOutputsParams(
+                                        choice=["a", "b"]))])
+def test_a_row_that_reads_more_than_the_argmax_runs_one_step(params):
+    assert _steps([_decoding(), _decoding(**params)]) == 1
+
+
+def test_waiting_requests_and_prefill_rows_run_one_step():
+    assert _steps([_decoding()], waiting=1) == 1
+    prefill = _decoding()
+    prefill.num_computed_tokens -= 2  # two tokens to compute: a prefill chunk
+    assert _steps([_decoding(), prefill]) == 1
+
+
+def test_no_row_passes_its_length_limits():
+    # max_tokens: 20 - 3 outputs = 17 left; 20 - 15 = 5; in flight (placeholders) count too.
+    assert _steps([_decoding(), _decoding(outputs=15)]) == 5
+    assert _steps([_decoding(outputs=10, placeholders=4)]) == 6
+    assert _steps([_decoding(outputs=19)]) == 1
+    # max_model_len: 8 known tokens, room for 4 more.
+    assert _steps([_decoding()], max_model_len=12) == 4
+
+
+def test_a_short_pool_runs_one_step():
+    # 8 steps span up to 3 blocks of 4 a row: two rows need 6 free blocks.
+    assert _steps([_decoding(), _decoding()], free_blocks=6) == 8
+    assert _steps([_decoding(), _decoding()], free_blocks=5) == 1
+
+
+def _generate(path, prompts, params, **engine) -> tuple[list[list[int]], list[str], list[int]]:
+    """(token ids, finish reasons, the decode steps of every scheduled step)."""
+    llm = LLM(str(path), max_model_len=96, max_num_seqs=4, **engine)
+    scheduler: Scheduler = llm.llm_engine.engine_core.scheduler
+    steps: list[int] = []
+    schedule = scheduler.schedule
+
+    def spy():
+        out = schedule()
+        steps.append(out.num_decode_steps)
+        return out
+
+    scheduler.schedule = spy
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+            steps)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_runs_of_decode_steps_give_the_one_step_tokens(tiny_llama, async_scheduling):
+    prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(3)]
+    # Lengths that are not multiples of the run; the third ends at a stop token mid-run.
+    one = _generate(tiny_llama, prompts, [SamplingParams(temperature=0.0, max_tokens=n,
+                                                         ignore_eos=True) for n in (3, 11, 20)],
+                    async_scheduling=async_scheduling)
+    stop = one[0][2][9]  # the third request's tenth token (an earlier equal one stops first)
+    first = one[0][2].index(stop)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                             stop_token_ids=[stop] if i == 2 else None)
+              for i, n in enumerate((3, 11, 20))]
+    tokens, reasons, steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=4,
+                                       async_scheduling=async_scheduling)
+    assert tokens[:2] == one[0][:2] and reasons[:2] == ["length", "length"]
+    assert tokens[2] == one[0][2][:first + 1] and reasons[2] == "stop"
+    assert max(steps) == 4 and all(1 <= s <= 4 for s in steps)
+
+
+def test_a_sampling_row_keeps_the_batch_on_single_steps(tiny_llama):
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42]}, {"prompt_token_ids": [9, 8, 7]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)]
+    one, _, _ = _generate(tiny_llama, prompts, params)
+    tokens, _, steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=4)
+    assert tokens == one
+    # While the seeded row runs, every step is one decode step; then the greedy row runs on.
+    assert steps[:6] == [1] * 6 and max(steps) == 4
