@@ -348,7 +348,7 @@ class ModelRunner:
                                             batch.num_scheduled_np, batch.num_tokens)
             logits = self.model.compute_logits(self._forward(step, descriptor))
             positions = step.attn_metadata.seq_lens[:len(step.req_ids)]
-            out = self.sampler(logits, step.idx_mapping, step.idx_mapping_np, positions)
+            out = self.sampler.argmax(logits, step.idx_mapping, step.idx_mapping_np, positions)
             self.requests.post_update(step.idx_mapping, step.num_scheduled, out.sampled)
             self.sampling.post_update(step.idx_mapping, step.idx_mapping_np, positions,
                                       out.sampled)

@@ -43,33 +43,51 @@ def _order_key(bits):
     return np.int32(bits ^ np.int32(np.int32(bits >> np.int32(31)) & _MAGNITUDE))
 
 
+# Rows up to which one thread takes the whole batch: a row is a few microseconds of work, less
+# than waking the other threads for a parallel region costs.
+MAX_SERIAL_ROWS = 4
+
+
+@njit(inline="always", cache=True)
+def _row_argmax(bits, r, sampled, nan_rows):
+    """Row r of `greedy_argmax_kernel`."""
+    vocab = bits.shape[1]
+    row = bits[r]
+    best = np.int32(-2147483648)
+    best_run = 0
+    # The largest magnitude bits: above +inf's where the row holds a NaN.
+    magnitude = np.int32(0)
+    for start in range(0, vocab, _RUN):
+        run = row[start:start + _RUN]  # sliced: a loop from 0 vectorises
+        run_max = np.int32(-2147483648)
+        for i in range(run.shape[0]):
+            b = run[i]
+            m = np.int32(b & _MAGNITUDE)
+            magnitude = m if m > magnitude else magnitude
+            key = _order_key(b)
+            run_max = key if key > run_max else run_max
+        if run_max > best:
+            best, best_run = run_max, start
+    index = best_run
+    while _order_key(row[index]) != best:
+        index += 1
+    sampled[r] = index
+    nan_rows[r] = magnitude > _INF_BITS
+
+
 @njit(parallel=True, cache=True)
 def greedy_argmax_kernel(bits, sampled, nan_rows):
     """sampled[r] = the first index of row r's maximum of `bits` [B, V] (float32 logits
     viewed as int32), NaN read as -inf; nan_rows[r] = whether row r held a NaN."""
-    rows, vocab = bits.shape
-    for r in prange(rows):
-        row = bits[r]
-        best = np.int32(-2147483648)
-        best_run = 0
-        # The largest magnitude bits: above +inf's where the row holds a NaN.
-        magnitude = np.int32(0)
-        for start in range(0, vocab, _RUN):
-            run = row[start:start + _RUN]  # sliced: a loop from 0 vectorises
-            run_max = np.int32(-2147483648)
-            for i in range(run.shape[0]):
-                b = run[i]
-                m = np.int32(b & _MAGNITUDE)
-                magnitude = m if m > magnitude else magnitude
-                key = _order_key(b)
-                run_max = key if key > run_max else run_max
-            if run_max > best:
-                best, best_run = run_max, start
-        index = best_run
-        while _order_key(row[index]) != best:
-            index += 1
-        sampled[r] = index
-        nan_rows[r] = magnitude > _INF_BITS
+    for r in prange(bits.shape[0]):
+        _row_argmax(bits, r, sampled, nan_rows)
+
+
+@njit(cache=True)
+def greedy_argmax_serial(bits, sampled, nan_rows):
+    """`greedy_argmax_kernel` on the calling thread (up to MAX_SERIAL_ROWS rows)."""
+    for r in range(bits.shape[0]):
+        _row_argmax(bits, r, sampled, nan_rows)
 
 
 def takes_logits(logits: torch.Tensor) -> bool:
@@ -84,5 +102,6 @@ def greedy_argmax_float32(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     sampled = torch.empty(rows, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)
     if rows:
-        greedy_argmax_kernel(logits.numpy().view(np.int32), sampled.numpy(), nan_rows.numpy())
+        kernel = greedy_argmax_serial if rows <= MAX_SERIAL_ROWS else greedy_argmax_kernel
+        kernel(logits.numpy().view(np.int32), sampled.numpy(), nan_rows.numpy())
     return sampled, nan_rows

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from mrv2.config import check_logprobs_mode
 from mrv2.sampler.logprobs import LogprobsTensors
-from mrv2.sampler.sampler_torch import sample_torch
+from mrv2.sampler.sampler_torch import greedy_argmax, sample_torch
 from mrv2.sampler.states import SamplingStates
 from mrv2 import platform
 
@@ -81,3 +81,14 @@ class Sampler:
             sampled, nan_rows, logprobs = sample_triton(logits, idx_mapping, positions,
                                                         self.states, flags, self.logprobs_mode)
         return SamplerOutput(sampled, logprobs, nan_rows)
+
+    def argmax(self, logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray,
+               positions: Tensor) -> SamplerOutput:
+        """``__call__`` for a batch whose rows all decode by argmax (the caller checked their
+        flags: greedy, no processing, no logprobs): on the CPU its greedy stage alone (the
+        pipeline would reach the same kernel after its per-call bookkeeping), elsewhere the
+        pipeline."""
+        if platform.kernel_impl(logits.device) == platform.CPU:
+            sampled, nan_rows = greedy_argmax(logits)
+            return SamplerOutput(sampled, None, nan_rows)
+        return self(logits, idx_mapping, idx_mapping_np, positions)

@@ -3,6 +3,7 @@ torch fallback's semantics), on the cases its integer keys could get wrong."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,12 @@ def _check(logits: torch.Tensor) -> None:
     assert sampled.dtype == torch.int64 and nan_rows.dtype == torch.bool
     assert torch.equal(sampled, expected)
     assert torch.equal(nan_rows, expected_nan)
+    # Both kernels, whichever the row count picks (the serial one up to MAX_SERIAL_ROWS).
+    for kernel in (greedy_numba.greedy_argmax_kernel, greedy_numba.greedy_argmax_serial):
+        got, got_nan = np.empty(len(logits), np.int64), np.empty(len(logits), np.bool_)
+        kernel(logits.contiguous().numpy().view(np.int32), got, got_nan)
+        assert np.array_equal(got, expected.numpy()) and np.array_equal(got_nan,
+                                                                        expected_nan.numpy())
 
 
 @pytest.mark.parametrize("vocab", [1, 7, _RUN - 1, _RUN, _RUN + 1, 3 * _RUN + 5, 49_152])

@@ -52,6 +52,8 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads of every engine (default: the cores this process may use)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="mrv2's decode steps per scheduled step (multi-step decoding)")
     parser.add_argument("--format", choices=["markdown", "text"], default="markdown")
     parser.add_argument("--output-json", default=None, help="write every measurement here")
     parser.add_argument("--output-png", default=None,
@@ -89,7 +91,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     keys = parse_engines(args.engines)
     for flag, value, low in (("--input-len", args.input_len, 1), ("--repeats", args.repeats, 1),
                              ("--output-len", args.output_len, 2),
-                             ("--threads", 1 if args.threads is None else args.threads, 1)):
+                             ("--threads", 1 if args.threads is None else args.threads, 1),
+                             ("--num-scheduler-steps", args.num_scheduler_steps, 1)):
         if value < low:
             why = " (the decode is the tokens after the first)" if flag == "--output-len" else ""
             raise ValueError(f"{flag} must be >= {low}{why}, got {value}")
@@ -112,7 +115,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     if not specs:
         raise ValueError("no engine left to run: "
                          + "; ".join(skip.line() for skip in skips))
-    setup = SweepSetup(max(batches), args.input_len, args.output_len, args.seed, cpu.threads)
+    setup = SweepSetup(max(batches), args.input_len, args.output_len, args.seed, cpu.threads,
+                       args.num_scheduler_steps)
     load_start = load_average()
     roofline = _roofline(model, batches, args, cpu.threads)
     measurements, load_skips = measure(specs, model, setup, batches, args.repeats)
@@ -123,6 +127,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         "model_name": model.name, "batch_sizes": batches,
         "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
         "seed": args.seed, "metric": METRIC,
+        "mrv2_num_scheduler_steps": args.num_scheduler_steps,
         "machine": machine_info(cpu, load_start, load_average()),
         "engines": [{"column": s.column, "engine": s.engine, "precision": s.precision,
                      "version": engine_version(s)} for s in specs

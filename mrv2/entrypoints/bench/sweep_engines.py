@@ -71,6 +71,7 @@ class SweepSetup:
     output_len: int
     seed: int
     threads: int
+    num_scheduler_steps: int = 1  # mrv2's (SchedulerConfig.num_scheduler_steps)
 
     @property
     def max_model_len(self) -> int:
@@ -377,8 +378,8 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
             "mrv2:float32": lambda: dict(dtype="float32"),
             "mrv2:gguf": lambda: dict(quantization="gguf"),
             "mrv2:bf16": lambda: dict(dtype="bfloat16")}
-        return _OfflineLLM(spec, mrv2, model=model.path, kv_cache_memory_gb=kv_gb,
-                           **common, **precision[spec.key]())
+        return _OfflineLLM(spec, mrv2, model=model.path, kv_cache_memory_gb=kv_gb, **common,
+                           num_scheduler_steps=setup.num_scheduler_steps, **precision[spec.key]())
     if spec.key == "transformers":
         return TransformersEngine(spec, model)
     if spec.key == "llama.cpp":

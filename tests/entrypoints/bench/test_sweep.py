@@ -35,6 +35,7 @@ def test_sweep_mrv2_and_transformers(tiny_q4, tmp_path, capsys, monkeypatch):
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code = main(["bench", "sweep", "--model", str(tiny_q4), *TINY, "--repeats", "2",
                  "--engines", "mrv2:float32,mrv2:gguf,transformers,llama.cpp,vllm",
+                 "--num-scheduler-steps", "4",
                  "--output-json", str(out_json), "--output-png", str(out_png)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -57,6 +58,7 @@ def test_sweep_mrv2_and_transformers(tiny_q4, tmp_path, capsys, monkeypatch):
     assert [e["column"] for e in result["engines"]] == columns
     assert result["engines"][0]["version"] and result["batch_sizes"] == [1, 2]
     assert (result["input_len"], result["output_len"], result["repeats"]) == (8, 6, 2)
+    assert result["mrv2_num_scheduler_steps"] == 4
     assert {"cpu", "threads", "loadavg_start", "under_load", "torch"} <= set(result["machine"])
     assert set(result["machine"]["cpu"]["features"]) == {"avx2", "avx512f", "avx512_bf16",
                                                          "amx_bf16"}
@@ -129,6 +131,7 @@ def test_engine_names_and_aliases():
     ("--output-len", "1", "--output-len must be >= 2"),
     ("--repeats", "0", "--repeats must be >= 1"),
     ("--input-len", "0", "--input-len must be >= 1"),
+    ("--num-scheduler-steps", "0", "--num-scheduler-steps must be >= 1"),
 ])
 def test_bad_flag_is_a_clear_error(flag, value, message, capsys):
     assert main(["bench", "sweep", flag, value]) == 2  # before any model is read
