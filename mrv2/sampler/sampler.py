@@ -33,7 +33,7 @@ from torch import Tensor
 
 from mrv2.config import check_logprobs_mode
 from mrv2.sampler.logprobs import LogprobsTensors
-from mrv2.sampler.sampler_torch import greedy_argmax, sample_torch
+from mrv2.sampler.sampler_torch import greedy_tokens, sample_torch
 from mrv2.sampler.states import SamplingStates
 from mrv2 import platform
 
@@ -89,6 +89,6 @@ class Sampler:
         pipeline would reach the same kernel after its per-call bookkeeping), elsewhere the
         pipeline."""
         if platform.kernel_impl(logits.device) == platform.CPU:
-            sampled, nan_rows = greedy_argmax(logits)
+            sampled, nan_rows = greedy_tokens(logits)
             return SamplerOutput(sampled, None, nan_rows)
         return self(logits, idx_mapping, idx_mapping_np, positions)

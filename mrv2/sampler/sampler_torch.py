@@ -114,7 +114,7 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
     if flags.all_greedy and not flags.any_processing and not (want_logprobs and processed):
         # Converting to float32 is exact and order-preserving, so the argmax (ties included)
         # equals the float32 copy's; skipping the copy saves a [B, V] pass.
-        sampled, nan_rows = greedy_argmax(logits)
+        sampled, nan_rows = greedy_tokens(logits)
         if want_logprobs:
             for start in range(0, num_rows, tile):
                 rows = slice(start, start + tile)
@@ -147,7 +147,7 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
     return out, nan_rows, lp_out
 
 
-def greedy_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor]:
     """(argmax of each row, NaN read as -inf, ties to the lowest index; which rows held a
     NaN): greedy_numba's kernel on float32 CPU logits, else `greedy_argmax_torch`."""
     if greedy_numba.takes_logits(logits):
@@ -156,7 +156,7 @@ def greedy_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def greedy_argmax_torch(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """`greedy_argmax` in torch ops: max(dim) gives argmax's indices (the first maximum; a
+    """`greedy_tokens` in torch ops: max(dim) gives argmax's indices (the first maximum; a
     NaN where the row holds one) in about a third of argmax's time on the CPU
     (bench/README.md); rows whose maximum is a NaN are redone with NaN as -inf."""
     best, sampled = logits.max(dim=-1)
