@@ -101,7 +101,7 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         # One token per sampling row, or one per decode step of a run of them ([rows, steps]:
         # every row samples); a prefill chunk that did not finish its prompt has none.
         if host.ndim == 2:
-            sampled, num_sampled = tokens, int32_bytes(np.full(len(host), host.shape[1]))
+            sampled, num_sampled = tokens, int32_bytes(np.full(len(host), host.shape[1], np.int32))
         elif self.is_sampling.all():  # the common case: every row samples
             sampled, num_sampled = tokens, ones_int32_bytes(len(tokens))
         else:

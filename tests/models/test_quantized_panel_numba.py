@@ -16,7 +16,7 @@ import torch
 
 from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
 from mrv2.models.layers import quantized_panel_numba as panel
-from mrv2.models.layers.gguf_blocks import as_byte_groups, pack_u4
+from mrv2.models.layers.gguf_blocks import as_byte_groups, pack_u4, unpack_u4
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,13 +90,6 @@ def test_rows_and_tiles_of_the_panels_are_the_dequantized_weight(gguf_type):
     assert not tile[:, n - 64:128].any() and np.isnan(tile[:, 128:]).all()
 
 
-def _u4_values(q: np.ndarray) -> np.ndarray:
-    """The u4 layout's bytes [N, K / 2] -> values [N, K] (byte j of group g: input 32 g + j in
-    the low nibble, 32 g + 16 + j in the high one)."""
-    groups = q.reshape(q.shape[0], -1, 1, 16).astype(np.float64)
-    return np.concatenate([groups % 16, groups // 16], axis=2).reshape(q.shape[0], -1)
-
-
 def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     """x's int16 format against w in float64: the sum the kernel rounds, and the sum of its
     terms' magnitudes (for the float32 order bound)."""
@@ -104,7 +97,7 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     dx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
     quantized_int8_numba.quantize_rows(x, xq, dx)
     groups, size = w.scales.shape[1], w.group_size  # a 16-input group: its 32-block's d
-    q = w.q.numpy().astype(np.float64) if w.layout == "i8" else _u4_values(w.q.numpy())
+    q = (w.q.numpy() if w.layout == "i8" else unpack_u4(w.q.numpy())).astype(np.float64)
     q = q.reshape(w.out_features, groups, size)
     xg = xq.astype(np.float64).reshape(len(x), groups, size)
     isum = np.einsum("ngk,mgk->mng", q, xg)

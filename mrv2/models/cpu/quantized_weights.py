@@ -131,12 +131,16 @@ def _in_one_layout(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None
     if any(p.is_half for p in parts):
         return None
     group = min(p.group_size for p in parts)
-    return [QuantizedWeight("i8", group, *(None if t is None else torch.from_numpy(t) for t in
-                                           as_byte_groups(p.q.numpy(), p.scales.numpy(),
-                                                          None if p.mins is None
-                                                          else p.mins.numpy(),
-                                                          p.layout == "u4", group)),
-                            p.gguf_type) for p in parts]
+    return [_as_byte_groups(p, group) for p in parts]
+
+
+def _as_byte_groups(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
+    mins = None if weight.mins is None else weight.mins.numpy()
+    tables = as_byte_groups(weight.q.numpy(), weight.scales.numpy(), mins,
+                            weight.layout == "u4", group_size)
+    return QuantizedWeight("i8", group_size,
+                           *(None if t is None else torch.from_numpy(t) for t in tables),
+                           weight.gguf_type)
 
 
 def _stack(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:

@@ -89,10 +89,9 @@ def pack_u4(vals: np.ndarray) -> np.ndarray:
 
 
 def unpack_u4(q: np.ndarray) -> np.ndarray:
-    """The u4 layout [N, K // 2] -> its values [N, K] in 0..15, uint8 (`pack_u4`'s inverse)."""
-    n = q.shape[0]
-    halves = (q.reshape(n, -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-    return halves.reshape(n, -1)
+    """The u4 layout [N, K // 2] -> its values [N, K] in 0..15, uint8 (`pack_u4`'s inverse: the
+    nibble order of Q4_0's 16-byte runs)."""
+    return _nibbles(q, 16).reshape(q.shape[0], -1)
 
 
 def as_byte_groups(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, packed: bool,

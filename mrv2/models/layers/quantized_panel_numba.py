@@ -9,9 +9,10 @@ weight [N, K] is held as [ceil(N / 64), K / 2, 128] int8: for each pair of input
 the 64 outputs' two weights, 128 contiguous bytes. Four loads sign-extended to <32 x i16> give
 four vectors of 16 outputs x 2 inputs; x's int16 pair (x[2p], x[2p + 1]), broadcast to every
 32-bit lane, multiplies each with one vpmaddwd (LLVM fuses the add: vpdpwssd), 32 products an
-instruction summed pairwise into the outputs' lanes. A group's 16 pairs accumulate in int32; at
-its end one conversion and one FMA per 16 outputs apply scale x d (the scales a float32 panel
-[ceil(N / 64), K / 32, 64], the mins likewise). Up to 4 rows of x share each weight load.
+instruction summed pairwise into the outputs' lanes. A group's pairs (16, or 8 for 16-input
+groups) accumulate in int32; at its end one conversion and one FMA per 16 outputs apply scale x
+d (the scales a panel [ceil(N / 64), groups, 64], the mins likewise). Up to 4 rows of x share
+each weight load.
 
 Numerics: x is the int16 format's (quantized_int16_numba: d = max |x| / 32767 per 32 inputs), the
 integer sums are exact (|w| <= 128, |xq| <= 32767: a group's 32 products stay below 2^27) and
@@ -40,6 +41,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from mrv2.models.layers.gguf_blocks import unpack_u4
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
 from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S, V32B,
                                           V32S, call_intrinsic, host_compiles_with, row_ptr,
@@ -62,9 +64,8 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     holds w[64 b + o, 2 p + t] at byte 2 o + t, or for "u4" in byte o, low nibble t = 0, high
     nibble t = 1; outputs past N are zeros (zero weights and tables)."""
     n = q.shape[0]
-    if packed:  # byte j of group g: input 32 g + j low, 32 g + 16 + j high
-        nibbles = q.reshape(n, -1, 1, 16)
-        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(n, -1).astype(np.int8)
+    if packed:
+        q = unpack_u4(q).astype(np.int8)
     k = q.shape[1]
     if k % INT8_BLOCK or scales.shape not in ((n, k // INT8_BLOCK),
                                               *(() if packed else ((n, k // 16),))):
