@@ -43,7 +43,10 @@ def _huge_kib(tensor: torch.Tensor) -> int:
 def test_large_tensors_are_advised_onto_huge_pages_and_get_them():
     t = huge_pages.zeros((3, HUGE_PAGE_BYTES // 4), torch.float32)
     assert t.data_ptr() % HUGE_PAGE_BYTES == 0
-    assert not huge_pages.advised_huge(torch.zeros(1000))  # the heap: no advice
+    # A mapping nobody advised reads as not advised. (A small torch tensor would sit on the heap,
+    # whose advice follows the process's allocation history: numpy advises its large buffers.)
+    plain = mmap.mmap(-1, 2 * HUGE_PAGE_BYTES)
+    assert not huge_pages.advised_huge(torch.frombuffer(plain, dtype=torch.uint8))
     if _thp_mode() not in ("madvise", "always") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
     assert huge_pages.advised_huge(t)
