@@ -55,14 +55,19 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     # Bytes in 16-input groups: a table entry per 8 pairs.
     _, scale_panels, _ = panel.group_panels_of(q, np.repeat(scales, 2, axis=1), None)
     assert scale_panels.shape == (2, 4, 64) and scale_panels[1, 3, 5] == scales[69, 1]
-    # "u4": the pair's two values in one byte, input 2 p low, 2 p + 1 high.
+    # "u4": octets of inputs; 64 bytes (row 4 c + j of a panel) hold outputs 16 j .. 16 j + 15
+    # of octet c, as 16-bit words: word 2 o + t has input 8 c + 2 k + t in nibble k.
     values = rng.integers(0, 16, size=(70, 64), dtype=np.uint8)
     nibbles, _, _ = panel.group_panels_of(pack_u4(values), scales, None, packed=True)
     assert nibbles.shape == (2, 32, 64)
-    for row, p in ((0, 0), (5, 3), (63, 31), (64, 7), (69, 20)):
-        byte = int(nibbles[row // 64, p, row % 64]) & 0xFF
-        assert (byte & 15, byte >> 4) == (values[row, 2 * p], values[row, 2 * p + 1])
-    assert not nibbles[1, :, 6:].any()
+    for row, c in ((0, 0), (5, 3), (17, 1), (63, 7), (64, 2), (69, 5)):
+        j, o = row % 64 // 16, row % 16
+        for t in range(2):
+            word = nibbles[row // 64, 4 * c + j, 4 * o + 2 * t:4 * o + 2 * t + 2].view(np.uint16)
+            assert [(int(word[0]) >> 4 * k) & 15 for k in range(4)] == [
+                values[row, 8 * c + 2 * k + t] for k in range(4)]
+    past_n = nibbles[1].reshape(8, 4, 64)  # outputs 70.. of the second panel: zeros
+    assert not past_n[:, 0, 4 * 6:].any() and not past_n[:, 1:].any() and past_n[:, 0].any()
     with pytest.raises(ValueError, match="not nibbles"):
         panel.group_panels_of(pack_u4(values), np.repeat(scales, 2, axis=1), None, packed=True)
     # Float16 bit-pattern tables stay float16 in the panels; the two tables share one dtype.

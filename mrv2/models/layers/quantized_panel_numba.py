@@ -21,9 +21,12 @@ sum_g x), in float32: the GEMV's sums in another order (the tests hold the two t
 
 Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K) or of 16 (Q6_K, and the
 byte groups of a fused projection whose shards differ in layout: each 16-input group's sum is
-scaled alone, with x's d of its 32-input block), and "u4" ones (Q4_0, Q4_1, Q4_K) as nibbles, a
-pair's two values in one byte (the file's bytes: [B, K / 2, 64]), each 16 bytes zero-extended
-to 32-bit lanes and the high nibble moved to the lane's upper half in register. The scale and
+scaled alone, with x's d of its 32-input block), and "u4" ones (Q4_0, Q4_1, Q4_K) as nibbles
+(the file's bytes: [B, K / 2, 64]) in octets of inputs: 64 bytes hold 16 outputs' 8 inputs as
+32 16-bit words, word 2 o + t carrying the octet's inputs 2 k + t in its nibble k, so that a
+shift and a mask (none for the top nibble) make the <32 x i16> lanes of pair k of 16 outputs:
+one load and 7 integer instructions for 128 weights (against a widening load and 4 for 32
+when a pair's two nibbles shared a byte). The scale and
 min panels keep the weight's table dtype (float16 bit patterns for the 32-input types, whose
 scales are the file's f16 fields; float32 for the K types), so a panel weight holds the file's
 bytes. A weight served as a linear is stored as its panels alone
@@ -43,7 +46,7 @@ from numba.extending import intrinsic
 
 from mrv2.models.layers.gguf_blocks import unpack_u4
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
-from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S, V32B,
+from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16F, V16I, V16S, V32B,
                                           V32S, call_intrinsic, host_compiles_with, row_ptr,
                                           splat, table_elem, table_value, vload, widen_half)
 
@@ -61,8 +64,9 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's layout);
     `scales` / `mins` [N, G] (G = K / 32, or K / 16 for "i8") float32 or int16 float16 bit
     patterns, the panels' tables in the same dtype (mins None: no min term). Panel b, pair p
-    holds w[64 b + o, 2 p + t] at byte 2 o + t, or for "u4" in byte o, low nibble t = 0, high
-    nibble t = 1; outputs past N are zeros (zero weights and tables)."""
+    holds w[64 b + o, 2 p + t] at byte 2 o + t; for "u4", row 4 c + j of panel b holds octet c
+    of outputs 64 b + 16 j .. + 15 (output 64 b + 16 j + o, input 8 c + 2 k + t: nibble k of
+    16-bit word 2 o + t); outputs past N are zeros (zero weights and tables)."""
     n = q.shape[0]
     if packed:
         q = unpack_u4(q).astype(np.int8)
@@ -78,10 +82,13 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     blocks = -(-n // GROUP_PANEL_OUTPUTS)
     padded = np.zeros((blocks * GROUP_PANEL_OUTPUTS, k), np.int8)
     padded[:n] = q
-    pairs = padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2).transpose(0, 2, 1, 3)
     if packed:
-        weights = np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4))
+        # [B, vector j, output o, octet, pair k, input t] -> bytes [B, octet, j, o, t, h]:
+        # nibble k & 1 of byte h = k >> 1 (word 2 o + t holds the octet's 4 pairs' inputs t)
+        v = padded.reshape(blocks, _VECTORS, 16, k // 8, 2, 2, 2).transpose(0, 3, 1, 2, 6, 4, 5)
+        weights = np.ascontiguousarray(v[..., 0] | (v[..., 1] << 4)).reshape(blocks, k // 2, -1)
     else:
+        pairs = padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2).transpose(0, 2, 1, 3)
         weights = np.ascontiguousarray(pairs).reshape(blocks, k // 2, -1)
 
     def table_panels(table: np.ndarray) -> np.ndarray:
@@ -103,20 +110,25 @@ def no_group_panels(table_dtype: type = np.float32) -> tuple[np.ndarray, np.ndar
             np.empty((0, 0, GROUP_PANEL_OUTPUTS), table_dtype))
 
 
-def _pair_weights(builder, panel, pair, j, is_u4):
-    """Outputs 16 j .. 16 j + 15 of input pair `pair` as <32 x i16> (lane 2 o + t: output o,
-    input 2 pair + t): "i8" bytes sign-extended; "u4" bytes zero-extended to 32-bit lanes, the
-    high nibble moved to the lane's upper half."""
-    ity = pair.type
-    if not is_u4:
-        first = builder.add(builder.mul(pair, ity(2 * GROUP_PANEL_OUTPUTS)), ity(32 * j))
-        return builder.sext(vload(builder, panel, first, V32B, 1), V32S)
-    first = builder.add(builder.mul(pair, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
-    lanes = builder.zext(vload(builder, panel, first, V16B, 1), V16I)
-    low = builder.and_(lanes, ir.Constant(V16I, [15] * 16))
-    high = builder.shl(builder.and_(lanes, ir.Constant(V16I, [0xF0] * 16)),
-                       ir.Constant(V16I, [12] * 16))
-    return builder.bitcast(builder.or_(low, high), V32S)
+def _pair_weights(builder, panel, pair, j):
+    """"i8" outputs 16 j .. 16 j + 15 of input pair `pair` as <32 x i16> (lane 2 o + t: output
+    o, input 2 pair + t), the bytes sign-extended."""
+    first = builder.add(builder.mul(pair, pair.type(2 * GROUP_PANEL_OUTPUTS)), pair.type(32 * j))
+    return builder.sext(vload(builder, panel, first, V32B, 1), V32S)
+
+
+def _octet_words(builder, panel, first_pair, j):
+    """"u4" outputs 16 j .. 16 j + 15 of the octet of inputs from pair `first_pair` (a multiple
+    of 4): 64 bytes as <32 x i16>, word 2 o + t holding the 4 pairs' inputs t, a nibble each."""
+    row = builder.add(first_pair, first_pair.type(j))
+    return vload(builder, panel, builder.mul(row, row.type(GROUP_PANEL_OUTPUTS)), V32S, 1)
+
+
+def _nibble_lanes(builder, words, k):
+    """Nibble k of each word (pair k of the octet) as <32 x i16>, `_pair_weights`' lanes."""
+    if k:
+        words = builder.lshr(words, ir.Constant(V32S, [4 * k] * 32))
+    return words if k == 3 else builder.and_(words, ir.Constant(V32S, [15] * 32))
 
 
 def _table_vector(builder, panel, offset, table_type):
@@ -167,9 +179,9 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                 for acc in row:
                     builder.store(zero_i, acc)
             first_pair = builder.mul(g, group_pairs)
-            with cgutils.for_range(builder, group_pairs) as pair_loop:
-                pair = builder.add(first_pair, pair_loop.index)
-                wv = [_pair_weights(builder, panel, pair, j, is_u4) for j in range(_VECTORS)]
+
+            def add_products(pair, wv):
+                # ints[r][j] += vector j's weights (<32 x i16>) . x's pair, each row r
                 for r in range(count):
                     xv = builder.insert_element(ir.Constant(V16I, ir.Undefined), builder.load(
                         builder.gep(x_pairs[r], [pair])), I32(0))
@@ -180,6 +192,19 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                                                   [wv[j], xv])
                         builder.store(builder.add(builder.load(ints[r][j]), products),
                                       ints[r][j])
+
+            if is_u4:
+                with cgutils.for_range(builder, builder.sdiv(group_pairs, ity(4))) as loop:
+                    first = builder.add(first_pair, builder.mul(loop.index, ity(4)))
+                    words = [_octet_words(builder, panel, first, j) for j in range(_VECTORS)]
+                    for k in range(4):
+                        add_products(builder.add(first, ity(k)),
+                                     [_nibble_lanes(builder, v, k) for v in words])
+            else:
+                with cgutils.for_range(builder, group_pairs) as pair_loop:
+                    pair = builder.add(first_pair, pair_loop.index)
+                    add_products(pair, [_pair_weights(builder, panel, pair, j)
+                                        for j in range(_VECTORS)])
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
                        for j in range(_VECTORS)]
             scale_vectors = [_table_vector(builder, scale_panel, o, st) for o in offsets]
@@ -262,9 +287,10 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
 @njit(inline="always")
 def _panel_value(w, b, pair, o, t, packed):
     """The integer weight of output 64 b + o, input 2 pair + t, from its panel."""
-    if packed:
-        byte = np.int32(np.uint8(w[b, pair, o]))
-        return np.float32(byte >> 4) if t else np.float32(byte & 15)
+    if packed:  # `group_panels_of`'s octets: row 4 octet + o // 16, word 2 (o % 16) + t
+        k = pair % 4
+        byte = np.int32(np.uint8(w[b, pair - k + o // 16, 4 * (o % 16) + 2 * t + (k >> 1)]))
+        return np.float32((byte >> 4) if k & 1 else (byte & 15))
     return np.float32(w[b, pair, 2 * o + t])
 
 
