@@ -323,13 +323,34 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
     for c in range(count):
         b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
+        lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row
         for g in range(scales.shape[1]):
             for o in range(GROUP_PANEL_OUTPUTS):
                 s[o] = table_value(scales[b], g, o)
                 if has_min:
                     mn[o] = table_value(mins[b], g, o)
+            if packed:
+                for first in range(g * group_pairs, (g + 1) * group_pairs, 4):
+                    _octet_rows_t(lanes, first, s, mn, out_t, col)
+                continue
             for pair in range(g * group_pairs, (g + 1) * group_pairs):
                 for t in range(2):
                     for o in range(GROUP_PANEL_OUTPUTS):
                         out_t[2 * pair + t, col + o] = (s[o] * _panel_value(w, b, pair, o, t,
                                                                             packed) + mn[o])
+
+
+@njit(inline="always")
+def _octet_rows_t(lanes, first, s, mn, out_t, col):
+    """out_t[8 c + i, col:col + 64] = scale x q + min of a "u4" panel's 64 outputs, for the 8
+    inputs i of the octet c whose pairs start at `first` (= 4 c). Its rows 4 c .. 4 c + 3 are 64
+    contiguous uint32 lanes, lane 16 j + o holding output 16 j + o's input 2 k + t at bit
+    16 t + 4 k: each input's outputs a shift and a mask of the same lanes. (Slices, so that
+    the indices are known non-negative: no wraparound selects, which LLVM turns into gathers.)"""
+    src = lanes[16 * first:16 * first + GROUP_PANEL_OUTPUTS]
+    for k in range(4):
+        for t in range(2):
+            shift = np.uint32(16 * t + 4 * k)
+            dst = out_t[2 * (first + k) + t, col:col + GROUP_PANEL_OUTPUTS]
+            for o in range(GROUP_PANEL_OUTPUTS):
+                dst[o] = s[o] * np.float32(np.int32((src[o] >> shift) & np.uint32(15))) + mn[o]
