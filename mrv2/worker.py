@@ -146,10 +146,16 @@ class Worker:
         kv_caches = [self._kv_cache_zeros(shape) for _ in range(mc.num_layers)]
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
+        self.runner.decode_run = self._decode_run()
         self.runner.capture_model()
         self.runner.warm_up()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                     num_blocks * self.kv_block_bytes / (1 << 20))
+
+    def _decode_run(self):
+        """The runner's `decode_run`: the fused CPU stack's runs of decode steps, if any."""
+        decode = None if self._fast_paths is None else self._fast_paths.decode
+        return None if decode is None else decode.run_steps
 
     def sleep(self, level: int) -> None:
         """vLLM's sleep mode, for an idle engine. Level 1 discards the KV cache's memory (the
@@ -163,7 +169,7 @@ class Worker:
             for cache in self.runner.kv_caches:
                 cache.set_(cache.new_empty(0))  # the old storage goes with its last view
         if level == 2:
-            self.model = self.runner.model = self._fast_paths = None
+            self.model = self.runner.model = self._fast_paths = self.runner.decode_run = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -179,7 +185,7 @@ class Worker:
             self._kv_shapes = None
         if self.model is None:
             self._load_weights()
-            self.runner.model = self.model
+            self.runner.model, self.runner.decode_run = self.model, self._decode_run()
             self.runner.capture_model()  # graphs read the old weights' addresses
 
     def close(self) -> None:

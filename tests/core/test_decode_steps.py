@@ -114,3 +114,35 @@ def test_a_sampling_row_keeps_the_batch_on_single_steps(tiny_llama):
     assert tokens == one
     # While the seeded row runs, every step is one decode step; then the greedy row runs on.
     assert steps[:6] == [1] * 6 and max(steps) == 4
+
+
+def test_the_fused_stack_runs_a_row_s_further_steps_in_one_call(tiny_llama, monkeypatch):
+    """On the CPU the fused decode stack with its LM head takes a run's further steps as one
+    call (FusedDecode.run_steps); its tokens are those of the step-by-step loop (the call
+    refused) and of one decode step at a time, across block boundaries and a stop mid-run."""
+    from mrv2.models.cpu.decode import FusedDecode
+
+    prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (5, 23, 40)]
+    one, _, _ = _generate(tiny_llama, prompts, params)
+    stop = one[2][30]
+    params[2] = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                               stop_token_ids=[stop])
+    expected = one[:2] + [one[2][:one[2].index(stop) + 1]]
+    runs = []
+    run_steps = FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(None if out is None else tuple(out[0].shape))
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    tokens, _, steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
+    assert tokens == expected and max(steps) == 8
+    assert runs and all(r is not None and r[1] <= 7 for r in runs)
+    assert any(r[1] == 7 for r in runs)  # two rows from 23 and 40 tokens: whole runs
+    monkeypatch.setattr(FusedDecode, "run_steps", lambda self, *args: None)
+    tokens, _, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
+    assert tokens == expected

@@ -35,7 +35,7 @@ from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import step_kv_bytes, work_split
-from mrv2.models.cpu.decode_stack_numba import decode_stack
+from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.quantized_weights import QuantizedEmbeddingForward, QuantizedLinearForward
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
@@ -279,10 +279,7 @@ def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Ten
     with_logits = head is not None and rows <= head.max_rows
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
     seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
-    kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim, args.kv_itemsize,
-                             len(args.kv_caches_list))
-    kv_per_item, splits = work_split(rows, args.num_kv_heads, numba.get_num_threads(),
-                                     kv_bytes)
+    kv_per_item, splits = _work_split(args, seq_lens)
     decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
         args.cos_cache, args.sin_cache, args.ln1s, args.ln2s, args.eps, args.w_qkvs, args.w_os,
@@ -291,6 +288,34 @@ def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Ten
         args.num_kv_heads, args.head_dim, args.intermediate, args.scale, kv_per_item, splits,
         out.numpy(), args.w_head, logits.numpy())
     return out, logits if with_logits else None
+
+
+def _work_split(args: _StackArgs, seq_lens: np.ndarray) -> tuple[int, int]:
+    kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim, args.kv_itemsize,
+                             len(args.kv_caches_list))
+    return work_split(len(seq_lens), args.num_kv_heads, numba.get_num_threads(), kv_bytes)
+
+
+def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                     num_steps: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`num_steps` decode steps from `decode_model`'s inputs, each row's next input its argmax
+    (`args` with an LM head for the rows; their tables in `meta` hold every block written), in
+    one call: (tokens, nan_rows) [rows, num_steps] (decode_stack_numba.decode_stack_run)."""
+    rows = input_ids.shape[0]
+    seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
+    step_positions = positions.numpy().copy()
+    kv_per_item, splits = _work_split(args, seq_lens)
+    tokens = torch.empty(rows, num_steps, dtype=torch.int64)
+    nan_rows = torch.empty(rows, num_steps, dtype=torch.bool)
+    decode_stack_run(
+        input_ids.contiguous().numpy(), args.w_embed, step_positions, args.cos_cache,
+        args.sin_cache, args.ln1s, args.ln2s, args.eps, args.w_qkvs, args.w_os,
+        args.w_gate_ups, args.w_downs, args.final_norm, args.final_eps, args.kv_caches,
+        meta.block_tables.numpy(), seq_lens, block_size, args.num_heads, args.num_kv_heads,
+        args.head_dim, args.intermediate, args.scale, kv_per_item, splits,
+        np.empty((rows, args.hidden_size), np.float32), args.w_head,
+        np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())
+    return tokens, nan_rows
 
 
 class FusedDecode:
@@ -329,6 +354,21 @@ class FusedDecode:
         if logits is not None:
             self._logits = (out, logits)
         return out
+
+    def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  kv_caches: list[torch.Tensor], meta, num_steps: int, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`decode_model_run` for rows that decode by argmax, from this step's inputs; None
+        where the stack with its LM head does not take them (the caller steps one by one)."""
+        self._logits = None
+        rows = input_ids.shape[0]
+        if (self.head is None or rows > self.head.max_rows
+                or (self.onednn is not None and self.onednn.runs(rows))
+                or not applies(self.model, input_ids, kv_caches, meta, self.max_rows)):
+            return None
+        if self.args is None or not self.args.current(kv_caches):
+            self.args = _StackArgs(self.model, kv_caches, self.head)
+        return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size)
 
     def layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                kv_caches: list[torch.Tensor], meta) -> torch.Tensor:

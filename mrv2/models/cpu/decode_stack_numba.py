@@ -28,6 +28,8 @@ from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups,
 from mrv2.models.layers.quantized_panel_numba import group_panel_kernel, panel_rows
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
+from mrv2.sampler.greedy_numba import (MAX_SERIAL_ROWS, greedy_argmax_kernel,
+                                       greedy_argmax_serial)
 
 
 def _linear(x, w, out):
@@ -180,3 +182,40 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
     if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
         _linear(out, w_head, logits)
+
+
+@njit(cache=True)
+def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
+                     w_os, w_gate_ups, w_downs, final_norm, final_eps, kv_caches, block_tables,
+                     seq_lens, block_size, num_heads, num_kv_heads, head_dim, intermediate,
+                     scale, kv_per_item, splits, out, w_head, logits, tokens, nan_rows):
+    """tokens.shape[1] decode steps of the same rows, each `decode_stack` with the LM head and
+    the argmax of its logits (greedy_numba's: NaN read as -inf, ties to the lowest id), the
+    token a row's next input: tokens[:, s] and nan_rows[:, s] are step s's. Step 0 takes
+    `ids` at `positions` with `seq_lens` (a step's prepared inputs); each later step is one
+    position further, its K/V slot looked up in `block_tables` (the rows' tables, holding
+    every block the run writes: the scheduler allocates them up front). `positions` and
+    `seq_lens` are advanced in place; `out` and `logits` hold the last step's."""
+    rows = ids.shape[0]
+    step_ids = ids.copy()
+    slots = np.empty(rows, np.int64)
+    sampled = np.empty(rows, np.int64)
+    nans = np.empty(rows, np.bool_)
+    bits = logits.view(np.int32)
+    for s in range(tokens.shape[1]):
+        for r in range(rows):
+            pos = positions[r]
+            slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
+        decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
+                     w_qkvs, w_os, w_gate_ups, w_downs, final_norm, final_eps, kv_caches,
+                     block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
+                     intermediate, scale, kv_per_item, splits, out, w_head, logits)
+        if rows <= MAX_SERIAL_ROWS:
+            greedy_argmax_serial(bits, sampled, nans)
+        else:
+            greedy_argmax_kernel(bits, sampled, nans)
+        for r in range(rows):
+            tokens[r, s], nan_rows[r, s] = sampled[r], nans[r]
+            step_ids[r] = sampled[r]
+            positions[r] += 1
+            seq_lens[r] += 1

@@ -1,5 +1,6 @@
 """The fused decode stack against the module path: same tokens and logprobs through the
-engine, it stays off wherever it does not apply, and its cached views follow the tensors."""
+engine, it stays off wherever it does not apply, its cached views follow the tensors, and runs
+of decode steps in one call give the step-by-step tokens."""
 
 from __future__ import annotations
 
@@ -184,3 +185,30 @@ def test_views_follow_new_weight_storage(tiny_llama, monkeypatch):
     assert fused_calls > 0
     assert fused[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert fused[0].outputs[0].token_ids != before[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
+def test_runs_of_decode_steps_give_the_step_by_step_tokens(tiny_gguf_factory, tensor_type,
+                                                          monkeypatch):
+    """num_scheduler_steps: a run's further steps go through FusedDecode.run_steps (the stack
+    and its argmax in one call, on the blocks' panels) and give one step's tokens at a time."""
+    path = tiny_gguf_factory("llama", tensor_type)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    runs: list[tuple[int, int]] = []
+    run_steps = cpu_decode.FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(None if out is None else tuple(out[0].shape))
+        return out
+
+    monkeypatch.setattr(cpu_decode.FusedDecode, "run_steps", spy)
+    tokens = {}
+    for steps in (1, 8):
+        llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False,
+                  quantization="gguf", max_num_seqs=4, num_scheduler_steps=steps)
+        tokens[steps] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                       use_tqdm=False)]
+        llm.shutdown()
+    assert tokens[8] == tokens[1] and (3, 7) in runs and None not in runs
