@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from mrv2.config import KV_CACHE_DTYPES
 from mrv2.entrypoints.bench.dataset import random_token_prompts
 from mrv2.entrypoints.bench.sweep_engines import (ENGINE_KEYS, MRV2_KEYS, VLLM_KEYS, EngineSpec,
                                                   Skip, SweepModel, SweepSetup, engine_version,
@@ -54,6 +55,9 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                         help="threads of every engine (default: the cores this process may use)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="mrv2's decode steps per scheduled step (multi-step decoding)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help=f"mrv2's KV cache: {', '.join(KV_CACHE_DTYPES)} (llama.cpp's "
+                             f"default is float16)")
     parser.add_argument("--format", choices=["markdown", "text"], default="markdown")
     parser.add_argument("--output-json", default=None, help="write every measurement here")
     parser.add_argument("--output-png", default=None,
@@ -96,6 +100,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         if value < low:
             why = " (the decode is the tokens after the first)" if flag == "--output-len" else ""
             raise ValueError(f"{flag} must be >= {low}{why}, got {value}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                         f"{args.kv_cache_dtype!r}")
     if args.output_png is not None:
         from mrv2.entrypoints.bench.sweep_chart import check_matplotlib
 
@@ -116,7 +123,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise ValueError("no engine left to run: "
                          + "; ".join(skip.line() for skip in skips))
     setup = SweepSetup(max(batches), args.input_len, args.output_len, args.seed, cpu.threads,
-                       args.num_scheduler_steps)
+                       args.num_scheduler_steps, args.kv_cache_dtype)
     load_start = load_average()
     roofline = _roofline(model, batches, args, cpu.threads)
     measurements, load_skips = measure(specs, model, setup, batches, args.repeats)
@@ -128,6 +135,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
         "seed": args.seed, "metric": METRIC,
         "mrv2_num_scheduler_steps": args.num_scheduler_steps,
+        "mrv2_kv_cache_dtype": args.kv_cache_dtype,
         "machine": machine_info(cpu, load_start, load_average()),
         "engines": [{"column": s.column, "engine": s.engine, "precision": s.precision,
                      "version": engine_version(s)} for s in specs

@@ -25,6 +25,7 @@ import importlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from mrv2.entrypoints.bench import vllm_peer
@@ -72,6 +73,7 @@ class SweepSetup:
     seed: int
     threads: int
     num_scheduler_steps: int = 1  # mrv2's (SchedulerConfig.num_scheduler_steps)
+    kv_cache_dtype: str = "auto"  # mrv2's (CacheConfig.cache_dtype)
 
     @property
     def max_model_len(self) -> int:
@@ -96,8 +98,6 @@ class SweepModel:
         safetensors twin (built on first use: transformers' GGUF load, tens of seconds once)."""
         if self._hf_dir is None:
             if self.is_gguf:
-                from pathlib import Path
-
                 from mrv2.testing.gguf_twin import safetensors_twin
 
                 self._hf_dir = str(safetensors_twin(Path(self.path)))
@@ -109,8 +109,6 @@ class SweepModel:
 def read_sweep_model(model: str) -> SweepModel:
     """The user's model (directory, GGUF file, Hub id) as a local checkpoint, read as mrv2's
     engine reads it; nothing is loaded yet."""
-    from pathlib import Path
-
     from mrv2.engine.arg_utils import EngineArgs
     from mrv2.models.gguf.checkpoint import is_gguf_path, open_gguf
     from mrv2.models.tokenizer import load_tokenizer
@@ -379,7 +377,8 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
             "mrv2:gguf": lambda: dict(quantization="gguf"),
             "mrv2:bf16": lambda: dict(dtype="bfloat16")}
         return _OfflineLLM(spec, mrv2, model=model.path, kv_cache_memory_gb=kv_gb, **common,
-                           num_scheduler_steps=setup.num_scheduler_steps, **precision[spec.key]())
+                           num_scheduler_steps=setup.num_scheduler_steps,
+                           kv_cache_dtype=setup.kv_cache_dtype, **precision[spec.key]())
     if spec.key == "transformers":
         return TransformersEngine(spec, model)
     if spec.key == "llama.cpp":
