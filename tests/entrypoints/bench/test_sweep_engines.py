@@ -124,6 +124,20 @@ def test_llama_cpp_engine_batches_every_prompt(monkeypatch):
     assert lib.freed == ["batch", "context", "model"]
 
 
+def test_mrv2_engines_get_the_setup_s_steps_and_cache_type(monkeypatch):
+    """What the sweep's setup asks of mrv2 (multi-step, the KV cache's type, the precision)
+    reaches the engine's arguments (a recording stand-in for mrv2.LLM: nothing loads)."""
+    import mrv2
+
+    seen = []
+    monkeypatch.setattr(mrv2, "LLM", lambda **kwargs: seen.append(kwargs))
+    setup = SweepSetup(2, 16, 4, 0, 1, num_scheduler_steps=8, kv_cache_dtype="float16")
+    sweep_engines.load_engine(EngineSpec("mrv2:gguf", "mrv2", "gguf Q4_1"), _model(), setup)
+    assert len(seen) == 1 and seen[0]["model"] == "/m/x.gguf"
+    assert (seen[0]["num_scheduler_steps"], seen[0]["kv_cache_dtype"],
+            seen[0]["quantization"]) == (8, "float16", "gguf")
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_llama_cpp_keeps_plain_buffers_on_an_amx_cpu(monkeypatch, amx):
     """ggml's AMX buffer type (one of llama.cpp's extra buffer types) crashes llama-cpp-python
