@@ -88,8 +88,9 @@ class ModelRunner:
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
         self._execute_state: ExecuteState | None = None
-        # Further decode steps of argmax rows as one call (the CPU's fused stack with its LM
-        # head, set by the worker: models/cpu decode.FusedDecode.run_steps); None: step by step.
+        # A run of decode steps of argmax rows as one call (the CPU's fused stack with its LM
+        # head, set by the worker: models/cpu decode.FusedDecode.run_steps), returning the
+        # run's tokens [rows, steps] and NaN rows, or None; None: step by step.
         self.decode_run: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
         # The step's one device-to-host copy runs here, off the compute stream.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -355,23 +356,20 @@ class ModelRunner:
             run = (None if i or descriptor is not None or self.decode_run is None
                    else self.decode_run(step.input_ids[:step.num_tokens],
                                         step.positions[:step.num_tokens], self.kv_caches,
-                                        step.attn_metadata, num_steps - 1,
+                                        step.attn_metadata, num_steps,
                                         self.block_tables.block_size))
             if run is not None:  # every further step computed: the state catches up
-                for t in range(num_steps - 1):
-                    self._after_argmax(step, positions + t, run[0][:, t])
-                return (torch.cat([first.sampled[:, None], run[0]], dim=1),
-                        torch.cat([first.nan_rows[:, None], run[1]], dim=1).any(dim=1))
+                # (sampling.post_update counts tokens for penalties: argmax rows have none)
+                self.requests.post_update_steps(step.idx_mapping, run[0][:, 1:])
+                self.requests.advance_num_computed_host(step.idx_mapping_np,
+                                                        step.num_scheduled_np * (num_steps - 1))
+                return run[0], run[1] | first.nan_rows
             logits = self.model.compute_logits(self._forward(step, descriptor))
             out = self.sampler.argmax(logits, step.idx_mapping, step.idx_mapping_np, positions)
-            self._after_argmax(step, positions, out.sampled)
+            self.requests.post_update(step.idx_mapping, step.num_scheduled, out.sampled)
+            self.sampling.post_update(step.idx_mapping, step.idx_mapping_np, positions,
+                                      out.sampled)
+            self.requests.advance_num_computed_host(step.idx_mapping_np, step.num_scheduled_np)
             columns.append(out.sampled)
             nans.append(out.nan_rows)
         return torch.stack(columns, dim=1), torch.stack(nans, dim=1).any(dim=1)
-
-    def _after_argmax(self, step: InputBatch, positions: torch.Tensor, sampled: torch.Tensor
-                      ) -> None:
-        """A further decode step's state updates, its rows' tokens `sampled` at `positions`."""
-        self.requests.post_update(step.idx_mapping, step.num_scheduled, sampled)
-        self.sampling.post_update(step.idx_mapping, step.idx_mapping_np, positions, sampled)
-        self.requests.advance_num_computed_host(step.idx_mapping_np, step.num_scheduled_np)

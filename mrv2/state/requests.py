@@ -130,6 +130,21 @@ class RequestState:
             post_update(idx_mapping, num_scheduled, sampled.contiguous(),
                         *(t.tensor for t in tensors))
 
+    def post_update_steps(self, idx_mapping: torch.Tensor, sampled: torch.Tensor) -> None:
+        """`post_update` for a run of decode steps of decode rows (one token a row a step):
+        column s of `sampled` [rows, steps] is step s's tokens; one kernel call on the CPU."""
+        tensors = (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
+                   self.token_ids)
+        if platform.kernel_impl(idx_mapping.device) == platform.CPU:
+            from mrv2.state.requests_numba import post_update_steps
+
+            post_update_steps(_host_array(idx_mapping, np.int64), _host_array(sampled, np.int64),
+                              *(t.numpy for t in tensors))
+            return
+        ones = torch.ones(idx_mapping.shape[0], dtype=torch.int32, device=idx_mapping.device)
+        for step in range(sampled.shape[1]):
+            self.post_update(idx_mapping, ones, sampled[:, step])
+
 
 def _host_array(tensor: torch.Tensor, dtype: type) -> np.ndarray:
     """A CPU tensor as a contiguous numpy array of `dtype` (no copy when it already is one)."""

@@ -1,7 +1,9 @@
-"""CPU kernel for RequestState.post_update: advance each batch row's slot after sampling."""
+"""CPU kernels for RequestState.post_update (advance each batch row's slot after sampling)
+and post_update_steps (the same for a run of decode steps)."""
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 
@@ -19,3 +21,14 @@ def post_update(idx_mapping, num_scheduled, sampled, num_computed, prefill_len, 
             token_ids[slot, min(computed, max_model_len - 1)] = token
             total_len[slot] = computed + 1
             last_sampled[slot] = token
+
+
+@njit(cache=True)
+def post_update_steps(idx_mapping, sampled, num_computed, prefill_len, total_len,
+                      last_sampled, token_ids):
+    """`post_update` for each column of `sampled` [rows, steps] in order, a token a row a
+    step (decode rows)."""
+    ones = np.ones(idx_mapping.shape[0], np.int32)
+    for s in range(sampled.shape[1]):
+        post_update(idx_mapping, ones, sampled[:, s], num_computed, prefill_len, total_len,
+                    last_sampled, token_ids)

@@ -294,3 +294,23 @@ def test_post_update_on_cuda_matches_cpu(impl) -> None:
         gpu_state.post_update(**{k: v.cuda() for k, v in gpu_batch.items()})
         for got, want in zip(state_tensors(gpu_state), state_tensors(cpu_state)):
             assert torch.equal(got, want)
+
+
+def test_post_update_steps_is_post_update_for_each_column(impl) -> None:
+    """A run of decode steps (one token a row a step) in one call: the state of post_update
+    applied to each column in turn, the prefill rows' completion and the history's last
+    position included (both kernels)."""
+    rng = np.random.default_rng(11)
+    for _ in range(10):
+        state, batch = random_state(rng)
+        twin, _ = random_state(np.random.default_rng(0))
+        for name in ("token_ids", "prefill_len", "num_computed", "total_len", "last_sampled"):
+            getattr(twin, name).tensor.copy_(getattr(state, name).tensor)
+        rows = batch["idx_mapping"].shape[0]
+        sampled = torch.tensor(rng.integers(500, 1000, (rows, 4)), dtype=torch.int64)
+        state.post_update_steps(batch["idx_mapping"], sampled)
+        for s in range(4):
+            twin.post_update(batch["idx_mapping"], torch.ones(rows, dtype=torch.int32),
+                             sampled[:, s])
+        for got, want in zip(state_tensors(state), state_tensors(twin)):
+            assert torch.equal(got, want)

@@ -298,15 +298,15 @@ def _work_split(args: _StackArgs, seq_lens: np.ndarray) -> tuple[int, int]:
 
 def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                      num_steps: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`num_steps` decode steps from `decode_model`'s inputs, each row's next input its argmax
-    (`args` with an LM head for the rows; their tables in `meta` hold every block written), in
-    one call: (tokens, nan_rows) [rows, num_steps] (decode_stack_numba.decode_stack_run)."""
+    """(tokens [rows, num_steps]: `input_ids`, the step before's, then num_steps - 1 decode
+    steps' argmax from `decode_model`'s inputs; nan_rows [rows]) in one call (`args` with an LM
+    head for the rows; `meta`'s tables hold every block written): decode_stack_run."""
     rows = input_ids.shape[0]
     seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
     step_positions = positions.numpy().copy()
     kv_per_item, splits = _work_split(args, seq_lens)
     tokens = torch.empty(rows, num_steps, dtype=torch.int64)
-    nan_rows = torch.empty(rows, num_steps, dtype=torch.bool)
+    nan_rows = torch.empty(rows, dtype=torch.bool)
     decode_stack_run(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, args.cos_cache,
         args.sin_cache, args.ln1s, args.ln2s, args.eps, args.w_qkvs, args.w_os,

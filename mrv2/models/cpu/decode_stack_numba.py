@@ -189,20 +189,24 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
                      w_os, w_gate_ups, w_downs, final_norm, final_eps, kv_caches, block_tables,
                      seq_lens, block_size, num_heads, num_kv_heads, head_dim, intermediate,
                      scale, kv_per_item, splits, out, w_head, logits, tokens, nan_rows):
-    """tokens.shape[1] decode steps of the same rows, each `decode_stack` with the LM head and
-    the argmax of its logits (greedy_numba's: NaN read as -inf, ties to the lowest id), the
-    token a row's next input: tokens[:, s] and nan_rows[:, s] are step s's. Step 0 takes
-    `ids` at `positions` with `seq_lens` (a step's prepared inputs); each later step is one
-    position further, its K/V slot looked up in `block_tables` (the rows' tables, holding
-    every block the run writes: the scheduler allocates them up front). `positions` and
-    `seq_lens` are advanced in place; `out` and `logits` hold the last step's."""
+    """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
+    before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
+    `decode_stack` with the LM head and the argmax of its logits (greedy_numba's: NaN read as
+    -inf, ties to the lowest id) into tokens[:, s], each row's next input; nan_rows[r] = whether
+    row r's logits held a NaN at any step. The first step takes `ids` at `positions` with
+    `seq_lens` (a step's prepared inputs), each later one is a position further, its K/V slot
+    looked up in `block_tables` (the rows' tables, holding every block the run writes: the
+    scheduler allocates them up front). `positions` and `seq_lens` are advanced in place;
+    `out` and `logits` hold the last step's."""
     rows = ids.shape[0]
     step_ids = ids.copy()
     slots = np.empty(rows, np.int64)
     sampled = np.empty(rows, np.int64)
     nans = np.empty(rows, np.bool_)
     bits = logits.view(np.int32)
-    for s in range(tokens.shape[1]):
+    for r in range(rows):
+        tokens[r, 0], nan_rows[r] = ids[r], False
+    for s in range(1, tokens.shape[1]):
         for r in range(rows):
             pos = positions[r]
             slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
@@ -215,7 +219,7 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
         else:
             greedy_argmax_kernel(bits, sampled, nans)
         for r in range(rows):
-            tokens[r, s], nan_rows[r, s] = sampled[r], nans[r]
-            step_ids[r] = sampled[r]
+            tokens[r, s] = step_ids[r] = sampled[r]
+            nan_rows[r] |= nans[r]
             positions[r] += 1
             seq_lens[r] += 1
