@@ -347,24 +347,26 @@ class ModelRunner:
         flags = self.sampling.batch_flags(batch.idx_mapping_np)
         if not flags.all_greedy or flags.any_processing or flags.max_num_logprobs >= 0:
             raise ValueError(f"{num_steps} decode steps for rows that do not decode by argmax")
+        def next_inputs() -> tuple[InputBatch, BatchDescriptor | None]:
+            # from the state the last step's post_update left
+            return self._inputs(batch.req_ids, batch.idx_mapping_np, batch.num_scheduled_np,
+                                batch.num_tokens)
+
+        step, descriptor = next_inputs()
+        run = (None if descriptor is not None or self.decode_run is None
+               else self.decode_run(step.input_ids[:step.num_tokens],
+                                    step.positions[:step.num_tokens], self.kv_caches,
+                                    step.attn_metadata, num_steps, self.block_tables.block_size))
+        if run is not None:  # the whole run in one call: the state catches up
+            # (sampling.post_update counts tokens for penalties: argmax rows have none)
+            self.requests.post_update_steps(step.idx_mapping, run[0][:, 1:])
+            self.requests.advance_num_computed_host(step.idx_mapping_np,
+                                                    step.num_scheduled_np * (num_steps - 1))
+            return run[0], run[1] | first.nan_rows
         columns, nans = [first.sampled], [first.nan_rows]
-        for i in range(num_steps - 1):
-            step, descriptor = self._inputs(batch.req_ids, batch.idx_mapping_np,
-                                            batch.num_scheduled_np, batch.num_tokens)
-            positions = step.attn_metadata.seq_lens[:len(step.req_ids)]
-            # From the second step's inputs, the whole run in one call where it is offered.
-            run = (None if i or descriptor is not None or self.decode_run is None
-                   else self.decode_run(step.input_ids[:step.num_tokens],
-                                        step.positions[:step.num_tokens], self.kv_caches,
-                                        step.attn_metadata, num_steps,
-                                        self.block_tables.block_size))
-            if run is not None:  # every further step computed: the state catches up
-                # (sampling.post_update counts tokens for penalties: argmax rows have none)
-                self.requests.post_update_steps(step.idx_mapping, run[0][:, 1:])
-                self.requests.advance_num_computed_host(step.idx_mapping_np,
-                                                        step.num_scheduled_np * (num_steps - 1))
-                return run[0], run[1] | first.nan_rows
+        while True:
             logits = self.model.compute_logits(self._forward(step, descriptor))
+            positions = step.attn_metadata.seq_lens[:len(step.req_ids)]
             out = self.sampler.argmax(logits, step.idx_mapping, step.idx_mapping_np, positions)
             self.requests.post_update(step.idx_mapping, step.num_scheduled, out.sampled)
             self.sampling.post_update(step.idx_mapping, step.idx_mapping_np, positions,
@@ -372,4 +374,6 @@ class ModelRunner:
             self.requests.advance_num_computed_host(step.idx_mapping_np, step.num_scheduled_np)
             columns.append(out.sampled)
             nans.append(out.nan_rows)
-        return torch.stack(columns, dim=1), torch.stack(nans, dim=1).any(dim=1)
+            if len(columns) == num_steps:
+                return torch.stack(columns, dim=1), torch.stack(nans, dim=1).any(dim=1)
+            step, descriptor = next_inputs()

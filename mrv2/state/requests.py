@@ -108,6 +108,12 @@ class RequestState:
                        self.total_len, self.last_sampled):
             staged.apply()
 
+    @property
+    def _post_update_tensors(self) -> tuple:
+        """What the post_update kernels advance, in their argument order."""
+        return (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
+                self.token_ids)
+
     def post_update(self, idx_mapping: torch.Tensor, num_scheduled: torch.Tensor,
                     sampled: torch.Tensor) -> None:
         """Advance counters after sampling, on the device, without reading anything back.
@@ -117,8 +123,7 @@ class RequestState:
         last_sampled, and total_len = num_computed + 1. Rows whose prefill is still incomplete
         after this step sampled nothing. One kernel launch (Triton on CUDA, numba on CPU).
         """
-        tensors = (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
-                   self.token_ids)
+        tensors = self._post_update_tensors
         if platform.kernel_impl(idx_mapping.device) == platform.CPU:
             from mrv2.state.requests_numba import post_update
 
@@ -133,8 +138,7 @@ class RequestState:
     def post_update_steps(self, idx_mapping: torch.Tensor, sampled: torch.Tensor) -> None:
         """`post_update` for a run of decode steps of decode rows (one token a row a step):
         column s of `sampled` [rows, steps] is step s's tokens; one kernel call on the CPU."""
-        tensors = (self.num_computed, self.prefill_len, self.total_len, self.last_sampled,
-                   self.token_ids)
+        tensors = self._post_update_tensors
         if platform.kernel_impl(idx_mapping.device) == platform.CPU:
             from mrv2.state.requests_numba import post_update_steps
 

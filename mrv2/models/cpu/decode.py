@@ -234,24 +234,25 @@ class _StackArgs:
         self.tensors = _stack_tensors(model, kv_caches, head)
         self.key = self.current_key()
         layers = list(model.layers)
-        self.ln1s = _views(layer.input_layernorm.weight for layer in layers)
-        self.ln2s = _views(layer.post_attention_layernorm.weight for layer in layers)
-        (self.w_qkvs, self.w_os, self.w_gate_ups, self.w_downs) = (
-            _projection_views([layer.get_submodule(name) for layer in layers])
-            for name in PROJECTIONS)
-        self.kv_caches = typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches))
-        self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
-        self.final_norm = model.norm.weight.detach().numpy()
-        self.w_embed = _weight_view(_embedding(model), linear=False)
-        self.cos_cache = model.rotary_emb.cos_cache.numpy()
-        self.sin_cache = model.rotary_emb.sin_cache.numpy()
-        # The kernel's scalars, read once: the module attributes cost microseconds a step.
         attn, mlp = layers[0].self_attn, layers[0].mlp
-        self.eps = np.float32(layers[0].input_layernorm.eps)
-        self.final_eps = np.float32(model.norm.eps)
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.head_dim, self.intermediate = attn.head_dim, mlp.intermediate_size
-        self.scale = np.float32(attn.attn.scale)
+        self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.w_embed = _weight_view(_embedding(model), linear=False)
+        # The kernel's arguments between a step's own (both kernels take them in this order),
+        # read once: the module attributes cost microseconds a step. The rotary tables, the
+        # layers' norms, eps and projections, the final norm and eps, the caches:
+        self.layer_args = (
+            model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
+            _views(layer.input_layernorm.weight for layer in layers),
+            _views(layer.post_attention_layernorm.weight for layer in layers),
+            np.float32(layers[0].input_layernorm.eps),
+            *(_projection_views([layer.get_submodule(name) for layer in layers])
+              for name in PROJECTIONS),
+            model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
+            typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
+        # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.
+        self.shape_args = (attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                           mlp.intermediate_size, np.float32(attn.attn.scale))
         self.hidden_size = model.norm.weight.shape[0]
         self.head = head
         self.w_head = None if head is None else _weight_view(head.weight)
@@ -282,11 +283,8 @@ def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Ten
     kv_per_item, splits = _work_split(args, seq_lens)
     decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
-        args.cos_cache, args.sin_cache, args.ln1s, args.ln2s, args.eps, args.w_qkvs, args.w_os,
-        args.w_gate_ups, args.w_downs, args.final_norm, args.final_eps, args.kv_caches,
-        meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(), args.num_heads,
-        args.num_kv_heads, args.head_dim, args.intermediate, args.scale, kv_per_item, splits,
-        out.numpy(), args.w_head, logits.numpy())
+        *args.layer_args, meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(),
+        *args.shape_args, kv_per_item, splits, out.numpy(), args.w_head, logits.numpy())
     return out, logits if with_logits else None
 
 
@@ -308,11 +306,8 @@ def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch
     tokens = torch.empty(rows, num_steps, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)
     decode_stack_run(
-        input_ids.contiguous().numpy(), args.w_embed, step_positions, args.cos_cache,
-        args.sin_cache, args.ln1s, args.ln2s, args.eps, args.w_qkvs, args.w_os,
-        args.w_gate_ups, args.w_downs, args.final_norm, args.final_eps, args.kv_caches,
-        meta.block_tables.numpy(), seq_lens, block_size, args.num_heads, args.num_kv_heads,
-        args.head_dim, args.intermediate, args.scale, kv_per_item, splits,
+        input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
+        meta.block_tables.numpy(), seq_lens, block_size, *args.shape_args, kv_per_item, splits,
         np.empty((rows, args.hidden_size), np.float32), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())
     return tokens, nan_rows
