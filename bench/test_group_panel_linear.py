@@ -2,7 +2,9 @@
 (quantized_panel_numba, the path `quantized_linear` and the decode stack take for integer
 blocks where it runs) against the GEMV on the rows it replaced ("rows": `takes_group_panels`
 turned off), in the same run; the two types' panel rows side by side say what a 4-bit weight
-costs against a byte.
+costs against a byte. `test_q6_k_head_forms`: a Q6_K LM head's "u6" panels (6.5 bits a weight)
+against its "i8" ones (a byte and a float32 scale per 16), one row, with the caches warm and
+right after a read of 64 MB (as in a decode step, which streams the whole model).
 
 Shapes of W1 (bench/e2e_workload.py: hidden 512, kv 256, intermediate 1408, vocab 16000: qkv
 1024 x 512, gate/up 2816 x 512, down 512 x 1408, LM head 16000 x 512) at 1 (decode), 8 and 32
@@ -19,7 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import numpy as np
+
 from mrv2.models.layers import quantized, quantized_numba
+from mrv2.models.layers import quantized_panel_layout as layout
 from mrv2.models.layers import quantized_panel_numba as panel
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
@@ -69,3 +74,27 @@ def test_group_panel_linear(benchmark, monkeypatch, gguf_type, shape_name, rows,
     benchmark.extra_info.update(gguf_type=gguf_type, shape=(n, k), rows=rows, threads=2, seed=0,
                                 gmac_s=round(n * k * rows / benchmark.stats.stats.median / 1e9,
                                              1))
+
+
+@pytest.mark.parametrize("cache", ["warm", "after_64mb_read"])
+@pytest.mark.parametrize("form", ["u6", "i8"])
+def test_q6_k_head_forms(benchmark, monkeypatch, form, cache):
+    n, k = SHAPES["lm_head_16000x512"]
+    qw = QuantizedWeight.from_gguf(random_raw("Q6_K", n, k, seed=0), "Q6_K", (n, k))
+    if form == "i8":
+        monkeypatch.setattr(layout, "_super_scales", lambda values, scales: None)
+    panels = layout.group_panels_of(qw.q.numpy(), qw.scales.numpy(), None)
+    assert panels[0].shape[2] == (layout.U6_PAIR_BYTES if form == "u6" else 128)
+    benchmark.group = f"group-panel-q6_k-head-{cache}"
+    x = np.random.default_rng(1).standard_normal((1, k)).astype(np.float32)
+    out = np.empty((1, n), np.float32)
+    other = torch.ones(16 << 20)  # 64 MB
+
+    def setup() -> None:
+        if cache == "after_64mb_read":
+            other.sum()
+
+    benchmark.pedantic(panel.group_panel_kernel, args=(x, *panels, False, out), setup=setup,
+                       rounds=200, warmup_rounds=2)
+    benchmark.extra_info.update(form=form, panel_mb=round(sum(p.nbytes for p in panels) / 1e6,
+                                                         2), threads=2)

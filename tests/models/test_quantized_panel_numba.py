@@ -1,9 +1,9 @@
-"""The int16-activation panel kernel on GGUF blocks (quantized_panel_numba): the panel layout
-(float16 or float32 tables), the kernel against the exact sum of its quantized operands (and the
-int16 GEMV on the rows) for signed blocks with and without min terms, 32- and 16-input groups,
-float16 and float32 tables, outputs past whole panels and rows past whole passes; the float32
-rows and transposed tiles of the panels against the blocks' dequantization; quantized_linear's
-and the decode stack's routing."""
+"""The int16-activation panel kernel on GGUF blocks (quantized_panel_numba): the kernel against
+the exact sum of its quantized operands (and the int16 GEMV on the rows) for every panel form
+("i8" signed blocks with and without min terms, "u4", "u6"), 32- and 16-input groups, float16
+and float32 tables, outputs past whole panels and rows past whole passes; the float32 rows and
+transposed tiles of the panels against the blocks' dequantization; quantized_linear's and the
+decode stack's routing. The panels' bytes: test_quantized_panel_layout.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
+from mrv2.models.layers import quantized_panel_layout as layout
 from mrv2.models.layers import quantized_panel_numba as panel
-from mrv2.models.layers.gguf_blocks import as_byte_groups, pack_u4, unpack_u4
+from mrv2.models.layers.gguf_blocks import as_byte_groups, unpack_u4
 from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,9 +27,12 @@ needs_panels = pytest.mark.skipif(not panel.GROUP_PANELS_RUN,
                                   reason="needs a host with AVX-512 BW")
 # 32-input groups: "i8" without a min (Q8_0, Q5_0), with one (Q5_1), float32 tables (Q5_K);
 # "u4" nibbles with Q4_0's offset as a min, Q4_1's min, float32 tables (Q4_K). 16-input groups:
-# "i8" without a min (Q6_K), and with one ("Q4_K/16": Q4_K as bytes in 16-input groups, as a
-# fused projection mixing it with Q6_K holds it).
-BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K/16"]
+# "u6" (Q6_K), "i8" without a min ("Q6_K/i8": a Q6_K whose scales do not factor) and with one
+# ("Q4_K/16": Q4_K as bytes in 16-input groups, as a fused projection mixing it with Q6_K
+# holds it).
+BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q6_K/i8",
+               "Q4_K/16"]
+_FORM_BYTES = {"Q4_0": 64, "Q4_1": 64, "Q4_K": 64, "Q6_K": layout.U6_PAIR_BYTES}  # else 128
 
 
 def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -36,47 +40,12 @@ def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
         w = _weight("Q4_K", n, k, seed)
         tables = as_byte_groups(w.q.numpy(), w.scales.numpy(), w.mins.numpy(), True, 16)
         return QuantizedWeight("i8", 16, *(torch.from_numpy(t) for t in tables), "Q4_K")
+    if gguf_type == "Q6_K/i8":
+        w = _weight("Q6_K", n, k, seed)
+        scales = w.scales.clone()
+        scales[0, 0] = 1 / 3  # 24 significant bits: no float x int8 sub-scale makes it
+        return QuantizedWeight("i8", 16, w.q, scales, None, "Q6_K")
     return QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
-
-
-def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
-    rng = np.random.default_rng(0)
-    q = rng.integers(-128, 128, size=(70, 64), dtype=np.int8)
-    scales = rng.random((70, 2), dtype=np.float32)
-    weights, scale_panels, min_panels = panel.group_panels_of(q, scales, None)
-    assert weights.shape == (2, 32, 128) and scale_panels.shape == (2, 2, 64)
-    assert min_panels.shape == (2, 0, 64)
-    for row, p, t in ((0, 0, 0), (5, 3, 1), (63, 31, 1), (64, 7, 0), (69, 31, 1)):
-        assert weights[row // 64, p, 2 * (row % 64) + t] == q[row, 2 * p + t]
-        assert scale_panels[row // 64, p % 2, row % 64] == scales[row, p % 2]
-    assert not weights[1, :, 2 * 6:].any() and not scale_panels[1, :, 6:].any()
-    with pytest.raises(ValueError, match="groups of 32"):
-        panel.group_panels_of(q[:, :48], scales, None)
-    # Bytes in 16-input groups: a table entry per 8 pairs.
-    _, scale_panels, _ = panel.group_panels_of(q, np.repeat(scales, 2, axis=1), None)
-    assert scale_panels.shape == (2, 4, 64) and scale_panels[1, 3, 5] == scales[69, 1]
-    # "u4": octets of inputs; 64 bytes (row 4 c + j of a panel) hold outputs 16 j .. 16 j + 15
-    # of octet c, as 16-bit words: word 2 o + t has input 8 c + 2 k + t in nibble k.
-    values = rng.integers(0, 16, size=(70, 64), dtype=np.uint8)
-    nibbles, _, _ = panel.group_panels_of(pack_u4(values), scales, None, packed=True)
-    assert nibbles.shape == (2, 32, 64)
-    for row, c in ((0, 0), (5, 3), (17, 1), (63, 7), (64, 2), (69, 5)):
-        j, o = row % 64 // 16, row % 16
-        for t in range(2):
-            word = nibbles[row // 64, 4 * c + j, 4 * o + 2 * t:4 * o + 2 * t + 2].view(np.uint16)
-            assert [(int(word[0]) >> 4 * k) & 15 for k in range(4)] == [
-                values[row, 8 * c + 2 * k + t] for k in range(4)]
-    past_n = nibbles[1].reshape(8, 4, 64)  # outputs 70.. of the second panel: zeros
-    assert not past_n[:, 0, 4 * 6:].any() and not past_n[:, 1:].any() and past_n[:, 0].any()
-    with pytest.raises(ValueError, match="not nibbles"):
-        panel.group_panels_of(pack_u4(values), np.repeat(scales, 2, axis=1), None, packed=True)
-    # Float16 bit-pattern tables stay float16 in the panels; the two tables share one dtype.
-    bits = rng.random((70, 2), dtype=np.float32).astype(np.float16).view(np.int16)
-    _, scale_panels, min_panels = panel.group_panels_of(q, bits, bits)
-    assert scale_panels.dtype == min_panels.dtype == np.int16
-    assert scale_panels[1, 1, 5] == bits[69, 1] and not min_panels[1, :, 6:].any()
-    with pytest.raises(ValueError, match="one dtype"):
-        panel.group_panels_of(q, bits, scales)
 
 
 @pytest.mark.parametrize("gguf_type", BLOCK_TYPES)
@@ -85,6 +54,7 @@ def test_rows_and_tiles_of_the_panels_are_the_dequantized_weight(gguf_type):
     w = _weight(gguf_type, n, k, seed=11)
     exact = w.dequantize().numpy()
     panels, packed = w.group_panels(), w.layout == "u4"
+    assert panels[0].shape[2] == _FORM_BYTES.get(gguf_type, 128)
     ids = np.array([149, 0, 64, 63, 128], np.int64)
     rows = np.empty((len(ids), k), np.float32)
     panel.panel_rows(*panels, packed, ids, rows)
@@ -120,7 +90,8 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
 _SHAPES = [(64, 32, 1), (70, 96, 3), (130, 256, 5), (40, 288, 9)]
 _CASES = [(t, *shape) for t in BLOCK_TYPES for shape in _SHAPES
           if not ("_K" in t and shape[1] % 256)] + [(t, 70, 512, 6) for t in
-                                                     ("Q5_K", "Q4_K", "Q6_K", "Q4_K/16")]
+                                                     ("Q5_K", "Q4_K", "Q6_K", "Q6_K/i8",
+                                                      "Q4_K/16")]
 
 
 @needs_panels
@@ -140,6 +111,24 @@ def test_kernel_is_the_exact_sum_up_to_float32_order(gguf_type, n, k, rows):
                                 w.kernel_mins.numpy(), w.layout == "u4", w.group_size,
                                 quantized_numba.X_INT16, gemv)
     assert np.all(np.abs(out - gemv) <= 2 * bound)
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 5])
+def test_u6_panels_give_the_i8_forms_sums(rows, monkeypatch):
+    """A Q6_K weight's "u6" panels (sub x super-scale) and its "i8" ones (the float scales):
+    the same integer sums times the same scales, the outputs apart only by float order."""
+    w = _weight("Q6_K", 130, 512, seed=4)
+    u6 = w.group_panels()
+    monkeypatch.setattr(layout, "_super_scales", lambda values, scales: None)
+    i8 = layout.group_panels_of(w.q.numpy(), w.scales.numpy(), None)
+    assert u6[0].shape[2] == layout.U6_PAIR_BYTES and i8[0].shape[2] == 128
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    out_u6, out_i8 = np.empty((rows, 130), np.float32), np.empty((rows, 130), np.float32)
+    panel.group_panel_kernel(x, *u6, False, out_u6)
+    panel.group_panel_kernel(x, *i8, False, out_i8)
+    _, magnitude = _exact(x, w)
+    assert np.all(np.abs(out_u6 - out_i8) <= 2 * (2 * 512 // 16 + 2) * 2.0 ** -24 * magnitude)
 
 
 @pytest.mark.parametrize("gguf_type, takes", [("Q8_0", True), ("Q5_1", True), ("Q4_1", True),

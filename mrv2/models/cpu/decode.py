@@ -42,7 +42,7 @@ from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS
 from mrv2.models.layers import quantized
 from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
-from mrv2.models.layers.quantized_panel_numba import no_group_panels
+from mrv2.models.layers.quantized_panel_layout import no_group_panels
 from mrv2.models.layers.numba_rows import typed_list
 from mrv2.models.llama import LlamaModel
 

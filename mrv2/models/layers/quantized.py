@@ -36,7 +36,7 @@ import torch
 
 from mrv2 import platform
 from mrv2.models.layers import (cpu_linear, dot_linear, half_panel_linear, quantized_numba,
-                                quantized_panel_numba, quantized_tiles)
+                                quantized_panel_layout, quantized_panel_numba, quantized_tiles)
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4, unpack_blocks
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
@@ -261,7 +261,7 @@ class QuantizedWeight:
         mins; the tables in this weight's table dtype), made at first use (`q` and the tables
         never change in place): a copy beside the blocks until `store_as_panels`."""
         if self._group_panels is None:
-            self._group_panels = quantized_panel_numba.group_panels_of(
+            self._group_panels = quantized_panel_layout.group_panels_of(
                 self.q.numpy(), self.scales.numpy(),
                 None if self.mins is None else self.mins.numpy(), packed=self.layout == "u4")
         return self._group_panels

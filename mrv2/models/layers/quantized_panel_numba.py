@@ -19,17 +19,16 @@ integer sums are exact (|w| <= 128, |xq| <= 32767: a group's 32 products stay be
 equal the GEMV's; out[m, n] = sum over groups in order of float(isum) * (scale * d) (+ min *
 sum_g x), in float32: the GEMV's sums in another order (the tests hold the two together).
 
-Weights: "i8" blocks of 32 inputs as stored (Q8_0, Q5_0, Q5_1, Q5_K) or of 16 (Q6_K, and the
-byte groups of a fused projection whose shards differ in layout: each 16-input group's sum is
-scaled alone, with x's d of its 32-input block), and "u4" ones (Q4_0, Q4_1, Q4_K) as nibbles
-(the file's bytes: [B, K / 2, 64]) in octets of inputs: 64 bytes hold 16 outputs' 8 inputs as
-32 16-bit words, word 2 o + t carrying the octet's inputs 2 k + t in its nibble k, so that a
-shift and a mask (none for the top nibble) make the <32 x i16> lanes of pair k of 16 outputs:
-one load and 7 integer instructions for 128 weights (against a widening load and 4 for 32
-when a pair's two nibbles shared a byte). The scale and
-min panels keep the weight's table dtype (float16 bit patterns for the 32-input types, whose
-scales are the file's f16 fields; float32 for the K types), so a panel weight holds the file's
-bytes. A weight served as a linear is stored as its panels alone
+Weights: the panel forms of quantized_panel_layout: "i8" bytes (groups of 32 inputs, or of 16:
+each 16-input group's sum scaled alone, with x's d of its 32-input block); "u4" nibbles in
+octets, a shift and a mask (none for the top nibble) making the <32 x i16> lanes of a pair of
+16 outputs: one load and 7 integer instructions for 128 weights; "u6" (Q6_K) 6-bit fields of
+48-bit strings, each pair's lanes a shift (a funnel shift, vpshldw, where a field spans two
+rows) and an arithmetic shift that brings the field down with its sign: 15 instructions for a
+16-input group's 8 pairs of 16 outputs, whose scale is its int8 sub-scale (from the panel)
+times the 256 inputs' super-scale (the table): the "i8" form's integer sums and scales at 6.5
+bits a weight. The scale and min panels keep the weight's table dtype, so a panel weight holds
+about the file's bytes. A weight served as a linear is stored as its panels alone
 (QuantizedWeight.store_as_panels): `panel_rows` and `panel_tile_t` give its float32 rows, for
 the embedding lookup and the prefill tiles, exactly as the blocks' dequantization does. Runs
 where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit vpmaddwd, and 32
@@ -44,70 +43,19 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2.models.layers.gguf_blocks import unpack_u4
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
-from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16F, V16I, V16S, V32B,
-                                          V32S, call_intrinsic, host_compiles_with, row_ptr,
-                                          splat, table_elem, table_value, vload, widen_half)
+from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_OUTPUTS, U6_PAIR_BYTES
+from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_VECTORS as _VECTORS
+from mrv2.models.layers.quantized_panel_layout import U6_SUPER_GROUPS
+from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S,
+                                          V32B, V32S, call_intrinsic, host_compiles_with,
+                                          row_ptr, splat, table_elem, table_value, vload,
+                                          widen_half)
 
-GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
-_VECTORS = GROUP_PANEL_OUTPUTS // 16  # 16-output vectors of a panel
+_FORM_I8, _FORM_U4, _FORM_U6 = 0, 1, 2  # the panel forms, as the kernels' literals
 
 GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
-
-
-def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
-                    packed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A weight's blocks -> the kernel's (weights int8 [B, K / 2, 128] ("i8") or [B, K / 2, 64]
-    (`packed`: "u4"), scales [B, G, 64], mins [B, G or 0, 64]), B = ceil(N / 64).
-    `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's layout);
-    `scales` / `mins` [N, G] (G = K / 32, or K / 16 for "i8") float32 or int16 float16 bit
-    patterns, the panels' tables in the same dtype (mins None: no min term). Panel b, pair p
-    holds w[64 b + o, 2 p + t] at byte 2 o + t; for "u4", row 4 c + j of panel b holds octet c
-    of outputs 64 b + 16 j .. + 15 (output 64 b + 16 j + o, input 8 c + 2 k + t: nibble k of
-    16-bit word 2 o + t); outputs past N are zeros (zero weights and tables)."""
-    n = q.shape[0]
-    if packed:
-        q = unpack_u4(q).astype(np.int8)
-    k = q.shape[1]
-    if k % INT8_BLOCK or scales.shape not in ((n, k // INT8_BLOCK),
-                                              *(() if packed else ((n, k // 16),))):
-        raise ValueError(f"weight {q.shape} with scales {scales.shape}: groups of 32 inputs, "
-                         f"or 16 for bytes (not nibbles)")
-    if scales.dtype not in (np.float32, np.int16) or (mins is not None
-                                                      and mins.dtype != scales.dtype):
-        raise ValueError(f"tables of {scales.dtype} / {None if mins is None else mins.dtype}: "
-                         f"one dtype, float32 or int16 float16 bit patterns")
-    blocks = -(-n // GROUP_PANEL_OUTPUTS)
-    padded = np.zeros((blocks * GROUP_PANEL_OUTPUTS, k), np.int8)
-    padded[:n] = q
-    if packed:
-        # [B, vector j, output o, octet, pair k, input t] -> bytes [B, octet, j, o, t, h]:
-        # nibble k & 1 of byte h = k >> 1 (word 2 o + t holds the octet's 4 pairs' inputs t)
-        v = padded.reshape(blocks, _VECTORS, 16, k // 8, 2, 2, 2).transpose(0, 3, 1, 2, 6, 4, 5)
-        weights = np.ascontiguousarray(v[..., 0] | (v[..., 1] << 4)).reshape(blocks, k // 2, -1)
-    else:
-        pairs = padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2).transpose(0, 2, 1, 3)
-        weights = np.ascontiguousarray(pairs).reshape(blocks, k // 2, -1)
-
-    def table_panels(table: np.ndarray) -> np.ndarray:
-        out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, table.shape[1]), scales.dtype)
-        out[:n] = table
-        return np.ascontiguousarray(out.reshape(blocks, GROUP_PANEL_OUTPUTS, table.shape[1])
-                                    .transpose(0, 2, 1))
-
-    no_mins = np.zeros((n, 0), scales.dtype)
-    return weights, table_panels(scales), table_panels(no_mins if mins is None else mins)
-
-
-def no_group_panels(table_dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What `group_panels_of` returns, with no panels: a weight view's (the decode stack's)
-    stand-in where the kernel does not take the weight, its tables of `table_dtype` (the
-    blocks', so that views of one table dtype share one numba type)."""
-    return (np.empty((0, 0, 2 * GROUP_PANEL_OUTPUTS), np.int8),
-            np.empty((0, 0, GROUP_PANEL_OUTPUTS), table_dtype),
-            np.empty((0, 0, GROUP_PANEL_OUTPUTS), table_dtype))
 
 
 def _pair_weights(builder, panel, pair, j):
@@ -131,6 +79,22 @@ def _nibble_lanes(builder, words, k):
     return words if k == 3 else builder.and_(words, ir.Constant(V32S, [15] * 32))
 
 
+def _u6_lanes(builder, rows, m):
+    """"u6": input pair m of a 16-input group as <32 x i16> (`_pair_weights`' lanes), from its
+    three rows (word 2 o + t of rows 0, 1, 2: a 48-bit string, the pair's inputs t at bits
+    6 m): the field shifted to the top of each lane (a funnel shift where it spans two rows),
+    then arithmetically down by 10, sign and all."""
+    row, bit = divmod(6 * m, 16)
+    if bit + 6 > 16:
+        top = call_intrinsic(builder, "llvm.fshl.v32i16", V32S, [
+            rows[row + 1], rows[row], ir.Constant(V32S, [26 - bit] * 32)])
+    elif bit < 10:
+        top = builder.shl(rows[row], ir.Constant(V32S, [10 - bit] * 32))
+    else:
+        top = rows[row]
+    return builder.ashr(top, ir.Constant(V32S, [10] * 32))
+
+
 def _table_vector(builder, panel, offset, table_type):
     """16 entries of a scale / min panel from `offset` as <16 x float>."""
     if table_type.dtype == types.int16:
@@ -139,14 +103,14 @@ def _table_vector(builder, panel, offset, table_type):
 
 
 @intrinsic(prefer_literal=True)
-def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, packed, sums):
+def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, form, sums):
     """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums,
     read where `mins` has groups) . the 64 outputs of panel `block`, for r < rows (a literal, 1
-    to GROUP_PANEL_ROWS); `packed` (a literal): the panel holds "u4" nibbles."""
-    if not (isinstance(rows, types.IntegerLiteral) and isinstance(packed, types.BooleanLiteral)
+    to GROUP_PANEL_ROWS); `form` (a literal): the panel's (_FORM_I8, _FORM_U4, _FORM_U6)."""
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
             and 1 <= rows.literal_value <= GROUP_PANEL_ROWS):
         return None
-    count, is_u4 = rows.literal_value, packed.literal_value
+    count, kind = rows.literal_value, form.literal_value
 
     def codegen(context, builder, signature, args):
         wt, _, xqt, dxt, st, mnt, xst, _, _, _, sumt = signature.args
@@ -156,10 +120,15 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
         panel, warr = row_ptr(context, builder, wt, args[0], block, I8)
         scale_panel, sarr = row_ptr(context, builder, st, args[4], block, table_elem(st))
         min_panel, marr = row_ptr(context, builder, mnt, args[5], block, table_elem(mnt))
-        groups = cgutils.unpack_tuple(builder, sarr.shape, 3)[1]
-        # Input pairs of a weight group: 16 (32 inputs) or 8 (16 inputs, "i8" only); x's scale
-        # d covers 16 pairs, so a 16-input group's is its pair's 32-input block's.
-        group_pairs = builder.sdiv(cgutils.unpack_tuple(builder, warr.shape, 3)[1], groups)
+        pairs = cgutils.unpack_tuple(builder, warr.shape, 3)[1]
+        # Input pairs of a weight group: 16 (32 inputs) or 8 (16 inputs, "i8" and "u6"); x's
+        # scale d covers 16 pairs, so a 16-input group's is its pair's 32-input block's.
+        if kind == _FORM_U6:  # the table has a super-scale per 16 groups
+            group_pairs = ity(8)
+            groups = builder.sdiv(pairs, group_pairs)
+        else:
+            groups = cgutils.unpack_tuple(builder, sarr.shape, 3)[1]
+            group_pairs = builder.sdiv(pairs, groups)
         has_min = builder.icmp_signed(">", cgutils.unpack_tuple(builder, marr.shape, 3)[1],
                                       ity(0))
         ms = [builder.add(m0, ity(r)) for r in range(count)]
@@ -193,7 +162,15 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                         builder.store(builder.add(builder.load(ints[r][j]), products),
                                       ints[r][j])
 
-            if is_u4:
+            u6_group = builder.mul(first_pair, ity(U6_PAIR_BYTES))  # its 832 bytes, for "u6"
+
+            if kind == _FORM_U6:  # row 4 r + j: piece r of vector j's strings, 64 bytes
+                rows = [[vload(builder, panel, builder.add(u6_group, ity(64 * (4 * r + j))),
+                               V32S, 1) for r in range(3)] for j in range(_VECTORS)]
+                for m in range(8):
+                    add_products(builder.add(first_pair, ity(m)),
+                                 [_u6_lanes(builder, rows[j], m) for j in range(_VECTORS)])
+            elif kind == _FORM_U4:
                 with cgutils.for_range(builder, builder.sdiv(group_pairs, ity(4))) as loop:
                     first = builder.add(first_pair, builder.mul(loop.index, ity(4)))
                     words = [_octet_words(builder, panel, first, j) for j in range(_VECTORS)]
@@ -207,7 +184,15 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                                         for j in range(_VECTORS)])
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
                        for j in range(_VECTORS)]
-            scale_vectors = [_table_vector(builder, scale_panel, o, st) for o in offsets]
+            if kind == _FORM_U6:  # sub-scale (the group's 64 bytes after its rows) x super-scale
+                supers = builder.mul(builder.sdiv(g, ity(U6_SUPER_GROUPS)),
+                                     ity(GROUP_PANEL_OUTPUTS))
+                scale_vectors = [builder.fmul(builder.sitofp(builder.sext(vload(
+                    builder, panel, builder.add(u6_group, ity(768 + 16 * j)), V16B, 1), V16I),
+                    V16F), _table_vector(builder, scale_panel, builder.add(supers, ity(16 * j)),
+                                         st)) for j in range(_VECTORS)]
+            else:
+                scale_vectors = [_table_vector(builder, scale_panel, o, st) for o in offsets]
             x_block = builder.lshr(first_pair, ity(4))
             for r in range(count):
                 d = splat(builder, builder.load(builder.gep(d_rows[r], [x_block])), 16)
@@ -231,21 +216,21 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                 builder.store(builder.load(sums[r][j]), builder.gep(out, [ity(j)]), align=4)
         return context.get_dummy_value()
 
-    return types.void(w, block, xq, dx, scales, mins, xsum, m0, rows, packed, sums), codegen
+    return types.void(w, block, xq, dx, scales, mins, xsum, m0, rows, form, sums), codegen
 
 
 @njit(inline="always", cache=True)
-def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, packed, sums):
-    """`_group_panel_sums` for `rows` (1 to GROUP_PANEL_ROWS) rows, `packed` a literal: each
+def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, form, sums):
+    """`_group_panel_sums` for `rows` (1 to GROUP_PANEL_ROWS) rows, `form` a literal: each
     count a literal."""
     if rows == 4:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 4, packed, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 4, form, sums)
     elif rows == 3:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 3, packed, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 3, form, sums)
     elif rows == 2:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 2, packed, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 2, form, sums)
     else:
-        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 1, packed, sums)
+        _group_panel_sums(w, b, xq, dx, scales, mins, xsum, m0, 1, form, sums)
 
 
 @njit(cache=True)
@@ -276,10 +261,13 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
         width = min(GROUP_PANEL_OUTPUTS, n - n0)
         for m0 in range(0, rows, GROUP_PANEL_ROWS):
             count = min(GROUP_PANEL_ROWS, rows - m0)
-            if packed:
-                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, True, sums)
+            # _FORM_U6, _FORM_U4, _FORM_I8 written as numbers: a global inside prange is no literal
+            if w.shape[2] == U6_PAIR_BYTES:
+                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 2, sums)
+            elif packed:
+                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 1, sums)
             else:
-                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, False, sums)
+                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 0, sums)
             for r in range(count):
                 out[m0 + r, n0:n0 + width] = sums[r, :width]
 
@@ -287,6 +275,17 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
 @njit(inline="always")
 def _panel_value(w, b, pair, o, t, packed):
     """The integer weight of output 64 b + o, input 2 pair + t, from its panel."""
+    if w.shape[2] == U6_PAIR_BYTES:  # byte x of group g: w[b, 8 g + x // 104, x % 104]
+        g, m = pair // 8, pair % 8
+        string = np.int64(0)
+        for r in range(3):  # word 2 (o % 16) + t of row 4 r + o // 16
+            at = 64 * (4 * r + o // 16) + 4 * (o % 16) + 2 * t
+            piece = (np.int64(np.uint8(w[b, 8 * g + at // U6_PAIR_BYTES, at % U6_PAIR_BYTES]))
+                     | np.int64(np.uint8(w[b, 8 * g + (at + 1) // U6_PAIR_BYTES,
+                                           (at + 1) % U6_PAIR_BYTES])) << 8)
+            string |= piece << (16 * r)
+        field = (string >> (6 * m)) & 63
+        return np.float32(field - 64 if field >= 32 else field)
     if packed:  # `group_panels_of`'s octets: row 4 octet + o // 16, word 2 (o % 16) + t
         k = pair % 4
         byte = np.int32(np.uint8(w[b, pair - k + o // 16, 4 * (o % 16) + 2 * t + (k >> 1)]))
@@ -294,17 +293,34 @@ def _panel_value(w, b, pair, o, t, packed):
     return np.float32(w[b, pair, 2 * o + t])
 
 
+@njit(inline="always")
+def _panel_groups(w, scales):
+    """A panel weight's weight groups and their input pairs: 8 for "u6", else the table's."""
+    groups = w.shape[1] // 8 if w.shape[2] == U6_PAIR_BYTES else scales.shape[1]
+    return groups, w.shape[1] // max(groups, 1)
+
+
+@njit(inline="always")
+def _group_scale(w, scales, b, g, o):
+    """Output 64 b + o's scale in group g: "u6"'s sub-scale (byte 768 + o of the group's 832:
+    the last 64 of its pair 7) x its super-scale, else the table's."""
+    if w.shape[2] == U6_PAIR_BYTES:
+        sub = w[b, 8 * g + 7, U6_PAIR_BYTES - GROUP_PANEL_OUTPUTS + o]
+        return np.float32(sub) * table_value(scales[b], g // U6_SUPER_GROUPS, o)
+    return table_value(scales[b], g, o)
+
+
 @njit(fastmath=True, cache=True)
 def panel_rows(w, scales, mins, packed, ids, out):
     """out[i, :] = the float32 weight row ids[i] of a weight held as its panels, on the calling
     thread: scale x q (+ min), the value quantized_numba's dequantization gives from the
-    blocks (scale x q is exact in float32, so one rounding)."""
+    blocks (scale x q rounded once, as there)."""
     has_min = mins.shape[1] > 0
-    group_pairs = w.shape[1] // scales.shape[1]
+    groups, group_pairs = _panel_groups(w, scales)
     for i in range(ids.shape[0]):
         b, o = ids[i] // GROUP_PANEL_OUTPUTS, ids[i] % GROUP_PANEL_OUTPUTS
-        for g in range(scales.shape[1]):
-            s = table_value(scales[b], g, o)
+        for g in range(groups):
+            s = _group_scale(w, scales, b, g, o)
             mn = table_value(mins[b], g, o) if has_min else np.float32(0.0)
             for pair in range(g * group_pairs, (g + 1) * group_pairs):
                 for t in range(2):
@@ -318,17 +334,22 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     the calling thread (the tiled linear alternates it with torch.mm). Each panel is read in
     order, each input's 64 outputs written side by side."""
     has_min = mins.shape[1] > 0
-    group_pairs = w.shape[1] // scales.shape[1]
+    groups, group_pairs = _panel_groups(w, scales)
+    u6 = w.shape[2] == U6_PAIR_BYTES
     s = np.empty(GROUP_PANEL_OUTPUTS, np.float32)  # a group's 64 scales and mins, widened once
     mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
     for c in range(count):
         b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
         lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row
-        for g in range(scales.shape[1]):
+        for g in range(groups):
             for o in range(GROUP_PANEL_OUTPUTS):
-                s[o] = table_value(scales[b], g, o)
+                s[o] = _group_scale(w, scales, b, g, o)
                 if has_min:
                     mn[o] = table_value(mins[b], g, o)
+            if u6:
+                _u6_rows_t(lanes[g * U6_PAIR_BYTES * 2:(g + 1) * U6_PAIR_BYTES * 2], s,
+                           out_t[16 * g:16 * g + 16], col)
+                continue
             if packed:
                 for first in range(g * group_pairs, (g + 1) * group_pairs, 4):
                     _octet_rows_t(lanes, first, s, mn, out_t, col)
@@ -338,6 +359,26 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
                     for o in range(GROUP_PANEL_OUTPUTS):
                         out_t[2 * pair + t, col + o] = (s[o] * _panel_value(w, b, pair, o, t,
                                                                             packed) + mn[o])
+
+
+@njit(inline="always")
+def _u6_rows_t(group_lanes, s, out_t, col):
+    """out_t[i, col:col + 64] = scale x q of a "u6" panel's 64 outputs for the 16 inputs i of
+    a group, its 832 bytes as 208 uint32 lanes: lane 64 r + 16 j + o holds piece r of output
+    16 j + o's strings (t = 0 in its low 16 bits, 1 in its high), input 2 m + t at bit 6 m."""
+    for t in range(2):
+        shift = np.uint32(16 * t)
+        strings = np.empty(GROUP_PANEL_OUTPUTS, np.int64)
+        for o in range(GROUP_PANEL_OUTPUTS):
+            strings[o] = 0
+            for r in range(3):
+                strings[o] |= np.int64((group_lanes[64 * r + o] >> shift) & np.uint32(0xFFFF)
+                                       ) << (16 * r)
+        for m in range(8):
+            dst = out_t[2 * m + t, col:col + GROUP_PANEL_OUTPUTS]
+            for o in range(GROUP_PANEL_OUTPUTS):
+                field = np.int32((strings[o] >> (6 * m)) & 63)
+                dst[o] = s[o] * np.float32(field - ((field & 32) << 1))
 
 
 @njit(inline="always")

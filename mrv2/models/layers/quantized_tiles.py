@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mrv2.models.layers import quantized_panel_numba
+from mrv2.models.layers import quantized_panel_layout, quantized_panel_numba
 
 if TYPE_CHECKING:
     from mrv2.models.layers.quantized import QuantizedWeight
@@ -55,7 +55,7 @@ def _panel_tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tenso
     # A weight held as group panels: a tile of whole panels dequantized transposed ([K,
     # outputs]: a panel's outputs lie side by side in memory), torch.mm taking its transpose.
     n, k = weight.out_features, weight.in_features
-    width = quantized_panel_numba.GROUP_PANEL_OUTPUTS
+    width = quantized_panel_layout.GROUP_PANEL_OUTPUTS
     panels = -(-n // width)
     per_tile = max(1, min(panels, TILE_ELEMENTS // (k * width)))
     buf_t = torch.empty(k, per_tile * width, dtype=torch.float32)
