@@ -202,9 +202,12 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     w.store_as_panels()
     assert w.panel_storage and w.q.shape == (130, 0) and w.scales.shape == (130, 0)
     # The panels hold the blocks' bytes (tables in the blocks' dtype), padded to 192 outputs; a
-    # Q6_K's "u6" panels the file's (its f16 d a float32), where its bytes widened to int8 did.
-    file_row = raw.size // 130 + 2 * 512 // 256
-    assert w.nbytes == (192 * file_row if gguf_type == "Q6_K" else blocks_bytes * 192 // 130)
+    # Q6_K's "u6" panels the file's (its f16 d a float32), where its bytes widened to int8 did,
+    # and Q4_0's the file's (no min table: its mins are -8 x its scales).
+    file_row = {"Q6_K": raw.size // 130 + 2 * 512 // 256, "Q4_0": raw.size // 130}
+    expected = (192 * file_row[gguf_type] if gguf_type in file_row
+                else blocks_bytes * 192 // 130)
+    assert w.nbytes == expected
     assert torch.equal(w.dequantize(), ref)
     assert torch.equal(w.dequantize_rows(torch.tensor([129, 0, 64])), ref[[129, 0, 64]])
     assert torch.equal(quantized_linear(x_rows, w), rows_before)  # the same kernel and panels

@@ -1,6 +1,8 @@
 """The panels' bytes (quantized_panel_layout): "i8" pairs, "u4" octets and "u6" strings of
-each output's inputs with their tables, zeros past N, and which form a weight's values and
-scales get (a Q6_K's factor into int8 sub-scales x a float per 256 inputs, bit for bit)."""
+each output's inputs with their tables, zeros past N, which form a weight's values and tables
+get (a Q6_K's scales factor into int8 sub-scales x a float per 256 inputs, bit for bit; Q4_0's
+mins are dropped); the float32 rows and transposed tiles read back from every form against the
+blocks' dequantization."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from mrv2.models.layers.quantized import QuantizedWeight
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw  # noqa: E402
+from test_quantized_panel_numba import _FORM_BYTES, BLOCK_TYPES, _weight  # noqa: E402
 
 def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     rng = np.random.default_rng(0)
@@ -55,6 +58,23 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     assert scale_panels[1, 1, 5] == bits[69, 1] and not min_panels[1, :, 6:].any()
     with pytest.raises(ValueError, match="one dtype"):
         layout.group_panels_of(q, bits, scales)
+
+
+@pytest.mark.parametrize("gguf_type", BLOCK_TYPES)
+def test_rows_and_tiles_of_the_panels_are_the_dequantized_weight(gguf_type):
+    n, k = 150, 512  # two whole panels and a ragged third
+    w = _weight(gguf_type, n, k, seed=11)
+    exact = w.dequantize().numpy()
+    panels, packed = w.group_panels(), w.layout == "u4"
+    assert panels[0].shape[2] == _FORM_BYTES.get(gguf_type, 128)
+    ids = np.array([149, 0, 64, 63, 128], np.int64)
+    rows = np.empty((len(ids), k), np.float32)
+    layout.panel_rows(*panels, packed, ids, rows)
+    assert np.array_equal(rows, exact[ids])
+    tile = np.full((k, 3 * 64 + 5), np.nan, np.float32)
+    layout.panel_tile_t(*panels, packed, 1, 2, tile)  # panels 1 and 2: outputs 64 .. 191
+    assert np.array_equal(tile[:, :n - 64], exact[64:].T)
+    assert not tile[:, n - 64:128].any() and np.isnan(tile[:, 128:]).all()
 
 
 def _u6_value(weights: np.ndarray, row: int, col: int) -> int:
@@ -113,3 +133,14 @@ def test_other_types_keep_their_forms(gguf_type):
         w.q.numpy(), w.scales.numpy(), None if w.mins is None else w.mins.numpy(),
         packed=w.layout == "u4")
     assert weights.shape[2] == (64 if w.layout == "u4" else 128)
+
+
+def test_q4_0_panels_have_no_min_table():
+    """Q4_0's mins are -8 x its scales: its "u4" panels drop them (the kernels take q - 8);
+    Q4_1's and Q4_K's keep theirs."""
+    for gguf_type, has_mins in (("Q4_0", False), ("Q4_1", True), ("Q4_K", True)):
+        w = QuantizedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
+        weights, scales, mins = layout.group_panels_of(
+            w.q.numpy(), w.scales.numpy(), w.mins.numpy(), packed=True)
+        assert weights.shape[2] == 64 and (mins.shape[1] > 0) == has_mins
+        assert mins.shape[1] in (0, scales.shape[1])

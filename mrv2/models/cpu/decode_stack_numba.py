@@ -25,7 +25,8 @@ from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
-from mrv2.models.layers.quantized_panel_numba import group_panel_kernel, panel_rows
+from mrv2.models.layers.quantized_panel_layout import panel_rows
+from mrv2.models.layers.quantized_panel_numba import group_panel_kernel
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 from mrv2.sampler.greedy_numba import (MAX_SERIAL_ROWS, greedy_argmax_kernel,

@@ -302,7 +302,7 @@ class QuantizedWeight:
             torch.from_numpy(out)[:len(ids)].copy_(bits.view(self.half_dtype))
             return
         if self.panel_storage:
-            quantized_panel_numba.panel_rows(*self._group_panels, self.layout == "u4", ids, out)
+            quantized_panel_layout.panel_rows(*self._group_panels, self.layout == "u4", ids, out)
             return
         mins = self.kernel_mins
         kernel = quantized_numba.dequant_rows if parallel else quantized_numba.dequant_rows_serial

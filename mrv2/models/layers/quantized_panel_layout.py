@@ -1,5 +1,8 @@
 """The bytes of quantized_panel_numba's panels: a weight of integer blocks repacked, at load, into
-panels of 64 outputs in one of three forms, chosen from the weight's values and tables. Numpy.
+panels of 64 outputs in one of three forms, chosen from the weight's values and tables (numpy),
+and read back as float32 rows (`panel_rows`: the embedding lookup of a weight held as its
+panels) and transposed tiles (`panel_tile_t`: the prefill tiles), exactly as the blocks'
+dequantization gives them (numba, on the calling thread).
 
 - "i8": for each pair of inputs (2 p, 2 p + 1) the 64 outputs' two weights, 128 contiguous
   bytes (panel b, pair p: w[64 b + o, 2 p + t] at byte 2 o + t); groups of 32 inputs (Q8_0,
@@ -7,7 +10,9 @@ panels of 64 outputs in one of three forms, chosen from the weight's values and 
 - "u4" (Q4_0, Q4_1, Q4_K): nibbles in octets of inputs: 64 bytes hold 16 outputs' 8 inputs as
   32 16-bit words, word 2 o + t carrying the octet's inputs 2 k + t in its nibble k (row 4 c + j
   of a panel: octet c of outputs 16 j .. 16 j + 15), so that a shift and a mask make the lanes
-  of pair k.
+  of pair k. Without a min table the values are q - 8 (Q4_0, whose mins are -8 x its scales:
+  the kernel subtracts 8 x x's block sums from its integer sums instead of reading 2 bytes
+  more per 32 weights).
 - "u6" (Q6_K, and any bytes in -32..31 with 16-input groups whose scales are, per 256
   inputs, one float times int8 sub-scales): the file's 6.5 bits a weight. Per 16-input group,
   832 bytes: 3 rows of 64 bytes per 16 outputs (row 4 r + j: outputs 16 j .. 16 j + 15), word
@@ -25,9 +30,11 @@ patterns for the 32-input types, float32 for the K types); outputs past N are ze
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from mrv2.models.layers.gguf_blocks import unpack_u4
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK
+from mrv2.models.layers.vector_ir import table_value
 
 GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
 GROUP_PANEL_VECTORS = GROUP_PANEL_OUTPUTS // 16  # 16-output vectors of a panel
@@ -66,6 +73,8 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
                                     .transpose(0, 2, 1))
 
     no_mins = table_panels(np.zeros((n, 0), scales.dtype))
+    if packed and mins is not None and np.array_equal(_as_float(mins), -8 * _as_float(scales)):
+        mins = None  # Q4_0's: the kernels take "u4" without a min table as q - 8
     factored = None if packed or mins is not None else _super_scales(q, scales)
     if factored is not None:
         supers, subs = factored
@@ -78,6 +87,11 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
         pairs = padded.reshape(blocks, GROUP_PANEL_OUTPUTS, k // 2, 2).transpose(0, 2, 1, 3)
         weights = np.ascontiguousarray(pairs).reshape(blocks, k // 2, -1)
     return weights, table_panels(scales), no_mins if mins is None else table_panels(mins)
+
+
+def _as_float(table: np.ndarray) -> np.ndarray:
+    """A table's float32 values (int16: float16 bit patterns)."""
+    return table.view(np.float16).astype(np.float32) if table.dtype == np.int16 else table
 
 
 def no_group_panels(table_dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -148,3 +162,134 @@ def _super_scales(values: np.ndarray, scales: np.ndarray
         subs.reshape(-1, U6_SUPER_GROUPS)[todo[ok]] = sub[ok]
         todo = todo[~ok]
     return None if todo.size else (supers, subs.reshape(n, groups))
+
+
+@njit(inline="always")
+def _panel_value(w, b, pair, o, t, packed):
+    """The integer weight of output 64 b + o, input 2 pair + t, from its panel."""
+    if w.shape[2] == U6_PAIR_BYTES:  # byte x of group g: w[b, 8 g + x // 104, x % 104]
+        g, m = pair // 8, pair % 8
+        string = np.int64(0)
+        for r in range(3):  # word 2 (o % 16) + t of row 4 r + o // 16
+            at = 64 * (4 * r + o // 16) + 4 * (o % 16) + 2 * t
+            piece = (np.int64(np.uint8(w[b, 8 * g + at // U6_PAIR_BYTES, at % U6_PAIR_BYTES]))
+                     | np.int64(np.uint8(w[b, 8 * g + (at + 1) // U6_PAIR_BYTES,
+                                           (at + 1) % U6_PAIR_BYTES])) << 8)
+            string |= piece << (16 * r)
+        field = (string >> (6 * m)) & 63
+        return np.float32(field - 64 if field >= 32 else field)
+    if packed:  # `group_panels_of`'s octets: row 4 octet + o // 16, word 2 (o % 16) + t
+        k = pair % 4
+        byte = np.int32(np.uint8(w[b, pair - k + o // 16, 4 * (o % 16) + 2 * t + (k >> 1)]))
+        return np.float32((byte >> 4) if k & 1 else (byte & 15))
+    return np.float32(w[b, pair, 2 * o + t])
+
+
+@njit(inline="always")
+def _panel_groups(w, scales):
+    """A panel weight's weight groups and their input pairs: 8 for "u6", else the table's."""
+    groups = w.shape[1] // 8 if w.shape[2] == U6_PAIR_BYTES else scales.shape[1]
+    return groups, w.shape[1] // max(groups, 1)
+
+
+@njit(inline="always")
+def _group_scale(w, scales, b, g, o):
+    """Output 64 b + o's scale in group g: "u6"'s sub-scale (byte 768 + o of the group's 832:
+    the last 64 of its pair 7) x its super-scale, else the table's."""
+    if w.shape[2] == U6_PAIR_BYTES:
+        sub = w[b, 8 * g + 7, U6_PAIR_BYTES - GROUP_PANEL_OUTPUTS + o]
+        return np.float32(sub) * table_value(scales[b], g // U6_SUPER_GROUPS, o)
+    return table_value(scales[b], g, o)
+
+
+@njit(inline="always")
+def _offset_term(scale, packed):
+    """The min term of a weight without a min table: -8 x scale for "u4" (Q4_0's q - 8: s q -
+    8 s is s (q - 8) exactly, 15 bits), none else."""
+    return np.float32(-8.0) * scale if packed else np.float32(0.0)
+
+
+@njit(fastmath=True, cache=True)
+def panel_rows(w, scales, mins, packed, ids, out):
+    """out[i, :] = the float32 weight row ids[i] of a weight held as its panels, on the calling
+    thread: scale x q (+ min), the value quantized_numba's dequantization gives from the
+    blocks (scale x q rounded once, as there)."""
+    has_min = mins.shape[1] > 0
+    groups, group_pairs = _panel_groups(w, scales)
+    for i in range(ids.shape[0]):
+        b, o = ids[i] // GROUP_PANEL_OUTPUTS, ids[i] % GROUP_PANEL_OUTPUTS
+        for g in range(groups):
+            s = _group_scale(w, scales, b, g, o)
+            mn = table_value(mins[b], g, o) if has_min else _offset_term(s, packed)
+            for pair in range(g * group_pairs, (g + 1) * group_pairs):
+                for t in range(2):
+                    out[i, 2 * pair + t] = s * _panel_value(w, b, pair, o, t, packed) + mn
+
+
+@njit(fastmath=True, cache=True)
+def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
+    """out_t[:, :64 count] ([K, >= 64 count]) = the float32 weights of panels b0 .. b0 + count
+    - 1, transposed (column 64 (b - b0) + o: output 64 b + o), as `panel_rows` gives them; on
+    the calling thread (the tiled linear alternates it with torch.mm). Each panel is read in
+    order, each input's 64 outputs written side by side."""
+    has_min = mins.shape[1] > 0
+    groups, group_pairs = _panel_groups(w, scales)
+    u6 = w.shape[2] == U6_PAIR_BYTES
+    s = np.empty(GROUP_PANEL_OUTPUTS, np.float32)  # a group's 64 scales and mins, widened once
+    mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
+    for c in range(count):
+        b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
+        lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row
+        for g in range(groups):
+            for o in range(GROUP_PANEL_OUTPUTS):
+                s[o] = _group_scale(w, scales, b, g, o)
+                mn[o] = table_value(mins[b], g, o) if has_min else _offset_term(s[o], packed)
+            if u6:
+                _u6_rows_t(lanes[g * U6_PAIR_BYTES * 2:(g + 1) * U6_PAIR_BYTES * 2], s,
+                           out_t[16 * g:16 * g + 16], col)
+                continue
+            if packed:
+                for first in range(g * group_pairs, (g + 1) * group_pairs, 4):
+                    _octet_rows_t(lanes, first, s, mn, out_t, col)
+                continue
+            for pair in range(g * group_pairs, (g + 1) * group_pairs):
+                for t in range(2):
+                    for o in range(GROUP_PANEL_OUTPUTS):
+                        out_t[2 * pair + t, col + o] = (s[o] * _panel_value(w, b, pair, o, t,
+                                                                            packed) + mn[o])
+
+
+@njit(inline="always")
+def _u6_rows_t(group_lanes, s, out_t, col):
+    """out_t[i, col:col + 64] = scale x q of a "u6" panel's 64 outputs for the 16 inputs i of
+    a group, its 832 bytes as 208 uint32 lanes: lane 64 r + 16 j + o holds piece r of output
+    16 j + o's strings (t = 0 in its low 16 bits, 1 in its high), input 2 m + t at bit 6 m."""
+    for t in range(2):
+        shift = np.uint32(16 * t)
+        strings = np.empty(GROUP_PANEL_OUTPUTS, np.int64)
+        for o in range(GROUP_PANEL_OUTPUTS):
+            strings[o] = 0
+            for r in range(3):
+                strings[o] |= np.int64((group_lanes[64 * r + o] >> shift) & np.uint32(0xFFFF)
+                                       ) << (16 * r)
+        for m in range(8):
+            dst = out_t[2 * m + t, col:col + GROUP_PANEL_OUTPUTS]
+            for o in range(GROUP_PANEL_OUTPUTS):
+                field = np.int32((strings[o] >> (6 * m)) & 63)
+                dst[o] = s[o] * np.float32(field - ((field & 32) << 1))
+
+
+@njit(inline="always")
+def _octet_rows_t(lanes, first, s, mn, out_t, col):
+    """out_t[8 c + i, col:col + 64] = scale x q + min of a "u4" panel's 64 outputs, for the 8
+    inputs i of the octet c whose pairs start at `first` (= 4 c). Its rows 4 c .. 4 c + 3 are 64
+    contiguous uint32 lanes, lane 16 j + o holding output 16 j + o's input 2 k + t at bit
+    16 t + 4 k: each input's outputs a shift and a mask of the same lanes. (Slices, so that
+    the indices are known non-negative: no wraparound selects, which LLVM turns into gathers.)"""
+    src = lanes[16 * first:16 * first + GROUP_PANEL_OUTPUTS]
+    for k in range(4):
+        for t in range(2):
+            shift = np.uint32(16 * t + 4 * k)
+            dst = out_t[2 * (first + k) + t, col:col + GROUP_PANEL_OUTPUTS]
+            for o in range(GROUP_PANEL_OUTPUTS):
+                dst[o] = s[o] * np.float32(np.int32((src[o] >> shift) & np.uint32(15))) + mn[o]

@@ -27,10 +27,11 @@ octets, a shift and a mask (none for the top nibble) making the <32 x i16> lanes
 rows) and an arithmetic shift that brings the field down with its sign: 15 instructions for a
 16-input group's 8 pairs of 16 outputs, whose scale is its int8 sub-scale (from the panel)
 times the 256 inputs' super-scale (the table): the "i8" form's integer sums and scales at 6.5
-bits a weight. The scale and min panels keep the weight's table dtype, so a panel weight holds
+bits a weight; "u4" without a min table (Q4_0) subtracts 8 x x's block sums from each group's
+integer sums. The scale and min panels keep the weight's table dtype, so a panel weight holds
 about the file's bytes. A weight served as a linear is stored as its panels alone
-(QuantizedWeight.store_as_panels): `panel_rows` and `panel_tile_t` give its float32 rows, for
-the embedding lookup and the prefill tiles, exactly as the blocks' dequantization does. Runs
+(QuantizedWeight.store_as_panels), read back as float32 rows and tiles by
+quantized_panel_layout. Runs
 where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit vpmaddwd, and 32
 vector registers for up to 4 x 4 x 2 accumulators.
 """
@@ -49,7 +50,7 @@ from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_VECTORS as _VE
 from mrv2.models.layers.quantized_panel_layout import U6_SUPER_GROUPS
 from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S,
                                           V32B, V32S, call_intrinsic, host_compiles_with,
-                                          row_ptr, splat, table_elem, table_value, vload,
+                                          row_ptr, splat, table_elem, vload,
                                           widen_half)
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
@@ -196,9 +197,14 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
             x_block = builder.lshr(first_pair, ity(4))
             for r in range(count):
                 d = splat(builder, builder.load(builder.gep(d_rows[r], [x_block])), 16)
+                offset = ir.Constant(V16F, [0.0] * 16)
+                if kind == _FORM_U4:  # no min table: values q - 8, xsum x's int16 block sums
+                    offset = builder.select(has_min, offset, splat(builder, builder.fmul(
+                        builder.load(builder.gep(xsum_rows[r], [g])), F32(8.0)), 16))
                 for j in range(_VECTORS):
-                    term = builder.fmul(builder.sitofp(builder.load(ints[r][j]), V16F),
-                                        builder.fmul(scale_vectors[j], d, flags=FAST),
+                    # exact: |isum|, 8 |sum xq| < 2^24
+                    isum = builder.fsub(builder.sitofp(builder.load(ints[r][j]), V16F), offset)
+                    term = builder.fmul(isum, builder.fmul(scale_vectors[j], d, flags=FAST),
                                         flags=FAST)
                     builder.store(builder.fadd(builder.load(sums[r][j]), term, flags=FAST),
                                   sums[r][j])
@@ -234,16 +240,22 @@ def _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, rows, form, sums):
 
 
 @njit(cache=True)
-def _int16_x(x, groups):
+def _int16_x(x, groups, block_sums):
     """x float32 [M, K] -> (xq int16 [M, K], dx [M, K / 32], x's float sums over each of
-    `groups` groups of inputs [M, groups] (0: none)), as gemv_groups forms them: serial,
-    outside the parallel loop (numba would make each array expression a parallel region of
-    its own)."""
+    `groups` groups of inputs [M, groups] (0: none), or with `block_sums` xq's sums over its
+    32-input blocks [M, K / 32] (exact in float32)), as gemv_groups forms them: serial, outside
+    the parallel loop (numba would make each array expression a parallel region of its own)."""
     m_rows, k = x.shape
     xq = np.empty((m_rows, k), np.int16)
     dx = np.empty((m_rows, k // INT8_BLOCK), np.float32)
     quantize_rows(x, xq, dx)
-    return xq, dx, group_sums(x, k // max(groups, 1), groups)
+    if not block_sums:
+        return xq, dx, group_sums(x, k // max(groups, 1), groups)
+    sums = np.zeros((m_rows, k // INT8_BLOCK), np.float32)
+    for m in range(m_rows):
+        for i in range(k):
+            sums[m, i // INT8_BLOCK] += np.float32(xq[m, i])
+    return xq, dx, sums
 
 
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
@@ -254,7 +266,7 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
     all of x's rows, GROUP_PANEL_ROWS at a time. No thread count is read inside (it would keep
     the decode stack from being cached)."""
     rows, n = out.shape
-    xq, dx, xsum = _int16_x(x, mins.shape[1])
+    xq, dx, xsum = _int16_x(x, mins.shape[1], packed and mins.shape[1] == 0)
     for b in prange(w.shape[0]):
         sums = np.empty((GROUP_PANEL_ROWS, GROUP_PANEL_OUTPUTS), np.float32)
         n0 = b * GROUP_PANEL_OUTPUTS
@@ -270,128 +282,3 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
                 _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 0, sums)
             for r in range(count):
                 out[m0 + r, n0:n0 + width] = sums[r, :width]
-
-
-@njit(inline="always")
-def _panel_value(w, b, pair, o, t, packed):
-    """The integer weight of output 64 b + o, input 2 pair + t, from its panel."""
-    if w.shape[2] == U6_PAIR_BYTES:  # byte x of group g: w[b, 8 g + x // 104, x % 104]
-        g, m = pair // 8, pair % 8
-        string = np.int64(0)
-        for r in range(3):  # word 2 (o % 16) + t of row 4 r + o // 16
-            at = 64 * (4 * r + o // 16) + 4 * (o % 16) + 2 * t
-            piece = (np.int64(np.uint8(w[b, 8 * g + at // U6_PAIR_BYTES, at % U6_PAIR_BYTES]))
-                     | np.int64(np.uint8(w[b, 8 * g + (at + 1) // U6_PAIR_BYTES,
-                                           (at + 1) % U6_PAIR_BYTES])) << 8)
-            string |= piece << (16 * r)
-        field = (string >> (6 * m)) & 63
-        return np.float32(field - 64 if field >= 32 else field)
-    if packed:  # `group_panels_of`'s octets: row 4 octet + o // 16, word 2 (o % 16) + t
-        k = pair % 4
-        byte = np.int32(np.uint8(w[b, pair - k + o // 16, 4 * (o % 16) + 2 * t + (k >> 1)]))
-        return np.float32((byte >> 4) if k & 1 else (byte & 15))
-    return np.float32(w[b, pair, 2 * o + t])
-
-
-@njit(inline="always")
-def _panel_groups(w, scales):
-    """A panel weight's weight groups and their input pairs: 8 for "u6", else the table's."""
-    groups = w.shape[1] // 8 if w.shape[2] == U6_PAIR_BYTES else scales.shape[1]
-    return groups, w.shape[1] // max(groups, 1)
-
-
-@njit(inline="always")
-def _group_scale(w, scales, b, g, o):
-    """Output 64 b + o's scale in group g: "u6"'s sub-scale (byte 768 + o of the group's 832:
-    the last 64 of its pair 7) x its super-scale, else the table's."""
-    if w.shape[2] == U6_PAIR_BYTES:
-        sub = w[b, 8 * g + 7, U6_PAIR_BYTES - GROUP_PANEL_OUTPUTS + o]
-        return np.float32(sub) * table_value(scales[b], g // U6_SUPER_GROUPS, o)
-    return table_value(scales[b], g, o)
-
-
-@njit(fastmath=True, cache=True)
-def panel_rows(w, scales, mins, packed, ids, out):
-    """out[i, :] = the float32 weight row ids[i] of a weight held as its panels, on the calling
-    thread: scale x q (+ min), the value quantized_numba's dequantization gives from the
-    blocks (scale x q rounded once, as there)."""
-    has_min = mins.shape[1] > 0
-    groups, group_pairs = _panel_groups(w, scales)
-    for i in range(ids.shape[0]):
-        b, o = ids[i] // GROUP_PANEL_OUTPUTS, ids[i] % GROUP_PANEL_OUTPUTS
-        for g in range(groups):
-            s = _group_scale(w, scales, b, g, o)
-            mn = table_value(mins[b], g, o) if has_min else np.float32(0.0)
-            for pair in range(g * group_pairs, (g + 1) * group_pairs):
-                for t in range(2):
-                    out[i, 2 * pair + t] = s * _panel_value(w, b, pair, o, t, packed) + mn
-
-
-@njit(fastmath=True, cache=True)
-def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
-    """out_t[:, :64 count] ([K, >= 64 count]) = the float32 weights of panels b0 .. b0 + count
-    - 1, transposed (column 64 (b - b0) + o: output 64 b + o), as `panel_rows` gives them; on
-    the calling thread (the tiled linear alternates it with torch.mm). Each panel is read in
-    order, each input's 64 outputs written side by side."""
-    has_min = mins.shape[1] > 0
-    groups, group_pairs = _panel_groups(w, scales)
-    u6 = w.shape[2] == U6_PAIR_BYTES
-    s = np.empty(GROUP_PANEL_OUTPUTS, np.float32)  # a group's 64 scales and mins, widened once
-    mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
-    for c in range(count):
-        b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
-        lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row
-        for g in range(groups):
-            for o in range(GROUP_PANEL_OUTPUTS):
-                s[o] = _group_scale(w, scales, b, g, o)
-                if has_min:
-                    mn[o] = table_value(mins[b], g, o)
-            if u6:
-                _u6_rows_t(lanes[g * U6_PAIR_BYTES * 2:(g + 1) * U6_PAIR_BYTES * 2], s,
-                           out_t[16 * g:16 * g + 16], col)
-                continue
-            if packed:
-                for first in range(g * group_pairs, (g + 1) * group_pairs, 4):
-                    _octet_rows_t(lanes, first, s, mn, out_t, col)
-                continue
-            for pair in range(g * group_pairs, (g + 1) * group_pairs):
-                for t in range(2):
-                    for o in range(GROUP_PANEL_OUTPUTS):
-                        out_t[2 * pair + t, col + o] = (s[o] * _panel_value(w, b, pair, o, t,
-                                                                            packed) + mn[o])
-
-
-@njit(inline="always")
-def _u6_rows_t(group_lanes, s, out_t, col):
-    """out_t[i, col:col + 64] = scale x q of a "u6" panel's 64 outputs for the 16 inputs i of
-    a group, its 832 bytes as 208 uint32 lanes: lane 64 r + 16 j + o holds piece r of output
-    16 j + o's strings (t = 0 in its low 16 bits, 1 in its high), input 2 m + t at bit 6 m."""
-    for t in range(2):
-        shift = np.uint32(16 * t)
-        strings = np.empty(GROUP_PANEL_OUTPUTS, np.int64)
-        for o in range(GROUP_PANEL_OUTPUTS):
-            strings[o] = 0
-            for r in range(3):
-                strings[o] |= np.int64((group_lanes[64 * r + o] >> shift) & np.uint32(0xFFFF)
-                                       ) << (16 * r)
-        for m in range(8):
-            dst = out_t[2 * m + t, col:col + GROUP_PANEL_OUTPUTS]
-            for o in range(GROUP_PANEL_OUTPUTS):
-                field = np.int32((strings[o] >> (6 * m)) & 63)
-                dst[o] = s[o] * np.float32(field - ((field & 32) << 1))
-
-
-@njit(inline="always")
-def _octet_rows_t(lanes, first, s, mn, out_t, col):
-    """out_t[8 c + i, col:col + 64] = scale x q + min of a "u4" panel's 64 outputs, for the 8
-    inputs i of the octet c whose pairs start at `first` (= 4 c). Its rows 4 c .. 4 c + 3 are 64
-    contiguous uint32 lanes, lane 16 j + o holding output 16 j + o's input 2 k + t at bit
-    16 t + 4 k: each input's outputs a shift and a mask of the same lanes. (Slices, so that
-    the indices are known non-negative: no wraparound selects, which LLVM turns into gathers.)"""
-    src = lanes[16 * first:16 * first + GROUP_PANEL_OUTPUTS]
-    for k in range(4):
-        for t in range(2):
-            shift = np.uint32(16 * t + 4 * k)
-            dst = out_t[2 * (first + k) + t, col:col + GROUP_PANEL_OUTPUTS]
-            for o in range(GROUP_PANEL_OUTPUTS):
-                dst[o] = s[o] * np.float32(np.int32((src[o] >> shift) & np.uint32(15))) + mn[o]

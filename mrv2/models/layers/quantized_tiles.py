@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mrv2.models.layers import quantized_panel_layout, quantized_panel_numba
+from mrv2.models.layers import quantized_panel_layout
 
 if TYPE_CHECKING:
     from mrv2.models.layers.quantized import QuantizedWeight
@@ -63,7 +63,7 @@ def _panel_tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tenso
     xt = x.t()
     for b0 in range(0, panels, per_tile):
         count = min(per_tile, panels - b0)
-        quantized_panel_numba.panel_tile_t(*weight.group_panels(), weight.layout == "u4", b0,
+        quantized_panel_layout.panel_tile_t(*weight.group_panels(), weight.layout == "u4", b0,
                                            count, buf_t.numpy())
         n0 = b0 * width
         rows = min(count * width, n - n0)
