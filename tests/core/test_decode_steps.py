@@ -146,3 +146,46 @@ def test_the_fused_stack_runs_a_row_s_further_steps_in_one_call(tiny_llama, monk
     monkeypatch.setattr(FusedDecode, "run_steps", lambda self, *args: None)
     tokens, _, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
     assert tokens == expected
+
+
+def test_a_nan_inside_a_run_fails_only_its_request(tiny_llama, monkeypatch):
+    """A row whose logits turn NaN at a step inside a run (the stack's one call: its argmax
+    flags the row) ends with "error" and no token of that run; the other row of the batch
+    generates what it would alone."""
+    import torch
+
+    from mrv2.models.cpu.decode import FusedDecode
+
+    runs = []
+    run_steps = FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(None if out is None else (tuple(out[0].shape), bool(out[1].any())))
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_steps", spy)  # before the worker binds it
+    bad_prompt, clean_prompt = [5, 17, 300, 42], [9, 8, 7, 600]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_llama), max_model_len=64, max_num_seqs=4, enable_prefix_caching=False,
+              num_scheduler_steps=8)
+    bad_expected, clean_expected = (o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in (bad_prompt, clean_prompt)], greedy, use_tqdm=False))
+    # A token the bad row samples at position p (2..6, first seen there) and the clean row
+    # never reads: its embedding made NaN, the bad row's logits turn NaN at the step that reads
+    # it, inside the run of steps 2..8.
+    position = next(p for p in range(2, 7) if bad_expected[p] not in
+                    bad_prompt + bad_expected[:p] + clean_prompt + clean_expected)
+    runs.clear()
+    model = llm.llm_engine.engine_core.executor.worker.model
+    with torch.no_grad():
+        model.model.embed_tokens.weight[bad_expected[position]] = float("nan")
+    bad, clean = llm.generate([{"prompt_token_ids": p} for p in (bad_prompt, clean_prompt)],
+                              greedy, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error"
+    assert bad.outputs[0].token_ids == bad_expected[:len(bad.outputs[0].token_ids)]
+    assert len(bad.outputs[0].token_ids) <= position + 1
+    assert clean.outputs[0].token_ids == clean_expected
+    assert clean.outputs[0].finish_reason == "length"
+    assert ((2, 8), True) in runs  # the NaN came out of the run's one call
+    llm.shutdown()
