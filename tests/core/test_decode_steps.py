@@ -1,7 +1,7 @@
 """Multi-step decoding (core/decode_steps.py): the rule that picks how many decode steps a
 scheduled step runs, and end to end through the scheduler and the runner: the same greedy
 tokens as one decode step at a time, stop tokens and length limits inside a run, mixed batches,
-with async scheduling on and off."""
+with async scheduling on and off, a NaN inside a run."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     # "u4": octets of inputs; 64 bytes (row 4 c + j of a panel) hold outputs 16 j .. 16 j + 15
     # of octet c, as 16-bit words: word 2 o + t has input 8 c + 2 k + t in nibble k.
     values = rng.integers(0, 16, size=(70, 64), dtype=np.uint8)
-    nibbles, _, _ = layout.group_panels_of(pack_u4(values), scales, None, packed=True)
+    nibbles, _, _ = layout.group_panels_of(pack_u4(values), scales, scales, packed=True)
     assert nibbles.shape == (2, 32, 64)
     for row, c in ((0, 0), (5, 3), (17, 1), (63, 7), (64, 2), (69, 5)):
         j, o = row % 64 // 16, row % 16
@@ -50,7 +50,8 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     past_n = nibbles[1].reshape(8, 4, 64)  # outputs 70.. of the second panel: zeros
     assert not past_n[:, 0, 4 * 6:].any() and not past_n[:, 1:].any() and past_n[:, 0].any()
     with pytest.raises(ValueError, match="not nibbles"):
-        layout.group_panels_of(pack_u4(values), np.repeat(scales, 2, axis=1), None, packed=True)
+        sixteens = np.repeat(scales, 2, axis=1)
+        layout.group_panels_of(pack_u4(values), sixteens, sixteens, packed=True)
     # Float16 bit-pattern tables stay float16 in the panels; the two tables share one dtype.
     bits = rng.random((70, 2), dtype=np.float32).astype(np.float16).view(np.int16)
     _, scale_panels, min_panels = layout.group_panels_of(q, bits, bits)
@@ -144,3 +145,5 @@ def test_q4_0_panels_have_no_min_table():
             w.q.numpy(), w.scales.numpy(), w.mins.numpy(), packed=True)
         assert weights.shape[2] == 64 and (mins.shape[1] > 0) == has_mins
         assert mins.shape[1] in (0, scales.shape[1])
+    with pytest.raises(ValueError, match="unsigned"):
+        layout.group_panels_of(w.q.numpy(), w.scales.numpy(), None, packed=True)

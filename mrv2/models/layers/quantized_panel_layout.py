@@ -49,8 +49,11 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     scales [B, G (or K / 256 for "u6"), 64], mins [B, G or 0, 64]), B = ceil(N / 64).
     `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's layout);
     `scales` / `mins` [N, G] (G = K / 32, or K / 16 for "i8") float32 or int16 float16 bit
-    patterns, the panels' tables in the same dtype (mins None: no min term)."""
+    patterns, the panels' tables in the same dtype (mins None: no min term, "i8" only; a "u4"
+    weight's mins that are -8 x its scales (Q4_0's) are dropped, the kernels taking q - 8)."""
     n = q.shape[0]
+    if packed and mins is None:
+        raise ValueError('"u4" values are unsigned: they take a min table')
     if packed:
         q = unpack_u4(q).astype(np.int8)
     k = q.shape[1]

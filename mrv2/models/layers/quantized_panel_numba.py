@@ -50,8 +50,7 @@ from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_VECTORS as _VE
 from mrv2.models.layers.quantized_panel_layout import U6_SUPER_GROUPS
 from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S,
                                           V32B, V32S, call_intrinsic, host_compiles_with,
-                                          row_ptr, splat, table_elem, vload,
-                                          widen_half)
+                                          row_ptr, splat, table_elem, vload, widen_half)
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
 _FORM_I8, _FORM_U4, _FORM_U6 = 0, 1, 2  # the panel forms, as the kernels' literals
@@ -105,9 +104,10 @@ def _table_vector(builder, panel, offset, table_type):
 
 @intrinsic(prefer_literal=True)
 def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows, form, sums):
-    """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums,
-    read where `mins` has groups) . the 64 outputs of panel `block`, for r < rows (a literal, 1
-    to GROUP_PANEL_ROWS); `form` (a literal): the panel's (_FORM_I8, _FORM_U4, _FORM_U6)."""
+    """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums
+    where `mins` has groups, else for "u4" xq's block sums) . the 64 outputs of panel `block`,
+    for r < rows (a literal, 1 to GROUP_PANEL_ROWS); `form` (a literal): the panel's
+    (_FORM_I8, _FORM_U4, _FORM_U6)."""
     if not (isinstance(rows, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
             and 1 <= rows.literal_value <= GROUP_PANEL_ROWS):
         return None
@@ -261,10 +261,11 @@ def _int16_x(x, groups, block_sums):
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
 def group_panel_kernel(x, w, scales, mins, packed, out):
     """out [M, N] float32 = x float32 [M, K] (rows contiguous), quantized to the int16 format,
-    @ the weight whose panels (`group_panels_of`, "u4" nibbles where `packed`) are w, scales,
-    mins. The panels are shared among numba's threads (prange's static schedule), each taking
-    all of x's rows, GROUP_PANEL_ROWS at a time. No thread count is read inside (it would keep
-    the decode stack from being cached)."""
+    @ the weight whose panels (`group_panels_of`: "u4" nibbles where `packed`, "u6" where w
+    has U6_PAIR_BYTES a pair, else "i8") are w, scales, mins. The panels are shared among
+    numba's threads (prange's static schedule), each taking all of x's rows, GROUP_PANEL_ROWS
+    at a time. No thread count is read inside (it would keep the decode stack from being
+    cached)."""
     rows, n = out.shape
     xq, dx, xsum = _int16_x(x, mins.shape[1], packed and mins.shape[1] == 0)
     for b in prange(w.shape[0]):
