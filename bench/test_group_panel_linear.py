@@ -82,7 +82,7 @@ def test_q6_k_head_forms(benchmark, monkeypatch, form, cache):
     n, k = SHAPES["lm_head_16000x512"]
     qw = QuantizedWeight.from_gguf(random_raw("Q6_K", n, k, seed=0), "Q6_K", (n, k))
     if form == "i8":
-        monkeypatch.setattr(layout, "_super_scales", lambda values, scales: None)
+        monkeypatch.setattr(layout, "_super_scales", lambda table, per_super: None)
     panels = layout.group_panels_of(qw.q.numpy(), qw.scales.numpy(), None)
     assert panels[0].shape[2] == (layout.U6_PAIR_BYTES if form == "u6" else 128)
     benchmark.group = f"group-panel-q6_k-head-{cache}"

@@ -203,8 +203,10 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     assert w.panel_storage and w.q.shape == (130, 0) and w.scales.shape == (130, 0)
     # The panels hold the blocks' bytes (tables in the blocks' dtype), padded to 192 outputs; a
     # Q6_K's "u6" panels the file's (its f16 d a float32), where its bytes widened to int8 did,
-    # and Q4_0's the file's (no min table: its mins are -8 x its scales).
-    file_row = {"Q6_K": raw.size // 130 + 2 * 512 // 256, "Q4_0": raw.size // 130}
+    # Q4_0's the file's (no min table: its mins are -8 x its scales), Q4_K's "u4k" the file's
+    # but a byte per six-bit scale and min and float32 supers (float32 tables per 32 before).
+    file_row = {"Q6_K": raw.size // 130 + 2 * 512 // 256, "Q4_0": raw.size // 130,
+                "Q4_K": raw.size // 130 + 8 * 512 // 256}
     expected = (192 * file_row[gguf_type] if gguf_type in file_row
                 else blocks_bytes * 192 // 130)
     assert w.nbytes == expected

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mrv2.models.layers import quantized_panel_layout as layout
-from mrv2.models.layers.gguf_blocks import pack_u4
+from mrv2.models.layers.gguf_blocks import pack_u4, unpack_u4
 from mrv2.models.layers.quantized import QuantizedWeight
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -113,33 +113,55 @@ def test_super_scales_factor_exactly_or_not_at_all():
     subs = rng.integers(-128, 128, size=(3, 16)).astype(np.float32)
     subs[0, 5], subs[1, 2] = -128, -128  # under a negative d, +128 x |d|
     scales = (d[:, None] * subs).astype(np.float32)
-    supers, found = layout._super_scales(values, scales)
+    supers, found = layout._super_scales(scales, 16)
     assert np.array_equal(found.astype(np.float32) * np.repeat(supers, 16, axis=1), scales)
     assert found.dtype == np.int8 and supers[2, 0] == 0
-    # Values past 6 bits, scales of no float x int8 form, non-finite scales: none.
-    assert layout._super_scales(np.full((3, 256), 40, np.int8), scales) is None
+    assert layout.group_panels_of(values, scales, None)[0].shape[2] == layout.U6_PAIR_BYTES
+    # Scales of no float x int8 form, non-finite scales: none; values past 6 bits: "i8".
     thirds = scales.copy()
     thirds[0, 0] = 1 / 3
-    assert layout._super_scales(values, thirds) is None
+    assert layout._super_scales(thirds, 16) is None
     thirds[0, 0] = np.nan
-    assert layout._super_scales(values, thirds) is None
+    assert layout._super_scales(thirds, 16) is None
     weights, _, _ = layout.group_panels_of(values, thirds, None)
     assert weights.shape[2] == 2 * layout.GROUP_PANEL_OUTPUTS  # "i8", as before
+    weights, _, _ = layout.group_panels_of(np.full((3, 256), 40, np.int8), scales, None)
+    assert weights.shape[2] == 2 * layout.GROUP_PANEL_OUTPUTS
 
 
-@pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_K", "Q5_K"])
-def test_other_types_keep_their_forms(gguf_type):
+@pytest.mark.parametrize("gguf_type, width", [("Q8_0", 128), ("Q5_K", 128), ("Q4_1", 64),
+                                               ("Q4_K", layout.U4K_PAIR_BYTES)])
+def test_each_type_s_form(gguf_type, width):
     w = QuantizedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
     weights, _, _ = layout.group_panels_of(
         w.q.numpy(), w.scales.numpy(), None if w.mins is None else w.mins.numpy(),
         packed=w.layout == "u4")
-    assert weights.shape[2] == (64 if w.layout == "u4" else 128)
+    assert weights.shape[2] == width
+
+
+def test_q4_k_panels_are_octets_with_sub_scales_and_sub_mins():
+    n, k = 70, 512
+    w = QuantizedWeight.from_gguf(random_raw("Q4_K", n, k, 5), "Q4_K", (n, k))
+    values = unpack_u4(w.q.numpy())
+    weights, supers, min_supers = layout.group_panels_of(
+        w.q.numpy(), w.scales.numpy(), w.mins.numpy(), packed=True)
+    assert weights.shape == (2, k // 2, layout.U4K_PAIR_BYTES)
+    assert supers.shape == min_supers.shape == (2, k // 256, 64)
+    groups = weights.reshape(2, k // 32, 1152)
+    for row, col in ((0, 0), (5, 3), (17, 14), (63, 255), (64, 256), (69, 511), (33, 37)):
+        j, o, c, i = row % 64 // 16, row % 16, col % 32 // 8, col % 8
+        word = groups[row // 64, col // 32, 256 * c + 64 * j + 4 * o + 2 * (i % 2):][:2]
+        assert (int(word.view(np.uint16)[0]) >> 4 * (i // 2)) & 15 == values[row, col]
+    for at, table, sup in ((1024, w.scales.numpy(), supers), (1088, w.mins.numpy(), min_supers)):
+        subs = groups[:, :, at:at + 64].astype(np.float32)  # [B, group, o]
+        products = subs * np.repeat(sup, 8, axis=1)
+        assert np.array_equal(products.transpose(0, 2, 1).reshape(128, -1)[:n], table)
 
 
 def test_q4_0_panels_have_no_min_table():
     """Q4_0's mins are -8 x its scales: its "u4" panels drop them (the kernels take q - 8);
     Q4_1's and Q4_K's keep theirs."""
-    for gguf_type, has_mins in (("Q4_0", False), ("Q4_1", True), ("Q4_K", True)):
+    for gguf_type, has_mins in (("Q4_0", False), ("Q4_1", True)):
         w = QuantizedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
         weights, scales, mins = layout.group_panels_of(
             w.q.numpy(), w.scales.numpy(), w.mins.numpy(), packed=True)

@@ -26,13 +26,15 @@ from test_quantized import random_raw  # noqa: E402
 needs_panels = pytest.mark.skipif(not panel.GROUP_PANELS_RUN,
                                   reason="needs a host with AVX-512 BW")
 # 32-input groups: "i8" without a min (Q8_0, Q5_0), with one (Q5_1), float32 tables (Q5_K);
-# "u4" nibbles with Q4_0's offset as a min, Q4_1's min, float32 tables (Q4_K). 16-input groups:
+# "u4" nibbles without a min table (Q4_0: q - 8), with one (Q4_1), float32 tables ("Q4_K/u4": a
+# Q4_K whose scales do not factor), "u4k" (Q4_K: sub-scales and sub-mins). 16-input groups:
 # "u6" (Q6_K), "i8" without a min ("Q6_K/i8": a Q6_K whose scales do not factor) and with one
 # ("Q4_K/16": Q4_K as bytes in 16-input groups, as a fused projection mixing it with Q6_K
 # holds it).
-BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q6_K/i8",
-               "Q4_K/16"]
-_FORM_BYTES = {"Q4_0": 64, "Q4_1": 64, "Q4_K": 64, "Q6_K": layout.U6_PAIR_BYTES}  # else 128
+BLOCK_TYPES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K", "Q4_K/u4", "Q6_K",
+               "Q6_K/i8", "Q4_K/16"]
+_FORM_BYTES = {"Q4_0": 64, "Q4_1": 64, "Q4_K/u4": 64, "Q4_K": layout.U4K_PAIR_BYTES,
+               "Q6_K": layout.U6_PAIR_BYTES}  # else 128
 
 
 def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -40,11 +42,11 @@ def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
         w = _weight("Q4_K", n, k, seed)
         tables = as_byte_groups(w.q.numpy(), w.scales.numpy(), w.mins.numpy(), True, 16)
         return QuantizedWeight("i8", 16, *(torch.from_numpy(t) for t in tables), "Q4_K")
-    if gguf_type == "Q6_K/i8":
-        w = _weight("Q6_K", n, k, seed)
+    if gguf_type in ("Q6_K/i8", "Q4_K/u4"):
+        w = _weight(gguf_type[:4], n, k, seed)
         scales = w.scales.clone()
         scales[0, 0] = 1 / 3  # 24 significant bits: no float x int8 sub-scale makes it
-        return QuantizedWeight("i8", 16, w.q, scales, None, "Q6_K")
+        return QuantizedWeight(w.layout, w.group_size, w.q, scales, w.mins, gguf_type[:4])
     return QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
 
 
@@ -75,8 +77,8 @@ def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
 _SHAPES = [(64, 32, 1), (70, 96, 3), (130, 256, 5), (40, 288, 9)]
 _CASES = [(t, *shape) for t in BLOCK_TYPES for shape in _SHAPES
           if not ("_K" in t and shape[1] % 256)] + [(t, 70, 512, 6) for t in
-                                                     ("Q5_K", "Q4_K", "Q6_K", "Q6_K/i8",
-                                                      "Q4_K/16")]
+                                                     ("Q5_K", "Q4_K", "Q4_K/u4", "Q6_K",
+                                                      "Q6_K/i8", "Q4_K/16")]
 
 
 @needs_panels
@@ -108,7 +110,7 @@ def test_u6_panels_give_the_i8_forms_sums(rows, monkeypatch):
     the same integer sums times the same scales, the outputs apart only by float order."""
     w = _weight("Q6_K", 130, 512, seed=4)
     u6 = w.group_panels()
-    monkeypatch.setattr(layout, "_super_scales", lambda values, scales: None)
+    monkeypatch.setattr(layout, "_super_scales", lambda table, per_super: None)
     i8 = layout.group_panels_of(w.q.numpy(), w.scales.numpy(), None)
     assert u6[0].shape[2] == layout.U6_PAIR_BYTES and i8[0].shape[2] == 128
     x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)

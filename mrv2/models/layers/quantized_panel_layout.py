@@ -13,6 +13,10 @@ dequantization gives them (numba, on the calling thread).
   of pair k. Without a min table the values are q - 8 (Q4_0, whose mins are -8 x its scales:
   the kernel subtracts 8 x x's block sums from its integer sums instead of reading 2 bytes
   more per 32 weights).
+- "u4k" (Q4_K: scales and mins that are, per 256 inputs, a float times int8 sub-scales): per
+  32-input group, 1152 bytes: the four octets' "u4" rows, then the 64 outputs' int8
+  sub-scales and sub-mins; the tables hold the two floats per 256 inputs [B, K / 256, 64]
+  (4.5 bits a weight, the file's, where float32 tables per 32 made it 6).
 - "u6" (Q6_K, and any bytes in -32..31 with 16-input groups whose scales are, per 256
   inputs, one float times int8 sub-scales): the file's 6.5 bits a weight. Per 16-input group,
   832 bytes: 3 rows of 64 bytes per 16 outputs (row 4 r + j: outputs 16 j .. 16 j + 15), word
@@ -40,13 +44,16 @@ GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
 GROUP_PANEL_VECTORS = GROUP_PANEL_OUTPUTS // 16  # 16-output vectors of a panel
 U6_PAIR_BYTES = 104  # a "u6" panel's bytes per input pair (832 per 16-input group)
 U6_SUPER_GROUPS = 16  # 16-input groups sharing a "u6" super-scale (256 inputs)
+U4K_PAIR_BYTES = 72  # a "u4k" panel's bytes per input pair (1152 per 32-input group)
+U4K_SUPER_GROUPS = 8  # 32-input groups sharing a "u4k" super-scale and super-min
 
 
 def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
                     packed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A weight's blocks -> the kernel's (weights int8 [B, K / 2, 128] ("i8"), [B, K / 2, 64]
-    (`packed`: "u4") or [B, K / 2, U6_PAIR_BYTES] ("u6", where the values and scales allow),
-    scales [B, G (or K / 256 for "u6"), 64], mins [B, G or 0, 64]), B = ceil(N / 64).
+    (`packed`: "u4"), [B, K / 2, U6_PAIR_BYTES] ("u6") or [B, K / 2, U4K_PAIR_BYTES] ("u4k"),
+    the last two where the values and tables allow, scales [B, G (or K / 256 for "u6" and
+    "u4k"), 64], mins [B, G (K / 256 for "u4k") or 0, 64]), B = ceil(N / 64).
     `q`: "i8" values int8 [N, K], or "u4" bytes uint8 [N, K / 2] (quantized.py's layout);
     `scales` / `mins` [N, G] (G = K / 32, or K / 16 for "i8") float32 or int16 float16 bit
     patterns, the panels' tables in the same dtype (mins None: no min term, "i8" only; a "u4"
@@ -78,12 +85,26 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     no_mins = table_panels(np.zeros((n, 0), scales.dtype))
     if packed and mins is not None and np.array_equal(_as_float(mins), -8 * _as_float(scales)):
         mins = None  # Q4_0's: the kernels take "u4" without a min table as q - 8
-    factored = None if packed or mins is not None else _super_scales(q, scales)
-    if factored is not None:
-        supers, subs = factored
-        padded_subs = np.zeros((blocks * GROUP_PANEL_OUTPUTS, subs.shape[1]), np.int8)
-        padded_subs[:n] = subs
-        return _u6_weights(padded, padded_subs), table_panels(supers), no_mins
+    def padded_subs(subs: np.ndarray) -> np.ndarray:
+        out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, subs.shape[1]), np.int8)
+        out[:n] = subs
+        return out
+
+    if not packed and mins is None and q.min(initial=0) >= -32 and q.max(initial=0) <= 31:
+        factored = _super_scales(scales, U6_SUPER_GROUPS)
+        if factored is not None:
+            return (_u6_weights(padded, padded_subs(factored[1])), table_panels(factored[0]),
+                    no_mins)
+    if packed and mins is not None:
+        factored = [_super_scales(t, U4K_SUPER_GROUPS) for t in (scales, mins)]
+        if None not in factored:
+            (supers, subs), (min_supers, min_subs) = factored
+            weights = np.concatenate([
+                _octets(padded).reshape(blocks, k // 32, -1),
+                *(padded_subs(t).reshape(blocks, GROUP_PANEL_OUTPUTS, -1).transpose(0, 2, 1)
+                  for t in (subs, min_subs))], axis=-1)
+            return (np.ascontiguousarray(weights).reshape(blocks, k // 2, U4K_PAIR_BYTES),
+                    table_panels(supers), table_panels(min_supers))
     if packed:
         weights = _octets(padded).reshape(blocks, k // 2, -1)
     else:
@@ -133,19 +154,17 @@ def _u6_weights(values: np.ndarray, subs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out).reshape(blocks, k // 2, U6_PAIR_BYTES)
 
 
-def _super_scales(values: np.ndarray, scales: np.ndarray
+def _super_scales(table: np.ndarray, per_super: int
                   ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Float32 scales [N, K / 16] of values int8 [N, K] -> (super-scales float32 [N, K / 256],
-    int8 sub-scales [N, K / 16]) whose products are the scales bit for bit, where every value
-    is in -32..31 and every 256 inputs' scales factor so (a Q6_K's do: its f16 d times int8
-    scales); else None. A super-block's largest scale is its super-scale times some |sub| <=
-    128 (most often 128: ggml maps it there), so each count is tried, largest first."""
-    n, groups = scales.shape
-    if (scales.dtype != np.float32 or groups % U6_SUPER_GROUPS or values.shape[1] != 16 * groups
-            or values.min(initial=0) < -32 or values.max(initial=0) > 31
-            or not np.isfinite(scales).all()):
+    """A float32 table [N, G] -> (super-scales float32 [N, G / per_super], int8 sub-scales
+    [N, G]) whose products are the table bit for bit, where every `per_super` groups' entries
+    factor so (a Q6_K's scales, a Q4_K's scales and mins do: an f16 field times small
+    integers); else None. A super-block's largest entry is its super-scale times some |sub| <=
+    128 (most often the largest: ggml maps it there), so each count is tried, largest first."""
+    n, groups = table.shape
+    if table.dtype != np.float32 or groups % per_super or not np.isfinite(table).all():
         return None
-    s = scales.reshape(n, groups // U6_SUPER_GROUPS, U6_SUPER_GROUPS)
+    s = table.reshape(n, groups // per_super, per_super)
     top = np.abs(s).max(-1)
     supers = np.zeros(top.shape, np.float32)
     subs = np.zeros(s.shape, np.int8)
@@ -154,7 +173,7 @@ def _super_scales(values: np.ndarray, scales: np.ndarray
         if not todo.size:
             break
         cand = top.reshape(-1)[todo] / np.float32(count)
-        block = s.reshape(-1, U6_SUPER_GROUPS)[todo]
+        block = s.reshape(-1, per_super)[todo]
         sub = np.rint(block / cand[:, None])
         ok = ((np.abs(sub) <= 128) & (sub.astype(np.float32) * cand[:, None] == block)).all(-1)
         # a sub-scale of +128 is -128 under a negative super-scale (ggml's d may be negative)
@@ -162,14 +181,27 @@ def _super_scales(values: np.ndarray, scales: np.ndarray
         ok &= ~(flip & (sub == -128).any(-1))
         cand, sub = np.where(flip, -cand, cand), np.where(flip[:, None], -sub, sub)
         supers.reshape(-1)[todo[ok]] = cand[ok]
-        subs.reshape(-1, U6_SUPER_GROUPS)[todo[ok]] = sub[ok]
+        subs.reshape(-1, per_super)[todo[ok]] = sub[ok]
         todo = todo[~ok]
     return None if todo.size else (supers, subs.reshape(n, groups))
 
 
 @njit(inline="always")
+def _group_byte(w, b, g, x):
+    """Byte x of panel b's group g in a form whose groups have their own bytes ("u6": 8 pairs,
+    "u4k": 16), as a uint8."""
+    group_pairs = 8 if w.shape[2] == U6_PAIR_BYTES else 16
+    return np.uint8(w[b, group_pairs * g + x // w.shape[2], x % w.shape[2]])
+
+
+@njit(inline="always")
 def _panel_value(w, b, pair, o, t, packed):
     """The integer weight of output 64 b + o, input 2 pair + t, from its panel."""
+    if w.shape[2] == U4K_PAIR_BYTES:  # octet c of group g: its bytes 256 c ..
+        k = pair % 4
+        byte = np.int32(_group_byte(w, b, pair // 16, 256 * (pair % 16 // 4) + 64 * (o // 16)
+                                    + 4 * (o % 16) + 2 * t + (k >> 1)))
+        return np.float32((byte >> 4) if k & 1 else (byte & 15))
     if w.shape[2] == U6_PAIR_BYTES:  # byte x of group g: w[b, 8 g + x // 104, x % 104]
         g, m = pair // 8, pair % 8
         string = np.int64(0)
@@ -190,19 +222,34 @@ def _panel_value(w, b, pair, o, t, packed):
 
 @njit(inline="always")
 def _panel_groups(w, scales):
-    """A panel weight's weight groups and their input pairs: 8 for "u6", else the table's."""
-    groups = w.shape[1] // 8 if w.shape[2] == U6_PAIR_BYTES else scales.shape[1]
+    """A panel weight's weight groups and their input pairs: 8 for "u6", 16 for "u4k", else
+    the table's."""
+    groups = (w.shape[1] // 8 if w.shape[2] == U6_PAIR_BYTES else w.shape[1] // 16
+              if w.shape[2] == U4K_PAIR_BYTES else scales.shape[1])
     return groups, w.shape[1] // max(groups, 1)
 
 
 @njit(inline="always")
 def _group_scale(w, scales, b, g, o):
-    """Output 64 b + o's scale in group g: "u6"'s sub-scale (byte 768 + o of the group's 832:
-    the last 64 of its pair 7) x its super-scale, else the table's."""
+    """Output 64 b + o's scale in group g: a sub-scale (byte 768 + o of a "u6" group, 1024 + o
+    of a "u4k" one) x its super-scale, else the table's."""
     if w.shape[2] == U6_PAIR_BYTES:
-        sub = w[b, 8 * g + 7, U6_PAIR_BYTES - GROUP_PANEL_OUTPUTS + o]
+        sub = np.int8(_group_byte(w, b, g, 768 + o))
         return np.float32(sub) * table_value(scales[b], g // U6_SUPER_GROUPS, o)
+    if w.shape[2] == U4K_PAIR_BYTES:
+        sub = np.int8(_group_byte(w, b, g, 1024 + o))
+        return np.float32(sub) * table_value(scales[b], g // U4K_SUPER_GROUPS, o)
     return table_value(scales[b], g, o)
+
+
+@njit(inline="always")
+def _group_min(w, mins, b, g, o):
+    """Output 64 b + o's min in group g: "u4k"'s sub-min (byte 1088 + o) x its super-min, else
+    the table's."""
+    if w.shape[2] == U4K_PAIR_BYTES:
+        sub = np.int8(_group_byte(w, b, g, 1088 + o))
+        return np.float32(sub) * table_value(mins[b], g // U4K_SUPER_GROUPS, o)
+    return table_value(mins[b], g, o)
 
 
 @njit(inline="always")
@@ -223,7 +270,7 @@ def panel_rows(w, scales, mins, packed, ids, out):
         b, o = ids[i] // GROUP_PANEL_OUTPUTS, ids[i] % GROUP_PANEL_OUTPUTS
         for g in range(groups):
             s = _group_scale(w, scales, b, g, o)
-            mn = table_value(mins[b], g, o) if has_min else _offset_term(s, packed)
+            mn = _group_min(w, mins, b, g, o) if has_min else _offset_term(s, packed)
             for pair in range(g * group_pairs, (g + 1) * group_pairs):
                 for t in range(2):
                     out[i, 2 * pair + t] = s * _panel_value(w, b, pair, o, t, packed) + mn
@@ -237,23 +284,24 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     order, each input's 64 outputs written side by side."""
     has_min = mins.shape[1] > 0
     groups, group_pairs = _panel_groups(w, scales)
-    u6 = w.shape[2] == U6_PAIR_BYTES
+    u6, u4k = w.shape[2] == U6_PAIR_BYTES, w.shape[2] == U4K_PAIR_BYTES
     s = np.empty(GROUP_PANEL_OUTPUTS, np.float32)  # a group's 64 scales and mins, widened once
     mn = np.zeros(GROUP_PANEL_OUTPUTS, np.float32)
     for c in range(count):
         b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
-        lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row
+        lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row; "u4k": 288 a group
         for g in range(groups):
             for o in range(GROUP_PANEL_OUTPUTS):
                 s[o] = _group_scale(w, scales, b, g, o)
-                mn[o] = table_value(mins[b], g, o) if has_min else _offset_term(s[o], packed)
+                mn[o] = _group_min(w, mins, b, g, o) if has_min else _offset_term(s[o], packed)
             if u6:
                 _u6_rows_t(lanes[g * U6_PAIR_BYTES * 2:(g + 1) * U6_PAIR_BYTES * 2], s,
                            out_t[16 * g:16 * g + 16], col)
                 continue
             if packed:
                 for first in range(g * group_pairs, (g + 1) * group_pairs, 4):
-                    _octet_rows_t(lanes, first, s, mn, out_t, col)
+                    at = 288 * g + 16 * (first - g * group_pairs) if u4k else 16 * first
+                    _octet_rows_t(lanes[at:at + GROUP_PANEL_OUTPUTS], first, s, mn, out_t, col)
                 continue
             for pair in range(g * group_pairs, (g + 1) * group_pairs):
                 for t in range(2):
@@ -283,13 +331,12 @@ def _u6_rows_t(group_lanes, s, out_t, col):
 
 
 @njit(inline="always")
-def _octet_rows_t(lanes, first, s, mn, out_t, col):
-    """out_t[8 c + i, col:col + 64] = scale x q + min of a "u4" panel's 64 outputs, for the 8
-    inputs i of the octet c whose pairs start at `first` (= 4 c). Its rows 4 c .. 4 c + 3 are 64
-    contiguous uint32 lanes, lane 16 j + o holding output 16 j + o's input 2 k + t at bit
-    16 t + 4 k: each input's outputs a shift and a mask of the same lanes. (Slices, so that
+def _octet_rows_t(src, first, s, mn, out_t, col):
+    """out_t[8 c + i, col:col + 64] = scale x q + min of a "u4" / "u4k" panel's 64 outputs,
+    for the 8 inputs i of the octet c whose pairs start at `first` (= 4 c). `src`: its 4 rows
+    as 64 contiguous uint32 lanes, lane 16 j + o holding output 16 j + o's input 2 k + t at bit
+    16 t + 4 k: each input's outputs a shift and a mask of the same lanes. (A slice, so that
     the indices are known non-negative: no wraparound selects, which LLVM turns into gathers.)"""
-    src = lanes[16 * first:16 * first + GROUP_PANEL_OUTPUTS]
     for k in range(4):
         for t in range(2):
             shift = np.uint32(16 * t + 4 * k)

@@ -28,7 +28,8 @@ rows) and an arithmetic shift that brings the field down with its sign: 15 instr
 16-input group's 8 pairs of 16 outputs, whose scale is its int8 sub-scale (from the panel)
 times the 256 inputs' super-scale (the table): the "i8" form's integer sums and scales at 6.5
 bits a weight; "u4" without a min table (Q4_0) subtracts 8 x x's block sums from each group's
-integer sums. The scale and min panels keep the weight's table dtype, so a panel weight holds
+integer sums; "u4k" (Q4_K) reads "u4" octets and takes each group's scale and min as "u6"
+takes its scale, sub x super. The scale and min panels keep the weight's table dtype, so a panel weight holds
 about the file's bytes. A weight served as a linear is stored as its panels alone
 (QuantizedWeight.store_as_panels), read back as float32 rows and tiles by
 quantized_panel_layout. Runs
@@ -47,13 +48,14 @@ from numba.extending import intrinsic
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
 from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_OUTPUTS, U6_PAIR_BYTES
 from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_VECTORS as _VECTORS
-from mrv2.models.layers.quantized_panel_layout import U6_SUPER_GROUPS
+from mrv2.models.layers.quantized_panel_layout import (U4K_PAIR_BYTES, U4K_SUPER_GROUPS,
+                                                       U6_SUPER_GROUPS)
 from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S,
                                           V32B, V32S, call_intrinsic, host_compiles_with,
                                           row_ptr, splat, table_elem, vload, widen_half)
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
-_FORM_I8, _FORM_U4, _FORM_U6 = 0, 1, 2  # the panel forms, as the kernels' literals
+_FORM_I8, _FORM_U4, _FORM_U6, _FORM_U4K = 0, 1, 2, 3  # the panel forms, as the kernels' literals
 
 GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
 
@@ -65,11 +67,10 @@ def _pair_weights(builder, panel, pair, j):
     return builder.sext(vload(builder, panel, first, V32B, 1), V32S)
 
 
-def _octet_words(builder, panel, first_pair, j):
-    """"u4" outputs 16 j .. 16 j + 15 of the octet of inputs from pair `first_pair` (a multiple
-    of 4): 64 bytes as <32 x i16>, word 2 o + t holding the 4 pairs' inputs t, a nibble each."""
-    row = builder.add(first_pair, first_pair.type(j))
-    return vload(builder, panel, builder.mul(row, row.type(GROUP_PANEL_OUTPUTS)), V32S, 1)
+def _octet_words(builder, panel, start, j):
+    """"u4" / "u4k" outputs 16 j .. 16 j + 15 of the octet of inputs whose rows start at byte
+    `start`: 64 bytes as <32 x i16>, word 2 o + t holding its 4 pairs' inputs t, a nibble each."""
+    return vload(builder, panel, builder.add(start, start.type(64 * j)), V32S, 1)
 
 
 def _nibble_lanes(builder, words, k):
@@ -95,6 +96,14 @@ def _u6_lanes(builder, rows, m):
     return builder.ashr(top, ir.Constant(V32S, [10] * 32))
 
 
+def _sub_scaled(builder, panel, at, table, offset, table_type):
+    """16 int8 sub-scales of a panel from byte `at` times 16 entries of a table panel from
+    `offset` (the super-scales), as <16 x float>: exact (an f16 field times a byte)."""
+    subs = builder.sext(vload(builder, panel, at, V16B, 1), V16I)
+    return builder.fmul(builder.sitofp(subs, V16F), _table_vector(builder, table, offset,
+                                                                  table_type))
+
+
 def _table_vector(builder, panel, offset, table_type):
     """16 entries of a scale / min panel from `offset` as <16 x float>."""
     if table_type.dtype == types.int16:
@@ -107,7 +116,7 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
     """sums[r, :64] = row m0 + r of x (xq, dx: the int16 format; xsum: x's float group sums
     where `mins` has groups, else for "u4" xq's block sums) . the 64 outputs of panel `block`,
     for r < rows (a literal, 1 to GROUP_PANEL_ROWS); `form` (a literal): the panel's
-    (_FORM_I8, _FORM_U4, _FORM_U6)."""
+    (_FORM_I8, _FORM_U4, _FORM_U6, _FORM_U4K)."""
     if not (isinstance(rows, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
             and 1 <= rows.literal_value <= GROUP_PANEL_ROWS):
         return None
@@ -124,8 +133,8 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
         pairs = cgutils.unpack_tuple(builder, warr.shape, 3)[1]
         # Input pairs of a weight group: 16 (32 inputs) or 8 (16 inputs, "i8" and "u6"); x's
         # scale d covers 16 pairs, so a 16-input group's is its pair's 32-input block's.
-        if kind == _FORM_U6:  # the table has a super-scale per 16 groups
-            group_pairs = ity(8)
+        if kind in (_FORM_U6, _FORM_U4K):  # the tables have a super-scale per 256 inputs
+            group_pairs = ity(8 if kind == _FORM_U6 else 16)
             groups = builder.sdiv(pairs, group_pairs)
         else:
             groups = cgutils.unpack_tuple(builder, sarr.shape, 3)[1]
@@ -171,10 +180,13 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                 for m in range(8):
                     add_products(builder.add(first_pair, ity(m)),
                                  [_u6_lanes(builder, rows[j], m) for j in range(_VECTORS)])
-            elif kind == _FORM_U4:
+            elif kind in (_FORM_U4, _FORM_U4K):  # octets of 256 bytes from the group's start
+                group_start = builder.mul(first_pair, ity(
+                    GROUP_PANEL_OUTPUTS if kind == _FORM_U4 else U4K_PAIR_BYTES))
                 with cgutils.for_range(builder, builder.sdiv(group_pairs, ity(4))) as loop:
                     first = builder.add(first_pair, builder.mul(loop.index, ity(4)))
-                    words = [_octet_words(builder, panel, first, j) for j in range(_VECTORS)]
+                    start = builder.add(group_start, builder.mul(loop.index, ity(256)))
+                    words = [_octet_words(builder, panel, start, j) for j in range(_VECTORS)]
                     for k in range(4):
                         add_products(builder.add(first, ity(k)),
                                      [_nibble_lanes(builder, v, k) for v in words])
@@ -185,13 +197,16 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                                         for j in range(_VECTORS)])
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
                        for j in range(_VECTORS)]
-            if kind == _FORM_U6:  # sub-scale (the group's 64 bytes after its rows) x super-scale
-                supers = builder.mul(builder.sdiv(g, ity(U6_SUPER_GROUPS)),
-                                     ity(GROUP_PANEL_OUTPUTS))
-                scale_vectors = [builder.fmul(builder.sitofp(builder.sext(vload(
-                    builder, panel, builder.add(u6_group, ity(768 + 16 * j)), V16B, 1), V16I),
-                    V16F), _table_vector(builder, scale_panel, builder.add(supers, ity(16 * j)),
-                                         st)) for j in range(_VECTORS)]
+            # "u6" / "u4k": sub-scales (and sub-mins) in the group's bytes after its rows
+            subs_at = builder.add(u6_group, ity(768)) if kind == _FORM_U6 else builder.add(
+                builder.mul(first_pair, ity(U4K_PAIR_BYTES)), ity(1024))
+            supers = builder.mul(builder.sdiv(g, ity(U6_SUPER_GROUPS if kind == _FORM_U6
+                                                      else U4K_SUPER_GROUPS)),
+                                 ity(GROUP_PANEL_OUTPUTS))
+            if kind in (_FORM_U6, _FORM_U4K):
+                scale_vectors = [_sub_scaled(builder, panel, builder.add(subs_at, ity(16 * j)),
+                                             scale_panel, builder.add(supers, ity(16 * j)), st)
+                                 for j in range(_VECTORS)]
             else:
                 scale_vectors = [_table_vector(builder, scale_panel, o, st) for o in offsets]
             x_block = builder.lshr(first_pair, ity(4))
@@ -209,7 +224,10 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                     builder.store(builder.fadd(builder.load(sums[r][j]), term, flags=FAST),
                                   sums[r][j])
             with builder.if_then(has_min):
-                min_vectors = [_table_vector(builder, min_panel, o, mnt) for o in offsets]
+                min_vectors = ([_sub_scaled(builder, panel, builder.add(subs_at, ity(64 + 16 * j)),
+                                            min_panel, builder.add(supers, ity(16 * j)), mnt)
+                                for j in range(_VECTORS)] if kind == _FORM_U4K else
+                               [_table_vector(builder, min_panel, o, mnt) for o in offsets])
                 for r in range(count):
                     xs = splat(builder, builder.load(builder.gep(xsum_rows[r], [g])), 16)
                     for j in range(_VECTORS):
@@ -267,16 +285,20 @@ def group_panel_kernel(x, w, scales, mins, packed, out):
     at a time. No thread count is read inside (it would keep the decode stack from being
     cached)."""
     rows, n = out.shape
-    xq, dx, xsum = _int16_x(x, mins.shape[1], packed and mins.shape[1] == 0)
+    u4k = w.shape[2] == U4K_PAIR_BYTES
+    xq, dx, xsum = _int16_x(x, w.shape[1] // 16 if u4k else mins.shape[1],
+                            packed and mins.shape[1] == 0)
     for b in prange(w.shape[0]):
         sums = np.empty((GROUP_PANEL_ROWS, GROUP_PANEL_OUTPUTS), np.float32)
         n0 = b * GROUP_PANEL_OUTPUTS
         width = min(GROUP_PANEL_OUTPUTS, n - n0)
         for m0 in range(0, rows, GROUP_PANEL_ROWS):
             count = min(GROUP_PANEL_ROWS, rows - m0)
-            # _FORM_U6, _FORM_U4, _FORM_I8 written as numbers: a global inside prange is no literal
+            # _FORM_U6, _FORM_U4K, _FORM_U4, _FORM_I8 as numbers: a global in prange is no literal
             if w.shape[2] == U6_PAIR_BYTES:
                 _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 2, sums)
+            elif u4k:
+                _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 3, sums)
             elif packed:
                 _group_rows_pass(w, b, xq, dx, scales, mins, xsum, m0, count, 1, sums)
             else:
