@@ -29,12 +29,12 @@ rows) and an arithmetic shift that brings the field down with its sign: 15 instr
 times the 256 inputs' super-scale (the table): the "i8" form's integer sums and scales at 6.5
 bits a weight; "u4" without a min table (Q4_0) subtracts 8 x x's block sums from each group's
 integer sums; "u4k" (Q4_K) reads "u4" octets and takes each group's scale and min as "u6"
-takes its scale, sub x super. The scale and min panels keep the weight's table dtype, so a panel weight holds
-about the file's bytes. A weight served as a linear is stored as its panels alone
-(QuantizedWeight.store_as_panels), read back as float32 rows and tiles by
-quantized_panel_layout. Runs
-where numba compiles for a host with AVX-512 BW (`GROUP_PANELS_RUN`): 512-bit vpmaddwd, and 32
-vector registers for up to 4 x 4 x 2 accumulators.
+takes its scale, sub x super. The scale and min panels keep the weight's table dtype, so a
+panel weight holds about the file's bytes. A weight served as a linear is stored as its panels
+alone (QuantizedWeight.store_as_panels), read back as float32 rows and tiles by
+quantized_panel_layout. Runs where numba compiles for a host with AVX-512 BW
+(`GROUP_PANELS_RUN`): 512-bit vpmaddwd, and 32 vector registers for up to 4 x 4 x 2
+accumulators.
 """
 
 from __future__ import annotations
