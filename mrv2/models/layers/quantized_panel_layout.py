@@ -290,10 +290,21 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     for c in range(count):
         b, col = b0 + c, c * GROUP_PANEL_OUTPUTS
         lanes = w[b].view(np.uint32).reshape(-1)  # "u4": 16 a 64-byte row; "u4k": 288 a group
+        flat = w[b].reshape(-1)
         for g in range(groups):
-            for o in range(GROUP_PANEL_OUTPUTS):
-                s[o] = _group_scale(w, scales, b, g, o)
-                mn[o] = _group_min(w, mins, b, g, o) if has_min else _offset_term(s[o], packed)
+            if u6 or u4k:  # sub-scales (and sub-mins) contiguous in the group's bytes
+                at = g * group_pairs * w.shape[2] + (768 if u6 else 1024)
+                per_super = U6_SUPER_GROUPS if u6 else U4K_SUPER_GROUPS
+                for o in range(GROUP_PANEL_OUTPUTS):
+                    s[o] = np.float32(flat[at + o]) * table_value(scales[b], g // per_super, o)
+                    if u4k:
+                        mn[o] = (np.float32(flat[at + GROUP_PANEL_OUTPUTS + o])
+                                 * table_value(mins[b], g // per_super, o))
+            else:
+                for o in range(GROUP_PANEL_OUTPUTS):
+                    s[o] = table_value(scales[b], g, o)
+                    mn[o] = (table_value(mins[b], g, o) if has_min
+                             else _offset_term(s[o], packed))
             if u6:
                 _u6_rows_t(lanes[g * U6_PAIR_BYTES * 2:(g + 1) * U6_PAIR_BYTES * 2], s,
                            out_t[16 * g:16 * g + 16], col)
