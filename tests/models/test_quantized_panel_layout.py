@@ -127,6 +127,9 @@ def test_super_scales_factor_exactly_or_not_at_all():
     assert weights.shape[2] == 2 * layout.GROUP_PANEL_OUTPUTS  # "i8", as before
     weights, _, _ = layout.group_panels_of(np.full((3, 256), 40, np.int8), scales, None)
     assert weights.shape[2] == 2 * layout.GROUP_PANEL_OUTPUTS
+    # 32-input groups (a 16-group "u6" would misread them), however they factor: "i8".
+    weights, _, _ = layout.group_panels_of(np.zeros((3, 512), np.int8), scales, None)
+    assert weights.shape[2] == 2 * layout.GROUP_PANEL_OUTPUTS
 
 
 @pytest.mark.parametrize("gguf_type, width", [("Q8_0", 128), ("Q5_K", 128), ("Q4_1", 64),

@@ -1,5 +1,5 @@
 """The bytes of quantized_panel_numba's panels: a weight of integer blocks repacked, at load, into
-panels of 64 outputs in one of three forms, chosen from the weight's values and tables (numpy),
+panels of 64 outputs in one of four forms, chosen from the weight's values and tables (numpy),
 and read back as float32 rows (`panel_rows`: the embedding lookup of a weight held as its
 panels) and transposed tiles (`panel_tile_t`: the prefill tiles), exactly as the blocks'
 dequantization gives them (numba, on the calling thread).
@@ -85,12 +85,14 @@ def group_panels_of(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     no_mins = table_panels(np.zeros((n, 0), scales.dtype))
     if packed and mins is not None and np.array_equal(_as_float(mins), -8 * _as_float(scales)):
         mins = None  # Q4_0's: the kernels take "u4" without a min table as q - 8
+
     def padded_subs(subs: np.ndarray) -> np.ndarray:
         out = np.zeros((blocks * GROUP_PANEL_OUTPUTS, subs.shape[1]), np.int8)
         out[:n] = subs
         return out
 
-    if not packed and mins is None and q.min(initial=0) >= -32 and q.max(initial=0) <= 31:
+    if (not packed and mins is None and scales.shape[1] == k // 16
+            and q.min(initial=0) >= -32 and q.max(initial=0) <= 31):
         factored = _super_scales(scales, U6_SUPER_GROUPS)
         if factored is not None:
             return (_u6_weights(padded, padded_subs(factored[1])), table_panels(factored[0]),
