@@ -217,7 +217,7 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                     offset = builder.select(has_min, offset, splat(builder, builder.fmul(
                         builder.load(builder.gep(xsum_rows[r], [g])), F32(8.0)), 16))
                 for j in range(_VECTORS):
-                    # exact: |isum|, 8 |sum xq| < 2^24
+                    # "u4" without a min table: exact (|isum|, 8 |sum xq| < 2^24)
                     isum = builder.fsub(builder.sitofp(builder.load(ints[r][j]), V16F), offset)
                     term = builder.fmul(isum, builder.fmul(scale_vectors[j], d, flags=FAST),
                                         flags=FAST)
