@@ -173,7 +173,6 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                                       ints[r][j])
 
             u6_group = builder.mul(first_pair, ity(U6_PAIR_BYTES))  # its 832 bytes, for "u6"
-
             if kind == _FORM_U6:  # row 4 r + j: piece r of vector j's strings, 64 bytes
                 rows = [[vload(builder, panel, builder.add(u6_group, ity(64 * (4 * r + j))),
                                V32S, 1) for r in range(3)] for j in range(_VECTORS)]
@@ -197,13 +196,12 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                                         for j in range(_VECTORS)])
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
                        for j in range(_VECTORS)]
-            # "u6" / "u4k": sub-scales (and sub-mins) in the group's bytes after its rows
-            subs_at = builder.add(u6_group, ity(768)) if kind == _FORM_U6 else builder.add(
-                builder.mul(first_pair, ity(U4K_PAIR_BYTES)), ity(1024))
-            supers = builder.mul(builder.sdiv(g, ity(U6_SUPER_GROUPS if kind == _FORM_U6
-                                                      else U4K_SUPER_GROUPS)),
-                                 ity(GROUP_PANEL_OUTPUTS))
-            if kind in (_FORM_U6, _FORM_U4K):
+            if kind in (_FORM_U6, _FORM_U4K):  # sub-scales (and sub-mins) after its rows
+                subs_at = builder.add(u6_group, ity(768)) if kind == _FORM_U6 else builder.add(
+                    builder.mul(first_pair, ity(U4K_PAIR_BYTES)), ity(1024))
+                supers = builder.mul(builder.sdiv(g, ity(U6_SUPER_GROUPS if kind == _FORM_U6
+                                                          else U4K_SUPER_GROUPS)),
+                                     ity(GROUP_PANEL_OUTPUTS))
                 scale_vectors = [_sub_scaled(builder, panel, builder.add(subs_at, ity(16 * j)),
                                              scale_panel, builder.add(supers, ity(16 * j)), st)
                                  for j in range(_VECTORS)]
