@@ -10,6 +10,10 @@
   oneDNN's per-shape primitives are reused and their memory stays bounded) vs unpadded;
 - `decode-attention`: 32 decode rows of 256 tokens (W1's attention shape), the numba kernel
   reading the paged cache in place vs the gather-then-einsum torch path;
+- `decode-attention-prefetch`: W2's decode attention (32 rows of 192 tokens, 16 layers, a
+  bfloat16 cache on huge pages, 202 MB of K/V a step from DRAM), the kernel prefetching its
+  K/V blocks into L2 vs the same kernel prefetching into L1 (its source compiled with
+  `prefetch_at`);
 - `silu-and-mul`: W1's decode step (32 rows x 1408, 8 layers), the fused kernel with the
   vectorised `numba_exp.exp32` vs the same loop with numba's scalar libm exp;
 - `norm-rotary`: one W2 prefill layer's norms and q/k rotary (4096 rows), the fused kernels
@@ -222,6 +226,65 @@ def test_decode_attention_work_items(benchmark, items):
     kv_head, whole_row = (1, 1), (3, 1)
     work, other = (kv_head, whole_row) if items == "kv_head" else (whole_row, kv_head)
     _time_work_split(benchmark, q, caches, tables, lens, work, other)
+
+
+def _kernel_prefetching_into_l1():
+    """decode_numba's kernel compiled from its source with the K/V prefetches into L1
+    (`prefetch_at`) instead of L2, as it was before: the baseline of the prefetch level."""
+    import types
+    from pathlib import Path
+
+    from mrv2.attention import decode_numba
+
+    source = Path(decode_numba.__file__).read_text()
+    call = "prefetch_to_l2_at(cache, block, line)"
+    assert call in source, "the kernel's prefetch call changed: update this baseline"
+    source = (source.replace(call, "prefetch_at(cache, block, line)")
+              .replace("CACHE_LINE_BYTES, prefetch_to_l2_at", "CACHE_LINE_BYTES, prefetch_at")
+              .replace("cache=True", "cache=False"))
+    module = types.ModuleType("decode_numba_prefetch_l1")
+    exec(compile(source, module.__name__, "exec"), module.__dict__)
+    return module.decode_kernel
+
+
+# W2's decode attention at batch 32 (16 heads, 8 kv heads of 64, 16 layers, rows of 192
+# tokens, blocks laid out as the engine allocates them: each prompt's 8 in a run, the rest
+# interleaved), the K/V from DRAM: prefetched into L2 (the kernel) against into L1 (its
+# previous form). bench/README.md has the figures.
+@pytest.mark.parametrize("level", ["to_l2", "to_l1"])
+def test_decode_attention_prefetch_level(benchmark, level):
+    from mrv2.attention import decode_numba
+    from mrv2.attention.kv_numba import numpy_view
+    from mrv2.utils import huge_pages
+
+    rows, seq_len, block_size, layers, heads, kv_heads = 32, 192, 16, 16, 16, 8
+    benchmark.group = f"decode-attention-prefetch-{rows}x{seq_len}-{layers}layers-bf16"
+    benchmark.extra_info.update(rows=rows, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                                head_dim=64, block_size=block_size, layers=layers, threads=2)
+    g = torch.Generator().manual_seed(0)
+    per_row = seq_len // block_size
+    caches = []
+    for _ in range(layers):
+        cache = huge_pages.zeros((2, rows * per_row, block_size, kv_heads, 64), torch.bfloat16)
+        cache.copy_(torch.randn(cache.shape, generator=g))
+        caches.append((numpy_view(cache[0]), numpy_view(cache[1]), cache))
+    prompt_blocks = np.arange(rows * 8).reshape(rows, 8)
+    later = rows * 8 + np.arange(rows * (per_row - 8)).reshape(per_row - 8, rows).T
+    tables = np.ascontiguousarray(np.concatenate([prompt_blocks, later], 1), dtype=np.int32)
+    q = torch.randn(rows, heads, 64, generator=g).numpy()
+    lens = np.full(rows, seq_len, np.int32)
+    kernel = decode_numba.decode_kernel if level == "to_l2" else _kernel_prefetching_into_l1()
+    outs = [np.empty_like(q) for _ in range(2)]
+    kernel(q, caches[0][0], caches[0][1], tables, lens, np.float32(0.125), outs[0], 1, 1)
+    decode_numba.decode_kernel(q, caches[0][0], caches[0][1], tables, lens, np.float32(0.125),
+                               outs[1], 1, 1)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+    def step() -> None:
+        for k_cache, v_cache, _ in caches:
+            kernel(q, k_cache, v_cache, tables, lens, np.float32(0.125), outs[0], 1, 1)
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 
 
 # Decode attention from the caches (4 rows of 192 tokens, one layer: 0.6 MB of K/V in

@@ -15,7 +15,8 @@ loaded key/value row, and scores and values are computed in the loops of decode_
 size is whole vectors, else four positions per pass in numba (`_block_scores`,
 `_block_values`). The blocks two ahead are prefetched while one is computed
 (prefetch_numba.py): a whole block before the vector loops, each token's rows with the token in
-the numba loops.
+the numba loops, into L2 rather than L1 (`prefetch_to_l2_at`: with L1 as the target the K/V
+stream from DRAM barely overlapped the compute, measured in bench/README.md).
 
 Numerics: fp32 accumulation in a different order than torch (fastmath lets the compiler
 vectorise the head_dim reductions), and the softmax's exp is `numba_exp.exp32` (vectorised,
@@ -33,7 +34,7 @@ from numba.extending import overload
 from mrv2 import platform
 from mrv2.attention.decode_vector_ir import block_scores, block_values, vector_width
 from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
-from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
+from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_to_l2_at
 from mrv2.models.layers.numba_exp import exp32
 
 # Blocks prefetched ahead of the one being computed (measured best among 1, 2 and 4).
@@ -86,7 +87,7 @@ def _prefetch_rows(cache, block, first, stop, row_bytes, start, length):
         begin = r * row_bytes + start
         line = begin - begin % CACHE_LINE_BYTES
         while line < begin + length:
-            prefetch_at(cache, block, line)
+            prefetch_to_l2_at(cache, block, line)
             line += CACHE_LINE_BYTES
 
 
