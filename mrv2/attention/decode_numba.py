@@ -45,7 +45,8 @@ PREFETCH_DISTANCE = 2
 VECTOR_WIDTH = vector_width()
 # Whether `work_split` makes whole-row items where the step's K/V comes from DRAM: only where
 # vectors are 8 floats (AVX2), where they were faster (Zen 3); with AVX-512 (Zen 4) (row, kv
-# head) items were faster or level there too (bench/README.md has both).
+# head) items were faster or level there too (bench/README.md has both). The AVX2 choice was
+# measured with the prefetches into L1 and not since they go to L2 (no AVX2 machine at hand).
 WHOLE_ROW_ITEMS = VECTOR_WIDTH == 8
 # Fewest positions in a context split: below it a split's fixed costs (its scratch, its share
 # of the merge) outweigh a second thread's help.
