@@ -22,7 +22,7 @@ from numba.extending import intrinsic
 CACHE_LINE_BYTES = 64
 
 
-def _prefetch_intrinsic(locality: int, doc: str):
+def _prefetch_intrinsic(name: str, locality: int, doc: str):
     """A numba intrinsic (array, index, byte_offset) that prefetches the cache line at
     `byte_offset` bytes past `array[index, 0, ...]` with LLVM's `locality` (3: every level, 2:
     L2 and beyond on x86). No effect on results; an address past the array is harmless
@@ -52,12 +52,15 @@ def _prefetch_intrinsic(locality: int, doc: str):
 
         return sig, codegen
 
+    # Its own name, not the factory's: numba names the intrinsic by it in typing errors.
+    prefetch.__name__ = prefetch.__qualname__ = name
     prefetch.__doc__ = doc
     return intrinsic(prefetch)
 
 
 prefetch_at = _prefetch_intrinsic(
-    3, "Hint the CPU to load the cache line at `byte_offset` bytes past `array[index, 0, ...]`"
-       " into every level (prefetcht0).")
+    "prefetch_at", 3, "Hint the CPU to load the cache line at `byte_offset` bytes past"
+                      " `array[index, 0, ...]` into every level (prefetcht0).")
 prefetch_to_l2_at = _prefetch_intrinsic(
-    2, "As `prefetch_at`, into L2 and the levels beyond it, not L1 (prefetcht1).")
+    "prefetch_to_l2_at", 2, "As `prefetch_at`, into L2 and the levels beyond it, not L1"
+                            " (prefetcht1).")
