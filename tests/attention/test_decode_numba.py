@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
 from mrv2.attention import decode_numba, decode_vector_ir
 
@@ -134,3 +137,21 @@ def test_supported_only_for_float32_queries_and_contiguous_caches():
     assert not decode_numba.supported(q.half(), cache)
     assert not decode_numba.supported(q, cache.double())
     assert not decode_numba.supported(q, cache.transpose(1, 2))
+
+
+@njit
+def _prefetch_a_block(cache, block, row_bytes):
+    """decode_numba's prefetch of one block's rows, compiled here (its own compiled code is
+    cached, and numba cannot show a cached function's IR)."""
+    decode_numba._prefetch_rows(cache, block, 0, cache.shape[1], row_bytes, 0, row_bytes)
+
+
+def test_the_blocks_ahead_are_prefetched_into_l2():
+    """The K/V stream from DRAM overlaps the compute only when its prefetches stop at L2
+    (prefetch_numba.prefetch_to_l2_at: LLVM locality 2); locality 3 (into L1) was far slower
+    there (bench/test_model_layers.py::test_decode_attention_prefetch_level)."""
+    cache = np.zeros((3, 16, 2, 64), np.uint16)
+    _prefetch_a_block(cache, np.int64(1), 2 * 64 * 2)
+    ir = next(iter(_prefetch_a_block.inspect_llvm().values()))
+    levels = re.findall(r"call void @llvm\.prefetch\.p0\(ptr [^,]+, i32 0, i32 (\d), i32 1\)", ir)
+    assert levels and set(levels) == {"2"}
