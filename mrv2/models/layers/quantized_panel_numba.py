@@ -277,11 +277,11 @@ def _int16_x(x, groups, block_sums):
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
 def group_panel_kernel(x, w, scales, mins, packed, out):
     """out [M, N] float32 = x float32 [M, K] (rows contiguous), quantized to the int16 format,
-    @ the weight whose panels (`group_panels_of`: "u4" nibbles where `packed`, "u6" where w
-    has U6_PAIR_BYTES a pair, else "i8") are w, scales, mins. The panels are shared among
-    numba's threads (prange's static schedule), each taking all of x's rows, GROUP_PANEL_ROWS
-    at a time. No thread count is read inside (it would keep the decode stack from being
-    cached)."""
+    @ the weight whose panels (`group_panels_of`: "u6" where w has U6_PAIR_BYTES a pair,
+    "u4k" where it has U4K_PAIR_BYTES, else "u4" nibbles where `packed`, else "i8") are w,
+    scales, mins. The panels are shared among numba's threads (prange's static schedule), each
+    taking all of x's rows, GROUP_PANEL_ROWS at a time. No thread count is read inside (it
+    would keep the decode stack from being cached)."""
     rows, n = out.shape
     u4k = w.shape[2] == U4K_PAIR_BYTES
     xq, dx, xsum = _int16_x(x, w.shape[1] // 16 if u4k else mins.shape[1],
