@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 OUTPUT_RANK = 0
 _STOP_GRACE_S = 3.0
+# How long an error reply from a rank waits for another rank's death to show (tensor parallel
+# only): a rank killed mid-collective resets its peers' connections while it exits, before
+# its process is reaped, so its peers' errors can arrive first.
+_DEATH_GRACE_S = 0.5
 
 
 class RPCFuture(Future):
@@ -246,9 +250,10 @@ class MultiprocExecutor(Executor):
                     # A rank that died mid-collective makes the others' collectives fail (the
                     # peer reset the connection); their error may arrive before the monitor
                     # sees the death. The death is the cause: report it.
-                    dead = [r for r, proc in enumerate(self._procs) if not proc.is_alive()]
-                    if dead and not self._closing:
-                        self._fail_rank_died(dead[0])
+                    dead = None if self._closing else self._dead_rank(
+                        _DEATH_GRACE_S if self.world_size > 1 else 0.0)
+                    if dead is not None:
+                        self._fail_rank_died(dead)
                         settle(call.future, error=EngineDeadError(self._dead))
                         self._abort()
                     settle(call.future, error=call.errors[min(call.errors)])
@@ -261,6 +266,16 @@ class MultiprocExecutor(Executor):
             raise
         finally:
             self._reply_lock.release()
+
+    def _dead_rank(self, grace: float) -> int | None:
+        """The lowest rank whose process has exited, waiting up to `grace` seconds for one to
+        show; None if every rank is still alive then."""
+        deadline = time.monotonic() + grace
+        while True:
+            dead = [r for r, proc in enumerate(self._procs) if not proc.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead[0] if dead else None
+            time.sleep(0.01)
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        timeout: float | None = None) -> list[Any]:

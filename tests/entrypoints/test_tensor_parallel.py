@@ -161,6 +161,23 @@ def test_tp2_rank_killed_raises_engine_dead(tiny_model_factory):
     wait_for_no_leftovers(pids, shm_names)
 
 
+def test_a_peers_error_before_a_rank_death_shows_reports_the_death(tiny_model_factory):
+    # A step's call waits for rank 0's reply alone. Rank 0's error arrives first; rank 1 dies
+    # 0.2 s later, within the grace an error reply waits for a death to show: the death is the
+    # cause, and it is what is raised.
+    model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, max_model_len=128)
+    executor = llm.llm_engine.engine_core.executor
+    pids, shm_names = executor_helpers.worker_pids(executor), executor_helpers.shm_names(executor)
+    try:
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            executor_helpers.output_rank_rpc(
+                executor, executor_helpers.fail_on_rank_0_then_die_on_rank_1, (0.2,))
+    finally:
+        llm.shutdown()
+    wait_for_no_leftovers(pids, shm_names)
+
+
 def test_tp2_gguf_matches_tp1(tiny_gguf_factory):
     """GGUF weights shard like safetensors ones: llama's permuted q/k rows are un-permuted
     before a rank takes its heads, quantized rows are dequantized per rank."""

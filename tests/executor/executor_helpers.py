@@ -1,8 +1,10 @@
-"""Executor state that only tests read."""
+"""Executor state that only tests read, and worker RPCs that tests send."""
 
 from __future__ import annotations
 
 import gc
+import os
+import time
 
 from executor.multiproc import MultiprocExecutor
 
@@ -25,3 +27,18 @@ def frozen_object_count(_worker: object = None) -> int:
     """Objects in the permanent generation (0 until a freeze); callable as a worker RPC (sent
     pickled by reference: the worker imports this module from the parent's sys.path)."""
     return gc.get_freeze_count()
+
+
+def output_rank_rpc(executor: MultiprocExecutor, method, args: tuple = ()):
+    """`method` on every worker, waiting for the output rank's reply alone (as execute_model
+    and sample_tokens do), its result."""
+    return executor._submit(method, args, executor.output_rank).result()
+
+
+def fail_on_rank_0_then_die_on_rank_1(worker: object, delay_s: float) -> None:
+    """A worker RPC: rank 0 raises at once; rank 1 exits `delay_s` later (as a rank killed
+    mid-collective, whose peers' errors reach the executor before its death shows)."""
+    if worker.rank == 0:
+        raise RuntimeError("a collective's peer reset the connection")
+    time.sleep(delay_s)
+    os._exit(1)
