@@ -182,3 +182,46 @@ def test_few_rows_view_is_this_cpus_kernels_and_the_kernel_follows_it():
     np.testing.assert_array_equal(out, from_numba)
     np.testing.assert_array_equal(out, half_bits(cpu_linear.half_linear(
         torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), packed)))
+
+
+def bf16_float32_sums_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per output, how far `native_16bit_float32_sums` may be from x @ w.T: the bound of
+    `bf16_matrix_unit_bound` without the last rounding to bfloat16 (one u of sum |x| |w|)."""
+    return (2.0 ** -8 + w.shape[1] * 2.0 ** -24) * (x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 33, cpu_linear.FEW_ROWS_MAX + 9])
+@pytest.mark.parametrize("outputs", [128, 100])  # 100: no few-row kernel reads the packing
+def test_native_16bit_float32_sums_are_not_rounded(rows, outputs):
+    """The LM head's path (issue 47: logits rounded to bfloat16 tied the France prompt's top
+    two tokens): float32 sums at every row count, within the bound without the last
+    rounding, and, where a few-row kernel runs, the very sums `half_linear` rounds."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 kernels for this CPU")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(outputs, 96, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, 96, generator=g) * 4
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    out = cpu_linear.native_16bit_float32_sums(x, packed, torch.bfloat16)
+    assert out.dtype == torch.float32 and out.shape == (rows, outputs)
+    error = (out.double() - x.double() @ w.double().T).abs()
+    assert bool((error <= bf16_float32_sums_bound(x, w)).all())
+    assert not torch.equal(out, out.bfloat16().float())  # not on the bfloat16 grid
+    if cpu_linear.few_rows_view(packed) is not None:
+        rounded = cpu_linear.few_rows_linear(x.bfloat16(), cpu_linear.few_rows_view(packed))
+        assert torch.equal(out.bfloat16(), rounded)
+
+
+@few_rows
+def test_the_few_row_kernels_write_float32_sums_from_numba_code_too():
+    """`store_sums` picks by the output's dtype inside the kernel: float32 out holds the
+    sums that bfloat16 out holds rounded."""
+    from numba import njit
+
+    w = torch.randn(128, 64).bfloat16()
+    view = cpu_linear.few_rows_view(torch.ops.mkldnn._reorder_linear_weight(w))
+    x = half_bits(torch.randn(5, 64).bfloat16())
+    sums, rounded = np.empty((5, 128), np.float32), np.empty((5, 128), np.uint16)
+    njit(lambda *a: cpu_linear.few_rows_kernel(*a))(x, view, sums, 2)
+    cpu_linear.few_rows_kernel(x, view, rounded, 2)
+    np.testing.assert_array_equal(half_bits(torch.from_numpy(sums).bfloat16()), rounded)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
-                                                parallel_logits, vocab_range)
+                                                float32_logits, parallel_logits, vocab_range)
 
 
 @pytest.mark.parametrize("vocab, tp", [(10, 1), (10, 2), (10, 4), (7, 3)])
@@ -29,3 +29,34 @@ def test_single_rank_embedding_and_head_match_dense():
     assert torch.equal(emb(ids), table[ids])
     hidden = torch.randn(4, 6)
     assert torch.allclose(parallel_logits(hidden, head), hidden @ table.T)
+
+
+def _near_tie_16bit(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 16-bit hidden row and head whose two logits are 1/64 apart near 25: one value on
+    a bfloat16 grid (0.125 apart there)."""
+    hidden = torch.tensor([[25.0, 1.0 / 64]], device=device).to(dtype)
+    weight = torch.tensor([[1.0, 0.0], [1.0, 1.0]], device=device).to(dtype)
+    return hidden, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_logits_are_float32_sums(dtype):
+    hidden, weight = _near_tie_16bit("cpu", dtype)
+    logits = float32_logits(hidden, weight)
+    assert logits.dtype == torch.float32
+    assert logits.tolist() == [[25.0, 25.0 + 1.0 / 64]]  # exact: no tie, token 1 wins
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(3, 40, generator=g).to(dtype), torch.randn(9, 40, generator=g).to(dtype)
+    torch.testing.assert_close(float32_logits(h, w), h.double() @ w.double().T,
+                               rtol=1e-5, atol=1e-5, check_dtype=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_logits_are_float32_sums_on_cuda(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    hidden, weight = _near_tie_16bit("cuda", dtype)
+    logits = float32_logits(hidden, weight)
+    assert logits.dtype == torch.float32
+    assert logits.cpu().tolist() == [[25.0, 25.0 + 1.0 / 64]]

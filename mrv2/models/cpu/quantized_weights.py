@@ -103,7 +103,7 @@ class QuantizedLogits:
         self.weight = weight
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(hidden_states.float(), self.weight)
+        return quantized_linear(hidden_states.float(), self.weight, float32_sums=True)
 
 
 def _stored(weight: GGUFWeight) -> QuantizedWeight | None:

@@ -158,6 +158,24 @@ def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor,
     return half_linear(x.to(dtype), packed).float()
 
 
+def native_16bit_float32_sums(x: torch.Tensor, packed: torch.Tensor,
+                              dtype: torch.dtype) -> torch.Tensor:
+    """`native_16bit_linear` without its last rounding: the float32 sums themselves, at any
+    row count (the LM head's logits, which a bfloat16 grid would tie: 0.125 apart between 16
+    and 32), on the few-row kernel that reads `packed`, or where none does, oneDNN's product
+    of x rounded to `dtype` and the weight widened to float32 (a copy per call: only shapes
+    and dtypes no few-row kernel takes come here)."""
+    x = x.to(dtype)
+    view = few_rows_view(packed) if dtype == torch.bfloat16 else None
+    if view is None:
+        return x.float() @ packed.to_dense().float().T
+    n = view.shape[0] * (tile_linear.BLOCK if view.ndim == 4 else dot_linear.BLOCK_OUTPUTS)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        few_rows_kernel(half_bits(x.contiguous()), view, out.numpy(), numba.get_num_threads())
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; float32 CPU 2-D inputs outside autograd run the GEMV

@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2 import platform
-from mrv2.models.layers.tile_linear import kept_view, onednn_packs_as, store_rounded
+from mrv2.models.layers.tile_linear import kept_view, onednn_packs_as, store_sums
 from mrv2.models.layers.vector_ir import F32, I32, call_intrinsic
 
 BLOCK_OUTPUTS = 64  # outputs of a packed block
@@ -167,9 +167,10 @@ def _pass(w, b, x, m0, rows, sums):
 
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
 def dot_linear_kernel(x, w, out, threads):
-    """out [M, N] = x [M, K] @ the weight whose pair view is w [N/64, K/2, 128], all
-    bfloat16 bits (uint16). Each of `threads` threads takes a contiguous run of 64-output
-    blocks, and each block all of x's rows, PASS_ROWS at a time (the block stays in L2)."""
+    """out [M, N] = x [M, K] @ the weight whose pair view is w [N/64, K/2, 128], x and w
+    bfloat16 bits (uint16), `out` bfloat16 bits or float32 (tile_linear.store_sums). Each of
+    `threads` threads takes a contiguous run of 64-output blocks, and each block all of x's
+    rows, PASS_ROWS at a time (the block stays in L2)."""
     rows = x.shape[0]
     blocks = w.shape[0]
     threads = min(threads, blocks)
@@ -181,4 +182,4 @@ def dot_linear_kernel(x, w, out, threads):
             for m0 in range(0, rows, PASS_ROWS):
                 count = min(PASS_ROWS, rows - m0)
                 _pass(w, b, x, m0, count, sums)
-                store_rounded(sums.view(np.uint32), count, out, m0, b * BLOCK_OUTPUTS)
+                store_sums(sums, count, out, m0, b * BLOCK_OUTPUTS)

@@ -367,8 +367,12 @@ def max_numba_rows(weight: QuantizedWeight) -> int:
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N]."""
+                     bias: torch.Tensor | None = None, *,
+                     float32_sums: bool = False) -> torch.Tensor:
+    """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N].
+    `float32_sums` (the LM head): outputs are never rounded to a 16-bit weight's dtype, which
+    the matrix-unit path otherwise does as a 16-bit model's linear (every other path keeps its
+    float32 sums anyway)."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
@@ -392,9 +396,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                                         weight.layout == "u4", weight.group_size,
                                         GEMV_X_FORMAT, out.numpy())
     elif weight.is_half and computes_natively(weight.half_dtype):
-        out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
+        linear = (cpu_linear.native_16bit_float32_sums if float32_sums
+                  else cpu_linear.native_16bit_linear)
+        out = linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
     else:
         out = quantized_tiles.tiled_linear(x.detach(), weight)
     if bias is not None:
         out += bias
     return out
+

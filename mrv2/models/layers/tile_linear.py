@@ -29,7 +29,8 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from mrv2 import platform
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
@@ -143,11 +144,36 @@ def store_rounded(bits, rows, out, row0, col0):
             row[j] = np.uint16(0x7FC0) if is_nan else np.uint16(rounded)
 
 
+@njit(inline="always", cache=True)
+def _store_exact(sums, rows, out, row0, col0):
+    """out[row0 + r, col0 + j] = sums[r, j] for r < rows: float32 outputs, not rounded."""
+    for r in range(rows):
+        row = out[row0 + r, col0:col0 + sums.shape[1]]
+        for j in range(sums.shape[1]):
+            row[j] = sums[r, j]
+
+
+def store_sums(sums, rows, out, row0, col0):
+    """The first `rows` rows of a pass's float32 `sums` into `out` at (row0, col0): rounded to
+    bfloat16 once where `out` holds bfloat16 bits (uint16: a layer's output), as they are where
+    `out` is float32 (logits, which are never rounded). Called from the kernels only."""
+    raise NotImplementedError("store_sums runs inside numba code only")
+
+
+@overload(store_sums, inline="always")
+def _store_sums_overload(sums, rows, out, row0, col0):
+    if out.dtype == types.float32:
+        return lambda sums, rows, out, row0, col0: _store_exact(sums, rows, out, row0, col0)
+    return lambda sums, rows, out, row0, col0: store_rounded(sums.view(np.uint32), rows, out,
+                                                             row0, col0)
+
+
 @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
 def tile_linear_kernel(x, w, out, threads):
-    """out [M, N] = x [M, K] @ the weight whose tile view is w [N/32, K/32, 16, 64], all
-    bfloat16 bits (uint16). Each of `threads` threads takes a contiguous run of 32-output
-    blocks (numba.get_num_threads() here would keep numba from caching the kernel)."""
+    """out [M, N] = x [M, K] @ the weight whose tile view is w [N/32, K/32, 16, 64], x and w
+    bfloat16 bits (uint16), `out` bfloat16 bits or float32 (`store_sums`). Each of `threads`
+    threads takes a contiguous run of 32-output blocks (numba.get_num_threads() here would keep
+    numba from caching the kernel)."""
     rows, k = x.shape
     out_blocks, k_blocks = w.shape[0], w.shape[1]
     x_stride = k * 2
@@ -190,6 +216,5 @@ def tile_linear_kernel(x, w, out, threads):
                 if both:
                     tile_store(2, sums, BLOCK * BLOCK * 2, BLOCK * 4)
                     tile_store(3, sums, BLOCK * BLOCK * 2 + BLOCK * 2, BLOCK * 4)
-                store_rounded(sums.view(np.uint32), min(BLOCK, rows - m0), out, m0,
-                               b * BLOCK)
+                store_sums(sums, min(BLOCK, rows - m0), out, m0, b * BLOCK)
         tile_release()

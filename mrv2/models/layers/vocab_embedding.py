@@ -87,7 +87,23 @@ class ParallelLMHead(VocabParallelEmbedding):
 def parallel_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """hidden [N, hidden] -> float32 logits [N, V] through a vocab-split weight (an LM head or
     the tied embedding)."""
-    logits = cpu_linear.linear(hidden_states, head.weight)
+    logits = float32_logits(hidden_states, head.weight)
     if head.tp_size > 1:
         logits = distributed.tp_all_gather(logits, dim=-1)[:, :head.num_embeddings]
     return logits.float()
+
+
+def float32_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] @ weight [V, H]^T -> float32 [N, V], never rounded to a 16-bit dtype: a
+    bfloat16 grid (0.125 apart between 16 and 32) ties tokens whose float32 logits differ.
+    A 16-bit model's products are summed into float32 outputs (torch.mm's `out_dtype` on
+    CUDA); where no such kernel is at hand, both operands are widened to float32."""
+    if hidden_states.dtype == weight.dtype == torch.float32:
+        return cpu_linear.linear(hidden_states, weight)
+    if hidden_states.is_cuda and hidden_states.dtype == weight.dtype and _MM_OUT_DTYPE:
+        return torch.mm(hidden_states, weight.T, out_dtype=torch.float32)
+    return F.linear(hidden_states.float(), weight.float())
+
+
+# torch.mm(..., out_dtype=) (CUDA's 16-bit products into float32 outputs; torch 2.8 and later).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")

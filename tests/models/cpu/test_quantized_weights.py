@@ -186,3 +186,38 @@ def test_16bit_model_keeps_16bit_weights_and_float32_activations(tiny_model_fact
             assert a.keys() == b.keys()
             for tok in a:
                 assert abs(a[tok].logprob - b[tok].logprob) < 5e-4
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 40, 70])
+def test_16bit_lm_head_gives_float32_logits_at_every_row_count(tiny_model_factory, tmp_path,
+                                                               rows):
+    """Issue 47: from 2 rows the head ran on the matrix units and rounded its logits to
+    bfloat16, whose grid tied the France chat's top two tokens. Every row count gives float32
+    sums now: off the bfloat16 grid, within the bound of x rounded to bfloat16 and float32
+    sums (test_cpu_linear.bf16_float32_sums_bound)."""
+    from mrv2.models.layers.quantized import max_gemv_rows
+
+    path = _bf16_checkpoint(tiny_model_factory("llama", tie_word_embeddings=False),
+                            tmp_path / "bf16")
+    config = _configs(path, dtype="bfloat16").model_config
+    model = load_model(config, CPU)
+    paths = attach(model, config)
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    w = _bf16_checkpoint_weight(path, "lm_head.weight")
+    h = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+    with torch.no_grad():
+        logits = model.compute_logits(h)
+    assert head.weight.numel() == 0 and logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())
+    # Beyond the GEMV's rows x is rounded to bfloat16 for the matrix units (or their stand-in).
+    on_units = rows > max_gemv_rows(paths.quantized.weights["lm_head"])
+    x = h.bfloat16().double() if on_units else h.double()
+    error = (logits.double() - x @ w.double().T).abs()
+    bound = w.shape[1] * 2.0 ** -24 * (x.abs() @ w.double().abs().T) + 1e-30
+    assert bool((error <= bound).all()), (error / bound).max().item()
+
+
+def _bf16_checkpoint_weight(path, name: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))[name].float()
