@@ -16,6 +16,7 @@ from mrv2 import platform
 from mrv2.config import (RUNNER_TYPES, CacheConfig, CompilationConfig, ConfigError, EngineConfig,
                          ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                          StructuredOutputsConfig, check_logprobs_mode)
+from mrv2.engine.engine_args_checks import check_vllm_options, refusing_unimplemented
 from mrv2.engine.engine_args_flags import add_engine_args_flags
 from mrv2.models.gguf import (GGUFError, has_compact_linears, has_tokenizer, is_gguf_path,
                               open_gguf)
@@ -31,6 +32,7 @@ CONVERT_TYPES = ("auto", "none", "embed")
 logger = logging.getLogger(__name__)
 
 
+@refusing_unimplemented  # a vLLM option mrv2 lacks: refused by name, not a bare TypeError
 @dataclass
 class EngineArgs:
     # A local model directory or GGUF file, a Hub id ("org/name"), or a GGUF file in a Hub
@@ -55,8 +57,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     # None: "uni" for tensor_parallel_size=1, "mp" (one worker process per rank) above.
     distributed_executor_backend: str | None = None
-    # vLLM's spelling: a dict of CompilationConfig fields, or a CompilationConfig.
-    compilation_config: dict | CompilationConfig | None = None
+    # vLLM's spelling: a dict of CompilationConfig fields, a CompilationConfig, or (vLLM's older
+    # form) an optimization level, as `optimization_level`.
+    compilation_config: dict | CompilationConfig | int | None = None
     device: str | None = None
     # "raw_logprobs" | "processed_logprobs" | "raw_logits" | "processed_logits" (vLLM's).
     logprobs_mode: str = "raw_logprobs"
@@ -95,6 +98,33 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict | PoolerConfig | None = None
+    # vLLM's options that mrv2 takes as permissions or no-ops, each checked (the values mrv2
+    # refuses raise ConfigError): mrv2/engine/engine_args_checks.py.
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
+    swap_space: float | None = None
+    hf_overrides: dict | None = None
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
+    # vLLM's -O: 0 turns CUDA graphs off, 1-3 keep mrv2's default graphs (mrv2 has no
+    # torch.compile); compilation_config's explicit fields win over it.
+    optimization_level: int | None = None
+    # vLLM's generation-config options, read by the front ends (LLM, the server) for their
+    # default sampling parameters: "auto" (the model's generation_config.json), "vllm" (none)
+    # or a folder holding one; and a dict of its fields over it.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    # vLLM's: no periodic stats log (mrv2's engine logs none; the server's follows it). LLM
+    # passes True, as vLLM's LLM does.
+    disable_log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        # Cheap checks at once (the server's flags go through them before it binds its port).
+        check_vllm_options(self)
+        ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                       distributed_executor_backend=self.distributed_executor_backend)
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:
@@ -270,18 +300,19 @@ class EngineArgs:
         return config
 
     def _compilation_config(self) -> CompilationConfig:
-        value = self.compilation_config
-        if value is None:
-            return CompilationConfig()
+        value, level = self.compilation_config, self.optimization_level
+        if isinstance(value, int) and not isinstance(value, bool):  # vLLM's older form: a level
+            value, level = None, value
         if isinstance(value, CompilationConfig):
             return value
-        if isinstance(value, dict):
+        if value is None or isinstance(value, dict):
+            fields = {"cudagraph_mode": "NONE"} if level == 0 else {}  # -O0: no CUDA graphs
             try:
-                return CompilationConfig(**value)
+                return CompilationConfig(**{**fields, **(value or {})})
             except TypeError as error:
                 raise ConfigError(f"compilation_config={value!r}: {error}") from None
-        raise ConfigError(f"compilation_config must be a dict or CompilationConfig, "
-                          f"got {type(value).__name__}")
+        raise ConfigError(f"compilation_config must be a dict, a CompilationConfig or an "
+                          f"optimization level, got {type(value).__name__}")
 
 
 def _derived_max_model_len(hf_config) -> int:

@@ -230,11 +230,24 @@ def test_cudagraph_mode_resolves_to_none_on_cpu(tiny_llama, value):
 @pytest.mark.parametrize("value, words", [
     ({"cudagraph_mode": "SOMETIMES"}, "SOMETIMES"),
     ({"no_such_field": 1}, "no_such_field"),
-    (42, "int"),
+    ("FULL", "str"),
+    (42, r"compilation_config=42 \(--compilation-config\).*0-3"),  # an int is a level
 ])
 def test_bad_compilation_config(tiny_llama, value, words):
     with pytest.raises(ConfigError, match=words):
         EngineArgs(model=str(tiny_llama), compilation_config=value).create_engine_config()
+
+
+@pytest.mark.parametrize("kwargs, mode", [
+    ({"optimization_level": 0}, "NONE"),  # vLLM's -O0: no CUDA graphs
+    ({"compilation_config": 0}, "NONE"),  # vLLM's older spelling of a level
+    ({"optimization_level": 3}, "FULL_DECODE_ONLY"),  # 1-3: mrv2's default graphs
+    ({"optimization_level": 0, "compilation_config": {"cudagraph_mode": "FULL"}}, "FULL"),
+    ({"optimization_level": 0, "compilation_config": 2}, "FULL_DECODE_ONLY"),  # the config's
+])
+def test_optimization_level_sets_the_graph_mode_explicit_fields_win(kwargs, mode):
+    # Before the device resolves it (on the CPU every mode resolves to "NONE").
+    assert EngineArgs(model="/m", **kwargs)._compilation_config().cudagraph_mode == mode
 
 
 # -- Hub ids, offline, from a Hub cache the test writes ----------------------------------------

@@ -1,5 +1,10 @@
 """`mrv2 serve` flags, with vLLM's names, and what they become: EngineArgs + ServerConfig.
 
+A flag whose dest is an EngineArgs field is an engine setting: its value goes to EngineArgs
+whole, and EngineArgs checks it (so `LLM(name=value)` and `--name value` mean the same). The
+server's own settings (HTTP, chat template, tool parser, logging) are ServerConfig's; the few
+the server reads from the engine's (generation config, stats log) are copied from EngineArgs.
+
 This module stays light (no torch, FastAPI or engine import at module level): `mrv2 --help`
 builds every sub-parser.
 """
@@ -7,6 +12,7 @@ builds every sub-parser.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -57,9 +63,6 @@ class ServerConfig:
     max_logprobs: int | None = None
     # Generation-config fields (vLLM's --override-generation-config) over --generation-config's.
     override_generation_config: dict[str, Any] = field(default_factory=dict)
-    trust_remote_code: bool = False  # a permission: no Hub code ever runs in mrv2
-    tokenizer_mode: str = "auto"
-    load_format: str = "auto"
 
     @property
     def model_name(self) -> str:
@@ -154,19 +157,13 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 def engine_args_from(args: argparse.Namespace, model: str) -> "EngineArgs":
+    """The EngineArgs of every flag whose dest is one of its fields (ConfigError naming a value
+    it refuses)."""
     from mrv2.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      block_size=args.block_size, seed=args.seed,
-                      kv_cache_memory_gb=args.kv_cache_memory_gb,
-                      tensor_parallel_size=args.tensor_parallel_size,
-                      enable_prefix_caching=args.enable_prefix_caching,
-                      enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                      structured_outputs_config=args.structured_outputs_config,
-                      reasoning_parser=args.reasoning_parser, **checkpoint_args(args),
-                      **engine_flag_values(args, model))
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+              if hasattr(args, f.name)}
+    return EngineArgs(**{**values, **engine_flag_values(args), "model": model})
 
 
 def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
@@ -179,16 +176,14 @@ def checkpoint_args(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
+    from mrv2.engine.engine_args_checks import check_generation_overrides
     from mrv2.entrypoints.chat_utils import load_chat_template
-    from mrv2.entrypoints.openai.generation_config import check_mode
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
-    check_mode(args.generation_config)
-    engine_flag_values(args, model)  # a refused engine flag fails before anything else
-    overrides = check_generation_overrides(args.override_generation_config)
+    engine = engine_args_from(args, model)  # a refused engine flag fails before anything else
     check_http_flags(args)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
@@ -205,10 +200,10 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
                         host=args.host, port=args.port,
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         chat_template=load_chat_template(args.chat_template),
-                        generation_config=args.generation_config,
+                        generation_config=engine.generation_config,
                         uvicorn_log_level=args.uvicorn_log_level,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser,
+                        reasoning_parser=engine.reasoning_parser,
                         allowed_origins=args.allowed_origins,
                         allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers,
@@ -216,32 +211,14 @@ def server_config_from(args: argparse.Namespace, model: str) -> ServerConfig:
                         ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                         ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path,
                         enable_log_requests=args.enable_log_requests,
-                        max_log_len=args.max_log_len, disable_log_stats=args.disable_log_stats,
+                        max_log_len=args.max_log_len,
+                        disable_log_stats=engine.disable_log_stats,
                         enable_server_load_tracking=args.enable_server_load_tracking,
                         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                         disable_fastapi_docs=args.disable_fastapi_docs,
-                        max_logprobs=args.max_logprobs, override_generation_config=overrides,
-                        trust_remote_code=args.trust_remote_code,
-                        tokenizer_mode=args.tokenizer_mode, load_format=args.load_format)
-
-
-def check_generation_overrides(value: Any) -> dict[str, Any]:
-    """--override-generation-config: a JSON object of the generation-config fields mrv2 takes
-    defaults from (others would be ignored, so they are refused)."""
-    from mrv2.models.generation_config import SAMPLING_FIELDS, sampling_defaults
-
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"--override-generation-config must be a JSON object, got {value!r}")
-    unknown = sorted(set(value) - set(SAMPLING_FIELDS))
-    if unknown:
-        raise ValueError(f"--override-generation-config: mrv2 takes no default from "
-                         f"{', '.join(unknown)} (it reads {', '.join(SAMPLING_FIELDS)})")
-    wrong = sorted(set(value) - set(sampling_defaults(value)))
-    if wrong:
-        raise ValueError(f"--override-generation-config: {', '.join(wrong)} must be numbers")
-    return dict(value)
+                        max_logprobs=args.max_logprobs,
+                        override_generation_config=check_generation_overrides(
+                            engine.override_generation_config))
 
 
 def check_http_flags(args: argparse.Namespace) -> None:

@@ -33,7 +33,7 @@ def test_values_from_the_file_and_the_command_line_wins(tmp_path):
     assert (engine.max_model_len, engine.max_num_seqs, engine.enable_prefix_caching) == \
         (512, 8, False)
     assert engine.compilation_config == {"cudagraph_mode": "FULL"}
-    assert server.trust_remote_code and server.allowed_origins == ["http://x"]
+    assert engine.trust_remote_code and server.allowed_origins == ["http://x"]
     args = parse("serve", "/cli", f"--config={path}", "--max-model-len", "64",
                  "--enable-prefix-caching")
     assert (resolve_model(args), args.max_model_len, args.enable_prefix_caching) == \

@@ -24,9 +24,9 @@ HONOURED = [
      "tool_call_parser", "hermes"),
     (["--reasoning-parser", "qwen3"], "server", "reasoning_parser", "qwen3"),
     (["--uvicorn-log-level", "debug"], "server", "uvicorn_log_level", "debug"),
-    (["--trust-remote-code"], "server", "trust_remote_code", True),
-    (["--tokenizer-mode", "hf"], "server", "tokenizer_mode", "hf"),
-    (["--load-format", "safetensors"], "server", "load_format", "safetensors"),
+    (["--trust-remote-code"], "engine", "trust_remote_code", True),
+    (["--tokenizer-mode", "hf"], "engine", "tokenizer_mode", "hf"),
+    (["--load-format", "safetensors"], "engine", "load_format", "safetensors"),
     (["--disable-log-stats"], "server", "disable_log_stats", True),
     (["--enable-log-requests"], "server", "enable_log_requests", True),
     (["--disable-log-requests"], "server", "enable_log_requests", False),
@@ -66,41 +66,50 @@ HONOURED = [
     (["--kv-cache-memory-bytes", "1000000"], "engine", "kv_cache_memory_bytes", 1000000),
     (["--gpu-memory-utilization", "0.5"], "engine", "gpu_memory_utilization", 0.5),
     (["--kv-cache-dtype", "bfloat16"], "engine", "kv_cache_dtype", "bfloat16"),
-    (["-O0"], "engine", "compilation_config", {"cudagraph_mode": "NONE"}),
+    (["-O0"], "engine", "optimization_level", 0),  # no CUDA graphs (EngineArgs' resolution)
     (["-O", "3"], "engine", "compilation_config", None),  # mrv2's default graphs
-    (["--optimization-level", "0"], "engine", "compilation_config", {"cudagraph_mode": "NONE"}),
+    (["--optimization-level", "0"], "engine", "optimization_level", 0),
+    (["-O.cudagraph_mode=FULL"], "engine", "compilation_config", {"cudagraph_mode": "FULL"}),
+    (["--compilation-config", "0"], "engine", "compilation_config", 0),  # a level, as vLLM's
     (["--compilation-config", '{"cudagraph_mode": "FULL"}'], "engine", "compilation_config",
      {"cudagraph_mode": "FULL"}),
     (["-cc.max_cudagraph_capture_size=64"], "engine", "compilation_config",
      {"max_cudagraph_capture_size": 64}),
     (["-O0", "-cc", '{"cudagraph_mode": "FULL"}'], "engine", "compilation_config",
-     {"cudagraph_mode": "FULL"}),  # explicit fields win over the level
-    (["--swap-space", "4"], "engine", "model", "/m"),  # vLLM's default: nothing to do
-    (["--swap-space", "0"], "engine", "model", "/m"),
+     {"cudagraph_mode": "FULL"}),  # explicit fields win over the level (EngineArgs merges)
+    (["--swap-space", "4"], "engine", "swap_space", 4.0),  # vLLM's default: nothing to do
+    (["--swap-space", "0"], "engine", "swap_space", 0.0),
+    (["--hf-overrides", "{}"], "engine", "hf_overrides", {}),  # nothing to override
     (["--runner", "pooling"], "engine", "runner", "pooling"),
     (["--no-enable-chunked-prefill"], "engine", "enable_chunked_prefill", False),
     (["--enable-chunked-prefill"], "engine", "enable_chunked_prefill", True),
     (["--distributed-executor-backend", "mp"], "engine", "distributed_executor_backend", "mp"),
     (["--logprobs-mode", "processed_logits"], "engine", "logprobs_mode", "processed_logits"),
-    (["-pp", "1", "--data-parallel-size", "1"], "engine", "tensor_parallel_size", 1),
-    (["--scheduling-policy", "fcfs"], "engine", "model", "/m"),  # what mrv2 does
+    (["-pp", "1", "--data-parallel-size", "1"], "engine", "pipeline_parallel_size", 1),
+    (["--scheduling-policy", "fcfs"], "engine", "scheduling_policy", "fcfs"),  # what mrv2 does
     (["--device-memory-utilization", "0.5"], "engine", "gpu_memory_utilization", 0.5),
     (["--no-enforce-eager"], "engine", "enforce_eager", False),
-    (["--no-trust-remote-code"], "server", "trust_remote_code", False),
+    (["--no-trust-remote-code"], "engine", "trust_remote_code", False),
+    (["--generation-config", "vllm"], "engine", "generation_config", "vllm"),
+    (["--disable-log-stats"], "engine", "disable_log_stats", True),
+    (["--override-generation-config", '{"top_k": 5}'], "engine", "override_generation_config",
+     {"top_k": 5}),
     (["--convert", "embed"], "engine", "convert", "embed"),
     (["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'], "engine",
      "pooler_config", {"pooling_type": "MEAN", "normalize": False}),
 ]
 # (argv after `serve /m`, the text the error must hold: the flag, and the value where one).
+# EngineArgs' refusals name the field, its value and the flag (mrv2/engine/engine_args_checks.py).
 REFUSED = [
-    (["--hf-overrides", '{"rope_theta": 1}'], "--hf-overrides"),
-    (["--swap-space", "8"], "--swap-space 8"),
-    (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral'"),
-    (["--tokenizer-mode", "slow"], "--tokenizer-mode 'slow'"),
-    (["--load-format", "pt"], "--load-format 'pt'"),
-    (["--load-format", "gguf"], "--load-format 'gguf'"),  # /m is not a GGUF file
+    (["--hf-overrides", '{"rope_theta": 1}'], "(--hf-overrides)"),
+    (["--swap-space", "8"], "swap_space=8.0 (--swap-space)"),
+    (["--tokenizer-mode", "mistral"], "tokenizer_mode='mistral' (--tokenizer-mode)"),
+    (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' (--tokenizer-mode)"),
+    (["--load-format", "pt"], "load_format='pt' (--load-format)"),
+    (["--load-format", "gguf"], "load_format='gguf' (--load-format)"),  # /m is not GGUF
     (["--quantization", "awq"], "--quantization"),
-    (["-O", "7"], "-O"),
+    (["-O", "7"], "optimization_level=7 (--optimization-level)"),
+    (["--compilation-config", "5"], "compilation_config=5 (--compilation-config)"),
     (["--override-generation-config", '{"do_sample": true}'], "do_sample"),
     (["--override-generation-config", '{"temperature": "hot"}'], "temperature"),
     (["--allowed-origins", '"*"'], "--allowed-origins"),
@@ -110,10 +119,10 @@ REFUSED = [
     (["--runner", "draft"], "--runner"),
     (["--convert", "classify"], "--convert"),
     (["--pooler-config", "MEAN"], "--pooler-config"),
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
-    (["-dp", "2"], "--data-parallel-size 2"),
-    (["--scheduling-policy", "priority"], "--scheduling-policy 'priority'"),
-    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend 'ray'"),
+    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 (--pipeline-parallel-size)"),
+    (["-dp", "2"], "data_parallel_size=2 (--data-parallel-size)"),
+    (["--scheduling-policy", "priority"], "scheduling_policy='priority' (--scheduling-policy)"),
+    (["--distributed-executor-backend", "ray"], "distributed_executor_backend='ray'"),
     (["--logprobs-mode", "sampled"], "--logprobs-mode"),
 ]
 
@@ -149,7 +158,7 @@ def test_tls_files_and_gguf_load_format_are_honoured(tmp_path):
     assert (server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs) == \
         (str(key), str(cert), str(cert))
     args = build_parser().parse_args(["serve", "/m.gguf", "--load-format", "gguf"])
-    assert server_config_from(args, "/m.gguf").load_format == "gguf"
+    assert engine_args_from(args, "/m.gguf").load_format == "gguf"
 
 
 def test_every_flag_of_the_lists_is_a_serve_flag():
