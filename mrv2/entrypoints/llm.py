@@ -16,9 +16,9 @@ from mrv2.engine.input_processor import PromptType
 from mrv2.engine.llm_engine import LLMEngine
 from mrv2.entrypoints.beam_search import BeamSearchOutput, run_beam_search
 from mrv2.entrypoints.chat_utils import render_chat
-from mrv2.entrypoints.openai.generation_config import check_mode as check_generation_config_mode
 from mrv2.entrypoints.openai.generation_config import default_sampling_params
 from mrv2.entrypoints.scoring import as_inputs, score_pairs, scoring_outputs
+from mrv2.models.generation_config import sampling_defaults
 from mrv2.outputs import (EmbeddingRequestOutput, Metric, PoolingRequestOutput, RequestOutput,
                           RequestOutputKind, ScoringRequestOutput)
 from mrv2.pooling_params import PoolingParams
@@ -38,22 +38,29 @@ class LLM:
         measured faster (bench/test_engine_client.py). `shutdown()`, or interpreter exit,
         stops the core process. `generation_config` ("auto": the model's
         generation_config.json, "vllm": none, or a folder holding one; as the server's
-        `--generation-config`) gives the sampling params `generate` uses when given none.
-        `disable_log_stats` is accepted for vLLM's scripts: mrv2 logs no periodic stats, and
-        keeps `RequestOutput.metrics` and `get_metrics()` either way (they cost next to
-        nothing). Other keywords are EngineArgs fields (vLLM's `max_logprobs` among them)."""
-        del disable_log_stats  # accepted only (see above)
-        check_generation_config_mode(generation_config)  # a bad value fails before loading
+        `--generation-config`), with `override_generation_config`'s fields over it, gives the
+        sampling params `generate` uses when given none. `disable_log_stats` is accepted for
+        vLLM's scripts: mrv2 logs no periodic stats, and keeps `RequestOutput.metrics` and
+        `get_metrics()` either way (they cost next to nothing).
+
+        Other keywords are EngineArgs fields: every engine flag of `mrv2 serve` is one, with
+        the same name and meaning (vLLM's `max_logprobs`, `trust_remote_code`,
+        `tokenizer_mode`, `load_format`, `swap_space`, `optimization_level`, ...); a value the
+        server refuses is refused here with the same ConfigError, and a vLLM option mrv2 does
+        not implement (`cpu_offload_gb`, ...) raises UnimplementedOptionError naming it."""
         self.engine_args = EngineArgs(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
             kv_cache_memory_gb=kv_cache_memory_gb, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager, **kwargs)
+            enforce_eager=enforce_eager, generation_config=generation_config,
+            disable_log_stats=disable_log_stats, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args, multiprocess_core=multiprocess_core)
         try:
             # By SamplingParams field name; the server reads its defaults the same way.
             self._sampling_defaults = default_sampling_params(
                 self.llm_engine.config.model_config.model, generation_config)
+            self._sampling_defaults.update(
+                sampling_defaults(self.engine_args.override_generation_config or {}))
         except BaseException:
             self.llm_engine.shutdown()  # a broken folder's file: stop the core process too
             raise

@@ -234,3 +234,172 @@ def test_greedy_identical_with_async_scheduling_on_and_off(tiny_llama, greedy_ca
     core = llm.llm_engine.engine_core
     assert core.executor.worker.runner.requests.num_active == 0
     assert core.scheduler.kv_cache_usage == 0
+
+
+# -- vLLM's engine keyword arguments: every engine flag of `mrv2 serve` is one of LLM's ---------
+
+# `mrv2 serve`'s own flags, by dest: HTTP, TLS, CORS, request logging, the chat template, tool
+# calling. Every other flag is an engine setting, so an LLM keyword argument of its dest's name.
+SERVER_ONLY_DESTS = {
+    "help", "model_tag", "host", "port", "api_key", "served_model_name", "chat_template",
+    "enable_auto_tool_choice", "tool_call_parser", "uvicorn_log_level", "config",
+    "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "ssl_keyfile",
+    "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path", "enable_log_requests",
+    "disable_log_requests", "max_log_len", "enable_server_load_tracking",
+    "disable_uvicorn_access_log", "disable_fastapi_docs"}
+# Each engine flag with a value it takes (not its default, where it takes another).
+ENGINE_FLAGS = {
+    "model": ["--model", "/other"], "tokenizer": ["--tokenizer", "org/tok"],
+    "hf_config_path": ["--hf-config-path", "cfg"], "revision": ["--revision", "v2"],
+    "tokenizer_revision": ["--tokenizer-revision", "v3"],
+    "download_dir": ["--download-dir", "/cache"], "dtype": ["--dtype", "float32"],
+    "quantization": ["--quantization", "gguf"], "max_model_len": ["--max-model-len", "64"],
+    "max_num_seqs": ["--max-num-seqs", "4"],
+    "max_num_batched_tokens": ["--max-num-batched-tokens", "128"],
+    "block_size": ["--block-size", "32"], "seed": ["--seed", "5"],
+    "kv_cache_memory_gb": ["--kv-cache-memory-gb", "0.5"],
+    "kv_cache_memory_bytes": ["--kv-cache-memory-bytes", "1000000"],
+    "kv_cache_dtype": ["--kv-cache-dtype", "bfloat16"],
+    "gpu_memory_utilization": ["--gpu-memory-utilization", "0.5"],
+    "tensor_parallel_size": ["-tp", "2"], "enable_prefix_caching": ["--no-enable-prefix-caching"],
+    "enforce_eager": ["--enforce-eager"], "async_scheduling": ["--no-async-scheduling"],
+    "generation_config": ["--generation-config", "vllm"],
+    "reasoning_parser": ["--reasoning-parser", "qwen3"],
+    "structured_outputs_config": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+    "optimization_level": ["-O0"], "compilation_config": ["-cc", '{"cudagraph_mode": "FULL"}'],
+    "max_logprobs": ["--max-logprobs", "5"], "trust_remote_code": ["--trust-remote-code"],
+    "tokenizer_mode": ["--tokenizer-mode", "hf"],
+    "load_format": ["--load-format", "safetensors"], "swap_space": ["--swap-space", "4"],
+    "hf_overrides": ["--hf-overrides", "{}"],
+    "enable_chunked_prefill": ["--no-enable-chunked-prefill"],
+    "distributed_executor_backend": ["--distributed-executor-backend", "mp"],
+    "logprobs_mode": ["--logprobs-mode", "processed_logits"],
+    "pipeline_parallel_size": ["-pp", "1"], "data_parallel_size": ["-dp", "1"],
+    "scheduling_policy": ["--scheduling-policy", "fcfs"], "runner": ["--runner", "pooling"],
+    "convert": ["--convert", "embed"], "pooler_config": ["--pooler-config", '{"normalize": false}'],
+    "disable_log_stats": ["--disable-log-stats"],
+    "override_generation_config": ["--override-generation-config", '{"temperature": 0.5}'],
+}
+
+
+class _EngineArgsSeen(Exception):
+    """What a stand-in LLMEngine raises: the EngineArgs that LLM built, and no engine."""
+
+
+def llm_engine_args(monkeypatch, **kwargs):
+    """The EngineArgs `LLM(**kwargs)` builds (its engine is never started)."""
+    import mrv2.entrypoints.llm as llm_module
+
+    def stand_in(engine_args, multiprocess_core=False):
+        raise _EngineArgsSeen(engine_args)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", stand_in)
+    with pytest.raises(_EngineArgsSeen) as seen:
+        LLM(**kwargs)
+    return seen.value.args[0]
+
+
+def serve_args(*argv: str):
+    from mrv2.entrypoints.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_every_serve_flag_is_an_llm_keyword_or_the_servers_own():
+    import dataclasses
+
+    from mrv2.engine.arg_utils import EngineArgs
+    from mrv2.entrypoints.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    engine_dests = {action.dest for action in serve._actions} - SERVER_ONLY_DESTS
+    # A new engine flag needs its LLM keyword (an EngineArgs field of its dest's name) and a
+    # case in ENGINE_FLAGS; a new server flag goes to SERVER_ONLY_DESTS.
+    assert engine_dests == set(ENGINE_FLAGS)
+    assert engine_dests <= {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@pytest.mark.parametrize("dest", sorted(ENGINE_FLAGS))
+def test_a_serve_flag_and_the_llm_keyword_of_its_name_agree(dest, monkeypatch):
+    from mrv2.entrypoints.openai.cli_args import engine_args_from, resolve_model
+
+    args = serve_args(*([] if dest == "model" else ["/m"]), *ENGINE_FLAGS[dest])
+    model = resolve_model(args)
+    served = engine_args_from(args, model)
+    assert getattr(served, dest) == getattr(args, dest)  # the flag's value, as it is
+    # LLM's default of disable_log_stats is True (vLLM's LLM), the server's False.
+    kwargs = {"model": model, "disable_log_stats": served.disable_log_stats,
+              dest: getattr(args, dest)}
+    assert llm_engine_args(monkeypatch, **kwargs) == served
+
+
+def test_llm_defaults_are_the_servers_but_for_the_stats_log(monkeypatch):
+    import dataclasses
+
+    from mrv2.entrypoints.openai.cli_args import engine_args_from
+
+    got = llm_engine_args(monkeypatch, model="/m")
+    assert got.disable_log_stats
+    assert dataclasses.replace(got, disable_log_stats=False) == \
+        engine_args_from(serve_args("/m"), "/m")
+
+
+@pytest.mark.parametrize("dest, argv", [
+    ("tokenizer_mode", ["--tokenizer-mode", "mistral"]),
+    ("load_format", ["--load-format", "pt"]),
+    ("load_format", ["--load-format", "gguf"]),  # /m is no GGUF file
+    ("swap_space", ["--swap-space", "8"]),
+    ("hf_overrides", ["--hf-overrides", '{"rope_theta": 1}']),
+    ("optimization_level", ["-O", "7"]),
+    ("compilation_config", ["-cc", "9"]),
+    ("pipeline_parallel_size", ["-pp", "2"]),
+    ("data_parallel_size", ["-dp", "2"]),
+    ("scheduling_policy", ["--scheduling-policy", "priority"]),
+    ("distributed_executor_backend", ["--distributed-executor-backend", "ray"]),
+    ("generation_config", ["--generation-config", "bogus"]),
+    ("override_generation_config", ["--override-generation-config", '{"do_sample": true}']),
+])
+def test_a_refused_value_is_refused_the_same_way_by_llm_and_serve(dest, argv, monkeypatch,
+                                                                  capsys):
+    from mrv2.entrypoints.cli import main
+    from mrv2.entrypoints.openai.cli_args import server_config_from
+
+    args = serve_args("/m", *argv)
+    with pytest.raises(ValueError) as served:
+        server_config_from(args, "/m")
+    with pytest.raises(ValueError) as offline:
+        llm_engine_args(monkeypatch, model="/m", **{dest: getattr(args, dest)})
+    assert (offline.type, str(offline.value)) == (served.type, str(served.value))
+    assert dest in str(served.value) or dest.replace("_", "-") in str(served.value)
+    assert main(["serve", "/m", *argv]) == 2
+    assert f"mrv2: error: {served.value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, value", [("cpu_offload_gb", 4), ("max_seq_len_to_capture", 8192),
+                                         ("disable_custom_all_reduce", True)])
+def test_a_vllm_keyword_mrv2_does_not_implement_is_refused_by_name(name, value, monkeypatch):
+    from mrv2.engine.engine_args_checks import UnimplementedOptionError
+
+    with pytest.raises(UnimplementedOptionError, match=f"mrv2 does not implement vLLM's {name}"):
+        llm_engine_args(monkeypatch, model="/m", **{name: value})
+    with pytest.raises(TypeError, match="no_such_keyword"):  # not a vLLM option: Python's error
+        llm_engine_args(monkeypatch, model="/m", no_such_keyword=1)
+
+
+def test_vllm_example_keywords_generate_as_without_them(tiny_llama, small_llm):
+    """`LLM(model, trust_remote_code=True, ...)`, as vLLM's examples write it: permissions and
+    no-ops that change nothing (override_generation_config sets the default max_tokens)."""
+    llm = LLM(str(tiny_llama), max_model_len=64, trust_remote_code=True, tokenizer_mode="hf",
+              load_format="safetensors", swap_space=4, hf_overrides={}, optimization_level=3,
+              pipeline_parallel_size=1, data_parallel_size=1, scheduling_policy="fcfs",
+              override_generation_config={"max_new_tokens": 5})
+    try:
+        assert llm.get_default_sampling_params().max_tokens == 5
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        prompt = {"prompt_token_ids": [11, 12, 13, 14]}
+        [got] = llm.generate(prompt, params, use_tqdm=False)
+        [want] = small_llm.generate(prompt, params, use_tqdm=False)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(got.outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
