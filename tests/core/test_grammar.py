@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import xgrammar as xgr
 
 from mrv2.config import StructuredOutputsConfig
-from mrv2.core.grammar import (GrammarCompiler, GrammarError, grammar_key,
-                               validate_structured_outputs)
+from mrv2.core.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    grammar_key,
+    validate_structured_outputs,
+)
 from mrv2.models.tokenizer import load_tokenizer
 from mrv2.sampling_params import StructuredOutputsParams as Params
 
 CONFIG = StructuredOutputsConfig()
+# RFC 8259: a JSON string holds U+0000-U+001F, '"' and '\\' only escaped (json.loads refuses
+# them raw); every other character may stand raw, DEL and the line separators included.
+MUST_ESCAPE = [chr(c) for c in range(0x20)] + ['"', "\\"]
+MAY_STAND_RAW = ["\x7f", "\x85", "\xa0", "\u2028", "\u2029", "\ufeff", "é", "😀", "/", "'"]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +90,7 @@ def test_lark_and_ebnf_are_told_apart(compiler):
     (Params(grammar='root ::= "a" |'), "grammar", "EBNF"),
     (Params(grammar="start: undefined_rule"), "grammar", ""),
     (Params(structural_tag="{}"), "structural_tag", ""),
+    (Params(json={"type": "string", "pattern": "(é"}), "json", ""),
 ])
 def test_invalid_constraints_name_the_field(params, field, why):
     with pytest.raises(GrammarError, match=f"structured_outputs.{field}") as info:
@@ -118,3 +128,56 @@ def test_compiled_grammar_cache_stays_within_its_bound(compiler):
     assert unbounded.cache_size_bytes > 4 * limit  # the test's schemas would exceed it
     # xgrammar evicts once past the bound, so it may exceed it by about one grammar.
     assert bounded.cache_size_bytes <= 1.25 * limit
+
+
+def string_value(schema: dict) -> Params:
+    return Params(json={"type": "object", "properties": {"s": schema}, "required": ["s"]})
+
+
+STRING_VALUE = '{"s": %s}'
+TAG = json.dumps({"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<f="], "tags": [{
+        "begin": "<f=a>", "end": "</f>",
+        "content": {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}}}}]}})
+# A constraint and the text around a JSON string in an output it allows.
+STRICT_CASES = {
+    "string": (string_value({"type": "string"}), STRING_VALUE),
+    "bounded string": (string_value({"type": "string", "minLength": 1, "maxLength": 8}),
+                       STRING_VALUE),
+    "json_object": (Params(json_object=True), STRING_VALUE),
+    "non-ASCII pattern": (string_value({"type": "string", "pattern": "^é.{1,3}$"}), STRING_VALUE),
+    "pattern key": (Params(json={"type": "object", "patternProperties": {
+        "^é.*$": {"type": "integer"}}, "additionalProperties": False}), '{%s: 1}'),
+    "structural tag": (Params(structural_tag=TAG), 'call <f=a>{"s": %s}</f>'),
+}
+
+
+@pytest.mark.parametrize("case", STRICT_CASES)
+def test_json_strings_are_strict_json(compiler, case):
+    """Every control character, quote and backslash only escaped (as json.dumps writes it, and
+    as \\uXXXX); every other character raw too. xgrammar's rule for a bounded string, and its
+    rules for a pattern it cannot make a JSON-string regex of, took raw control characters."""
+    params, around = STRICT_CASES[case]
+    for char in MUST_ESCAPE:
+        escaped = json.dumps(f"é{char}", ensure_ascii=False)
+        assert not accepts(compiler, params, around % f'"é{char}"'), (case, char)
+        assert accepts(compiler, params, around % escaped), (case, char)
+        assert accepts(compiler, params, around % f'"é\\u{ord(char):04x}"'), (case, char)
+    for char in MAY_STAND_RAW:
+        assert accepts(compiler, params, around % f'"é{char}"'), (case, char)
+
+
+@pytest.mark.parametrize("pattern, value", [
+    ("^[\\t\\n]{1,3}$", "\t\n"),  # only characters a JSON string escapes
+    ('^a"b$', 'a"b'),
+    ("^x\\\\d$", "x\\d"),  # a backslash, then "d"
+    ("^ü[\\x00-\\x1f]$", "ü\x00"),
+])
+def test_patterns_of_characters_json_escapes(compiler, pattern, value):
+    """xgrammar writes these patterns as rules over raw characters: now their JSON strings
+    are the escaped spellings of a value that matches."""
+    params = string_value({"type": "string", "pattern": pattern})
+    assert re.fullmatch(pattern, value)
+    assert accepts(compiler, params, STRING_VALUE % json.dumps(value, ensure_ascii=False))
+    assert not accepts(compiler, params, STRING_VALUE % f'"{value}"')
