@@ -36,6 +36,8 @@ from mrv2.attention.decode_vector_ir import block_scores, block_values, vector_w
 from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_to_l2_at
 from mrv2.models.layers.numba_exp import exp32
+from mrv2.models.layers.vector_ir import row_sum
+from mrv2.utils.kernel_flags import FASTMATH
 
 # Blocks prefetched ahead of the one being computed (measured best among 1, 2 and 4).
 PREFETCH_DISTANCE = 2
@@ -204,7 +206,7 @@ def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache
     _prefetch_rows(ahead_cache, ahead_block, count, vb.shape[0], row_bytes, start, length)
 
 
-@njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item, splits):
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -279,13 +281,10 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
             m = scores[h, 0]
             for t in range(1, n):
                 m = max(m, scores[h, t])
-            total = np.float32(0.0)
             for t in range(n):
-                e = exp32(scores[h, t] - m)
-                scores[h, t] = e
-                total += e
+                scores[h, t] = exp32(scores[h, t] - m)
             part_m[row, h0 + h, split] = m
-            part_l[row, h0 + h, split] = total
+            part_l[row, h0 + h, split] = row_sum(scores, h, n)
         for b in range(first, stop):
             v_block = (np.int64(block_tables[row, b + PREFETCH_DISTANCE])
                        if b + PREFETCH_DISTANCE < stop else np.int64(-1))

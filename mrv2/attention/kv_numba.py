@@ -16,6 +16,7 @@ from numba.extending import overload
 
 from mrv2.models.layers.vector_ir import (bf16_bits_to_float, f16_bits_to_float,
                                           float_to_bf16_bits, float_to_f16_bits, half_bits)
+from mrv2.utils.kernel_flags import FASTMATH
 
 # The cache dtypes the numba kernels read and write.
 NUMBA_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,7 +70,7 @@ def _store_overload(cache, block, offset, head, dim, value):
     return None
 
 
-@njit(fastmath=True, error_model="numpy", cache=True)
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def write_kv_kernel(k, v, k_cache, v_cache, slots):
     """k/v [T, KV*D] (rows may be strided) into the flat cache slots, each element narrowed
     by `store` (slot < 0: padding, skipped; a slot past the cache raises IndexError, as

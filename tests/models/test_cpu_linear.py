@@ -185,7 +185,7 @@ def test_few_rows_view_is_this_cpus_kernels_and_the_kernel_follows_it():
 
 
 def bf16_float32_sums_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per output, how far `native_16bit_float32_sums` may be from x @ w.T: the bound of
+    """Per output, how far `native_16bit_linear(..., float32_sums=True)` may be from x @ w.T:
     `bf16_matrix_unit_bound` without the last rounding to bfloat16 (one u of sum |x| |w|)."""
     return (2.0 ** -8 + w.shape[1] * 2.0 ** -24) * (x.double().abs() @ w.double().abs().T)
 
@@ -202,7 +202,7 @@ def test_native_16bit_float32_sums_are_not_rounded(rows, outputs):
     w = (torch.randn(outputs, 96, generator=g) * 0.05).bfloat16()
     x = torch.randn(rows, 96, generator=g) * 4
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
-    out = cpu_linear.native_16bit_float32_sums(x, packed, torch.bfloat16)
+    out = cpu_linear.native_16bit_linear(x, packed, torch.bfloat16, float32_sums=True)
     assert out.dtype == torch.float32 and out.shape == (rows, outputs)
     error = (out.double() - x.double() @ w.double().T).abs()
     assert bool((error <= bf16_float32_sums_bound(x, w)).all())

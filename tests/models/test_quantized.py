@@ -260,7 +260,7 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
-                        lambda x, w, dtype: calls.append(len(x)) or torch.zeros(len(x), 80))
+                        lambda x, w, dtype, float32_sums=False: calls.append(len(x)) or torch.zeros(len(x), 80))
     w = QuantizedWeight.from_float(torch.randn(80, 300), torch.bfloat16)
     low = quantized.MIN_NATIVE_HALF_ROWS
     for rows in (1, low - 1, low, 40):
@@ -282,7 +282,7 @@ def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monke
                          (quantized.quantized_panel_numba, "group_panel_kernel")):
         monkeypatch.setattr(module, name, lambda x, *args: calls.append(len(x)))
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
-                        lambda x, w, dtype: torch.zeros(len(x), w.shape[0]))
+                        lambda x, w, dtype, float32_sums=False: torch.zeros(len(x), w.shape[0]))
     w = weights[gguf_type][0]
     limit, panels = quantized.max_gemv_rows(w), quantized.takes_panels(w)
     for rows in (1, limit, limit + 1):

@@ -31,6 +31,7 @@ from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 from mrv2.sampler.greedy_numba import (MAX_SERIAL_ROWS, greedy_argmax_kernel,
                                        greedy_argmax_serial)
+from mrv2.utils.kernel_flags import FASTMATH
 
 
 def _linear(x, w, out):
@@ -41,7 +42,7 @@ def _linear(x, w, out):
     raise NotImplementedError("compiled into the decode stack only")
 
 
-@overload(_linear, jit_options={"fastmath": True})
+@overload(_linear, jit_options={"fastmath": FASTMATH})
 def _linear_overload(x, w, out):
     if isinstance(w, types.NoneType):  # no LM head in the stack
         return lambda x, w, out: None
@@ -77,7 +78,7 @@ def _check_ids(ids, vocab_rows):
             raise IndexError("a token id outside the embedding table")
 
 
-@overload(_embed, jit_options={"fastmath": True})
+@overload(_embed, jit_options={"fastmath": FASTMATH})
 def _embed_overload(ids, w, out):
     if isinstance(w, types.Array):
         def table_rows(ids, w, out):
@@ -122,7 +123,7 @@ def rotary_rows(positions, table):
     return out
 
 
-@njit(fastmath=True, error_model="numpy", cache=True)
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
                   k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
                   head_dim, intermediate, scale, kv_per_item, splits, out, residual_out):
@@ -154,7 +155,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     _linear(act, w_down, out)
 
 
-@njit(fastmath=True, error_model="numpy", cache=True)
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, final_norm, final_eps, kv_caches, block_tables, seq_lens,
                  slots, num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,

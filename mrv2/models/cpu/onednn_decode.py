@@ -56,6 +56,7 @@ from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS, typed_list
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
+from mrv2.utils.kernel_flags import FASTMATH
 
 # The most rows this path runs: the layer path's KV write and norms take the same serial
 # kernels up to here (beyond, other kernels with their own summation orders).
@@ -74,7 +75,7 @@ def _linear_output_as_float(out, scratch):
     raise NotImplementedError("compiled into the segments only")
 
 
-@overload(_linear_output_as_float, jit_options={"fastmath": True})
+@overload(_linear_output_as_float, jit_options={"fastmath": FASTMATH})
 def _linear_output_as_float_overload(out, scratch):
     if out.dtype == types.float32:
         return lambda out, scratch: out
@@ -93,7 +94,7 @@ def _store_as_linear_input(values, linear_in):
     raise NotImplementedError("compiled into the segments only")
 
 
-@overload(_store_as_linear_input, jit_options={"fastmath": True})
+@overload(_store_as_linear_input, jit_options={"fastmath": FASTMATH})
 def _store_as_linear_input_overload(values, linear_in):
     if linear_in.dtype == types.float32:
         def copy(values, linear_in):

@@ -11,27 +11,28 @@ Numerics: fp32 dot products in a different summation order than BLAS (~1e-7 rela
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from numba import njit, prange
+
+from mrv2.models.layers.quantized_numba import gemv_float32_rows
+from mrv2.utils.kernel_flags import FASTMATH
 
 # At most this many rows of x take the GEMV path (still faster than BLAS there: bench/README.md).
 MAX_GEMV_ROWS = 4
 _CHUNK = 64  # weight rows per parallel task
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def gemv_kernel(x, w, out):
-    rows, k_dim = x.shape
+    """out [M, N] = x [M, K] @ w [N, K]^T, each weight row read once for up to 4 rows of x
+    (quantized_numba.gemv_float32_rows: the sums in vector IR, in a fixed order)."""
     n_dim = w.shape[0]
     num_chunks = (n_dim + _CHUNK - 1) // _CHUNK
     for c in prange(num_chunks):
         for n in range(c * _CHUNK, min(n_dim, (c + 1) * _CHUNK)):
-            for m in range(rows):
-                acc = np.float32(0.0)
-                for k in range(k_dim):
-                    acc += x[m, k] * w[n, k]
-                out[m, n] = acc
+            m0 = 0
+            while m0 < x.shape[0]:
+                m0 += gemv_float32_rows(x, w, n, m0, out)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor,

@@ -150,22 +150,19 @@ def half_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return onednn_linear(x, packed)
 
 
-def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
+def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype,
+                        float32_sums: bool = False) -> torch.Tensor:
     """x float32 [M, K] @ a `dtype` (16-bit) weight oneDNN packed -> float32 [M, N], on the
     CPU's matrix units where `computes_natively(dtype)`: x rounded to `dtype`, the products
-    summed in float32, each output rounded to `dtype` once (as a bfloat16 model's linear)."""
-    return half_linear(x.to(dtype), packed).float()
-
-
-def native_16bit_float32_sums(x: torch.Tensor, packed: torch.Tensor,
-                              dtype: torch.dtype) -> torch.Tensor:
-    """`native_16bit_linear` without its last rounding: the float32 sums themselves, at any
-    row count (the LM head's logits, which a bfloat16 grid would tie: 0.125 apart between 16
-    and 32), on the few-row kernel that reads `packed`, or where none does, oneDNN's product
-    of x rounded to `dtype` and the weight widened to float32 (a copy per call: only shapes
-    and dtypes no few-row kernel takes come here)."""
+    summed in float32, each output rounded to `dtype` once (as a bfloat16 model's linear).
+    `float32_sums` skips that last rounding (the LM head's logits, which a bfloat16 grid would
+    tie: 0.125 apart between 16 and 32): the few-row kernel that reads `packed`, at any row
+    count, writes its float32 sums; where none reads it, oneDNN's product of x rounded to
+    `dtype` and the weight widened to float32 (a copy per call: only shapes and dtypes no
+    few-row kernel takes come here)."""
     x = x.to(dtype)
+    if not float32_sums:
+        return half_linear(x, packed).float()
     view = few_rows_view(packed) if dtype == torch.bfloat16 else None
     if view is None:
         return x.float() @ packed.to_dense().float().T

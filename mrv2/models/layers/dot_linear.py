@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 from mrv2 import platform
 from mrv2.models.layers.tile_linear import kept_view, onednn_packs_as, store_sums
 from mrv2.models.layers.vector_ir import F32, I32, call_intrinsic
+from mrv2.utils.kernel_flags import FASTMATH
 
 BLOCK_OUTPUTS = 64  # outputs of a packed block
 LANES = 16  # outputs of one vector
@@ -165,7 +166,7 @@ def _pass(w, b, x, m0, rows, sums):
         _block_sums(w, b, x, m0, 1, sums)
 
 
-@njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def dot_linear_kernel(x, w, out, threads):
     """out [M, N] = x [M, K] @ the weight whose pair view is w [N/64, K/2, 128], x and w
     bfloat16 bits (uint16), `out` bfloat16 bits or float32 (tile_linear.store_sums). Each of

@@ -27,6 +27,7 @@ from numba.extending import intrinsic
 
 from mrv2.attention.decode_vector_ir import vector_width
 from mrv2.models.layers.vector_ir import F32, FAST, I16, row_ptr, splat, widen_half
+from mrv2.utils.kernel_flags import FASTMATH
 
 PANEL_OUTPUTS = 64  # outputs of a panel
 PANEL_VECTORS = 4  # 16-float vectors of a panel's outputs
@@ -112,7 +113,7 @@ def _rows_pass(w, b, x, m0, rows, bf16, sums):
         _panel_sums(w, b, x, m0, 1, bf16, sums)
 
 
-@njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def half_panel_kernel(x, w, bf16, out):
     """out [M, N] float32 = x float32 [M, K] (rows contiguous) @ the 16-bit weight whose panels
     (`panels_of`) are w; `bf16`: the bits are bfloat16's, else float16's. The panels are

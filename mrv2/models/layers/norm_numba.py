@@ -3,7 +3,8 @@
 callers that are numba code (models/cpu/decode.py).
 
 Numerics: float32 like the torch path, in transformers' order (normalise, then the weight
-multiply); the sum runs in another order (~1e-7 relative).
+multiply); the sum of squares runs in vector_ir.row_sum_squares' fixed order (~1e-7 relative
+to torch's).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from numba import njit, prange
 
 from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS, SERIAL_MAX_ROWS, rows_view
+from mrv2.models.layers.vector_ir import row_sum_squares
 
 
 @njit(**NUMBA_OPTIONS)
@@ -21,13 +23,12 @@ def add_rms_norm_kernel(x, residual, weight, eps, out, residual_out):
     means none (then residual_out is not written)."""
     rows, hidden = x.shape
     for r in range(rows):
-        total = np.float32(0.0)
-        for i in range(hidden):
-            v = x[r, i]
-            if residual.shape[0] > 0:
-                v += residual[r, i]
-                residual_out[r, i] = v
-            total += v * v
+        if residual.shape[0] > 0:
+            for i in range(hidden):
+                residual_out[r, i] = x[r, i] + residual[r, i]
+            total = row_sum_squares(residual_out, r, hidden)
+        else:
+            total = row_sum_squares(x, r, hidden)
         inv = np.float32(1.0) / np.sqrt(total / np.float32(hidden) + eps)
         for i in range(hidden):
             v = residual_out[r, i] if residual.shape[0] > 0 else x[r, i]

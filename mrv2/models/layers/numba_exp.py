@@ -25,6 +25,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from mrv2.utils.kernel_flags import FASTMATH
+
 _LOG2E = np.float32(1.44269504088896341)
 _C1 = np.float32(0.693359375)  # ln 2 split in two: C1 + C2 = ln 2 to ~1e-11
 _C2 = np.float32(-2.12194440e-4)
@@ -44,7 +46,7 @@ def _float32_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-@njit(inline="always", fastmath=True, error_model="numpy", cache=True)
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy", cache=True)
 def exp32(x):
     """exp(x) for a float32 x (see the module docstring for range and accuracy)."""
     x = min(max(x, _LO), _HI)

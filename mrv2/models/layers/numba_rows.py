@@ -17,8 +17,10 @@ import numpy as np
 import torch
 from numba import njit, typed
 
+from mrv2.utils.kernel_flags import FASTMATH
+
 # Compile options of every layer kernel: cached on disk, IEEE corner cases not checked.
-NUMBA_OPTIONS = dict(fastmath=True, error_model="numpy", cache=True)
+NUMBA_OPTIONS = dict(fastmath=FASTMATH, error_model="numpy", cache=True)
 SERIAL_MAX_ROWS = 64
 CHUNK_ROWS = 16  # rows per parallel task
 

@@ -18,13 +18,12 @@ exact in float32 and `dequantize()` rounds once, on the add of the min, as gguf.
 does: the two agree bit for bit. A 16-bit weight widens to float32 exactly.
 
 `quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
-groups (the blocks with int16 x on AVX-512: quantized_panel_numba's kernel, a model's
-linears held as its panels alone from load); more rows (prefill) quantized_tiles' float32
-tiles and torch.mm. A 16-bit weight on a CPU with matrix instructions for its dtype
-(cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16) runs on them from
-MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once); on a CPU without them where
-half_panel_linear's kernel runs (AVX-512), at every row count on that kernel, in float32 (a
-model's linears held as their panels alone from load).
+groups (int16 x on AVX-512: quantized_panel_numba's panels, held alone from load); more rows
+(prefill) quantized_tiles' float32 tiles and torch.mm. A 16-bit weight on a CPU with matrix
+instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16)
+runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once); on a CPU
+without them where half_panel_linear's kernel runs (AVX-512), at every row count on that
+kernel, in float32 (a model's linears held as their panels alone from load).
 """
 
 from __future__ import annotations
@@ -367,12 +366,9 @@ def max_numba_rows(weight: QuantizedWeight) -> int:
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
-                     bias: torch.Tensor | None = None, *,
-                     float32_sums: bool = False) -> torch.Tensor:
-    """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N].
-    `float32_sums` (the LM head): outputs are never rounded to a 16-bit weight's dtype, which
-    the matrix-unit path otherwise does as a 16-bit model's linear (every other path keeps its
-    float32 sums anyway)."""
+                     bias: torch.Tensor | None = None, float32_sums: bool = False) -> torch.Tensor:
+    """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N];
+    `float32_sums` (logits): never rounded to a 16-bit weight's dtype on the matrix units."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
@@ -395,13 +391,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                                         weight.scales.numpy(), weight.kernel_mins.numpy(),
                                         weight.layout == "u4", weight.group_size,
                                         GEMV_X_FORMAT, out.numpy())
-    elif weight.is_half and computes_natively(weight.half_dtype):
-        linear = (cpu_linear.native_16bit_float32_sums if float32_sums
-                  else cpu_linear.native_16bit_linear)
-        out = linear(x.detach(), weight.onednn_packed(), weight.half_dtype)
+    elif weight.is_half and computes_natively(half := weight.half_dtype):
+        out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), half, float32_sums)
     else:
         out = quantized_tiles.tiled_linear(x.detach(), weight)
     if bias is not None:
         out += bias
     return out
-

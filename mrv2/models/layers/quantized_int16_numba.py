@@ -32,6 +32,7 @@ from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I
                                           V8I, V16B, V16I, V16S, call_intrinsic, load_table,
                                           row_ptr, splat, sums_with_min_terms, table_elem, vload,
                                           widen_half, x_rows_and_accumulators)
+from mrv2.utils.kernel_flags import FASTMATH
 
 _SCALE_BLOCK = 8  # groups whose scale * d is formed as one vector
 
@@ -145,7 +146,7 @@ _i8_dots4, _i8_dots2, _i8_dots1 = _DOTS["i8"]
 _i8g16_dots4, _i8g16_dots2, _i8g16_dots1 = _DOTS["i8/16"]
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _dots4(xq, dx, q, scales, mins, xsum, packed, shift, r, m0):
     if packed:
         return _u4_dots4(xq, dx, q, scales, mins, xsum, r, m0)
@@ -154,7 +155,7 @@ def _dots4(xq, dx, q, scales, mins, xsum, packed, shift, r, m0):
     return _i8_dots4(xq, dx, q, scales, mins, xsum, r, m0)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _dots2(xq, dx, q, scales, mins, xsum, packed, shift, r, m0):
     if packed:
         return _u4_dots2(xq, dx, q, scales, mins, xsum, r, m0)
@@ -163,7 +164,7 @@ def _dots2(xq, dx, q, scales, mins, xsum, packed, shift, r, m0):
     return _i8_dots2(xq, dx, q, scales, mins, xsum, r, m0)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _dots1(xq, dx, q, scales, mins, xsum, packed, shift, r, m0):
     if packed:
         return _u4_dots1(xq, dx, q, scales, mins, xsum, r, m0)
@@ -172,7 +173,7 @@ def _dots1(xq, dx, q, scales, mins, xsum, packed, shift, r, m0):
     return _i8_dots1(xq, dx, q, scales, mins, xsum, r, m0)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def gemv_rows_int16(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
     """Rows m0.. of the int16 x (4, 2 or 1, as many as are left) against weight row r;
     returns how many."""
@@ -190,7 +191,7 @@ def gemv_rows_int16(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
     return 1
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def gemv_row_int16(xq, dx, q, scales, mins, xsum, packed, shift, r, m, out):
     """out[m, r]: row m of the int16 x against weight row r alone (a one-row GEMV's loop)."""
     out[m, r] = _dots1(xq, dx, q, scales, mins, xsum, packed, shift, r, m)[0]

@@ -26,6 +26,7 @@ from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I
                                           V8I, V16B, V16S, V32B, call_intrinsic, for_each_unit,
                                           load_table, row_ptr, splat, sums_with_min_terms,
                                           table_elem, vload, x_rows_and_accumulators)
+from mrv2.utils.kernel_flags import FASTMATH
 
 _V32I = ir.VectorType(I32, 32)
 INT8_BLOCK = 32  # inputs per quantization block of x (int8 or int16), and per kernel unit
@@ -135,7 +136,7 @@ _i8_int8_dots4, _i8_int8_dots2, _i8_int8_dots1 = (
     _make_int8_dots(n, False, X86_INT8_DOTS) for n in DOT_ROWS)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
     """Rows m0.. of the int8 x (4, 2 or 1, as many as are left) against weight row r; returns
     how many."""
@@ -157,7 +158,7 @@ def gemv_rows_int8(xq, dx, q, scales, mins, xsum, packed, shift, r, m0, out):
     return 1
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def quantize_rows(x, xq, dx):
     """x [M, K] float32 -> xq [M, K] int8 or int16, dx float32 [M, K // 32]: per block g of 32
     inputs, with Q = 127 (int8) or 32767 (int16), dx = max |x| / Q and xq = round(x * Q /
@@ -176,7 +177,7 @@ def quantize_rows(x, xq, dx):
                 xq[m, base + j] = round(x[m, base + j] * inv)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def group_sums(x, gs, groups):
     """[M, groups] sums of x over each group of `gs` inputs (groups 0: an [M, 0] array)."""
     xsum = np.zeros((x.shape[0], groups), np.float32)

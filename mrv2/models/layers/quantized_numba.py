@@ -46,6 +46,7 @@ from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I
                                           V8I, for_each_unit, load_table, row_ptr, splat,
                                           sum_accumulators, table_elem, table_value, vload,
                                           widen_half, x_rows_and_accumulators)
+from mrv2.utils.kernel_flags import FASTMATH
 
 GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
 # How gemv_groups takes x (`x_format`): as float32, or quantized per 32 inputs to int16
@@ -60,7 +61,7 @@ NIBBLE_LO = (np.arange(256) & 15).astype(np.float32)
 NIBBLE_HI = (np.arange(256) >> 4).astype(np.float32)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _decode_row(q, scales, mins, packed, gs, r, buf):
     # buf[:K] = float32 weight row r: w = scale * q + min, where scale * q is exact in float32
     # (an f16-derived scale times a < 8-bit integer), so one rounding, as in the reference.
@@ -81,14 +82,14 @@ def _decode_row(q, scales, mins, packed, gs, r, buf):
                 buf[base + j] = s * np.float32(q[r, base + j]) + mn
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def dequant_rows(q, scales, mins, packed, gs, ids, out):
     """out[i, :] = the float32 weight row ids[i] (bit-equal to gguf.quants.dequantize)."""
     for i in prange(ids.shape[0]):
         _decode_row(q, scales, mins, packed, gs, ids[i], out[i])
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def dequant_rows_serial(q, scales, mins, packed, gs, ids, out):
     """dequant_rows on the calling thread: the tiled linear alternates it with torch.mm, and
     handing each tile between numba's and torch's thread pools stalls for a scheduler quantum
@@ -154,7 +155,7 @@ _u4_dots4, _u4_dots2, _u4_dots1 = (_make_dots(n, True) for n in DOT_ROWS)
 _i8_dots4, _i8_dots2, _i8_dots1 = (_make_dots(n, False) for n in DOT_ROWS)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
     """Rows m0.. of x (4, 2 or 1 of them, as many as are left) against weight row r; returns
     how many."""
@@ -176,7 +177,7 @@ def _gemv_rows(x, q, scales, packed, shift, r, m0, out):
     return 1
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed, shift, x_format, r,
                   m0, out):
     """Rows m0.. of x (float32; or int16 / int8 with the min term inside) against weight row
@@ -190,7 +191,7 @@ def _rows_against(x, xq, xq16, dx, terms, q, scales, mins, xsum, packed, shift, 
     return _gemv_rows(x, q, scales, packed, shift, r, m0, out)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for the packed weight (x [M, K] contiguous rows;
     gs 32, or 16 for an i8 weight). X_FLOAT32: fp32 sums in another order than x @ w.T (~1e-7
@@ -207,22 +208,22 @@ def gemv_groups(x, q, scales, mins, packed, gs, x_format, out):
         _gemv_float32(x, q, scales, mins, packed, gs, out)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _gemv_int16(x, q, scales, mins, packed, gs, out):
     _gemv_body(x, q, scales, mins, packed, gs, X_INT16, out)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _gemv_int8(x, q, scales, mins, packed, gs, out):
     _gemv_body(x, q, scales, mins, packed, gs, X_INT8, out)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _gemv_float32(x, q, scales, mins, packed, gs, out):
     _gemv_body(x, q, scales, mins, packed, gs, X_FLOAT32, out)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
     """gemv_groups for one x format, inlined into that format's parallel function."""
     # The set-up runs in serial helpers: in this parallel function numba would turn each array
@@ -287,9 +288,18 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
 _HALF_UNROLL = 4  # independent 8-wide accumulators per row of x (no scale multiply to hide)
 
 
-def _make_half_dots(nb, bf16):
+def _make_half_dots(nb, bf16, dense=False):
     """An intrinsic (x, q, r, m0) -> UniTuple(float32, nb): sum_k x[m, k] * w(r, k) for rows
-    m0..m0+nb-1 of x, w the 16-bit weight row r (K not necessarily a multiple of 8)."""
+    m0..m0+nb-1 of x, w the 16-bit weight row r (K not necessarily a multiple of 8); `dense`:
+    q is a float32 weight (cpu_gemv's), read as it is (a sum in the IR's fixed order)."""
+    wty, wvec, walign = (F32, V8F, 4) if dense else (I16, V8H, 2)
+
+    def weights(builder, ptr, index, vector):
+        if vector:
+            loaded = vload(builder, ptr, index, wvec, walign)
+        else:
+            loaded = builder.load(builder.gep(ptr, [index]))
+        return loaded if dense else widen_half(builder, loaded, bf16)
 
     @intrinsic
     def dots(typingctx, x, q, r, m0):
@@ -300,13 +310,13 @@ def _make_half_dots(nb, bf16):
             r_, m_ = (context.cast(builder, v, t, types.intp)
                       for v, t in ((args[2], rt), (args[3], mt)))
             ity = r_.type
-            qrow, _ = row_ptr(context, builder, qt, args[1], r_, I16)
+            qrow, _ = row_ptr(context, builder, qt, args[1], r_, wty)
             xrows, k, accs = x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
                                                      _HALF_UNROLL)
 
             def unit(c, slot):
                 base = builder.mul(c, ity(8))
-                w = widen_half(builder, vload(builder, qrow, base, V8H, 2), bf16)
+                w = weights(builder, qrow, base, True)
                 for i in range(nb):
                     xv = vload(builder, xrows[i][0], base, V8F, 4)
                     acc = builder.load(accs[i][slot])
@@ -319,7 +329,7 @@ def _make_half_dots(nb, bf16):
             tail_start = builder.mul(units, ity(8))
             with cgutils.for_range(builder, builder.sub(k, tail_start)) as loop:
                 idx = builder.add(tail_start, loop.index)
-                w = widen_half(builder, builder.load(builder.gep(qrow, [idx])), bf16)
+                w = weights(builder, qrow, idx, False)
                 for i in range(nb):
                     xv = builder.load(builder.gep(xrows[i][0], [idx]))
                     builder.store(builder.fadd(builder.load(tails[i]),
@@ -336,9 +346,26 @@ def _make_half_dots(nb, bf16):
 
 _f16_dots4, _f16_dots2, _f16_dots1 = (_make_half_dots(n, False) for n in DOT_ROWS)
 _bf16_dots4, _bf16_dots2, _bf16_dots1 = (_make_half_dots(n, True) for n in DOT_ROWS)
+_f32_dots4, _f32_dots2, _f32_dots1 = (_make_half_dots(n, False, True) for n in DOT_ROWS)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def gemv_float32_rows(x, w, r, m0, out):
+    """Rows m0.. of x (4, 2 or 1, as many as are left) against float32 weight row r (the
+    float32 GEMV's step, cpu_gemv.py); returns how many."""
+    left = x.shape[0] - m0
+    if left >= 4:
+        out[m0, r], out[m0 + 1, r], out[m0 + 2, r], out[m0 + 3, r] = _f32_dots4(x, w, r, m0)
+        return 4
+    if left >= 2:
+        t2 = _f32_dots2(x, w, r, m0)
+        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+        return 2
+    out[m0, r] = _f32_dots1(x, w, r, m0)[0]
+    return 1
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _gemv_half_rows(x, q, bf16, r, m0, out):
     """Rows m0.. of x (4, 2 or 1, as many as are left) against 16-bit weight row r; returns
     how many."""
@@ -357,7 +384,7 @@ def _gemv_half_rows(x, q, bf16, r, m0, out):
     return 1
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def gemv_half(x, q, bf16, out):
     """out[m, r] = sum_k x[m, k] * w[r, k] for a 16-bit weight (`q` int16 [N, K] bit patterns,
     bfloat16 when `bf16` else IEEE half; x [M, K] contiguous rows), accumulated in float32."""

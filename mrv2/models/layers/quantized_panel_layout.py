@@ -39,6 +39,7 @@ from numba import njit
 from mrv2.models.layers.gguf_blocks import unpack_u4
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK
 from mrv2.models.layers.vector_ir import table_value
+from mrv2.utils.kernel_flags import FASTMATH
 
 GROUP_PANEL_OUTPUTS = 64  # outputs of a panel
 GROUP_PANEL_VECTORS = GROUP_PANEL_OUTPUTS // 16  # 16-output vectors of a panel
@@ -261,7 +262,7 @@ def _offset_term(scale, packed):
     return np.float32(-8.0) * scale if packed else np.float32(0.0)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def panel_rows(w, scales, mins, packed, ids, out):
     """out[i, :] = the float32 weight row ids[i] of a weight held as its panels, on the calling
     thread: scale x q (+ min), the value quantized_numba's dequantization gives from the
@@ -278,7 +279,7 @@ def panel_rows(w, scales, mins, packed, ids, out):
                     out[i, 2 * pair + t] = s * _panel_value(w, b, pair, o, t, packed) + mn
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
     """out_t[:, :64 count] ([K, >= 64 count]) = the float32 weights of panels b0 .. b0 + count
     - 1, transposed (column 64 (b - b0) + o: output 64 b + o), as `panel_rows` gives them; on

@@ -53,6 +53,7 @@ from mrv2.models.layers.quantized_panel_layout import (U4K_PAIR_BYTES, U4K_SUPER
 from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S,
                                           V32B, V32S, call_intrinsic, host_compiles_with,
                                           row_ptr, splat, table_elem, vload, widen_half)
+from mrv2.utils.kernel_flags import FASTMATH
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
 _FORM_I8, _FORM_U4, _FORM_U6, _FORM_U4K = 0, 1, 2, 3  # the panel forms, as the kernels' literals
@@ -274,7 +275,7 @@ def _int16_x(x, groups, block_sums):
     return xq, dx, sums
 
 
-@njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def group_panel_kernel(x, w, scales, mins, packed, out):
     """out [M, N] float32 = x float32 [M, K] (rows contiguous), quantized to the int16 format,
     @ the weight whose panels (`group_panels_of`: "u6" where w has U6_PAIR_BYTES a pair,

@@ -36,6 +36,7 @@ from mrv2.models.layers.vector_ir import (DOT_UNROLL, FAST, F32, I8, I32, V8F, V
                                           V16I, V32B, V32S, add_group_terms, call_intrinsic,
                                           host_compiles_with, load_table, row_ptr, splat,
                                           sum_accumulators, table_elem, vload, widen_half)
+from mrv2.utils.kernel_flags import FASTMATH
 
 _V64B = ir.VectorType(I8, 64)
 _V8I = ir.VectorType(I32, 8)
@@ -191,7 +192,7 @@ def offset_terms(xq, dx, out):
             out[m, g] = np.float32(-128.0) * dx[m, g] * np.float32(s)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m, out):
     """out[m, r]: row m of the int8 x against weight row r alone (a one-row GEMV's loop)."""
     if packed:
@@ -200,7 +201,7 @@ def gemv_row_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m, out):
         out[m, r] = _vnni_dots1(xq, dx, terms, q, scales, mins, xsum, False, r, m)[0]
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _vnni_rows(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out):
     """`gemv_rows_vnni` for a literal `packed`."""
     left = xq.shape[0] - m0
@@ -217,7 +218,7 @@ def _vnni_rows(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out):
     return 1
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def gemv_rows_vnni(xq, dx, terms, q, scales, mins, xsum, packed, r, m0, out):
     """Rows m0.. of the int8 x (4, 2 or 1, as many as are left) against weight row r; returns
     how many."""

@@ -37,6 +37,7 @@ from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 from mrv2.models.layers.amx_ir import (tile_config, tile_dot_bf16, tile_load, tile_release,
                                        tile_store, tile_zero)
 from mrv2.models.layers.vector_ir import half_bits
+from mrv2.utils.kernel_flags import FASTMATH
 
 BLOCK = 32  # outputs and inputs of a packed block; rows of x per pass
 # The most rows the kernel takes (cpu_linear.half_linear): by 64 a linear is bound by its
@@ -168,7 +169,7 @@ def _store_sums_overload(sums, rows, out, row0, col0):
                                                              row0, col0)
 
 
-@njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def tile_linear_kernel(x, w, out, threads):
     """out [M, N] = x [M, K] @ the weight whose tile view is w [N/32, K/32, 16, 64], x and w
     bfloat16 bits (uint16), `out` bfloat16 bits or float32 (`store_sums`). Each of `threads`

@@ -16,12 +16,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from mrv2.utils.kernel_flags import IR_FLAGS
+
 F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 V8F, V8B, V8I = ir.VectorType(F32, 8), ir.VectorType(I8, 8), ir.VectorType(I32, 8)
 V8H = ir.VectorType(I16, 8)
 V16B, V16S, V16I = ir.VectorType(I8, 16), ir.VectorType(I16, 16), ir.VectorType(I32, 16)
 V32B, V32S, V16F = ir.VectorType(I8, 32), ir.VectorType(I16, 32), ir.VectorType(F32, 16)
-FAST = ("fast",)
+FAST = IR_FLAGS  # the kernels' flags (mrv2/utils/kernel_flags.py)
 DOT_ROWS = (4, 2, 1)  # rows of x per pass over a weight row (accumulators fit 16 ymm at 4)
 DOT_UNROLL = 2  # accumulator sets per row of x (FMA latency 4-5 cycles, 2 FMA pipes)
 
@@ -228,3 +230,45 @@ def sums_with_min_terms(context, builder, mins_type, mins, mins_row, xsum_rows, 
     tails = add_group_terms(context, builder, mins_type, mins, mins_row, xsum_rows, accs)
     return [builder.fadd(sum_accumulators(builder, row_accs), builder.load(tail), flags=FAST)
             for row_accs, tail in zip(accs, tails)]
+
+
+def _make_row_sum(squared: bool):
+    """An intrinsic (a, row, n) -> float32: sum_{i < n} a[row, i] (of a[row, i]^2 where
+    `squared`) for a float32 array with contiguous rows, in one fixed order: four <8 x float>
+    accumulators over 8-element units, the rest one by one, then the accumulators added and
+    halved (`sum_accumulators`), then the rest. numba's loops may not reorder a sum
+    (utils/kernel_flags.py), so a row's sum that must run on vectors is this."""
+
+    @intrinsic
+    def row_sum(typingctx, a, row, n):
+        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2):
+            return None
+
+        def codegen(context, builder, signature, args):
+            at, rt, nt = signature.args
+            r_, n_ = (context.cast(builder, v, t, types.intp)
+                      for v, t in ((args[1], rt), (args[2], nt)))
+            ity = r_.type
+            ptr, _ = row_ptr(context, builder, at, args[0], r_, F32)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8))
+                    for _ in range(4)]
+
+            def add(acc, value):
+                term = builder.fmul(value, value, flags=FAST) if squared else value
+                builder.store(builder.fadd(builder.load(acc), term, flags=FAST), acc)
+
+            units = builder.sdiv(n_, ity(8))
+            for_each_unit(builder, units, 4, lambda c, slot: add(
+                accs[slot], vload(builder, ptr, builder.mul(c, ity(8)), V8F, 4)))
+            rest = cgutils.alloca_once_value(builder, F32(0.0))
+            start = builder.mul(units, ity(8))
+            with cgutils.for_range(builder, builder.sub(n_, start)) as loop:
+                add(rest, builder.load(builder.gep(ptr, [builder.add(start, loop.index)])))
+            return builder.fadd(sum_accumulators(builder, accs), builder.load(rest), flags=FAST)
+
+        return types.float32(a, row, n), codegen
+
+    return row_sum
+
+
+row_sum, row_sum_squares = _make_row_sum(False), _make_row_sum(True)
