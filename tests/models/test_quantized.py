@@ -260,7 +260,8 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
-                        lambda x, w, dtype, float32_sums=False: calls.append(len(x)) or torch.zeros(len(x), 80))
+                        lambda x, w, dtype, float32_sums=False:
+                        calls.append(len(x)) or torch.zeros(len(x), 80))
     w = QuantizedWeight.from_float(torch.randn(80, 300), torch.bfloat16)
     low = quantized.MIN_NATIVE_HALF_ROWS
     for rows in (1, low - 1, low, 40):
