@@ -61,6 +61,13 @@ def step_kv_bytes(seq_lens: np.ndarray, num_kv_heads: int, head_dim: int, itemsi
     return int(seq_lens.sum()) * 2 * num_kv_heads * head_dim * itemsize * layers
 
 
+def planned_threads() -> int:
+    """The thread count a step's `work_split` is planned for: numba's pool size, not the count
+    running now (utils/free_cores.py fits that to the machine's load, and a caller may set
+    fewer), so the split, and with it the attention's sums, never depends on either."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
 def work_split(rows: int, num_kv_heads: int, threads: int, kv_bytes: int) -> tuple[int, int]:
     """(kv heads per work item, context splits per row) for `rows` decode rows on `threads`
     threads reading `kv_bytes` of K/V in the step (`step_kv_bytes`). A work item is one row
@@ -354,7 +361,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     lens = np.ascontiguousarray(seq_lens[:rows], dtype=np.int32)
     kv_bytes = step_kv_bytes(lens, kv_cache.shape[3], kv_cache.shape[4], kv_cache.element_size(),
                              layers)
-    kv_per_item, splits = work_split(rows, kv_cache.shape[3], numba.get_num_threads(), kv_bytes)
+    kv_per_item, splits = work_split(rows, kv_cache.shape[3], planned_threads(), kv_bytes)
     decode_kernel(q.contiguous().numpy(), k_np, v_np, tables, lens, np.float32(scale),
                   out.numpy(), kv_per_item, splits)
     return out

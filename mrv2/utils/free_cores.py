@@ -14,9 +14,11 @@ at least 1, at most the configured count). Its own threads' spinning is its own 
 does not see itself as a neighbour; the other processes of an mrv2 server (the API process)
 count, as they take cores too.
 
-Numerics: the thread count chooses the decode attention's work split (decode_numba.work_split),
-so results can differ in the last float32 bits with the machine's load (greedy tokens on near
-ties included). `MRV2_FIT_THREADS_TO_FREE_CORES=0` turns the fitting off (the test suite does).
+Numerics: the fitting never changes a result. Only numba's count is fitted: the decode
+attention's work split is planned for numba's pool size whatever runs now
+(decode_numba.planned_threads), and no other numba kernel's sums depend on its thread count.
+torch's intra-op pool keeps its count: oneDNN's bfloat16 linears give other bits at 1 and 2
+threads for some shapes. `MRV2_FIT_THREADS_TO_FREE_CORES=0` turns the fitting off.
 """
 
 from __future__ import annotations
@@ -113,12 +115,11 @@ class FreeCoreThreads:
 
 
 def fit_kernel_threads(free: FreeCoreThreads) -> None:
-    """Run the kernels launched from this thread (numba's count is per launching thread) and
-    torch's intra-op pool on `free`'s current count."""
+    """Run the numba kernels launched from this thread (numba's count is per launching thread)
+    on `free`'s current count; torch's pool is left as it is (see Numerics above)."""
     threads = free.update()
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
 
 
 def share_cores_among_ranks(world_size: int) -> int:

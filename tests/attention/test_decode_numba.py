@@ -155,3 +155,28 @@ def test_the_blocks_ahead_are_prefetched_into_l2():
     ir = next(iter(_prefetch_a_block.inspect_llvm().values()))
     levels = re.findall(r"call void @llvm\.prefetch\.p0\(ptr [^,]+, i32 0, i32 (\d), i32 1\)", ir)
     assert levels and set(levels) == {"2"}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_the_running_thread_count_does_not_change_the_output(cache_dtype):
+    """The split is planned for numba's pool (`planned_threads`), not the count free_cores
+    fits to the machine's load: batch 1 (where the context splits) gives the same bits at 1
+    and 2 threads."""
+    import numba
+
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 40, 16, 3, 64, generator=g).to(cache_dtype)
+    tables = torch.randperm(40, generator=g).to(torch.int32).reshape(1, 40)
+    q = torch.randn(1, 9, 64, generator=g)
+    lens = np.array([600], np.int32)
+    before = numba.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            outs.append(decode_numba.decode_attention(q, kv, tables, lens, 0.125))
+    finally:
+        numba.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    assert decode_numba.work_split(1, 3, decode_numba.planned_threads(), 0)[1] > 1 or (
+        numba.config.NUMBA_NUM_THREADS == 1)

@@ -65,14 +65,16 @@ def test_threads_follow_the_cores_others_take():
     assert capped.update() == 1
 
 
-def test_fit_sets_numba_and_torch_threads(monkeypatch):
+def test_fit_sets_numba_threads_and_leaves_torchs(monkeypatch):
+    """torch's pool keeps its count: oneDNN's bfloat16 linears give other bits at 1 and 2
+    threads for some shapes, so a fitted torch pool would make results follow the load."""
     machine = FakeMachine()
     fitter = machine.fitter()
     before = numba.get_num_threads(), torch.get_num_threads()
     try:
         machine.run(1.0, own_cores=1.0, other_cores=1.0)
         free_cores.fit_kernel_threads(fitter)
-        assert numba.get_num_threads() == 1 and torch.get_num_threads() == 1
+        assert numba.get_num_threads() == 1 and torch.get_num_threads() == before[1]
     finally:
         numba.set_num_threads(before[0])
         torch.set_num_threads(before[1])

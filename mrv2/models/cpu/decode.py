@@ -34,7 +34,7 @@ from numba import typed
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import step_kv_bytes, work_split
+from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
 from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.quantized_weights import QuantizedEmbeddingForward, QuantizedLinearForward
@@ -291,7 +291,7 @@ def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Ten
 def _work_split(args: _StackArgs, seq_lens: np.ndarray) -> tuple[int, int]:
     kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim, args.kv_itemsize,
                              len(args.kv_caches_list))
-    return work_split(len(seq_lens), args.num_kv_heads, numba.get_num_threads(), kv_bytes)
+    return work_split(len(seq_lens), args.num_kv_heads, planned_threads(), kv_bytes)
 
 
 def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,

@@ -47,7 +47,8 @@ from numba import njit, types
 from numba.extending import overload
 
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import decode_kernel, step_kv_bytes, work_split
+from mrv2.attention.decode_numba import (decode_kernel, planned_threads, step_kv_bytes,
+                                        work_split)
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
 from mrv2.models.cpu.quantized_weights import bfloat16_weight, float32_weight
 from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
@@ -315,7 +316,7 @@ class OneDnnDecode:
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
         kv_bytes = step_kv_bytes(seq_lens, self.num_kv_heads, self.head_dim,
                                  kv_caches[0].element_size(), len(kv_caches))
-        kv_per_item, splits = work_split(rows, self.num_kv_heads, threads, kv_bytes)
+        kv_per_item, splits = work_split(rows, self.num_kv_heads, planned_threads(), kv_bytes)
         tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
         if self.one_call:
             out = torch.empty(rows, hidden_size, dtype=torch.float32)
