@@ -3,10 +3,11 @@
     python bench/gguf_agreement.py
 
 The 8 chat prompts of tests/entrypoints/test_llm_gguf.py, greedy, up to 64 tokens (EOS ends).
-Prints, per path, how many completions equal float32's and where the others first differ:
-`quantization="gguf"` on float32, int16 (the default) and int8 x (MRV2_GGUF_ACTIVATIONS),
-dtype="bfloat16" (bf16 weights, KV cache and, where the CPU has bf16 matrix units, linears of
-several rows), and llama.cpp on the same file when llama-cpp-python is installed (the `peers`
+Prints, per path, how many completions equal float32's, where the others first differ and,
+per position, how many equal float32's through it: `quantization="gguf"` on float32, int16
+(the default) and int8 x (MRV2_GGUF_ACTIVATIONS), dtype="bfloat16" (bf16 weights, KV cache and,
+where the CPU has bf16 matrix units, linears of several rows) with the 8 prompts in one batch
+and each alone, and llama.cpp on the same file when llama-cpp-python is installed (the `peers`
 extra).
 """
 
@@ -69,11 +70,19 @@ def llama_cpp_greedy(prompts: list[list[int]], eos: set[int]) -> list[list[int]]
 
 
 def report(name: str, got: list[list[int]], want: list[list[int]]) -> None:
+    """Completions equal to float32's, where the others first differ, and per position p (1,
+    2, 4, ..., MAX_TOKENS) how many completions still equal float32's through token p."""
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
              for a, b in zip(got, want) if a != b]
     same = sum(a == b for a, b in zip(got, want))
     print(f"{name}: {same}/{len(want)} completions equal float32's; the others first differ "
           f"at token {first}")
+    agree_through = [MAX_TOKENS if a == b else next(
+        i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)
+        for a, b in zip(got, want)]
+    positions = [1 << i for i in range(MAX_TOKENS.bit_length()) if 1 << i <= MAX_TOKENS]
+    print("  equal through token " + ", ".join(
+        f"{p}: {sum(t >= p for t in agree_through)}/{len(want)}" for p in positions))
 
 
 def main() -> None:
@@ -87,9 +96,12 @@ def main() -> None:
         quantized.GEMV_X_FORMAT = x_format
         report(f"gguf blocks, {name} x", mrv2_greedy(prompts, quantization="gguf"), reference)
     quantized.GEMV_X_FORMAT = quantized._gemv_x_format()
-    report("bfloat16 weights (on the CPU's bf16 matrix units from "
-           f"{quantized.MIN_NATIVE_HALF_ROWS} rows: {quantized.computes_natively(torch.bfloat16)})",
+    natively = quantized.computes_natively(torch.bfloat16)
+    report("bfloat16 weights, the 8 prompts in one batch (on the CPU's bf16 matrix units from "
+           f"{quantized.MIN_NATIVE_HALF_ROWS} rows: {natively})",
            mrv2_greedy(prompts, dtype="bfloat16"), reference)
+    report("bfloat16 weights, each prompt alone",
+           [mrv2_greedy([p], dtype="bfloat16")[0] for p in prompts], reference)
     peer = llama_cpp_greedy(prompts, eos)
     if peer is not None:
         report("llama.cpp", peer, reference)

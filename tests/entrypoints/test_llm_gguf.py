@@ -100,6 +100,25 @@ def test_chat_answers_paris(smollm2):
     assert output.outputs[0].finish_reason == "stop"
 
 
+def test_bfloat16_chat_answers_paris_alone_and_in_the_demos_batch():
+    """Issue 47: in bfloat16 (the default dtype on a CPU with bf16 matrix units) the demo's
+    batch of four chats answered "L'Étoile, ..." while the chat alone said Paris: from 2 rows
+    the LM head rounded its logits to bfloat16, tying "The" and "L" (25.125 = 25.125)."""
+    from mrv2.entrypoints.cli import DEFAULT_QUESTIONS
+
+    llm = LLM(str(builtin_model_path()), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory_gb=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    try:
+        alone = llm.chat([{"role": "user", "content": DEFAULT_QUESTIONS[0]}], params,
+                         use_tqdm=False)[0].outputs[0].text
+        batch = llm.chat([[{"role": "user", "content": q}] for q in DEFAULT_QUESTIONS], params,
+                         use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    assert "Paris" in alone and "Paris" in batch, (alone, batch)
+
+
 def test_server_answers_as_transformers(smollm2, reference):
     import httpx
 
