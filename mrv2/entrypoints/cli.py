@@ -63,6 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="share of a GPU's memory the engine may use (default 0.9); "
                              "not used on the CPU")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode steps one scheduled step may run while every running "
+                             "request decodes greedily (vLLM's multi-step decoding; tokens "
+                             "then arrive this many at a time; default 1)")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -122,7 +126,8 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM(default_model(args.model), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, seed=args.seed,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, **checkpoint_args(args))
+              kv_cache_memory_gb=args.kv_cache_memory_gb,
+              num_scheduler_steps=args.num_scheduler_steps, **checkpoint_args(args))
     tokenizer = llm.get_tokenizer()
     if args.prompt or getattr(tokenizer, "chat_template", None) is None:
         prompts = args.prompt or DEFAULT_PROMPTS

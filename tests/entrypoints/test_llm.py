@@ -279,6 +279,7 @@ ENGINE_FLAGS = {
     "convert": ["--convert", "embed"], "pooler_config": ["--pooler-config", '{"normalize": false}'],
     "disable_log_stats": ["--disable-log-stats"],
     "override_generation_config": ["--override-generation-config", '{"temperature": 0.5}'],
+    "num_scheduler_steps": ["--num-scheduler-steps", "4"],
 }
 
 

@@ -40,7 +40,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm = LLM(model, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, seed=args.seed,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, **checkpoint_args(args))
+              kv_cache_memory_gb=args.kv_cache_memory_gb,
+              num_scheduler_steps=args.num_scheduler_steps, **checkpoint_args(args))
     try:
         vocab_size = _vocab_size(llm)
         prompts = random_token_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
