@@ -127,15 +127,17 @@ def _few_rows_kernel_overload(x, view, out, threads):
     return lambda x, view, out, threads: kernel(x, view, out, threads)
 
 
-def few_rows_linear(x: torch.Tensor, view: np.ndarray, out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-    """x bfloat16 [M, K] @ the weight `view` shows (`few_rows_view`) -> bfloat16 [M, N], into
-    `out` where given (bfloat16 [M, N], contiguous), on numba's threads."""
+def few_rows_linear(x: torch.Tensor, view: np.ndarray, out: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x bfloat16 [M, K] @ the weight `view` shows (`few_rows_view`) -> [M, N] of `dtype`:
+    bfloat16 (each output rounded once) or float32 (the sums themselves), into `out` where
+    given (contiguous, its dtype the output's), on numba's threads."""
     if out is None:
         n = view.shape[0] * (tile_linear.BLOCK if view.ndim == 4 else dot_linear.BLOCK_OUTPUTS)
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], n, dtype=dtype)
     if x.shape[0]:
-        few_rows_kernel(half_bits(x.contiguous()), view, half_bits(out), numba.get_num_threads())
+        out_np = out.numpy() if out.dtype == torch.float32 else half_bits(out)
+        few_rows_kernel(half_bits(x.contiguous()), view, out_np, numba.get_num_threads())
     return out
 
 
@@ -166,11 +168,7 @@ def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor, dtype: torch.dtyp
     view = few_rows_view(packed) if dtype == torch.bfloat16 else None
     if view is None:
         return x.float() @ packed.to_dense().float().T
-    n = view.shape[0] * (tile_linear.BLOCK if view.ndim == 4 else dot_linear.BLOCK_OUTPUTS)
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0]:
-        few_rows_kernel(half_bits(x.contiguous()), view, out.numpy(), numba.get_num_threads())
-    return out
+    return few_rows_linear(x, view, dtype=torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,

@@ -288,18 +288,18 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
 _HALF_UNROLL = 4  # independent 8-wide accumulators per row of x (no scale multiply to hide)
 
 
-def _make_half_dots(nb, bf16, dense=False):
-    """An intrinsic (x, q, r, m0) -> UniTuple(float32, nb): sum_k x[m, k] * w(r, k) for rows
-    m0..m0+nb-1 of x, w the 16-bit weight row r (K not necessarily a multiple of 8); `dense`:
-    q is a float32 weight (cpu_gemv's), read as it is (a sum in the IR's fixed order)."""
-    wty, wvec, walign = (F32, V8F, 4) if dense else (I16, V8H, 2)
+def _make_row_dots(nb, layout):
+    """An intrinsic (x, q, r, m0) -> UniTuple(float32, nb): sum_k x[m, k] * w(r, k) (in the IR's
+    fixed order) for rows m0..m0+nb-1 of x, w weight row r (any K) of `layout`: "f16" / "bf16"
+    (q int16 bit patterns, widened) or "f32" (cpu_gemv's float32 weight, read as it is)."""
+    wty, wvec, walign = (F32, V8F, 4) if (dense := layout == "f32") else (I16, V8H, 2)
 
     def weights(builder, ptr, index, vector):
         if vector:
             loaded = vload(builder, ptr, index, wvec, walign)
         else:
             loaded = builder.load(builder.gep(ptr, [index]))
-        return loaded if dense else widen_half(builder, loaded, bf16)
+        return loaded if dense else widen_half(builder, loaded, layout == "bf16")
 
     @intrinsic
     def dots(typingctx, x, q, r, m0):
@@ -344,9 +344,9 @@ def _make_half_dots(nb, bf16, dense=False):
     return dots
 
 
-_f16_dots4, _f16_dots2, _f16_dots1 = (_make_half_dots(n, False) for n in DOT_ROWS)
-_bf16_dots4, _bf16_dots2, _bf16_dots1 = (_make_half_dots(n, True) for n in DOT_ROWS)
-_f32_dots4, _f32_dots2, _f32_dots1 = (_make_half_dots(n, False, True) for n in DOT_ROWS)
+_f16_dots4, _f16_dots2, _f16_dots1 = (_make_row_dots(n, "f16") for n in DOT_ROWS)
+_bf16_dots4, _bf16_dots2, _bf16_dots1 = (_make_row_dots(n, "bf16") for n in DOT_ROWS)
+_f32_dots4, _f32_dots2, _f32_dots1 = (_make_row_dots(n, "f32") for n in DOT_ROWS)
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True)

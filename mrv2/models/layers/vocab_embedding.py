@@ -90,7 +90,7 @@ def parallel_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -
     logits = float32_logits(hidden_states, head.weight)
     if head.tp_size > 1:
         logits = distributed.tp_all_gather(logits, dim=-1)[:, :head.num_embeddings]
-    return logits.float()
+    return logits
 
 
 def float32_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
