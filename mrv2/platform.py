@@ -26,6 +26,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from mrv2 import cpu_caps
+
 # CPU KV cache budget when the user gives none (vLLM's CPU backend uses 4 GiB as well).
 DEFAULT_CPU_KV_CACHE_GB = 4.0
 # vLLM's gpu_memory_utilization default: the share of the GPU's whole memory this engine may
@@ -56,20 +58,15 @@ def is_cuda() -> bool:
 
 
 def cpu_computes_natively(dtype: torch.dtype) -> bool:
-    """Whether this CPU has matrix instructions for `dtype` (bfloat16: AVX-512 BF16 or AMX;
-    float16: AMX-FP16), read at run time. Without them a 16-bit matmul is emulated, orders of
-    magnitude slower than float32 (bench/README.md), so 16-bit weights compute in float32."""
-    if dtype == torch.float32:
-        return True
-    probes = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-              torch.float16: ("_is_amx_fp16_supported",)}.get(dtype, ())
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    """Whether this CPU has matrix instructions for `dtype` (cpu_caps.CpuCaps.native_16bit):
+    what cpu_linear.computes_natively asks, so tests patch it here to run another CPU's
+    choices."""
+    return cpu_caps.caps().native_16bit(dtype)
 
 
 def cpu_has_matrix_tiles() -> bool:
-    """Whether this CPU has AMX tiles (its matrix units proper, as opposed to AVX-512 BF16's
-    vector dot products), read at run time."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    """Whether this CPU has AMX tiles (cpu_caps.CpuCaps.matrix_tiles)."""
+    return cpu_caps.caps().matrix_tiles
 
 
 @lru_cache(maxsize=1)

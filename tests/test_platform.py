@@ -1,6 +1,7 @@
 """Device choice (MRV2_DEVICE override, CUDA availability, caching, KV cache budget) and kernel
 choice: CPU tensors use the CPU twins, CUDA tensors Triton; Triton is imported lazily, and the
-test override runs Triton interpreted (TRITON_INTERPRET=1) on CPU tensors."""
+test override runs Triton interpreted (TRITON_INTERPRET=1) on CPU tensors; the CPU feature
+helpers answer from cpu_caps."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrv2 import platform
+from mrv2 import cpu_caps, platform
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +161,7 @@ def test_cpu_path_works_without_triton() -> None:
         import torch
         from mrv2.inputs.buffers import InputBuffers
         from mrv2.inputs.prepare import prepare_inputs
-        from mrv2 import platform
+        from mrv2 import cpu_caps, platform
         from mrv2.state.block_table import BlockTables
         from mrv2.state.requests import RequestState
 
@@ -185,27 +186,18 @@ def test_cpu_path_works_without_triton() -> None:
     assert result.stdout.strip() == "ok"
 
 
-def test_cpu_computes_natively_reads_torchs_probes(monkeypatch) -> None:
+@pytest.mark.parametrize("caps, bf16, fp16, tiles", [
+    (cpu_caps.CpuCaps(avx2=True), False, False, False),  # AVX2 only (Zen 3)
+    (cpu_caps.CpuCaps(avx512f=True, avx512_bf16=True), True, False, False),  # Zen 4
+    (cpu_caps.CpuCaps(avx512_bf16=True, amx_tile=True), True, False, True),  # AMX Xeon
+    (cpu_caps.CpuCaps(amx_tile=True, amx_fp16=True), True, True, True)])
+def test_cpu_features_are_cpu_caps(monkeypatch, caps, bf16, fp16, tiles) -> None:
+    monkeypatch.setattr(cpu_caps, "caps", lambda: caps)
     assert platform.cpu_computes_natively(torch.float32)
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
-        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
-    assert not platform.cpu_computes_natively(torch.bfloat16)
-    assert not platform.cpu_computes_natively(torch.float16)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert platform.cpu_computes_natively(torch.bfloat16)
-    assert not platform.cpu_computes_natively(torch.float16)
-    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
-    assert platform.cpu_computes_natively(torch.float16)
+    assert platform.cpu_computes_natively(torch.bfloat16) is bf16
+    assert platform.cpu_computes_natively(torch.float16) is fp16
     assert not platform.cpu_computes_natively(torch.int8)
-
-
-def test_cpu_has_matrix_tiles_reads_torchs_amx_probe(monkeypatch) -> None:
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert platform.cpu_has_matrix_tiles()
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert not platform.cpu_has_matrix_tiles()
-    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # an older torch
-    assert not platform.cpu_has_matrix_tiles()
+    assert platform.cpu_has_matrix_tiles() is tiles
 
 
 def test_last_level_cache_bytes_reads_the_highest_level(tmp_path) -> None:

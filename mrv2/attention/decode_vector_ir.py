@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from llvmlite import binding, ir
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from mrv2 import cpu_caps
 from mrv2.models.layers.vector_ir import FAST, F32, I8, I16, I32, hsum, splat, widen_half
 
 I64 = ir.IntType(64)
@@ -35,7 +36,7 @@ HEADS = 4  # query heads per register block (a GQA group is usually 1-8)
 @lru_cache(maxsize=1)
 def vector_width() -> int:
     """Floats per vector: 16 where the CPU has AVX-512 (32 vector registers), else 8."""
-    return 16 if binding.get_host_cpu_features().get("avx512f", False) else 8
+    return cpu_caps.caps().vector_floats
 
 
 def _vectors_per_block() -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from numba import njit
 
-from mrv2.attention import decode_vector_ir
+from mrv2 import cpu_caps
 from mrv2.attention.decode_vector_ir import (HEADS, block_scores, block_values, takes_head_dim,
                                             vector_width)
 from mrv2.attention.kv_numba import numpy_view
@@ -77,7 +77,6 @@ def test_no_positions_leave_everything_as_it_was():
 def test_takes_head_dims_of_whole_vectors_only():
     width = vector_width()
     assert width in (8, 16)
-    assert width == (16 if decode_vector_ir.binding.get_host_cpu_features().get("avx512f")
-                     else 8)
+    assert width == (16 if cpu_caps.caps().avx512f else 8)
     assert takes_head_dim(width) and takes_head_dim(8 * width)
     assert not takes_head_dim(width + 4) and not takes_head_dim(12)

@@ -1,13 +1,11 @@
 """vector_ir: the float16 table widening numba code reads through (`table_value`), against
-numpy's float16, for float16-bit and float32 tables; the host feature check
-(`host_compiles_with`)."""
+numpy's float16, for float16-bit and float32 tables."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from mrv2.models.layers import vector_ir
 from mrv2.models.layers.vector_ir import table_value
 
 
@@ -28,10 +26,3 @@ def test_table_value_widens_float16_bits_exactly():
     _read_all(as_float, out)
     np.testing.assert_array_equal(out, as_float)
 
-
-def test_host_compiles_with_needs_every_feature(monkeypatch):
-    from llvmlite import binding
-    monkeypatch.setattr(binding, "get_host_cpu_features",
-                        lambda: {"avx512f": True, "avx512bw": True, "avx512vnni": False})
-    assert not vector_ir.host_compiles_with("avx512vnni", "avx512bw", "avx512f")
-    assert not vector_ir.host_compiles_with("amx-tile")

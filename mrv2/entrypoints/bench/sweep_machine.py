@@ -1,6 +1,7 @@
 """What `mrv2 bench sweep` records about the machine: the CPU's kind and the instruction sets
 that decide which precisions are worth running (read at run time from /proc/cpuinfo, or from
-torch's own probes where that file is missing), the threads, the load average.
+mrv2.cpu_caps, mrv2's own reading of the CPU, where that file is missing), the threads, the
+load average.
 
 mrv2's bfloat16 column (bf16 weights, float32 activations) runs its linears of several rows in
 bf16 only where the CPU has instructions for it (avx512_bf16 or AMX); elsewhere every linear
@@ -29,7 +30,7 @@ class CpuInfo:
     model: str | None
     flags: frozenset[str]
     threads: int
-    source: str  # "/proc/cpuinfo" or "torch"
+    source: str  # "/proc/cpuinfo" or "cpu_caps"
 
     def has(self, flag: str) -> bool:
         return flag in self.flags
@@ -89,17 +90,17 @@ def parse_cpuinfo(text: str, threads: int) -> CpuInfo | None:
                    flags=frozenset(flags.split()), threads=threads, source="/proc/cpuinfo")
 
 
-def _torch_cpu_info(threads: int) -> CpuInfo:
-    """Where /proc/cpuinfo is missing: torch's probes of the same instruction sets."""
-    import torch
+def _caps_cpu_info(threads: int) -> CpuInfo:
+    """Where /proc/cpuinfo is missing: the same instruction sets as cpu_caps reads them (AMX's
+    bf16 as its tiles, which is what mrv2's bfloat16 choice asks)."""
+    from mrv2 import cpu_caps
 
-    probes = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported",
-              "avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported"}
-    flags = {flag for flag, probe in probes.items()
-             if getattr(torch.cpu, probe, lambda: False)()}
+    caps = cpu_caps.caps()
+    present = {"avx2": caps.avx2, "avx512f": caps.avx512f, "avx512_bf16": caps.avx512_bf16,
+               "amx_bf16": caps.amx_tile}
     return CpuInfo(model_name=_platform.processor() or _platform.machine() or "unknown CPU",
-                   family=None, model=None, flags=frozenset(flags), threads=threads,
-                   source="torch")
+                   family=None, model=None, flags=frozenset(f for f in present if present[f]),
+                   threads=threads, source="cpu_caps")
 
 
 def read_cpu_info(path: str = "/proc/cpuinfo", threads: int | None = None) -> CpuInfo:
@@ -110,7 +111,7 @@ def read_cpu_info(path: str = "/proc/cpuinfo", threads: int | None = None) -> Cp
         info = parse_cpuinfo(Path(path).read_text(), threads)
     except OSError:
         info = None
-    return info if info is not None else _torch_cpu_info(threads)
+    return info if info is not None else _caps_cpu_info(threads)
 
 
 def load_average() -> float | None:

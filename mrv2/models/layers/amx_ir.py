@@ -8,7 +8,7 @@ in interleaved pairs). Tile numbers are immediates in the instructions, so they 
 integer literals in the calling kernel. A thread must load a configuration before its first
 tile instruction and should release the tiles after its last (`tile_release`), and the
 process must have asked the kernel for AMX state (`torch.cpu._init_amx`, tile_linear.usable).
-Only for CPUs with AMX (`platform.cpu_has_matrix_tiles`): elsewhere the instructions fault.
+Only for CPUs with AMX (`cpu_caps.CpuCaps.matrix_tiles`): elsewhere the instructions fault.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from mrv2 import platform
+from mrv2 import cpu_caps
 from mrv2.models.layers.tile_linear import kept_view, onednn_packs_as, store_sums
 from mrv2.models.layers.vector_ir import F32, I32, call_intrinsic
 from mrv2.utils.kernel_flags import FASTMATH
@@ -60,8 +60,9 @@ _LANE_PAIRS = ir.VectorType(_BFloat(), 2 * LANES)
 def runs_here() -> bool:
     """Whether the kernel runs here: AVX-512 BF16 without AMX tiles (where tile_linear's
     kernel takes these linears) and oneDNN built in (it packs the weights)."""
-    return (platform.cpu_computes_natively(torch.bfloat16)
-            and not platform.cpu_has_matrix_tiles() and torch.backends.mkldnn.is_available())
+    caps = cpu_caps.caps()
+    return (caps.native_16bit(torch.bfloat16) and not caps.matrix_tiles
+            and torch.backends.mkldnn.is_available())
 
 
 def _pair_view(packed: torch.Tensor) -> np.ndarray:

@@ -22,6 +22,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from mrv2 import cpu_caps
 from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I32, V8F,
                                           V8I, V16B, V16S, V32B, call_intrinsic, for_each_unit,
                                           load_table, row_ptr, splat, sums_with_min_terms,
@@ -32,18 +33,8 @@ _V32I = ir.VectorType(I32, 32)
 INT8_BLOCK = 32  # inputs per quantization block of x (int8 or int16), and per kernel unit
 
 
-def _compiles_for_avx2() -> bool:
-    """Whether numba compiles for this host (no NUMBA_CPU_NAME) and the host has AVX2."""
-    import platform as host
-
-    from llvmlite import binding
-    from numba.core import config
-    if config.CPU_NAME is not None or host.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    return bool(binding.get_host_cpu_features().get("avx2", False))
-
-
-X86_INT8_DOTS = _compiles_for_avx2()
+# Whether numba compiles for this host (no NUMBA_CPU_NAME) and the host has AVX2.
+X86_INT8_DOTS = cpu_caps.caps().int8_dots
 
 
 def pair_sums(builder, v, lanes):

@@ -31,7 +31,7 @@ bits a weight; "u4" without a min table (Q4_0) subtracts 8 x x's block sums from
 integer sums; "u4k" (Q4_K) reads "u4" octets and takes each group's scale and min as "u6"
 takes its scale, sub x super. The scale and min panels keep the weight's table dtype, so a
 panel weight holds about the file's bytes. A weight served as a linear is stored as its panels
-alone (QuantizedWeight.store_as_panels), read back as float32 rows and tiles by
+alone (PackedWeight.store_as_panels), read back as float32 rows and tiles by
 quantized_panel_layout. Runs where numba compiles for a host with AVX-512 BW
 (`GROUP_PANELS_RUN`): 512-bit vpmaddwd, and 32 vector registers for up to 4 x 4 x 2
 accumulators.
@@ -45,20 +45,21 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from mrv2 import cpu_caps
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
 from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_OUTPUTS, U6_PAIR_BYTES
 from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_VECTORS as _VECTORS
 from mrv2.models.layers.quantized_panel_layout import (U4K_PAIR_BYTES, U4K_SUPER_GROUPS,
                                                        U6_SUPER_GROUPS)
 from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V16I, V16S,
-                                          V32B, V32S, call_intrinsic, host_compiles_with,
-                                          row_ptr, splat, table_elem, vload, widen_half)
+                                          V32B, V32S, call_intrinsic, row_ptr, splat,
+                                          table_elem, vload, widen_half)
 from mrv2.utils.kernel_flags import FASTMATH
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
 _FORM_I8, _FORM_U4, _FORM_U6, _FORM_U4K = 0, 1, 2, 3  # the panel forms, as the kernels' literals
 
-GROUP_PANELS_RUN = host_compiles_with("avx512f", "avx512bw")
+GROUP_PANELS_RUN = cpu_caps.caps().group_panels
 
 
 def _pair_weights(builder, panel, pair, j):

@@ -32,10 +32,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from mrv2 import cpu_caps
 from mrv2.models.layers.vector_ir import (DOT_UNROLL, FAST, F32, I8, I32, V8F, V8H, V16F,
                                           V16I, V32B, V32S, add_group_terms, call_intrinsic,
-                                          host_compiles_with, load_table, row_ptr, splat,
-                                          sum_accumulators, table_elem, vload, widen_half)
+                                          load_table, row_ptr, splat, sum_accumulators,
+                                          table_elem, vload, widen_half)
 from mrv2.utils.kernel_flags import FASTMATH
 
 _V64B = ir.VectorType(I8, 64)
@@ -44,7 +45,7 @@ _GROUPS = 8  # groups whose scale * d is formed as one vector (4 units of 64 wei
 
 
 # numba compiles for this host and it has AVX-512 VNNI (with BW, for the byte shuffles).
-VNNI_DOTS = host_compiles_with("avx512vnni", "avx512bw", "avx512f")
+VNNI_DOTS = cpu_caps.caps().vnni_dots
 
 
 def _weights64(builder, qrow, unit, packed, ity):

@@ -32,7 +32,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
-from mrv2 import platform
+from mrv2 import cpu_caps
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_at
 from mrv2.models.layers.amx_ir import (tile_config, tile_dot_bf16, tile_load, tile_release,
                                        tile_store, tile_zero)
@@ -57,7 +57,7 @@ def usable() -> bool:
     """Whether this process can run the kernel: a CPU with AMX tiles and the kernel's
     permission for the tiles' state (asked for here, once). Its weights come packed by oneDNN,
     so where there are any oneDNN is built in."""
-    return platform.cpu_has_matrix_tiles() and bool(torch.cpu._init_amx())
+    return cpu_caps.caps().matrix_tiles and bool(torch.cpu._init_amx())
 
 
 def _tile_view(packed: torch.Tensor) -> np.ndarray:

@@ -172,20 +172,6 @@ def widen_half(builder, bits, bf16):
     return builder.fpext(builder.bitcast(bits, halves), floats)
 
 
-def host_compiles_with(*features: str) -> bool:
-    """Whether numba compiles for this host (no NUMBA_CPU_NAME), an x86-64 CPU with every one
-    of `features` (LLVM's names: "avx512bw", "avx512vnni", ...): what an intrinsic that calls
-    those instructions by name needs."""
-    import platform as host
-
-    from llvmlite import binding
-    from numba.core import config
-    if config.CPU_NAME is not None or host.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    found = binding.get_host_cpu_features()
-    return all(found.get(f, False) for f in features)
-
-
 def call_intrinsic(builder, name, ret, args):
     fnty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
