@@ -20,7 +20,8 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.builtin import builtin_model_path
-from mrv2.models.layers import quantized, quantized_numba
+from mrv2.models.layers import linear_plan, quantized, quantized_numba
+from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "entrypoints"))
 from test_llm_gguf import QUESTIONS  # noqa: E402
@@ -91,14 +92,14 @@ def main() -> None:
     formats = {"float32": quantized_numba.X_FLOAT32, "int16 (default)": quantized_numba.X_INT16,
                "int8": quantized_numba.X_INT8}
     for name, x_format in formats.items():
-        if x_format != quantized_numba.X_FLOAT32 and not quantized.X86_INT8_DOTS:
+        if x_format != quantized_numba.X_FLOAT32 and not X86_INT8_DOTS:
             continue  # integer x needs AVX2 code generation
-        quantized.GEMV_X_FORMAT = x_format
+        linear_plan.GEMV_X_FORMAT = x_format
         report(f"gguf blocks, {name} x", mrv2_greedy(prompts, quantization="gguf"), reference)
-    quantized.GEMV_X_FORMAT = quantized._gemv_x_format()
+    linear_plan.GEMV_X_FORMAT = linear_plan._gemv_x_format()
     natively = quantized.computes_natively(torch.bfloat16)
     report("bfloat16 weights, the 8 prompts in one batch (on the CPU's bf16 matrix units from "
-           f"{quantized.MIN_NATIVE_HALF_ROWS} rows: {natively})",
+           f"{linear_plan.MIN_NATIVE_HALF_ROWS} rows: {natively})",
            mrv2_greedy(prompts, dtype="bfloat16"), reference)
     report("bfloat16 weights, each prompt alone",
            [mrv2_greedy([p], dtype="bfloat16")[0] for p in prompts], reference)

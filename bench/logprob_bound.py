@@ -22,7 +22,8 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.builtin import builtin_model_path
-from mrv2.models.layers import quantized, quantized_numba
+from mrv2.models.layers import linear_plan, quantized_numba
+from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 from mrv2.testing.logprob_bound import (BFLOAT16_UNIT_ROUNDOFF, FLOAT16_UNIT_ROUNDOFF, Rounding,
                                         logprob_bounds)
 
@@ -80,17 +81,17 @@ def main() -> None:
                for q in QUESTIONS[:num_prompts]]
     runs = {}
     for name, (kwargs, x_format, rounding) in PATHS.items():
-        if x_format != F32 and not quantized.X86_INT8_DOTS:
+        if x_format != F32 and not X86_INT8_DOTS:
             print(f"{name}: skipped (integer x needs x86 AVX2)")
             continue
-        quantized.GEMV_X_FORMAT = x_format
+        linear_plan.GEMV_X_FORMAT = x_format
         tokens, logprobs, native = greedy_with_logprobs(prompts, new_tokens, kwargs)
         if native:
             print(f"{name}: skipped (this CPU computes in 16 bits; the bound covers 16-bit "
                   "weights with float32 compute)")
             continue
         runs[name] = (tokens, logprobs, rounding)
-    quantized.GEMV_X_FORMAT = quantized._gemv_x_format()
+    linear_plan.GEMV_X_FORMAT = linear_plan._gemv_x_format()
     reference_tokens = runs["float32 weights"][0]
     print(f"{num_prompts} prompts x {new_tokens} greedy tokens, SmolLM2-135M-Instruct Q4_1, "
           f"logprobs in nats")

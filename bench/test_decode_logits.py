@@ -3,10 +3,10 @@ built-in SmolLM2-135M Q4_1 GGUF (`quantization="gguf"`), one LLM for both cases.
 
 Batch 1 and 8 of fixed token-id prompts, greedy, 64 tokens, EOS ignored, prefix caching off,
 2 threads. `in_stack`: the stack's call computes the rows' logits (decode_logits.py);
-`compute_logits`: the same engine with the head taken out of the stack, so `compute_logits`
-runs its own GEMV after the stack's call (the code before the head moved in). Each timed round
-generates 64 tokens and then 1: extra_info `decode_tokens_per_s` = 63 * batch / (median
-64-token seconds - 2 x median 1-token seconds). Compare the two cases of one run
+`compute_logits`: the same engine with the head taken out of the stack, so the runner's
+`compute_logits` runs its own GEMV after the stack's call (the code before the head moved
+in). Each timed round generates 64 tokens and then 1: extra_info `decode_tokens_per_s` = 63 *
+batch / (median 64-token seconds - 2 x median 1-token seconds). Compare the two cases of one run
 (bench/README.md has the figures).
 
 Under `--benchmark-disable` (CI) each case runs once with 4 tokens and checks which path gave
@@ -42,20 +42,20 @@ def _llm():
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_logits(benchmark, monkeypatch, batch, head):
     llm = _llm()
-    fused = llm.llm_engine.engine_core.executor.worker.runner.model.model.forward
+    fused = llm.llm_engine.engine_core.executor.worker.runner.fused_decode
     assert fused.head is not None
     if head == "compute_logits":
         monkeypatch.setattr(fused, "head", None)
     monkeypatch.setattr(fused, "args", None)  # rebuilt with (or without) the head
     taken = {"n": 0}
-    real_take = fused.take_logits
+    real_forward = fused.forward
 
-    def counted(hidden):
-        logits = real_take(hidden)
-        taken["n"] += logits is not None
-        return logits
+    def counted(*args):  # the steps whose logits the stack handed the runner
+        stepped = real_forward(*args)
+        taken["n"] += stepped is not None and stepped[1] is not None
+        return stepped
 
-    monkeypatch.setattr(fused, "take_logits", counted)
+    monkeypatch.setattr(fused, "forward", counted)
     generate = greedy_timer(llm, token_id_prompts(batch, 32))
     tokens = 4 if benchmark.disabled else OUTPUT_LEN
 

@@ -1,10 +1,11 @@
 """Q8_0 ("i8") and Q4_0 ("u4") linears with int16 x on AVX-512: the group panel kernel
 (quantized_panel_numba, the path `quantized_linear` and the decode stack take for integer
-blocks where it runs) against the GEMV on the rows it replaced ("rows": `takes_group_panels`
-turned off), in the same run; the two types' panel rows side by side say what a 4-bit weight
-costs against a byte. `test_q6_k_head_forms`: a Q6_K LM head's "u6" panels (6.5 bits a weight)
-against its "i8" ones (a byte and a float32 scale per 16), one row, with the caches warm and
-right after a read of 64 MB (as in a decode step, which streams the whole model).
+blocks where it runs) against the GEMV on the rows it replaced ("rows": the weight's plan's
+few-row kernel set to the GEMV), in the same run; the two types' panel rows side by side say
+what a 4-bit weight costs against a byte. `test_q6_k_head_forms`: a Q6_K LM head's "u6" panels
+(6.5 bits a weight) against its "i8" ones (a byte and a float32 scale per 16), one row, with the
+caches warm and right after a read of 64 MB (as in a decode step, which streams the whole
+model).
 
 Shapes of W1 (bench/e2e_workload.py: hidden 512, kv 256, intermediate 1408, vocab 16000: qkv
 1024 x 512, gate/up 2816 x 512, down 512 x 1408, LM head 16000 x 512) at 1 (decode), 8 and 32
@@ -23,14 +24,16 @@ import torch
 
 import numpy as np
 
-from mrv2.models.layers import quantized, quantized_numba
+from mrv2.models.layers import linear_plan, quantized_numba
 from mrv2.models.layers import quantized_panel_layout as layout
 from mrv2.models.layers import quantized_panel_numba as panel
-from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
+from mrv2.models.layers.linear_plan import LinearKernel
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
 from test_quantized import random_raw  # noqa: E402
 from test_quantized_int8_numba import integer_activation_bound  # noqa: E402
+from linear_plan_helpers import replan, set_plan  # noqa: E402
 
 SHAPES = {"qkv_1024x512": (1024, 512), "gate_up_2816x512": (2816, 512),
           "down_512x1408": (512, 1408), "lm_head_16000x512": (16000, 512)}
@@ -39,14 +42,14 @@ pytestmark = [pytest.mark.usefixtures("two_threads"),  # bench/conftest.py
               pytest.mark.skipif(not panel.GROUP_PANELS_RUN,
                                  reason="the group panel kernel runs where the CPU has AVX-512")]
 
-_WEIGHTS: dict[tuple[str, str], tuple[QuantizedWeight, torch.Tensor]] = {}
+_WEIGHTS: dict[tuple[str, str], tuple[PackedWeight, torch.Tensor]] = {}
 
 
-def _weight(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Tensor]:
+def _weight(gguf_type: str, shape_name: str) -> tuple[PackedWeight, torch.Tensor]:
     if (gguf_type, shape_name) not in _WEIGHTS:
         n, k = SHAPES[shape_name]
-        w = QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed=0), gguf_type, (n, k))
-        _WEIGHTS[gguf_type, shape_name] = (w, w.dequantize())
+        w = PackedWeight.from_gguf(random_raw(gguf_type, n, k, seed=0), gguf_type, (n, k))
+        _WEIGHTS[gguf_type, shape_name] = (w, w.dequantize_rows(torch.arange(w.out_features)))
     return _WEIGHTS[gguf_type, shape_name]
 
 
@@ -55,11 +58,12 @@ def _weight(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Ten
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_0"])
 def test_group_panel_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, impl):
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
-    if impl == "rows":
-        monkeypatch.setattr(quantized, "takes_group_panels", lambda weight: False)
+    monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", quantized_numba.X_INT16)
     qw, w = _weight(gguf_type, shape_name)
-    assert impl == "rows" or quantized.takes_group_panels(qw)
+    replan(monkeypatch, qw)  # as made with int16 x (the weights are shared)
+    assert qw.plan.kernel_for(rows) is LinearKernel.GROUP_PANELS
+    if impl == "rows":
+        set_plan(monkeypatch, qw, few=LinearKernel.BLOCK_GEMV)
     benchmark.group = f"group-panel-linear-{gguf_type}-{shape_name}-{rows}rows"
     x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(1))
     got = quantized_linear(x, qw)
@@ -80,7 +84,7 @@ def test_group_panel_linear(benchmark, monkeypatch, gguf_type, shape_name, rows,
 @pytest.mark.parametrize("form", ["u6", "i8"])
 def test_q6_k_head_forms(benchmark, monkeypatch, form, cache):
     n, k = SHAPES["lm_head_16000x512"]
-    qw = QuantizedWeight.from_gguf(random_raw("Q6_K", n, k, seed=0), "Q6_K", (n, k))
+    qw = PackedWeight.from_gguf(random_raw("Q6_K", n, k, seed=0), "Q6_K", (n, k))
     if form == "i8":
         monkeypatch.setattr(layout, "_super_scales", lambda table, per_super: None)
     panels = layout.group_panels_of(qw.q.numpy(), qw.scales.numpy(), None)

@@ -11,7 +11,8 @@ the figures.
 Weights: W2's projections (bench/e2e_workload.py: hidden 1024, 16 layers, 16 / 8 heads of 64,
 MLP 2816), bfloat16 on the AMX tiles at 32 rows (tile_linear, where the CPU has AMX), and
 W1's (hidden 512, 8 layers, 8 / 4 heads, MLP 1408) as Q8_0 blocks at one row (the GEMV of
-quantized_linear), each weight allocated by torch and then collapsed, or not.
+quantized_linear: the group panels, held alone, where the weight's plan runs them), each weight
+allocated by torch and then collapsed, or not.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from mrv2.attention import decode_numba
 from mrv2.attention.kv_numba import numpy_view
 from mrv2.models.layers import tile_linear
-from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 from mrv2.models.layers.vector_ir import half_bits
 from mrv2.utils import huge_pages
 
@@ -105,10 +106,13 @@ def test_q8_0_gemv_at_one_row(benchmark, pages: str) -> None:
     benchmark.extra_info.update(rows=1, layers=layers, pages=pages)
     g = torch.Generator().manual_seed(0)
     shapes = _projection_shapes(512, 8, 4, 1408)
-    weights = [QuantizedWeight("i8", 32, torch.randint(-127, 128, s, generator=g).to(torch.int8),
+    weights = [PackedWeight("i8", 32, torch.randint(-127, 128, s, generator=g).to(torch.int8),
                                torch.rand(s[0], s[1] // 32, generator=g).half().view(torch.int16),
                                None, "Q8_0") for _ in range(layers) for s in shapes]
-    _stream(pages, [w.q for w in weights])
+    for w in weights:  # as a model's linears are held: as their panels where the plan runs them
+        if w.plan.on_panels:
+            w.store_as_panels()
+    _stream(pages, [t for w in weights for t in w.storage_tensors()])  # as the worker does
     xs = {k: torch.randn(1, k, generator=g) for _, k in shapes}
 
     def step() -> None:

@@ -395,14 +395,14 @@ def test_prefill_norm_and_rotary(benchmark, impl):
 
 
 # SmolLM2's MLP (576 -> 2 x 1536 -> 576), 32 rows, 30 layers of bfloat16 weights (~160 MB):
-# native_half_mlp's bfloat16 intermediate against the layer path's own forward.
+# GatedMLP's bfloat16 intermediate (layers/mlp.py) against its plain path (each projection's
+# own forward, float32 between them).
 @pytest.mark.parametrize("impl", ["bf16_intermediate", "float32_round_trip"])
 def test_native_half_mlp(benchmark, impl):
-    from mrv2.models import llama
-    from mrv2.models.cpu import mlp_chunks, native_half_mlp
-    from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
-    from mrv2.models.layers import quantized
-    from mrv2.models.layers.quantized import QuantizedWeight
+    from mrv2.models.layers import linear, quantized
+    from mrv2.models.layers.activation import silu_and_mul
+    from mrv2.models.layers.mlp import GatedMLP, native_bfloat16_weights
+    from mrv2.models.layers.quantized import PackedWeight
 
     if not quantized.computes_natively(torch.bfloat16):
         pytest.skip("no bfloat16 matrix units on this CPU")
@@ -411,14 +411,13 @@ def test_native_half_mlp(benchmark, impl):
     g = torch.Generator().manual_seed(0)
     forwards = []
     for _ in range(30):
-        mlp = llama.LlamaMLP(576, 1536, bias=False, hidden_act="silu")
+        mlp = GatedMLP(576, 1536, bias=False, hidden_act="silu")
         for module in (mlp.gate_up_proj, mlp.down_proj):
             weight = torch.randn(module.weight.shape, generator=g) * 0.05
-            module.forward = QuantizedLinearForward(
-                module, QuantizedWeight.from_float(weight, torch.bfloat16))
-        own = mlp_chunks.own_forward(mlp)
-        fused = native_half_mlp.native_half_mlp(mlp, own)
-        forwards.append(fused if impl == "bf16_intermediate" else own)
+            linear.set_packed(module, PackedWeight.from_float(weight, torch.bfloat16))
+        assert native_bfloat16_weights(mlp, 32) is not None  # the case measures that path
+        forwards.append(mlp.forward_rows if impl == "bf16_intermediate" else
+                        (lambda x, m=mlp: m.down_proj(silu_and_mul(m.gate_up_proj(x)))))
     x = torch.randn(32, 576, generator=g)
 
     def step() -> None:

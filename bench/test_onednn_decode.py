@@ -22,7 +22,7 @@ import torch
 
 from gguf_workload import (decode_case, gguf_path, greedy_timer,
                            shutdown_after_module, token_id_prompts)
-from mrv2.models.layers import cpu_linear, quantized
+from mrv2.models.layers import cpu_linear
 
 ROUNDS = 5
 OUTPUT_LEN = 64
@@ -54,7 +54,7 @@ _shutdown = shutdown_after_module(_LLMS)
 @pytest.mark.parametrize("batch", [8, 32])
 @pytest.mark.parametrize("dtype", [
     pytest.param("bfloat16", marks=pytest.mark.skipif(
-        not quantized.computes_natively(torch.bfloat16),
+        not cpu_linear.computes_natively(torch.bfloat16),
         reason="this CPU has no bfloat16 matrix units")),
     "float32"])
 def test_onednn_decode(benchmark, monkeypatch, dtype, batch, path):

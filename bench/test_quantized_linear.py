@@ -4,13 +4,15 @@ SmolLM2-135M shapes (hidden 576, kv 192, intermediate 1536 (gate/up fused: 3072 
 head 49152 x 576) at 1 and 8 (decode: the GEMV) and 32 (batched decode: tiled) rows of x, for
 Q4_1 (the built-in file's layers), Q8_0 (its embedding / LM head) and BF16 (a 16-bit GGUF
 file's weights; F16 runs the same kernel with another widening). `quantized_linear` runs the
-numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows and the dequantize-tile + torch.mm path beyond;
-its GEMV on Q4_1 / Q8_0 blocks runs three times, on float32 x ("quantized_linear"), on x rounded
-to int16 per 32 inputs ("quantized_linear_int16x", the default where numba compiles AVX2) and
-to int8 ("quantized_linear_int8x", opt-in), each checked against its derived bound. BF16 from
-MIN_NATIVE_HALF_ROWS rows on a CPU with bfloat16 matrix units runs on them
-(cpu_linear.native_16bit_linear, within its rounding bound). extra_info: the weight bytes each call
-reads (packed for quantized_linear, float32 for F.linear) and the effective GB/s at the median.
+numba GEMV up to MAX_QUANTIZED_GEMV_ROWS rows and the dequantize-tile + torch.mm path beyond (the
+weight's plan, linear_plan.py); its GEMV on Q4_1 / Q8_0 blocks runs three times, on float32 x
+("quantized_linear"), on x rounded to int16 per 32 inputs ("quantized_linear_int16x", the
+default where numba compiles AVX2: the group panels where they run) and to int8
+("quantized_linear_int8x", opt-in), each on the plan a weight made with that x format gets,
+checked against its derived bound. BF16 from MIN_NATIVE_HALF_ROWS rows on a CPU with bfloat16
+matrix units runs on them (cpu_linear.native_16bit_linear, within its rounding bound).
+extra_info: the weight bytes each call reads (packed for quantized_linear, float32 for F.linear),
+the effective GB/s at the median and the kernel that ran (path).
 Random valid blocks (tests/models/test_quantized.py's generator, seed 0).
 """
 
@@ -23,13 +25,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrv2.models.layers import quantized, quantized_numba
-from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight, quantized_linear
+from mrv2.models.layers import linear_plan, quantized_numba
+from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS, LinearKernel
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
+from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "models"))
 from test_quantized import random_raw  # noqa: E402
 from test_cpu_linear import bf16_matrix_unit_bound  # noqa: E402
 from test_quantized_int8_numba import integer_activation_bound  # noqa: E402
+from linear_plan_helpers import replan  # noqa: E402
 
 SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x576": (3072, 576),
           "down_576x1536": (576, 1536), "lm_head_49152x576": (49152, 576)}
@@ -38,19 +43,22 @@ SHAPES = {"q_o_576x576": (576, 576), "k_v_192x576": (192, 576), "gate_up_3072x57
 pytestmark = pytest.mark.usefixtures("two_threads")  # bench/conftest.py
 
 
-_WEIGHTS: dict[tuple[str, str], tuple[QuantizedWeight, torch.Tensor]] = {}
+_WEIGHTS: dict[tuple[str, str], tuple[PackedWeight, torch.Tensor]] = {}
 
 
-def weights(gguf_type: str, shape_name: str) -> tuple[QuantizedWeight, torch.Tensor]:
+def weights(gguf_type: str, shape_name: str) -> tuple[PackedWeight, torch.Tensor]:
     key = (gguf_type, shape_name)
     if key not in _WEIGHTS:
         _WEIGHTS.clear()  # keep one float32 LM head resident at a time
         n, k = SHAPES[shape_name]
-        w = QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed=0), gguf_type, (n, k))
-        _WEIGHTS[key] = (w, w.dequantize())
+        w = PackedWeight.from_gguf(random_raw(gguf_type, n, k, seed=0), gguf_type, (n, k))
+        _WEIGHTS[key] = (w, w.dequantize_rows(torch.arange(w.out_features)))
     return _WEIGHTS[key]
 
 
+# The kernels other than the GEMVs, as extra_info's path names them.
+PATHS = {LinearKernel.NATIVE_16BIT: "native", LinearKernel.BLOCK_TILES: "tiled",
+         LinearKernel.HALF_PANELS: "panels", LinearKernel.GROUP_PANELS: "group_panels"}
 # impl -> (x format, its levels)
 INTEGER_X = {"quantized_linear_int16x": (quantized_numba.X_INT16, 32767),
              "quantized_linear_int8x": (quantized_numba.X_INT8, 127)}
@@ -64,17 +72,18 @@ def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, i
     integer_x = impl in INTEGER_X
     if integer_x and (gguf_type == "BF16" or rows > MAX_QUANTIZED_GEMV_ROWS):
         pytest.skip("x stays float32 for 16-bit weights and on the tiled path")
-    if integer_x and not quantized.X86_INT8_DOTS:
+    if integer_x and not X86_INT8_DOTS:
         pytest.skip("integer x is taken where numba compiles AVX2")
     x_format, levels = INTEGER_X.get(impl, (quantized_numba.X_FLOAT32, 0))
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", x_format)
+    monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", x_format)
     qw, wf = weights(gguf_type, shape_name)
+    replan(monkeypatch, qw)  # as made with this x format (the weights are shared)
     benchmark.group = f"quantized-linear-{gguf_type}-{shape_name}-{rows}rows"
     x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(1))
     expect = F.linear(x, wf)
     got = quantized_linear(x, qw)
-    native = (qw.is_half and rows >= quantized.MIN_NATIVE_HALF_ROWS
-              and quantized.computes_natively(qw.half_dtype))
+    kernel = qw.plan.kernel_for(rows)
+    native = kernel is LinearKernel.NATIVE_16BIT
     if native:  # x and the outputs rounded to bfloat16
         assert ((got.double() - expect.double()).abs() <= bf16_matrix_unit_bound(x, wf)).all()
     elif integer_x:
@@ -94,5 +103,4 @@ def test_quantized_linear(benchmark, monkeypatch, gguf_type, shape_name, rows, i
     benchmark.extra_info.update(
         gguf_type=gguf_type, shape=SHAPES[shape_name], rows=rows, threads=2, seed=0,
         weight_bytes=nbytes, effective_gb_s=round(nbytes / median / 1e9, 2),
-        path="torch" if impl == "f_linear" else "native" if native else
-        "gemv" if rows <= MAX_QUANTIZED_GEMV_ROWS else "tiled")
+        path="torch" if impl == "f_linear" else PATHS.get(kernel, "gemv"))

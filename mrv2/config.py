@@ -80,6 +80,8 @@ class ModelConfig:
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None
+    # Batch-invariant mode (mrv2/batch_invariant.py): set in the worker before it loads.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)

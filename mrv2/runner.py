@@ -16,8 +16,8 @@ On a pooling engine (ModelConfig.runner) phase 2 also pools each row's final hid
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from mrv2.state.host_staging import upload_array
 from mrv2.state.pooling import PoolingState
 from mrv2.state.requests import RequestState
 
+if TYPE_CHECKING:  # the CPU's fused paths (numba) load with the model on a CPU worker
+    from mrv2.models.cpu.decode import FusedDecode
+
 EMPTY_OUTPUT = ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[])
 
 
@@ -52,6 +55,10 @@ class ExecuteState:
 
     batch: InputBatch | None
     hidden_states: torch.Tensor | None  # [num_tokens, hidden]
+    # The sampled rows' float32 logits where the model computed them with the hidden states
+    # (the CPU's fused decode stack, for a step whose every row is sampled); None: phase 2
+    # computes them from the hidden states.
+    logits: torch.Tensor | None = None
     # Scheduler row -> batch row, where _prepare_batch reordered the rows (decode first);
     # None when they are the same.
     batch_rows: np.ndarray | None = None
@@ -88,10 +95,10 @@ class ModelRunner:
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
         self._execute_state: ExecuteState | None = None
-        # A run of decode steps of argmax rows as one call (the CPU's fused stack with its LM
-        # head, set by the worker: models/cpu decode.FusedDecode.run_steps), returning the
-        # run's tokens [rows, steps] and NaN rows, or None; None: step by step.
-        self.decode_run: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        # The CPU's fused decode paths of this model (set by the worker:
+        # models/cpu/decode.FusedDecode), asked first for each step and for runs of decode
+        # steps of argmax rows; None: the model computes every step.
+        self.fused_decode: FusedDecode | None = None
         # The step's one device-to-host copy runs here, off the compute stream.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -109,17 +116,25 @@ class ModelRunner:
         num_steps = scheduler_output.num_decode_steps
         if num_steps > 1 and batch.num_tokens != len(batch.req_ids):
             raise ValueError(f"a step of {num_steps} decode steps with prefill rows")
-        self._execute_state = ExecuteState(batch=batch, hidden_states=self._forward(batch,
-                                                                                  descriptor),
-                                           batch_rows=batch_rows, num_steps=num_steps)
+        hidden_states, logits = self._forward(batch, descriptor)
+        self._execute_state = ExecuteState(batch=batch, hidden_states=hidden_states,
+                                           logits=logits, batch_rows=batch_rows,
+                                           num_steps=num_steps)
 
-    def _forward(self, batch: InputBatch, descriptor: BatchDescriptor | None) -> torch.Tensor:
+    def _forward(self, batch: InputBatch, descriptor: BatchDescriptor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [num_tokens, hidden], the logits of every row where the fused
+        decode paths computed them with the step, else None)."""
         if descriptor is not None:
             # Replay reads the persistent buffers prepare_inputs just filled (padded).
-            return self.cudagraphs.replay(descriptor)[:batch.num_tokens]
+            return self.cudagraphs.replay(descriptor)[:batch.num_tokens], None
         n = batch.num_tokens
-        return self.model(batch.input_ids[:n], batch.positions[:n], self.kv_caches,
-                          batch.attn_metadata)
+        args = (batch.input_ids[:n], batch.positions[:n], self.kv_caches, batch.attn_metadata)
+        if self.fused_decode is not None:
+            stepped = self.fused_decode.forward(*args)
+            if stepped is not None:
+                return stepped
+        return self.model(*args), None
 
     def _update_states(self, out: SchedulerOutput) -> np.ndarray:
         """Apply the step's state changes; returns the slots of the cached (running) rows."""
@@ -300,11 +315,11 @@ class ModelRunner:
         if state.batch is None:
             return EMPTY_OUTPUT
         batch = state.batch
-        # A step of one token per row samples every row: its hidden states go on whole (the
-        # CPU decode stack has their logits already: models/cpu/decode.py).
+        # A step of one token per row samples every row: its hidden states go on whole.
         last_hidden = (state.hidden_states if batch.num_tokens == len(batch.req_ids)
                        else state.hidden_states[batch.logits_indices])
-        logits = self.model.compute_logits(last_hidden)
+        logits = (self.model.compute_logits(last_hidden) if state.logits is None
+                  else state.logits)
         if grammar_output is not None and grammar_output.num_rows:
             logits = self._apply_grammar(logits, grammar_output, state.batch_rows)
         idx = batch.idx_mapping
@@ -353,8 +368,8 @@ class ModelRunner:
                                 batch.num_tokens)
 
         step, descriptor = next_inputs()
-        run = (None if descriptor is not None or self.decode_run is None
-               else self.decode_run(step.input_ids[:step.num_tokens],
+        run = (None if descriptor is not None or self.fused_decode is None
+               else self.fused_decode.run_steps(step.input_ids[:step.num_tokens],
                                     step.positions[:step.num_tokens], self.kv_caches,
                                     step.attn_metadata, num_steps, self.block_tables.block_size))
         if run is not None:  # the whole run in one call: the state catches up
@@ -365,7 +380,9 @@ class ModelRunner:
             return run[0], run[1] | first.nan_rows
         columns, nans = [first.sampled], [first.nan_rows]
         while True:
-            logits = self.model.compute_logits(self._forward(step, descriptor))
+            hidden, logits = self._forward(step, descriptor)
+            if logits is None:
+                logits = self.model.compute_logits(hidden)
             positions = step.attn_metadata.seq_lens[:len(step.req_ids)]
             out = self.sampler.argmax(logits, step.idx_mapping, step.idx_mapping_np, positions)
             self.requests.post_update(step.idx_mapping, step.num_scheduled, out.sampled)

@@ -19,7 +19,7 @@ import numba
 import torch
 
 from executor.deferred import Deferred
-from mrv2 import distributed, platform
+from mrv2 import batch_invariant, distributed, platform
 from mrv2.async_output import AsyncOutput
 from mrv2.attention.backend import attach_split_kv_scratch, kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
@@ -65,9 +65,11 @@ class Worker:
         self._load_weights()
 
     def _load_weights(self) -> None:
+        # Before the weights: their kernel plans are made as they load.
+        batch_invariant.set_active(self.config.model_config.batch_invariant)
         self.model = load_model(self.config.model_config, self.device)
         if self.device.type == "cpu":
-            self._fast_paths = cpu_fast_paths.attach(self.model, self.config.model_config)
+            self._fast_paths = cpu_fast_paths.prepare(self.model, self.config.model_config)
             _weights_onto_huge_pages(self.model, self._fast_paths)
         elif self.device.type == "cuda":
             # Decode-only steps split long contexts over several programs (flash-decoding);
@@ -146,16 +148,15 @@ class Worker:
         kv_caches = [self._kv_cache_zeros(shape) for _ in range(mc.num_layers)]
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
-        self.runner.decode_run = self._decode_run()
+        self.runner.fused_decode = self._fused_decode()
         self.runner.capture_model()
         self.runner.warm_up()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                     num_blocks * self.kv_block_bytes / (1 << 20))
 
-    def _decode_run(self):
-        """The runner's `decode_run`: the fused CPU stack's runs of decode steps, if any."""
-        decode = None if self._fast_paths is None else self._fast_paths.decode
-        return None if decode is None else decode.run_steps
+    def _fused_decode(self):
+        """The runner's `fused_decode`: the CPU's fused decode paths of this model, if any."""
+        return None if self._fast_paths is None else self._fast_paths.decode
 
     def sleep(self, level: int) -> None:
         """vLLM's sleep mode, for an idle engine. Level 1 discards the KV cache's memory (the
@@ -169,7 +170,7 @@ class Worker:
             for cache in self.runner.kv_caches:
                 cache.set_(cache.new_empty(0))  # the old storage goes with its last view
         if level == 2:
-            self.model = self.runner.model = self._fast_paths = self.runner.decode_run = None
+            self.model = self.runner.model = self._fast_paths = self.runner.fused_decode = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -185,7 +186,7 @@ class Worker:
             self._kv_shapes = None
         if self.model is None:
             self._load_weights()
-            self.runner.model, self.runner.decode_run = self.model, self._decode_run()
+            self.runner.model, self.runner.fused_decode = self.model, self._fused_decode()
             self.runner.capture_model()  # graphs read the old weights' addresses
 
     def close(self) -> None:
@@ -216,8 +217,8 @@ def _weights_onto_huge_pages(model: torch.nn.Module,
     the model's parameters and buffers, and the quantized or 16-bit weights the fast paths
     compute on in their place. oneDNN's packed copies are collapsed where they are made."""
     tensors = [*model.parameters(), *model.buffers()]
-    if fast_paths is not None and fast_paths.quantized is not None:
-        tensors += [t for weight in fast_paths.quantized.weights.values()
+    if fast_paths is not None and fast_paths.packed is not None:
+        tensors += [t for weight in fast_paths.packed.weights.values()
                     for t in weight.storage_tensors()]
     huge_pages.collapse_weights(tensors)
 

@@ -75,7 +75,7 @@ def float_activations(monkeypatch):
     """GEMVs on quantized GGUF blocks take float32 x (their result is x @ w.T up to float32
     summation order) instead of x rounded to int16 or int8, and 16-bit weights never run on
     the CPU's bfloat16 matrix units (which round x); set before an LLM is built (the decode
-    stack reads it then)."""
-    from mrv2.models.layers import quantized, quantized_numba
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_FLOAT32)
+    weights' plans read it when they are made)."""
+    from mrv2.models.layers import linear_plan, quantized, quantized_numba
+    monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", quantized_numba.X_FLOAT32)
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)

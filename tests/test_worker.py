@@ -101,12 +101,32 @@ def test_cpu_kv_caches_sit_on_huge_pages_and_come_back_zeroed_after_sleep(tiny_l
         assert huge_pages.advised_huge(cache) == thp
 
 
+def test_the_runner_asks_the_fused_paths_of_the_model_it_runs(tiny_llama):
+    """On the CPU the runner's `fused_decode` is the fast paths' FusedDecode of the worker's
+    model; level-2 sleep drops it with the weights, and wake_up gives the runner the paths of
+    the reloaded model (never the old model's)."""
+    from mrv2.models.cpu.decode import FusedDecode
+
+    worker = make_worker(tiny_llama, 20)
+    worker.load_model()
+    worker.initialize_kv_cache(20)
+    fused = worker.runner.fused_decode
+    assert isinstance(fused, FusedDecode) and fused.model is worker.model.model
+    worker.sleep(2)
+    assert worker.runner.fused_decode is None and worker.runner.model is None
+    worker.wake_up()
+    again = worker.runner.fused_decode
+    assert isinstance(again, FusedDecode) and again is not fused
+    assert again.model is worker.model.model and worker.runner.model is worker.model
+
+
 def test_cpu_weights_are_collapsed_onto_huge_pages_once_each(monkeypatch):
-    """Every parameter and buffer, and the q / scale tables of the weights the fast paths
-    attached in their place, are handed to huge_pages.collapse; their values unchanged."""
+    """Every parameter and buffer, and the q / scale tables of the weights the modules were
+    given to compute on in their place (CpuFastPaths.packed), are handed to
+    huge_pages.collapse; their values unchanged."""
     from mrv2.models import cpu as cpu_fast_paths
-    from mrv2.models.cpu.quantized_weights import QuantizedModules
-    from mrv2.models.layers.quantized import QuantizedWeight
+    from mrv2.models.cpu.quantized_weights import PackedModules
+    from mrv2.models.layers.quantized import PackedWeight
     from mrv2.utils import huge_pages
     from mrv2.worker import _weights_onto_huge_pages
 
@@ -115,11 +135,11 @@ def test_cpu_weights_are_collapsed_onto_huge_pages_once_each(monkeypatch):
     model.head = torch.nn.Linear(1024, 1024, bias=False)
     model.head.weight = model.embed.weight  # tied: one memory
     model.register_buffer("table", torch.ones(8))
-    half = QuantizedWeight("bf16", 0, torch.zeros(1024, 2048, dtype=torch.int16), None, None,
+    half = PackedWeight("bf16", 0, torch.zeros(1024, 2048, dtype=torch.int16), None, None,
                            "BF16")
-    blocks = QuantizedWeight("i8", 32, torch.zeros(64, 64, dtype=torch.int8),
+    blocks = PackedWeight("i8", 32, torch.zeros(64, 64, dtype=torch.int8),
                              torch.ones(64, 2, dtype=torch.int16), None, "Q8_0")
-    paths = cpu_fast_paths.CpuFastPaths([], None, QuantizedModules({"a": half, "b": blocks}))
+    paths = cpu_fast_paths.CpuFastPaths(None, PackedModules({"a": half, "b": blocks}))
     seen = []
     real = huge_pages.collapse
     monkeypatch.setattr(huge_pages, "collapse", lambda ts: seen.extend(ts) or real(ts))

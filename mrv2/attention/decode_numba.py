@@ -31,7 +31,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
-from mrv2 import platform
+from mrv2 import batch_invariant, platform
 from mrv2.attention.decode_vector_ir import block_scores, block_values, vector_width
 from mrv2.attention.kv_numba import NUMBA_KV_DTYPES, numpy_view, widen
 from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, prefetch_to_l2_at
@@ -77,7 +77,9 @@ def work_split(rows: int, num_kv_heads: int, threads: int, kv_bytes: int) -> tup
     faster where the cache holds the step's K/V (bench/README.md has both); and when even
     those are fewer than two per thread each row's context is split too, so that every thread
     has work (batch 1, 3 kv heads, 2 threads: 6 items of 3 per thread, where 3 items took two
-    rounds)."""
+    rounds). In batch-invariant mode, (1, 1) whatever the batch and the threads."""
+    if batch_invariant.active():  # one order for every row: no context splits
+        return 1, 1
     if WHOLE_ROW_ITEMS and rows >= 2 * threads and kv_bytes > platform.last_level_cache_bytes():
         return num_kv_heads, 1
     items = rows * num_kv_heads

@@ -1,20 +1,23 @@
 """Attention over the paged KV cache in plain torch: the CPU backend.
 
 Decode rows (one query token) are batched. With float32 queries they run the numba kernel
-(`decode_numba`), which reads the cache (float32 or 16-bit) in place; otherwise their blocks are gathered into one
-padded `[rows, max_seq_len]` key/value tensor and masked by seq_len. Prefill chunks run one
-`scaled_dot_product_attention` each, attending to the cached prefix plus their own tokens
-causally: query i of a chunk of length q in a sequence of length L sits at position
-L - q + i and sees keys 0 .. L - q + i. A chunk with no cached prefix (q == L) attends to the
-step's own k/v when the caller passes them: the same values the cache now holds, without the
-gather.
+(`decode_numba`), which reads the cache (float32 or 16-bit) in place; otherwise their blocks
+are gathered into one padded `[rows, max_seq_len]` key/value tensor and masked by seq_len.
+Prefill chunks run one `scaled_dot_product_attention` each, attending to the cached prefix
+plus their own tokens causally: query i of a chunk of length q in a sequence of length L
+sits at position L - q + i and sees keys 0 .. L - q + i. A chunk with no cached prefix
+(q == L) attends to the step's own k/v when the caller passes them: the same values the
+cache now holds, without the gather. In batch-invariant mode every token, prefill too, runs
+the numba decode kernel (`_token_by_token`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mrv2 import batch_invariant
 from mrv2.attention import decode_numba, kv_numba
 from mrv2.attention.backend import AttentionMetadata
 
@@ -52,6 +55,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                     v: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D]; K/V for the step must already be in the cache. `k`/`v`
     [T, KV, D], when given, are this step's keys/values (as written to the cache)."""
+    if batch_invariant.active() and decode_numba.supported(q, kv_cache):
+        return _token_by_token(q, kv_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
         nd = meta.num_decodes
@@ -85,6 +90,27 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
         out[start:end] = _sdpa(qi, kr, vr, scale, mask).transpose(0, 1)
+    return out
+
+
+def _token_by_token(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Batch-invariant attention: every query token, prefill or decode, as a decode row of the
+    numba kernel over its sequence's keys up to its own position (one order, no context
+    splits: batch_invariant.py). A token's result is then the same whether its request's
+    prompt came in one chunk or many, from the prefix cache or computed, and whatever rows
+    share the step."""
+    qsl = meta.query_start_loc_np[:meta.num_reqs + 1]
+    tokens = int(qsl[-1])
+    query_lens = np.diff(qsl)
+    rows = np.repeat(np.arange(meta.num_reqs), query_lens)
+    # Token t of request r sits at seq_len - query_len + (t - start): it sees that many + 1.
+    ends = np.asarray(meta.seq_lens_np[:meta.num_reqs], np.int64) - query_lens
+    token_lens = (ends[rows] + np.arange(tokens) - qsl[:-1][rows] + 1).astype(np.int32)
+    tables = meta.block_tables[torch.from_numpy(rows)]
+    out = torch.zeros_like(q)
+    out[:tokens] = decode_numba.decode_attention(q[:tokens], kv_cache, tables, token_lens,
+                                                 scale, meta.num_layers)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ from mrv2.models.loader import load_hf_config, resolve_dtype, split_cpu_dtype
 from mrv2.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+BATCH_INVARIANT_ENV = "MRV2_BATCH_INVARIANT"
 _Parser = TypeVar("_Parser", argparse.ArgumentParser, argparse._ArgumentGroup)
 # vLLM's --convert values mrv2 takes: a decoder becomes an embedding model with "embed".
 CONVERT_TYPES = ("auto", "none", "embed")
@@ -98,6 +100,9 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict | PoolerConfig | None = None
+    # Batch-invariant mode (mrv2/batch_invariant.py; vLLM's VLLM_BATCH_INVARIANT): a request's
+    # tokens and logprobs do not depend on its batch. None: MRV2_BATCH_INVARIANT=1 turns it on.
+    batch_invariant: bool | None = None
     # vLLM's options that mrv2 takes as permissions or no-ops, each checked (the values mrv2
     # refuses raise ConfigError): mrv2/engine/engine_args_checks.py.
     trust_remote_code: bool = False
@@ -177,12 +182,17 @@ class EngineArgs:
                                                   device)
         if quantization is not None:  # the GGUF file's types decide how weights are kept
             cpu_weight_dtype = None
+        batch_invariant = (os.environ.get(BATCH_INVARIANT_ENV, "0") == "1"
+                           if self.batch_invariant is None else self.batch_invariant)
+        if batch_invariant and device != "cpu":
+            raise ConfigError("batch_invariant: implemented on the CPU only (the Triton "
+                              "kernels do not take one order for every batch yet)")
         model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
                                    dtype=dtype, cpu_weight_dtype=cpu_weight_dtype,
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config, logprobs_mode=self.logprobs_mode,
                                    quantization=quantization, runner=runner,
-                                   pooler_config=pooler_config)
+                                   pooler_config=pooler_config, batch_invariant=batch_invariant)
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,

@@ -27,8 +27,9 @@ from torch import nn
 
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.models.layers.activation import silu_and_mul
-from mrv2.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from mrv2.models.decoder_spec import DecoderSpec
+from mrv2.models.layers.linear import QKVLinear, RowParallelLinear
+from mrv2.models.layers.mlp import GatedMLP
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
@@ -67,20 +68,6 @@ def check_no_sliding_window(model_config: ModelConfig) -> None:
             f"{model_config.architecture}: sliding_window={window} is smaller than "
             f"max_model_len={model_config.max_model_len}, and mrv2's attention backends do "
             f"not implement sliding-window attention yet. Set max_model_len <= {window}.")
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 hidden_act: str) -> None:
-        super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's part
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -122,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         hf = model_config.hf_config
         self.self_attn = LlamaAttention(model_config, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size,
+        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size,
                             bool(getattr(hf, "mlp_bias", False)), hf.hidden_act)
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
@@ -159,10 +146,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.forward_layers(*self.embed(input_ids, positions), kv_caches, meta)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """((cos, sin) of the positions, shared by every layer; the embedded ids [T, hidden])."""
         hidden = self.embed_tokens(input_ids)
-        # cos/sin gathered once per step and shared by every layer.
-        cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
-        return self.forward_layers(cos_sin, hidden, kv_caches, meta)
+        return self.rotary_emb.get_cos_sin(positions, hidden.dtype), hidden
 
     def forward_layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                        kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -189,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
         o_bias = self.o_proj_bias_allowed and attention_bias
         self.model_config = model_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        self.decoder_spec = DecoderSpec(
+            qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)), activation=hf.hidden_act,
+            tied_embeddings=self.tie_word_embeddings)
         self.model = LlamaModel(model_config, qkv_bias, o_bias, self.qk_norm)
         self.lm_head: ParallelLMHead | None = (
             None if self.tie_word_embeddings else ParallelLMHead(hf.vocab_size, hf.hidden_size))

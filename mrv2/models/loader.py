@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from torch import nn
 from mrv2.config import ModelConfig
 from mrv2.models.gguf import gguf_hf_config, is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.registry import UnsupportedModelError, get_model_class
+
+if TYPE_CHECKING:
+    from mrv2.models.cpu.quantized_weights import PackedModules
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -202,9 +205,25 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def _pack_gguf_blocks(model: nn.Module, model_config: ModelConfig,
+                      device: torch.device) -> PackedModules | None:
+    """quantization="gguf" on the CPU: give the modules that compute on the file's blocks
+    those blocks (models/cpu/quantized_weights decides which), before any weight is loaded:
+    their float32 parameters, allocated by torch.empty and never written, are released
+    without ever being resident, so the load-time peak follows the file's size. The
+    `PackedModules` attached, or None."""
+    if model_config.quantization != "gguf" or device.type != "cpu":
+        return None
+    # Imported here: it pulls in the CPU kernels, which only this path needs.
+    from mrv2.models.cpu.quantized_weights import pack_gguf_weights
+
+    return pack_gguf_weights(model, model_config)
+
+
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Build the model for `model_config` on `device` in `model_config.dtype`, fill every
-    parameter from the checkpoint, and return it in eval mode."""
+    parameter from the checkpoint (or, quantization="gguf" on the CPU, give its module the
+    file's blocks in its place), and return it in eval mode."""
     if model_config.hf_config is None:
         model_config = dataclasses.replace(model_config,
                                            hf_config=load_hf_config(model_config.model))
@@ -213,7 +232,12 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     weights = checkpoint_weights(model_config)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config)
+    packed = _pack_gguf_blocks(model, model_config, torch.device(device))
+    if packed is not None:  # those tensors are in the packed weights: never dequantized
+        weights = ((name, w) for name, w in weights if name not in packed.checkpoint_names)
     loaded = model.load_weights(weights)
+    if packed is not None:
+        loaded |= packed.parameter_names
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.model!r} is missing weights for "

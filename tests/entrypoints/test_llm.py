@@ -274,6 +274,7 @@ ENGINE_FLAGS = {
     "enable_chunked_prefill": ["--no-enable-chunked-prefill"],
     "distributed_executor_backend": ["--distributed-executor-backend", "mp"],
     "logprobs_mode": ["--logprobs-mode", "processed_logits"],
+    "batch_invariant": ["--batch-invariant"],
     "pipeline_parallel_size": ["-pp", "1"], "data_parallel_size": ["-dp", "1"],
     "scheduling_policy": ["--scheduling-policy", "fcfs"], "runner": ["--runner", "pooling"],
     "convert": ["--convert", "embed"], "pooler_config": ["--pooler-config", '{"normalize": false}'],

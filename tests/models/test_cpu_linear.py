@@ -42,7 +42,7 @@ def test_packed_weight_is_cached_and_repacked_after_in_place_changes():
 @needs_onednn
 @torch.no_grad()
 def test_onednn_pack_puts_the_packed_weight_on_huge_pages(monkeypatch):
-    """Both packings (float32 here, QuantizedWeight.onednn_packed for 16-bit) go through
+    """Both packings (float32 here, PackedWeight.onednn_packed for 16-bit) go through
     onednn_pack, which collapses the packed memory; the products are oneDNN's as before."""
     from mrv2.utils import huge_pages
 

@@ -10,20 +10,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mrv2.models.layers.gguf_blocks import as_byte_groups, pack_u4, unpack_blocks, unpack_u4
+from mrv2.models.layers.gguf_blocks import as_byte_groups, pack_u4, unpack_u4
+from mrv2.models.layers.quant_formats import FORMATS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw, reference  # noqa: E402
 
-INTEGER_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+INTEGER_TYPES = sorted(name for name, fmt in FORMATS.items() if not fmt.is_16bit)
+
+
+def unpack_blocks(blocks: np.ndarray, gguf_type: str):
+    return FORMATS[gguf_type].decode(blocks)
 
 
 @pytest.mark.parametrize("gguf_type", INTEGER_TYPES)
 def test_values_times_scales_plus_mins_is_ggufs_dequantization(gguf_type):
     n, k = 4, 512
     raw = random_raw(gguf_type, n, k, seed=3)
-    block_bytes = raw.size // (n * k // (256 if gguf_type.endswith("K") else 32))
-    vals, scales, mins = unpack_blocks(raw.reshape(-1, block_bytes), gguf_type)
+    vals, scales, mins = unpack_blocks(raw.reshape(-1, FORMATS[gguf_type].block_bytes),
+                                       gguf_type)
     groups = scales.shape[1]
     w = vals.astype(np.float32).reshape(-1, groups, vals.shape[1] // groups) * scales[..., None]
     if mins is not None:
@@ -39,11 +44,6 @@ def test_pack_u4_puts_a_groups_first_16_in_low_nibbles():
         for j in range(16):
             byte = packed[0, 16 * g + j]
             assert byte & 15 == vals[0, 32 * g + j] and byte >> 4 == vals[0, 32 * g + 16 + j]
-
-
-def test_other_types_are_refused():
-    with pytest.raises(ValueError, match="F16"):
-        unpack_blocks(np.zeros((1, 64), np.uint8), "F16")
 
 
 def test_unpack_u4_inverts_pack_u4():
@@ -64,8 +64,8 @@ def _dequantized(values: np.ndarray, scales: np.ndarray, mins: np.ndarray | None
 def test_byte_groups_keep_every_value(gguf_type, group_size):
     n, k = 4, 512
     raw = random_raw(gguf_type, n, k, seed=5)
-    block_bytes = raw.size // (n * k // (256 if gguf_type.endswith("K") else 32))
-    vals, scales, mins = unpack_blocks(raw.reshape(-1, block_bytes), gguf_type)
+    vals, scales, mins = unpack_blocks(raw.reshape(-1, FORMATS[gguf_type].block_bytes),
+                                       gguf_type)
     vals, scales = vals.reshape(n, k), scales.reshape(n, -1)
     mins = None if mins is None else mins.reshape(n, -1)
     packed = gguf_type in ("Q4_0", "Q4_1", "Q4_K")

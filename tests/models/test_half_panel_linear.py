@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import half_panel_linear, quantized
+from mrv2.models.layers import cpu_linear, half_panel_linear
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, panels_of
-from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
+from mrv2.models.layers.linear_plan import LinearKernel
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 panel = pytest.mark.skipif(not half_panel_linear.panels_run_here(),
                            reason="the panel kernel runs where the CPU has AVX-512")
@@ -81,20 +82,22 @@ def test_quantized_linear_takes_the_panels_where_they_run(gguf_type, monkeypatch
     which round x, or a CPU without AVX-512) the panels are never made."""
     dtype = torch.float16 if gguf_type == "F16" else torch.bfloat16
     w = _weight(96, 64, dtype)
-    qw = QuantizedWeight.from_gguf(w.view(torch.int16).numpy().view(np.uint8), gguf_type,
+    qw = PackedWeight.from_gguf(w.view(torch.int16).numpy().view(np.uint8), gguf_type,
                                    (96, 64))
     calls = []
     real = half_panel_linear.half_panel_kernel
     monkeypatch.setattr(half_panel_linear, "half_panel_kernel",
                         lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    on_panels = qw.plan.on_panels
+    assert on_panels == (not cpu_linear.computes_natively(dtype)
+                         and half_panel_linear.panels_run_here())
     for rows in (1, 2, 9, 40):
         x = torch.randn(rows, 64)
         out = quantized_linear(x, qw)
-        if quantized.takes_panels(qw) or rows <= quantized.max_gemv_rows(qw):
+        if qw.plan.kernel_for(rows) in (LinearKernel.HALF_PANELS, LinearKernel.HALF_GEMV):
             _assert_float32_sum(out, x, w)
-    if quantized.takes_panels(qw):
-        assert not quantized.cpu_linear.computes_natively(dtype)
-        assert quantized.max_gemv_rows(qw) == 0 and calls == [1, 2, 9, 40]
-        assert qw.panels() is qw.panels()
+    if on_panels:
+        assert {qw.plan.kernel_for(rows) for rows in (1, 40)} == {LinearKernel.HALF_PANELS}
+        assert calls == [1, 2, 9, 40] and qw.panels() is qw.panels()
     else:
         assert calls == [] and qw._panels is None

@@ -1,4 +1,5 @@
-"""Rotary, RMSNorm and the fused linear layers against transformers' own implementations."""
+"""Rotary, RMSNorm and the fused linear layers against transformers' own implementations; the
+linears on a packed weight (linear.set_packed) against quantized_linear."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from mrv2.models.layers.linear import Linear, MergedLinear, QKVLinear
+from mrv2.models.layers.linear import (Linear, MergedLinear, QKVLinear, RowParallelLinear,
+                                       bfloat16_weight, set_packed)
 from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 from mrv2.models.layers.rotary import (RotaryEmbedding, compute_inv_freq,
                                        rope_parameters_from_config)
 
@@ -154,3 +157,38 @@ def test_merged_and_plain_linear() -> None:
     torch.testing.assert_close(plain(x), x @ w.float().T)
     with pytest.raises(ValueError, match="shape"):
         plain.weight.weight_loader(plain.weight, torch.randn(6, 3))
+
+
+@pytest.mark.parametrize("cls", [Linear, MergedLinear, RowParallelLinear])
+@torch.no_grad()
+def test_a_packed_weight_is_what_the_linear_computes_on(cls) -> None:
+    """`set_packed`: the layer's own forward multiplies by the packed weight (quantized_linear,
+    its bias added as stored) and the float weight it was loaded into is released."""
+    layer = (MergedLinear(64, [32, 32], bias=True) if cls is MergedLinear
+             else cls(64, 48, bias=True))
+    g = torch.Generator().manual_seed(0)
+    layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+    layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
+    assert layer.packed is None
+    packed = PackedWeight.from_float(layer.weight, torch.float16)
+    set_packed(layer, packed)
+    assert layer.packed is packed and layer.weight.numel() == 0
+    x = torch.randn(2, 3, 64, generator=g)  # leading dims kept
+    out = layer(x)
+    assert out.shape == (2, 3, packed.out_features)
+    expected = quantized_linear(x.reshape(6, 64), packed, layer.bias).reshape(2, 3, -1)
+    assert torch.equal(out, expected)
+
+
+def test_bfloat16_weight_is_a_bias_free_projections_packed_bfloat16() -> None:
+    def packed(dtype: torch.dtype, bias: bool) -> Linear:
+        layer = Linear(32, 16, bias=bias)
+        torch.nn.init.normal_(layer.weight)
+        set_packed(layer, PackedWeight.from_float(layer.weight, dtype))
+        return layer
+
+    layer = packed(torch.bfloat16, bias=False)
+    assert bfloat16_weight(layer) is layer.packed
+    assert bfloat16_weight(packed(torch.float16, bias=False)) is None
+    assert bfloat16_weight(packed(torch.bfloat16, bias=True)) is None
+    assert bfloat16_weight(Linear(32, 16)) is None  # float32, nothing packed

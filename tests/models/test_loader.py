@@ -177,3 +177,62 @@ def test_split_cpu_dtype(monkeypatch, native) -> None:
     assert split_cpu_dtype(torch.float16, "cpu") == (torch.float32, torch.float16)
     assert split_cpu_dtype(torch.float32, "cpu") == (torch.float32, None)
     assert split_cpu_dtype(torch.bfloat16, "cuda") == (torch.bfloat16, None)
+
+
+# Run in a fresh process: loads a GGUF with quantization="gguf" (load_model, then the worker's
+# cpu.prepare) and prints the peak RSS growth of loading argv[2], in bytes. argv[1], loaded
+# first, imports and compiles whatever the load and prepare run, so that only memory that
+# scales with the model counts.
+_PEAK_RSS_SCRIPT = r"""
+import sys
+import torch
+from mrv2.engine.arg_utils import EngineArgs
+from mrv2.models import cpu
+from mrv2.models.loader import load_model
+
+
+def load(path):
+    config = EngineArgs(model=path, max_model_len=64, quantization="gguf",
+                        device="cpu").create_engine_config().model_config
+    model = load_model(config, torch.device("cpu"))
+    return model, cpu.prepare(model, config)
+
+
+def kib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+warm = load(sys.argv[1])
+del warm
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from the current RSS
+start = kib("VmRSS")
+loaded = load(sys.argv[2])
+print((kib("VmHWM") - start) * 1024)
+"""
+
+
+def test_peak_rss_loading_a_quantized_gguf_follows_the_file(tiny_gguf_factory) -> None:
+    """Issue 48: loading SmolLM2's 98 MB Q4_1 file with quantization="gguf" grew the process
+    by ~620 MB (every tensor dequantized to float32, then repacked). The blocks go straight to
+    their packed form, the file's pages are dropped once copied: under 2x the file's size."""
+    import os
+    import subprocess
+    import sys
+
+    from mrv2.models.builtin import builtin_model_path
+
+    try:
+        path = builtin_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    warm = tiny_gguf_factory("llama", "Q4_1", tensor_types={"token_embd.weight": "Q8_0"},
+                             tie_word_embeddings=True)
+    run = subprocess.run([sys.executable, "-c", _PEAK_RSS_SCRIPT, str(warm), str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    growth, size = int(run.stdout.split()[-1]), path.stat().st_size
+    assert growth < 2 * size, f"peak RSS grew by {growth / 1e6:.0f} MB, file {size / 1e6:.0f} MB"

@@ -9,15 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import (cpu_linear, half_panel_linear, quantized,
+from mrv2.models.layers import (cpu_linear, half_panel_linear, linear_plan, quantized,
                                quantized_panel_numba, quantized_tiles)
-from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
+from mrv2.models.layers.linear_plan import LinearKernel
+from mrv2.models.layers.quant_formats import FORMATS
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
+from tests.models.quantized_helpers import dequantized
+from tests.models.linear_plan_helpers import replan, set_plan
 
 # Byte offsets of each type's f16 fields inside a block (ggml's block layouts; gguf-py quants.py).
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 HALF_TYPES = ("F16", "BF16")
-TYPES = sorted(QUANTIZED_GGUF_TYPES)
+TYPES = sorted(FORMATS)
 
 
 def random_raw(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -44,13 +48,22 @@ def reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def weights() -> dict[str, tuple[QuantizedWeight, torch.Tensor]]:
+def weights() -> dict[str, tuple[PackedWeight, torch.Tensor]]:
     """Per type: a [96, 1536] weight (K = 6 super-blocks, not a power of two) and its reference."""
     out = {}
     for i, t in enumerate(TYPES):
         raw = random_raw(t, 96, 1536, seed=i)
-        out[t] = (QuantizedWeight.from_gguf(raw, t, (96, 1536)), reference(raw, t, 96, 1536))
+        out[t] = (PackedWeight.from_gguf(raw, t, (96, 1536)), reference(raw, t, 96, 1536))
     return out
+
+
+@pytest.fixture
+def float_weights(weights, float_activations, monkeypatch):
+    """`weights` on the plans weights made under float_activations get (theirs were made
+    before it applied): float32 x, no matrix units."""
+    for w, _ in weights.values():
+        replan(monkeypatch, w)
+    return weights
 
 
 @pytest.mark.parametrize("gguf_type", TYPES)
@@ -61,33 +74,33 @@ def test_dequantize_is_bit_exact(gguf_type, n, k):
     if k % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]][0]:
         pytest.skip("K is not a whole number of this type's blocks")
     raw = random_raw(gguf_type, n, k, seed=n + k)
-    w = QuantizedWeight.from_gguf(raw, gguf_type, (n, k))
+    w = PackedWeight.from_gguf(raw, gguf_type, (n, k))
     assert (w.out_features, w.in_features, w.gguf_type) == (n, k, gguf_type)
     ref = reference(raw, gguf_type, n, k)
-    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(dequantized(w), ref)
     ids = torch.tensor([n - 1, 0, n // 2, 0])
     assert torch.equal(w.dequantize_rows(ids), ref[ids])
     # Flat bytes (as a file's tensor data comes) are accepted too.
-    assert torch.equal(QuantizedWeight.from_gguf(raw.reshape(-1), gguf_type, (n, k)).dequantize(),
+    assert torch.equal(dequantized(PackedWeight.from_gguf(raw.reshape(-1), gguf_type, (n, k))),
                        ref)
 
 
 def test_layouts_and_sizes():
     expect = {"Q4_0": ("u4", 32), "Q4_1": ("u4", 32), "Q4_K": ("u4", 32), "Q8_0": ("i8", 32),
               "Q5_0": ("i8", 32), "Q5_1": ("i8", 32), "Q5_K": ("i8", 32), "Q6_K": ("i8", 16),
-              "F16": ("f16", 0), "BF16": ("bf16", 0)}
+              "IQ4_NL": ("i8", 32), "F16": ("f16", 0), "BF16": ("bf16", 0)}
     for i, t in enumerate(TYPES):  # fresh weights: no panels made by other tests
-        w = QuantizedWeight.from_gguf(random_raw(t, 96, 1536, seed=i), t, (96, 1536))
+        w = PackedWeight.from_gguf(random_raw(t, 96, 1536, seed=i), t, (96, 1536))
         assert (w.layout, w.group_size) == expect[t]
         per_weight = 8 * w.nbytes / (96 * 1536)
         if t in HALF_TYPES:
             assert w.is_half and w.scales is None and w.mins is None and per_weight == 16
             continue
         assert w.scales.shape == (96, 1536 // w.group_size)
-        assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K"))
+        assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K", "IQ4_NL"))
         # The 32-input types' tables are their f16 fields, kept at 16 bits: Q4_1 costs the
         # file's 5 bits a weight, Q8_0 8.5. A K-quant's scales are products: float32.
-        float16_tables = t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+        float16_tables = t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
         assert w.scales.dtype == (torch.int16 if float16_tables else torch.float32)
         table_bits = sum(32 * (tb is not None) for tb in (w.scales, w.mins)) / w.group_size
         bits = {"u4": 4, "i8": 8}[w.layout] + table_bits / (2 if float16_tables else 1)
@@ -97,20 +110,19 @@ def test_layouts_and_sizes():
 def test_tables_stay_float32_unless_every_value_is_a_float16():
     raw = random_raw("Q4_0", 4, 64, seed=0)
     raw[1, 0:2] = np.array([60000.0], np.float16).view(np.uint8)  # min -8 d overflows float16
-    w = QuantizedWeight.from_gguf(raw, "Q4_0", (4, 64))
+    w = PackedWeight.from_gguf(raw, "Q4_0", (4, 64))
     assert w.scales.dtype == w.mins.dtype == torch.float32 and w.mins[1, 0] == -480000.0
-    assert torch.equal(w.dequantize(), reference(raw, "Q4_0", 4, 64))
-    compact = QuantizedWeight.from_gguf(random_raw("Q4_1", 4, 64, seed=1), "Q4_1", (4, 64))
-    both = QuantizedWeight.cat([compact, w])  # mixed tables: widened to float32
+    assert torch.equal(dequantized(w), reference(raw, "Q4_0", 4, 64))
+    compact = PackedWeight.from_gguf(random_raw("Q4_1", 4, 64, seed=1), "Q4_1", (4, 64))
+    both = PackedWeight.cat([compact, w])  # mixed tables: widened to float32
     assert both.scales.dtype == torch.float32
-    assert torch.equal(both.dequantize(), torch.cat([compact.dequantize(), w.dequantize()]))
+    assert torch.equal(dequantized(both), torch.cat([dequantized(compact), dequantized(w)]))
 
 
-@pytest.mark.usefixtures("float_activations")
 @pytest.mark.parametrize("gguf_type", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 32, 300])
-def test_linear_matches_dequantized_matmul(weights, gguf_type, rows):
-    w, ref = weights[gguf_type]
+def test_linear_matches_dequantized_matmul(float_weights, gguf_type, rows):
+    w, ref = float_weights[gguf_type]
     g = torch.Generator().manual_seed(rows)
     base = torch.randn(rows, 1536 + 40, generator=g)
     x = base[:, 13:13 + 1536]  # strided row view
@@ -122,13 +134,14 @@ def test_linear_matches_dequantized_matmul(weights, gguf_type, rows):
                                atol=1e-5 * scale)
 
 
-@pytest.mark.usefixtures("float_activations")
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
-def test_both_paths_agree_at_the_threshold(weights, gguf_type, monkeypatch):
-    w, ref = weights[gguf_type]
+def test_both_paths_agree_at_the_threshold(float_weights, gguf_type, monkeypatch):
+    """The few-row kernel (the GEMV, or a 16-bit weight's panels) against the tiles."""
+    w, ref = float_weights[gguf_type]
     x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))
+    assert w.plan.kernel_for(9) is not LinearKernel.BLOCK_TILES
     gemv = quantized_linear(x, w)
-    monkeypatch.setattr(quantized, "MAX_QUANTIZED_GEMV_ROWS", 0)
+    set_plan(monkeypatch, w, few_rows=0, many=LinearKernel.BLOCK_TILES)
     # 40-row tiles: a ragged last one
     monkeypatch.setattr(quantized_tiles, "TILE_ELEMENTS", 40 * 1536)
     monkeypatch.setattr(quantized_tiles, "HALF_TILE_ELEMENTS", 40 * 1536)
@@ -145,11 +158,11 @@ def test_rows_and_cat_round_trip(weights, gguf_type):
     w, ref = weights[gguf_type]
     parts = [w.rows(0, 10), w.rows(10, 64), w.rows(64, 96)]
     assert [p.out_features for p in parts] == [10, 54, 32]
-    assert torch.equal(parts[1].dequantize(), ref[10:64])
+    assert torch.equal(dequantized(parts[1]), ref[10:64])
     assert parts[1].q.untyped_storage().nbytes() < w.q.untyped_storage().nbytes()
-    back = QuantizedWeight.cat(parts)
+    back = PackedWeight.cat(parts)
     assert back.gguf_type == gguf_type and back.nbytes == sum(p.nbytes for p in parts)
-    assert torch.equal(back.dequantize(), ref)
+    assert torch.equal(dequantized(back), ref)
     x = torch.randn(2, 1536, generator=torch.Generator().manual_seed(4))
     expect = x @ ref[64:96].T  # fp32 sums in another order: tolerance relative to the size
     torch.testing.assert_close(quantized_linear(x, parts[2]), expect, rtol=1e-4,
@@ -159,28 +172,28 @@ def test_rows_and_cat_round_trip(weights, gguf_type):
 def test_cat_of_same_layout_types_fills_missing_mins(weights):
     q8, ref8 = weights["Q8_0"]
     q51, ref51 = weights["Q5_1"]
-    both = QuantizedWeight.cat([q8, q51])
+    both = PackedWeight.cat([q8, q51])
     assert both.gguf_type == "Q8_0+Q5_1"
-    assert torch.equal(both.dequantize(), torch.cat([ref8, ref51]))
+    assert torch.equal(dequantized(both), torch.cat([ref8, ref51]))
 
 
 def test_errors(weights):
     raw = random_raw("Q4_0", 4, 64, seed=0)
     with pytest.raises(ValueError, match="unsupported"):
-        QuantizedWeight.from_gguf(raw, "Q2_K", (4, 64))
+        PackedWeight.from_gguf(raw, "Q2_K", (4, 64))
     with pytest.raises(ValueError, match="unsupported"):
-        QuantizedWeight.from_gguf(raw, "F32", (4, 64))
+        PackedWeight.from_gguf(raw, "F32", (4, 64))
     with pytest.raises(ValueError, match="blocks"):
-        QuantizedWeight.from_gguf(raw, "Q4_0", (4, 96))
+        PackedWeight.from_gguf(raw, "Q4_0", (4, 96))
     with pytest.raises(ValueError, match="cannot cat"):
-        QuantizedWeight.cat([weights["Q4_0"][0], weights["Q8_0"][0]])
+        PackedWeight.cat([weights["Q4_0"][0], weights["Q8_0"][0]])
     with pytest.raises(ValueError, match="cannot cat"):
-        QuantizedWeight.cat([weights["Q8_0"][0], weights["Q6_K"][0]])
+        PackedWeight.cat([weights["Q8_0"][0], weights["Q6_K"][0]])
     with pytest.raises(ValueError, match="cannot cat"):
-        QuantizedWeight.cat([weights["F16"][0], weights["BF16"][0]])
-    other_k = QuantizedWeight.from_gguf(random_raw("Q4_0", 2, 64, 1), "Q4_0", (2, 64))
+        PackedWeight.cat([weights["F16"][0], weights["BF16"][0]])
+    other_k = PackedWeight.from_gguf(random_raw("Q4_0", 2, 64, 1), "Q4_0", (2, 64))
     with pytest.raises(ValueError, match="cannot cat"):
-        QuantizedWeight.cat([weights["Q4_0"][0], other_k])
+        PackedWeight.cat([weights["Q4_0"][0], other_k])
     with pytest.raises(ValueError):
         quantized_linear(torch.randn(2, 64), weights["Q4_0"][0])
     with pytest.raises(IndexError):
@@ -191,9 +204,9 @@ def test_errors(weights):
 def test_a_weight_held_as_its_group_panels(gguf_type):
     # 130 outputs: two whole panels and a ragged third.
     raw = random_raw(gguf_type, 130, 512, seed=7)
-    w, ref = QuantizedWeight.from_gguf(raw, gguf_type, (130, 512)), reference(raw, gguf_type,
+    w, ref = PackedWeight.from_gguf(raw, gguf_type, (130, 512)), reference(raw, gguf_type,
                                                                              130, 512)
-    if not quantized.takes_group_panels(w):
+    if w.plan.few is not LinearKernel.GROUP_PANELS:
         pytest.skip("the group panel kernel does not take this weight here")
     g = torch.Generator().manual_seed(8)
     x_rows, x_tiles = torch.randn(3, 512, generator=g), torch.randn(40, 512, generator=g)
@@ -201,6 +214,7 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     blocks_bytes = w.q.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
     w.store_as_panels()
     assert w.panel_storage and w.q.shape == (130, 0) and w.scales.shape == (130, 0)
+    assert w.plan.on_panels and w.plan.kernel_for(3) is LinearKernel.GROUP_PANELS
     # The panels hold the blocks' bytes (tables in the blocks' dtype), padded to 192 outputs; a
     # Q6_K's "u6" panels the file's (its f16 d a float32), where its bytes widened to int8 did,
     # Q4_0's the file's (no min table: its mins are -8 x its scales), Q4_K's "u4k" the file's
@@ -210,7 +224,7 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     expected = (192 * file_row[gguf_type] if gguf_type in file_row
                 else blocks_bytes * 192 // 130)
     assert w.nbytes == expected
-    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(dequantized(w), ref)
     assert torch.equal(w.dequantize_rows(torch.tensor([129, 0, 64])), ref[[129, 0, 64]])
     assert torch.equal(quantized_linear(x_rows, w), rows_before)  # the same kernel and panels
     # The tiles hold the same float32 weights; torch.mm may sum another tile shape in another
@@ -220,7 +234,7 @@ def test_a_weight_held_as_its_group_panels(gguf_type):
     with pytest.raises(ValueError, match="its panels"):
         w.rows(0, 64)
     with pytest.raises(ValueError, match="its panels"):
-        QuantizedWeight.cat([w, w])
+        PackedWeight.cat([w, w])
     with pytest.raises(IndexError):
         w.dequantize_rows(torch.tensor([130]))
 
@@ -236,7 +250,7 @@ def test_blocks_are_not_held_as_panels_where_the_kernel_does_not_run(weights, mo
 def test_a_16_bit_weight_held_as_its_panels(gguf_type, monkeypatch):
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)
     raw = random_raw(gguf_type, 130, 96, seed=9)
-    w, ref = QuantizedWeight.from_gguf(raw, gguf_type, (130, 96)), reference(raw, gguf_type,
+    w, ref = PackedWeight.from_gguf(raw, gguf_type, (130, 96)), reference(raw, gguf_type,
                                                                             130, 96)
     if not half_panel_linear.panels_run_here():
         with pytest.raises(ValueError, match="does not run"):
@@ -245,9 +259,10 @@ def test_a_16_bit_weight_held_as_its_panels(gguf_type, monkeypatch):
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(10))
     before = quantized_linear(x, w)
     w.store_as_panels()
-    assert w.panel_storage and w.q.shape == (130, 0) and quantized.takes_panels(w)
+    assert w.panel_storage and w.q.shape == (130, 0) and w.plan.on_panels
+    assert {w.plan.kernel_for(rows) for rows in (1, 32, 33)} == {LinearKernel.HALF_PANELS}
     assert w.nbytes == 192 * 96 * 2  # the panels alone, padded to three panels of 64
-    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(dequantized(w), ref)
     assert torch.equal(quantized_linear(x, w), before)
     with pytest.raises(ValueError, match="its panels"):
         w.rows(0, 10)
@@ -262,8 +277,8 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
                         lambda x, w, dtype, float32_sums=False:
                         calls.append(len(x)) or torch.zeros(len(x), 80))
-    w = QuantizedWeight.from_float(torch.randn(80, 300), torch.bfloat16)
-    low = quantized.MIN_NATIVE_HALF_ROWS
+    w = PackedWeight.from_float(torch.randn(80, 300), torch.bfloat16)
+    low = linear_plan.MIN_NATIVE_HALF_ROWS
     for rows in (1, low - 1, low, 40):
         quantized_linear(torch.randn(rows, 300), w)
     assert calls == ([low, 40] if native else [])
@@ -271,11 +286,11 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
 
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "BF16"])
-def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monkeypatch):
-    """`quantized_linear` runs the GEMV kernels (or the group panels') up to `max_gemv_rows`
-    rows and none beyond (a 16-bit weight: the matrix units from there on, or the panel kernel
-    at every row count where it runs); the fused decode stack trusts it up to
-    `max_numba_rows`, which adds the panels' rows."""
+def test_the_gemv_runs_up_to_the_plans_few_rows(gguf_type, native, monkeypatch):
+    """`quantized_linear` runs the GEMV kernels (or the group panels') up to the plan's
+    `few_rows` rows and none beyond (a 16-bit weight: the matrix units from there on, or the
+    panel kernel at every row count where it runs); the fused decode stack trusts it up to
+    `numba_rows`, which the panels' rows count in. The plan's own bands: test_linear_plan.py."""
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     for module, name in ((quantized.quantized_numba, "gemv_groups"),
@@ -284,16 +299,15 @@ def test_max_gemv_rows_is_where_the_gemv_stops(weights, gguf_type, native, monke
         monkeypatch.setattr(module, name, lambda x, *args: calls.append(len(x)))
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
                         lambda x, w, dtype, float32_sums=False: torch.zeros(len(x), w.shape[0]))
-    w = weights[gguf_type][0]
-    limit, panels = quantized.max_gemv_rows(w), quantized.takes_panels(w)
+    w = PackedWeight.from_gguf(random_raw(gguf_type, 96, 1536, seed=0), gguf_type, (96, 1536))
+    limit, panels = w.plan.few_rows, w.plan.few is LinearKernel.HALF_PANELS
     for rows in (1, limit, limit + 1):
         quantized_linear(torch.randn(rows, w.in_features), w)
     assert calls == ([] if panels else [1, limit])
     assert panels == (w.is_half and not native and half_panel_linear.panels_run_here())
-    assert limit == (quantized.MIN_NATIVE_HALF_ROWS - 1 if native and w.is_half
-                     else 0 if panels else quantized.MAX_QUANTIZED_GEMV_ROWS)
-    assert quantized.max_numba_rows(w) == (quantized.MAX_QUANTIZED_GEMV_ROWS if panels
-                                           else limit)
+    assert limit == (linear_plan.MIN_NATIVE_HALF_ROWS - 1 if native and w.is_half
+                     else linear_plan.MAX_QUANTIZED_GEMV_ROWS)
+    assert w.plan.numba_rows == limit
 
 
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)
@@ -303,7 +317,7 @@ def test_half_gemv_on_widths_that_are_not_multiples_of_8(gguf_type, n, k, rows):
     # The 8-wide loop leaves a scalar tail; the stored values widen exactly, so the only error
     # is float32 summation order.
     raw = random_raw(gguf_type, n, k, seed=k)
-    w = QuantizedWeight.from_gguf(raw, gguf_type, (n, k))
+    w = PackedWeight.from_gguf(raw, gguf_type, (n, k))
     ref = reference(raw, gguf_type, n, k).double()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     expect = x.double() @ ref.T
@@ -325,20 +339,11 @@ def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, uni
     w = torch.randn(64, 300, generator=g) * 0.05
     w += torch.sign(w) * 1e-3  # every |w| >= 1e-3: normal in float16
     x = torch.randn(rows, 300, generator=g)
-    got = quantized_linear(x, QuantizedWeight.from_float(w, dtype)).double()
+    got = quantized_linear(x, PackedWeight.from_float(w, dtype)).double()
     exact = x.double() @ w.double().T
     bound = (unit_roundoff + 300 * 2.0 ** -24) * (x.double().abs() @ w.double().abs().T)
     error = (got - exact).abs()
     assert bool((error <= bound).all()), (error / bound).max().item()
     assert (error / bound).max().item() > 1e-3
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        QuantizedWeight.from_float(w, torch.int8)
-
-
-def test_native_rows_from_two_only_where_a_few_row_kernel_reads_the_weights():
-    """From 2 rows (not 8) only where a few-row kernel takes a bfloat16 model's linears: on
-    oneDNN's calls alone the fused stack's GEMV was faster below 8 rows."""
-    w = torch.randn(128, 64).bfloat16()
-    has_kernel = (cpu_linear.available() and cpu_linear.few_rows_view(
-        torch.ops.mkldnn._reorder_linear_weight(w)) is not None)
-    assert (quantized.MIN_NATIVE_HALF_ROWS == 2) is has_kernel
+        PackedWeight.from_float(w, torch.int8)

@@ -1,7 +1,7 @@
 """The GEMV on int16 activations (quantized_int16_numba, the default x format on AVX2): outputs
 within the derived bound for every block type and row count (K with and without a whole number
-of 8-group scale blocks), the bound far below int8's, and the generic integer IR against
-AVX2's."""
+of 8-group scale blocks), on the GEMV and on the group panels where they run, the bound far below
+int8's, and the generic integer IR against AVX2's. The default x format: test_linear_plan.py."""
 
 from __future__ import annotations
 
@@ -13,20 +13,23 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import quantized, quantized_int8_numba, quantized_int16_numba
-from mrv2.models.layers import quantized_numba
-from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
+from mrv2.models.layers import quantized_int8_numba, quantized_int16_numba, quantized_numba
+from mrv2.models.layers import quantized_panel_numba
+from mrv2.models.layers.linear_plan import LinearKernel
+from mrv2.models.layers.quant_formats import FORMATS
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
+from tests.models.linear_plan_helpers import set_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw, reference  # noqa: E402
 from test_quantized_int8_numba import integer_activation_bound  # noqa: E402
 
-BLOCK_TYPES = sorted(QUANTIZED_GGUF_TYPES - {"F16", "BF16"})
+BLOCK_TYPES = sorted(name for name, fmt in FORMATS.items() if not fmt.is_16bit)
 INPUTS = (576, 1536)  # 18 groups (two past the last scale block of 8) and 48 (whole blocks)
 
 
 @pytest.fixture(scope="module")
-def weights() -> dict[tuple[str, int], tuple[QuantizedWeight, torch.Tensor]]:
+def weights() -> dict[tuple[str, int], tuple[PackedWeight, torch.Tensor]]:
     """Per block type and K: a [40, K] weight and its float32 reference (K-quants need K a
     multiple of 256: 1536 only)."""
     out = {}
@@ -35,16 +38,21 @@ def weights() -> dict[tuple[str, int], tuple[QuantizedWeight, torch.Tensor]]:
             if t.endswith("_K") and k % 256:
                 continue
             raw = random_raw(t, 40, k, seed=i)
-            out[t, k] = (QuantizedWeight.from_gguf(raw, t, (40, k)), reference(raw, t, 40, k))
+            out[t, k] = (PackedWeight.from_gguf(raw, t, (40, k)), reference(raw, t, 40, k))
     return out
 
 
-@pytest.mark.skipif(not quantized.X86_INT8_DOTS, reason="int16 x is taken where numba "
-                    "compiles AVX2")
+@pytest.mark.skipif(not quantized_int8_numba.X86_INT8_DOTS, reason="int16 x is taken where "
+                    "numba compiles AVX2")
+@pytest.mark.parametrize("kernel", [
+    LinearKernel.BLOCK_GEMV,
+    pytest.param(LinearKernel.GROUP_PANELS, marks=pytest.mark.skipif(
+        not quantized_panel_numba.GROUP_PANELS_RUN, reason="needs a host with AVX-512 BW"))])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_int16_activations_stay_within_the_derived_bound(weights, rows, monkeypatch):
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
+def test_int16_activations_stay_within_the_derived_bound(weights, rows, kernel, monkeypatch):
+    """The GEMV on the blocks and the group panels (int16 x's kernel where they run)."""
     for (gguf_type, k), (w, ref) in weights.items():
+        set_plan(monkeypatch, w, few=kernel, x_format=quantized_numba.X_INT16)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         x[0, 64:96] = 0.0  # an all-zero block quantizes to zeros
         x[-1, 100] = 50.0  # an outlier: its block's other inputs get a coarser step
@@ -56,25 +64,6 @@ def test_int16_activations_stay_within_the_derived_bound(weights, rows, monkeypa
         # 256x below int8's bound, and the rounding is really int16's (not float32 x's)
         assert (bound * 200 < integer_activation_bound(x, ref, 127)).all()
         assert error.max() > 10 * (1e-7 * expect.abs().max()), (gguf_type, k)
-
-
-def test_the_default_x_format_is_int16_where_avx2_compiles(monkeypatch):
-    monkeypatch.delenv("MRV2_GGUF_ACTIVATIONS", raising=False)
-    monkeypatch.delenv("MRV2_GGUF_INT8_ACTIVATIONS", raising=False)
-    avx2 = quantized.X86_INT8_DOTS
-    assert quantized._gemv_x_format() == (quantized_numba.X_INT16 if avx2
-                                          else quantized_numba.X_FLOAT32)
-    for value, want in (("float32", quantized_numba.X_FLOAT32), ("INT8", quantized_numba.X_INT8),
-                        ("int16", quantized_numba.X_INT16)):
-        monkeypatch.setenv("MRV2_GGUF_ACTIVATIONS", value)
-        assert quantized._gemv_x_format() == (want if avx2 else quantized_numba.X_FLOAT32)
-    monkeypatch.delenv("MRV2_GGUF_ACTIVATIONS")
-    monkeypatch.setenv("MRV2_GGUF_INT8_ACTIVATIONS", "1")  # the older spelling
-    assert quantized._gemv_x_format() == (quantized_numba.X_INT8 if avx2
-                                          else quantized_numba.X_FLOAT32)
-    monkeypatch.setenv("MRV2_GGUF_ACTIVATIONS", "fp4")
-    with pytest.raises(ValueError, match="MRV2_GGUF_ACTIVATIONS='fp4'"):
-        quantized._gemv_x_format()
 
 
 def test_quantize_rows_to_int16_rounds_each_block_to_half_a_step():
@@ -97,7 +86,8 @@ def _dots_kernel(dots):
     return run
 
 
-@pytest.mark.skipif(not quantized.X86_INT8_DOTS, reason="needs AVX2 code generation")
+@pytest.mark.skipif(not quantized_int8_numba.X86_INT8_DOTS,
+                    reason="needs AVX2 code generation")
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K"])
 def test_generic_integer_ir_equals_the_avx2_intrinsics(weights, gguf_type):
     """The IR a target without AVX2 gets computes the same integer dot products (fast-math may

@@ -11,20 +11,23 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
-from mrv2.models.layers.quantized import QUANTIZED_GGUF_TYPES, QuantizedWeight, quantized_linear
+from mrv2.models.layers import quantized_int8_numba, quantized_numba
+from mrv2.models.layers.linear_plan import LinearKernel
+from mrv2.models.layers.quant_formats import FORMATS
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
+from tests.models.linear_plan_helpers import set_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw, reference  # noqa: E402
 
-BLOCK_TYPES = sorted(QUANTIZED_GGUF_TYPES - {"F16", "BF16"})
+BLOCK_TYPES = sorted(name for name, fmt in FORMATS.items() if not fmt.is_16bit)
 
 
 @pytest.fixture(scope="module")
-def weights() -> dict[str, tuple[QuantizedWeight, torch.Tensor]]:
+def weights() -> dict[str, tuple[PackedWeight, torch.Tensor]]:
     """Per block type: a [96, 1536] weight and its float32 reference."""
     raws = {t: random_raw(t, 96, 1536, seed=i) for i, t in enumerate(BLOCK_TYPES)}
-    return {t: (QuantizedWeight.from_gguf(raw, t, (96, 1536)), reference(raw, t, 96, 1536))
+    return {t: (PackedWeight.from_gguf(raw, t, (96, 1536)), reference(raw, t, 96, 1536))
             for t, raw in raws.items()}
 
 
@@ -40,8 +43,8 @@ def integer_activation_bound(x: torch.Tensor, ref: torch.Tensor, levels: int = 1
 @pytest.mark.parametrize("gguf_type", BLOCK_TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 def test_int8_activations_stay_within_the_derived_bound(weights, gguf_type, rows, monkeypatch):
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
     w, ref = weights[gguf_type]
+    set_plan(monkeypatch, w, few=LinearKernel.BLOCK_GEMV, x_format=quantized_numba.X_INT8)
     x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
     x[0, 64:96] = 0.0  # an all-zero block quantizes to zeros
     expect = x.double() @ ref.double().T

@@ -14,11 +14,12 @@ import pytest
 
 from mrv2.models.layers import quantized_panel_layout as layout
 from mrv2.models.layers.gguf_blocks import pack_u4, unpack_u4
-from mrv2.models.layers.quantized import QuantizedWeight
+from mrv2.models.layers.quantized import PackedWeight
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw  # noqa: E402
 from test_quantized_panel_numba import _FORM_BYTES, BLOCK_TYPES, _weight  # noqa: E402
+from tests.models.quantized_helpers import dequantized  # noqa: E402
 
 def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
     rng = np.random.default_rng(0)
@@ -65,7 +66,7 @@ def test_panels_hold_each_outputs_input_pairs_and_zeros_past_n():
 def test_rows_and_tiles_of_the_panels_are_the_dequantized_weight(gguf_type):
     n, k = 150, 512  # two whole panels and a ragged third
     w = _weight(gguf_type, n, k, seed=11)
-    exact = w.dequantize().numpy()
+    exact = dequantized(w).numpy()
     panels, packed = w.group_panels(), w.layout == "u4"
     assert panels[0].shape[2] == _FORM_BYTES.get(gguf_type, 128)
     ids = np.array([149, 0, 64, 63, 128], np.int64)
@@ -91,7 +92,7 @@ def _u6_value(weights: np.ndarray, row: int, col: int) -> int:
 
 def test_q6_k_panels_are_u6_strings_with_sub_scales_of_a_super_scale():
     n, k = 70, 512
-    w = QuantizedWeight.from_gguf(random_raw("Q6_K", n, k, 3), "Q6_K", (n, k))
+    w = PackedWeight.from_gguf(random_raw("Q6_K", n, k, 3), "Q6_K", (n, k))
     q, scales = w.q.numpy(), w.scales.numpy()
     weights, supers, mins = layout.group_panels_of(q, scales, None)
     assert weights.shape == (2, k // 2, layout.U6_PAIR_BYTES) and weights.dtype == np.int8
@@ -135,7 +136,7 @@ def test_super_scales_factor_exactly_or_not_at_all():
 @pytest.mark.parametrize("gguf_type, width", [("Q8_0", 128), ("Q5_K", 128), ("Q4_1", 64),
                                                ("Q4_K", layout.U4K_PAIR_BYTES)])
 def test_each_type_s_form(gguf_type, width):
-    w = QuantizedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
+    w = PackedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
     weights, _, _ = layout.group_panels_of(
         w.q.numpy(), w.scales.numpy(), None if w.mins is None else w.mins.numpy(),
         packed=w.layout == "u4")
@@ -144,7 +145,7 @@ def test_each_type_s_form(gguf_type, width):
 
 def test_q4_k_panels_are_octets_with_sub_scales_and_sub_mins():
     n, k = 70, 512
-    w = QuantizedWeight.from_gguf(random_raw("Q4_K", n, k, 5), "Q4_K", (n, k))
+    w = PackedWeight.from_gguf(random_raw("Q4_K", n, k, 5), "Q4_K", (n, k))
     values = unpack_u4(w.q.numpy())
     weights, supers, min_supers = layout.group_panels_of(
         w.q.numpy(), w.scales.numpy(), w.mins.numpy(), packed=True)
@@ -165,7 +166,7 @@ def test_q4_0_panels_have_no_min_table():
     """Q4_0's mins are -8 x its scales: its "u4" panels drop them (the kernels take q - 8);
     Q4_1's and Q4_K's keep theirs."""
     for gguf_type, has_mins in (("Q4_0", False), ("Q4_1", True)):
-        w = QuantizedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
+        w = PackedWeight.from_gguf(random_raw(gguf_type, 64, 256, 0), gguf_type, (64, 256))
         weights, scales, mins = layout.group_panels_of(
             w.q.numpy(), w.scales.numpy(), w.mins.numpy(), packed=True)
         assert weights.shape[2] == 64 and (mins.shape[1] > 0) == has_mins

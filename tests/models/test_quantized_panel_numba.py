@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import quantized, quantized_int8_numba, quantized_numba
+from mrv2.models.layers import linear_plan, quantized_int8_numba, quantized_numba
 from mrv2.models.layers import quantized_panel_layout as layout
 from mrv2.models.layers import quantized_panel_numba as panel
 from mrv2.models.layers.gguf_blocks import as_byte_groups, unpack_u4
-from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
+from mrv2.models.layers.linear_plan import LinearKernel
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw  # noqa: E402
@@ -37,20 +38,20 @@ _FORM_BYTES = {"Q4_0": 64, "Q4_1": 64, "Q4_K/u4": 64, "Q4_K": layout.U4K_PAIR_BY
                "Q6_K": layout.U6_PAIR_BYTES}  # else 128
 
 
-def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+def _weight(gguf_type: str, n: int, k: int, seed: int = 0) -> PackedWeight:
     if gguf_type == "Q4_K/16":
         w = _weight("Q4_K", n, k, seed)
         tables = as_byte_groups(w.q.numpy(), w.scales.numpy(), w.mins.numpy(), True, 16)
-        return QuantizedWeight("i8", 16, *(torch.from_numpy(t) for t in tables), "Q4_K")
+        return PackedWeight("i8", 16, *(torch.from_numpy(t) for t in tables), "Q4_K")
     if gguf_type in ("Q6_K/i8", "Q4_K/u4"):
         w = _weight(gguf_type[:4], n, k, seed)
         scales = w.scales.clone()
         scales[0, 0] = 1 / 3  # 24 significant bits: no float x int8 sub-scale makes it
-        return QuantizedWeight(w.layout, w.group_size, w.q, scales, w.mins, gguf_type[:4])
-    return QuantizedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
+        return PackedWeight(w.layout, w.group_size, w.q, scales, w.mins, gguf_type[:4])
+    return PackedWeight.from_gguf(random_raw(gguf_type, n, k, seed), gguf_type, (n, k))
 
 
-def _exact(x: np.ndarray, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+def _exact(x: np.ndarray, w: PackedWeight) -> tuple[np.ndarray, np.ndarray]:
     """x's int16 format against w in float64: the sum the kernel rounds, and the sum of its
     terms' magnitudes (for the float32 order bound). A "u4" weight whose panels have no min
     table (Q4_0) is summed as q - 8 against x's int16 values, no float min term."""
@@ -123,28 +124,30 @@ def test_u6_panels_give_the_i8_forms_sums(rows, monkeypatch):
 
 @pytest.mark.parametrize("gguf_type, takes", [("Q8_0", True), ("Q5_1", True), ("Q4_1", True),
                                               ("Q6_K", True), ("Q4_K/16", True), ("F16", False)])
-def test_takes_group_panels_only_integer_blocks_with_int16_x(gguf_type, takes, monkeypatch):
-    w = _weight(gguf_type, 16, 256)
-    monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
-    assert quantized.takes_group_panels(w) == takes
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
-    assert not quantized.takes_group_panels(w)
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
-    monkeypatch.setattr(panel, "GROUP_PANELS_RUN", False)
-    assert not quantized.takes_group_panels(w)
+def test_plans_take_group_panels_only_for_integer_blocks_with_int16_x(gguf_type, takes,
+                                                                      monkeypatch):
+    def made_with(x_format: int, runs: bool) -> PackedWeight:
+        monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", x_format)
+        monkeypatch.setattr(panel, "GROUP_PANELS_RUN", runs)
+        return _weight(gguf_type, 16, 256)
+
+    group = LinearKernel.GROUP_PANELS
+    assert (made_with(quantized_numba.X_INT16, True).plan.few is group) == takes
+    assert made_with(quantized_numba.X_INT8, True).plan.few is not group
+    assert made_with(quantized_numba.X_INT16, False).plan.few is not group
     if takes:  # a weight held as its panels has no other form to compute on
-        monkeypatch.setattr(panel, "GROUP_PANELS_RUN", True)
+        w = made_with(quantized_numba.X_INT8, True)
+        assert w.plan.few is LinearKernel.BLOCK_GEMV and not w.plan.on_panels
         w.store_as_panels()
-        monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT8)
-        assert quantized.takes_group_panels(w)
+        assert w.plan.few is group and w.plan.on_panels
 
 
 @needs_panels
 @pytest.mark.parametrize("rows", [1, 4, 32])
 def test_quantized_linear_runs_the_panels_and_makes_them_once(rows, monkeypatch):
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", quantized_numba.X_INT16)
+    monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", quantized_numba.X_INT16)
     w = _weight("Q8_0", 100, 128, seed=3)
+    assert w.plan.kernel_for(rows) is LinearKernel.GROUP_PANELS
     x = torch.randn(rows, 128)
     got = quantized_linear(x, w)
     panels = w.group_panels()

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from mrv2.models.layers import quantized_int8_numba, quantized_numba, quantized_vnni_numba
-from mrv2.models.layers.quantized import QuantizedWeight
+from mrv2.models.layers.quantized import PackedWeight
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantized import random_raw  # noqa: E402
+from tests.models.quantized_helpers import dequantized  # noqa: E402
 
 needs_vnni = pytest.mark.skipif(not quantized_vnni_numba.VNNI_DOTS,
                                 reason="needs a host with AVX-512 VNNI")
@@ -61,7 +62,7 @@ def _run_avx2(xq, dx, q, scales, mins, xsum, packed, out):
 def _int8_rows(gguf_type: str, k: int, rows: int, seed: int):
     """A [40, k] weight's kernel arrays and `rows` rows of x quantized to int8, with their
     group sums (for min terms) and offset terms."""
-    w = QuantizedWeight.from_gguf(random_raw(gguf_type, 40, k, seed=seed), gguf_type, (40, k))
+    w = PackedWeight.from_gguf(random_raw(gguf_type, 40, k, seed=seed), gguf_type, (40, k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).numpy()
     if k > 32:
         x[0, 32:64] = 0.0  # an all-zero group
@@ -87,7 +88,7 @@ def test_vnni_rows_equal_the_avx2_int8_kernel(gguf_type, k, rows):
     _run_vnni(xq, dx, terms, q, scales, mins, xsum, packed, got)
     _run_avx2(xq, dx, q.view(np.int8) if not packed else q, scales, mins, xsum, packed, expect)
     # the same integers; the float sums differ in order only
-    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().double().numpy()).T
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(dequantized(w).double().numpy()).T
     assert (np.abs(got - expect) <= 1e-5 * magnitude.max(axis=1, keepdims=True)).all()
     assert (np.abs(expect).max(axis=1) > 1e-2 * magnitude.max(axis=1)).all()  # not empty sums
     if rows == 1:

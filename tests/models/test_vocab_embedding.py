@@ -1,10 +1,13 @@
-"""Vocabulary-parallel embedding and LM head: shards combine into the unsharded layers."""
+"""Vocabulary-parallel embedding and LM head: shards combine into the unsharded layers; a
+packed weight (linear.set_packed) is what lookups and logits read."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from mrv2.models.layers.linear import set_packed
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 float32_logits, parallel_logits, vocab_range)
 
@@ -29,6 +32,23 @@ def test_single_rank_embedding_and_head_match_dense():
     assert torch.equal(emb(ids), table[ids])
     hidden = torch.randn(4, 6)
     assert torch.allclose(parallel_logits(hidden, head), hidden @ table.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_packed_table_is_what_lookups_and_logits_read(dtype):
+    """Lookups widen the packed rows exactly; logits are quantized_linear's float32 sums on
+    the packed weight; the float32 table is released."""
+    table = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+    emb = VocabParallelEmbedding(10, 64, tp_rank=0, tp_size=1)
+    emb.weight.weight_loader(emb.weight, table)
+    packed = PackedWeight.from_float(emb.weight, dtype)
+    set_packed(emb, packed)
+    assert emb.packed is packed and emb.weight.numel() == 0
+    ids = torch.tensor([[0, 3], [9, 3]])  # any shape of ids
+    assert torch.equal(emb(ids), table.to(dtype).float()[ids])
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(parallel_logits(hidden, emb),
+                       quantized_linear(hidden, packed, float32_sums=True))
 
 
 def _near_tie_16bit(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

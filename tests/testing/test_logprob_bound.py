@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.models.layers import quantized, quantized_numba
+from mrv2.models.layers import linear_plan, quantized_numba
+from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 from mrv2.testing.logprob_bound import (BFLOAT16_UNIT_ROUNDOFF, FLOAT16_UNIT_ROUNDOFF, Rounding,
                                         gamma, logprob_bounds)
 
@@ -74,11 +75,11 @@ def test_float32_weights_dequantized_at_load(exact_model, q4_1_file):
     _check(exact_model, q4_1_file, BLOCKS, dtype="float32")
 
 
-@pytest.mark.skipif(not quantized.X86_INT8_DOTS, reason="integer x needs x86 AVX2")
+@pytest.mark.skipif(not X86_INT8_DOTS, reason="integer x needs x86 AVX2")
 @pytest.mark.parametrize("x_format, levels", [(quantized_numba.X_INT8, 127),
                                               (quantized_numba.X_INT16, 32767)])
 def test_integer_activations(exact_model, q4_1_file, monkeypatch, x_format, levels):
-    monkeypatch.setattr(quantized, "GEMV_X_FORMAT", x_format)
+    monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", x_format)  # the LLM's weights' plans
     ratio = _check(exact_model, q4_1_file,
                    Rounding(activation_levels=levels, weights_in_blocks=True), quantization="gguf")
     if levels == 127:

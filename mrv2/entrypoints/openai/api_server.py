@@ -30,7 +30,7 @@ from mrv2.models.generation_config import sampling_defaults
 from mrv2.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from mrv2.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
-from mrv2.entrypoints.openai.protocol_responses import (
+from mrv2.entrypoints.openai.answer_schemas import (
     GENERATION_CHUNKS, GENERATION_REQUESTS, ChatCompletionResponse, ChatCompletionStreamResponse,
     CompletionResponse, CompletionStreamResponse, DetokenizeResponse, ModelList, TokenizeResponse,
     VersionResponse, empty_response, generation_responses, install_openapi, json_response,

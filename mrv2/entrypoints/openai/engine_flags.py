@@ -17,6 +17,8 @@ honour it or refuse it with a ConfigError naming it (mrv2/engine/engine_args_che
 - `--distributed-executor-backend` uni | mp: EngineArgs' (ray and external_launcher are refused:
   mrv2's ranks are local processes).
 - `--logprobs-mode`: EngineArgs.logprobs_mode (vLLM's four modes).
+- `--batch-invariant`: EngineArgs.batch_invariant (mrv2/batch_invariant.py; vLLM has it as the
+  VLLM_BATCH_INVARIANT environment variable).
 - `--runner` generate | pooling, `--convert` embed (the same as --runner pooling) and
   `--pooler-config` JSON ({"pooling_type": "LAST" | "MEAN", "normalize": bool}): EngineArgs'
   runner / convert / pooler_config; a pooling server answers /v1/embeddings, /score, /rerank.
@@ -100,6 +102,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="uni (one process) or mp (a process per tensor-parallel rank; "
                              "the default above -tp 1)")
     parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES)
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                        default=None, help="a request's tokens and logprobs the same bits "
+                        "whatever its batch (CPU; default: MRV2_BATCH_INVARIANT=1 turns it on)")
     for flag, short in (("--pipeline-parallel-size", "-pp"), ("--data-parallel-size", "-dp")):
         parser.add_argument(flag, short, type=int, default=1,
                             help="only 1: mrv2 runs one pipeline stage and one engine")

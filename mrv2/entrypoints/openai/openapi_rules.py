@@ -4,7 +4,7 @@ what the server serves.
 
 - The token-id and logit_bias types (TokenId, LogitBias), whose schemas carry marks, and the
   marks the models put in their JSON schema, filled in per server by `fill_model_bounds`
-  (protocol_responses.install_openapi): a token id's maximum is the served vocabulary size - 1
+  (answer_schemas.install_openapi): a token id's maximum is the served vocabulary size - 1
   and a logit_bias key's pattern the decimal numbers below it (TOKEN_ID_MARK); a token
   budget's maximum is the context length - 1 (CONTEXT_MARK: what the prompt leaves of the
   context is checked per request, a 400 beyond it).

@@ -2,7 +2,7 @@
 pooling`): OpenAI's `/v1/embeddings`, and vLLM's `/score` and `/rerank` for embedding models.
 
 Requests follow protocol.py's rules (unknown fields logged and ignored, null = the default);
-the response models document /openapi.json only, as protocol_responses.py's do.
+the response models document /openapi.json only, as answer_schemas.py's do.
 """
 
 from __future__ import annotations

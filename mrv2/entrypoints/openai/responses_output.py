@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, RootModel
 
-from mrv2.entrypoints.openai.protocol_responses import ErrorInfo
+from mrv2.entrypoints.openai.answer_schemas import ErrorInfo
 from mrv2.entrypoints.openai.responses_protocol import (OutputItem, OutputText, ReasoningText,
                                                         ResponsesResponse)
 

@@ -8,7 +8,7 @@ templates, non-text input, logprobs via `include`) is refused by name in `check`
 fields are logged as ignored, as on every route.
 
 The response-side models document /openapi.json only: the handler builds dicts, as the other
-routes do (protocol_responses.py), and the tests validate what the server sends against them.
+routes do (answer_schemas.py), and the tests validate what the server sends against them.
 """
 
 from __future__ import annotations

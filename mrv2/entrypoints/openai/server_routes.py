@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from mrv2.engine.async_llm import AsyncLLM
 from mrv2.entrypoints.openai.cli_args import ServerConfig
 from mrv2.entrypoints.openai.errors import BadRequest, OpenAIError
-from mrv2.entrypoints.openai.protocol_responses import (IsSleepingResponse, LoadResponse,
+from mrv2.entrypoints.openai.answer_schemas import (IsSleepingResponse, LoadResponse,
                                                         ResetPrefixCacheResponse,
                                                         ServerInfoResponse, empty_response,
                                                         json_response)

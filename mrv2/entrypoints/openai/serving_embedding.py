@@ -23,7 +23,7 @@ from mrv2.entrypoints.openai.errors import BadRequest, OpenAIError
 from mrv2.entrypoints.openai.protocol_pooling import (EmbeddingRequest, EmbeddingResponse,
                                                       RerankRequest, RerankResponse,
                                                       ScoreRequest, ScoreResponse)
-from mrv2.entrypoints.openai.protocol_responses import json_response, request_body
+from mrv2.entrypoints.openai.answer_schemas import json_response, request_body
 from mrv2.entrypoints.openai.server_routes import log_request
 from mrv2.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, now,
                                                     random_id, run_until_disconnected)

@@ -1,6 +1,6 @@
-"""A Llama model's decode step of a few rows as one numba call (decode_stack_numba.py): token
-ids to final hidden states and the LM head's logits (CPU, float32 activations; float32
-weights, or GGUF blocks or 16-bit weights kept as stored).
+"""A decoder's decode step of a few rows as one numba call (decode_stack_numba.py): token ids
+to final hidden states and the LM head's logits (CPU, float32 activations; float32 weights,
+or GGUF blocks or 16-bit weights kept as stored), for any model whose DecoderSpec it supports.
 
 Why: a decode step of 1-4 tokens is bound by streaming the weights (the GEMVs run at the
 memory bandwidth), and what is left is per-op overhead. Op by op (two norms, four
@@ -11,20 +11,17 @@ the whole step is one call, the embedding lookup and the rotary tables' rows inc
 weights and KV caches reach it as numba typed lists of views built once, and its parallel
 parts (the projections, attention) are parallel loops inside it. Each projection is a float32
 weight or, for a model loaded with quantization="gguf" or kept in 16 bits, the blocks or
-16-bit weight quantized_weights attached to it, computed by the kernels the module path calls.
+16-bit weight it computes on (`module.packed`), computed by the kernels the module path calls.
 
-`attach_fused_decode` gives a loaded LlamaModel that `qualifies` (each projection float32 CPU
-or quantized, the same kind in every layer; one tensor-parallel rank, no biases and no
-per-head q/k norm in any layer; an embedding the stack can read) a `FusedDecode` as its
-`forward`, which runs the stack for the steps where `applies` holds (every row a decode row,
-one token, at most `max_rows` rows) and the model's own forward otherwise; and as its
-`forward_layers`, which runs the layers between oneDNN calls (`onednn_decode`) where that
-path takes the rows.
+`fused_decode` gives a loaded model whose `decoder_spec` the stack `supports` and whose
+weights `qualify` (each projection float32 CPU or packed, the same kind in every layer; one
+tensor-parallel rank; an embedding the stack can read) a `FusedDecode`, which the runner asks
+first for each step: the stack where `applies` holds (every row a decode row, one token, at
+most `max_rows` rows), with the rows' logits; the layers between oneDNN calls
+(`onednn_decode`) where that path takes the rows; else nothing (the model runs the step).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,17 +34,15 @@ from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
 from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
-from mrv2.models.cpu.quantized_weights import QuantizedEmbeddingForward, QuantizedLinearForward
+from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
+from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS
-from mrv2.models.layers import quantized
-from mrv2.models.layers.quantized import MAX_QUANTIZED_GEMV_ROWS, QuantizedWeight
+from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
+from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.quantized_panel_layout import no_group_panels
 from mrv2.models.layers.numba_rows import typed_list
-from mrv2.models.llama import LlamaModel
 
-if TYPE_CHECKING:
-    from mrv2.models.cpu.decode_logits import LmHead
 
 # Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
 # (oneDNN beyond); when every projection is quantized the module path itself runs the packed
@@ -56,21 +51,15 @@ MAX_DECODE_ROWS = MAX_GEMV_ROWS
 MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 
 
-def _quantized(module) -> QuantizedWeight | None:
-    """The GGUF weight `module` computes on as stored (quantized_weights attached it), or
-    None."""
-    forward = module.__dict__.get("forward")
-    return forward.weight if isinstance(forward, QuantizedLinearForward) else None
-
-
-def _float32(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
+def _packed(module) -> PackedWeight | None:
+    """The GGUF blocks or 16-bit weight `module` computes on (`module.packed`), or None."""
+    return module.packed
 
 
 def _kind(module) -> str:
     """What a projection computes on: "float32", "blocks" (GGUF integer blocks) or "half" (a
     16-bit float weight): one typed list holds one kind."""
-    weight = _quantized(module)
+    weight = _packed(module)
     return "float32" if weight is None else "half" if weight.is_half else "blocks"
 
 
@@ -79,56 +68,66 @@ def _kinds(layer) -> tuple[str, ...]:
     return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
 
 
+def supports(spec: DecoderSpec | None) -> bool:
+    """Whether the stack computes a model that declares `spec`: a SiLU-gated MLP; biases on
+    any projection and per-head q/k norms are computed as the module path does."""
+    return spec is not None and spec.activation == "silu"
+
+
 def _layer_qualifies(layer) -> bool:
-    """The parts that never change: float32 CPU norms, each projection quantized or float32
-    CPU, tp 1, no biases, no q/k norm."""
+    """The parts that never change: float32 CPU norms (q/k norms, when there are both, with
+    the layer norms' eps), each projection packed or float32 CPU with a float32 CPU bias or
+    none, tp 1."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = [layer.get_submodule(name) for name in PROJECTIONS]
-    return (attn.q_norm is None and attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
-            and all(p.bias is None for p in projections)
+    eps = layer.input_layernorm.eps
+    norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    return (attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
+            and len(norms) in (0, 2) and all(n.eps == eps and float32_cpu(n.weight)
+                                             for n in norms)
+            and all(p.bias is None or float32_cpu(p.bias) for p in projections)
             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-            and _float32(layer.input_layernorm.weight)
-            and _float32(layer.post_attention_layernorm.weight)
-            and all(_quantized(p) is not None or _float32(p.weight) for p in projections))
+            and float32_cpu(layer.input_layernorm.weight)
+            and float32_cpu(layer.post_attention_layernorm.weight)
+            and all(_packed(p) is not None or float32_cpu(p.weight) for p in projections))
 
 
-def _embedding(model) -> QuantizedWeight | torch.Tensor | None:
+def _embedding(model) -> PackedWeight | torch.Tensor | None:
     """The table `model`'s (a LlamaModel's) embedding looks its rows up in, as the stack
-    reads it: the GGUF blocks or 16-bit weight quantized_weights attached, or a float32 CPU
+    reads it: the GGUF blocks or 16-bit weight it is packed as, or a float32 CPU
     weight on one rank; None otherwise."""
     embed = model.embed_tokens
-    forward = embed.__dict__.get("forward")
-    if isinstance(forward, QuantizedEmbeddingForward):
-        return forward.weight
-    if forward is None and embed.tp_size == 1 and _float32(embed.weight):
+    if embed.packed is not None:
+        return embed.packed
+    if embed.tp_size == 1 and float32_cpu(embed.weight):
         return embed.weight
     return None
 
 
 def qualifies(model) -> bool:
-    """Whether the fused stack can run `model` (a LlamaModel, its forward the class's): every
-    layer qualifies, all with one norm eps (the kernel takes one) and each projection of one
+    """Whether the fused stack can run the weights of `model` (the inner model of a supported
+    spec): every layer qualifies, all with one norm eps (the kernel takes one) and each
+    projection of one
     kind (float32, GGUF blocks or 16-bit: one typed list per projection), the embedding is one
     the stack reads, and the final norm and the rotary tables are float32 on the CPU."""
     layers = list(model.layers)
     rotary = model.rotary_emb
-    return (type(model).forward is LlamaModel.forward and len(layers) > 0
-            and all(_layer_qualifies(layer) for layer in layers)
+    return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
-            and len({_kinds(layer) for layer in layers}) == 1 and _float32(model.norm.weight)
+            and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
             and _embedding(model) is not None
-            and _float32(rotary.cos_cache) and _float32(rotary.sin_cache))
+            and float32_cpu(rotary.cos_cache) and float32_cpu(rotary.sin_cache))
 
 
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`): where
     every projection is 16-bit, as many as numba code computes as the layer path's linears do
-    (`quantized.max_numba_rows`: the GEMV's rows and the panel kernel's; fewer where the CPU
+    (its plan's `numba_rows`: the GEMV's rows and the panel kernel's; fewer where the CPU
     computes the dtype on matrix units)."""
     layer = model.layers[0]
     kinds = _kinds(layer)
     if all(kind == "half" for kind in kinds):
-        return quantized.max_numba_rows(_quantized(layer.self_attn.qkv_proj))
+        return _packed(layer.self_attn.qkv_proj).plan.numba_rows
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
@@ -150,39 +149,39 @@ def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,
 
 def _projection_parameters(module) -> list[torch.Tensor]:
     """The parameters the kernel reads for one projection: its float32 weight, or none (an
-    attached quantized weight is created once, with the model, and never given new storage)."""
-    return [module.weight] if _quantized(module) is None else []
+    packed weight is created once, with the model, and never given new storage)."""
+    return [module.weight] if _packed(module) is None else []
 
 
-def _weight_view(weight: QuantizedWeight | torch.Tensor, float32_tables: bool = False,
+def _weight_view(weight: PackedWeight | torch.Tensor, float32_tables: bool = False,
                  linear: bool = True):
     """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as (q int16,
-    bfloat16, panels: the weight's where it is held as them or `quantized.takes_panels` and it
+    bfloat16, panels: the weight's where it is held as them or its plan runs them and it
     serves as a `linear`, else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]:
-    none), packed, group size, x format: quantized.GEMV_X_FORMAT when the view is built, group
-    panels: the weight's where it is held as them or `quantized.takes_group_panels` and it
-    serves as a `linear`, else none, their tables of the blocks' dtype); with
+    none), packed, group size, x format: its plan's, group panels: the weight's where it is
+    held as them or its plan runs them and it serves as a `linear`, else none, their tables of
+    the blocks' dtype); with
     `float32_tables`, float32 copies of float16 scale / min tables. A weight held as its
     panels has a `q` (and tables) of N rows and no columns."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     if weight.is_half:
-        takes_panels = weight.panel_storage or (linear and quantized.takes_panels(weight))
+        takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
         panels = weight.panels() if takes_panels else np.empty((0, 0, PANEL_OUTPUTS), np.int16)
         return (weight.q.numpy(), weight.layout == "bf16", panels)
     if float32_tables:
         weight = weight._with_float32_tables()
-    takes_panels = weight.panel_storage or (linear and quantized.takes_group_panels(weight))
+    takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
     panels = (weight.group_panels() if takes_panels
               else no_group_panels(weight.scales.numpy().dtype))
     return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
-            weight.layout == "u4", weight.group_size, quantized.GEMV_X_FORMAT, panels)
+            weight.layout == "u4", weight.group_size, weight.plan.x_format, panels)
 
 
 def _projection_view(module, float32_tables: bool = False):
     """The kernel's view of one projection (`_weight_view`): the GGUF blocks or 16-bit weight
-    attached to it, else its float32 weight."""
-    weight = _quantized(module)
+    it is packed as, else its float32 weight."""
+    weight = _packed(module)
     return _weight_view(module.weight if weight is None else weight, float32_tables)
 
 
@@ -208,13 +207,27 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
             if isinstance(w, torch.Tensor)]
     for layer in model.layers:
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        attn = layer.self_attn
+        out += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
         for name in PROJECTIONS:
-            out += _projection_parameters(layer.get_submodule(name))
+            module = layer.get_submodule(name)
+            out += _projection_parameters(module)
+            out += [] if module.bias is None else [module.bias]
     return out
 
 
 def _views(tensors) -> typed.List:
     return typed_list(tuple(t.detach().numpy() for t in tensors))
+
+
+_NONE = torch.empty(0, dtype=torch.float32)
+
+
+def _or_none(part: torch.Tensor | torch.nn.Module | None) -> torch.Tensor:
+    """A bias, or a norm's weight, as the kernel reads it: a [0] tensor for none."""
+    if part is None:
+        return _NONE
+    return part.weight if isinstance(part, torch.nn.Module) else part
 
 
 class _StackArgs:
@@ -224,8 +237,8 @@ class _StackArgs:
     The views share memory with the tensors, so in-place weight changes are seen; `key` is
     the data pointer of every parameter and cache the views read, checked each step, so a
     parameter given new storage (`param.data = ...`) or another cache list rebuilds the lists
-    instead of reading stale memory. Parameter objects and attached quantized weights
-    themselves are assumed to stay (they are created once, with the model); an attached
+    instead of reading stale memory. Parameter objects and packed weights
+    themselves are assumed to stay (they are created once, with the model); a packed
     weight's tensors are not in the key (on SmolLM2's 30 layers: 91 pointers a step instead of
     421)."""
 
@@ -248,6 +261,10 @@ class _StackArgs:
             np.float32(layers[0].input_layernorm.eps),
             *(_projection_views([layer.get_submodule(name) for layer in layers])
               for name in PROJECTIONS),
+            tuple(_views(_or_none(layer.get_submodule(name).bias) for layer in layers)
+                  for name in PROJECTIONS),
+            tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
+                  for norm in ("q_norm", "k_norm")),
             model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
         # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.
@@ -314,48 +331,46 @@ def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch
 
 
 class FusedDecode:
-    """The fused paths of one qualifying LlamaModel. Called, it is the model's `forward`: the
-    stack where `applies` holds, else the class's forward, whose `forward_layers` is this
-    object's `layers`: the layers between oneDNN calls (`onednn_decode`) for the rows that
-    path runs, the model's own layers otherwise. It keeps the kernel's views (`_StackArgs`),
-    rebuilt when the caches or any tensor's storage change. With an LM head
-    (`decode_logits.attach_stack_logits`), the stack's steps compute their rows' logits too,
-    held for `take_logits`."""
+    """The fused paths of one model (`fused_decode`): `forward` runs a decode step on the
+    stack where `applies` holds, on the layers between oneDNN calls (`onednn_decode`) for the
+    rows that path runs, and leaves every other step to the model (None). It keeps the
+    kernel's views (`_StackArgs`), rebuilt when the caches or any tensor's storage change.
+    With an LM head (`decode_logits.lm_head`), the stack's steps compute their rows' logits
+    too, returned with the hidden states."""
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self.own_forward = type(model).forward.__get__(model)
-        self.own_layers = type(model).forward_layers.__get__(model)  # the module path
+    def __init__(self, model, head: LmHead | None) -> None:
+        self.model = model  # the inner (LlamaModel-layout) model
         self.args: _StackArgs | None = None
-        self.head: LmHead | None = None
+        self.head = head
         self.max_rows = max_rows(model)
         # From the rows where its linears move to oneDNN, a bfloat16 or float32 model's steps
         # run the layers between oneDNN calls instead (onednn_decode.py).
         self.onednn = onednn_decode(model)
-        # (the hidden states the last stack step returned, their logits): until taken or the
-        # next step.
-        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        self._logits = None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(final hidden states [rows, hidden], their logits [rows, vocab] or None) of a step
+        these paths run; None for a step the model runs itself."""
         rows = input_ids.shape[0]
-        if ((self.onednn is not None and self.onednn.runs(rows))
-                or not applies(self.model, input_ids, kv_caches, meta, self.max_rows)):
-            return self.own_forward(input_ids, positions, kv_caches, meta)
+        if self.onednn is not None and self.onednn.runs(rows):
+            if not applies(self.model, input_ids, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS):
+                return None
+            cos_sin, hidden = self.model.embed(input_ids, positions)
+            if not applies(self.model, hidden, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS):
+                return self.model.forward_layers(cos_sin, hidden, kv_caches, meta), None
+            return self.onednn(cos_sin, hidden, kv_caches, meta), None
+        if not applies(self.model, input_ids, kv_caches, meta, self.max_rows):
+            return None
         if self.args is None or not self.args.current(kv_caches):
             self.args = _StackArgs(self.model, kv_caches, self.head)
-        out, logits = decode_model(self.args, input_ids, positions, meta)
-        if logits is not None:
-            self._logits = (out, logits)
-        return out
+        return decode_model(self.args, input_ids, positions, meta)
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   kv_caches: list[torch.Tensor], meta, num_steps: int, block_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`decode_model_run` for rows that decode by argmax, from this step's inputs; None
         where the stack with its LM head does not take them (the caller steps one by one)."""
-        self._logits = None
         rows = input_ids.shape[0]
         if (self.head is None or rows > self.head.max_rows
                 or (self.onednn is not None and self.onednn.runs(rows))
@@ -365,31 +380,20 @@ class FusedDecode:
             self.args = _StackArgs(self.model, kv_caches, self.head)
         return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size)
 
-    def layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-               kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        """`forward_layers`: the oneDNN path's steps, the module path's otherwise."""
-        if (self.onednn is not None and self.onednn.runs(hidden.shape[0])
-                and applies(self.model, hidden, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS)):
-            return self.onednn(cos_sin, hidden, kv_caches, meta)
-        return self.own_layers(cos_sin, hidden, kv_caches, meta)
-
-    def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The logits the last step computed, if `hidden` is the very tensor that step
-        returned; once (a second call gets None)."""
-        pending = self._logits
-        if pending is None or pending[0] is not hidden:
-            return None
-        self._logits = None
-        return pending[1]
+    def release_kv_views(self) -> None:
+        """Drop the cached views of the KV cache (they keep its memory alive), so the cache
+        can be freed (Worker.sleep); the next step builds them again."""
+        self.args = None
+        if self.onednn is not None:
+            self.onednn.release_kv_views()
 
 
-def attach_fused_decode(model) -> FusedDecode | None:
-    """Route `model`'s (a LlamaModel's) decode steps through the fused paths when it
-    `qualifies` (checked once, on the loaded weights and the attached quantized blocks):
-    `FusedDecode` becomes its `forward`, and its `layers` the `forward_layers`; returns it,
-    or None."""
-    if not qualifies(model):
+def fused_decode(model) -> FusedDecode | None:
+    """The fused paths of `model` (a causal LM whose `decoder_spec` the stack `supports`, its
+    weights loaded and packed) when its inner model `qualifies` (checked once, on the loaded
+    weights), with its LM head in the stack where `decode_logits.lm_head` takes it; else
+    None."""
+    inner = getattr(model, "model", None)
+    if not supports(getattr(model, "decoder_spec", None)) or inner is None or not qualifies(inner):
         return None
-    fused = FusedDecode(model)
-    model.forward, model.forward_layers = fused, fused.layers
-    return fused
+    return FusedDecode(inner, lm_head(model))

@@ -5,25 +5,25 @@ streams the head's weight after the Python between them.
 Why: at batch 1 a small model's step is a few milliseconds, and each separate call pays its
 Python, its argument unboxing and, after a weight stream has evicted the interpreter's working
 set from the caches, that set's refetch (bench/README.md). The stack multiplies its output rows
-by the head's weight with the kernel `compute_logits` would run on them (the GEMV of
-quantized.py's `quantized_linear` or cpu_linear's float32 one, `LmHead.max_rows` bounds the
-rows where that holds), keeps the logits with the hidden states it returned, and the model's
-`compute_logits` (a `StackLogits`) hands them out when asked for exactly those hidden states.
+by the head's weight with the kernel the model's `compute_logits` would run on them (the GEMV
+of quantized.py's `quantized_linear` or cpu_linear's float32 one; `LmHead.max_rows` bounds the
+rows where that holds) and returns the logits with the hidden states; the runner samples from
+them instead of calling `compute_logits`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from mrv2.models.cpu.decode import FusedDecode, _float32
-from mrv2.models.cpu.quantized_weights import QuantizedLogits
-from mrv2.models.layers import quantized
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
-from mrv2.models.layers.quantized import QuantizedWeight
-from mrv2.models.llama import LlamaForCausalLM
+from mrv2.models.layers.quantized import PackedWeight
+
+
+def float32_cpu(weight: torch.Tensor) -> bool:
+    """A contiguous float32 CPU tensor: what the stack reads as a float32 view."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 @dataclass(frozen=True)
@@ -33,52 +33,22 @@ class LmHead:
     calls (`max_rows`): beyond, it takes another kernel, whose rounding may differ, so the
     stack computes no logits there."""
 
-    weight: QuantizedWeight | torch.Tensor
+    weight: PackedWeight | torch.Tensor
     max_rows: int
 
 
 def lm_head(model) -> LmHead | None:
-    """The LM head of `model` (a LlamaForCausalLM) as the stack computes it: the GGUF blocks
-    or 16-bit weight its `QuantizedLogits` multiplies by, or the float32 CPU weight of its
-    own `compute_logits` on one rank; None when its logits are computed any other way."""
-    logits = model.__dict__.get("compute_logits")
-    if isinstance(logits, QuantizedLogits):
-        return LmHead(logits.weight, quantized.max_numba_rows(logits.weight))
-    if logits is not None or type(model).compute_logits is not LlamaForCausalLM.compute_logits:
-        return None
+    """The LM head of `model` (a causal LM with a `decoder_spec`: its `compute_logits` is
+    `vocab_embedding.parallel_logits` of `lm_head` or the tied embedding) as the stack
+    computes it: the GGUF blocks or 16-bit weight it is packed as, or its float32 CPU weight
+    on one rank; None when its logits are computed any other way."""
     head = getattr(model, "lm_head", None)
     if head is None:  # tied: the embedding's table
         head = model.model.embed_tokens
-    if head.tp_size == 1 and _float32(head.weight):
+    if head.tp_size != 1:
+        return None
+    if head.packed is not None:
+        return LmHead(head.packed, head.packed.plan.numba_rows)
+    if float32_cpu(head.weight):
         return LmHead(head.weight, MAX_GEMV_ROWS)
     return None
-
-
-class StackLogits:
-    """`compute_logits` of a model whose decode steps run the fused stack with the LM head in
-    it: a stack step's logits for the hidden states that step returned, `compute_logits`
-    itself for any other rows. Invariant: nobody writes into a step's hidden states before
-    their logits are taken (the runner passes a decode step's hidden states on whole, as
-    they came); the stack's logits are the same kernel's on the same rows (`LmHead`)."""
-
-    def __init__(self, fused: FusedDecode,
-                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.fused = fused
-        self.compute_logits = compute_logits
-
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.fused.take_logits(hidden_states)
-        return self.compute_logits(hidden_states) if logits is None else logits
-
-
-def attach_stack_logits(model, fused: FusedDecode) -> bool:
-    """Put the LM head of `model` (the LlamaForCausalLM around `fused`'s LlamaModel, its
-    `compute_logits` as loaded and attached) into the fused stack, when `lm_head` has it:
-    the stack's steps compute their rows' logits, and `model.compute_logits` becomes a
-    `StackLogits` that hands them out. Returns whether it did."""
-    head = lm_head(model)
-    if head is None:
-        return False
-    fused.head, fused.args = head, None
-    model.compute_logits = StackLogits(fused, model.compute_logits)
-    return True

@@ -123,43 +123,73 @@ def rotary_rows(positions, table):
     return out
 
 
+@njit(cache=True)
+def _add_bias(out, bias):
+    """out += bias per row (a [0] bias: none), after the product, as the module path adds it."""
+    if bias.shape[0] > 0:
+        for r in range(out.shape[0]):
+            for i in range(out.shape[1]):
+                out[r, i] += bias[i]
+
+
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, cos, sin,
-                  k_cache, v_cache, block_tables, seq_lens, slots, num_heads, num_kv_heads,
-                  head_dim, intermediate, scale, kv_per_item, splits, out, residual_out):
+def _head_norm(x, weight, eps, rows, num_heads, head_dim):
+    """Each head of `x` [rows, num_heads * head_dim] RMS-normalised by `weight` [head_dim]
+    (Qwen3's q_norm / k_norm), as norm_numba computes a [rows * heads, head_dim] batch."""
+    heads = np.ascontiguousarray(x).reshape(rows * num_heads, head_dim)
+    out = np.empty((rows * num_heads, head_dim), dtype=np.float32)
+    add_rms_norm_kernel(heads, np.empty((0, 0), dtype=np.float32), weight, eps, out, out)
+    return out.reshape(rows, num_heads * head_dim)
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
+                  qk_norms, cos, sin, k_cache, v_cache, block_tables, seq_lens, slots,
+                  num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
+                  out, residual_out):
     rows, hidden_size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    b_qkv, b_o, b_gate_up, b_down = biases
+    q_norm, k_norm = qk_norms
     normed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
     if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
         residual_out[:] = hidden
     qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
     _linear(normed, w_qkv, qkv)
+    _add_bias(qkv, b_qkv)
+    q_in, k_in = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+    if q_norm.shape[0] > 0:  # per-head q/k norms before rotary (one eps: the layer norms')
+        q_in = _head_norm(q_in, q_norm, eps, rows, num_heads, head_dim)
+        k_in = _head_norm(k_in, k_norm, eps, rows, num_kv_heads, head_dim)
     q = np.empty((rows, q_size), dtype=np.float32)
     k = np.empty((rows, kv_size), dtype=np.float32)
-    rotary_kernel(qkv[:, :q_size], cos, sin, head_dim, q)
-    rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
+    rotary_kernel(q_in, cos, sin, head_dim, q)
+    rotary_kernel(k_in, cos, sin, head_dim, k)
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item, splits)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     _linear(attn.reshape(rows, q_size), w_o, o)
+    _add_bias(o, b_o)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
     residual_out[:] = summed
     gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
     _linear(normed, w_gate_up, gate_up)
+    _add_bias(gate_up, b_gate_up)
     act = np.empty((rows, intermediate), dtype=np.float32)
     silu_and_mul_kernel(gate_up, intermediate, act)
     _linear(act, w_down, out)
+    _add_bias(out, b_down)
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
-                 w_gate_ups, w_downs, final_norm, final_eps, kv_caches, block_tables, seq_lens,
-                 slots, num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
-                 splits, out, w_head, logits):
+                 w_gate_ups, w_downs, biases, qk_norms, final_norm, final_eps, kv_caches,
+                 block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
+                 intermediate, scale, kv_per_item, splits, out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
     `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
@@ -175,8 +205,10 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         layer_out = np.empty((rows, hidden_size), dtype=np.float32)
         residual_out = np.empty((rows, hidden_size), dtype=np.float32)
         kv = kv_caches[i]
+        layer_biases = (biases[0][i], biases[1][i], biases[2][i], biases[3][i])
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
-                      w_downs[i], cos, sin, kv[0], kv[1], block_tables, seq_lens, slots,
+                      w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]), cos, sin,
+                      kv[0], kv[1], block_tables, seq_lens, slots,
                       num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                       splits, layer_out, residual_out)
         x, residual = layer_out, residual_out
@@ -188,9 +220,10 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 
 @njit(cache=True)
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
-                     w_os, w_gate_ups, w_downs, final_norm, final_eps, kv_caches, block_tables,
-                     seq_lens, block_size, num_heads, num_kv_heads, head_dim, intermediate,
-                     scale, kv_per_item, splits, out, w_head, logits, tokens, nan_rows):
+                     w_os, w_gate_ups, w_downs, biases, qk_norms, final_norm, final_eps,
+                     kv_caches, block_tables, seq_lens, block_size, num_heads, num_kv_heads,
+                     head_dim, intermediate, scale, kv_per_item, splits, out, w_head, logits,
+                     tokens, nan_rows):
     """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
     before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
     `decode_stack` with the LM head and the argmax of its logits (greedy_numba's: NaN read as
@@ -213,9 +246,10 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
             pos = positions[r]
             slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
-                     w_qkvs, w_os, w_gate_ups, w_downs, final_norm, final_eps, kv_caches,
-                     block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
-                     intermediate, scale, kv_per_item, splits, out, w_head, logits)
+                     w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, final_norm,
+                     final_eps, kv_caches, block_tables, seq_lens, slots, num_heads,
+                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
+                     w_head, logits)
         if rows <= MAX_SERIAL_ROWS:
             greedy_argmax_serial(bits, sampled, nans)
         else:

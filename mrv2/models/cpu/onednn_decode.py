@@ -1,6 +1,6 @@
 """Decode steps whose linears run on oneDNN, with one numba call between each pair of them: a
 bfloat16 model's on a CPU that multiplies bfloat16 natively, from
-`quantized.MIN_NATIVE_HALF_ROWS` rows (where its linears move to the matrix units), and a
+`linear_plan.MIN_NATIVE_HALF_ROWS` rows (where its linears move to the matrix units), and a
 float32 model's beyond the fused stack's GEMV rows (`cpu_gemv.MAX_GEMV_ROWS`, where
 `cpu_linear.linear` moves to oneDNN); both up to `MAX_ONEDNN_DECODE_ROWS`.
 
@@ -46,13 +46,16 @@ import torch
 from numba import njit, types
 from numba.extending import overload
 
+from mrv2 import batch_invariant
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import (decode_kernel, planned_threads, step_kv_bytes,
                                         work_split)
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
-from mrv2.models.cpu.quantized_weights import bfloat16_weight, float32_weight
+from mrv2.models.cpu.quantized_weights import float32_weight
+from mrv2.models.layers.linear import bfloat16_weight
+from mrv2.models.layers.linear_plan import MIN_NATIVE_HALF_ROWS
 from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
-from mrv2.models.layers.quantized import QuantizedWeight
+from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS, typed_list
 from mrv2.models.layers.rotary_numba import rotary_kernel
@@ -239,14 +242,14 @@ class OneDnnDecode:
         self.eps = np.float32(self.layers[0].input_layernorm.eps)
         self.final_eps = np.float32(model.norm.eps)
         # The rows from which the layer path's linears run on oneDNN.
-        self.min_rows = (quantized.MIN_NATIVE_HALF_ROWS if dtype == torch.bfloat16
+        self.min_rows = (MIN_NATIVE_HALF_ROWS if dtype == torch.bfloat16
                          else cpu_gemv.MAX_GEMV_ROWS + 1)
         # (gate_up, the step's activation buffer) -> the MLP's activation: bfloat16 into the
         # buffer (whose view the next linear may read), float32 a new tensor.
         self.silu_and_mul = (activation_numba.silu_and_mul_bf16 if dtype == torch.bfloat16
                              else lambda gate_up, out: activation_numba.silu_and_mul(gate_up))
         # Each layer's projection weights, packed for oneDNN each step as the layer path packs
-        # them: the same QuantizedWeight objects (packed once), or the float32 weight (packed
+        # them: the same PackedWeight objects (packed once), or the float32 weight (packed
         # once, repacked after an in-place change).
         weight = bfloat16_weight if dtype == torch.bfloat16 else float32_weight
         self.weights = [tuple(weight(layer.get_submodule(name)) for name in PROJECTIONS)
@@ -254,10 +257,10 @@ class OneDnnDecode:
         first = [self.layers[0].get_submodule(name) for name in PROJECTIONS]
         self.widths = tuple(getattr(m, "output_size_per_partition", m.output_size)
                             for m in first)
-        self.pack = (QuantizedWeight.onednn_packed if dtype == torch.bfloat16
+        self.pack = (PackedWeight.onednn_packed if dtype == torch.bfloat16
                      else cpu_linear.packed_weight)
         # A bfloat16 model's few-row views, made at the first step (packing is lazy) and kept:
-        # its packed weights never change (QuantizedWeight.onednn_packed).
+        # its packed weights never change (PackedWeight.onednn_packed).
         self._kernel_weights: list[tuple] | None = None
         # Where every projection has a few-row view, `_step_in_one_call`'s typed lists of them and
         # of the norms' weights (views: an in-place change is seen), made with the views.
@@ -366,9 +369,13 @@ class OneDnnDecode:
 def onednn_decode(model) -> OneDnnDecode | None:
     """A `OneDnnDecode` for `model` (a LlamaModel that decode.py's stack `qualifies`) where
     every projection of every layer computes on a bias-free bfloat16 weight and this CPU
-    multiplies bfloat16 natively, or on a bias-free float32 weight and oneDNN is built in;
-    else None."""
+    multiplies bfloat16 natively, or on a bias-free float32 weight and oneDNN is built in,
+    and no layer has per-head q/k norms; else None."""
     projections = [layer.get_submodule(name) for layer in model.layers for name in PROJECTIONS]
+    if batch_invariant.active():
+        return None  # oneDNN's blockings follow the rows and threads
+    if any(layer.self_attn.q_norm is not None for layer in model.layers):
+        return None  # its attention segment has no per-head q/k norms
     if (quantized.computes_natively(torch.bfloat16)
             and all(bfloat16_weight(p) is not None for p in projections)):
         return OneDnnDecode(model, torch.bfloat16)

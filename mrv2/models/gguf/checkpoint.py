@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mrv2.models.gguf.reader import GGUFFileTensor, read_gguf_file
+from mrv2.models.gguf.reader import GGUFFileTensor, MappedBytes, read_gguf_file
 
 GGUF_SUFFIX = ".gguf"
 # llama.cpp's split naming (gguf.SHARD_NAME_FORMAT without the stem): "-00001-of-00003.gguf".
@@ -63,10 +63,16 @@ class GGUFTensorRecord:
     shape: tuple[int, ...]  # torch order: (rows, columns) for a matrix
     data: np.ndarray
     file: Path
+    mapped: MappedBytes  # the bytes `data` views
 
     @property
     def type_name(self) -> str:
         return self.tensor_type.name
+
+    def release_pages(self) -> None:
+        """Drop the tensor's file pages from the process's resident memory once its values
+        were copied (reader.MappedBytes.release); `data` stays readable."""
+        self.mapped.release()
 
 
 class GGUFCheckpoint:
@@ -118,7 +124,8 @@ class GGUFCheckpoint:
         if tensor.data.nbytes != expected:
             raise GGUFError(f"{file}: tensor {name!r} has {tensor.data.nbytes} bytes of data, "
                             f"{expected} expected; the file is truncated or corrupt")
-        self.tensors[name] = GGUFTensorRecord(name, tensor.tensor_type, shape, tensor.data, file)
+        self.tensors[name] = GGUFTensorRecord(name, tensor.tensor_type, shape, tensor.data, file,
+                                              tensor.mapped)
 
     @property
     def architecture(self) -> str:

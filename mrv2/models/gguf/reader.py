@@ -17,6 +17,7 @@ bytes; an array is an element type u32, a u64 count and the elements.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -38,6 +39,28 @@ _VALUE_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": 
 
 
 @dataclass(frozen=True)
+class MappedBytes:
+    """Where one tensor's bytes lie in its file's (read-only) memory map."""
+
+    mapping: mmap.mmap
+    start: int
+    nbytes: int
+
+    def release(self) -> None:
+        """Drop these bytes' pages from the process's resident memory. A mapped file's pages
+        count in its RSS once read, until unmapped, though a loaded tensor's values live on
+        in the parameter or packed weight they were copied into: without this, loading holds
+        a second copy of the checkpoint. The pages stay in the page cache, and a later read
+        faults them back in (the mapping is read-only: nothing is lost; the same holds for
+        the edge pages a neighbouring tensor shares). Nothing happens where madvise is not
+        available."""
+        if self.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = self.start - self.start % mmap.PAGESIZE  # madvise takes whole pages
+        self.mapping.madvise(mmap.MADV_DONTNEED, first, self.start + self.nbytes - first)
+
+
+@dataclass(frozen=True)
 class GGUFFileTensor:
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
@@ -45,6 +68,7 @@ class GGUFFileTensor:
     # A read-only view of the file: the values ([dims reversed]) for the value-typed types,
     # otherwise uint8 rows of blocks ([..., bytes per row]).
     data: np.ndarray
+    mapped: MappedBytes  # the bytes `data` views
 
 
 @dataclass(frozen=True)
@@ -104,7 +128,9 @@ def read_gguf_file(path: str | os.PathLike[str]) -> GGUFFile:
     read). Raises ValueError for anything that is not a well-formed GGUF v2 / v3 file."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    mapped = np.memmap(path, mode="r")
+    with open(path, "rb") as file:  # the mapping outlives the descriptor
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped = np.frombuffer(mapping, dtype=np.uint8)
     buffer = memoryview(mapped)
     if bytes(buffer[:4]) != GGUF_MAGIC:
         raise ValueError("GGUF magic invalid")
@@ -159,5 +185,6 @@ def read_gguf_file(path: str | os.PathLike[str]) -> GGUFFile:
         # A plain ndarray (not np.memmap: its per-slice bookkeeping made loading slow) whose
         # base keeps the mapping open.
         data = np.ndarray(shape, dtype, mapped, start)
-        tensors.append(GGUFFileTensor(name, tensor_type, dims, data))
+        tensors.append(GGUFFileTensor(name, tensor_type, dims, data,
+                                      MappedBytes(mapping, start, nbytes)))
     return GGUFFile(version, fields, tensors)

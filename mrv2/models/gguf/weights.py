@@ -9,6 +9,8 @@ Each tensor is yielded as a `GGUFWeight`: a lazy slice in the form of a safetens
 (`get_shape()`, indexing), so the weight loaders of mrv2/models/layers read it unchanged and a
 tensor-parallel rank dequantizes only its own rows. It keeps the stored blocks and type
 (`record`), so a linear that computes on quantized weights can take them as they are instead.
+Once the consumer asks for the next tensor, the previous one's file pages are dropped from the
+process's resident memory (the loader has copied it by then; reader.MappedBytes.release).
 
 The llama converter permutes the rows of q_proj and k_proj (weights and biases) so that
 llama.cpp's rotary, which rotates adjacent pairs, sees them in its order; `GGUFWeight` undoes the
@@ -128,3 +130,6 @@ def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple
         if arch in _PERMUTED_ARCHS:
             permuted = heads.get(hf_module.split(".", 3)[-1])
         yield f"{hf_module}.{suffix}", GGUFWeight(record, permuted)
+        # The consumer is done with it (the loader copied its values into a parameter): its
+        # pages need not stay resident (a later read faults them back in).
+        record.release_pages()

@@ -1,7 +1,7 @@
 """The numba twin of activation.py's SiLU-and-mul, float32 on CPU (numba_rows.py says when it
 runs). `silu_and_mul_kernel` is the serial kernel itself, for callers that are numba code
 (models/cpu/decode.py). `silu_and_mul_bf16` takes and gives bfloat16, for the MLP of a 16-bit
-model whose linears run on the CPU's matrix units (models/cpu/native_half_mlp.py).
+model whose linears run on the CPU's matrix units (models/layers/mlp.py).
 
 Numerics: float32; SiLU's exp is `numba_exp.exp32` (vectorised, 2.5 ulp). The bfloat16 form
 widens its input exactly and rounds each output once (to nearest, ties to even, as torch's

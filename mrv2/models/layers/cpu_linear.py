@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from numba.extending import overload
 
-from mrv2 import platform
+from mrv2 import batch_invariant, platform
 from mrv2.models.layers import cpu_gemv, dot_linear, tile_linear
 from mrv2.models.layers.vector_ir import half_bits
 from mrv2.utils import huge_pages
@@ -174,10 +174,12 @@ def native_16bit_linear(x: torch.Tensor, packed: torch.Tensor, dtype: torch.dtyp
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; float32 CPU 2-D inputs outside autograd run the GEMV
-    kernel (at most `cpu_gemv.MAX_GEMV_ROWS` rows) or oneDNN."""
+    kernel (at most `cpu_gemv.MAX_GEMV_ROWS` rows, any count in batch-invariant mode: each
+    row's sums in one order) or oneDNN."""
     if not _float32_cpu_inference(x, weight):
         return F.linear(x, weight, bias)
-    if x.shape[0] <= cpu_gemv.MAX_GEMV_ROWS and weight.is_contiguous():
+    if ((x.shape[0] <= cpu_gemv.MAX_GEMV_ROWS or batch_invariant.active())
+            and weight.is_contiguous()):
         return cpu_gemv.gemv(x, weight, bias)
     if not _AVAILABLE:
         return F.linear(x, weight, bias)

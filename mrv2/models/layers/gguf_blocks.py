@@ -1,10 +1,10 @@
 """GGUF's integer block types decoded into the kernel layouts' values and tables
-(quantized.QuantizedWeight.from_gguf): each block's values in input order with its scales and
-mins, the 4-bit values packed two to a byte, and the tables kept in float16 where exact. Numpy,
-at load time only.
+(quant_formats.FORMATS names each type's decoder; quantized.PackedWeight.from_gguf calls it):
+each block's values in input order with its scales and mins, the 4-bit values packed two to a
+byte, and the tables kept in float16 where exact. Numpy, at load time only.
 
 The block formats are ggml's (gguf.quants reads the same bytes; tests/models/test_quantized.py
-checks QuantizedWeight's dequantization against it bit for bit for every type).
+checks PackedWeight's dequantization against it bit for bit for every type).
 """
 
 from __future__ import annotations
@@ -43,42 +43,72 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
 
 
-def unpack_blocks(b: np.ndarray, gguf_type: str
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks [nb, block_bytes] -> (values [nb, block_size] (uint8 for u4 types, int8 else),
-    scales [nb, groups], mins [nb, groups] or None), values in input order."""
+# Each decoder: blocks [nb, block_bytes] -> (values [nb, block_size] (uint8 for u4 formats,
+# int8 else), scales [nb, groups], mins [nb, groups] or None), values in input order.
+Blocks = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def q4_0(b: np.ndarray) -> Blocks:
+    d = _f16(b, 0)[:, None]
+    return _nibbles(b[:, 2:], 16).reshape(b.shape[0], 32), d, -8.0 * d
+
+
+def q4_1(b: np.ndarray) -> Blocks:
+    return _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32), _f16(b, 0)[:, None], _f16(b, 2)[:, None]
+
+
+def q8_0(b: np.ndarray) -> Blocks:
+    return b[:, 2:].view(np.int8), _f16(b, 0)[:, None], None
+
+
+def _q5(b: np.ndarray, off: int) -> np.ndarray:
+    return _nibbles(b[:, off + 4:], 16).reshape(b.shape[0], 32) | _high_bits(b[:, off:off + 4])
+
+
+def q5_0(b: np.ndarray) -> Blocks:
+    return (_q5(b, 2).astype(np.int16) - 16).astype(np.int8), _f16(b, 0)[:, None], None
+
+
+def q5_1(b: np.ndarray) -> Blocks:
+    return _q5(b, 4).astype(np.int8), _f16(b, 0)[:, None], _f16(b, 2)[:, None]
+
+
+def _k_tables(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _f16(b, 0)[:, None] * sc, -(_f16(b, 2)[:, None] * mn)
+
+
+def q4_k(b: np.ndarray) -> Blocks:
+    scales, mins = _k_tables(b)
+    return _nibbles(b[:, 16:], 32).reshape(b.shape[0], _QK_K), scales, mins
+
+
+def q5_k(b: np.ndarray) -> Blocks:
     nb = b.shape[0]
-    if gguf_type == "Q4_0":
-        d = _f16(b, 0)[:, None]
-        return _nibbles(b[:, 2:], 16).reshape(nb, 32), d, -8.0 * d
-    if gguf_type == "Q4_1":
-        return _nibbles(b[:, 4:], 16).reshape(nb, 32), _f16(b, 0)[:, None], _f16(b, 2)[:, None]
-    if gguf_type == "Q8_0":
-        return b[:, 2:].view(np.int8), _f16(b, 0)[:, None], None
-    if gguf_type in ("Q5_0", "Q5_1"):
-        off = 2 if gguf_type == "Q5_0" else 4
-        q = _nibbles(b[:, off + 4:], 16).reshape(nb, 32) | _high_bits(b[:, off:off + 4])
-        d = _f16(b, 0)[:, None]
-        if gguf_type == "Q5_0":
-            return (q.astype(np.int16) - 16).astype(np.int8), d, None
-        return q.astype(np.int8), d, _f16(b, 2)[:, None]
-    if gguf_type in ("Q4_K", "Q5_K"):
-        sc, mn = _k_scale_min(b[:, 4:16])
-        scales = _f16(b, 0)[:, None] * sc
-        mins = -(_f16(b, 2)[:, None] * mn)
-        if gguf_type == "Q4_K":
-            return _nibbles(b[:, 16:], 32).reshape(nb, _QK_K), scales, mins
-        qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        q = _nibbles(b[:, 48:], 32) | ((qh & 1) << 4)
-        return q.reshape(nb, _QK_K).astype(np.int8), scales, mins
-    if gguf_type == "Q6_K":
-        ql = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
-        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
-            1, 1, 4, 1)
-        q = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).astype(np.int16) - 32
-        scales = _f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
-        return q.reshape(nb, _QK_K).astype(np.int8), scales, None
-    raise ValueError(f"{gguf_type!r} is not a GGUF block type of integers")
+    scales, mins = _k_tables(b)
+    qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = _nibbles(b[:, 48:], 32) | ((qh & 1) << 4)
+    return q.reshape(nb, _QK_K).astype(np.int8), scales, mins
+
+
+def q6_k(b: np.ndarray) -> Blocks:
+    nb = b.shape[0]
+    ql = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
+    qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+        1, 1, 4, 1)
+    q = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).astype(np.int16) - 32
+    scales = _f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+    return q.reshape(nb, _QK_K).astype(np.int8), scales, None
+
+
+# IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl): a nibble indexes them, times d.
+_IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                           113], dtype=np.int8)
+
+
+def iq4_nl(b: np.ndarray) -> Blocks:
+    """Levels are integers of at most 7 bits: held as int8 values with the block's scale."""
+    return _IQ4_NL_LEVELS[_nibbles(b[:, 2:], 16).reshape(b.shape[0], 32)], _f16(b, 0)[:, None], None
 
 
 def pack_u4(vals: np.ndarray) -> np.ndarray:
@@ -114,7 +144,7 @@ def compact_tables(scales: np.ndarray, mins: np.ndarray | None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 scale / min tables -> int16 float16 bit patterns when every value of both is
     exactly a float16 (the 32-input types' f16 fields), else float32 (a K type's products):
-    the tables QuantizedWeight keeps."""
+    the tables PackedWeight keeps."""
     tables = [t for t in (scales, mins) if t is not None]
     with np.errstate(over="ignore"):
         exact = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)

@@ -33,6 +33,7 @@ from torch import nn
 
 from mrv2 import distributed
 from mrv2.models.layers import cpu_linear
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 ShardId = Hashable
 
@@ -100,15 +101,46 @@ def _copy(target: torch.Tensor, loaded: Any) -> None:
         target.copy_(materialize(loaded))
 
 
+def check_unfused(param: nn.Parameter, shard_id: ShardId) -> None:
+    """A parameter that is not fused takes whole tensors only (shard None)."""
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
+                         f"got shard {shard_id!r}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: Any,
                           shard_id: ShardId = None) -> None:
     """Copy a whole tensor into `param` (dtype/device converted by `copy_`); replicated
     parameters (norms, row-parallel biases) use it on every rank."""
-    if shard_id is not None:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
-                         f"got shard {shard_id!r}")
+    check_unfused(param, shard_id)
     _check_shape(param, loaded, "weight")
     _copy(param, loaded)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ `weight` (GGUF blocks or a 16-bit weight)^T (+ bias) -> [..., N]."""
+    shape = x.shape
+    out = quantized_linear(x.reshape(-1, shape[-1]), weight, bias)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def set_packed(module: nn.Module, weight: PackedWeight) -> None:
+    """Make `module` (a linear, embedding or LM head on one rank) compute on `weight` from now
+    on: `module.packed` is read by its forward, and the float weight the loader wrote is
+    released (nothing reads it again)."""
+    module.packed = weight
+    module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+
+
+def bfloat16_weight(module: nn.Module) -> PackedWeight | None:
+    """The bfloat16 weight a bias-free projection computes on (`module.packed`), or None:
+    what the matrix-unit paths (layers.mlp, models/cpu/onednn_decode) compute on."""
+    packed = module.packed
+    if (module.bias is None and packed is not None and packed.is_half
+            and packed.half_dtype == torch.bfloat16):
+        return packed
+    return None
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
@@ -126,7 +158,10 @@ def register_replicated_bias(module: nn.Module, size: int, bias: bool) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W: [output_size, input_size]; replicated on every rank."""
+    """y = x W^T (+ b), W: [output_size, input_size]; replicated on every rank.
+
+    `packed`: None while the layer computes on `weight`; the GGUF blocks or 16-bit weight it
+    computes on instead once the loader gave it one (`set_packed`, one rank only)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -135,8 +170,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         set_weight_attrs(self.weight, weight_loader=default_weight_loader, shard_ids=(None,))
         register_replicated_bias(self, output_size, bias)
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return cpu_linear.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -161,9 +199,7 @@ class ColumnParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
-                             f"got shard {shard_id!r}")
+        check_unfused(param, shard_id)
         full = (self.output_size, *param.shape[1:])
         if tensor_shape(loaded) != full:
             raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
@@ -193,12 +229,11 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         set_weight_attrs(self.weight, weight_loader=self.weight_loader, shard_ids=(None,))
         register_replicated_bias(self, output_size, bias)
+        self.packed: PackedWeight | None = None  # as Linear's
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
-                             f"got shard {shard_id!r}")
+        check_unfused(param, shard_id)
         full = (self.output_size, self.input_size)
         if tensor_shape(loaded) != full:
             raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
@@ -207,6 +242,8 @@ class RowParallelLinear(nn.Module):
         _copy(param, narrow(loaded, 1, self.tp_rank * per_rank, per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         if self.tp_size == 1:
             return cpu_linear.linear(x, self.weight, self.bias)
         out = distributed.tp_all_reduce(cpu_linear.linear(x, self.weight))

@@ -17,71 +17,37 @@ Exactness: every scale is an f16 (times a 6- or 8-bit integer for the K types), 
 exact in float32 and `dequantize()` rounds once, on the add of the min, as gguf.quants.dequantize
 does: the two agree bit for bit. A 16-bit weight widens to float32 exactly.
 
-`quantized_linear`: up to `max_gemv_rows` rows of x (decode) run the numba GEMV on the packed
-groups (int16 x on AVX-512: quantized_panel_numba's panels, held alone from load); more rows
-(prefill) quantized_tiles' float32 tiles and torch.mm. A 16-bit weight on a CPU with matrix
-instructions for its dtype (cpu_linear.computes_natively: AMX or AVX-512 BF16 for bfloat16)
-runs on them from MIN_NATIVE_HALF_ROWS rows (the weight packed for oneDNN once); on a CPU
-without them where half_panel_linear's kernel runs (AVX-512), at every row count on that
-kernel, in float32 (a model's linears held as their panels alone from load).
+`quantized_linear` runs the kernel the weight's `plan` (linear_plan.py, made with the weight)
+names for the row count: the numba GEMV on the packed groups for few rows (decode; int16 x on
+AVX-512: quantized_panel_numba's panels, held alone from load), quantized_tiles' float32 tiles
+and torch.mm for more (prefill); a 16-bit weight on the CPU's matrix units from
+linear_plan.MIN_NATIVE_HALF_ROWS rows where it has them for its dtype (the weight packed for
+oneDNN once), else, where half_panel_linear's kernel runs (AVX-512), on that kernel at every
+row count. Which GGUF types take which layout: quant_formats.FORMATS, one row a type.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from mrv2 import platform
-from mrv2.models.layers import (cpu_linear, dot_linear, half_panel_linear, quantized_numba,
+from mrv2.models.layers import (cpu_linear, half_panel_linear, quantized_numba,
                                 quantized_panel_layout, quantized_panel_numba, quantized_tiles)
 from mrv2.models.layers.cpu_linear import computes_natively
-from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4, unpack_blocks
-from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
+from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4
+from mrv2.models.layers.linear_plan import LinearKernel, panels_plan, plan_for
+from mrv2.models.layers.quant_formats import quant_format
 
-QUANTIZED_GGUF_TYPES: frozenset[str] = frozenset(
-    {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"})
 # 16-bit float layout -> the torch dtype of its bit patterns; its GGUF type is the layout's
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _gemv_x_format() -> int:
-    """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
-    AVX2's integer multiply-adds, int16 per 32 inputs (quantized_int16_numba: an error 2^-16 of
-    each block's largest input), else float32. MRV2_GGUF_ACTIVATIONS=float32 keeps x exact;
-    =int8 is llama.cpp's scheme (its ~1% rounding moves greedy outputs off float32's, as
-    llama.cpp's does); MRV2_GGUF_INT8_ACTIVATIONS=1, the older spelling of int8, still counts."""
-    choice = os.environ.get("MRV2_GGUF_ACTIVATIONS", "").strip().lower()
-    if not choice and os.environ.get("MRV2_GGUF_INT8_ACTIVATIONS", "0") == "1":
-        choice = "int8"
-    formats = {"float32": quantized_numba.X_FLOAT32, "int16": quantized_numba.X_INT16,
-               "int8": quantized_numba.X_INT8}
-    if choice and choice not in formats:
-        raise ValueError(f"MRV2_GGUF_ACTIVATIONS={choice!r}: expected one of {sorted(formats)}")
-    if not X86_INT8_DOTS:
-        return quantized_numba.X_FLOAT32
-    return formats[choice or "int16"]
-
-
-# The x format every GEMV on GGUF blocks uses; the decode stack reads it when it is attached.
-GEMV_X_FORMAT: int = _gemv_x_format()
-# Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py,
-# bench/README.md); the fused decode stack runs up to as many.
-MAX_QUANTIZED_GEMV_ROWS = 32
-# Rows of x from which a 16-bit weight runs on the CPU's matrix units: from 2 where a few-row
-# kernel reads the packed weights (AMX tiles, or AVX-512 BF16's dot_linear: a bf16 model's
-# decode step then runs onednn_decode.py as one call, faster than the fused stack's GEMV but
-# at 1 row), else from 8 (oneDNN's calls; bench/README.md has each CPU's figures).
-MIN_NATIVE_HALF_ROWS = 2 if platform.cpu_has_matrix_tiles() or dot_linear.runs_here() else 8
 
 
 def _float32_table(table: torch.Tensor) -> torch.Tensor:
     return table.view(torch.float16).float() if table.dtype == torch.int16 else table
 
 
-class QuantizedWeight:
+class PackedWeight:
     """A [out_features, in_features] weight in a packed kernel layout (CPU torch tensors).
 
     Invariants: in_features % group_size == 0 (integer layouts); `q` is contiguous ([N, K // 2]
@@ -112,6 +78,9 @@ class QuantizedWeight:
         # integer blocks' panels (quantized_panel_numba), once
         self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.panel_storage = False  # the panels alone hold the weight
+        # Which kernel multiplies by it at each row count: chosen here, once.
+        self.plan = plan_for(layout, layout in HALF_DTYPES
+                             and computes_natively(HALF_DTYPES[layout]))
         self.out_features = int(q.shape[0])
         self.in_features = int(q.shape[1]) * (2 if layout == "u4" else 1)
 
@@ -122,37 +91,31 @@ class QuantizedWeight:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, gguf_type: str,
-                  shape: tuple[int, int]) -> QuantizedWeight:
+                  shape: tuple[int, int]) -> PackedWeight:
         """Repack a tensor's GGUF bytes (uint8 [N, bytes_per_row], or flat) of `shape` [N, K]."""
-        if gguf_type not in QUANTIZED_GGUF_TYPES:
-            raise ValueError(f"unsupported GGUF type {gguf_type!r}; accepted: "
-                             f"{sorted(QUANTIZED_GGUF_TYPES)}")
-        import gguf  # only the load path needs the block sizes
-
+        fmt = quant_format(gguf_type)
         n, k = shape
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
         raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)  # F16 arrives as float16
-        if k % block_size or raw.size != n * (k // block_size) * block_bytes:
+        if k % fmt.block_size or raw.size != n * (k // fmt.block_size) * fmt.block_bytes:
             raise ValueError(f"{gguf_type} tensor of shape {shape}: {raw.size} bytes do not "
-                             f"make whole {block_size}-input blocks per row")
-        if gguf_type.lower() in HALF_DTYPES:
+                             f"make whole {fmt.block_size}-input blocks per row")
+        if fmt.is_16bit:
             bits = torch.from_numpy(raw.view(np.int16).reshape(n, k).copy())
-            return cls(gguf_type.lower(), 0, bits, None, None, gguf_type)
-        blocks = raw.reshape(-1, block_bytes)
-        vals, scales, mins = unpack_blocks(blocks, gguf_type)
+            return cls(fmt.layout, 0, bits, None, None, gguf_type)
+        vals, scales, mins = fmt.decode(raw.reshape(-1, fmt.block_bytes))
         vals = vals.reshape(n, k)
         scales = scales.astype(np.float32).reshape(n, -1)
         group = k // scales.shape[1]
         mins = None if mins is None else mins.astype(np.float32).reshape(n, -1)
         scales, mins = compact_tables(scales, mins)
-        if gguf_type in ("Q4_0", "Q4_1", "Q4_K"):
-            q, layout = torch.from_numpy(pack_u4(vals)), "u4"
+        if fmt.layout == "u4":
+            q = torch.from_numpy(pack_u4(vals))
         else:
-            q, layout = torch.from_numpy(np.ascontiguousarray(vals.view(np.int8))), "i8"
-        return cls(layout, group, q, scales, mins, gguf_type)
+            q = torch.from_numpy(np.ascontiguousarray(vals.view(np.int8)))
+        return cls(fmt.layout, group, q, scales, mins, gguf_type)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
         """A [N, K] float weight kept in 16 bits (`dtype` torch.float16 or torch.bfloat16),
         rounded to nearest even as `weight.to(dtype)` does; exact for a weight already
         representable (a bfloat16 checkpoint upcast to float32, say)."""
@@ -180,7 +143,7 @@ class QuantizedWeight:
             raise ValueError(f"cannot {action} {self!r}: it is held as its panels "
                              f"(split or join weights before store_as_panels)")
 
-    def rows(self, start: int, stop: int) -> QuantizedWeight:
+    def rows(self, start: int, stop: int) -> PackedWeight:
         """Output rows [start, stop) as a weight that owns its storage (a tensor-parallel shard
         must not keep the whole tensor resident)."""
         self._blocks_held("take rows of")
@@ -188,11 +151,11 @@ class QuantizedWeight:
             raise ValueError(f"rows [{start}, {stop}) out of [0, {self.out_features})")
         scales, mins = (None if t is None else t[start:stop].clone()
                         for t in (self.scales, self.mins))
-        return QuantizedWeight(self.layout, self.group_size, self.q[start:stop].clone(),
+        return PackedWeight(self.layout, self.group_size, self.q[start:stop].clone(),
                                scales, mins, self.gguf_type)
 
     @staticmethod
-    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    def cat(parts: list[PackedWeight]) -> PackedWeight:
         """Concatenate along output rows (fused qkv / gate-up). Parts must share layout, group
         size and in_features (ValueError otherwise); a part without mins gets zero mins when
         another has them."""
@@ -213,7 +176,7 @@ class QuantizedWeight:
                               for p in parts])
         types = list(dict.fromkeys(p.gguf_type for p in parts))
         scales = None if first.is_half else torch.cat([p.scales for p in parts])
-        return QuantizedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
+        return PackedWeight(first.layout, first.group_size, torch.cat([p.q for p in parts]),
                                scales, mins, "+".join(types))
 
     @property
@@ -223,17 +186,17 @@ class QuantizedWeight:
             return self.mins
         return torch.empty(self.out_features, 0, dtype=self.scales.dtype)
 
-    def _with_float32_tables(self) -> QuantizedWeight:
+    def _with_float32_tables(self) -> PackedWeight:
         """This weight with float32 scale / min tables (a cat with float32-table parts; the
         decode stack's views of layers whose table dtypes differ), its panels' tables too."""
         scales, mins = (None if t is None else _float32_table(t) for t in (self.scales, self.mins))
-        out = QuantizedWeight(self.layout, self.group_size, self.q, scales, mins, self.gguf_type)
+        out = PackedWeight(self.layout, self.group_size, self.q, scales, mins, self.gguf_type)
         out.in_features = self.in_features
         if self._group_panels is not None:
             w, panel_scales, panel_mins = self._group_panels
             out._group_panels = (w, *(_float32_table(torch.from_numpy(t)).numpy()
                                       for t in (panel_scales, panel_mins)))
-        out.panel_storage = self.panel_storage
+        out.panel_storage, out.plan = self.panel_storage, self.plan
         return out
 
     @property
@@ -266,11 +229,11 @@ class QuantizedWeight:
         return self._group_panels
 
     def store_as_panels(self) -> None:
-        """Hold this weight as its panels alone (a model's linear, at load, where the panel
-        kernels take it: `holds_panels`): a 16-bit weight as `panels`, integer blocks as
+        """Hold this weight as its panels alone (a model's linear, at load, where its plan
+        runs a panel kernel: `plan.on_panels`): a 16-bit weight as `panels`, integer blocks as
         `group_panels`. `q` and the tables are released; the kernels, the float32 rows
         (`dequantize_rows`) and the prefill tiles read the panels; `rows` and `cat` no longer
-        apply."""
+        apply; the plan becomes the panels' (`linear_plan.panels_plan`)."""
         if self.is_half:
             if not half_panel_linear.panels_run_here():
                 raise ValueError("the 16-bit panel kernel does not run on this CPU (AVX-512)")
@@ -287,6 +250,7 @@ class QuantizedWeight:
         self.scales, self.mins = (None if t is None else t.new_empty(n, 0)
                                   for t in (self.scales, self.mins))
         self.panel_storage = True
+        self.plan = panels_plan(self.plan)
 
     def dequantize_rows_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True
                              ) -> None:
@@ -317,71 +281,34 @@ class QuantizedWeight:
         self.dequantize_rows_into(np.ascontiguousarray(idx), out.numpy())
         return out
 
-    def dequantize(self) -> torch.Tensor:
-        """The whole float32 weight [N, K] (tests and fallbacks; the kernels never need it)."""
-        return self.dequantize_rows(torch.arange(self.out_features))
-
     def __repr__(self) -> str:
-        return (f"QuantizedWeight({self.gguf_type}, {self.layout}/{self.group_size}, "
+        return (f"PackedWeight({self.gguf_type}, {self.layout}/{self.group_size}, "
                 f"[{self.out_features}, {self.in_features}], {self.nbytes} B)")
 
 
-def takes_panels(weight: QuantizedWeight) -> bool:
-    """Whether `weight`'s rows run on half_panel_linear's kernel (every row count): a 16-bit
-    weight held as its panels, or one whose dtype this CPU has no matrix instructions for,
-    where the kernel runs."""
-    return weight.is_half and (weight.panel_storage or (
-        not computes_natively(weight.half_dtype) and half_panel_linear.panels_run_here()))
-
-
-def takes_group_panels(weight: QuantizedWeight) -> bool:
-    """Whether `weight`'s GEMV rows run on quantized_panel_numba's kernel: blocks held as
-    their panels, or "i8" (groups of 32 or 16 inputs) / "u4" blocks, int16 x (GEMV_X_FORMAT),
-    where the kernel runs."""
-    return not weight.is_half and (weight.panel_storage or (
-        weight.layout in ("i8", "u4") and GEMV_X_FORMAT == quantized_numba.X_INT16
-        and quantized_panel_numba.GROUP_PANELS_RUN))
-
-
-def holds_panels(weight: QuantizedWeight) -> bool:
-    """Whether a model's linear keeps `weight` as its panels alone (`store_as_panels`): where
-    a panel kernel takes its rows."""
-    return takes_panels(weight) or takes_group_panels(weight)
-
-
-def max_gemv_rows(weight: QuantizedWeight) -> int:
-    """The most rows of x `quantized_linear` multiplies by `weight` on the GEMV kernels
-    (`gemv_groups` or the group panels, `gemv_half`): beyond, on tiles or (16-bit) the matrix
-    units; none for a 16-bit weight on its panels."""
-    if weight.is_half and computes_natively(weight.half_dtype):
-        return min(MAX_QUANTIZED_GEMV_ROWS, MIN_NATIVE_HALF_ROWS - 1)
-    return 0 if takes_panels(weight) else MAX_QUANTIZED_GEMV_ROWS
-
-
-def max_numba_rows(weight: QuantizedWeight) -> int:
-    """The most rows of x whose product with `weight` numba code (the decode stack) computes
-    as `quantized_linear` does: the GEMV's rows, and with the 16-bit panels every count up to
-    MAX_QUANTIZED_GEMV_ROWS."""
-    return MAX_QUANTIZED_GEMV_ROWS if takes_panels(weight) else max_gemv_rows(weight)
-
-
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
+def quantized_linear(x: torch.Tensor, weight: PackedWeight,
                      bias: torch.Tensor | None = None, float32_sums: bool = False) -> torch.Tensor:
     """x float32 [T, K] (rows may be strided) @ weight^T (+ bias) -> float32 [T, N];
     `float32_sums` (logits): never rounded to a 16-bit weight's dtype on the matrix units."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit {weight!r}")
     t, n = x.shape[0], weight.out_features
-    if takes_panels(weight):
+    kernel = weight.plan.kernel_for(t)
+    if kernel is LinearKernel.HALF_PANELS:
         out = half_panel_linear.half_panel_linear(x.detach(), weight.panels(),
                                                   weight.layout == "bf16", n)
-    elif t <= max_gemv_rows(weight):
+    elif kernel is LinearKernel.NATIVE_16BIT:
+        out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(),
+                                             weight.half_dtype, float32_sums)
+    elif kernel is LinearKernel.BLOCK_TILES:
+        out = quantized_tiles.tiled_linear(x.detach(), weight)
+    else:
         out = torch.empty(t, n, dtype=torch.float32)
         x_np = x.detach().contiguous().numpy()
-        if weight.is_half:
+        if kernel is LinearKernel.HALF_GEMV:
             quantized_numba.gemv_half(x_np, weight.q.numpy(), weight.layout == "bf16",
                                       out.numpy())
-        elif takes_group_panels(weight):
+        elif kernel is LinearKernel.GROUP_PANELS:
             quantized_panel_numba.group_panel_kernel(x_np, *weight.group_panels(),
                                                      weight.layout == "u4", out.numpy())
         else:
@@ -390,11 +317,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
             quantized_numba.gemv_groups(x_np, weight.q.view(torch.uint8).numpy(),
                                         weight.scales.numpy(), weight.kernel_mins.numpy(),
                                         weight.layout == "u4", weight.group_size,
-                                        GEMV_X_FORMAT, out.numpy())
-    elif weight.is_half and computes_natively(half := weight.half_dtype):
-        out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(), half, float32_sums)
-    else:
-        out = quantized_tiles.tiled_linear(x.detach(), weight)
+                                        weight.plan.x_format, out.numpy())
     if bias is not None:
         out += bias
     return out

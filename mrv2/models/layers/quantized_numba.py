@@ -15,7 +15,7 @@ GEMV (decode, a few rows of x): the inner loop is LLVM vector IR emitted by a nu
 numba lowers (they are fully unrolled first, and SLP then stops at possible aliasing between the
 packed bytes and a scratch row, or at numba's negative-index wraparound selects), and numba
 widens integer arithmetic to int64, which AVX2 cannot convert to float in vectors: the old
-kernel decoded the 4-bit values through scalar cvtsi2ss / table loads at 2-6 GB/s. Here every
+kernel decoded the 4-bit values through scalar cvtsi2ss / table loads (bench/README.md). Every
 8 bytes are zero- (u4) or sign-extended (i8) straight to <8 x i32>, split into nibbles with a
 vector and / shift, converted with one vcvtdq2ps per 8 weights and multiplied into <8 x float>
 accumulators (vfmadd on ymm; generic LLVM vectors, so AVX-512 machines get the same code), two
@@ -392,8 +392,8 @@ def gemv_half(x, q, bf16, out):
     num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
     for c in prange(num_chunks):
         # Weight rows outer: a task's 16-bit rows (2 bytes a weight, 16 rows of K = 1536 are
-        # 48 KiB) would not stay in L1 across blocks of x, and x's rows outer measured up to
-        # 10% slower at 8 rows (bench/README.md); the packed blocks of gemv_groups do.
+        # 48 KiB) would not stay in L1 across blocks of x, and x's rows outer measured slower
+        # at 8 rows (bench/README.md); the packed blocks of gemv_groups do.
         for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
             m0 = 0
             while m0 < x.shape[0]:

@@ -296,7 +296,7 @@ def panel_tile_t(w, scales, mins, packed, b0, count, out_t):
         flat = w[b].reshape(-1)
         for g in range(groups):
             # `_group_scale` / `_group_min` per output, their form branches inside this loop,
-            # kept it scalar (a tile 1.4x slower): the forms' loops written out here
+            # kept it scalar (slower tiles: bench/README.md): the forms' loops written out here
             if u6 or u4k:  # sub-scales (and sub-mins) contiguous in the group's bytes
                 at = g * group_pairs * w.shape[2] + (768 if u6 else 1024)
                 per_super = U6_SUPER_GROUPS if u6 else U4K_SUPER_GROUPS

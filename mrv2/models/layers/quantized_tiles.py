@@ -18,7 +18,7 @@ import torch
 from mrv2.models.layers import quantized_panel_layout
 
 if TYPE_CHECKING:
-    from mrv2.models.layers.quantized import QuantizedWeight
+    from mrv2.models.layers.quantized import PackedWeight
 
 # Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
 TILE_ELEMENTS = 1 << 18
@@ -27,7 +27,7 @@ TILE_ELEMENTS = 1 << 18
 HALF_TILE_ELEMENTS = 1 << 20
 
 
-def tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """x float32 [T, K] @ weight^T -> float32 [T, N], tile by tile."""
     if weight.panel_storage:
         return _panel_tiled_linear(x, weight)
@@ -51,7 +51,7 @@ def tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return out_t.t().contiguous()
 
 
-def _panel_tiled_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def _panel_tiled_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     # A weight held as group panels: a tile of whole panels dequantized transposed ([K,
     # outputs]: a panel's outputs lie side by side in memory), torch.mm taking its transpose.
     n, k = weight.out_features, weight.in_features

@@ -136,9 +136,11 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         return rotary_triton.apply_rotary_qk(q, k, cos, sin, head_dim, q_norm.weight,
                                              k_norm.weight, q_norm.eps)
     if q_norm is not None and k_norm is not None:
+        # Heads as rows of a 2-D batch: the norms' CPU kernel (norm_numba) takes 2-D inputs,
+        # and the fused decode stack normalises heads with it too (models/cpu/decode.py).
         num_tokens = q.shape[0]
-        q = q_norm(q.reshape(num_tokens, -1, head_dim)).reshape(num_tokens, -1)
-        k = k_norm(k.reshape(num_tokens, -1, head_dim)).reshape(num_tokens, -1)
+        q = q_norm(q.reshape(-1, head_dim)).reshape(num_tokens, -1)
+        k = k_norm(k.reshape(-1, head_dim)).reshape(num_tokens, -1)
     return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
 
 

@@ -15,8 +15,9 @@ from torch import nn
 
 from mrv2 import distributed
 from mrv2.models.layers import cpu_linear
-from mrv2.models.layers.linear import (ShardId, _copy, _tp, narrow, set_weight_attrs,
-                                       tensor_shape)
+from mrv2.models.layers.linear import (ShardId, _copy, _tp, check_unfused, narrow,
+                                       set_weight_attrs, tensor_shape)
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
@@ -29,7 +30,11 @@ def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split over the ranks: a rank looks up the ids in its
-    range, zeroes the others, and all_reduce sums the ranks' rows (exactly one is non-zero)."""
+    range, zeroes the others, and all_reduce sums the ranks' rows (exactly one is non-zero).
+
+    `packed` (one rank only): the GGUF blocks or 16-bit weight the loader gave it in place of
+    `weight` (linear.set_packed); lookups dequantize or widen its rows exactly, and logits
+    multiply by it."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int | None = None,
                  tp_size: int | None = None) -> None:
@@ -41,12 +46,11 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = padded
         self.weight = nn.Parameter(torch.empty(padded, hidden_size), requires_grad=False)
         set_weight_attrs(self.weight, weight_loader=self.weight_loader, shard_ids=(None,))
+        self.packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: ShardId = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused: "
-                             f"got shard {shard_id!r}")
+        check_unfused(param, shard_id)
         full = (self.num_embeddings, param.shape[1])
         if tensor_shape(loaded) != full:
             raise ValueError(f"weight: checkpoint tensor has shape {tensor_shape(loaded)}, "
@@ -58,6 +62,9 @@ class VocabParallelEmbedding(nn.Module):
             _copy(param.narrow(0, 0, rows), narrow(loaded, 0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.dequantize_rows(input_ids.reshape(-1)).reshape(
+                *input_ids.shape, self.packed.in_features)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -87,6 +94,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 def parallel_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """hidden [N, hidden] -> float32 logits [N, V] through a vocab-split weight (an LM head or
     the tied embedding)."""
+    if head.packed is not None:
+        return quantized_linear(hidden_states.float(), head.packed, float32_sums=True)
     logits = float32_logits(hidden_states, head.weight)
     if head.tp_size > 1:
         logits = distributed.tp_all_gather(logits, dim=-1)[:, :head.num_embeddings]

@@ -1,6 +1,6 @@
 """/openapi.json is complete: request bodies, 200 schemas (JSON, server-sent events, text) and
 OpenAI's error envelope for the error statuses, from the typed models of protocol.py and
-protocol_responses.py. The document is checked on an in-process app (stub engine, dev routes
+answer_schemas.py. The document is checked on an in-process app (stub engine, dev routes
 on); what the real server answers is then validated against it, so the models mirror the
 handlers' output."""
 

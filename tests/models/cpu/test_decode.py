@@ -79,10 +79,12 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False, quantization="gguf",
               max_num_seqs=8)
-    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
-    assert isinstance(model.forward, cpu_decode.FusedDecode)
-    assert model.forward.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
-    assert model.layers[0].mlp.down_proj.weight.numel() == 0  # blocks only
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    fused, model = runner.fused_decode, runner.model.model
+    assert isinstance(fused, cpu_decode.FusedDecode) and fused.model is model
+    assert fused.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
+    down = model.layers[0].mlp.down_proj
+    assert down.packed is not None and down.weight.numel() == 0  # blocks only
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
     fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
     plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
@@ -97,16 +99,16 @@ def test_stack_stops_where_16_bit_linears_move_to_matrix_units(tiny_gguf_factory
                                                                 native, rows, monkeypatch):
     """Where the CPU computes a 16-bit model's dtype natively, its linears of
     MIN_NATIVE_HALF_ROWS rows or more run on the matrix units, so the stack takes fewer."""
-    from mrv2.models.layers import quantized
+    from mrv2.models.layers import linear_plan, quantized
 
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     path = tiny_gguf_factory("llama", tensor_type)
     llm = LLM(str(path), max_model_len=64, enable_prefix_caching=False, quantization="gguf",
               max_num_seqs=2)
-    model = llm.llm_engine.engine_core.executor.worker.runner.model.model
+    fused = llm.llm_engine.engine_core.executor.worker.runner.fused_decode
     llm.shutdown()
-    assert model.forward.max_rows == {
-        "native": quantized.MIN_NATIVE_HALF_ROWS - 1,
+    assert fused.max_rows == {
+        "native": linear_plan.MIN_NATIVE_HALF_ROWS - 1,
         "quantized": cpu_decode.MAX_QUANTIZED_DECODE_ROWS}[rows]
 
 
@@ -117,15 +119,15 @@ def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_
     llm = LLM(str(tiny_gguf_factory("llama", "Q4_1")), max_model_len=64, quantization="gguf")
     model = llm.llm_engine.engine_core.executor.worker.runner.model.model
     downs = [layer.mlp.down_proj for layer in model.layers]
-    assert {m.forward.weight.scales.dtype for m in downs} == {torch.int16}
+    assert {m.packed.scales.dtype for m in downs} == {torch.int16}
     uniform = cpu_decode._projection_views(downs)
     assert {v[1].dtype for v in uniform} == {np.dtype(np.int16)}
-    downs[0].forward.weight = downs[0].forward.weight._with_float32_tables()
+    downs[0].packed = downs[0].packed._with_float32_tables()
     mixed = cpu_decode._projection_views(downs)
     llm.shutdown()
     assert {v[1].dtype for v in mixed} == {v[2].dtype for v in mixed} == {np.dtype(np.float32)}
     for view, module in zip(mixed[1:], downs[1:]):
-        weight = module.forward.weight
+        weight = module.packed
         assert np.array_equal(view[1], weight.scales.view(torch.float16).float().numpy())
         assert np.array_equal(view[2], weight.mins.view(torch.float16).float().numpy())
         if weight.panel_storage:  # the tables are the panels'
@@ -135,19 +137,61 @@ def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_
                 assert np.array_equal(wide, table.view(np.float16).astype(np.float32))
 
 
-def test_off_for_larger_batches_and_unsupported_layers(tiny_model_factory, monkeypatch):
-    # More rows than MAX_ROWS: never called.
-    llm = LLM(str(tiny_model_factory("llama")), max_model_len=64)
+def test_off_for_larger_batches(tiny_llama, monkeypatch):
+    """More rows than MAX_DECODE_ROWS: never called."""
+    llm = LLM(str(tiny_llama), max_model_len=64)
     prompts = [{"prompt_token_ids": [7 + i, 8, 9]} for i in range(cpu_decode.MAX_DECODE_ROWS + 2)]
     _, calls = _generate(llm, prompts, True, monkeypatch)
     assert calls == 0
     llm.shutdown()
-    # Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) keep the module path.
-    for arch in ("qwen2", "qwen3"):
-        llm = LLM(str(tiny_model_factory(arch)), max_model_len=64)
-        _, calls = _generate(llm, [{"prompt_token_ids": [5, 6, 7]}], True, monkeypatch)
-        assert calls == 0, arch
-        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_biases_and_qk_norms_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms (its head_dim not hidden / heads)
+    are computed inside the stack as the module path computes them."""
+    path = tiny_model_factory(arch, **({"head_dim": 32} if arch == "qwen3" else {}))
+    llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
+    assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    llm.shutdown()
+    assert fused_calls > 0 and plain_calls == 0
+    assert_same_outputs(fused, plain)
+
+
+def test_no_fused_path_for_layers_it_does_not_compute(tiny_model_factory):
+    """Checked once on the loaded weights (`qualifies`): a q/k norm of another eps than the
+    layer norms (the kernel takes one), a q norm without a k norm, a bias that is not float32,
+    a projection split over ranks, layers of different norm eps: the module path."""
+    from mrv2.engine.arg_utils import EngineArgs
+    from mrv2.models import load_model
+
+    def loaded(arch: str):
+        config = EngineArgs(model=str(tiny_model_factory(arch)), dtype="float32",
+                            device="cpu").create_engine_config().model_config
+        model = load_model(config, torch.device("cpu"))
+        assert cpu_decode.fused_decode(model) is not None
+        return model
+
+    model = loaded("qwen3")
+    model.model.layers[1].self_attn.q_norm.eps = 1e-3
+    assert cpu_decode.fused_decode(model) is None
+    model = loaded("qwen3")
+    model.model.layers[0].self_attn.k_norm = None
+    assert cpu_decode.fused_decode(model) is None
+    model = loaded("qwen2")
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    qkv.bias = torch.nn.Parameter(qkv.bias.detach().bfloat16(), requires_grad=False)
+    assert cpu_decode.fused_decode(model) is None
+    model = loaded("llama")
+    model.model.layers[0].mlp.down_proj.tp_size = 2
+    assert cpu_decode.fused_decode(model) is None
+    model = loaded("llama")
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        getattr(model.model.layers[1], norm).eps = 1e-3
+    assert cpu_decode.fused_decode(model) is None
 
 
 def test_off_with_autograd_or_other_dtypes(tiny_llama):

@@ -1,7 +1,8 @@
 """The fused decode stack kernel's own parts: its embedding lookup on every weight kind (GGUF
 blocks, or held as group panels) against the module path's lookup (bit for bit), a 16-bit
-weight's linear against quantized_linear's (bit for bit, GEMV and panels), and the rotary rows
-at the step's positions; the lookups raise IndexError outside their tables. The whole stack
+weight's linear against quantized_linear's (bit for bit, GEMV and panels), a projection's bias
+and Qwen3's per-head q/k norm against the module path's (bit for bit), and the rotary rows at
+the step's positions; the lookups raise IndexError outside their tables. The whole stack
 against the module path is test_decode.py's."""
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import torch
 from numba import njit
 
 from mrv2.models.cpu import decode as cpu_decode
-from mrv2.models.cpu.decode_stack_numba import _embed, _linear, rotary_rows
+from mrv2.models.cpu.decode_stack_numba import (_add_bias, _embed, _head_norm, _linear,
+                                                rotary_rows)
 from mrv2.models.layers import half_panel_linear, quantized, quantized_panel_numba
-from mrv2.models.layers.quantized import QuantizedWeight, quantized_linear
+from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 VOCAB, WIDTH = 40, 256
 
@@ -30,31 +33,49 @@ def _stack_linear(x, w, out):
     _linear(x, w, out)
 
 
-def _weights() -> dict[str, QuantizedWeight | torch.Tensor]:
+@njit
+def _biased(out, bias):
+    _add_bias(out, bias)
+
+
+def _values() -> torch.Tensor:
     values = torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(0))
     # float16's subnormals, its largest value and an infinity: every branch of the widening.
     values[3, :4] = torch.tensor([3e-7, -5.9e-8, 65504.0, float("inf")])
-    out: dict[str, QuantizedWeight | torch.Tensor] = {"float32": values}
+    return values
+
+
+def _half_weights(values: torch.Tensor) -> dict[str, PackedWeight]:
+    """The 16-bit weights of `values`, and held as panels where their kernel runs; each made
+    with its plan (linear_plan: whether this CPU multiplies the dtype natively, read then)."""
+    out = {}
     for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
-        out[name] = QuantizedWeight.from_float(values, dtype)
+        out[name] = PackedWeight.from_float(values, dtype)
+    if half_panel_linear.panels_run_here():
+        for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+            out[f"{name} as panels"] = PackedWeight.from_float(values, dtype)
+            out[f"{name} as panels"].store_as_panels()
+    return out
+
+
+def _weights() -> dict[str, PackedWeight | torch.Tensor]:
+    values = _values()
+    out: dict[str, PackedWeight | torch.Tensor] = {"float32": values,
+                                                      **_half_weights(values)}
     for gguf_type in ("Q8_0", "Q4_1", "Q5_1"):  # "i8", "u4" with mins, "i8" with mins
         raw = gguf.quants.quantize(values.clamp(-8, 8).numpy(),
                                    gguf.GGMLQuantizationType[gguf_type])
-        out[gguf_type] = QuantizedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
+        out[gguf_type] = PackedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
     # float32 tables (a K-quant's, or a stack list mixing both)
     out["Q4_1 float32 tables"] = out["Q4_1"]._with_float32_tables()
     if quantized_panel_numba.GROUP_PANELS_RUN:  # held as group panels alone, as a model's are
         for gguf_type in ("Q8_0", "Q4_1"):
             raw = gguf.quants.quantize(values.clamp(-8, 8).numpy(),
                                        gguf.GGMLQuantizationType[gguf_type])
-            weight = QuantizedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
+            weight = PackedWeight.from_gguf(raw, gguf_type, (VOCAB, WIDTH))
             weight.store_as_panels()
             out[f"{gguf_type} as panels"] = weight
         out["Q4_1 as panels, float32 tables"] = out["Q4_1 as panels"]._with_float32_tables()
-    if half_panel_linear.panels_run_here():
-        for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
-            out[f"{name} as panels"] = QuantizedWeight.from_float(values, dtype)
-            out[f"{name} as panels"].store_as_panels()
     return out
 
 
@@ -89,11 +110,55 @@ def test_16_bit_linear_is_quantized_linears(kind, rows, monkeypatch):
     panels where the weight takes them or is held as them, else the GEMV), so the stack and the
     layer path agree bit for bit."""
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)
-    weight = WEIGHTS[kind]
+    weight = _half_weights(_values())[kind]  # its plan made now: no matrix units
     x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
     out = np.full((rows, VOCAB), np.nan, dtype=np.float32)
     _stack_linear(x.numpy(), cpu_decode._weight_view(weight), out)
     assert np.array_equal(out.view(np.int32), quantized_linear(x, weight).numpy().view(np.int32))
+
+
+@pytest.mark.parametrize("kind", [k for k in WEIGHTS if k.startswith(("bf16", "f16"))])
+def test_16_bit_linear_is_quantized_linears_where_this_cpus_plan_lets_the_stack_run(kind):
+    """The weight as made on this CPU (matrix units where it has them): every row count up to
+    its plan's `numba_rows` (the rows the stack runs it at) gives quantized_linear's bits."""
+    weight = WEIGHTS[kind]
+    assert weight.plan.numba_rows >= 1
+    for rows in range(1, weight.plan.numba_rows + 1):
+        x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
+        out = np.full((rows, VOCAB), np.nan, dtype=np.float32)
+        _stack_linear(x.numpy(), cpu_decode._weight_view(weight), out)
+        expect = quantized_linear(x, weight).numpy()
+        assert np.array_equal(out.view(np.int32), expect.view(np.int32)), rows
+
+
+def test_bias_is_added_as_the_module_path_adds_it():
+    """After the product, one float32 add per output (torch's `out + bias`); a [0] bias is
+    none."""
+    g = torch.Generator().manual_seed(0)
+    product, bias = torch.randn(3, 24, generator=g), torch.randn(24, generator=g)
+    out = product.numpy().copy()
+    _biased(out, bias.numpy())
+    assert np.array_equal(out.view(np.int32), (product + bias).numpy().view(np.int32))
+    out = product.numpy().copy()
+    _biased(out, np.empty(0, dtype=np.float32))
+    assert np.array_equal(out, product.numpy())
+
+
+@pytest.mark.parametrize("rows, num_heads", [(1, 4), (3, 2)])
+def test_head_norm_is_the_norm_modules_on_each_head(rows, num_heads):
+    """Qwen3's q_norm / k_norm: each head of q (a column slice of the qkv rows, as the stack
+    passes it) normalised as the RMSNorm module normalises the heads as rows."""
+    head_dim, eps = 32, 1e-6
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, num_heads * head_dim + 40, generator=g)
+    norm = RMSNorm(head_dim, eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
+        q = qkv[:, :num_heads * head_dim]
+        expect = norm(q.reshape(-1, head_dim)).reshape(rows, -1)
+    out = _head_norm(qkv.numpy()[:, :num_heads * head_dim], norm.weight.detach().numpy(),
+                     np.float32(eps), rows, num_heads, head_dim)
+    assert np.array_equal(out.view(np.int32), expect.numpy().view(np.int32))
 
 
 def test_rotary_rows_at_the_positions():

@@ -12,13 +12,14 @@ import torch
 from mrv2 import LLM, SamplingParams
 from mrv2.models.cpu import onednn_decode
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, OneDnnDecode
-from mrv2.models.layers import cpu_gemv, cpu_linear, dot_linear, quantized, tile_linear
+from mrv2.models.layers import (cpu_gemv, cpu_linear, dot_linear, linear_plan, quantized,
+                                tile_linear)
 
 native = pytest.mark.skipif(not quantized.computes_natively(torch.bfloat16),
                             reason="this CPU has no bfloat16 matrix units (or no oneDNN)")
 onednn = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
 # The fewest rows the path runs per model dtype (OneDnnDecode.min_rows).
-MIN_ROWS = {"bfloat16": quantized.MIN_NATIVE_HALF_ROWS, "float32": cpu_gemv.MAX_GEMV_ROWS + 1}
+MIN_ROWS = {"bfloat16": linear_plan.MIN_NATIVE_HALF_ROWS, "float32": cpu_gemv.MAX_GEMV_ROWS + 1}
 DTYPES = [pytest.param("bfloat16", marks=native), pytest.param("float32", marks=onednn)]
 # Equal bit for bit in a fresh process. In the suite's cold-cache runs (two workers sharing one
 # numba disk cache) the layer path's float32 result differed by up to 1.9e-6 in one logprob in
@@ -92,11 +93,11 @@ def test_runs_from_the_rows_the_linears_take_to_onednn_to_its_maximum(dtype):
     assert MAX_ONEDNN_DECODE_ROWS <= cpu_linear.FEW_ROWS_MAX
 
 
-@pytest.mark.parametrize("dtype, natively, attached", [
+@pytest.mark.parametrize("dtype, natively, expected", [
     ("bfloat16", True, torch.bfloat16), ("bfloat16", False, None), ("float16", True, None),
     ("float32", True, torch.float32), ("float32", False, torch.float32)])
 def test_only_bfloat16_projections_on_a_native_cpu_or_float32_ones(tiny_llama, monkeypatch,
-                                                                   dtype, natively, attached):
+                                                                   dtype, natively, expected):
     from mrv2.engine.arg_utils import EngineArgs
     from mrv2.models import cpu, load_model
 
@@ -104,9 +105,9 @@ def test_only_bfloat16_projections_on_a_native_cpu_or_float32_ones(tiny_llama, m
     config = EngineArgs(model=str(tiny_llama), dtype=dtype,
                         device="cpu").create_engine_config().model_config
     model = load_model(config, torch.device("cpu"))
-    cpu.attach(model, config)
+    cpu.prepare(model, config)
     path = onednn_decode.onednn_decode(model.model)
-    assert (path.dtype if path is not None else None) == attached
+    assert (path.dtype if path is not None else None) == expected
     if path is not None:  # from the rows where the layer path's linears move to oneDNN
         assert path.min_rows == MIN_ROWS[dtype]
 
@@ -118,7 +119,7 @@ def test_not_for_gguf_blocks_or_a_biased_projection(tiny_llama, tiny_gguf_factor
     config = EngineArgs(model=str(tiny_gguf_factory("llama", "Q8_0")), quantization="gguf",
                         device="cpu").create_engine_config().model_config
     model = load_model(config, torch.device("cpu"))
-    cpu.attach(model, config)
+    cpu.prepare(model, config)
     assert onednn_decode.onednn_decode(model.model) is None
     config = EngineArgs(model=str(tiny_llama), dtype="float32",
                         device="cpu").create_engine_config().model_config
@@ -141,7 +142,7 @@ def test_bfloat16_linears_on_the_few_row_kernel_where_the_shapes_allow(tiny_llam
     config = EngineArgs(model=str(tiny_llama), dtype="bfloat16",
                         device="cpu").create_engine_config().model_config
     model = load_model(config, torch.device("cpu"))
-    paths = cpu.attach(model, config)
+    paths = cpu.prepare(model, config)
     path = paths.decode.onednn
     assert not path.one_call  # until the first step packs the weights
     weights = path.step_weights()

@@ -4,14 +4,17 @@ computes what the dequantized float32 model computes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import ConfigError
 from mrv2.engine.arg_utils import EngineArgs
-from mrv2.models.cpu import attach
-from mrv2.models.cpu.quantized_weights import QuantizedLinearForward
+from mrv2.models.cpu import prepare
+from mrv2.models.cpu.quantized_weights import pack_gguf_weights
+from mrv2.models.gguf import GGUFWeight
 from mrv2.models.loader import load_model
 
 CPU = torch.device("cpu")
@@ -19,6 +22,11 @@ CPU = torch.device("cpu")
 
 def _configs(path, **kwargs):
     return EngineArgs(model=str(path), max_model_len=64, **kwargs).create_engine_config()
+
+
+def _dequantized(model_config):
+    """The same file loaded as float32 weights (quantization off): the reference."""
+    return load_model(dataclasses.replace(model_config, quantization=None), CPU)
 
 
 def _quantized(path, **kwargs) -> LLM:
@@ -32,17 +40,18 @@ def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factor
                                                                 tied):
     path = tiny_gguf_factory("llama", tensor_type, tie_word_embeddings=tied)
     config = _configs(path, quantization="gguf").model_config
-    reference = load_model(config, CPU)  # the loader's dequantized float32 weights
-    model = load_model(config, CPU)
-    paths = attach(model, config)
-    attached = set(paths.quantized.weights)
+    reference = _dequantized(config)  # the loader's dequantized float32 weights
+    model = load_model(config, CPU)  # packed by the loader
+    paths = prepare(model, config)
+    attached = set(paths.packed.weights)
     layers = {f"model.layers.{i}.{m}" for i in range(len(model.model.layers))
               for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
                         "mlp.down_proj")}
     assert layers <= attached and "model.embed_tokens" in attached
     assert ("lm_head" in attached) is (not tied)
     assert paths.decode is not None  # the fused decode stack runs on the blocks too
-    assert isinstance(model.model.layers[0].mlp.down_proj.forward, QuantizedLinearForward)
+    assert model.model.layers[0].mlp.down_proj.packed is paths.packed.weights[
+        "model.layers.0.mlp.down_proj"]
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
     ids = torch.tensor([5, 17, 300, 42, 1000, 7])
     with torch.no_grad():
@@ -58,6 +67,55 @@ def test_quantized_model_computes_what_the_dequantized_one_does(tiny_gguf_factor
         torch.testing.assert_close(mlp(x), ref_mlp(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tensor_type, tied, tensor_types", [
+    ("Q4_1", False, None), ("Q8_0", True, None), ("BF16", False, None),
+    ("Q4_0", True, {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q8_0"}),
+    # A 16-bit v beside integer q / k: that qkv_proj keeps its float32 weight.
+    ("Q8_0", False, {"attn_v.weight": "F16"})])
+def test_the_loader_packs_what_packing_a_loaded_model_would_never_dequantizing_it(
+        tiny_gguf_factory, monkeypatch, tensor_type, tied, tensor_types):
+    """Issue 48: load_model packs the blocks itself instead of dequantizing them into float32
+    parameters first. The same modules get the same weights as packing the float32-loaded
+    model did, the rest loads as float32, and no packed tensor is ever dequantized."""
+    path = tiny_gguf_factory("llama", tensor_type, tensor_types=tensor_types,
+                             tie_word_embeddings=tied)
+    config = _configs(path, quantization="gguf").model_config
+    reference = _dequantized(config)
+    expected = pack_gguf_weights(reference, config)  # packing after a float32 load
+    dequantized: list[str] = []
+    read = GGUFWeight.__getitem__
+
+    def recording_read(self, index):
+        dequantized.append(self.record.name)
+        return read(self, index)
+
+    monkeypatch.setattr(GGUFWeight, "__getitem__", recording_read)
+    model = load_model(config, CPU)
+    assert dequantized  # the norms at least
+    packed_files = {w.record.name for n, w in _file_tensors(config)
+                    if n in expected.checkpoint_names}
+    assert packed_files and not packed_files & set(dequantized)
+    got = prepare(model, config).packed.weights
+    assert got.keys() == expected.weights.keys()
+    assert (tensor_types is None or "F16" not in tensor_types.values()) is (
+        "model.layers.0.self_attn.qkv_proj" in got)
+    for name, weight in got.items():
+        want = expected.weights[name]
+        assert (weight.layout, weight.group_size, weight.gguf_type, weight.panel_storage) == (
+            want.layout, want.group_size, want.gguf_type, want.panel_storage), name
+        pairs = list(zip(weight.storage_tensors(), want.storage_tensors(), strict=True))
+        assert all(torch.equal(a, b) for a, b in pairs), name
+    for (name, param), (_, ref_param) in zip(model.named_parameters(),
+                                             reference.named_parameters(), strict=True):
+        assert torch.equal(param, ref_param), name  # released (empty) alike, or loaded alike
+
+
+def _file_tensors(model_config):
+    from mrv2.models.gguf import iterate_gguf_weights, open_gguf
+
+    return list(iterate_gguf_weights(open_gguf(model_config.model), model_config.hf_config))
+
+
 @pytest.mark.usefixtures("float_activations")
 def test_llm_generates_the_dequantized_models_tokens(tiny_gguf_factory):
     """Greedy tokens through the engine (prefill, and decode of six rows) equal those of the
@@ -69,11 +127,18 @@ def test_llm_generates_the_dequantized_models_tokens(tiny_gguf_factory):
     worker = llm.llm_engine.engine_core.executor.worker
     assert worker.model.model.layers[0].mlp.down_proj.weight.numel() == 0
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    # The reference: the loader's float32 weights in the same engine.
-    worker.model = load_model(llm.llm_engine.engine_core.config.model_config, CPU)
-    worker.runner.model = worker.model
+    _run_float32_reference(llm)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
+
+
+def _run_float32_reference(llm: LLM) -> None:
+    """Swap the loader's float32 weights of the same file into `llm`'s engine, run by the
+    model's own forward (the fused decode built on the blocks dropped)."""
+    worker = llm.llm_engine.engine_core.executor.worker
+    worker.model = _dequantized(llm.llm_engine.engine_core.config.model_config)
+    assert worker.model.model.layers[0].mlp.down_proj.packed is None
+    worker.runner.model, worker.runner.fused_decode = worker.model, None
 
 
 @pytest.mark.usefixtures("float_activations")
@@ -85,12 +150,12 @@ def test_shards_of_different_layouts_are_fused_as_bytes(tiny_gguf_factory):
     path = tiny_gguf_factory("llama", "Q4_0", tensor_types={"attn_v.weight": "Q8_0",
                                                             "ffn_down.weight": "Q8_0"})
     config = _configs(path, quantization="gguf").model_config
-    reference = load_model(config, CPU)
+    reference = _dequantized(config)
     model = load_model(config, CPU)
-    paths = attach(model, config)
-    qkv = paths.quantized.weights["model.layers.0.self_attn.qkv_proj"]
+    paths = prepare(model, config)
+    qkv = paths.packed.weights["model.layers.0.self_attn.qkv_proj"]
     assert (qkv.layout, qkv.group_size, qkv.gguf_type) == ("i8", 32, "Q4_0+Q8_0")
-    assert paths.quantized.weights["model.layers.0.mlp.gate_up_proj"].layout == "u4"
+    assert paths.packed.weights["model.layers.0.mlp.gate_up_proj"].layout == "u4"
     assert paths.decode is not None
     x = torch.randn(3, config.hf_config.hidden_size, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -100,10 +165,8 @@ def test_shards_of_different_layouts_are_fused_as_bytes(tiny_gguf_factory):
     prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7]} for i in range(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm = _quantized(path, max_num_seqs=4)
-    worker = llm.llm_engine.engine_core.executor.worker
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    worker.model = load_model(llm.llm_engine.engine_core.config.model_config, CPU)
-    worker.runner.model = worker.model
+    _run_float32_reference(llm)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
 
@@ -159,8 +222,8 @@ def test_16bit_model_keeps_16bit_weights_and_float32_activations(tiny_model_fact
     assert (config.dtype, config.cpu_weight_dtype) == (torch.float32, torch.bfloat16)
     assert _configs(path).model_config.cpu_weight_dtype is None  # "auto": float32 weights
     model = load_model(config, CPU)
-    paths = attach(model, config)
-    weights = paths.quantized.weights
+    paths = prepare(model, config)
+    weights = paths.packed.weights
     assert {w.layout for w in weights.values()} == {"bf16"} and "model.embed_tokens" in weights
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
     assert paths.decode is not None  # the fused decode stack runs on them
@@ -195,13 +258,13 @@ def test_16bit_lm_head_gives_float32_logits_at_every_row_count(tiny_model_factor
     bfloat16, whose grid tied the France chat's top two tokens. Every row count gives float32
     sums now: off the bfloat16 grid, within the bound of x rounded to bfloat16 and float32
     sums (test_cpu_linear.bf16_float32_sums_bound)."""
-    from mrv2.models.layers.quantized import max_gemv_rows
+    from mrv2.models.layers.linear_plan import LinearKernel
 
     path = _bf16_checkpoint(tiny_model_factory("llama", tie_word_embeddings=False),
                             tmp_path / "bf16")
     config = _configs(path, dtype="bfloat16").model_config
     model = load_model(config, CPU)
-    paths = attach(model, config)
+    paths = prepare(model, config)
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     w = _bf16_checkpoint_weight(path, "lm_head.weight")
     h = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
@@ -210,7 +273,8 @@ def test_16bit_lm_head_gives_float32_logits_at_every_row_count(tiny_model_factor
     assert head.weight.numel() == 0 and logits.dtype == torch.float32
     assert not torch.equal(logits, logits.bfloat16().float())
     # Beyond the GEMV's rows x is rounded to bfloat16 for the matrix units (or their stand-in).
-    on_units = rows > max_gemv_rows(paths.quantized.weights["lm_head"])
+    plan = paths.packed.weights["lm_head"].plan
+    on_units = plan.kernel_for(rows) is LinearKernel.NATIVE_16BIT
     x = h.bfloat16().double() if on_units else h.double()
     error = (logits.double() - x @ w.double().T).abs()
     bound = w.shape[1] * 2.0 ** -24 * (x.abs() @ w.double().abs().T) + 1e-30

@@ -95,3 +95,21 @@ def test_every_writable_type_loads_by_rows(tiny_model_factory, tiny_gguf_factory
     assert torch.equal(materialize(narrow(weight, 0, rows, rows)), whole[rows:])
     expected = source["model.layers.1.mlp.up_proj.weight"].float()
     assert (whole - expected).norm() / expected.norm() < 0.15
+
+
+def test_each_tensors_pages_are_released_once_the_next_is_asked_for(tiny_gguf_factory,
+                                                                    monkeypatch):
+    """Issue 48: the loader copies each tensor before it asks for the next, so the file's
+    pages of that tensor are dropped then (GGUFTensorRecord.release_pages), not held in the
+    RSS beside the copy."""
+    from mrv2.models.gguf.checkpoint import GGUFTensorRecord
+
+    released: list[str] = []
+    monkeypatch.setattr(GGUFTensorRecord, "release_pages",
+                        lambda record: released.append(record.name))
+    ckpt = open_gguf(tiny_gguf_factory("llama", "Q8_0"))
+    names = []
+    for _, weight in iterate_gguf_weights(ckpt, gguf_hf_config(ckpt)):
+        assert released == names  # the previous ones, not this one
+        names.append(weight.record.name)
+    assert released == names and len(names) > 1

@@ -1,0 +1,124 @@
+"""Which kernel multiplies by a packed weight (GGUF blocks or 16-bit), chosen once per weight.
+
+A `LinearPlan` is made when a `quantized.PackedWeight` is (from its layout and this CPU's
+capabilities) and carried with it: `quantized_linear` (the module path), the fused decode
+stack's views (models/cpu/decode.py), the LM head in the stack (`numba_rows`) and the choice to
+hold a weight as its panels (`on_panels`) all read it, so they agree by construction. The row
+bands and the activation format live here, beside the choice they make; the kernels live in
+their own modules (named on each `LinearKernel`).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from dataclasses import dataclass
+
+from mrv2 import batch_invariant, cpu_caps
+from mrv2.models.layers import dot_linear, half_panel_linear, quantized_numba
+from mrv2.models.layers import quantized_panel_numba
+from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
+
+
+class LinearKernel(enum.Enum):
+    HALF_GEMV = "half_gemv"  # quantized_numba.gemv_half: 16-bit values widened, float32 sums
+    HALF_PANELS = "half_panels"  # half_panel_linear: 16-bit output panels, any row count
+    NATIVE_16BIT = "native_16bit"  # cpu_linear.native_16bit_linear: AMX / AVX-512 BF16 / oneDNN
+    BLOCK_GEMV = "block_gemv"  # quantized_numba.gemv_groups: integer blocks as stored
+    GROUP_PANELS = "group_panels"  # quantized_panel_numba: blocks on output panels, int16 x
+    BLOCK_TILES = "block_tiles"  # quantized_tiles: float32 tiles of the blocks + torch.mm
+
+
+# The kernels numba code (the fused decode stack) calls as the module path does.
+NUMBA_KERNELS = frozenset({LinearKernel.HALF_GEMV, LinearKernel.HALF_PANELS,
+                           LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS})
+
+
+def _gemv_x_format() -> int:
+    """How the GEMV on "u4" / "i8" weights takes x (quantized_numba.X_*): where numba compiles
+    AVX2's integer multiply-adds, int16 per 32 inputs (quantized_int16_numba: an error 2^-16 of
+    each block's largest input), else float32. MRV2_GGUF_ACTIVATIONS=float32 keeps x exact;
+    =int8 is llama.cpp's scheme (its ~1% rounding moves greedy outputs off float32's, as
+    llama.cpp's does); cpu_caps reads the switch (and its older spelling) and checks it."""
+    choice = cpu_caps.caps().gguf_activations
+    formats = {"float32": quantized_numba.X_FLOAT32, "int16": quantized_numba.X_INT16,
+               "int8": quantized_numba.X_INT8}
+    if not X86_INT8_DOTS:
+        return quantized_numba.X_FLOAT32
+    return formats[choice or "int16"]
+
+
+# The x format of the GEMV on GGUF blocks, read into each plan when its weight is made.
+GEMV_X_FORMAT: int = _gemv_x_format()
+# Rows of x up to which the GEMV beats dequantize-tile + torch.mm (bench/test_quantized_linear.py,
+# bench/README.md); the fused decode stack runs up to as many.
+MAX_QUANTIZED_GEMV_ROWS = 32
+# Rows of x from which a 16-bit weight runs on the CPU's matrix units: from 2 where a few-row
+# kernel reads the packed weights (AMX tiles, or AVX-512 BF16's dot_linear: a bf16 model's
+# decode step then runs onednn_decode.py as one call, faster than the fused stack's GEMV but
+# at 1 row), else from 8 (oneDNN's calls; bench/README.md has each CPU's figures).
+MIN_NATIVE_HALF_ROWS = 2 if cpu_caps.caps().matrix_tiles or dot_linear.runs_here() else 8
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """`few` multiplies up to `few_rows` rows of x, `many` more; `x_format` is the GEMV's x
+    format on integer blocks (quantized_numba.X_*)."""
+
+    few: LinearKernel
+    few_rows: int
+    many: LinearKernel
+    x_format: int = quantized_numba.X_FLOAT32
+
+    def kernel_for(self, rows: int) -> LinearKernel:
+        return self.few if rows <= self.few_rows else self.many
+
+    @property
+    def on_panels(self) -> bool:
+        """The weight is held as its panels alone (its few-row kernel reads panels)."""
+        return self.few in (LinearKernel.HALF_PANELS, LinearKernel.GROUP_PANELS)
+
+    @property
+    def numba_rows(self) -> int:
+        """The most rows numba code computes as `quantized_linear` does (the fused stack)."""
+        return self.few_rows if self.few in NUMBA_KERNELS else 0
+
+
+def plan_for(layout: str, native_16bit: bool) -> LinearPlan:
+    """The plan of a weight of `layout` ("u4", "i8", "f16", "bf16"); `native_16bit`: this CPU
+    multiplies the 16-bit layout's dtype on matrix units (cpu_linear.computes_natively). In
+    batch-invariant mode the few-row kernel (each row's sums in one fixed order, whatever the
+    other rows and the threads) runs every row count."""
+    plan = _fastest_plan(layout, native_16bit)
+    if batch_invariant.active():
+        return LinearPlan(plan.few, sys.maxsize, plan.few, plan.x_format)
+    return plan
+
+
+def _fastest_plan(layout: str, native_16bit: bool) -> LinearPlan:
+    if layout in ("f16", "bf16"):
+        if native_16bit:
+            return LinearPlan(LinearKernel.HALF_GEMV,
+                              min(MAX_QUANTIZED_GEMV_ROWS, MIN_NATIVE_HALF_ROWS - 1),
+                              LinearKernel.NATIVE_16BIT)
+        if half_panel_linear.panels_run_here():  # every row count: panels beat tiles here
+            return LinearPlan(LinearKernel.HALF_PANELS, MAX_QUANTIZED_GEMV_ROWS,
+                              LinearKernel.HALF_PANELS)
+        return LinearPlan(LinearKernel.HALF_GEMV, MAX_QUANTIZED_GEMV_ROWS,
+                          LinearKernel.BLOCK_TILES)
+    if layout not in ("u4", "i8"):
+        raise ValueError(f"no linear plan for layout {layout!r}")
+    x_format = GEMV_X_FORMAT
+    few = (LinearKernel.GROUP_PANELS if x_format == quantized_numba.X_INT16
+           and quantized_panel_numba.GROUP_PANELS_RUN else LinearKernel.BLOCK_GEMV)
+    return LinearPlan(few, MAX_QUANTIZED_GEMV_ROWS, LinearKernel.BLOCK_TILES, x_format)
+
+
+def panels_plan(plan: LinearPlan) -> LinearPlan:
+    """`plan` for the same weight held as its panels alone: the panel kernel at every row
+    count a 16-bit weight's panels serve, the group panels for the few rows of integer blocks."""
+    if plan.few in (LinearKernel.HALF_GEMV, LinearKernel.HALF_PANELS):
+        return LinearPlan(LinearKernel.HALF_PANELS, max(plan.few_rows, MAX_QUANTIZED_GEMV_ROWS),
+                          LinearKernel.HALF_PANELS)
+    many = LinearKernel.GROUP_PANELS if plan.many is plan.few else plan.many
+    return LinearPlan(LinearKernel.GROUP_PANELS, plan.few_rows, many, plan.x_format)
