@@ -9,9 +9,10 @@ number of threads. The kernels that would choose by row count choose once: a pac
 plan keeps its few-row kernel (a GEMV, each row's dot in a fixed order) for every row count
 (linear_plan.plan_for), a float32 linear always runs the numba GEMV (cpu_linear.linear),
 attention runs every query token, prefill included, through the decode kernel with no context
-splits (paged_torch.paged_attention, decode_numba.work_split), and the oneDNN paths (matrix
-units, thread-dependent blockings) are off. Norms, rotary, activations, the embedding and the
-sampler already work row by row.
+splits (paged_torch.paged_attention, decode_numba.work_split), the oneDNN paths (matrix
+units, thread-dependent blockings) are off, and logprobs take each row's logsumexp in one order
+(sampler/logprobs_numba.py). Norms, rotary, activations, the embedding and greedy sampling
+already work row by row; the sampling filters' masses (top-k / top-p) still reduce in torch.
 
 The mode is process-wide: a worker sets it from its ModelConfig before it loads the model
 (weights' plans are made at load) and kernels read it when they run, so engines of both modes

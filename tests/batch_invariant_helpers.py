@@ -5,6 +5,7 @@ its place in the batch), after a prefix-cache hit, with a small chunked-prefill 
 at 1 numba thread; written as JSON, one entry per case.
 
     python batch_invariant_helpers.py OUT.json MODEL DTYPE QUANTIZATION|none MODE(0|1)
+    python batch_invariant_helpers.py OUT.json demo DTYPE none 1   (the demo's chats)
 """
 
 from __future__ import annotations
@@ -64,8 +65,33 @@ def cases(model: str, dtype: str, quantization: str | None, invariant: bool) -> 
     return out
 
 
+def demo_chats(dtype: str) -> dict:
+    """The built-in SmolLM2's answers to the demo's chats in batch-invariant mode, all four in
+    one batch and each alone (a real vocabulary: torch's logsumexp split a lone row over the
+    threads, and moved its logprobs in the last bit)."""
+    from mrv2 import LLM, SamplingParams
+    from mrv2.entrypoints.cli import DEFAULT_QUESTIONS
+    from mrv2.models.builtin import builtin_model_path
+
+    llm = LLM(str(builtin_model_path()), dtype=dtype, batch_invariant=True,
+              max_model_len=256, kv_cache_memory_gb=0.05)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+        chats = [[{"role": "user", "content": q}] for q in DEFAULT_QUESTIONS]
+        together = llm.chat(chats, params, use_tqdm=False)
+        alone = [llm.chat([chat], params, use_tqdm=False)[0] for chat in chats]
+    finally:
+        llm.shutdown()
+    return {"together": [_signature(o) for o in together],
+            "alone": [_signature(o) for o in alone]}
+
+
 if __name__ == "__main__":
     out_path, model, dtype, quantization, mode = sys.argv[1:6]
-    result = cases(model, dtype, None if quantization == "none" else quantization, mode == "1")
+    if model == "demo":
+        result = demo_chats(dtype)
+    else:
+        result = cases(model, dtype, None if quantization == "none" else quantization,
+                       mode == "1")
     with open(out_path, "w") as f:
         json.dump(result, f)

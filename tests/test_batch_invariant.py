@@ -44,6 +44,14 @@ def test_a_requests_answer_does_not_depend_on_its_batch(path, tiny_llama, tiny_g
         assert any(case["logprobs"] != alone["logprobs"] for case in default.values())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_demos_chats_alone_and_together(dtype, tmp_path):
+    """The built-in SmolLM2 (a 49152-token vocabulary) answers the demo's four chats with the
+    same bits alone and in one batch."""
+    answers = _cases(tmp_path, Path("demo"), dtype, None, invariant=True)
+    assert answers["together"] == answers["alone"]
+
+
 def test_the_mode_reaches_the_model_config(tiny_llama, monkeypatch):
     def config(**kwargs):
         return EngineArgs(model=str(tiny_llama), device="cpu",

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mrv2 import batch_invariant
+
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -64,7 +66,12 @@ def compute_logprobs(source: Tensor, sampled: Tensor, num_topk: int, *,
     else:
         values, ids = chosen.clone(), sampled.long().unsqueeze(1)
     if not as_logits:
-        values = values - torch.logsumexp(x, dim=-1, keepdim=True)
+        if batch_invariant.active() and x.device.type == "cpu":
+            from mrv2.sampler import logprobs_numba  # numba loads with the CPU path only
+
+            values = values - logprobs_numba.logsumexp(x)
+        else:
+            values = values - torch.logsumexp(x, dim=-1, keepdim=True)
     return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks)
 
 
