@@ -354,8 +354,6 @@ class FusedDecode:
         these paths run; None for a step the model runs itself."""
         rows = input_ids.shape[0]
         if self.onednn is not None and self.onednn.runs(rows):
-            if not applies(self.model, input_ids, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS):
-                return None
             cos_sin, hidden = self.model.embed(input_ids, positions)
             if not applies(self.model, hidden, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS):
                 return self.model.forward_layers(cos_sin, hidden, kv_caches, meta), None
