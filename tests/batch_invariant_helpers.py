@@ -76,14 +76,21 @@ def demo_chats(dtype: str) -> dict:
     llm = LLM(str(builtin_model_path()), dtype=dtype, batch_invariant=True,
               max_model_len=256, kv_cache_memory_gb=0.05)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+        # Seeded sampling through every filter (min-p, top-k, top-p on the full sort of a
+        # 49152-token row): the filters' sums must not follow the batch either.
+        sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=11,
+                                 max_tokens=24, logprobs=2)
         chats = [[{"role": "user", "content": q}] for q in DEFAULT_QUESTIONS]
-        together = llm.chat(chats, params, use_tqdm=False)
-        alone = [llm.chat([chat], params, use_tqdm=False)[0] for chat in chats]
+        out = {}
+        for name, params in (("greedy", greedy), ("sampled", sampled)):
+            together = llm.chat(chats, params, use_tqdm=False)
+            alone = [llm.chat([chat], params, use_tqdm=False)[0] for chat in chats]
+            out[name] = {"together": [_signature(o) for o in together],
+                         "alone": [_signature(o) for o in alone]}
     finally:
         llm.shutdown()
-    return {"together": [_signature(o) for o in together],
-            "alone": [_signature(o) for o in alone]}
+    return out
 
 
 if __name__ == "__main__":

@@ -47,9 +47,11 @@ def test_a_requests_answer_does_not_depend_on_its_batch(path, tiny_llama, tiny_g
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_demos_chats_alone_and_together(dtype, tmp_path):
     """The built-in SmolLM2 (a 49152-token vocabulary) answers the demo's four chats with the
-    same bits alone and in one batch."""
+    same bits alone and in one batch, greedy and with seeded sampling through every filter."""
     answers = _cases(tmp_path, Path("demo"), dtype, None, invariant=True)
-    assert answers["together"] == answers["alone"]
+    for name in ("greedy", "sampled"):
+        assert answers[name]["together"] == answers[name]["alone"], name
+    assert answers["sampled"]["alone"] != answers["greedy"]["alone"]
 
 
 def test_the_mode_reaches_the_model_config(tiny_llama, monkeypatch):
