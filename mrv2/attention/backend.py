@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mrv2 import platform
+from mrv2 import batch_invariant, platform
 
 
 @dataclass
@@ -93,7 +93,10 @@ class Attention(nn.Module):
             from mrv2.attention import paged_triton
 
             paged_triton.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-            uniform_decode = meta.num_decodes == meta.num_reqs
+            # Batch-invariant mode: one kernel and one query tile size for every step, so a
+            # token's sums do not depend on what else the step holds.
+            uniform_decode = (meta.num_decodes == meta.num_reqs
+                              and not batch_invariant.active())
             scratch = self.split_kv_scratch
             num_rows = meta.query_start_loc.shape[0] - 1
             if (uniform_decode and scratch is not None

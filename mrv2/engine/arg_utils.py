@@ -184,9 +184,6 @@ class EngineArgs:
             cpu_weight_dtype = None
         batch_invariant = (os.environ.get(BATCH_INVARIANT_ENV, "0") == "1"
                            if self.batch_invariant is None else self.batch_invariant)
-        if batch_invariant and device != "cpu":
-            raise ConfigError("batch_invariant: implemented on the CPU only (the Triton "
-                              "kernels do not take one order for every batch yet)")
         model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
                                    dtype=dtype, cpu_weight_dtype=cpu_weight_dtype,
                                    max_model_len=max_model_len, seed=self.seed,

@@ -104,7 +104,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                         default=None, help="a request's tokens and logprobs the same bits "
-                        "whatever its batch (CPU; default: MRV2_BATCH_INVARIANT=1 turns it on)")
+                        "whatever its batch (default: MRV2_BATCH_INVARIANT=1 turns it on)")
     for flag, short in (("--pipeline-parallel-size", "-pp"), ("--data-parallel-size", "-dp")):
         parser.add_argument(flag, short, type=int, default=1,
                             help="only 1: mrv2 runs one pipeline stage and one engine")

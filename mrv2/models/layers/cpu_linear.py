@@ -175,7 +175,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; float32 CPU 2-D inputs outside autograd run the GEMV
     kernel (at most `cpu_gemv.MAX_GEMV_ROWS` rows, any count in batch-invariant mode: each
-    row's sums in one order) or oneDNN."""
+    row's sums in one order) or oneDNN. In batch-invariant mode on the Triton kernels' device:
+    matmul_triton.py (cuBLAS picks its tiles by the row count)."""
+    if batch_invariant.triton_matmuls(x.device):
+        from mrv2.models.layers import matmul_triton
+
+        return matmul_triton.invariant_linear(x, weight, bias)
     if not _float32_cpu_inference(x, weight):
         return F.linear(x, weight, bias)
     if ((x.shape[0] <= cpu_gemv.MAX_GEMV_ROWS or batch_invariant.active())

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2 import distributed
+from mrv2 import batch_invariant, distributed
 from mrv2.models.layers import cpu_linear
 from mrv2.models.layers.linear import (ShardId, _copy, _tp, check_unfused, narrow,
                                        set_weight_attrs, tensor_shape)
@@ -107,6 +107,11 @@ def float32_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.T
     bfloat16 grid (0.125 apart between 16 and 32) ties tokens whose float32 logits differ.
     A 16-bit model's products are summed into float32 outputs (torch.mm's `out_dtype` on
     CUDA); where no such kernel is at hand, both operands are widened to float32."""
+    if batch_invariant.triton_matmuls(hidden_states.device):
+        from mrv2.models.layers import matmul_triton
+
+        return matmul_triton.invariant_linear(hidden_states, weight.to(hidden_states.dtype),
+                                    out_dtype=torch.float32)
     if hidden_states.dtype == weight.dtype == torch.float32:
         return cpu_linear.linear(hidden_states, weight)
     if hidden_states.is_cuda and hidden_states.dtype == weight.dtype and _MM_OUT_DTYPE:
