@@ -32,7 +32,8 @@ from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
-from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
+from mrv2.models.cpu.decode_stack_numba import (BlockWeightView, HalfWeightView, decode_stack,
+                                                decode_stack_run)
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
 from mrv2.models.decoder_spec import DecoderSpec
@@ -155,27 +156,24 @@ def _projection_parameters(module) -> list[torch.Tensor]:
 
 def _weight_view(weight: PackedWeight | torch.Tensor, float32_tables: bool = False,
                  linear: bool = True):
-    """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as (q int16,
-    bfloat16, panels: the weight's where it is held as them or its plan runs them and it
-    serves as a `linear`, else none), or GGUF blocks as (q as bytes, scales, mins ([N, 0]:
-    none), packed, group size, x format: its plan's, group panels: the weight's where it is
-    held as them or its plan runs them and it serves as a `linear`, else none, their tables of
-    the blocks' dtype); with
-    `float32_tables`, float32 copies of float16 scale / min tables. A weight held as its
-    panels has a `q` (and tables) of N rows and no columns."""
+    """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as a
+    HalfWeightView, GGUF blocks as a BlockWeightView (x format: its plan's). Panels: the
+    weight's where it is held as them or its plan runs them and it serves as a `linear`, else
+    none. With `float32_tables`, float32 copies of float16 scale / min tables."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     if weight.is_half:
         takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
         panels = weight.panels() if takes_panels else np.empty((0, 0, PANEL_OUTPUTS), np.int16)
-        return (weight.q.numpy(), weight.layout == "bf16", panels)
+        return HalfWeightView(weight.q.numpy(), weight.layout == "bf16", panels)
     if float32_tables:
         weight = weight._with_float32_tables()
     takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
     panels = (weight.group_panels() if takes_panels
               else no_group_panels(weight.scales.numpy().dtype))
-    return (weight.q.view(torch.uint8).numpy(), weight.scales.numpy(), weight.kernel_mins.numpy(),
-            weight.layout == "u4", weight.group_size, weight.plan.x_format, panels)
+    return BlockWeightView(weight.q.view(torch.uint8).numpy(), weight.scales.numpy(),
+                           weight.kernel_mins.numpy(), weight.layout == "u4", weight.group_size,
+                           weight.plan.x_format, panels)
 
 
 def _projection_view(module, float32_tables: bool = False):

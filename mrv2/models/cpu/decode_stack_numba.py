@@ -6,13 +6,14 @@ The arithmetic is the same as the module path's (norm_numba, rotary_numba, activ
 cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or
 dequantized exactly), RMSNorm in float32 then the weight multiply, rotate-half rotary, SiLU(gate)
 * up, attention over the paged cache after this step's K/V are written. Each weight is a
-float32 view, a 16-bit weight's (q int16, bfloat16, panels) or GGUF blocks' (q as bytes,
-scales, mins, packed, group size, x format, group panels) tuple; `_linear` and `_embed` pick
-their kernel at compile time from its type, and at run time from whether the view has panels
-(and blocks), as quantized_linear does.
+float32 view, a `HalfWeightView` or a `BlockWeightView`: the kind is the view's class, so
+`_linear` and `_embed` pick their kernel at compile time from it, and at run time from whether
+the view has panels (and blocks), as quantized_linear does.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, types
@@ -34,12 +35,33 @@ from mrv2.sampler.greedy_numba import (MAX_SERIAL_ROWS, greedy_argmax_kernel,
 from mrv2.utils.kernel_flags import FASTMATH
 
 
+class HalfWeightView(NamedTuple):
+    """A 16-bit weight as the stack reads it."""
+    q: np.ndarray  # int16 bit patterns [N, K]; [N, 0] where the weight is held as its panels
+    bf16: bool  # else float16
+    panels: np.ndarray  # half_panel_linear's, run at every row count; [0, K, 64]: none
+
+
+class BlockWeightView(NamedTuple):
+    """GGUF blocks as the stack reads them (quantized.PackedWeight's layout)."""
+    q: np.ndarray  # the values as bytes [N, ...]; [N, 0] where held as the group panels
+    scales: np.ndarray
+    mins: np.ndarray  # [N, 0]: no min term
+    u4: bool  # values are 4-bit nibbles (else int8)
+    group_size: int
+    x_format: int  # linear_plan.GEMV_X_FORMAT: how the GEMV rounds x
+    panels: tuple  # quantized_panel_numba's (weights, scales, mins); an empty one: none
+
+
 def _linear(x, w, out):
-    """out = x @ W^T inside the stack; `w` is a float32 weight view, a 16-bit weight's
-    (q int16, bfloat16, panels: half_panel_linear's, at every row count where it has them) or
-    GGUF blocks' (q as bytes, scales, mins, packed, group size, x format, group panels:
-    quantized_panel_numba's, where it has them) tuple (numba only: see the overload)."""
+    """out = x @ W^T inside the stack; `w` a float32 weight view, a HalfWeightView or a
+    BlockWeightView (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
+
+
+def _view_kind(w) -> type | None:
+    """The view class of a numba type (a HalfWeightView or BlockWeightView), else None."""
+    return w.instance_class if isinstance(w, types.BaseNamedTuple) else None
 
 
 @overload(_linear, jit_options={"fastmath": FASTMATH})
@@ -48,24 +70,27 @@ def _linear_overload(x, w, out):
         return lambda x, w, out: None
     if isinstance(w, types.Array):
         return lambda x, w, out: gemv_kernel(x, w, out)
-    if len(w) == 3:
+    if _view_kind(w) is HalfWeightView:
         def half(x, w, out):
-            if w[2].shape[0] > 0:  # as quantized_linear
-                half_panel_kernel(x, w[2], w[1], out)
+            if w.panels.shape[0] > 0:  # as quantized_linear
+                half_panel_kernel(x, w.panels, w.bf16, out)
             else:
-                gemv_half(x, w[0], w[1], out)
+                gemv_half(x, w.q, w.bf16, out)
         return half
+    if _view_kind(w) is not BlockWeightView:
+        raise TypeError(f"the decode stack has no linear for a {w} weight view")
+
     def blocks(x, w, out):
-        if w[6][0].shape[0] > 0:  # as quantized_linear, for every row count
-            group_panel_kernel(x, w[6][0], w[6][1], w[6][2], w[3], out)
+        if w.panels[0].shape[0] > 0:  # as quantized_linear, for every row count
+            group_panel_kernel(x, w.panels[0], w.panels[1], w.panels[2], w.u4, out)
         else:
-            gemv_groups(x, w[0], w[1], w[2], w[3], w[4], w[5], out)
+            gemv_groups(x, w.q, w.scales, w.mins, w.u4, w.group_size, w.x_format, out)
     return blocks
 
 
 def _embed(ids, w, out):
-    """out[i] = row ids[i] of the embedding `w` (a float32 table, a 16-bit weight's (q int16,
-    bfloat16, no panels) or GGUF blocks' tuple, as `_linear` takes them), widened or
+    """out[i] = row ids[i] of the embedding `w` (a float32 table, a HalfWeightView or a
+    BlockWeightView, as `_linear` takes them), widened or
     dequantized exactly as the module path's lookup does; an id outside the table raises
     IndexError (numba only: see the overload)."""
     raise NotImplementedError("compiled into the decode stack only")
@@ -86,9 +111,9 @@ def _embed_overload(ids, w, out):
             for i in range(ids.shape[0]):
                 out[i] = w[ids[i]]
         return table_rows
-    if len(w) == 3:
+    if _view_kind(w) is HalfWeightView:
         def half_rows(ids, w, out):
-            q, bf16, panels = w[0], w[1], w[2]
+            q, bf16, panels = w.q, w.bf16, w.panels
             _check_ids(ids, q.shape[0])
             for i in range(ids.shape[0]):
                 for j in range(out.shape[1]):
@@ -98,13 +123,15 @@ def _embed_overload(ids, w, out):
                         bits = q[ids[i], j]
                     out[i, j] = bf16_bits_to_float(bits) if bf16 else f16_bits_to_float(bits)
         return half_rows
+    if _view_kind(w) is not BlockWeightView:
+        raise TypeError(f"the decode stack has no lookup for a {w} embedding view")
 
     def block_rows(ids, w, out):
-        q, scales, mins, packed, group_size = w[0], w[1], w[2], w[3], w[4]
+        q, scales, mins, u4, group_size = w.q, w.scales, w.mins, w.u4, w.group_size
         _check_ids(ids, q.shape[0])
         if q.shape[1] == 0:  # held as its group panels alone
-            panel_rows(w[6][0], w[6][1], w[6][2], packed, ids, out)
-        elif packed:
+            panel_rows(w.panels[0], w.panels[1], w.panels[2], u4, ids, out)
+        elif u4:
             dequant_rows_serial(q, scales, mins, True, group_size, ids, out)
         else:  # the view's q is bytes; "i8" values are signed
             dequant_rows_serial(q.view(np.int8), scales, mins, False, group_size, ids, out)
