@@ -142,7 +142,8 @@ class LlamaModel(nn.Module):
         # max_position_embeddings (transformers computes any position on the fly).
         max_position = max(hf.max_position_embeddings, model_config.max_model_len)
         self.rotary_emb = RotaryEmbedding(model_config.head_dim, max_position,
-                                          rope_parameters_from_config(hf))
+                                          rope_parameters_from_config(hf),
+                                          model_config.max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -90,18 +90,10 @@ def test_rope_parameters_old_and_new_forms(tmp_path) -> None:
     assert params["original_max_position_embeddings"] == 16
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["proportional", "mrope"])
 def test_unsupported_rope_type_raises(rope_type: str) -> None:
     with pytest.raises(ValueError, match="supported rope types: default, linear, llama3"):
         compute_inv_freq(16, {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0})
-
-
-def test_partial_rotary_is_refused() -> None:
-    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                              "partial_rotary_factor": 0.5},
-                             max_position_embeddings=16)
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        rope_parameters_from_config(config)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

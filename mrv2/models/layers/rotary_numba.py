@@ -15,8 +15,10 @@ from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS, SERIAL_MAX_
 
 @njit(**NUMBA_OPTIONS)
 def rotary_kernel(x, cos, sin, head_dim, out):
+    """Each head_dim head of x's rows: its first cos.shape[1] dims rotated (rotate-half among
+    them), the rest copied (partial rotary)."""
     rows, width = x.shape
-    half = head_dim // 2
+    half = cos.shape[1] // 2
     for r in range(rows):
         for h0 in range(0, width, head_dim):
             for i in range(half):
@@ -24,6 +26,8 @@ def rotary_kernel(x, cos, sin, head_dim, out):
                 b = x[r, h0 + half + i]
                 out[r, h0 + i] = a * cos[r, i] - b * sin[r, i]
                 out[r, h0 + half + i] = b * cos[r, half + i] + a * sin[r, half + i]
+            for i in range(2 * half, head_dim):
+                out[r, h0 + i] = x[r, h0 + i]
 
 
 @njit(parallel=True, **NUMBA_OPTIONS)
@@ -36,7 +40,8 @@ def _rotary_rows(x, cos, sin, head_dim, out):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  head_dim: int) -> torch.Tensor:
-    """x [T, N*D], cos/sin [T, D] (rotate-half layout) -> rotated [T, N*D]."""
+    """x [T, N*D], cos/sin [T, R] (rotate-half layout over each head's first R dims) ->
+    rotated [T, N*D]."""
     out = torch.empty(x.shape, dtype=torch.float32)
     kernel = rotary_kernel if x.shape[0] <= SERIAL_MAX_ROWS else _rotary_rows
     kernel(rows_view(x), rows_view(cos), rows_view(sin), head_dim, out.numpy())
