@@ -5,10 +5,10 @@ stack for a model whose spec it supports (`decode.supports`) and the module path
 Nothing is inferred from the modules' types or replaced on them: the spec is the contract.
 
 The module layout a spec promises is the Llama family's: `model.embed_tokens`,
-`model.layers[i]` with `input_layernorm`, `self_attn` (`qkv_proj`, `o_proj`, optional
-per-head `q_norm` / `k_norm`, `attn`), `post_attention_layernorm`, `mlp` (a layers.mlp
-`GatedMLP`), then `model.norm`, `model.rotary_emb`, and `lm_head` unless the embeddings are
-tied.
+`model.layers[i]` with `input_layernorm` (before attention; OLMo 2's `norms_after` layers have
+none and a `post_feedforward_layernorm` instead), `self_attn` (`qkv_proj`, `o_proj`, optional
+`q_norm` / `k_norm`, `attn`), `post_attention_layernorm`, `mlp` (a layers.mlp `GatedMLP`),
+then `model.norm`, `model.rotary_emb`, and `lm_head` unless the embeddings are tied.
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ class DecoderSpec:
     mlp_bias: bool  # the MLP's projections have biases
     activation: str = "silu"  # the gated MLP's activation
     tied_embeddings: bool = False  # the LM head multiplies by the embedding's table
+    # Layers that rotate q and k (SmolLM3's NoPE layers do not); None: every layer.
+    rope_layers: tuple[bool, ...] | None = None
+    # OLMo 2: RMSNorm over the whole q and k projections (not per head) before rotary, and
+    # each sublayer's output normalised before it joins the residual stream (no norm before).
+    qk_norm_over_projection: bool = False
+    norms_after: bool = False
 
     @property
     def has_biases(self) -> bool:
         return self.qkv_bias or self.o_bias or self.mlp_bias
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]

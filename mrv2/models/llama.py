@@ -1,10 +1,15 @@
-"""Llama-family decoder: Llama, Mistral, Qwen2 and Qwen3 share this implementation.
+"""Llama-family decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3 / Phi-4-mini, SmolLM3 and (with
+its own layer, olmo2.py) OLMo 2 share this implementation.
 
-Differences are switches, not copies:
+Differences are declared in the model's DecoderSpec (decoder_spec.py), not copied:
 - Qwen2 always has q/k/v bias (no o_proj bias); Llama/Qwen3 follow `attention_bias` for
   q/k/v and o_proj; Mistral has no bias.
 - Qwen3 applies a per-head RMSNorm to q and k (`q_norm`, `k_norm`) before rotary, and takes
   `head_dim` from the config (it need not be hidden_size / num_heads).
+- Phi-3 checkpoints store `qkv_proj` and `gate_up_proj` fused (loaded whole, or split per rank
+  under tensor parallelism: layers/linear.py); its LongRoPE and partial rotary are the rotary
+  layer's (layers/rotary.py).
+- SmolLM3 skips rotary in the layers `no_rope_layers` marks 0 (NoPE layers).
 - `tie_word_embeddings` reuses the embedding matrix as the LM head.
 
 Tensor parallelism (mrv2/models/layers/linear.py): qkv_proj and gate_up_proj are column-
@@ -19,12 +24,14 @@ Parameter names follow the checkpoint except for the fused `qkv_proj` and `gate_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mrv2 import distributed
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
 from mrv2.models.decoder_spec import DecoderSpec
@@ -71,21 +78,28 @@ def check_no_sliding_window(model_config: ModelConfig) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(self, model_config: ModelConfig, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
         hf = model_config.hf_config
         self.head_dim = model_config.head_dim
         self.qkv_proj = QKVLinear(hf.hidden_size, self.head_dim,
                                   model_config.num_attention_heads, model_config.num_kv_heads,
-                                  bias=qkv_bias)
+                                  bias=spec.qkv_bias)
         # This rank's heads (all of them at tp=1).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(model_config.num_attention_heads * self.head_dim,
-                                        hf.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
+                                        hf.hidden_size, bias=spec.o_bias)
+        self.use_rope = spec.uses_rope(layer)
+        self.qk_norm_over_projection = spec.qk_norm_over_projection
+        # Per head (Qwen3) or over every rank's whole projection (OLMo 2: each rank keeps the
+        # full weight, and normalises the all-gathered projection).
+        q_width, k_width = ((model_config.num_attention_heads * self.head_dim,
+                             model_config.num_kv_heads * self.head_dim)
+                            if spec.qk_norm_over_projection else (self.head_dim, self.head_dim))
+        has_qk_norm = spec.qk_norm or spec.qk_norm_over_projection
+        self.q_norm = RMSNorm(q_width, hf.rms_norm_eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(k_width, hf.rms_norm_eps) if has_qk_norm else None
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=self.head_dim ** -0.5)
 
@@ -93,8 +107,17 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
-        cos, sin = cos_sin
-        q, k = apply_rotary_qk(q, k, cos, sin, self.head_dim, self.q_norm, self.k_norm)
+        head_norms = (None, None)
+        if self.qk_norm_over_projection:
+            q, k = _projection_norm(q, self.q_norm), _projection_norm(k, self.k_norm)
+        elif self.q_norm is not None:
+            head_norms = (self.q_norm, self.k_norm)
+        if self.use_rope:
+            cos, sin = cos_sin
+            q, k = apply_rotary_qk(q, k, cos, sin, self.head_dim, *head_norms)
+        elif head_norms[0] is not None:
+            q = head_norms[0](q.reshape(-1, self.head_dim)).reshape(num_tokens, -1)
+            k = head_norms[1](k.reshape(-1, self.head_dim)).reshape(num_tokens, -1)
         out = self.attn(q, k, v, kv_cache, meta)
         if out.shape[0] < num_tokens:
             # The backend returns only the num_actual_tokens rows; padding rows get zeros
@@ -103,14 +126,22 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
+def _projection_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """RMSNorm over a whole projection [T, heads * D] whose heads the ranks share: this rank's
+    columns of the normalised all-gathered projection."""
+    if distributed.get_tp_size() == 1:
+        return norm(x)
+    width = x.shape[-1]
+    full = norm(distributed.tp_all_gather(x, dim=-1))
+    return full[:, distributed.get_tp_rank() * width:][:, :width]
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(self, model_config: ModelConfig, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
         hf = model_config.hf_config
-        self.self_attn = LlamaAttention(model_config, qkv_bias, o_bias, qk_norm)
-        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size,
-                            bool(getattr(hf, "mlp_bias", False)), hf.hidden_act)
+        self.self_attn = LlamaAttention(model_config, spec, layer)
+        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, spec.mlp_bias, hf.hidden_act)
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -129,14 +160,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(self, model_config: ModelConfig, spec: DecoderSpec,
+                 layer_class: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__()
         hf = model_config.hf_config
         self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(model_config, qkv_bias, o_bias, qk_norm)
-            for _ in range(model_config.num_layers))
+        self.layers = nn.ModuleList(layer_class(model_config, spec, i)
+                                    for i in range(model_config.num_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         # One table for all layers: positions can reach max_model_len even when it exceeds
         # max_position_embeddings (transformers computes any position on the fly).
@@ -161,6 +191,8 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], meta)
+        if residual is None:  # layers that add their outputs into the stream themselves
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -170,23 +202,27 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_always = False  # Qwen2: q/k/v bias regardless of attention_bias
     o_proj_bias_allowed = True  # Qwen2: never an o_proj bias
     qk_norm = False  # Qwen3: per-head RMSNorm on q and k
+    layer_class: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
         check_no_sliding_window(model_config)
         hf = model_config.hf_config
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        qkv_bias = self.qkv_bias_always or attention_bias
-        o_bias = self.o_proj_bias_allowed and attention_bias
         self.model_config = model_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        self.decoder_spec = DecoderSpec(
-            qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)), activation=hf.hidden_act,
-            tied_embeddings=self.tie_word_embeddings)
-        self.model = LlamaModel(model_config, qkv_bias, o_bias, self.qk_norm)
+        self.decoder_spec = self.declare(hf)
+        self.model = LlamaModel(model_config, self.decoder_spec, self.layer_class)
         self.lm_head: ParallelLMHead | None = (
             None if self.tie_word_embeddings else ParallelLMHead(hf.vocab_size, hf.hidden_size))
+
+    def declare(self, hf: Any) -> DecoderSpec:
+        """What this architecture is, read from its config (subclasses add their traits)."""
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return DecoderSpec(
+            qkv_bias=self.qkv_bias_always or attention_bias,
+            o_bias=self.o_proj_bias_allowed and attention_bias, qk_norm=self.qk_norm,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)), activation=hf.hidden_act,
+            tied_embeddings=self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata
@@ -241,3 +277,17 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5 and Phi-4-mini: Llama's layers on fused checkpoint projections."""
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    def declare(self, hf: Any) -> DecoderSpec:
+        rope_layers = tuple(bool(flag) for flag in hf.no_rope_layers)
+        if len(rope_layers) != hf.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(rope_layers)} entries for "
+                             f"{hf.num_hidden_layers} layers")
+        return dataclasses.replace(super().declare(hf),
+                                   rope_layers=None if all(rope_layers) else rope_layers)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from mrv2.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                               Qwen3ForCausalLM)
+from mrv2.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
+                               Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
+from mrv2.models.olmo2 import Olmo2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

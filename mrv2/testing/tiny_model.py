@@ -38,6 +38,9 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
@@ -131,6 +134,7 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
     ids = {k: tok.token_to_id(t) for k, t in
            (("bos_token_id", BOS_TOKEN), ("eos_token_id", EOS_TOKEN), ("pad_token_id", PAD_TOKEN))}
     extra = {"sliding_window": None} if p["arch"] == "mistral" else {}
+    extra.update(p.get("config") or {})
     config = config_cls(
         vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
         intermediate_size=p["intermediate_size"], num_hidden_layers=p["num_layers"],
@@ -186,14 +190,16 @@ def make_tiny_model(
     tokenizer_vocab_size: int = DEFAULT_VOCAB_SIZE, max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False, rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None, num_shards: int = 1, init_scale: float = 1.0,
-    overwrite: bool = False,
+    config: dict[str, Any] | None = None, overwrite: bool = False,
 ) -> Path:
     """Build (or reuse) a random-weight HF model directory at ``path`` and return it.
 
     ``vocab_size=None`` uses the tokenizer's vocab rounded up to a multiple of 64. ``rope_scaling``
     is an HF rope dict (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``); it is saved merged
     with ``rope_theta`` as ``rope_parameters`` (the transformers 5 key). ``init_scale`` multiplies
-    the 1/sqrt(fan_in) std of the projection weights. A directory already holding a build with the
+    the 1/sqrt(fan_in) std of the projection weights. ``config``: more fields of the
+    architecture's transformers config (``partial_rotary_factor``, ``no_rope_layers``, ...). A
+    directory already holding a build with the
     same parameters is returned as is unless ``overwrite``; a non-empty directory that is not an
     mrv2 build raises FileExistsError unless ``overwrite``.
     """
@@ -222,6 +228,7 @@ def make_tiny_model(
         vocab_size=vocab_size, tokenizer_vocab_size=tokenizer_vocab_size,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         rope_parameters=rope_parameters, num_shards=num_shards, init_scale=float(init_scale),
+        **({"config": dict(config)} if config else {}),  # absent: older manifests hold
     )
     # Round-trip through JSON so the comparison with a manifest read from disk is exact.
     manifest = json.loads(json.dumps({

@@ -89,6 +89,10 @@ def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
     ("qwen2", {}, False),  # q/k/v bias: column-parallel bias shards
     # q/k norm; the LM head is the tied, vocab-parallel embedding
     ("qwen3", {"tie_word_embeddings": True}, False),
+    # fused qkv / gate_up checkpoint tensors split per rank; partial rotary
+    ("phi3", {"config": {"partial_rotary_factor": 0.5}}, False),
+    # q/k norms over the whole projection (all-gathered); norms after the sublayers
+    ("olmo2", {}, False),
 ])
 def test_tp2_matches_tp1_and_transformers(tiny_model_factory, arch, extra, seeded):
     model_dir = tiny_model_factory(arch, num_heads=4, num_kv_heads=2, **extra)

@@ -1,6 +1,7 @@
-"""What each model class declares about itself (mrv2/models/decoder_spec.py): built from tiny
-configs, Llama, Mistral, Qwen2 and Qwen3 carry the spec of the modules they built (the spec is
-the contract the CPU's fused paths read instead of the modules' types). And the rule the
+"""What each model class declares about itself (mrv2/models/decoder_spec.py): built from
+tiny configs, Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 and OLMo 2 carry the spec of the
+modules they built (the spec is the contract the CPU's fused paths read instead of the
+modules' types). And the rule the
 contract replaced patching with, read from the source: nothing in mrv2/ assigns a model's
 `forward`, `forward_layers` or `compute_logits` on an object."""
 
@@ -30,14 +31,21 @@ def _build(tiny_model_factory, arch: str, **overrides):
 
 def _modules_spec(model) -> DecoderSpec:
     """The spec that the built modules themselves show."""
-    layer = model.model.layers[0]
+    layers = model.model.layers
+    layer = layers[0]
     attn, mlp = layer.self_attn, layer.mlp
+    rope_layers = tuple(each.self_attn.use_rope for each in layers)
+    whole = attn.q_norm is not None and attn.q_norm.weight.shape[0] > attn.head_dim
     return DecoderSpec(
         qkv_bias=attn.qkv_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-        qk_norm=attn.q_norm is not None and attn.k_norm is not None,
+        qk_norm=attn.q_norm is not None and attn.k_norm is not None and not whole,
         mlp_bias=mlp.gate_up_proj.bias is not None and mlp.down_proj.bias is not None,
         activation=model.model_config.hf_config.hidden_act,
-        tied_embeddings=model.lm_head is None)
+        tied_embeddings=model.lm_head is None,
+        rope_layers=None if all(rope_layers) else rope_layers,
+        qk_norm_over_projection=whole,
+        norms_after=not hasattr(layer, "input_layernorm")
+        and hasattr(layer, "post_feedforward_layernorm"))
 
 
 @pytest.mark.parametrize("arch, overrides, expected", [
@@ -56,6 +64,13 @@ def _modules_spec(model) -> DecoderSpec:
     ("qwen3", {"tie_word_embeddings": True},
      DecoderSpec(qkv_bias=False, o_bias=False, qk_norm=True, mlp_bias=False,
                  tied_embeddings=True)),
+    ("phi3", {}, DecoderSpec(qkv_bias=False, o_bias=False, qk_norm=False, mlp_bias=False)),
+    # SmolLM3: NoPE layers where no_rope_layers says 0.
+    ("smollm3", {"no_rope_layers": [1, 0], "tie_word_embeddings": False},
+     DecoderSpec(qkv_bias=False, o_bias=False, qk_norm=False, mlp_bias=False,
+                 rope_layers=(True, False))),
+    ("olmo2", {}, DecoderSpec(qkv_bias=False, o_bias=False, qk_norm=False, mlp_bias=False,
+                              qk_norm_over_projection=True, norms_after=True)),
 ])
 def test_each_class_declares_the_spec_of_the_modules_it_built(tiny_model_factory, arch,
                                                                 overrides, expected):

@@ -42,6 +42,16 @@ CASES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}}),
     "llama-sharded": ("llama", {"num_shards": 3}),
+    # Phi-3: fused qkv / gate_up checkpoint tensors, half the head rotated, LongRoPE's short
+    # factors (max_model_len within the original context).
+    "phi3-longrope-partial": ("phi3", {"rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
+        "long_factor": [3.0, 3.0, 5.0, 9.0]},
+        "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 64}}),
+    "smollm3-nope": ("smollm3", {"num_layers": 3, "config": {"no_rope_layers": [1, 0, 1]}}),
+    "olmo2": ("olmo2", {}),
+    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 8}}),
 }
 
 

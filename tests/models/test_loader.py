@@ -68,7 +68,9 @@ def test_unsupported_architecture_is_refused_before_weights(model_dir: Path) -> 
 
 def test_registry() -> None:
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM",
-                                       "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+                                       "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                       "Phi3ForCausalLM", "SmolLM3ForCausalLM",
+                                       "Olmo2ForCausalLM")
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
     assert issubclass(UnsupportedModelError, ValueError)

@@ -70,9 +70,11 @@ def _kinds(layer) -> tuple[str, ...]:
 
 
 def supports(spec: DecoderSpec | None) -> bool:
-    """Whether the stack computes a model that declares `spec`: a SiLU-gated MLP; biases on
-    any projection and per-head q/k norms are computed as the module path does."""
-    return spec is not None and spec.activation == "silu"
+    """Whether the stack computes a model that declares `spec`: a SiLU-gated MLP, the norms
+    before each sublayer; biases on any projection, per-head q/k norms and NoPE layers are
+    computed as the module path does."""
+    return (spec is not None and spec.activation == "silu" and not spec.norms_after
+            and not spec.qk_norm_over_projection)
 
 
 def _layer_qualifies(layer) -> bool:
@@ -251,7 +253,8 @@ class _StackArgs:
         self.w_embed = _weight_view(_embedding(model), linear=False)
         # The kernel's arguments between a step's own (both kernels take them in this order),
         # read once: the module attributes cost microseconds a step. The rotary tables, the
-        # layers' norms, eps and projections, the final norm and eps, the caches:
+        # layers' norms, eps, projections, biases, q/k norms and rotary flags, the final norm
+        # and eps, the caches:
         self.layer_args = (
             model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
             _views(layer.input_layernorm.weight for layer in layers),
@@ -263,6 +266,7 @@ class _StackArgs:
                   for name in PROJECTIONS),
             tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
                   for norm in ("q_norm", "k_norm")),
+            np.array([layer.self_attn.use_rope for layer in layers], dtype=np.bool_),
             model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
         # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.

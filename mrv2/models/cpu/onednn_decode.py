@@ -374,8 +374,9 @@ def onednn_decode(model) -> OneDnnDecode | None:
     projections = [layer.get_submodule(name) for layer in model.layers for name in PROJECTIONS]
     if batch_invariant.active():
         return None  # oneDNN's blockings follow the rows and threads
-    if any(layer.self_attn.q_norm is not None for layer in model.layers):
-        return None  # its attention segment has no per-head q/k norms
+    if any(layer.self_attn.q_norm is not None or not layer.self_attn.use_rope
+           for layer in model.layers):
+        return None  # its attention segment has no per-head q/k norms, rotates every layer
     if (quantized.computes_natively(torch.bfloat16)
             and all(bfloat16_weight(p) is not None for p in projections)):
         return OneDnnDecode(model, torch.bfloat16)

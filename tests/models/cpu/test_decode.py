@@ -146,11 +146,20 @@ def test_off_for_larger_batches(tiny_llama, monkeypatch):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_biases_and_qk_norms_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
-    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms (its head_dim not hidden / heads)
-    are computed inside the stack as the module path computes them."""
-    path = tiny_model_factory(arch, **({"head_dim": 32} if arch == "qwen3" else {}))
+ARCHS = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "phi3": {"config": {"partial_rotary_factor": 0.5}},
+    "smollm3": {"num_layers": 3, "config": {"no_rope_layers": [1, 0, 0]}},
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
+    """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (its head_dim not hidden / heads),
+    Phi-3's partial rotary and SmolLM3's NoPE layers are computed inside the stack as the
+    module path computes them."""
+    path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
@@ -192,6 +201,18 @@ def test_no_fused_path_for_layers_it_does_not_compute(tiny_model_factory):
     for norm in ("input_layernorm", "post_attention_layernorm"):
         getattr(model.model.layers[1], norm).eps = 1e-3
     assert cpu_decode.fused_decode(model) is None
+
+
+def test_no_fused_path_for_norms_after_the_sublayers(tiny_model_factory):
+    """OLMo 2 declares norms after attention and the MLP and q/k norms over whole
+    projections: the stack does not compute those, so the module path runs."""
+    llm = LLM(str(tiny_model_factory("olmo2")), max_model_len=64)
+    assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    llm.shutdown()
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_off_with_autograd_or_other_dtypes(tiny_llama):

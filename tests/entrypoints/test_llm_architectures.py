@@ -1,0 +1,53 @@
+"""End to end on each architecture of issue 49 that the Llama-family layers compute
+(Phi-3 with LongRoPE and partial rotary, SmolLM3 with NoPE layers, OLMo 2, Llama with YaRN and
+dynamic NTK): greedy tokens equal transformers' on the same random weights through chunked
+prefill (a budget smaller than the prompts), a prefix-cache hit and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+from tests.entrypoints.test_llm import hf_greedy
+
+MAX_TOKENS = 12
+CASES = {
+    "phi3-longrope": ("phi3", {"rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
+        "long_factor": [3.0, 3.0, 5.0, 9.0]},
+        "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 256}}),
+    "smollm3": ("smollm3", {"num_layers": 4, "config": {"no_rope_layers": [1, 1, 0, 1]}}),
+    "olmo2": ("olmo2", {}),
+    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32}}),
+    "llama-dynamic": ("llama", {"max_position_embeddings": 256,
+                                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_matches_transformers(tiny_model_factory, name):
+    arch, kwargs = CASES[name]
+    model_dir = tiny_model_factory(arch, **kwargs)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (3, 19, 45, 70)]
+    prompts.append(prompts[3][:64] + [11, 12])  # a prefix-cache hit on the last prompt's
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    # 14 blocks of 8 tokens for ~270 tokens of prompts and outputs: requests are preempted.
+    block_bytes = 2 * 2 * 8 * 2 * 16 * 4 * (4 if arch == "smollm3" else 2) // 2
+    llm = LLM(str(model_dir), max_model_len=96, block_size=8, max_num_batched_tokens=32,
+              enable_prefix_caching=True, kv_cache_memory_gb=14 * block_bytes / (1 << 30))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        again = llm.generate([{"prompt_token_ids": prompts[3]}], params, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == expected[3]
+        scheduler = llm.llm_engine.engine_core.scheduler
+        assert scheduler.num_preemptions > 0
+        assert scheduler.kv_cache_manager.prefix_cache_stats.hits >= 64
+    finally:
+        llm.shutdown()
