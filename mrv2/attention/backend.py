@@ -63,9 +63,12 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 class Attention(nn.Module):
-    """Causal self-attention over the paged KV cache of one layer."""
+    """Causal self-attention over the paged KV cache of one layer; with `sliding_window` > 0 a
+    query at position p sees the keys p - sliding_window + 1 .. p only (transformers' and
+    llama.cpp's window: `p - k < sliding_window`)."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int = 0) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
@@ -74,6 +77,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window={sliding_window} must be positive (0: none)")
+        self.sliding_window = sliding_window
         # Set by attach_split_kv_scratch; shared with every layer of the same head shape.
         self.split_kv_scratch = None
 
@@ -105,16 +111,17 @@ class Attention(nn.Module):
 
                 out = split_kv_triton.split_kv_decode(
                     q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                    self.scale, scratch)
+                    self.scale, scratch, window=self.sliding_window)
             else:
                 out = paged_triton.paged_attention(
                     q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                    self.scale, uniform_decode=uniform_decode)
+                    self.scale, uniform_decode=uniform_decode, window=self.sliding_window)
         else:
             from mrv2.attention import paged_torch
 
             paged_torch.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
-            out = paged_torch.paged_attention(q, kv_cache, meta, self.scale, k, v)
+            out = paged_torch.paged_attention(q, kv_cache, meta, self.scale, k, v,
+                                              window=self.sliding_window)
         return out.reshape(n, self.num_heads * self.head_dim)
 
 

@@ -216,7 +216,11 @@ def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
-def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item, splits):
+def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item, splits,
+                  window):
+    """Each row's query (the last position of its sequence) over its keys; with `window` > 0
+    the last `window` of them only (sliding-window attention: positions seq_len - window ..
+    seq_len - 1; the blocks before are not read)."""
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -241,8 +245,10 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
         h0 = kv0 * group
         seq_len = seq_lens[row]
         nblocks = (seq_len + block_size - 1) // block_size
-        per_split = max(min_split_blocks, (nblocks + splits - 1) // splits)
-        first = split * per_split
+        visible = max(0, seq_len - window) if window > 0 else 0  # the first key it sees
+        first_block = visible // block_size
+        per_split = max(min_split_blocks, (nblocks - first_block + splits - 1) // splits)
+        first = first_block + split * per_split
         stop = min(nblocks, first + per_split)
         if first >= stop:
             for h in range(nh):
@@ -286,11 +292,14 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                               count, scores, t0 - base, ahead_cache, ahead_block, row_bytes,
                               start, item_bytes, scratch)
         acc = np.zeros((nh, head_dim), dtype=np.float32)
+        hidden = max(0, visible - base)  # keys of the first block before the window
         for h in range(nh):
-            m = scores[h, 0]
-            for t in range(1, n):
+            m = scores[h, hidden]
+            for t in range(hidden + 1, n):
                 m = max(m, scores[h, t])
-            for t in range(n):
+            for t in range(hidden):
+                scores[h, t] = 0.0
+            for t in range(hidden, n):
                 scores[h, t] = exp32(scores[h, t] - m)
             part_m[row, h0 + h, split] = m
             part_l[row, h0 + h, split] = row_sum(scores, h, n)
@@ -349,10 +358,12 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: np.ndarray, scale: float, layers: int = 1) -> torch.Tensor:
+                     seq_lens: np.ndarray, scale: float, layers: int = 1,
+                     window: int = 0) -> torch.Tensor:
     """q [rows, H, D] (one query token per row, the last position of its sequence) ->
-    [rows, H, D]. A row with seq_len 0 (padding) returns zeros. `layers`: how many layers'
-    caches the step reads (this one's among them), for the work split."""
+    [rows, H, D]; with `window` > 0 over the last `window` keys only. A row with seq_len 0
+    (padding) returns zeros. `layers`: how many layers' caches the step reads (this one's
+    among them), for the work split."""
     rows = q.shape[0]
     out = torch.empty_like(q)
     if rows == 0:
@@ -365,5 +376,5 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                              layers)
     kv_per_item, splits = work_split(rows, kv_cache.shape[3], planned_threads(), kv_bytes)
     decode_kernel(q.contiguous().numpy(), k_np, v_np, tables, lens, np.float32(scale),
-                  out.numpy(), kv_per_item, splits)
+                  out.numpy(), kv_per_item, splits, window)
     return out

@@ -7,8 +7,9 @@ Prefill chunks run one `scaled_dot_product_attention` each, attending to the cac
 plus their own tokens causally: query i of a chunk of length q in a sequence of length L
 sits at position L - q + i and sees keys 0 .. L - q + i. A chunk with no cached prefix
 (q == L) attends to the step's own k/v when the caller passes them: the same values the
-cache now holds, without the gather. In batch-invariant mode every token, prefill too, runs
-the numba decode kernel (`_token_by_token`).
+cache now holds, without the gather. With a sliding window (`window` > 0) each query also
+stops seeing keys `window` or more positions behind it. In batch-invariant mode every token,
+prefill too, runs the numba decode kernel (`_token_by_token`).
 """
 
 from __future__ import annotations
@@ -52,19 +53,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k: torch.Tensor | None = None,
-                    v: torch.Tensor | None = None) -> torch.Tensor:
+                    v: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D]; K/V for the step must already be in the cache. `k`/`v`
-    [T, KV, D], when given, are this step's keys/values (as written to the cache)."""
+    [T, KV, D], when given, are this step's keys/values (as written to the cache). `window`:
+    the sliding window (0: none)."""
     if batch_invariant.active() and decode_numba.supported(q, kv_cache):
-        return _token_by_token(q, kv_cache, meta, scale)
+        return _token_by_token(q, kv_cache, meta, scale, window)
     out = torch.empty_like(q)
     if meta.num_decodes:
         nd = meta.num_decodes
         if decode_numba.supported(q, kv_cache):
             out[:nd] = decode_numba.decode_attention(q[:nd], kv_cache, meta.block_tables,
-                                                     meta.seq_lens_np, scale, meta.num_layers)
+                                                     meta.seq_lens_np, scale, meta.num_layers,
+                                                     window)
         else:
-            out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
+            out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_np
@@ -76,7 +79,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         qi = q[start:end].transpose(0, 1)  # [H, q, D]
         if query_len == seq_len and own_kv:
             o = _sdpa(qi, k[start:end].transpose(0, 1).to(q.dtype),
-                      v[start:end].transpose(0, 1).to(q.dtype), scale, None)
+                      v[start:end].transpose(0, 1).to(q.dtype), scale,
+                      _window_mask(query_len, seq_len, window, q.device))
             out[start:end] = o.transpose(0, 1)
             continue
         num_blocks = -(-seq_len // block_size)
@@ -84,17 +88,27 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         # [KV, L, D] in q's dtype (a 16-bit cache under a float32 model is widened here).
         kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        mask = None
-        if query_len != seq_len:
-            key_pos = torch.arange(seq_len, device=q.device)
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
+        mask = _window_mask(query_len, seq_len, window, q.device)
         out[start:end] = _sdpa(qi, kr, vr, scale, mask).transpose(0, 1)
     return out
 
 
+def _window_mask(query_len: int, seq_len: int, window: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """[query_len, seq_len] bool: which keys each of a chunk's queries (the last query_len
+    positions) sees, causal and within `window`; None where plain causal attention is it."""
+    if query_len == seq_len and (window <= 0 or window >= seq_len):
+        return None
+    key_pos = torch.arange(seq_len, device=device)
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window > 0:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return mask
+
+
 def _token_by_token(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int) -> torch.Tensor:
     """Batch-invariant attention: every query token, prefill or decode, as a decode row of the
     numba kernel over its sequence's keys up to its own position (one order, no context
     splits: batch_invariant.py). A token's result is then the same whether its request's
@@ -110,7 +124,7 @@ def _token_by_token(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     tables = meta.block_tables[torch.from_numpy(rows)]
     out = torch.zeros_like(q)
     out[:tokens] = decode_numba.decode_attention(q[:tokens], kv_cache, tables, token_lens,
-                                                 scale, meta.num_layers)
+                                                 scale, meta.num_layers, window)
     return out
 
 
@@ -125,7 +139,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int) -> torch.Tensor:
     rows, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -138,7 +152,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     scores = torch.einsum("bkgd,bskd->bkgs", qg, k.to(q.dtype)) * scale
     key_pos = torch.arange(num_blocks * block_size, device=q.device)
     past_end = key_pos[None, :] >= meta.seq_lens[:rows, None]
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    hidden = past_end
+    if window > 0:  # and the keys before the window
+        hidden = past_end | (key_pos[None, :] < meta.seq_lens[:rows, None] - window)
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     # A block's slots past seq_len may hold a finished request's values, NaN if its logits
     # were (it ended with an error): a zero probability times NaN would still be NaN.
     v.masked_fill_(past_end[:, :, None, None], 0.0)

@@ -47,7 +47,7 @@ from mrv2.platform import triton_kernel
 
 LOG2E = 1.4426950408889634
 # Integer arguments of `_paged_attention_kernel` that change with the batch: no recompiles.
-_PER_STEP_INTS = ("num_rows", "rows_pad", "log2_rows_pad", "max_blocks")
+_PER_STEP_INTS = ("num_rows", "rows_pad", "log2_rows_pad", "max_blocks", "window")
 
 
 def _reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
@@ -117,7 +117,7 @@ def attend_tile() -> object:
 
 def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
                             block_tables_ptr, qk_scale, num_rows, rows_pad, log2_rows_pad,
-                            max_blocks,
+                            max_blocks, window,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                             stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -161,16 +161,23 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
         last_q = tl.minimum(q_first + BLOCK_Q, q_len) - 1
         kv_len = context_len + last_q + 1
         num_tiles = (kv_len + TILE - 1) // TILE
+        # A sliding window (window > 0): the tiles wholly before the first query's window
+        # are skipped (they would be fully masked: an exact no-op of the online softmax).
+        first_tile = 0
+        if window > 0:
+            first_tile = tl.maximum(context_len + q_first - window + 1, 0) // TILE
 
         m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         table_row = block_tables_ptr + row.to(tl.int64) * stride_bt
         k_base = cache_ptr + kv_head * stride_c_head
-        for j in range(0, num_tiles):
+        for j in range(first_tile, num_tiles):
             key_pos = j * TILE + tl.arange(0, TILE)
             key_valid = key_pos < kv_len
             visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
+            if window > 0:
+                visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
             m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid,
                                         visible, max_blocks, qk_scale, stride_c_kv,
                                         stride_c_block, stride_c_slot, BLOCK_M, HEAD_DIM,
@@ -234,14 +241,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, uniform_decode: bool = False,
-                    block_m: int | None = None, tile: int | None = None) -> torch.Tensor:
+                    block_m: int | None = None, tile: int | None = None,
+                    window: int = 0) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D]; the step's K/V must already be in the cache.
 
     query_start_loc [R+1] int32, seq_lens [R] int32, block_tables [R, max_blocks] int32 (rows
     may be padded per invariant 6). Rows of `out` past `query_start_loc[R]` are not written.
     `uniform_decode` (every row has one query token) only picks a smaller query tile;
     `block_m` (query rows per program, a multiple of the padded GQA group) and `tile` (keys
-    per step) override the tile sizes, for tests.
+    per step) override the tile sizes. `window` > 0: sliding-window attention (a query at p
+    sees keys p - window + 1 .. p).
     """
     block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
     num_tokens, num_heads, _ = q.shape
@@ -266,7 +275,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
     triton_kernel(_paged_attention_kernel, do_not_specialize=_PER_STEP_INTS)[grid](
         q, kv_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2E, num_rows,
-        rows_pad, rows_pad.bit_length() - 1, block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        rows_pad, rows_pad.bit_length() - 1, block_tables.shape[1], window, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,

@@ -43,7 +43,7 @@ PROGRAMS_PER_SM = 2
 
 
 def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq_lens_ptr,
-                     block_tables_ptr, qk_scale, max_blocks,
+                     block_tables_ptr, qk_scale, max_blocks, window,
                      stride_qt, stride_qh, stride_bt,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                      stride_acc_row, stride_acc_head, stride_ml_kind, stride_ml_row,
@@ -59,8 +59,15 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     if q_len > 0:
         seq_len = tl.load(seq_lens_ptr + row)
-        tiles_per_split = ((seq_len + TILE - 1) // TILE + NUM_SPLITS - 1) // NUM_SPLITS
-        key_start = split * tiles_per_split * TILE
+        # The keys seen: all, or the last `window` (sliding window); split from the tile of
+        # the first one.
+        key_lo = seq_len * 0
+        if window > 0:
+            key_lo = tl.maximum(seq_len - window, 0)
+        first_tile = key_lo // TILE
+        tiles_per_split = ((seq_len + TILE - 1) // TILE - first_tile + NUM_SPLITS - 1) \
+            // NUM_SPLITS
+        key_start = (first_tile + split * tiles_per_split) * TILE
         key_end = tl.minimum(key_start + tiles_per_split * TILE, seq_len)
 
         # BLOCK_M >= 16 rows for tl.dot; rows past GROUP are padding.
@@ -78,7 +85,7 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
         k_base = cache_ptr + kv_head * stride_c_head
         for start in range(key_start, key_end, TILE):
             key_pos = start + tl.arange(0, TILE)
-            key_valid = key_pos < key_end
+            key_valid = (key_pos < key_end) & (key_pos >= key_lo)
             m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid,
                                         key_valid[None, :], max_blocks, qk_scale, stride_c_kv,
                                         stride_c_block, stride_c_slot, BLOCK_M, HEAD_DIM,
@@ -171,11 +178,11 @@ class SplitKVScratch:
 def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     scratch: SplitKVScratch, *, out: torch.Tensor | None = None,
-                    tile: int = DEFAULT_TILE) -> torch.Tensor:
+                    tile: int = DEFAULT_TILE, window: int = 0) -> torch.Tensor:
     """Decode attention, q [T, H, D] -> out [T, H, D], every row one query token (or none:
     padding). Same inputs and output contract as `paged_triton.paged_attention`; `scratch`
     must hold at least `len(seq_lens)` rows. `tile` (keys per step, a power of two >= 16 on
-    CUDA) is a configuration constant."""
+    CUDA) is a configuration constant; `window` > 0: the last `window` keys only."""
     block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
     num_tokens, num_heads, _ = q.shape
     num_rows = query_start_loc.shape[0] - 1
@@ -193,10 +200,10 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     group = num_heads // num_kv_heads
     num_splits = scratch.num_splits
     acc, ml = scratch.acc, scratch.ml
-    triton_kernel(_split_kv_kernel, do_not_specialize=("max_blocks",))[
+    triton_kernel(_split_kv_kernel, do_not_specialize=("max_blocks", "window"))[
         (num_rows, num_kv_heads, num_splits)](
         q, kv_cache, acc, ml, query_start_loc, seq_lens, block_tables, scale * LOG2E,
-        block_tables.shape[1], q.stride(0), q.stride(1), block_tables.stride(0),
+        block_tables.shape[1], window, q.stride(0), q.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         acc.stride(0), acc.stride(1), ml.stride(0), ml.stride(1), ml.stride(2),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,

@@ -30,6 +30,8 @@ class DecoderSpec:
     # each sublayer's output normalised before it joins the residual stream (no norm before).
     qk_norm_over_projection: bool = False
     norms_after: bool = False
+    # Each layer's sliding window (0: every key); None: no layer has one.
+    sliding_windows: tuple[int, ...] | None = None
 
     @property
     def has_biases(self) -> bool:
@@ -37,3 +39,6 @@ class DecoderSpec:
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
+
+    def window(self, layer: int) -> int:
+        return 0 if self.sliding_windows is None else self.sliding_windows[layer]

@@ -10,6 +10,7 @@ Differences are declared in the model's DecoderSpec (decoder_spec.py), not copie
   under tensor parallelism: layers/linear.py); its LongRoPE and partial rotary are the rotary
   layer's (layers/rotary.py).
 - SmolLM3 skips rotary in the layers `no_rope_layers` marks 0 (NoPE layers).
+- Sliding-window attention in the layers the config gives a window (`layer_windows`).
 - `tie_word_embeddings` reuses the embedding matrix as the LM head.
 
 Tensor parallelism (mrv2/models/layers/linear.py): qkv_proj and gate_up_proj are column-
@@ -55,26 +56,27 @@ _STACKED_PARAMS = (
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def check_no_sliding_window(model_config: ModelConfig) -> None:
-    """Refuse configs whose sliding window would cut attention within max_model_len.
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-    transformers masks keys with query_pos - key_pos >= sliding_window, so a window of at
-    least max_model_len never masks anything and plain causal attention is exact.
-    """
-    hf = model_config.hf_config
-    window = getattr(hf, "sliding_window", None)
-    # Qwen2/Qwen3 carry a sliding_window value that only applies with use_sliding_window,
-    # and then only to the layers that layer_types marks as sliding.
-    if getattr(hf, "use_sliding_window", True) is False:
-        window = None
+
+def layer_windows(hf: Any) -> tuple[int, ...] | None:
+    """Each layer's sliding window (0: it sees every key) as transformers applies it: the layers
+    `layer_types` marks "sliding_attention" (Gemma, Qwen2 / Qwen3 with use_sliding_window,
+    SmolLM3), or every layer of a config with a `sliding_window` and no layer types (Mistral,
+    Phi-3). None: no layer has one. A layer type mrv2 does not implement is refused by name."""
     layer_types = getattr(hf, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        window = None
-    if window is not None and window < model_config.max_model_len:
-        raise ValueError(
-            f"{model_config.architecture}: sliding_window={window} is smaller than "
-            f"max_model_len={model_config.max_model_len}, and mrv2's attention backends do "
-            f"not implement sliding-window attention yet. Set max_model_len <= {window}.")
+    unknown = sorted(set(layer_types or ()) - set(_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported; supported: "
+                         f"{', '.join(_LAYER_TYPES)}")
+    window = getattr(hf, "sliding_window", None) or 0
+    if getattr(hf, "use_sliding_window", True) is False:
+        window = 0  # Qwen2 / Qwen3 keep the value with the switch off
+    if layer_types is None:
+        windows = (window,) * hf.num_hidden_layers
+    else:
+        windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    return windows if any(windows) else None
 
 
 class LlamaAttention(nn.Module):
@@ -100,8 +102,11 @@ class LlamaAttention(nn.Module):
         has_qk_norm = spec.qk_norm or spec.qk_norm_over_projection
         self.q_norm = RMSNorm(q_width, hf.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(k_width, hf.rms_norm_eps) if has_qk_norm else None
+        # A window that covers max_model_len never hides a key: the kernels skip the check.
+        window = spec.window(layer)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              scale=self.head_dim ** -0.5)
+                              scale=self.head_dim ** -0.5,
+                              sliding_window=window if window < model_config.max_model_len else 0)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -206,7 +211,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
-        check_no_sliding_window(model_config)
         hf = model_config.hf_config
         self.model_config = model_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
@@ -222,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias=self.qkv_bias_always or attention_bias,
             o_bias=self.o_proj_bias_allowed and attention_bias, qk_norm=self.qk_norm,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)), activation=hf.hidden_act,
-            tied_embeddings=self.tie_word_embeddings)
+            tied_embeddings=self.tie_word_embeddings, sliding_windows=layer_windows(hf))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata

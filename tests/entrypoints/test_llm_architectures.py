@@ -1,6 +1,7 @@
 """End to end on each architecture of issue 49 that the Llama-family layers compute
-(Phi-3 with LongRoPE and partial rotary, SmolLM3 with NoPE layers, OLMo 2, Llama with YaRN and
-dynamic NTK): greedy tokens equal transformers' on the same random weights through chunked
+(Phi-3 with LongRoPE, partial rotary and a sliding window, SmolLM3 with NoPE layers, OLMo 2,
+Mistral and Qwen2 with sliding windows shorter than the prompts, Llama with YaRN and dynamic
+NTK): greedy tokens equal transformers' on the same random weights through chunked
 prefill (a budget smaller than the prompts), a prefix-cache hit and preemption."""
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ CASES = {
     "phi3-longrope": ("phi3", {"rope_scaling": {
         "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
         "long_factor": [3.0, 3.0, 5.0, 9.0]},
-        "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 256}}),
+        "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 256,
+                   "sliding_window": 24}}),
+    "mistral-window": ("mistral", {"config": {"sliding_window": 10}}),
+    "qwen2-window": ("qwen2", {"num_layers": 3, "config": {
+        "use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}}),
     "smollm3": ("smollm3", {"num_layers": 4, "config": {"no_rope_layers": [1, 1, 0, 1]}}),
     "olmo2": ("olmo2", {}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
@@ -36,7 +41,7 @@ def test_greedy_matches_transformers(tiny_model_factory, name):
     prompts.append(prompts[3][:64] + [11, 12])  # a prefix-cache hit on the last prompt's
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     # 14 blocks of 8 tokens for ~270 tokens of prompts and outputs: requests are preempted.
-    block_bytes = 2 * 2 * 8 * 2 * 16 * 4 * (4 if arch == "smollm3" else 2) // 2
+    block_bytes = 2 * 2 * 8 * 2 * 16 * 4 * {"smollm3": 4, "qwen2": 3}.get(arch, 2) // 2
     llm = LLM(str(model_dir), max_model_len=96, block_size=8, max_num_batched_tokens=32,
               enable_prefix_caching=True, kv_cache_memory_gb=14 * block_bytes / (1 << 30))
     try:

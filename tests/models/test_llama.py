@@ -50,6 +50,10 @@ CASES = {
         "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 64}}),
     "smollm3-nope": ("smollm3", {"num_layers": 3, "config": {"no_rope_layers": [1, 0, 1]}}),
     "olmo2": ("olmo2", {}),
+    # Windows shorter than the prompts: every layer (Mistral), the second only (Qwen2).
+    "mistral-window": ("mistral", {"config": {"sliding_window": 5}}),
+    "qwen2-window": ("qwen2", {"config": {"use_sliding_window": True, "sliding_window": 3,
+                                          "max_window_layers": 1}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 8}}),
 }
@@ -179,23 +183,22 @@ def _config_with(tiny_model_factory, arch: str, max_model_len: int, **overrides)
                        hf_config=hf_config)
 
 
-def test_sliding_window_smaller_than_max_model_len_is_refused(tiny_model_factory) -> None:
-    mc = _config_with(tiny_model_factory, "mistral", 8192, sliding_window=4096)
-    with pytest.raises(ValueError, match="sliding_window=4096 is smaller than "
-                                         "max_model_len=8192.*sliding-window"):
-        LlamaForCausalLM(mc)
-    # A window that covers max_model_len never masks anything: accepted.
-    LlamaForCausalLM(_config_with(tiny_model_factory, "mistral", 4096, sliding_window=4096))
+def test_sliding_windows_per_layer(tiny_model_factory) -> None:
+    """Mistral's window on every layer, Qwen2's on the layers past max_window_layers (its
+    layer_types), none with use_sliding_window off, a window that covers max_model_len off in
+    the kernels; an unknown layer type refused by name."""
+    def windows(arch: str, max_model_len: int, **overrides) -> list[int]:
+        model = LlamaForCausalLM(_config_with(tiny_model_factory, arch, max_model_len,
+                                              **overrides))
+        return [layer.self_attn.attn.sliding_window for layer in model.model.layers]
 
-
-def test_qwen2_use_sliding_window_is_refused(tiny_model_factory) -> None:
-    mc = _config_with(tiny_model_factory, "qwen2", 128, use_sliding_window=True,
-                      sliding_window=64, layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(ValueError, match="sliding_window=64"):
-        LlamaForCausalLM(mc)
-    # The raw value is ignored while use_sliding_window is off.
-    LlamaForCausalLM(_config_with(tiny_model_factory, "qwen2", 128, use_sliding_window=False,
-                                  sliding_window=64))
+    assert windows("mistral", 8192, sliding_window=4096) == [4096, 4096]
+    assert windows("mistral", 4096, sliding_window=4096) == [0, 0]
+    assert windows("qwen2", 128, use_sliding_window=True, sliding_window=64,
+                   layer_types=["full_attention", "sliding_attention"]) == [0, 64]
+    assert windows("qwen2", 128, use_sliding_window=False, sliding_window=64) == [0, 0]
+    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\] are not"):
+        windows("qwen2", 128, layer_types=["full_attention", "linear_attention"])
 
 
 def test_unexpected_checkpoint_tensor_raises(case: Case) -> None:

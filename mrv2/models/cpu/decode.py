@@ -253,8 +253,8 @@ class _StackArgs:
         self.w_embed = _weight_view(_embedding(model), linear=False)
         # The kernel's arguments between a step's own (both kernels take them in this order),
         # read once: the module attributes cost microseconds a step. The rotary tables, the
-        # layers' norms, eps, projections, biases, q/k norms and rotary flags, the final norm
-        # and eps, the caches:
+        # layers' norms, eps, projections, biases, q/k norms, rotary flags and windows (0: every
+        # key), the final norm and eps, the caches:
         self.layer_args = (
             model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
             _views(layer.input_layernorm.weight for layer in layers),
@@ -267,6 +267,7 @@ class _StackArgs:
             tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
                   for norm in ("q_norm", "k_norm")),
             np.array([layer.self_attn.use_rope for layer in layers], dtype=np.bool_),
+            np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
             model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
         # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.

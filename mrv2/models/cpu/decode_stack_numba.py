@@ -171,7 +171,7 @@ def _head_norm(x, weight, eps, rows, num_heads, head_dim):
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
-                  qk_norms, rope, cos, sin, k_cache, v_cache, block_tables, seq_lens, slots,
+                  qk_norms, rope, window, cos, sin, k_cache, v_cache, block_tables, seq_lens, slots,
                   num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
                   out, residual_out):
     rows, hidden_size = hidden.shape
@@ -200,7 +200,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item, splits)
+                   seq_lens, scale, attn, kv_per_item, splits, window)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     _linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)
@@ -218,8 +218,8 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
-                 w_gate_ups, w_downs, biases, qk_norms, rope_layers, final_norm, final_eps,
-                 kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
+                 w_gate_ups, w_downs, biases, qk_norms, rope_layers, windows, final_norm,
+                 final_eps, kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                  intermediate, scale, kv_per_item, splits, out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
@@ -239,7 +239,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         layer_biases = (biases[0][i], biases[1][i], biases[2][i], biases[3][i])
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
-                      rope_layers[i], cos, sin,
+                      rope_layers[i], windows[i], cos, sin,
                       kv[0], kv[1], block_tables, seq_lens, slots,
                       num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                       splits, layer_out, residual_out)
@@ -252,8 +252,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 
 @njit(cache=True)
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
-                     w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers, final_norm,
-                     final_eps, kv_caches, block_tables, seq_lens, block_size, num_heads,
+                     w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers, windows,
+                     final_norm, final_eps, kv_caches, block_tables, seq_lens, block_size, num_heads,
                      num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
                      w_head, logits, tokens, nan_rows):
     """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
@@ -279,7 +279,7 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
             slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                      w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers,
-                     final_norm, final_eps, kv_caches, block_tables, seq_lens, slots, num_heads,
+                     windows, final_norm, final_eps, kv_caches, block_tables, seq_lens, slots, num_heads,
                      num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
                      w_head, logits)
         if rows <= MAX_SERIAL_ROWS:

@@ -136,7 +136,7 @@ def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_c
     rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                  seq_lens, scale, attn, kv_per_item, splits)
+                  seq_lens, scale, attn, kv_per_item, splits, 0)
     _store_as_linear_input(attn.reshape(rows, q_size), linear_in)
 
 
@@ -375,8 +375,9 @@ def onednn_decode(model) -> OneDnnDecode | None:
     if batch_invariant.active():
         return None  # oneDNN's blockings follow the rows and threads
     if any(layer.self_attn.q_norm is not None or not layer.self_attn.use_rope
-           for layer in model.layers):
-        return None  # its attention segment has no per-head q/k norms, rotates every layer
+           or layer.self_attn.attn.sliding_window for layer in model.layers):
+        # Its attention segment has no q/k norms, rotates every layer, sees every key.
+        return None
     if (quantized.computes_natively(torch.bfloat16)
             and all(bfloat16_weight(p) is not None for p in projections)):
         return OneDnnDecode(model, torch.bfloat16)
