@@ -217,10 +217,11 @@ def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item, splits,
-                  window):
+                  window, softcap):
     """Each row's query (the last position of its sequence) over its keys; with `window` > 0
     the last `window` of them only (sliding-window attention: positions seq_len - window ..
-    seq_len - 1; the blocks before are not read)."""
+    seq_len - 1; the blocks before are not read); with `softcap` > 0 each scaled score s
+    soft-capped to softcap * tanh(s / softcap) (Gemma 2)."""
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -293,6 +294,10 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                               start, item_bytes, scratch)
         acc = np.zeros((nh, head_dim), dtype=np.float32)
         hidden = max(0, visible - base)  # keys of the first block before the window
+        if softcap > 0.0:
+            for h in range(nh):
+                for t in range(hidden, n):
+                    scores[h, t] = softcap * np.tanh(scores[h, t] / softcap)
         for h in range(nh):
             m = scores[h, hidden]
             for t in range(hidden + 1, n):
@@ -359,9 +364,10 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: np.ndarray, scale: float, layers: int = 1,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [rows, H, D] (one query token per row, the last position of its sequence) ->
-    [rows, H, D]; with `window` > 0 over the last `window` keys only. A row with seq_len 0
+    [rows, H, D]; with `window` > 0 over the last `window` keys only; `softcap` > 0 caps
+    the scores (decode_kernel). A row with seq_len 0
     (padding) returns zeros. `layers`: how many layers' caches the step reads (this one's
     among them), for the work split."""
     rows = q.shape[0]
@@ -376,5 +382,5 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                              layers)
     kv_per_item, splits = work_split(rows, kv_cache.shape[3], planned_threads(), kv_bytes)
     decode_kernel(q.contiguous().numpy(), k_np, v_np, tables, lens, np.float32(scale),
-                  out.numpy(), kv_per_item, splits, window)
+                  out.numpy(), kv_per_item, splits, window, np.float32(softcap))
     return out

@@ -76,7 +76,7 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
 def _attend_tile(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid, visible, max_blocks,
                  qk_scale, stride_c_kv, stride_c_block, stride_c_slot, BLOCK_M: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, LOG2_TILE: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step over the keys `key_pos` (valid where `key_valid`, seen by a
     query row where `visible`): (m_i, l_i, acc) updated. Kernels receive it as the constexpr
     ATTEND_TILE, jitted for their mode by `attend_tile()` (a global jitted helper would be
@@ -92,6 +92,11 @@ def _attend_tile(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid, visibl
     v = tl.load(k_base + stride_c_kv + kv_offset[:, None] + dims[None, :],
                 mask=key_valid[:, None], other=0.0)  # [TILE, HEAD_DIM]
     s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+    if SOFTCAP > 0:
+        # softcap * tanh(s' / softcap) of the natural-log score s' = s / LOG2E, back in the
+        # exp2 domain; tanh(x) = 2 / (1 + exp(-2x)) - 1 (builtins only).
+        capped = s * (1.0 / (SOFTCAP * 1.4426950408889634))
+        s = (2.0 / (1.0 + tl.exp(-2.0 * capped)) - 1.0) * (SOFTCAP * 1.4426950408889634)
     s = tl.where(visible, s, float("-inf"))
     s_max = s
     for _ in tl.static_range(LOG2_TILE):
@@ -124,7 +129,7 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                             LOG2_TILE: tl.constexpr, PRECISION: tl.constexpr,
-                            ATTEND_TILE: tl.constexpr):
+                            SOFTCAP: tl.constexpr, ATTEND_TILE: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -181,7 +186,7 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
             m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid,
                                         visible, max_blocks, qk_scale, stride_c_kv,
                                         stride_c_block, stride_c_slot, BLOCK_M, HEAD_DIM,
-                                        BLOCK_SIZE, LOG2_TILE, PRECISION)
+                                        BLOCK_SIZE, LOG2_TILE, PRECISION, SOFTCAP)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows masked out of the tile
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
@@ -242,7 +247,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, uniform_decode: bool = False,
                     block_m: int | None = None, tile: int | None = None,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D]; the step's K/V must already be in the cache.
 
     query_start_loc [R+1] int32, seq_lens [R] int32, block_tables [R, max_blocks] int32 (rows
@@ -250,7 +255,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `uniform_decode` (every row has one query token) only picks a smaller query tile;
     `block_m` (query rows per program, a multiple of the padded GQA group) and `tile` (keys
     per step) override the tile sizes. `window` > 0: sliding-window attention (a query at p
-    sees keys p - window + 1 .. p).
+    sees keys p - window + 1 .. p); `softcap` > 0: scores soft-capped (Gemma 2).
     """
     block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
     num_tokens, num_heads, _ = q.shape
@@ -281,5 +286,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         kv_cache.stride(3), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         LOG2_TILE=tile.bit_length() - 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else None, ATTEND_TILE=attend_tile())
+        PRECISION="ieee" if q.dtype == torch.float32 else None, SOFTCAP=float(softcap),
+        ATTEND_TILE=attend_tile())
     return out

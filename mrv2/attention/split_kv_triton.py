@@ -51,7 +51,7 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LOG2_TILE: tl.constexpr,
                      NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                     ATTEND_TILE: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ATTEND_TILE: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,7 +89,7 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
             m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_base, table_row, key_pos, key_valid,
                                         key_valid[None, :], max_blocks, qk_scale, stride_c_kv,
                                         stride_c_block, stride_c_slot, BLOCK_M, HEAD_DIM,
-                                        BLOCK_SIZE, LOG2_TILE, PRECISION)
+                                        BLOCK_SIZE, LOG2_TILE, PRECISION, SOFTCAP)
 
         acc_row = acc_ptr + row.to(tl.int64) * stride_acc_row + split * HEAD_DIM
         tl.store(acc_row + head[:, None] * stride_acc_head + dims[None, :], acc,
@@ -178,11 +178,13 @@ class SplitKVScratch:
 def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     scratch: SplitKVScratch, *, out: torch.Tensor | None = None,
-                    tile: int = DEFAULT_TILE, window: int = 0) -> torch.Tensor:
+                    tile: int = DEFAULT_TILE, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Decode attention, q [T, H, D] -> out [T, H, D], every row one query token (or none:
     padding). Same inputs and output contract as `paged_triton.paged_attention`; `scratch`
     must hold at least `len(seq_lens)` rows. `tile` (keys per step, a power of two >= 16 on
-    CUDA) is a configuration constant; `window` > 0: the last `window` keys only."""
+    CUDA) is a configuration constant; `window` > 0: the last `window` keys only; `softcap`
+    > 0: scores soft-capped."""
     block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
     num_tokens, num_heads, _ = q.shape
     num_rows = query_start_loc.shape[0] - 1
@@ -209,7 +211,7 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=tile, LOG2_TILE=tile.bit_length() - 1,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else None,
-        ATTEND_TILE=attend_tile())
+        SOFTCAP=float(softcap), ATTEND_TILE=attend_tile())
     triton_kernel(_merge_splits_kernel)[(num_rows, num_heads)](
         acc, ml, out, query_start_loc, acc.stride(0), acc.stride(1), ml.stride(0),
         ml.stride(1), ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=head_dim,

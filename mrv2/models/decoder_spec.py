@@ -32,6 +32,17 @@ class DecoderSpec:
     norms_after: bool = False
     # Each layer's sliding window (0: every key); None: no layer has one.
     sliding_windows: tuple[int, ...] | None = None
+    # Gemma: norms multiply by 1 + w (in float32), the embeddings are scaled (by
+    # sqrt(hidden), rounded to the activation dtype), attention scores by attention_scale
+    # (None: head_dim ** -0.5), and the windowed layers rotate with their own rope parameters
+    # (`local_rope`: Gemma 3's "sliding_attention" ones).
+    norm_unit_offset: bool = False
+    embedding_scale: float | None = None
+    attention_scale: float | None = None
+    local_rope: bool = False
+    # Gemma 2: scores and final logits soft-capped, tanh(x / cap) * cap (None: not).
+    attention_softcap: float | None = None
+    logit_softcap: float | None = None
 
     @property
     def has_biases(self) -> bool:

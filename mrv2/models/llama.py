@@ -100,13 +100,17 @@ class LlamaAttention(nn.Module):
                              model_config.num_kv_heads * self.head_dim)
                             if spec.qk_norm_over_projection else (self.head_dim, self.head_dim))
         has_qk_norm = spec.qk_norm or spec.qk_norm_over_projection
-        self.q_norm = RMSNorm(q_width, hf.rms_norm_eps) if has_qk_norm else None
-        self.k_norm = RMSNorm(k_width, hf.rms_norm_eps) if has_qk_norm else None
+        offset = spec.norm_unit_offset
+        self.q_norm = RMSNorm(q_width, hf.rms_norm_eps, offset) if has_qk_norm else None
+        self.k_norm = RMSNorm(k_width, hf.rms_norm_eps, offset) if has_qk_norm else None
+        # Which of the model's rotary tables this layer's positions come from (None: the one).
+        self.rope_table = (1 if spec.window(layer) else 0) if spec.local_rope else None
         # A window that covers max_model_len never hides a key: the kernels skip the check.
         window = spec.window(layer)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              scale=self.head_dim ** -0.5,
-                              sliding_window=window if window < model_config.max_model_len else 0)
+        scale = spec.attention_scale or self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scale,
+                              sliding_window=window if window < model_config.max_model_len else 0,
+                              softcap=spec.attention_softcap or 0.0)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -118,7 +122,7 @@ class LlamaAttention(nn.Module):
         elif self.q_norm is not None:
             head_norms = (self.q_norm, self.k_norm)
         if self.use_rope:
-            cos, sin = cos_sin
+            cos, sin = cos_sin if self.rope_table is None else cos_sin[self.rope_table]
             q, k = apply_rotary_qk(q, k, cos, sin, self.head_dim, *head_norms)
         elif head_norms[0] is not None:
             q = head_norms[0](q.reshape(-1, self.head_dim)).reshape(num_tokens, -1)
@@ -146,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         hf = model_config.hf_config
         self.self_attn = LlamaAttention(model_config, spec, layer)
-        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, spec.mlp_bias, hf.hidden_act)
+        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, spec.mlp_bias, spec.activation)
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -172,13 +176,19 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         self.layers = nn.ModuleList(layer_class(model_config, spec, i)
                                     for i in range(model_config.num_layers))
-        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps, spec.norm_unit_offset)
+        self.embedding_scale = spec.embedding_scale
         # One table for all layers: positions can reach max_model_len even when it exceeds
         # max_position_embeddings (transformers computes any position on the fly).
         max_position = max(hf.max_position_embeddings, model_config.max_model_len)
-        self.rotary_emb = RotaryEmbedding(model_config.head_dim, max_position,
-                                          rope_parameters_from_config(hf),
-                                          model_config.max_model_len)
+        def rotary(layer_type: str | None) -> RotaryEmbedding:
+            return RotaryEmbedding(model_config.head_dim, max_position,
+                                   rope_parameters_from_config(hf, layer_type),
+                                   model_config.max_model_len)
+
+        # One table, or (full attention's, the windowed layers' own) under `local_rope`.
+        self.rotary_emb = rotary("full_attention" if spec.local_rope else None)
+        self.local_rotary_emb = rotary("sliding_attention") if spec.local_rope else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -188,7 +198,12 @@ class LlamaModel(nn.Module):
               ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """((cos, sin) of the positions, shared by every layer; the embedded ids [T, hidden])."""
         hidden = self.embed_tokens(input_ids)
-        return self.rotary_emb.get_cos_sin(positions, hidden.dtype), hidden
+        if self.embedding_scale is not None:  # rounded to the activation dtype, as Gemma's
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        if self.local_rotary_emb is not None:
+            cos_sin = (cos_sin, self.local_rotary_emb.get_cos_sin(positions, hidden.dtype))
+        return cos_sin, hidden
 
     def forward_layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                        kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -225,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
         return DecoderSpec(
             qkv_bias=self.qkv_bias_always or attention_bias,
             o_bias=self.o_proj_bias_allowed and attention_bias, qk_norm=self.qk_norm,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)), activation=hf.hidden_act,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            activation=getattr(hf, "hidden_activation", None) or hf.hidden_act,
             tied_embeddings=self.tie_word_embeddings, sliding_windows=layer_windows(hf))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -238,7 +254,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab], the full vocabulary on every rank
         (all-gathered under tensor parallelism)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return parallel_logits(hidden_states, head)
+        logits = parallel_logits(hidden_states, head)
+        cap = self.decoder_spec.logit_softcap
+        if cap:  # Gemma 2: tanh(logits / cap) * cap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the names of the parameters whose

@@ -32,7 +32,7 @@ class Olmo2DecoderLayer(nn.Module):
         super().__init__()
         hf = model_config.hf_config
         self.self_attn = LlamaAttention(model_config, spec, layer)
-        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, spec.mlp_bias, hf.hidden_act)
+        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, spec.mlp_bias, spec.activation)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from mrv2.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
+from mrv2.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from mrv2.models.olmo2 import Olmo2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -16,6 +17,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -41,6 +41,8 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
@@ -133,17 +135,19 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
         raise ValueError(f"vocab_size {p['vocab_size']} < tokenizer vocab {tok.get_vocab_size()}")
     ids = {k: tok.token_to_id(t) for k, t in
            (("bos_token_id", BOS_TOKEN), ("eos_token_id", EOS_TOKEN), ("pad_token_id", PAD_TOKEN))}
-    extra = {"sliding_window": None} if p["arch"] == "mistral" else {}
-    extra.update(p.get("config") or {})
-    config = config_cls(
+    fields = dict(
         vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
         intermediate_size=p["intermediate_size"], num_hidden_layers=p["num_layers"],
         num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"],
         head_dim=p["head_dim"],  # explicit: Qwen3Config would otherwise default to 128
         max_position_embeddings=p["max_position_embeddings"], rms_norm_eps=1e-6,
         tie_word_embeddings=p["tie_word_embeddings"], rope_parameters=dict(p["rope_parameters"]),
-        architectures=[model_cls.__name__], dtype="float32", **ids, **extra,
+        architectures=[model_cls.__name__], dtype="float32", **ids,
     )
+    if p["arch"] == "mistral":
+        fields["sliding_window"] = None
+    fields.update(p.get("config") or {})
+    config = config_cls(**fields)
     # fork_rng: the caller's global RNG state is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(p["seed"])

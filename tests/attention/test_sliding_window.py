@@ -111,5 +111,44 @@ def test_numba_decode_kernel_context_splits(splits, window):
     out = torch.empty_like(step.q)
     decode_numba.decode_kernel(step.q.numpy(), numpy_view(cache[0]), numpy_view(cache[1]),
                                step.meta.block_tables.numpy(), step.meta.seq_lens_np,
-                               np.float32(SCALE), out.numpy(), 1, splits, window)
+                               np.float32(SCALE), out.numpy(), 1, splits, window,
+                               np.float32(0.0))
     torch.testing.assert_close(out.double(), _reference(step, window), atol=2e-5, rtol=0)
+
+
+def _capped_reference(step, window: int, softcap: float) -> torch.Tensor:
+    """The dense reference with scores soft-capped before the mask."""
+    original = torch.einsum
+    try:
+        def capped(eq, *ops):
+            out = original(eq, *ops)
+            if eq == "qhd,khd->hqk":
+                return torch.tanh(out * SCALE / softcap) * softcap / SCALE
+            return out
+        torch.einsum = capped
+        return _reference(step, window)
+    finally:
+        torch.einsum = original
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_softcap_on_every_kernel(window):
+    """Gemma 2's soft cap (scores -> cap * tanh(s / cap)), with and without a window."""
+    step = make_step(*MIXED, num_kv_heads=2, seed=3)
+    step.q.mul_(8.0)  # scores large enough for the cap to matter
+    cap, full = 2.0, window or (1 << 20)
+    ref = _capped_reference(step, full, cap)
+    assert not torch.allclose(ref, _reference(step, full), atol=1e-2)
+    cache = step.kv_cache.clone()
+    paged_torch.write_kv(step.k, step.v, cache, step.meta.slot_mapping)
+    meta = step.meta
+    for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-6)):  # float32 softmax
+        out = paged_torch.paged_attention(step.q.to(dtype), cache.to(dtype), meta, SCALE,
+                                          step.k.to(dtype), step.v.to(dtype), window=window,
+                                          softcap=cap)
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+    with platform.triton_interpreter():
+        out = paged_triton.paged_attention(step.q, cache, meta.query_start_loc, meta.seq_lens,
+                                           meta.block_tables, SCALE, window=window, tile=4,
+                                           softcap=cap)
+    torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=0)

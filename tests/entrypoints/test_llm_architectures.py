@@ -1,5 +1,6 @@
 """End to end on each architecture of issue 49 that the Llama-family layers compute
 (Phi-3 with LongRoPE, partial rotary and a sliding window, SmolLM3 with NoPE layers, OLMo 2,
+Gemma 2 with soft caps, Gemma 3 with its local rope,
 Mistral and Qwen2 with sliding windows shorter than the prompts, Llama with YaRN and dynamic
 NTK): greedy tokens equal transformers' on the same random weights through chunked
 prefill (a budget smaller than the prompts), a prefix-cache hit and preemption."""
@@ -25,6 +26,16 @@ CASES = {
         "use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}}),
     "smollm3": ("smollm3", {"num_layers": 4, "config": {"no_rope_layers": [1, 1, 0, 1]}}),
     "olmo2": ("olmo2", {}),
+    "gemma2": ("gemma2", {"config": {
+        "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.5,
+        "final_logit_softcapping": 8.0}}),  # not saturated: no exact ties
+    "gemma3": ("gemma3", {"num_layers": 3, "config": {
+        "sliding_window": 9, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 32}}),
     "llama-dynamic": ("llama", {"max_position_embeddings": 256,
@@ -41,7 +52,7 @@ def test_greedy_matches_transformers(tiny_model_factory, name):
     prompts.append(prompts[3][:64] + [11, 12])  # a prefix-cache hit on the last prompt's
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     # 14 blocks of 8 tokens for ~270 tokens of prompts and outputs: requests are preempted.
-    block_bytes = 2 * 2 * 8 * 2 * 16 * 4 * {"smollm3": 4, "qwen2": 3}.get(arch, 2) // 2
+    block_bytes = 2 * 2 * 8 * 2 * 16 * 4 * {"smollm3": 4, "qwen2": 3, "gemma3": 3}.get(arch, 2) // 2
     llm = LLM(str(model_dir), max_model_len=96, block_size=8, max_num_batched_tokens=32,
               enable_prefix_caching=True, kv_cache_memory_gb=14 * block_bytes / (1 << 30))
     try:

@@ -93,6 +93,9 @@ def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
     ("phi3", {"config": {"partial_rotary_factor": 0.5}}, False),
     # q/k norms over the whole projection (all-gathered); norms after the sublayers
     ("olmo2", {}, False),
+    # sandwich norms of 1 + w, scaled embeddings, GeLU, windows, soft caps, local rope
+    ("gemma3", {"config": {"sliding_window": 5, "attn_logit_softcapping": 1.5,
+                           "final_logit_softcapping": 8.0}}, False),
 ])
 def test_tp2_matches_tp1_and_transformers(tiny_model_factory, arch, extra, seeded):
     model_dir = tiny_model_factory(arch, num_heads=4, num_kv_heads=2, **extra)

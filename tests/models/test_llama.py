@@ -54,6 +54,24 @@ CASES = {
     "mistral-window": ("mistral", {"config": {"sliding_window": 5}}),
     "qwen2-window": ("qwen2", {"config": {"use_sliding_window": True, "sliding_window": 3,
                                           "max_window_layers": 1}}),
+    # Gemma 2: sandwich norms of 1 + w, scaled embeddings, GeLU, query_pre_attn_scalar,
+    # a window on the first layer, attention and final-logit soft caps small enough to bite.
+    "gemma2": ("gemma2", {"config": {
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.5,
+        "final_logit_softcapping": 2.0}}),
+    # Gemma 3: q/k norms, the windowed layers' own rope base, linear scaling on the global one.
+    "gemma3": ("gemma3", {"config": {
+        "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}}),
+    # A Gemma 3 config.json as transformers 4 wrote the released ones (rope_theta for the
+    # global layers with rope_scaling, rope_local_base_freq for the windowed ones): read by
+    # transformers 5 into per-layer-type parameters with the flat keys left beside them.
+    "gemma3-v4-config": ("gemma3", {"num_layers": 3, "config": {
+        "sliding_window": 5, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 8}}),
 }
@@ -67,10 +85,27 @@ class Case:
     ref_logits: list[torch.Tensor]  # transformers fp32, [len, vocab] per prompt
 
 
+def _as_v4_gemma3_config(path: Path, tmp: Path) -> Path:
+    """A copy of a tiny Gemma 3 checkpoint whose config.json has transformers 4's rope keys."""
+    import json
+    import shutil
+
+    out = tmp / "gemma3-v4"
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=1e6, rope_local_base_freq=10000.0,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tiny_model_factory) -> Case:
+def case(request, tiny_model_factory, tmp_path_factory) -> Case:
     arch, kwargs = CASES[request.param]
     path: Path = tiny_model_factory(arch, **kwargs)
+    if request.param == "gemma3-v4-config":
+        path = _as_v4_gemma3_config(path, tmp_path_factory.mktemp("v4"))
     hf_config = load_hf_config(str(path))
     model_config = ModelConfig(model=str(path), dtype=torch.float32, max_model_len=64,
                                hf_config=hf_config)

@@ -70,11 +70,12 @@ def test_registry() -> None:
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM",
                                        "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-                                       "Olmo2ForCausalLM")
+                                       "Olmo2ForCausalLM", "Gemma2ForCausalLM",
+                                       "Gemma3ForCausalLM")
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
     assert issubclass(UnsupportedModelError, ValueError)
-    for bad in ([], None, ["Gemma2ForCausalLM"]):
+    for bad in ([], None, ["MixtralForCausalLM"]):
         with pytest.raises(UnsupportedModelError, match="supported architectures: "
                                                         "LlamaForCausalLM, MistralForCausalLM"):
             get_model_class(bad)

@@ -32,16 +32,13 @@ from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
-from mrv2.models.cpu.decode_stack_numba import (BlockWeightView, HalfWeightView, decode_stack,
-                                                decode_stack_run)
+from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run, weight_view
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
-from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
 from mrv2.models.layers.quantized import PackedWeight
-from mrv2.models.layers.quantized_panel_layout import no_group_panels
 from mrv2.models.layers.numba_rows import typed_list
 
 
@@ -69,12 +66,15 @@ def _kinds(layer) -> tuple[str, ...]:
     return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
 
 
+_UNSUPPORTED_TRAITS = ("norms_after", "qk_norm_over_projection", "norm_unit_offset",
+                       "embedding_scale", "local_rope", "attention_softcap", "logit_softcap")
+
+
 def supports(spec: DecoderSpec | None) -> bool:
-    """Whether the stack computes a model that declares `spec`: a SiLU-gated MLP, the norms
-    before each sublayer; biases on any projection, per-head q/k norms and NoPE layers are
-    computed as the module path does."""
-    return (spec is not None and spec.activation == "silu" and not spec.norms_after
-            and not spec.qk_norm_over_projection)
+    """Whether the stack computes a model that declares `spec`: Llama's layers, SiLU-gated,
+    with any biases, per-head q/k norms, NoPE layers, partial rotary and windows."""
+    return (spec is not None and spec.activation == "silu"
+            and not any(getattr(spec, trait) for trait in _UNSUPPORTED_TRAITS))
 
 
 def _layer_qualifies(layer) -> bool:
@@ -156,33 +156,11 @@ def _projection_parameters(module) -> list[torch.Tensor]:
     return [module.weight] if _packed(module) is None else []
 
 
-def _weight_view(weight: PackedWeight | torch.Tensor, float32_tables: bool = False,
-                 linear: bool = True):
-    """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as a
-    HalfWeightView, GGUF blocks as a BlockWeightView (x format: its plan's). Panels: the
-    weight's where it is held as them or its plan runs them and it serves as a `linear`, else
-    none. With `float32_tables`, float32 copies of float16 scale / min tables."""
-    if isinstance(weight, torch.Tensor):
-        return weight.detach().numpy()
-    if weight.is_half:
-        takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
-        panels = weight.panels() if takes_panels else np.empty((0, 0, PANEL_OUTPUTS), np.int16)
-        return HalfWeightView(weight.q.numpy(), weight.layout == "bf16", panels)
-    if float32_tables:
-        weight = weight._with_float32_tables()
-    takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
-    panels = (weight.group_panels() if takes_panels
-              else no_group_panels(weight.scales.numpy().dtype))
-    return BlockWeightView(weight.q.view(torch.uint8).numpy(), weight.scales.numpy(),
-                           weight.kernel_mins.numpy(), weight.layout == "u4", weight.group_size,
-                           weight.plan.x_format, panels)
-
-
 def _projection_view(module, float32_tables: bool = False):
-    """The kernel's view of one projection (`_weight_view`): the GGUF blocks or 16-bit weight
+    """The kernel's view of one projection (`weight_view`): the GGUF blocks or 16-bit weight
     it is packed as, else its float32 weight."""
     weight = _packed(module)
-    return _weight_view(module.weight if weight is None else weight, float32_tables)
+    return weight_view(module.weight if weight is None else weight, float32_tables)
 
 
 def _projection_views(modules) -> typed.List:
@@ -250,7 +228,7 @@ class _StackArgs:
         attn, mlp = layers[0].self_attn, layers[0].mlp
         self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.w_embed = _weight_view(_embedding(model), linear=False)
+        self.w_embed = weight_view(_embedding(model), linear=False)
         # The kernel's arguments between a step's own (both kernels take them in this order),
         # read once: the module attributes cost microseconds a step. The rotary tables, the
         # layers' norms, eps, projections, biases, q/k norms, rotary flags and windows (0: every
@@ -275,7 +253,7 @@ class _StackArgs:
                            mlp.intermediate_size, np.float32(attn.attn.scale))
         self.hidden_size = model.norm.weight.shape[0]
         self.head = head
-        self.w_head = None if head is None else _weight_view(head.weight)
+        self.w_head = None if head is None else weight_view(head.weight)
         self.vocab_rows = 0 if head is None else (
             head.weight.shape[0] if isinstance(head.weight, torch.Tensor)
             else head.weight.out_features)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import torch
 from numba import njit, types
 from numba.extending import overload
 
@@ -26,7 +27,8 @@ from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
 from mrv2.models.layers.norm_numba import add_rms_norm_kernel
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
-from mrv2.models.layers.quantized_panel_layout import panel_rows
+from mrv2.models.layers.quantized import PackedWeight
+from mrv2.models.layers.quantized_panel_layout import no_group_panels, panel_rows
 from mrv2.models.layers.quantized_panel_numba import group_panel_kernel
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
@@ -51,6 +53,28 @@ class BlockWeightView(NamedTuple):
     group_size: int
     x_format: int  # linear_plan.GEMV_X_FORMAT: how the GEMV rounds x
     panels: tuple  # quantized_panel_numba's (weights, scales, mins); an empty one: none
+
+
+def weight_view(weight: PackedWeight | torch.Tensor, float32_tables: bool = False,
+                 linear: bool = True):
+    """The kernel's view of one weight: a float32 weight as is, a 16-bit weight as a
+    HalfWeightView, GGUF blocks as a BlockWeightView (x format: its plan's). Panels: the
+    weight's where it is held as them or its plan runs them and it serves as a `linear`, else
+    none. With `float32_tables`, float32 copies of float16 scale / min tables."""
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().numpy()
+    if weight.is_half:
+        takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
+        panels = weight.panels() if takes_panels else np.empty((0, 0, PANEL_OUTPUTS), np.int16)
+        return HalfWeightView(weight.q.numpy(), weight.layout == "bf16", panels)
+    if float32_tables:
+        weight = weight._with_float32_tables()
+    takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
+    panels = (weight.group_panels() if takes_panels
+              else no_group_panels(weight.scales.numpy().dtype))
+    return BlockWeightView(weight.q.view(torch.uint8).numpy(), weight.scales.numpy(),
+                           weight.kernel_mins.numpy(), weight.layout == "u4", weight.group_size,
+                           weight.plan.x_format, panels)
 
 
 def _linear(x, w, out):
@@ -200,7 +224,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item, splits, window)
+                   seq_lens, scale, attn, kv_per_item, splits, window, np.float32(0.0))
     o = np.empty((rows, hidden_size), dtype=np.float32)
     _linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)
@@ -219,8 +243,8 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, biases, qk_norms, rope_layers, windows, final_norm,
-                 final_eps, kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
-                 intermediate, scale, kv_per_item, splits, out, w_head, logits):
+                 final_eps, kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads,
+                 head_dim, intermediate, scale, kv_per_item, splits, out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
     `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
@@ -253,8 +277,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 @njit(cache=True)
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
                      w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers, windows,
-                     final_norm, final_eps, kv_caches, block_tables, seq_lens, block_size, num_heads,
-                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
+                     final_norm, final_eps, kv_caches, block_tables, seq_lens, block_size,
+                     num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
+                     out,
                      w_head, logits, tokens, nan_rows):
     """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
     before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
@@ -279,9 +304,9 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
             slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                      w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers,
-                     windows, final_norm, final_eps, kv_caches, block_tables, seq_lens, slots, num_heads,
-                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
-                     w_head, logits)
+                     windows, final_norm, final_eps, kv_caches, block_tables, seq_lens, slots,
+                     num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
+                     splits, out, w_head, logits)
         if rows <= MAX_SERIAL_ROWS:
             greedy_argmax_serial(bits, sampled, nans)
         else:

@@ -136,7 +136,7 @@ def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_c
     rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                  seq_lens, scale, attn, kv_per_item, splits, 0)
+                  seq_lens, scale, attn, kv_per_item, splits, 0, np.float32(0.0))
     _store_as_linear_input(attn.reshape(rows, q_size), linear_in)
 
 

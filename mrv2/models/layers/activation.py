@@ -1,6 +1,11 @@
-"""SiLU-and-mul, the gated activation of the Llama-family MLP: gate_up [T, 2I] -> silu(gate) *
-up [T, I]. CUDA tensors run the fused Triton twin (activation_triton.py), float32 CPU tensors
-outside autograd the fused numba twin (activation_numba.py), any other tensor the torch ops."""
+"""The gated activations of the MLP block: gate_up [T, 2I] -> act(gate) * up [T, I].
+
+SiLU-and-mul (Llama family): CUDA tensors run the fused Triton twin (activation_triton.py),
+float32 CPU tensors outside autograd the fused numba twin (activation_numba.py), any other
+tensor the torch ops. GeLU(tanh)-and-mul (Gemma's gelu_pytorch_tanh): torch's own ops on every
+device (transformers' function itself).
+
+`GATED_ACTIVATIONS` maps a config's `hidden_act` / `hidden_activation` to its function."""
 
 from __future__ import annotations
 
@@ -21,3 +26,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return activation_numba.silu_and_mul(gate_up)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}

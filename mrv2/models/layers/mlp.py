@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mrv2.models.layers import activation_numba, cpu_linear
-from mrv2.models.layers.activation import silu_and_mul
+from mrv2.models.layers.activation import GATED_ACTIVATIONS
 from mrv2.models.layers.linear import MergedLinear, RowParallelLinear, bfloat16_weight
 from mrv2.models.layers.linear_plan import LinearKernel
 from mrv2.models.layers.quantized import PackedWeight
@@ -57,8 +57,11 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  hidden_act: str) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)}")
+        self.hidden_act = hidden_act
+        self.act_and_mul = GATED_ACTIVATIONS[hidden_act]
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's part
@@ -74,9 +77,9 @@ class GatedMLP(nn.Module):
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP of `x` in one pass (no row chunks)."""
-        if (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not torch.is_grad_enabled()):
+        if (self.hidden_act == "silu" and x.dim() == 2 and x.dtype == torch.float32
+                and x.device.type == "cpu" and not torch.is_grad_enabled()):
             weights = native_bfloat16_weights(self, x.shape[0])
             if weights is not None:
                 return native_bfloat16_mlp(x, *weights)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

@@ -26,7 +26,8 @@ from mrv2.platform import triton_kernel
 
 def _add_rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, weight_ptr, out_ptr, out_stride,
                          res_out_ptr, res_out_stride, hidden, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+                         ROUND_BEFORE_WEIGHT: tl.constexpr = True):
     # Without a residual, res_out_ptr is x_ptr (never written): its element type is then the
     # activation dtype the normalised row is rounded to, as with one.
     row = tl.program_id(0).to(tl.int64)
@@ -44,7 +45,9 @@ def _add_rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, weight_ptr, out_p
         lo, hi = tl.split(tl.reshape(total, [1, total.shape[1] // 2, 2]))
         total = lo + hi
     inv = tl.rsqrt(total / hidden + eps)
-    normed = (v * inv).to(act_dtype).to(tl.float32)
+    normed = v * inv
+    if ROUND_BEFORE_WEIGHT:  # Llama's order; Gemma's multiplies in float32 and rounds once
+        normed = normed.to(act_dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (w * normed).to(out_ptr.dtype.element_ty),
              mask=mask)
@@ -57,13 +60,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, unit_offset: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H] -> weight * norm(x); with `residual`: (norm(x + residual), x + residual)."""
+    """x [..., H] -> weight * norm(x); with `residual`: (norm(x + residual), x + residual).
+    `unit_offset` (Gemma: `weight` holds 1 + w, float32): the product in float32, rounded
+    once to the activation dtype."""
     hidden = x.shape[-1]
     act_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, act_dtype),
-                      device=x.device)
+    out_dtype = act_dtype if unit_offset else torch.promote_types(weight.dtype, act_dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = None if residual is None else torch.empty(x.shape, dtype=act_dtype,
                                                         device=x.device)
     x2 = _rows(x)
@@ -74,5 +79,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         triton_kernel(_add_rms_norm_kernel)[(x2.shape[0],)](
             x2, x2.stride(0), res2, res2.stride(0), weight, out2, out2.stride(0), res_out2,
             res_out2.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            LOG2_BLOCK=block.bit_length() - 1, num_warps=min(max(block // 256, 1), 8))
+            LOG2_BLOCK=block.bit_length() - 1, ROUND_BEFORE_WEIGHT=not unit_offset,
+            num_warps=min(max(block // 256, 1), 8))
     return out if res_out is None else (out, res_out)

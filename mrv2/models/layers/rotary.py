@@ -40,15 +40,23 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longr
 DEFAULT_ROPE_THETA = 10000.0
 
 
-def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
-    """A flat dict with at least "rope_type" and "rope_theta", whatever the config's form."""
+def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None
+                                ) -> dict[str, Any]:
+    """A flat dict with at least "rope_type" and "rope_theta", whatever the config's form.
+    `layer_type` ("full_attention", "sliding_attention"): that type's parameters where the
+    config gives them per layer type (Gemma 3), the one set otherwise; None refuses per-type
+    parameters (a model that does not pick per layer)."""
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = getattr(hf_config, "rope_scaling", None)
     params = dict(params or {})
-    # Per-layer-type rope (e.g. {"full_attention": {...}, "sliding_attention": {...}}).
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"per-layer-type rope parameters are not supported: {params}")
+    # Per-layer-type rope (e.g. {"full_attention": {...}, "sliding_attention": {...}}; a
+    # transformers 5 Gemma 3 config may keep flat keys beside them, which it does not read).
+    if per_layer_type_rope(params):
+        if layer_type is None or layer_type not in params:
+            raise ValueError(f"per-layer-type rope parameters are not supported here: "
+                             f"{params}")
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
     if params.get("rope_theta") is None:
@@ -70,6 +78,12 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
     if partial is not None:
         params["partial_rotary_factor"] = float(partial)
     return params
+
+
+def per_layer_type_rope(params: dict[str, Any] | None) -> bool:
+    """Whether rope parameters are given per layer type (Gemma 3's form)."""
+    return any(isinstance((params or {}).get(kind), dict)
+               for kind in ("full_attention", "sliding_attention"))
 
 
 def rotary_dim(head_dim: int, rope_parameters: dict[str, Any]) -> int:

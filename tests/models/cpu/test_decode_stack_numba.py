@@ -13,9 +13,8 @@ import pytest
 import torch
 from numba import njit
 
-from mrv2.models.cpu import decode as cpu_decode
 from mrv2.models.cpu.decode_stack_numba import (_add_bias, _embed, _head_norm, _linear,
-                                                rotary_rows)
+                                                rotary_rows, weight_view)
 from mrv2.models.layers import half_panel_linear, quantized, quantized_panel_numba
 from mrv2.models.layers.norm import RMSNorm
 from mrv2.models.layers.quantized import PackedWeight, quantized_linear
@@ -87,7 +86,7 @@ def test_embedding_rows_are_the_module_paths(kind):
     weight = WEIGHTS[kind]
     ids = np.array([3, 0, VOCAB - 1, 3, 17], dtype=np.int32)
     out = np.full((len(ids), WIDTH), np.nan, dtype=np.float32)
-    _lookup(ids, cpu_decode._weight_view(weight), out)
+    _lookup(ids, weight_view(weight), out)
     if isinstance(weight, torch.Tensor):
         expect = torch.nn.functional.embedding(torch.from_numpy(ids).long(), weight)
     else:  # a weight held as panels against its blocks' rows
@@ -100,7 +99,7 @@ def test_embedding_rows_are_the_module_paths(kind):
 def test_an_id_outside_the_table_raises(kind, bad):
     out = np.zeros((2, WIDTH), dtype=np.float32)
     with pytest.raises(IndexError):
-        _lookup(np.array([1, bad], dtype=np.int32), cpu_decode._weight_view(WEIGHTS[kind]), out)
+        _lookup(np.array([1, bad], dtype=np.int32), weight_view(WEIGHTS[kind]), out)
 
 
 @pytest.mark.parametrize("kind", [k for k in WEIGHTS if k.startswith(("bf16", "f16"))])
@@ -113,7 +112,7 @@ def test_16_bit_linear_is_quantized_linears(kind, rows, monkeypatch):
     weight = _half_weights(_values())[kind]  # its plan made now: no matrix units
     x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
     out = np.full((rows, VOCAB), np.nan, dtype=np.float32)
-    _stack_linear(x.numpy(), cpu_decode._weight_view(weight), out)
+    _stack_linear(x.numpy(), weight_view(weight), out)
     assert np.array_equal(out.view(np.int32), quantized_linear(x, weight).numpy().view(np.int32))
 
 
@@ -126,7 +125,7 @@ def test_16_bit_linear_is_quantized_linears_where_this_cpus_plan_lets_the_stack_
     for rows in range(1, weight.plan.numba_rows + 1):
         x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
         out = np.full((rows, VOCAB), np.nan, dtype=np.float32)
-        _stack_linear(x.numpy(), cpu_decode._weight_view(weight), out)
+        _stack_linear(x.numpy(), weight_view(weight), out)
         expect = quantized_linear(x, weight).numpy()
         assert np.array_equal(out.view(np.int32), expect.view(np.int32)), rows
 
