@@ -66,10 +66,12 @@ class Attention(nn.Module):
     """Causal self-attention over the paged KV cache of one layer; with `sliding_window` > 0 a
     query at position p sees the keys p - sliding_window + 1 .. p only (transformers' and
     llama.cpp's window: `p - k < sliding_window`); with `softcap` > 0 the scaled scores are
-    soft-capped to softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
+    soft-capped to softcap * tanh(s / softcap) before the softmax (Gemma 2). `sinks`: this
+    rank's heads' sink logits [num_heads] (gpt-oss), one more logit in each head's softmax with
+    no value; a parameter its model loads (None: none)."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int = 0, softcap: float = 0.0) -> None:
+                 sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
@@ -82,6 +84,8 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window={sliding_window} must be positive (0: none)")
         self.sliding_window = sliding_window
         self.softcap = float(softcap)
+        self.sinks = (nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                   requires_grad=False) if sinks else None)
         # Set by attach_split_kv_scratch; shared with every layer of the same head shape.
         self.split_kv_scratch = None
 
@@ -113,18 +117,20 @@ class Attention(nn.Module):
 
                 out = split_kv_triton.split_kv_decode(
                     q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                    self.scale, scratch, window=self.sliding_window, softcap=self.softcap)
+                    self.scale, scratch, window=self.sliding_window, softcap=self.softcap,
+                    sinks=self.sinks)
             else:
                 out = paged_triton.paged_attention(
                     q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                     self.scale, uniform_decode=uniform_decode, window=self.sliding_window,
-                    softcap=self.softcap)
+                    softcap=self.softcap, sinks=self.sinks)
         else:
             from mrv2.attention import paged_torch
 
             paged_torch.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
             out = paged_torch.paged_attention(q, kv_cache, meta, self.scale, k, v,
-                                              window=self.sliding_window, softcap=self.softcap)
+                                              window=self.sliding_window, softcap=self.softcap,
+                                              sinks=self.sinks)
         return out.reshape(n, self.num_heads * self.head_dim)
 
 

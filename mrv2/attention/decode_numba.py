@@ -217,11 +217,13 @@ def _block_values(probs, vb, kv0, kv_per_item, group, count, t, acc, ahead_cache
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_per_item, splits,
-                  window, softcap):
+                  window, softcap, sinks):
     """Each row's query (the last position of its sequence) over its keys; with `window` > 0
     the last `window` of them only (sliding-window attention: positions seq_len - window ..
     seq_len - 1; the blocks before are not read); with `softcap` > 0 each scaled score s
-    soft-capped to softcap * tanh(s / softcap) (Gemma 2)."""
+    soft-capped to softcap * tanh(s / softcap) (Gemma 2); with `sinks` [num_heads] (else
+    [0]) each head's sink logit joins the softmax's denominator, exp(sink - max), and no value
+    (gpt-oss)."""
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -325,7 +327,10 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                               item_bytes, scratch)
         if splits == 1:
             for h in range(nh):
-                inv = np.float32(1.0) / part_l[row, h0 + h, 0]
+                total = part_l[row, h0 + h, 0]
+                if sinks.shape[0] > 0:
+                    total += exp32(sinks[h0 + h] - part_m[row, h0 + h, 0])
+                inv = np.float32(1.0) / total
                 for d in range(head_dim):
                     out[row, h0 + h, d] = acc[h, d] * inv
         else:
@@ -342,6 +347,8 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
             if part_l[row, h, s] > 0.0:
                 m = max(m, part_m[row, h, s])
         total = np.float32(0.0)
+        if sinks.shape[0] > 0 and m > -np.inf:  # once per (row, head), not per split
+            total = exp32(sinks[h] - m)
         for d in range(head_dim):
             out[row, h, d] = 0.0
         for s in range(splits):
@@ -356,6 +363,10 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                 out[row, h, d] *= inv
 
 
+# The kernel's `sinks` argument of a layer without sink logits.
+NO_SINKS = np.empty(0, dtype=np.float32)
+
+
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The kernel handles float32 CPU queries with a contiguous float32 or 16-bit cache."""
     return (q.device.type == "cpu" and q.dtype == torch.float32
@@ -364,11 +375,12 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: np.ndarray, scale: float, layers: int = 1,
-                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [rows, H, D] (one query token per row, the last position of its sequence) ->
     [rows, H, D]; with `window` > 0 over the last `window` keys only; `softcap` > 0 caps
-    the scores (decode_kernel). A row with seq_len 0
-    (padding) returns zeros. `layers`: how many layers' caches the step reads (this one's
+    the scores; `sinks` [H] float32: per-head sink logits (decode_kernel). A row with seq_len
+    0 (padding) returns zeros. `layers`: how many layers' caches the step reads (this one's
     among them), for the work split."""
     rows = q.shape[0]
     out = torch.empty_like(q)
@@ -382,5 +394,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                              layers)
     kv_per_item, splits = work_split(rows, kv_cache.shape[3], planned_threads(), kv_bytes)
     decode_kernel(q.contiguous().numpy(), k_np, v_np, tables, lens, np.float32(scale),
-                  out.numpy(), kv_per_item, splits, window, np.float32(softcap))
+                  out.numpy(), kv_per_item, splits, window, np.float32(softcap),
+                  NO_SINKS if sinks is None else sinks.detach().float().contiguous().numpy())
     return out

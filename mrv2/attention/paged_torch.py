@@ -10,7 +10,9 @@ sits at position L - q + i and sees keys 0 .. L - q + i. A chunk with no cached 
 cache now holds, without the gather. With a sliding window (`window` > 0) each query also
 stops seeing keys `window` or more positions behind it. With a soft cap (`softcap` > 0,
 Gemma 2) scores become softcap * tanh(s / softcap) before the softmax: prefill chunks then run
-the attention as transformers' eager path writes it (SDPA has no cap). In batch-invariant mode
+the attention as transformers' eager path writes it (SDPA has no cap), as they do with sink
+logits (`sinks` [H], gpt-oss: one more logit per head in each softmax, with no value). In
+batch-invariant mode
 every token, prefill too, runs the numba decode kernel (`_token_by_token`).
 """
 
@@ -56,21 +58,22 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k: torch.Tensor | None = None,
                     v: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D]; K/V for the step must already be in the cache. `k`/`v`
     [T, KV, D], when given, are this step's keys/values (as written to the cache). `window`:
-    the sliding window (0: none); `softcap`: the scores' soft cap (0: none)."""
+    the sliding window (0: none); `softcap`: the scores' soft cap (0: none); `sinks`: the
+    heads' sink logits (None: none)."""
     if batch_invariant.active() and decode_numba.supported(q, kv_cache):
-        return _token_by_token(q, kv_cache, meta, scale, window, softcap)
+        return _token_by_token(q, kv_cache, meta, scale, window, softcap, sinks)
     out = torch.empty_like(q)
     if meta.num_decodes:
         nd = meta.num_decodes
         if decode_numba.supported(q, kv_cache):
             out[:nd] = decode_numba.decode_attention(q[:nd], kv_cache, meta.block_tables,
                                                      meta.seq_lens_np, scale, meta.num_layers,
-                                                     window, softcap)
+                                                     window, softcap, sinks)
         else:
-            out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window, softcap)
+            out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window, softcap, sinks)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_np
@@ -83,7 +86,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         if query_len == seq_len and own_kv:
             o = _sdpa(qi, k[start:end].transpose(0, 1).to(q.dtype),
                       v[start:end].transpose(0, 1).to(q.dtype), scale,
-                      _window_mask(query_len, seq_len, window, q.device), softcap)
+                      _window_mask(query_len, seq_len, window, q.device), softcap, sinks)
             out[start:end] = o.transpose(0, 1)
             continue
         num_blocks = -(-seq_len // block_size)
@@ -92,7 +95,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         mask = _window_mask(query_len, seq_len, window, q.device)
-        out[start:end] = _sdpa(qi, kr, vr, scale, mask, softcap).transpose(0, 1)
+        out[start:end] = _sdpa(qi, kr, vr, scale, mask, softcap, sinks).transpose(0, 1)
     return out
 
 
@@ -111,7 +114,8 @@ def _window_mask(query_len: int, seq_len: int, window: int,
 
 
 def _token_by_token(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int, softcap: float) -> torch.Tensor:
+                    scale: float, window: int, softcap: float,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
     """Batch-invariant attention: every query token, prefill or decode, as a decode row of the
     numba kernel over its sequence's keys up to its own position (one order, no context
     splits: batch_invariant.py). A token's result is then the same whether its request's
@@ -127,34 +131,41 @@ def _token_by_token(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     tables = meta.block_tables[torch.from_numpy(rows)]
     out = torch.zeros_like(q)
     out[:tokens] = decode_numba.decode_attention(q[:tokens], kv_cache, tables, token_lens,
-                                                 scale, meta.num_layers, window, softcap)
+                                                 scale, meta.num_layers, window, softcap, sinks)
     return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          mask: torch.Tensor | None, softcap: float = 0.0) -> torch.Tensor:
+          mask: torch.Tensor | None, softcap: float = 0.0,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (mask None) or masked attention of q [H, q, D] over k, v [KV, L, D] (GQA). Given
     with a batch dimension: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones ran
-    its math fallback at half the speed (bench/README.md). Soft-capped scores: transformers'
-    eager order (scale, cap, mask, float32 softmax, rounded to q's dtype)."""
-    if softcap > 0.0:
+    its math fallback at half the speed (bench/README.md). Soft-capped scores or sink logits:
+    transformers' eager order (scale, cap, mask, the sink column, float32 softmax, rounded to
+    q's dtype)."""
+    if softcap > 0.0 or sinks is not None:
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap > 0.0:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is None:
             mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(
                 k.shape[1] - q.shape[1])
         scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            column = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+            scores = torch.cat([scores, column], dim=-1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v)
+        return torch.matmul(probs[..., :k.shape[1]], v)
     o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                        is_causal=mask is None, scale=scale, enable_gqa=True)
     return o[0]
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, window: int, softcap: float) -> torch.Tensor:
+                      scale: float, window: int, softcap: float,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
     rows, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -176,5 +187,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     # A block's slots past seq_len may hold a finished request's values, NaN if its logits
     # were (it ended with an error): a zero probability times NaN would still be NaN.
     v.masked_fill_(past_end[:, :, None, None], 0.0)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bkgs,bskd->bkgd", probs, v.to(q.dtype)).reshape(rows, num_heads, head_dim)
+    if sinks is not None:  # one more logit per head, with no value
+        sink = sinks.to(scores.dtype).view(1, num_kv_heads, -1, 1).expand(rows, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgs,bskd->bkgd", probs, v.to(q.dtype)).reshape(rows, num_heads,
+                                                                        head_dim)

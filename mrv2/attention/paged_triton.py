@@ -121,7 +121,7 @@ def attend_tile() -> object:
 
 
 def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
-                            block_tables_ptr, qk_scale, num_rows, rows_pad, log2_rows_pad,
+                            block_tables_ptr, sinks_ptr, qk_scale, num_rows, rows_pad, log2_rows_pad,
                             max_blocks, window,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                             stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
@@ -129,7 +129,8 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                             LOG2_TILE: tl.constexpr, PRECISION: tl.constexpr,
-                            SOFTCAP: tl.constexpr, ATTEND_TILE: tl.constexpr):
+                            SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                            ATTEND_TILE: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -174,6 +175,9 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
 
         m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        if HAS_SINKS:  # the sink's logit starts each row's softmax: exp2(0) = 1, no value
+            m_i = tl.load(sinks_ptr + head, mask=m_valid, other=0.0) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         table_row = block_tables_ptr + row.to(tl.int64) * stride_bt
         k_base = cache_ptr + kv_head * stride_c_head
@@ -247,7 +251,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, uniform_decode: bool = False,
                     block_m: int | None = None, tile: int | None = None,
-                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D]; the step's K/V must already be in the cache.
 
     query_start_loc [R+1] int32, seq_lens [R] int32, block_tables [R, max_blocks] int32 (rows
@@ -255,7 +260,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `uniform_decode` (every row has one query token) only picks a smaller query tile;
     `block_m` (query rows per program, a multiple of the padded GQA group) and `tile` (keys
     per step) override the tile sizes. `window` > 0: sliding-window attention (a query at p
-    sees keys p - window + 1 .. p); `softcap` > 0: scores soft-capped (Gemma 2).
+    sees keys p - window + 1 .. p); `softcap` > 0: scores soft-capped (Gemma 2); `sinks` [H]
+    float32: per-head sink logits (gpt-oss).
     """
     block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
     num_tokens, num_heads, _ = q.shape
@@ -279,7 +285,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     rows_pad = triton.next_power_of_2(num_rows)
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
     triton_kernel(_paged_attention_kernel, do_not_specialize=_PER_STEP_INTS)[grid](
-        q, kv_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2E, num_rows,
+        q, kv_cache, out, query_start_loc, seq_lens, block_tables,
+        q if sinks is None else sinks, scale * LOG2E, num_rows,
         rows_pad, rows_pad.bit_length() - 1, block_tables.shape[1], window, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -287,5 +294,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         LOG2_TILE=tile.bit_length() - 1,
         PRECISION="ieee" if q.dtype == torch.float32 else None, SOFTCAP=float(softcap),
-        ATTEND_TILE=attend_tile())
+        HAS_SINKS=sinks is not None, ATTEND_TILE=attend_tile())
     return out

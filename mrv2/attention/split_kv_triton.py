@@ -99,11 +99,11 @@ def _split_kv_kernel(q_ptr, cache_ptr, acc_ptr, ml_ptr, query_start_loc_ptr, seq
         tl.store(ml_at + stride_ml_kind, l_i, mask=m_valid)
 
 
-def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, query_start_loc_ptr,
+def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, query_start_loc_ptr, sinks_ptr,
                          stride_acc_row, stride_acc_head, stride_ml_kind, stride_ml_row,
                          stride_ml_head, stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         LOG2_SPLITS: tl.constexpr):
+                         LOG2_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + row)
@@ -121,6 +121,9 @@ def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, query_start_loc_ptr,
             m_lo, m_hi = tl.split(tl.reshape(m_max, [1, m_max.shape[1] // 2, 2]))
             m_max = tl.maximum(m_lo, m_hi)
         # Split 0 always holds keys, so m_max is finite and empty splits weigh 0.
+        if HAS_SINKS:  # the head's sink logit joins once, here (log2 domain)
+            sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sink)
         weight = tl.exp2(m - m_max)
         l_sum = l * weight
         o_sum = acc * weight
@@ -129,6 +132,8 @@ def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, query_start_loc_ptr,
             l_sum = l_lo + l_hi
             o_lo, o_hi = tl.split(tl.reshape(o_sum, [HEAD_DIM, o_sum.shape[1] // 2, 2]))
             o_sum = o_lo + o_hi
+        if HAS_SINKS:
+            l_sum = l_sum + tl.exp2(sink - tl.reshape(m_max, [1, 1]))
         out = tl.reshape(o_sum, [HEAD_DIM]) / tl.reshape(l_sum, [1])
         tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
                  out.to(out_ptr.dtype.element_ty))
@@ -179,12 +184,12 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     scratch: SplitKVScratch, *, out: torch.Tensor | None = None,
                     tile: int = DEFAULT_TILE, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention, q [T, H, D] -> out [T, H, D], every row one query token (or none:
     padding). Same inputs and output contract as `paged_triton.paged_attention`; `scratch`
     must hold at least `len(seq_lens)` rows. `tile` (keys per step, a power of two >= 16 on
     CUDA) is a configuration constant; `window` > 0: the last `window` keys only; `softcap`
-    > 0: scores soft-capped."""
+    > 0: scores soft-capped; `sinks` [H] float32: per-head sink logits, added at the merge."""
     block_size, num_kv_heads, head_dim = _check_q_and_cache(q, kv_cache)
     num_tokens, num_heads, _ = q.shape
     num_rows = query_start_loc.shape[0] - 1
@@ -213,7 +218,8 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else None,
         SOFTCAP=float(softcap), ATTEND_TILE=attend_tile())
     triton_kernel(_merge_splits_kernel)[(num_rows, num_heads)](
-        acc, ml, out, query_start_loc, acc.stride(0), acc.stride(1), ml.stride(0),
+        acc, ml, out, query_start_loc, acc if sinks is None else sinks, acc.stride(0), acc.stride(1), ml.stride(0),
         ml.stride(1), ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, LOG2_SPLITS=num_splits.bit_length() - 1)
+        NUM_SPLITS=num_splits, LOG2_SPLITS=num_splits.bit_length() - 1,
+        HAS_SINKS=sinks is not None)
     return out

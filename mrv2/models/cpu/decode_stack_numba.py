@@ -21,7 +21,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import decode_kernel
+from mrv2.attention.decode_numba import NO_SINKS, decode_kernel
 from mrv2.models.layers.activation_numba import silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
@@ -224,7 +224,8 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item, splits, window, np.float32(0.0))
+                   seq_lens, scale, attn, kv_per_item, splits, window, np.float32(0.0),
+                   NO_SINKS)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     _linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)

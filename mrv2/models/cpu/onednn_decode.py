@@ -48,8 +48,8 @@ from numba.extending import overload
 
 from mrv2 import batch_invariant
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import (decode_kernel, planned_threads, step_kv_bytes,
-                                        work_split)
+from mrv2.attention.decode_numba import (NO_SINKS, decode_kernel, planned_threads,
+                                        step_kv_bytes, work_split)
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
 from mrv2.models.cpu.quantized_weights import float32_weight
 from mrv2.models.layers.linear import bfloat16_weight
@@ -136,7 +136,7 @@ def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_c
     rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                  seq_lens, scale, attn, kv_per_item, splits, 0, np.float32(0.0))
+                  seq_lens, scale, attn, kv_per_item, splits, 0, np.float32(0.0), NO_SINKS)
     _store_as_linear_input(attn.reshape(rows, q_size), linear_in)
 
 
