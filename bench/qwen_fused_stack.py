@@ -44,7 +44,7 @@ TYPES = ("q8_0", "q4_0")
 DEFAULT_DIR = Path("/tmp/w2models")
 
 # convert_hf_to_gguf.py with its BPE pre-tokenizer check answered from tokenizer.json's split
-# regex (mrv2.testing.gguf_writer.bpe_pre_name, the name mrv2's own writer gives) and the
+# regex (mrv2.testing.gguf_vocab.bpe_pre_name, the name mrv2's own writer gives) and the
 # sentencepiece import skipped where there is no tokenizer.model (it raises the FileNotFoundError
 # sentencepiece's loader would, and the converter falls back to the GPT-2 BPE vocab).
 # argv: <llama.cpp dir> <converter args...>
@@ -54,7 +54,7 @@ from pathlib import Path
 src = Path(sys.argv.pop(1))
 sys.path[:0] = [str(src), str(src / "gguf-py"), REPO]
 import conversion.base as base
-from mrv2.testing.gguf_writer import bpe_pre_name
+from mrv2.testing.gguf_vocab import bpe_pre_name
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: bpe_pre_name(
     json.loads((Path(self.dir_model) / "tokenizer.json").read_text()))
 _sp = base.TextModel._create_vocab_sentencepiece

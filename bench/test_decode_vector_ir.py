@@ -60,7 +60,8 @@ def test_decode_attention_block_loops(benchmark, impl: str, shape: str) -> None:
     q = torch.randn(rows, heads, head_dim, generator=g).numpy()
     lens = np.full(rows, seq_len, np.int32)
     kv_bytes = decode_numba.step_kv_bytes(lens, kv_heads, head_dim, 2, layers)
-    split = (1, 1) if rows > 1 else decode_numba.work_split(1, kv_heads, 2, kv_bytes)
+    split = (*((1, 1) if rows > 1 else decode_numba.work_split(1, kv_heads, 2, kv_bytes)),
+             *decode_numba.PLAIN_ATTENTION)
     kernel = (decode_numba.decode_kernel if impl == "vector_ir" else _numba_loops_kernel())
     outs = [np.empty_like(q) for _ in range(2)]
     decode_numba.decode_kernel(q, *caches[0], tables, lens, np.float32(0.125), outs[0], *split)

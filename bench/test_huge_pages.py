@@ -52,13 +52,14 @@ def test_decode_attention_over_the_cache(benchmark, pages: str) -> None:
     q = torch.randn(rows, heads, head_dim, generator=g).numpy()
     lens = np.full(rows, seq_len, np.int32)
     out = np.empty_like(q)
-    decode_numba.decode_kernel(q, *caches[0], tables, lens, np.float32(0.125), out, 1, 1)
+    decode_numba.decode_kernel(q, *caches[0], tables, lens, np.float32(0.125), out, 1, 1,
+                               *decode_numba.PLAIN_ATTENTION)
     assert np.isfinite(out).all()
 
     def step() -> None:
         for k_cache, v_cache in caches:
             decode_numba.decode_kernel(q, k_cache, v_cache, tables, lens, np.float32(0.125),
-                                       out, 1, 1)
+                                       out, 1, 1, *decode_numba.PLAIN_ATTENTION)
 
     benchmark.pedantic(step, rounds=1 if benchmark.disabled else 15,
                        warmup_rounds=0 if benchmark.disabled else 2)

@@ -194,13 +194,13 @@ def _time_work_split(benchmark, q, caches, tables, lens, work, other) -> None:
     outs = [np.empty_like(q) for _ in range(2)]
     for out, split in zip(outs, (work, other)):
         decode_numba.decode_kernel(q, caches[0][0], caches[0][1], tables, lens,
-                                   np.float32(0.125), out, *split)
+                                   np.float32(0.125), out, *split, *decode_numba.PLAIN_ATTENTION)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
     def step() -> None:
         for cache in caches:
             decode_numba.decode_kernel(q, cache[0], cache[1], tables, lens, np.float32(0.125),
-                                       outs[0], *work)
+                                       outs[0], *work, *decode_numba.PLAIN_ATTENTION)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 
@@ -275,14 +275,16 @@ def test_decode_attention_prefetch_level(benchmark, level):
     lens = np.full(rows, seq_len, np.int32)
     kernel = decode_numba.decode_kernel if level == "to_l2" else _kernel_prefetching_into_l1()
     outs = [np.empty_like(q) for _ in range(2)]
-    kernel(q, caches[0][0], caches[0][1], tables, lens, np.float32(0.125), outs[0], 1, 1)
+    kernel(q, caches[0][0], caches[0][1], tables, lens, np.float32(0.125), outs[0], 1, 1,
+           *decode_numba.PLAIN_ATTENTION)
     decode_numba.decode_kernel(q, caches[0][0], caches[0][1], tables, lens, np.float32(0.125),
-                               outs[1], 1, 1)
+                               outs[1], 1, 1, *decode_numba.PLAIN_ATTENTION)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
     def step() -> None:
         for k_cache, v_cache, _ in caches:
-            kernel(q, k_cache, v_cache, tables, lens, np.float32(0.125), outs[0], 1, 1)
+            kernel(q, k_cache, v_cache, tables, lens, np.float32(0.125), outs[0], 1, 1,
+                   *decode_numba.PLAIN_ATTENTION)
 
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 

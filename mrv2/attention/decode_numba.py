@@ -363,8 +363,9 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                 out[row, h, d] *= inv
 
 
-# The kernel's `sinks` argument of a layer without sink logits.
+# `sinks` without sink logits; (window, softcap, sinks) of plain attention.
 NO_SINKS = np.empty(0, dtype=np.float32)
+PLAIN_ATTENTION = (0, np.float32(0.0), NO_SINKS)
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -164,8 +164,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, window: int, softcap: float,
-                      sinks: torch.Tensor | None) -> torch.Tensor:
+                      scale: float, window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     rows, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -37,6 +37,9 @@ class DecoderSpec:
     # (None: head_dim ** -0.5), and the windowed layers rotate with their own rope parameters
     # (`local_rope`: Gemma 3's "sliding_attention" ones).
     norm_unit_offset: bool = False
+    # Gemma: norms before and after each sublayer (input, post-attention, pre- and
+    # post-feedforward), the normalised outputs joining the residual stream.
+    sandwich_norms: bool = False
     embedding_scale: float | None = None
     attention_scale: float | None = None
     local_rope: bool = False

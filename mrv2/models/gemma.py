@@ -62,6 +62,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return dataclasses.replace(
             super().declare(hf), qkv_bias=bool(getattr(hf, "attention_bias", False)),
             o_bias=bool(getattr(hf, "attention_bias", False)), norm_unit_offset=True,
+            sandwich_norms=True,
             embedding_scale=hf.hidden_size ** 0.5,
             attention_scale=hf.query_pre_attn_scalar ** -0.5,
             attention_softcap=getattr(hf, "attn_logit_softcapping", None),

@@ -2,8 +2,9 @@
 
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
-mistral, qwen2, qwen3; converter classes ``LlamaModel``, ``Qwen2Model``, ``Qwen3Model`` in
-``conversion/``) and serialises with the ``gguf`` package's ``GGUFWriter``; nothing here encodes
+mistral, qwen2, qwen3, gemma2, gemma3; converter classes ``LlamaModel``, ``Qwen2Model``,
+``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model`` in ``conversion/``; the vocabulary in
+gguf_vocab.py) and serialises with the ``gguf`` package's ``GGUFWriter``; nothing here encodes
 GGUF bytes itself. Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
 
 Reproduced, by converter function:
@@ -57,6 +58,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from mrv2.testing.gguf_vocab import add_vocab
+
 # Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
 _GGML_TYPE_OF: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -76,15 +79,10 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "MistralForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
     "Qwen2ForCausalLM": (gguf.MODEL_ARCH.QWEN2, False),
     "Qwen3ForCausalLM": (gguf.MODEL_ARCH.QWEN3, False),
+    "Gemma2ForCausalLM": (gguf.MODEL_ARCH.GEMMA2, False),
+    "Gemma3ForCausalLM": (gguf.MODEL_ARCH.GEMMA3, False),
 }
-
-# Split regexes of known BPE pre-tokenizers -> llama.cpp's `pre` name for them.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
-                r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
-
+_GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 
 def permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
     """``LlamaModel.permute``: rows of each head go from HF's half-split rotary layout (the first
@@ -192,6 +190,12 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
     for name, data_torch in _hf_tensors(model_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
+        if arch in _GEMMA and name == "lm_head.weight":
+            continue  # Gemma2Model.filter_tensors: llama.cpp ties the head
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            data_torch = data_torch + 1  # Gemma*Model.modify_tensors: GemmaRMSNorm's 1 + w
+        if arch == gguf.MODEL_ARCH.GEMMA3 and "embed_tokens.weight" in name:
+            data_torch = data_torch[:_real_vocab_size(model_dir)]  # OOV rows dropped
         if data_torch.dtype not in (torch.float16, torch.float32):
             data_torch = data_torch.to(torch.float32)
         if undo_permute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -215,9 +219,37 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
     return out
 
 
+def _real_vocab_size(model_dir: Path) -> int:
+    """Gemma3Model.modify_tensors' count: tokenizer.json's vocab plus its added tokens."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    return len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])
+
+
+def _add_gemma2_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any],
+                        ftype: gguf.LlamaFileType) -> None:
+    """``Gemma2Model.set_gguf_parameters`` (no rope keys: llama.cpp's gemma2 base is fixed)."""
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hparams["hidden_size"])
+    writer.add_block_count(hparams["num_hidden_layers"])
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(hparams["num_attention_heads"])
+    writer.add_head_count_kv(hparams.get("num_key_value_heads", hparams["num_attention_heads"]))
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    writer.add_key_length(hparams["head_dim"])
+    writer.add_value_length(hparams["head_dim"])
+    writer.add_file_type(ftype)
+    writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+    writer.add_sliding_window(hparams["sliding_window"])
+
+
 def _add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MODEL_ARCH,
                  ftype: gguf.LlamaFileType) -> None:
-    """``TextModel.set_gguf_parameters`` (the keys these archs have), then LlamaModel's extras."""
+    """``TextModel.set_gguf_parameters`` (the keys these archs have), then LlamaModel's and
+    Gemma3Model's extras; Gemma 2's own."""
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        _add_gemma2_hparams(writer, hparams, ftype)
+        return
     writer.add_block_count(_find(hparams, _BLOCK_COUNT_KEYS))
     if (n_ctx := _find(hparams, ["max_position_embeddings", "n_ctx", "n_positions", "max_length",
                                  "max_sequence_length", "model_max_length"])) is not None:
@@ -262,73 +294,15 @@ def _add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MO
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(ftype)
+    if arch == gguf.MODEL_ARCH.GEMMA3:  # Gemma3Model.set_gguf_parameters' additions
+        if (cap := hparams.get("final_logit_softcapping")):
+            writer.add_final_logit_softcapping(cap)
+        if hparams.get("sliding_window_pattern") != 1:
+            writer.add_sliding_window(hparams["sliding_window"])
     if arch == gguf.MODEL_ARCH.LLAMA:  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(hparams["vocab_size"])
         writer.add_rope_dimension_count(
             hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"])
-
-
-def bpe_pre_name(tokenizer_json: dict[str, Any]) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE tokenizer.json: which regex splits
-    text before the merges (the converter identifies it by hashing a probe tokenization, which only
-    works for tokenizers in its table)."""
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
-        return "gpt-2"  # ByteLevel's built-in regex is GPT-2's
-    if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
-            and not steps[1].get("use_regex", True)):
-        name = _SPLIT_PRE.get(steps[0].get("pattern", {}).get("Regex"))
-        if name is not None:
-            return name
-    raise NotImplementedError(f"BPE pre-tokenizer not recognized: {json.dumps(pre)[:200]}")
-
-
-def _add_vocab(writer: gguf.GGUFWriter, model_dir: Path, hparams: dict[str, Any]) -> None:
-    """``_set_vocab_gpt2`` with ``get_vocab_base``'s token list and types."""
-    from transformers import AutoTokenizer
-
-    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
-    vocab_size = hparams.get("vocab_size", len(tokenizer.vocab))
-    if max(tokenizer.vocab.values()) >= vocab_size:
-        raise ValueError(f"tokenizer ids reach past vocab_size {vocab_size}")
-    pre = bpe_pre_name(json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")))
-    reverse_vocab = {id_: tok for tok, id_ in tokenizer.vocab.items()}
-    added_vocab = tokenizer.get_added_vocab()
-    added_decoder = tokenizer.added_tokens_decoder
-    tokens: list[str] = []
-    toktypes: list[int] = []
-    for i in range(vocab_size):
-        if i not in reverse_vocab:
-            tokens.append(f"[PAD{i}]")
-            toktypes.append(gguf.TokenType.UNUSED)
-            continue
-        token = reverse_vocab[i]
-        if token in added_vocab:
-            # llama.cpp assumes CONTROL and USER_DEFINED tokens are pre-normalized.
-            if not added_decoder[i].normalized:
-                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            if added_decoder[i].special or _looks_special(token):
-                toktypes.append(gguf.TokenType.CONTROL)
-            else:
-                token = token.replace("\u2581", " ")
-                toktypes.append(gguf.TokenType.USER_DEFINED)
-        else:
-            toktypes.append(gguf.TokenType.NORMAL)
-        tokens.append(token)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(toktypes)
-    gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
-
-
-def _looks_special(token: str) -> bool:
-    """``TextModel.does_token_look_special``."""
-    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-            or (token.startswith("<|") and token.endswith("|>"))
-            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
-            or (token.startswith("<unused") and token.endswith(">")))
 
 
 def _shard_starts(num_tensors: int, num_splits: int) -> list[int]:
@@ -383,7 +357,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
         config = json.loads(tok_config.read_text(encoding="utf-8")) if tok_config.is_file() else {}
         if (add_prefix_space := config.get("add_prefix_space")) is not None:
             writer.add_add_space_prefix(add_prefix_space)
-    _add_vocab(writer, model_dir, hparams)
+    add_vocab(writer, model_dir, hparams)
     # Written in a scratch dir and renamed into place: a reader never sees a partial file.
     out_path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))

@@ -71,8 +71,7 @@ def test_every_work_split_gives_the_reference(kv_per_item, splits, head_dim):
     out = torch.full_like(q, float("nan"))
     decode_numba.decode_kernel(q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(),
                                tables.numpy(), lens, np.float32(0.2), out.numpy(),
-                               kv_per_item, splits, 0, np.float32(0.0),
-                               decode_numba.NO_SINKS)
+                               kv_per_item, splits, *decode_numba.PLAIN_ATTENTION)
     torch.testing.assert_close(out, _reference(q, kv_cache, tables, lens, 0.2),
                                rtol=1e-5, atol=1e-5)
 

@@ -217,3 +217,40 @@ def test_gguf_with_tokenizer_and_config_overrides(tiny_model_factory, tiny_gguf_
                             use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+# Gemma as llama.cpp reads a Gemma GGUF: the converter writes neither the layer pattern nor the
+# attention scale nor (Gemma 3) the windowed layers' rope base, so the source checkpoints follow
+# llama.cpp's conventions (every 2nd / 6th layer global, query_pre_attn_scalar = head_dim, a
+# local rope base of 10000), tie their embeddings (the converter drops lm_head) and keep only the
+# tokenizer's rows (it drops the rest).
+GEMMA_GGUF = {
+    "gemma2": {"config": {"sliding_window": 4, "query_pre_attn_scalar": 16,
+                          "layer_types": ["sliding_attention", "full_attention"],
+                          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 9.0}},
+    "gemma3": {"num_layers": 6, "config": {
+        "sliding_window": 5, "query_pre_attn_scalar": 16, "final_logit_softcapping": 9.0,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}},
+}
+
+
+@pytest.mark.usefixtures("float_activations")
+@pytest.mark.parametrize("arch", list(GEMMA_GGUF))
+def test_gemma_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_factory, arch):
+    """Norms stored as 1 + w, windows, soft caps, the local rope: an F32 file gives the tokens
+    transformers gives on the source checkpoint; a Q8_0 file computed on as stored (float32
+    activations) the tokens of its dequantized weights."""
+    from mrv2.testing.tiny_model import DEFAULT_VOCAB_SIZE
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {**GEMMA_GGUF[arch], "vocab_size": DEFAULT_VOCAB_SIZE, "tie_word_embeddings": True}
+    source = tiny_model_factory(arch, **kwargs)
+    path = tiny_gguf_factory(arch, "F32", **kwargs)
+    expected = _hf_tokens(AutoModelForCausalLM.from_pretrained(source,
+                                                               dtype=torch.float32).eval())
+    assert _mrv2_tokens(str(path)) == expected
+    q8 = str(tiny_gguf_factory(arch, "Q8_0", **kwargs))
+    assert _mrv2_tokens(q8, quantization="gguf") == _mrv2_tokens(q8, quantization=None)

@@ -66,21 +66,24 @@ def _kinds(layer) -> tuple[str, ...]:
     return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
 
 
-_UNSUPPORTED_TRAITS = ("norms_after", "qk_norm_over_projection", "norm_unit_offset",
-                       "embedding_scale", "local_rope", "attention_softcap", "logit_softcap")
+# Traits the stack does not compute (OLMo 2's), and those only it computes, not onednn_decode
+# (Gemma's).
+_UNSUPPORTED_TRAITS = ("norms_after", "qk_norm_over_projection")
+_STACK_ONLY_TRAITS = ("sandwich_norms", "norm_unit_offset", "embedding_scale", "local_rope",
+                      "attention_softcap", "logit_softcap")
 
 
 def supports(spec: DecoderSpec | None) -> bool:
-    """Whether the stack computes a model that declares `spec`: Llama's layers, SiLU-gated,
-    with any biases, per-head q/k norms, NoPE layers, partial rotary and windows."""
-    return (spec is not None and spec.activation == "silu"
+    """Whether the stack computes a model that declares `spec`: Llama's or Gemma's layers,
+    SiLU- or GeLU(tanh)-gated, with any biases, per-head q/k norms, NoPE layers, partial
+    rotary, windows, local rope and soft caps."""
+    return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
             and not any(getattr(spec, trait) for trait in _UNSUPPORTED_TRAITS))
 
 
 def _layer_qualifies(layer) -> bool:
-    """The parts that never change: float32 CPU norms (q/k norms, when there are both, with
-    the layer norms' eps), each projection packed or float32 CPU with a float32 CPU bias or
-    none, tp 1."""
+    """The parts that never change: float32 CPU norms of one eps (q/k norms: both or none),
+    each projection packed or float32 CPU with a float32 CPU bias or none, tp 1."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = [layer.get_submodule(name) for name in PROJECTIONS]
     eps = layer.input_layernorm.eps
@@ -89,10 +92,15 @@ def _layer_qualifies(layer) -> bool:
             and len(norms) in (0, 2) and all(n.eps == eps and float32_cpu(n.weight)
                                              for n in norms)
             and all(p.bias is None or float32_cpu(p.bias) for p in projections)
-            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-            and float32_cpu(layer.input_layernorm.weight)
-            and float32_cpu(layer.post_attention_layernorm.weight)
+            and all(n.eps == eps and float32_cpu(n.weight) for n in _layer_norms(layer))
             and all(_packed(p) is not None or float32_cpu(p.weight) for p in projections))
+
+
+def _layer_norms(layer) -> list:
+    """The layer's norms around its sublayers (two, or Gemma's four)."""
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm")
+    return [getattr(layer, name) for name in names if hasattr(layer, name)]
 
 
 def _embedding(model) -> PackedWeight | torch.Tensor | None:
@@ -110,16 +118,15 @@ def _embedding(model) -> PackedWeight | torch.Tensor | None:
 def qualifies(model) -> bool:
     """Whether the fused stack can run the weights of `model` (the inner model of a supported
     spec): every layer qualifies, all with one norm eps (the kernel takes one) and each
-    projection of one
-    kind (float32, GGUF blocks or 16-bit: one typed list per projection), the embedding is one
-    the stack reads, and the final norm and the rotary tables are float32 on the CPU."""
+    projection of one kind (float32, GGUF blocks or 16-bit: one typed list per projection),
+    the embedding is one the stack reads, the final norm and rotary tables float32 CPU."""
     layers = list(model.layers)
-    rotary = model.rotary_emb
+    tables = [t for rotary in (model.rotary_emb, model.local_rotary_emb) if rotary is not None
+              for t in (rotary.cos_cache, rotary.sin_cache)]
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
             and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
-            and _embedding(model) is not None
-            and float32_cpu(rotary.cos_cache) and float32_cpu(rotary.sin_cache))
+            and _embedding(model) is not None and all(float32_cpu(t) for t in tables))
 
 
 def max_rows(model) -> int:
@@ -151,7 +158,7 @@ def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,
 
 
 def _projection_parameters(module) -> list[torch.Tensor]:
-    """The parameters the kernel reads for one projection: its float32 weight, or none (an
+    """The parameters the kernel reads for one projection: its float32 weight, or none (a
     packed weight is created once, with the model, and never given new storage)."""
     return [module.weight] if _packed(module) is None else []
 
@@ -178,13 +185,14 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
     """Every tensor the kernel reads through a standing view that may be given new storage:
     the final norm, the rotary tables, the caches, a float32 embedding and LM head, then each
     layer's norms and float32 projections."""
+    local = model.local_rotary_emb or model.rotary_emb
     out = [model.norm.weight, model.rotary_emb.cos_cache, model.rotary_emb.sin_cache,
-           *kv_caches]
+           local.cos_cache, local.sin_cache, *kv_caches]
     embedding = _embedding(model)
     out += [w for w in (embedding, None if head is None else head.weight)
             if isinstance(w, torch.Tensor)]
     for layer in model.layers:
-        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        out += [norm.weight for norm in _layer_norms(layer)]
         attn = layer.self_attn
         out += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
         for name in PROJECTIONS:
@@ -220,7 +228,8 @@ class _StackArgs:
     weight's tensors are not in the key (on SmolLM2's 30 layers: 91 pointers a step instead of
     421)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], head: LmHead | None) -> None:
+    def __init__(self, model, kv_caches: list[torch.Tensor], head: LmHead | None,
+                 spec: DecoderSpec) -> None:
         self.kv_caches_list = kv_caches
         self.tensors = _stack_tensors(model, kv_caches, head)
         self.key = self.current_key()
@@ -230,13 +239,15 @@ class _StackArgs:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.w_embed = weight_view(_embedding(model), linear=False)
         # The kernel's arguments between a step's own (both kernels take them in this order),
-        # read once: the module attributes cost microseconds a step. The rotary tables, the
-        # layers' norms, eps, projections, biases, q/k norms, rotary flags and windows (0: every
-        # key), the final norm and eps, the caches:
+        # read once (module attributes cost microseconds a step), in decode_stack's order;
+        # rotary tables per layer: 0 NoPE, 1 global, 2 local; windows: 0 every key.
+        sandwich = spec.sandwich_norms
+        local = model.local_rotary_emb or model.rotary_emb
         self.layer_args = (
             model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
             _views(layer.input_layernorm.weight for layer in layers),
-            _views(layer.post_attention_layernorm.weight for layer in layers),
+            _views((layer.pre_feedforward_layernorm if sandwich
+                    else layer.post_attention_layernorm).weight for layer in layers),
             np.float32(layers[0].input_layernorm.eps),
             *(_projection_views([layer.get_submodule(name) for layer in layers])
               for name in PROJECTIONS),
@@ -244,7 +255,13 @@ class _StackArgs:
                   for name in PROJECTIONS),
             tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
                   for norm in ("q_norm", "k_norm")),
-            np.array([layer.self_attn.use_rope for layer in layers], dtype=np.bool_),
+            tuple(_views(_or_none(getattr(layer, norm) if sandwich else None) for layer in layers)
+                  for norm in ("post_attention_layernorm", "post_feedforward_layernorm")),
+            (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
+             np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh"),
+            np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
+                      for layer in layers], np.int64),
+            local.cos_cache.numpy(), local.sin_cache.numpy(),
             np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
             model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
@@ -319,14 +336,17 @@ class FusedDecode:
     With an LM head (`decode_logits.lm_head`), the stack's steps compute their rows' logits
     too, returned with the hidden states."""
 
-    def __init__(self, model, head: LmHead | None) -> None:
+    def __init__(self, model, head: LmHead | None, spec: DecoderSpec) -> None:
         self.model = model  # the inner (LlamaModel-layout) model
         self.args: _StackArgs | None = None
         self.head = head
+        self.spec = spec
         self.max_rows = max_rows(model)
         # From the rows where its linears move to oneDNN, a bfloat16 or float32 model's steps
-        # run the layers between oneDNN calls instead (onednn_decode.py).
-        self.onednn = onednn_decode(model)
+        # run the layers between oneDNN calls instead (onednn_decode.py: Llama's layers only).
+        plain = spec.activation == "silu" and not any(getattr(spec, trait)
+                                                      for trait in _STACK_ONLY_TRAITS)
+        self.onednn = onednn_decode(model) if plain else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta
@@ -342,7 +362,7 @@ class FusedDecode:
         if not applies(self.model, input_ids, kv_caches, meta, self.max_rows):
             return None
         if self.args is None or not self.args.current(kv_caches):
-            self.args = _StackArgs(self.model, kv_caches, self.head)
+            self.args = _StackArgs(self.model, kv_caches, self.head, self.spec)
         return decode_model(self.args, input_ids, positions, meta)
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -356,7 +376,7 @@ class FusedDecode:
                 or not applies(self.model, input_ids, kv_caches, meta, self.max_rows)):
             return None
         if self.args is None or not self.args.current(kv_caches):
-            self.args = _StackArgs(self.model, kv_caches, self.head)
+            self.args = _StackArgs(self.model, kv_caches, self.head, self.spec)
         return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size)
 
     def release_kv_views(self) -> None:
@@ -372,7 +392,7 @@ def fused_decode(model) -> FusedDecode | None:
     weights loaded and packed) when its inner model `qualifies` (checked once, on the loaded
     weights), with its LM head in the stack where `decode_logits.lm_head` takes it; else
     None."""
-    inner = getattr(model, "model", None)
-    if not supports(getattr(model, "decoder_spec", None)) or inner is None or not qualifies(inner):
+    inner, spec = getattr(model, "model", None), getattr(model, "decoder_spec", None)
+    if not supports(spec) or inner is None or not qualifies(inner):
         return None
-    return FusedDecode(inner, lm_head(model))
+    return FusedDecode(inner, lm_head(model), spec)

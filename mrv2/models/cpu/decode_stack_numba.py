@@ -1,11 +1,14 @@
-"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama model,
-token ids to final hidden states (and the LM head's logits), as one numba call (CPU, float32
-activations). decode.py decides when it runs and builds the views it reads.
+"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama- or
+Gemma-layout model, token ids to final hidden states (and the LM head's logits), as one numba
+call (CPU, float32 activations). decode.py decides when it runs and builds the views it reads.
 
 The arithmetic is the same as the module path's (norm_numba, rotary_numba, activation_numba,
 cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or
-dequantized exactly), RMSNorm in float32 then the weight multiply, rotate-half rotary, SiLU(gate)
-* up, attention over the paged cache after this step's K/V are written. Each weight is a
+dequantized exactly, Gemma's scaled), RMSNorm in float32 then the weight multiply (Gemma's
+norms hold 1 + w: the same float32 product), rotate-half rotary (per layer: none, the global
+or the local table), SiLU(gate) * up or GeLU(tanh), attention over the paged cache after this
+step's K/V are written (windows, soft caps), Gemma's norms after the sublayers, its capped
+logits. Each weight is a
 float32 view, a `HalfWeightView` or a `BlockWeightView`: the kind is the view's class, so
 `_linear` and `_embed` pick their kernel at compile time from it, and at run time from whether
 the view has panels (and blocks), as quantized_linear does.
@@ -22,10 +25,10 @@ from numba.extending import overload
 
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import NO_SINKS, decode_kernel
-from mrv2.models.layers.activation_numba import silu_and_mul_kernel
+from mrv2.models.layers.activation_numba import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
 from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
-from mrv2.models.layers.norm_numba import add_rms_norm_kernel
+from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.quantized_panel_layout import no_group_panels, panel_rows
@@ -195,9 +198,9 @@ def _head_norm(x, weight, eps, rows, num_heads, head_dim):
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
-                  qk_norms, rope, window, cos, sin, k_cache, v_cache, block_tables, seq_lens, slots,
-                  num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
-                  out, residual_out):
+                  qk_norms, post_norms, traits, rope, window, cos, sin, k_cache, v_cache,
+                  block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
+                  intermediate, scale, kv_per_item, splits, out, residual_out):
     rows, hidden_size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     b_qkv, b_o, b_gate_up, b_down = biases
@@ -215,20 +218,23 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
         k_in = _head_norm(k_in, k_norm, eps, rows, num_kv_heads, head_dim)
     q = np.empty((rows, q_size), dtype=np.float32)
     k = np.empty((rows, kv_size), dtype=np.float32)
-    if rope:
-        rotary_kernel(q_in, cos, sin, head_dim, q)
-        rotary_kernel(k_in, cos, sin, head_dim, k)
+    if rope:  # 0: a NoPE layer; 1, 2: its rows of the global or local table
+        rotary_kernel(q_in, cos[rope - 1], sin[rope - 1], head_dim, q)
+        rotary_kernel(k_in, cos[rope - 1], sin[rope - 1], head_dim, k)
     else:  # a NoPE layer (SmolLM3)
         q[:] = q_in
         k[:] = k_in
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item, splits, window, np.float32(0.0),
-                   NO_SINKS)
+                   seq_lens, scale, attn, kv_per_item, splits, window, traits[1], NO_SINKS)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     _linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)
+    post_attn, post_ff = post_norms
+    if post_attn.shape[0] > 0:  # Gemma: the attention output normalised before it joins
+        o_in = o.copy()
+        add_rms_norm_kernel(o_in, NO_RESIDUAL, post_attn, eps, o, o_in)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
     residual_out[:] = summed
@@ -236,16 +242,23 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     _linear(normed, w_gate_up, gate_up)
     _add_bias(gate_up, b_gate_up)
     act = np.empty((rows, intermediate), dtype=np.float32)
-    silu_and_mul_kernel(gate_up, intermediate, act)
+    if traits[3]:
+        gelu_tanh_and_mul_kernel(gate_up, intermediate, act)
+    else:
+        silu_and_mul_kernel(gate_up, intermediate, act)
     _linear(act, w_down, out)
     _add_bias(out, b_down)
+    if post_ff.shape[0] > 0:  # Gemma: so is the MLP's
+        out_in = out.copy()
+        add_rms_norm_kernel(out_in, NO_RESIDUAL, post_ff, eps, out, out_in)
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
-                 w_gate_ups, w_downs, biases, qk_norms, rope_layers, windows, final_norm,
-                 final_eps, kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads,
-                 head_dim, intermediate, scale, kv_per_item, splits, out, w_head, logits):
+                 w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
+                 local_cos_cache, local_sin_cache, windows, final_norm, final_eps, kv_caches,
+                 block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim, intermediate,
+                 scale, kv_per_item, splits, out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
     `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
@@ -253,8 +266,13 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     _embed(ids, w_embed, hidden)
-    cos = rotary_rows(positions, cos_cache)
-    sin = rotary_rows(positions, sin_cache)
+    if traits[0] != 1.0:  # Gemma: scaled embeddings
+        for r in range(rows):
+            for j in range(hidden_size):
+                hidden[r, j] *= traits[0]
+    # The rows of the global and the local (Gemma 3's windowed layers') rotary tables.
+    cos = (rotary_rows(positions, cos_cache), rotary_rows(positions, local_cos_cache))
+    sin = (rotary_rows(positions, sin_cache), rotary_rows(positions, local_sin_cache))
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
     for i in range(len(w_qkvs)):
@@ -264,7 +282,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         layer_biases = (biases[0][i], biases[1][i], biases[2][i], biases[3][i])
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
-                      rope_layers[i], windows[i], cos, sin,
+                      (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
+                      windows[i], cos, sin,
                       kv[0], kv[1], block_tables, seq_lens, slots,
                       num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                       splits, layer_out, residual_out)
@@ -273,11 +292,17 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
     if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
         _linear(out, w_head, logits)
+        if traits[2] > 0.0:  # Gemma 2: final logits soft-capped
+            cap = traits[2]
+            for r in range(rows):
+                for j in range(logits.shape[1]):
+                    logits[r, j] = np.tanh(logits[r, j] / cap) * cap
 
 
 @njit(cache=True)
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
-                     w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers, windows,
+                     w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
+                     rope_layers, local_cos_cache, local_sin_cache, windows,
                      final_norm, final_eps, kv_caches, block_tables, seq_lens, block_size,
                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
                      out,
@@ -304,8 +329,9 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
             pos = positions[r]
             slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
-                     w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, rope_layers,
-                     windows, final_norm, final_eps, kv_caches, block_tables, seq_lens, slots,
+                     w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms,
+                     traits, rope_layers, local_cos_cache, local_sin_cache, windows,
+                     final_norm, final_eps, kv_caches, block_tables, seq_lens, slots,
                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                      splits, out, w_head, logits)
         if rows <= MAX_SERIAL_ROWS:

@@ -28,7 +28,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+# llama.cpp's Gemma conventions the file does not write: every n-th layer global (the others
+# windowed), and which size counts as "27B" (its attention scale from hidden / heads).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Gemma 3's windowed layers: llama.cpp's fixed rope base (freq_base_swa).
+_GEMMA3_LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # The rope scaling types of llama.cpp's metadata that mrv2's rotary embedding implements.
 _ROPE_SCALING = {"none": "default", "linear": "linear"}
@@ -90,6 +98,28 @@ def _rope_freq_factors(ckpt: GGUFCheckpoint, head_dim: int) -> list[float] | Non
     return np.asarray(factors, dtype=np.float32).tolist()
 
 
+def _gemma_fields(ckpt: GGUFCheckpoint, arch: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of a Gemma file as llama.cpp reads it: its layer pattern, attention
+    scale, soft caps and (Gemma 3) the windowed layers' rope."""
+    from gguf import Keys
+
+    layers, pattern = kwargs["num_hidden_layers"], _GEMMA_PATTERN[arch]
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    fields: dict[str, Any] = {
+        "layer_types": ["sliding_attention" if i % pattern < pattern - 1 else "full_attention"
+                        for i in range(layers)],
+        "query_pre_attn_scalar": (kwargs["hidden_size"] // kwargs["num_attention_heads"] if big
+                                  else kwargs["head_dim"]),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": ckpt.arch_field(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+        "attn_logit_softcapping": ckpt.arch_field(Keys.LLM.ATTN_LOGIT_SOFTCAPPING),
+    }
+    if arch == "gemma3":
+        fields["rope_parameters"] = {"full_attention": kwargs["rope_parameters"],
+                                     "sliding_attention": dict(_GEMMA3_LOCAL_ROPE)}
+    return fields
+
+
 def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     """The transformers PretrainedConfig the checkpoint was converted from."""
     import transformers
@@ -137,6 +167,8 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         kwargs["sliding_window"] = int(window)
     elif arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
+    if arch in _GEMMA_PATTERN:
+        kwargs.update(_gemma_fields(ckpt, arch, kwargs))
     config = getattr(transformers, config_class)(**kwargs)
     factors = _rope_freq_factors(ckpt, head_dim)
     if factors is not None:

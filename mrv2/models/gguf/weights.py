@@ -14,7 +14,8 @@ process's resident memory (the loader has copied it by then; reader.MappedBytes.
 
 The llama converter permutes the rows of q_proj and k_proj (weights and biases) so that
 llama.cpp's rotary, which rotates adjacent pairs, sees them in its order; `GGUFWeight` undoes the
-permutation when it dequantizes (Qwen2/Qwen3 are written unpermuted).
+permutation when it dequantizes (Qwen2/Qwen3/Gemma are written unpermuted). The Gemma converters
+store every norm weight as 1 + w; `GGUFWeight` subtracts the 1 again.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ _CONFIG_TENSORS = (ROPE_FREQS_TENSOR,)
 # Hugging Face module names per layer (weights and biases are the same names + suffix).
 _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
-                  "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+                  "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+                  "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # GGUF architectures whose converter permutes q/k rows (convert_hf_to_gguf.LlamaModel.permute).
 _PERMUTED_ARCHS = ("llama",)
+# GGUF architectures whose converter stores norm weights as 1 + w (Gemma*Model.modify_tensors).
+_SHIFTED_NORM_ARCHS = ("gemma2", "gemma3")
 
 
 @functools.lru_cache(maxsize=16)
@@ -68,10 +72,14 @@ def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
 class GGUFWeight:
     """One checkpoint tensor, dequantized to float32 on indexing (rows only, when possible)."""
 
-    def __init__(self, record: GGUFTensorRecord, permuted_heads: int | None = None) -> None:
+    def __init__(self, record: GGUFTensorRecord, permuted_heads: int | None = None,
+                 offset: float = 0.0) -> None:
         self.record = record
         # Set for a permuted q/k tensor: the number of heads its rows are grouped in.
         self.permuted_heads = permuted_heads
+        # Added to every value read: -1 for a Gemma norm, which the converter stored as 1 + w
+        # (the model's norm adds the 1 back: exactly, for the values norms hold).
+        self.offset = offset
 
     def get_shape(self) -> list[int]:
         return list(self.record.shape)
@@ -98,7 +106,8 @@ class GGUFWeight:
             values = values[index]
         # dequantize returns views of the read-only memory map for F32; torch needs its own
         # writable array (the loader copies it into the parameter right away).
-        return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        return out + self.offset if self.offset else out
 
 
 _WIDE_FLOAT_TYPES = ("F32", "F64")
@@ -129,7 +138,8 @@ def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple
         permuted = None
         if arch in _PERMUTED_ARCHS:
             permuted = heads.get(hf_module.split(".", 3)[-1])
-        yield f"{hf_module}.{suffix}", GGUFWeight(record, permuted)
+        shifted = arch in _SHIFTED_NORM_ARCHS and hf_module.endswith("norm")
+        yield f"{hf_module}.{suffix}", GGUFWeight(record, permuted, -1.0 if shifted else 0.0)
         # The consumer is done with it (the loader copied its values into a parameter): its
         # pages need not stay resident (a later read faults them back in).
         record.release_pages()

@@ -28,6 +28,20 @@ def silu_and_mul_kernel(gate_up, width, out):
             out[r, i] = g / (np.float32(1.0) + exp32(-g)) * gate_up[r, width + i]
 
 
+@njit(**NUMBA_OPTIONS)
+def gelu_tanh_and_mul_kernel(gate_up, width, out):
+    """out = gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh), float32, serial: the fused
+    decode stack's; torch's F.gelu(approximate="tanh") to an ulp or two."""
+    rows = gate_up.shape[0]
+    c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+    for r in range(rows):
+        for i in range(width):
+            g = gate_up[r, i]
+            inner = c * (g + np.float32(0.044715) * g * g * g)
+            out[r, i] = (np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner))
+                         * gate_up[r, width + i])
+
+
 @njit(parallel=True, **NUMBA_OPTIONS)
 def _silu_and_mul_rows(gate_up, width, out):
     rows = gate_up.shape[0]

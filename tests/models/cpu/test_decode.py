@@ -151,14 +151,25 @@ ARCHS = {
     "qwen3": {"head_dim": 32},
     "phi3": {"config": {"partial_rotary_factor": 0.5}},
     "smollm3": {"num_layers": 3, "config": {"no_rope_layers": [1, 0, 0]}},
+    # Gemma: sandwich norms of 1 + w, scaled embeddings, GeLU, windows, soft caps (Gemma 2),
+    # q/k norms and the windowed layers' own rope table (Gemma 3).
+    "gemma2": {"config": {"sliding_window": 6, "attn_logit_softcapping": 1.5,
+                          "final_logit_softcapping": 8.0, "query_pre_attn_scalar": 24,
+                          "layer_types": ["sliding_attention", "full_attention"]}},
+    "gemma3": {"num_layers": 3, "config": {
+        "sliding_window": 7, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}},
 }
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
     """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (its head_dim not hidden / heads),
-    Phi-3's partial rotary and SmolLM3's NoPE layers are computed inside the stack as the
-    module path computes them."""
+    Phi-3's partial rotary, SmolLM3's NoPE layers and Gemma's traits are computed inside the
+    stack as the module path computes them."""
     path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
