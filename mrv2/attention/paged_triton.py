@@ -121,8 +121,8 @@ def attend_tile() -> object:
 
 
 def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
-                            block_tables_ptr, sinks_ptr, qk_scale, num_rows, rows_pad, log2_rows_pad,
-                            max_blocks, window,
+                            block_tables_ptr, sinks_ptr, qk_scale, num_rows, rows_pad,
+                            log2_rows_pad, max_blocks, window,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                             stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,

@@ -218,8 +218,9 @@ def split_kv_decode(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else None,
         SOFTCAP=float(softcap), ATTEND_TILE=attend_tile())
     triton_kernel(_merge_splits_kernel)[(num_rows, num_heads)](
-        acc, ml, out, query_start_loc, acc if sinks is None else sinks, acc.stride(0), acc.stride(1), ml.stride(0),
-        ml.stride(1), ml.stride(2), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        acc, ml, out, query_start_loc, acc if sinks is None else sinks, acc.stride(0),
+        acc.stride(1), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits, LOG2_SPLITS=num_splits.bit_length() - 1,
         HAS_SINKS=sinks is not None)
     return out
