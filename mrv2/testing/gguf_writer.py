@@ -288,6 +288,9 @@ def _add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MO
     # "llama3": the rope_freqs tensor instead.
     if (theta := rope.get("rope_theta")) is not None:
         writer.add_rope_freq_base(theta)
+    per_type = hparams.get("rope_parameters") or {}
+    if (local := (per_type.get("sliding_attention") or {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(local)  # the windowed layers' base (Gemma 3)
     if (eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
         writer.add_layer_norm_rms_eps(eps)
     if (head_dim := hparams.get("head_dim")) is not None:

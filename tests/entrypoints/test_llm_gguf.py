@@ -220,10 +220,10 @@ def test_gguf_with_tokenizer_and_config_overrides(tiny_model_factory, tiny_gguf_
 
 
 # Gemma as llama.cpp reads a Gemma GGUF: the converter writes neither the layer pattern nor the
-# attention scale nor (Gemma 3) the windowed layers' rope base, so the source checkpoints follow
-# llama.cpp's conventions (every 2nd / 6th layer global, query_pre_attn_scalar = head_dim, a
-# local rope base of 10000), tie their embeddings (the converter drops lm_head) and keep only the
-# tokenizer's rows (it drops the rest).
+# attention scale, so the source checkpoints follow llama.cpp's conventions (every 2nd / 6th
+# layer global, query_pre_attn_scalar = head_dim), tie their embeddings (the converter drops
+# lm_head) and keep only the tokenizer's rows (it drops the rest). Gemma 3's windowed layers'
+# rope base travels as rope.freq_base_swa (20000 here, not llama.cpp's default).
 GEMMA_GGUF = {
     "gemma2": {"config": {"sliding_window": 4, "query_pre_attn_scalar": 16,
                           "layer_types": ["sliding_attention", "full_attention"],
@@ -232,7 +232,7 @@ GEMMA_GGUF = {
         "sliding_window": 5, "query_pre_attn_scalar": 16, "final_logit_softcapping": 9.0,
         "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
         "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}},
 }
 

@@ -35,8 +35,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 # windowed), and which size counts as "27B" (its attention scale from hidden / heads).
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# Gemma 3's windowed layers: llama.cpp's fixed rope base (freq_base_swa).
-_GEMMA3_LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# Gemma 3's windowed layers' rope base where the file has no rope.freq_base_swa (older
+# converters): llama.cpp's default.
+_GEMMA3_LOCAL_THETA = 10000.0
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # The rope scaling types of llama.cpp's metadata that mrv2's rotary embedding implements.
 _ROPE_SCALING = {"none": "default", "linear": "linear"}
@@ -115,8 +116,10 @@ def _gemma_fields(ckpt: GGUFCheckpoint, arch: str, kwargs: dict[str, Any]) -> di
         "attn_logit_softcapping": ckpt.arch_field(Keys.LLM.ATTN_LOGIT_SOFTCAPPING),
     }
     if arch == "gemma3":
+        local = float(ckpt.arch_field(Keys.Rope.FREQ_BASE_SWA, _GEMMA3_LOCAL_THETA))
         fields["rope_parameters"] = {"full_attention": kwargs["rope_parameters"],
-                                     "sliding_attention": dict(_GEMMA3_LOCAL_ROPE)}
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": local}}
     return fields
 
 

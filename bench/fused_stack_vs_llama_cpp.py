@@ -1,6 +1,8 @@
 """Batch-1 decode of mrv2 (`quantization="gguf"`) against llama.cpp on W2-size random checkpoints
-of three architectures (llama, qwen2 with non-zero q/k/v biases, qwen3 with q/k norms), each as
-Q8_0 and Q4_0 GGUF: six files, one `mrv2 bench sweep` each.
+of the architectures the fused decode stack computes (llama, qwen2 with non-zero q/k/v biases,
+qwen3 with q/k norms; gemma3 with --archs gemma3: Gemma 3's traits on W2's shape, a 512-token
+window on five layers in six, the local rope, (1 + w) norms, GeLU), each as Q8_0 and Q4_0 GGUF:
+one `mrv2 bench sweep` per file.
 
 Each file is measured by `mrv2 bench sweep --engines mrv2:gguf,llama.cpp --batch-sizes 1` in a
 child process of its own (the sweep's engine wrappers, prompts, metric and alternation: per
@@ -16,8 +18,8 @@ llama-quantize Q4_0: matrices Q4_0, output.weight Q6_K). The converter is run wi
 (_CONVERT): the BPE pre-tokenizer name (it only knows the hashes of published tokenizers) and
 sentencepiece's absence from the venv.
 
-    python bench/qwen_fused_stack.py --out /tmp/qwen-fused.json
-    python bench/qwen_fused_stack.py --build --llama-cpp-src \
+    python bench/fused_stack_vs_llama_cpp.py --out /tmp/qwen-fused.json
+    python bench/fused_stack_vs_llama_cpp.py --build --llama-cpp-src \
         /tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp --out /tmp/qwen-fused.json
 
 The llama.cpp sources: `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`,
@@ -40,6 +42,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("llama", "qwen2", "qwen3")
+# Beyond W2's shape: Gemma 3 as llama.cpp reads its GGUF (every 6th layer global, the attention
+# scale from head_dim), tied as released, a 1B-like window, and a vocabulary of the tokenizer's
+# size (the converter keeps only the tokenizer's embedding rows, and llama.cpp wants as many as
+# the file's token list has).
+ARCH_PARAMS: dict[str, dict[str, Any]] = {
+    "gemma3": {"tie_word_embeddings": True, "vocab_size": 2048, "config": {
+        "sliding_window": 512, "query_pre_attn_scalar": 64,
+        "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention"
+                        for i in range(16)],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": 10000.0}}}},
+}
 TYPES = ("q8_0", "q4_0")
 DEFAULT_DIR = Path("/tmp/w2models")
 
@@ -81,7 +96,8 @@ def build(models_dir: Path, llama_cpp_src: Path, archs: list[str], types: list[s
     if not (llama_cpp_src / "convert_hf_to_gguf.py").is_file():
         raise SystemExit(f"--llama-cpp-src {llama_cpp_src}: no convert_hf_to_gguf.py there")
     for arch in archs:
-        hf_dir = make_tiny_model(models_dir / arch, arch, seed=0, **W2.model_params)
+        hf_dir = make_tiny_model(models_dir / arch, arch, seed=0,
+                                 **{**W2.model_params, **ARCH_PARAMS.get(arch, {})})
         for qtype in types:
             out = gguf_path(models_dir, arch, qtype)
             if out.exists():
