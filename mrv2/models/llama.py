@@ -41,7 +41,7 @@ from mrv2.models.layers.mlp import GatedMLP
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
-from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary_qk,
+from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary_qk, normalize_heads,
                                        rope_parameters_from_config)
 
 # (fused param, checkpoint name, shard id)
@@ -125,8 +125,7 @@ class LlamaAttention(nn.Module):
             cos, sin = cos_sin if self.rope_table is None else cos_sin[self.rope_table]
             q, k = apply_rotary_qk(q, k, cos, sin, self.head_dim, *head_norms)
         elif head_norms[0] is not None:
-            q = head_norms[0](q.reshape(-1, self.head_dim)).reshape(num_tokens, -1)
-            k = head_norms[1](k.reshape(-1, self.head_dim)).reshape(num_tokens, -1)
+            q, k = normalize_heads(q, k, *head_norms, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         if out.shape[0] < num_tokens:
             # The backend returns only the num_actual_tokens rows; padding rows get zeros

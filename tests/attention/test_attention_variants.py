@@ -51,11 +51,14 @@ def _reference(step, window: int, softcap: float = 0.0,
     return out
 
 
-def _torch_backend(step, window: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _torch_backend(step, window: int, dtype: torch.dtype = torch.float32,
+                   **variant) -> torch.Tensor:
+    """The torch backend's output in `dtype` (`variant`: softcap=, sinks=)."""
     cache = step.kv_cache.clone().to(dtype)
     paged_torch.write_kv(step.k, step.v, cache, step.meta.slot_mapping)
     return paged_torch.paged_attention(step.q.to(dtype), cache, step.meta, SCALE,
-                                       step.k.to(dtype), step.v.to(dtype), window=window)
+                                       step.k.to(dtype), step.v.to(dtype), window=window,
+                                       **variant)
 
 
 @pytest.mark.parametrize("window", [1, 4, 7, 64])
@@ -137,9 +140,7 @@ def test_softcap_on_every_kernel(window):
     paged_torch.write_kv(step.k, step.v, cache, step.meta.slot_mapping)
     meta = step.meta
     for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-6)):  # float32 softmax
-        out = paged_torch.paged_attention(step.q.to(dtype), cache.to(dtype), meta, SCALE,
-                                          step.k.to(dtype), step.v.to(dtype), window=window,
-                                          softcap=cap)
+        out = _torch_backend(step, window, dtype, softcap=cap)
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
     with platform.triton_interpreter():
         out = paged_triton.paged_attention(step.q, cache, meta.query_start_loc, meta.seq_lens,
@@ -161,9 +162,7 @@ def test_sinks_on_every_kernel(window):
     paged_torch.write_kv(step.k, step.v, cache, step.meta.slot_mapping)
     meta = step.meta
     for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-6)):  # float32 softmax
-        out = paged_torch.paged_attention(step.q.to(dtype), cache.to(dtype), meta, SCALE,
-                                          step.k.to(dtype), step.v.to(dtype), window=window,
-                                          sinks=sinks)
+        out = _torch_backend(step, window, dtype, sinks=sinks)
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
     try:
         batch_invariant.set_active(True)

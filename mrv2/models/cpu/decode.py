@@ -103,6 +103,12 @@ def _layer_norms(layer) -> list:
     return [getattr(layer, name) for name in names if hasattr(layer, name)]
 
 
+def _rotary_tables(model) -> list[torch.Tensor]:
+    """cos and sin of the global rotary table, then of the local one where there is one."""
+    return [t for rotary in (model.rotary_emb, model.local_rotary_emb) if rotary is not None
+            for t in (rotary.cos_cache, rotary.sin_cache)]
+
+
 def _embedding(model) -> PackedWeight | torch.Tensor | None:
     """The table `model`'s (a LlamaModel's) embedding looks its rows up in, as the stack
     reads it: the GGUF blocks or 16-bit weight it is packed as, or a float32 CPU
@@ -121,8 +127,7 @@ def qualifies(model) -> bool:
     projection of one kind (float32, GGUF blocks or 16-bit: one typed list per projection),
     the embedding is one the stack reads, the final norm and rotary tables float32 CPU."""
     layers = list(model.layers)
-    tables = [t for rotary in (model.rotary_emb, model.local_rotary_emb) if rotary is not None
-              for t in (rotary.cos_cache, rotary.sin_cache)]
+    tables = _rotary_tables(model)
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
             and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
@@ -130,10 +135,8 @@ def qualifies(model) -> bool:
 
 
 def max_rows(model) -> int:
-    """The most decode rows the stack runs for `model` (a LlamaModel that `qualifies`): where
-    every projection is 16-bit, as many as numba code computes as the layer path's linears do
-    (its plan's `numba_rows`: the GEMV's rows and the panel kernel's; fewer where the CPU
-    computes the dtype on matrix units)."""
+    """The most decode rows the stack runs for `model` (one that `qualifies`): with 16-bit
+    projections, its plan's `numba_rows` (as the layer path's linears compute)."""
     layer = model.layers[0]
     kinds = _kinds(layer)
     if all(kind == "half" for kind in kinds):
@@ -143,10 +146,9 @@ def max_rows(model) -> int:
 
 def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,
             rows_limit: int = MAX_DECODE_ROWS) -> bool:
-    """Whether a fused path computes this step of `model` (a LlamaModel that `qualifies`;
-    `x` its input ids or float32 hidden states): a decode step (every row one token) of at
-    most `rows_limit` rows on the CPU (torch attention backend), over a float32 or 16-bit
-    cache."""
+    """Whether a fused path computes this step of `model` (one that `qualifies`; `x` its ids
+    or float32 hidden states): a decode step of at most `rows_limit` rows on the CPU (torch
+    attention backend), over a float32 or 16-bit cache."""
     rows = x.shape[0]
     return (0 < rows <= rows_limit and meta.num_decodes == meta.num_reqs == rows
             and meta.num_actual_tokens == rows and x.device.type == "cpu"
@@ -185,9 +187,7 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
     """Every tensor the kernel reads through a standing view that may be given new storage:
     the final norm, the rotary tables, the caches, a float32 embedding and LM head, then each
     layer's norms and float32 projections."""
-    local = model.local_rotary_emb or model.rotary_emb
-    out = [model.norm.weight, model.rotary_emb.cos_cache, model.rotary_emb.sin_cache,
-           local.cos_cache, local.sin_cache, *kv_caches]
+    out = [model.norm.weight, *_rotary_tables(model), *kv_caches]
     embedding = _embedding(model)
     out += [w for w in (embedding, None if head is None else head.weight)
             if isinstance(w, torch.Tensor)]
@@ -242,7 +242,8 @@ class _StackArgs:
         # read once (module attributes cost microseconds a step), in decode_stack's order;
         # rotary tables per layer: 0 NoPE, 1 global, 2 local; windows: 0 every key.
         sandwich = spec.sandwich_norms
-        local = model.local_rotary_emb or model.rotary_emb
+        local = model.local_rotary_emb
+        no_table = np.empty((0, model.rotary_emb.cos_cache.shape[1]), np.float32)
         self.layer_args = (
             model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
             _views(layer.input_layernorm.weight for layer in layers),
@@ -261,7 +262,8 @@ class _StackArgs:
              np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh"),
             np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
                       for layer in layers], np.int64),
-            local.cos_cache.numpy(), local.sin_cache.numpy(),
+            *((no_table, no_table) if local is None
+              else (local.cos_cache.numpy(), local.sin_cache.numpy())),
             np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
             model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))

@@ -270,9 +270,14 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         for r in range(rows):
             for j in range(hidden_size):
                 hidden[r, j] *= traits[0]
-    # The rows of the global and the local (Gemma 3's windowed layers') rotary tables.
-    cos = (rotary_rows(positions, cos_cache), rotary_rows(positions, local_cos_cache))
-    sin = (rotary_rows(positions, sin_cache), rotary_rows(positions, local_sin_cache))
+    # The rows of the global and the local (Gemma 3's windowed layers') rotary tables; a model
+    # without a local table passes [0, rotary_dim] ones, and the global rows stand in.
+    global_cos, global_sin = rotary_rows(positions, cos_cache), rotary_rows(positions, sin_cache)
+    if local_cos_cache.shape[0] > 0:
+        cos = (global_cos, rotary_rows(positions, local_cos_cache))
+        sin = (global_sin, rotary_rows(positions, local_sin_cache))
+    else:
+        cos, sin = (global_cos, global_cos), (global_sin, global_sin)
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
     for i in range(len(w_qkvs)):

@@ -257,21 +257,25 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         if q_norm is None or k_norm is None:
             return rotary_triton.apply_rotary_qk(q, k, cos, sin, head_dim)
         if cos.shape[-1] < head_dim:  # the fused norm reads the rotary dims only
-            num_tokens = q.shape[0]
-            q = q_norm(q.reshape(-1, head_dim)).reshape(num_tokens, -1)
-            k = k_norm(k.reshape(-1, head_dim)).reshape(num_tokens, -1)
+            q, k = normalize_heads(q, k, q_norm, k_norm, head_dim)
             return rotary_triton.apply_rotary_qk(q, k, cos, sin, head_dim)
         # The fused kernel takes one eps: both norms are built from the config's rms_norm_eps.
         assert q_norm.eps == k_norm.eps, "q_norm and k_norm with different eps"
         return rotary_triton.apply_rotary_qk(q, k, cos, sin, head_dim, q_norm.weight,
                                              k_norm.weight, q_norm.eps)
     if q_norm is not None and k_norm is not None:
-        # Heads as rows of a 2-D batch: the norms' CPU kernel (norm_numba) takes 2-D inputs,
-        # and the fused decode stack normalises heads with it too (models/cpu/decode.py).
-        num_tokens = q.shape[0]
-        q = q_norm(q.reshape(-1, head_dim)).reshape(num_tokens, -1)
-        k = k_norm(k.reshape(-1, head_dim)).reshape(num_tokens, -1)
+        q, k = normalize_heads(q, k, q_norm, k_norm, head_dim)
     return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
+
+
+def normalize_heads(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H*D], k [T, KV*D] with each head RMS-normalised. Heads as rows of a 2-D batch:
+    the norms' CPU kernel (norm_numba) takes 2-D inputs, and the fused decode stack
+    normalises heads with it too (models/cpu/decode.py)."""
+    num_tokens = q.shape[0]
+    return (q_norm(q.reshape(-1, head_dim)).reshape(num_tokens, -1),
+            k_norm(k.reshape(-1, head_dim)).reshape(num_tokens, -1))
 
 
 class RotaryEmbedding(nn.Module):
