@@ -56,7 +56,7 @@ class DecodeWorkload:
         params = SamplingParams(temperature=0.0)
         num_blocks = -(-PROMPT_LEN // BLOCK_SIZE)
         new = [NewRequestData(r, self.prompts[r], self.prompts[r], params,
-                              self._take_blocks(r, num_blocks), self.num_computed)
+                              [self._take_blocks(r, num_blocks)], self.num_computed)
                for r in self.req_ids]
         return self._output(new, CachedRequestData())
 
@@ -64,8 +64,10 @@ class DecodeWorkload:
         self.num_computed += 1
         # A new block for every request when its next token starts one.
         needs_block = self.num_computed % BLOCK_SIZE == 0
-        new_blocks = [self._take_blocks(r, 1) if needs_block else [] for r in self.req_ids]
-        cached = CachedRequestData.build(self.req_ids, new_blocks, [self.num_computed] * self.num_reqs)
+        # One KV cache group: per request, a list of one group's new block ids.
+        new_blocks = [[self._take_blocks(r, 1) if needs_block else []] for r in self.req_ids]
+        cached = CachedRequestData.build(self.req_ids, new_blocks,
+                                         [self.num_computed] * self.num_reqs)
         return self._output([], cached)
 
     def _output(self, new: list[NewRequestData], cached: CachedRequestData) -> SchedulerOutput:
@@ -98,10 +100,11 @@ class ListRebuildReference:
     def step(self, out: SchedulerOutput, sampled: torch.Tensor) -> dict[str, torch.Tensor]:
         for new in out.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prefill_token_ids)
-            self.blocks[new.req_id] = list(new.block_ids)
+            (block_ids,) = new.block_ids  # the one KV cache group
+            self.blocks[new.req_id] = list(block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
-        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+        for req_id, (block_ids,) in zip(cached.req_ids, cached.new_block_ids):
             self.blocks[req_id].extend(block_ids)
         input_ids, positions, slot_mapping, seq_lens, query_start_loc = [], [], [], [], [0]
         max_blocks = max(len(b) for b in self.blocks.values())

@@ -34,7 +34,8 @@ def decode_step(num_reqs: int, step: int = 0) -> SchedulerOutput:
     crosses a block boundary and gets a new block, like a real decode step."""
     req_ids = [f"cmpl-{i:08x}-0" for i in range(num_reqs)]
     computed = [100 + i % 300 + step for i in range(num_reqs)]
-    new_blocks = [[1000 + i] if c % 16 == 0 else [] for i, c in enumerate(computed)]
+    # One KV cache group: per request, a list of the group's new block ids.
+    new_blocks = [[[1000 + i] if c % 16 == 0 else []] for i, c in enumerate(computed)]
     return SchedulerOutput.build(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=CachedRequestData.build(req_ids=req_ids, new_block_ids=new_blocks,

@@ -1,8 +1,7 @@
 """Frozen engine configuration. One `EngineConfig` is passed whole to every component.
 
 Values are validated when built by `EngineArgs.create_engine_config()`; derived values are
-properties so that they can never disagree with the fields they come from.
-"""
+properties so that they never disagree with the fields they come from."""
 
 from __future__ import annotations
 
@@ -10,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from mrv2.core.kv_cache_layout import KVCacheLayout, layer_windows
 
 
 class ConfigError(ValueError):
@@ -129,6 +130,14 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The layers' KV cache groups and tensors (the scheduler's and the worker's); a
+        config without layers (a scheduler's, in tests) has one group of one layer."""
+        hf = self.hf_config
+        return KVCacheLayout.for_windows(None if hf is None else layer_windows(hf),
+                                         getattr(hf, "num_hidden_layers", 1))
 
 
 # vLLM's kv_cache_dtype values that mrv2 stores, and their element type; "auto" stores the
@@ -372,6 +381,12 @@ class EngineConfig:
             raise ConfigError("pooling_type='MEAN' averages the hidden states of every prompt "
                               "token, and a prefix-cache hit skips computing the cached ones: "
                               "turn prefix caching off (it is off by default with MEAN)")
+
+    @property
+    def max_kv_tokens_per_step(self) -> int:
+        """The most tokens whose KV one step writes for a request (a chunk, or decode steps)."""
+        sched = self.scheduler_config
+        return sched.max_num_batched_tokens + sched.num_scheduler_steps - 1
 
     @property
     def max_num_blocks_per_req(self) -> int:

@@ -32,7 +32,9 @@ class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
     # Prompt plus the outputs generated before a preemption; equals the prompt otherwise.
     prefill_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One list per KV cache group (core/kv_cache_layout.py); a windowed group's entries
+    # behind its window may be the null block.
+    block_ids: list[list[int]]
     num_computed_tokens: int
     # The request's primary EOS, which min_tokens masks with the model's EOS ids (the runner
     # knows those, but not a tokenizer-only EOS).
@@ -41,24 +43,32 @@ class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
 
 class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):
     """Running requests, packed (executor/packed.py): ids, then per request its count of tokens
-    computed before this step and only this step's delta of new block ids. Build with
-    `build`; read through the properties."""
+    computed before this step and only this step's delta of new block ids, per KV cache group.
+    Build with `build`; read through the properties."""
 
     req_ids_packed: bytes = b""
     num_reqs: int = 0
     num_computed_tokens_i32: bytes = b""
-    new_block_ids_i32: bytes = b""  # flat, request after request
-    num_new_blocks_i32: bytes = b""
+    # Flat, group after group and within a group request after request.
+    new_block_ids_i32: bytes = b""
+    num_new_blocks_i32: bytes = b""  # [num_kv_groups * num_reqs], the same order
+    num_kv_groups: int = 1
 
     @classmethod
-    def build(cls, req_ids: Sequence[str], new_block_ids: Sequence[Sequence[int]],
+    def build(cls, req_ids: Sequence[str], new_block_ids: Sequence[Sequence[Sequence[int]]],
               num_computed_tokens: Sequence[int] | np.ndarray) -> CachedRequestData:
+        """`new_block_ids[i][g]`: request i's new blocks in group g (every request has the
+        same number of groups)."""
         if not len(req_ids) == len(new_block_ids) == len(num_computed_tokens):
             raise ValueError(f"{len(req_ids)} ids, {len(new_block_ids)} block-id lists and "
                              f"{len(num_computed_tokens)} computed counts")
-        flat, counts = pack_ragged(new_block_ids)
+        num_groups = len(new_block_ids[0]) if len(new_block_ids) else 1
+        if any(len(delta) != num_groups for delta in new_block_ids):
+            raise ValueError(f"every request needs {num_groups} block-id lists")
+        flat, counts = pack_ragged([delta[0] for delta in new_block_ids] if num_groups == 1 else
+                                   [delta[g] for g in range(num_groups) for delta in new_block_ids])
         return cls(pack_ids(req_ids), len(req_ids), int32_bytes(num_computed_tokens), flat,
-                   counts)
+                   counts, num_groups)
 
     @property
     def req_ids(self) -> list[str]:
@@ -71,15 +81,20 @@ class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def new_block_ids_flat(self) -> np.ndarray:
+        """Every group's new block ids, group after group."""
         return int32_view(self.new_block_ids_i32)
 
     @property
     def num_new_blocks(self) -> np.ndarray:
-        return int32_view(self.num_new_blocks_i32)
+        """[num_kv_groups, num_reqs]: how many new block ids each request has per group."""
+        return int32_view(self.num_new_blocks_i32).reshape(self.num_kv_groups, self.num_reqs)
 
     @property
-    def new_block_ids(self) -> list[list[int]]:
-        return unpack_ragged(self.new_block_ids_flat, self.num_new_blocks)
+    def new_block_ids(self) -> list[list[list[int]]]:
+        """Per request, per group, its new block ids (off the step path)."""
+        per_group = unpack_ragged(self.new_block_ids_flat, self.num_new_blocks.reshape(-1))
+        return [[per_group[g * self.num_reqs + i] for g in range(self.num_kv_groups)]
+                for i in range(self.num_reqs)]
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):

@@ -7,16 +7,15 @@ Phase 2, `sample_tokens(grammar_output)`: logits of each row's last token, sampl
 on-device post_update, then the one device-to-host copy of the sampled tokens. A step of
 `num_decode_steps` > 1 (core/decode_steps.py: every row decodes by argmax) runs the further
 decode steps here, each from the state the last one left, and copies all their tokens at
-once. When a request of the batch asked for prompt logprobs, phase 2 also computes the logits
-of its prompt positions (sampler/prompt_logprobs.py); otherwise nothing beyond the rows' last
-tokens is.
+once. Phase 2 computes the logits of prompt positions only for requests that asked for prompt
+logprobs (sampler/prompt_logprobs.py); otherwise only the rows' last tokens'.
 On a pooling engine (ModelConfig.runner) phase 2 also pools each row's final hidden states
 (state/pooling.py); the rows that complete their prefill ship them with the same copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,15 +74,16 @@ class ModelRunner:
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len
         self.requests = RequestState(sched.max_num_seqs, max_model_len, device)
-        self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
-                                        config.cache_config.block_size, device)
         model_config = config.model_config
+        num_kv_groups = model_config.kv_cache_layout.num_groups
+        self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
+                                        config.cache_config.block_size, device, num_kv_groups)
         self.sampling = SamplingStates(self.requests, model_config.vocab_size,
                                        model_config.seed,
                                        eos_token_ids=eos_token_ids(model_config.hf_config,
                                                                    model_config.model))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                    config.max_num_blocks_per_req, device)
+                                    config.max_num_blocks_per_req, device, num_kv_groups)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
         self.prompt_logprobs = PromptLogprobsState(model_config.vocab_size, device)
         # A pooling engine's runner also pools each request's hidden states (state/pooling.py).
@@ -95,9 +95,8 @@ class ModelRunner:
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
         self._execute_state: ExecuteState | None = None
-        # The CPU's fused decode paths of this model (set by the worker:
-        # models/cpu/decode.FusedDecode), asked first for each step and for runs of decode
-        # steps of argmax rows; None: the model computes every step.
+        # The CPU's fused decode paths (set by the worker: models/cpu/decode.FusedDecode), asked
+        # first for each step and for runs of argmax decode steps; None: the model runs all.
         self.fused_decode: FusedDecode | None = None
         # The step's one device-to-host copy runs here, off the compute stream.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -148,7 +147,8 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             slot = requests.add(new.req_id, len(new.prompt_token_ids), new.prefill_token_ids,
                                 new.num_computed_tokens)
-            tables.append_block_ids(slot, new.block_ids, overwrite=True)
+            for group, block_ids in enumerate(new.block_ids):
+                tables.append_block_ids(slot, block_ids, overwrite=True, group=group)
             self.sampling.add(slot, new.req_id, new.sampling_params, new.prompt_token_ids,
                               new.prefill_token_ids, eos_token_id=new.eos_token_id)
             if new.sampling_params.prompt_logprobs is not None:
@@ -200,8 +200,7 @@ class ModelRunner:
             num_tokens, len(req_ids), uniform_decode=num_tokens == len(req_ids))
         batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
                                self.buffers, num_tokens_padded=tokens_padded,
-                               num_reqs_padded=reqs_padded)
-        batch.attn_metadata.num_layers = len(self.kv_caches)
+                               num_reqs_padded=reqs_padded, num_layers=len(self.kv_caches))
         return batch, descriptor
 
     @torch.inference_mode()
@@ -220,9 +219,12 @@ class ModelRunner:
             meta = AttentionMetadata(
                 num_actual_tokens=n, num_reqs=r, num_decodes=r if desc.uniform_decode else 0,
                 query_start_loc=buffers.query_start_loc[:r + 1], seq_lens=buffers.seq_lens[:r],
-                block_tables=buffers.block_tables[:r], slot_mapping=buffers.slot_mapping[:n],
+                block_tables=buffers.block_tables[0, :r], slot_mapping=buffers.slot_mapping[0, :n],
                 query_start_loc_np=np.zeros(r + 1, np.int32),
                 seq_lens_np=np.zeros(r, np.int32), max_seq_len=max_len)
+            meta.other_groups = tuple(
+                replace(meta, block_tables=tables[:r], slot_mapping=slots[:n])
+                for tables, slots in zip(buffers.block_tables[1:], buffers.slot_mapping[1:]))
             return self.model(buffers.input_ids[:n], buffers.positions[:n], self.kv_caches,
                               meta)
 
@@ -263,12 +265,13 @@ class ModelRunner:
         limit), decode one token each when `decode`, then finish them. Their KV goes to the
         null block, zeroed again afterwards (a cache starts as zeros)."""
         config, sched = self.config, self.config.scheduler_config
-        vocab, block_size = config.model_config.vocab_size, self.block_tables.block_size
+        tables, vocab = self.block_tables, config.model_config.vocab_size
         max_len = config.model_config.max_model_len
         prompt_len = max(1, min(prompt_len, max_len - 1,
                                 sched.max_num_batched_tokens // len(params)))
         prompt = [t % vocab for t in range(1, prompt_len + 1)]
-        blocks = [NULL_BLOCK_ID] * min(config.max_num_blocks_per_req, prompt_len // block_size + 1)
+        blocks = [[NULL_BLOCK_ID] * min(config.max_num_blocks_per_req,
+                                        prompt_len // tables.block_size + 1)] * tables.num_groups
         new = [NewRequestData(f"dummy-{i}", prompt, prompt, p, blocks, 0)
                for i, p in enumerate(params)]
         ids = [r.req_id for r in new]
@@ -276,7 +279,8 @@ class ModelRunner:
                                        prompt_len * len(ids))]
         if decode and prompt_len < max_len:  # room for one decoded token
             steps.append(SchedulerOutput.build(
-                [], CachedRequestData.build(ids, [[]] * len(ids), [prompt_len] * len(ids)),
+                [], CachedRequestData.build(ids, [([],) * tables.num_groups] * len(ids),
+                                            [prompt_len] * len(ids)),
                 dict.fromkeys(ids, 1), len(ids)))
         steps.append(SchedulerOutput.build([], CachedRequestData(), {}, 0, finished_req_ids=ids))
         for step in steps:

@@ -84,9 +84,12 @@ class Worker:
 
     @property
     def kv_block_bytes(self) -> int:
+        """Bytes of one block id: a block of each KV tensor (one per layer, or per position in
+        a group of a hybrid layout: core/kv_cache_layout.py)."""
         mc, cc = self.config.model_config, self.config.cache_config
         elem = self.config.kv_cache_dtype.itemsize
-        return 2 * mc.num_layers * cc.block_size * self.num_kv_heads * mc.head_dim * elem
+        num_tensors = mc.kv_cache_layout.num_tensors
+        return 2 * num_tensors * cc.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests use.
@@ -103,9 +106,11 @@ class Worker:
             budget = platform.default_kv_cache_bytes(self.device,
                                                      cc.gpu_memory_utilization) - peak
         fit = budget // self.kv_block_bytes
-        needed = self.config.scheduler_config.max_num_seqs * self.config.max_num_blocks_per_req
-        num_blocks = min(fit, needed + 1)
-        min_blocks = self.config.max_num_blocks_per_req + 1
+        per_request = self.config.model_config.kv_cache_layout.max_blocks_per_request(
+            self.config.model_config.max_model_len, cc.block_size,
+            self.config.max_kv_tokens_per_step)
+        num_blocks = min(fit, self.config.scheduler_config.max_num_seqs * per_request + 1)
+        min_blocks = per_request + 1
         if num_blocks < min_blocks:
             raise ConfigError(
                 f"the KV cache budget of {budget / (1 << 30):.3f} GiB holds {fit} blocks of "
@@ -118,14 +123,12 @@ class Worker:
         """Bytes the largest step takes beyond what is allocated now (CUDA): a throwaway runner
         over a one-block KV cache runs `ModelRunner.profile_run`, so step temporaries and the
         largest sampler tables are reserved before the KV cache takes the rest."""
-        mc, cc = self.config.model_config, self.config.cache_config
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-        shape = kv_cache_shape(1, cc.block_size, self.num_kv_heads, mc.head_dim)
-        caches = [self._kv_cache_zeros(shape) for _ in range(mc.num_layers)]
+        caches = self._kv_caches(1)
         ModelRunner(self.config, self.model, caches, self.device).profile_run()
         if not cuda:
             return 0
@@ -142,10 +145,22 @@ class Worker:
             return huge_pages.zeros(shape, self.config.kv_cache_dtype)
         return torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def _kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """Each layer's KV cache: the layout's tensors, a layer's being the one its position
+        in its KV cache group names (the same tensor object for the layers that share it)."""
         mc, cc = self.config.model_config, self.config.cache_config
         shape = kv_cache_shape(num_blocks, cc.block_size, self.num_kv_heads, mc.head_dim)
-        kv_caches = [self._kv_cache_zeros(shape) for _ in range(mc.num_layers)]
+        layout = mc.kv_cache_layout
+        tensors = [self._kv_cache_zeros(shape) for _ in range(layout.num_tensors)]
+        return [tensors[t] for t in layout.layer_tensor]
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """The runner's KV tensors, each once."""
+        return list({id(cache): cache for cache in self.runner.kv_caches}.values())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        cc = self.config.cache_config
+        kv_caches = self._kv_caches(num_blocks)
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
         self.runner.fused_decode = self._fused_decode()
@@ -166,8 +181,8 @@ class Worker:
         if self._kv_shapes is None:
             if self._fast_paths is not None:
                 self._fast_paths.release_kv_views()
-            self._kv_shapes = [cache.shape for cache in self.runner.kv_caches]
-            for cache in self.runner.kv_caches:
+            self._kv_shapes = [cache.shape for cache in self._kv_tensors()]
+            for cache in self._kv_tensors():
                 cache.set_(cache.new_empty(0))  # the old storage goes with its last view
         if level == 2:
             self.model = self.runner.model = self._fast_paths = self.runner.fused_decode = None
@@ -181,7 +196,7 @@ class Worker:
         """Give the KV cache its memory back (zeroed, as at start-up) and, after level 2, load
         the weights again from the checkpoint (vLLM leaves that to the user)."""
         if self._kv_shapes is not None:
-            for cache, shape in zip(self.runner.kv_caches, self._kv_shapes):
+            for cache, shape in zip(self._kv_tensors(), self._kv_shapes):
                 cache.set_(self._kv_cache_zeros(shape))
             self._kv_shapes = None
         if self.model is None:

@@ -37,7 +37,7 @@ def new_request(req_id: str = "r0", **params) -> NewRequestData:
         prefill_token_ids=[1, 2, 3, 9, 8],
         sampling_params=SamplingParams(temperature=0.5, top_k=4, stop="x", seed=7,
                                        logit_bias={5: -2.0}, **params),
-        block_ids=[4, 7],
+        block_ids=[[4, 7]],  # one KV cache group
         num_computed_tokens=2,
     )
 
@@ -50,6 +50,7 @@ def test_new_request_data_with_nested_sampling_params() -> None:
     assert back.sampling_params.logit_bias == {5: -2.0}
     assert back.prefill_token_ids == [1, 2, 3, 9, 8]
     assert back.eos_token_id is None
+    assert back.block_ids == [[4, 7]]
     assert round_trip(msgspec.structs.replace(new_request(), eos_token_id=4)).eos_token_id == 4
 
 
@@ -59,27 +60,34 @@ def test_structs_are_array_like() -> None:
 
 
 def test_cached_request_data() -> None:
-    cached = CachedRequestData.build(req_ids=["a", "b"], new_block_ids=[[3], []],
+    cached = CachedRequestData.build(req_ids=["a", "b"], new_block_ids=[[[3]], [[]]],
                                      num_computed_tokens=[10, 4])
     back = round_trip(cached)
-    assert back.num_reqs == 2 and back.req_ids == ["a", "b"]
-    assert back.new_block_ids == [[3], []] and back.num_computed_tokens.tolist() == [10, 4]
-    assert back.new_block_ids_flat.tolist() == [3] and back.num_new_blocks.tolist() == [1, 0]
+    assert back.num_reqs == 2 and back.req_ids == ["a", "b"] and back.num_kv_groups == 1
+    assert back.new_block_ids == [[[3]], [[]]] and back.num_computed_tokens.tolist() == [10, 4]
+    assert back.new_block_ids_flat.tolist() == [3] and back.num_new_blocks.tolist() == [[1, 0]]
+    # Two KV cache groups: the ids and counts are flat group after group.
+    two = round_trip(CachedRequestData.build(["a", "b"], [[[3], [8, 9]], [[], [5]]], [10, 4]))
+    assert two.num_kv_groups == 2 and two.new_block_ids == [[[3], [8, 9]], [[], [5]]]
+    assert two.new_block_ids_flat.tolist() == [3, 8, 9, 5]
+    assert two.num_new_blocks.tolist() == [[1, 0], [2, 1]]
+    with pytest.raises(ValueError, match="every request needs 2 block-id lists"):
+        CachedRequestData.build(["a", "b"], [[[3], []], [[]]], [1, 2])
     empty = round_trip(CachedRequestData())
     assert empty.num_reqs == 0 and empty.new_block_ids == [] and empty.req_ids == []
     # The list views are fresh objects: mutating one never touches the message.
     assert CachedRequestData().req_ids is not CachedRequestData().req_ids
     with pytest.raises(ValueError, match="2 ids, 1 block-id lists"):
-        CachedRequestData.build(["a", "b"], [[]], [1, 2])
+        CachedRequestData.build(["a", "b"], [[[]]], [1, 2])
     with pytest.raises(ValueError, match="NUL"):
-        CachedRequestData.build(["a\0b"], [[]], [1])
+        CachedRequestData.build(["a\0b"], [[[]]], [1])
 
 
 def test_step_structs_are_compact_on_the_wire() -> None:
     """256 decodes cost a handful of msgpack objects, not hundreds: ids travel as one UTF-8
     blob, per-request numbers as int32 bytes (the step's serialisation cost)."""
     ids = [f"cmpl-{i:08x}-0" for i in range(256)]
-    out = SchedulerOutput.build([], CachedRequestData.build(ids, [[]] * 256, [100] * 256),
+    out = SchedulerOutput.build([], CachedRequestData.build(ids, [[[]]] * 256, [100] * 256),
                                 dict.fromkeys(ids, 1), 256)
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(out))
     assert raw[1][0] == raw[2] == "\0".join(ids).encode()
@@ -90,8 +98,9 @@ def test_step_structs_are_compact_on_the_wire() -> None:
 def test_scheduler_output_keeps_batch_order() -> None:
     out = SchedulerOutput.build(
         scheduled_new_reqs=[new_request("n1"), new_request("n2", max_tokens=4)],
-        scheduled_cached_reqs=CachedRequestData.build(req_ids=["z", "a"], new_block_ids=[[], [5]],
-                                                num_computed_tokens=[7, 12]),
+        scheduled_cached_reqs=CachedRequestData.build(req_ids=["z", "a"],
+                                                      new_block_ids=[[[]], [[5]]],
+                                                      num_computed_tokens=[7, 12]),
         num_scheduled_tokens={"z": 1, "a": 1, "n2": 3, "n1": 2},
         total_num_scheduled_tokens=7,
         finished_req_ids=["f"],

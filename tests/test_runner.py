@@ -60,18 +60,21 @@ def hf_greedy(tiny_llama):
 
 def new_req(req_id: str, prompt: list[int], block_ids: list[int],
             params: SamplingParams = GREEDY) -> NewRequestData:
+    """`block_ids`: of the one KV cache group."""
     return NewRequestData(req_id=req_id, prompt_token_ids=prompt, prefill_token_ids=prompt,
-                          sampling_params=params, block_ids=block_ids, num_computed_tokens=0)
+                          sampling_params=params, block_ids=[list(block_ids)],
+                          num_computed_tokens=0)
 
 
 def sched(num_scheduled: dict[str, int], new: list[NewRequestData] = (),
           cached: list[tuple[str, list[int], int]] = (), finished: list[str] = ()
           ) -> SchedulerOutput:
-    """cached: (req_id, block ids new this step, num_computed_tokens before this step)."""
+    """cached: (req_id, block ids new this step (of the one KV cache group),
+    num_computed_tokens before this step)."""
     return SchedulerOutput.build(
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=CachedRequestData.build(req_ids=[c[0] for c in cached],
-                                                new_block_ids=[list(c[1]) for c in cached],
+                                                new_block_ids=[[list(c[1])] for c in cached],
                                                 num_computed_tokens=[c[2] for c in cached]),
         num_scheduled_tokens=dict(num_scheduled),
         total_num_scheduled_tokens=sum(num_scheduled.values()),
@@ -243,7 +246,7 @@ def test_preempted_request_resumes_from_prompt_plus_outputs(runner, hf_greedy):
     # Resumed later on other blocks: the whole history is recomputed, then decoding goes on.
     history = PROMPT_A + tokens
     resumed = NewRequestData(req_id="a", prompt_token_ids=PROMPT_A, prefill_token_ids=history,
-                             sampling_params=GREEDY, block_ids=[9], num_computed_tokens=0)
+                             sampling_params=GREEDY, block_ids=[[9]], num_computed_tokens=0)
     tokens += by_req(step(runner, sched({"a": len(history)}, new=[resumed])))["a"]
     tokens += by_req(step(runner, sched({"a": 1}, cached=[("a", [], len(history))])))["a"]
     assert tokens == hf_greedy(PROMPT_A, 5)

@@ -149,10 +149,10 @@ def test_prepared_inputs_match_list_reference(steps):
             n = scheduled.get(req_id, 0)
             blocks = ref.take_blocks(req_id, ref.computed[req_id] + n)
             prefill = ref.tokens[req_id][:ref.prefill_len[req_id]]
-            new_data.append(NewRequestData(req_id, ref.prompt[req_id], prefill, GREEDY, blocks,
-                                           ref.computed[req_id]))
+            new_data.append(NewRequestData(req_id, ref.prompt[req_id], prefill, GREEDY,
+                                           [blocks], ref.computed[req_id]))
         cached = CachedRequestData.build(
-            cached_ids, [ref.take_blocks(r, ref.computed[r] + scheduled[r]) for r in cached_ids],
+            cached_ids, [[ref.take_blocks(r, ref.computed[r] + scheduled[r])] for r in cached_ids],
             [ref.computed[r] for r in cached_ids])
         # Batch order as the scheduler sends it: running (cached) first, then new.
         order = cached_ids + [r for r in new_reqs if r in scheduled]

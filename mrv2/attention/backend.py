@@ -49,6 +49,14 @@ class AttentionMetadata:
     # How many layers read K/V under this metadata (the model's): sizes a decode step's cache
     # reads for the CPU kernel's work split (decode_numba.work_split).
     num_layers: int = 1
+    # A hybrid KV layout (core/kv_cache_layout.py): the same step's metadata for KV cache
+    # groups 1, 2, ... (their own block tables and slot mappings); block_tables and
+    # slot_mapping above are group 0's. Empty for a model with one group.
+    other_groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """This step's metadata for KV cache group `group`."""
+        return self if group == 0 else self.other_groups[group - 1]
 
 
 def attention_backend(device: torch.device) -> str:
@@ -68,10 +76,12 @@ class Attention(nn.Module):
     llama.cpp's window: `p - k < sliding_window`); with `softcap` > 0 the scaled scores are
     soft-capped to softcap * tanh(s / softcap) before the softmax (Gemma 2). `sinks`: this
     rank's heads' sink logits [num_heads] (gpt-oss), one more logit in each head's softmax with
-    no value; a parameter its model loads (None: none)."""
+    no value; a parameter its model loads (None: none). `kv_cache_group`: the group whose
+    block tables its cache follows (core/kv_cache_layout.py)."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False) -> None:
+                 sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False,
+                 kv_cache_group: int = 0) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
@@ -84,6 +94,8 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window={sliding_window} must be positive (0: none)")
         self.sliding_window = sliding_window
         self.softcap = float(softcap)
+        # Which KV cache group's block tables this layer reads (core/kv_cache_layout.py).
+        self.kv_cache_group = kv_cache_group
         self.sinks = (nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
                                    requires_grad=False) if sinks else None)
         # Set by attach_split_kv_scratch; shared with every layer of the same head shape.
@@ -97,6 +109,7 @@ class Attention(nn.Module):
         backend, tokens among them that belong to no row (graph padding past
         `query_start_loc[-1]`) come back uninitialised.
         """
+        meta = meta.for_group(self.kv_cache_group)
         n = meta.num_actual_tokens
         q = q[:n].view(n, self.num_heads, self.head_dim)
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)

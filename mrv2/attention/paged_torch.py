@@ -90,22 +90,27 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             out[start:end] = o.transpose(0, 1)
             continue
         num_blocks = -(-seq_len // block_size)
-        block_ids = meta.block_tables[row, :num_blocks].long()
+        # With a window, from the block of the first key the chunk sees: the blocks before
+        # it may be given back (core/kv_cache_manager.py) and hold another request's K/V.
+        first = max(seq_len - query_len - window + 1, 0) // block_size if window > 0 else 0
+        block_ids = meta.block_tables[row, first:num_blocks].long()
+        key_start = first * block_size
         # [KV, L, D] in q's dtype (a 16-bit cache under a float32 model is widened here).
-        kr = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        vr = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        mask = _window_mask(query_len, seq_len, window, q.device)
+        kr = k_cache[block_ids].flatten(0, 1)[:seq_len - key_start].transpose(0, 1).to(q.dtype)
+        vr = v_cache[block_ids].flatten(0, 1)[:seq_len - key_start].transpose(0, 1).to(q.dtype)
+        mask = _window_mask(query_len, seq_len, window, q.device, key_start)
         out[start:end] = _sdpa(qi, kr, vr, scale, mask, softcap, sinks).transpose(0, 1)
     return out
 
 
-def _window_mask(query_len: int, seq_len: int, window: int,
-                 device: torch.device) -> torch.Tensor | None:
-    """[query_len, seq_len] bool: which keys each of a chunk's queries (the last query_len
-    positions) sees, causal and within `window`; None where plain causal attention is it."""
+def _window_mask(query_len: int, seq_len: int, window: int, device: torch.device,
+                 key_start: int = 0) -> torch.Tensor | None:
+    """[query_len, seq_len - key_start] bool: which keys from `key_start` on each of a chunk's
+    queries (the last query_len positions) sees, causal and within `window`; None where plain
+    causal attention is it."""
     if query_len == seq_len and (window <= 0 or window >= seq_len):
         return None
-    key_pos = torch.arange(seq_len, device=device)
+    key_pos = torch.arange(key_start, seq_len, device=device)
     query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
     mask = key_pos[None, :] <= query_pos[:, None]
     if window > 0:
@@ -185,8 +190,9 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
         hidden = past_end | (key_pos[None, :] < meta.seq_lens[:rows, None] - window)
     scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     # A block's slots past seq_len may hold a finished request's values, NaN if its logits
-    # were (it ended with an error): a zero probability times NaN would still be NaN.
-    v.masked_fill_(past_end[:, :, None, None], 0.0)
+    # were (it ended with an error), and so may a windowed row's blocks given back before its
+    # window: a zero probability times NaN would still be NaN.
+    v.masked_fill_(hidden[:, :, None, None], 0.0)
     if sinks is not None:  # one more logit per head, with no value
         sink = sinks.to(scores.dtype).view(1, num_kv_heads, -1, 1).expand(rows, -1, -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

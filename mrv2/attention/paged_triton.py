@@ -184,6 +184,8 @@ def _paged_attention_kernel(q_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_
         for j in range(first_tile, num_tiles):
             key_pos = j * TILE + tl.arange(0, TILE)
             key_valid = key_pos < kv_len
+            if window > 0:  # not loaded: a block before every query's window may be given back
+                key_valid = key_valid & (key_pos > context_len + q_first - window)
             visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
             if window > 0:
                 visible = visible & (key_pos[None, :] > query_pos[:, None] - window)

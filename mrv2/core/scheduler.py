@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from executor.packed import check_id
 from mrv2.core.decode_steps import decode_steps
-from mrv2.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from mrv2.core.kv_cache_manager import GroupBlockIds, KVCacheManager, PrefixCacheStats
 from mrv2.core.request import Request, RequestStatus
 from mrv2.core.structured_output import StructuredOutputManager
 from mrv2.protocol import (CachedRequestData, EngineCoreOutput, FinishReason, GrammarOutput,
@@ -51,7 +51,9 @@ class Scheduler:
         self.block_size = config.cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, self.block_size, self.max_model_len,
-            enable_caching=config.cache_config.enable_prefix_caching)
+            enable_caching=config.cache_config.enable_prefix_caching,
+            layout=config.model_config.kv_cache_layout,
+            max_new_tokens=config.max_kv_tokens_per_step)
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
@@ -85,9 +87,9 @@ class Scheduler:
         max_kv_tokens = min(prompt_len + request.max_tokens, self.max_model_len) - 1
         manager = self.kv_cache_manager
         if manager.num_blocks_for(max_kv_tokens) > manager.num_allocatable_blocks:
-            raise ValueError(
-                f"request {req_id!r} may need {manager.num_blocks_for(max_kv_tokens)} KV blocks "
-                f"({max_kv_tokens} tokens) but the pool has {manager.num_allocatable_blocks}")
+            raise ValueError(f"request {req_id!r} may need {manager.num_blocks_for(max_kv_tokens)}"
+                             f" KV blocks ({max_kv_tokens} tokens) but the pool has "
+                             f"{manager.num_allocatable_blocks}")
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self.waiting.append(request)
@@ -149,13 +151,11 @@ class Scheduler:
         """Forget every cached block (False, doing nothing, while a request holds blocks)."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-    # -- scheduling -----------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}  # insertion order is the batch order
         cached_ids: list[str] = []
-        cached_new_blocks: list[list[int]] = []
+        cached_new_blocks: list[GroupBlockIds] = []
         cached_num_computed: list[int] = []
         new_reqs: list[NewRequestData] = []
         preempted_ids: list[str] = []
@@ -164,10 +164,9 @@ class Scheduler:
         # 1. Running requests, oldest first. Victims are popped from the tail, so a victim is
         # never a request already scheduled in this step (those sit before `idx`).
         idx = 0
-        running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
-        max_model_len = self.max_model_len
+        running, manager, max_model_len = self.running, self.kv_cache_manager, self.max_model_len
         num_steps = decode_steps(running, len(self.waiting), self.num_scheduler_steps,
-                                 max_model_len, self.kv_cache_manager.num_free_blocks,
+                                 max_model_len, manager.num_free_blocks // manager.num_groups,
                                  self.block_size)  # > 1: every running row decodes
         while idx < len(running) and budget > 0:
             request = running[idx]
@@ -182,14 +181,14 @@ class Scheduler:
                 idx += 1
                 continue
             span = num_new + num_steps - 1  # tokens whose KV the step writes
-            new_blocks = allocate_slots(request, span)
+            new_blocks = manager.allocate_slots(request, span)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
-                new_blocks = self.kv_cache_manager.allocate_slots(request, span)
+                new_blocks = manager.allocate_slots(request, span)
             if new_blocks is None:  # it preempted itself; it was the tail, so the loop ends
                 break
             num_scheduled[request.request_id] = num_new
@@ -212,14 +211,14 @@ class Scheduler:
                 continue
             # Waiting requests hold no KV (new, or preempted in recompute mode). The longest
             # cached prefix of prompt (+ outputs, when resumed) is reused, never the last token.
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            hit_blocks, num_hit = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.enable_chunked_prefill and num_new > budget:
                 break  # whole prompts only; FIFO, so nothing behind it jumps the queue
             num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+            if manager.allocate_slots(request, num_new, hit_blocks) is None:
                 break
-            if self.kv_cache_manager.enable_caching:
+            if manager.enable_caching:
                 self.prefix_cache_stats.record(request.num_tokens, num_hit)
             self.waiting.popleft()
             self.running.append(request)
@@ -234,7 +233,7 @@ class Scheduler:
                 # less what the prefix cache still holds (num_computed_tokens).
                 prefill_token_ids=list(request.all_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                block_ids=list(manager.get_block_ids(request.request_id)),
                 num_computed_tokens=request.num_computed_tokens,
                 eos_token_id=request.eos_token_id))
             num_scheduled[request.request_id] = num_new

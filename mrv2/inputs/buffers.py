@@ -16,7 +16,7 @@ from mrv2.state.host_staging import HostStaging
 
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_num_blocks_per_req: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_kv_groups: int = 1) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
 
@@ -25,14 +25,16 @@ class InputBuffers:
 
         self.input_ids = buf(max_num_tokens, dtype=torch.int32)
         self.positions = buf(max_num_tokens, dtype=torch.int64)
-        # -1 from the start: a warm-up or capture run before the first step writes no KV.
-        self.slot_mapping = buf(max_num_tokens, dtype=torch.int64, fill=-1)
+        # One row per KV cache group (core/kv_cache_layout.py). -1 from the start: a warm-up
+        # or capture run before the first step writes no KV.
+        self.slot_mapping = buf(num_kv_groups, max_num_tokens, dtype=torch.int64, fill=-1)
         self.query_start_loc = buf(max_num_reqs + 1, dtype=torch.int32)
         self.seq_lens = buf(max_num_reqs, dtype=torch.int32)
         self.idx_mapping = buf(max_num_reqs, dtype=torch.int64)
         self.num_scheduled = buf(max_num_reqs, dtype=torch.int32)
         self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
-        self.block_tables = buf(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
+        self.block_tables = buf(num_kv_groups, max_num_reqs, max_num_blocks_per_req,
+                                dtype=torch.int32)
         # The step's host data (idx_mapping, num_scheduled, query_start_loc) goes to the device
         # in one double-buffered upload.
         self.staging = HostStaging(torch.device(device))

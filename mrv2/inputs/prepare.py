@@ -16,6 +16,8 @@ real tokens (up to the buffer's end).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -36,13 +38,14 @@ def decode_first_order(num_scheduled: np.ndarray) -> np.ndarray:
 def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray,
                    state: RequestState, block_tables: BlockTables, buffers: InputBuffers,
                    num_tokens_padded: int | None = None,
-                   num_reqs_padded: int | None = None) -> InputBatch:
+                   num_reqs_padded: int | None = None, num_layers: int = 1) -> InputBatch:
     """Rows must already be in decode-first order. Returns views of `buffers`.
 
     input_ids, positions and slot_mapping span `num_tokens_padded` tokens; query_start_loc,
     seq_lens and block_tables span `num_reqs_padded` rows (the metadata's num_actual_tokens and
     num_reqs stay the real counts); idx_mapping, num_scheduled and logits_indices span the
-    real rows.
+    real rows. The metadata is KV cache group 0's, with the other groups' in `other_groups`;
+    `num_layers`: the model's (AttentionMetadata.num_layers).
     """
     num_reqs = len(req_ids)
     idx_mapping_np = np.ascontiguousarray(idx_mapping_np, dtype=np.int64)
@@ -74,25 +77,31 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
             state.num_computed.numpy, state.prefill_len.numpy, state.last_sampled.numpy,
             state.token_ids.numpy, block_tables.table.numpy, block_tables.block_size,
             *buffers.numpy_outputs())
-        tables = buffers.block_tables[:num_reqs_padded]
+        tables = buffers.block_tables[:, :num_reqs_padded]
     else:
         _prepare_triton(idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens,
                         num_tokens_padded, state, block_tables, buffers)
         tables = block_tables.gather_block_tables(idx_mapping, buffers.block_tables,
                                                   num_reqs_padded)
 
+    slot_mappings = buffers.slot_mapping[:, :num_tokens_padded]
     metadata = AttentionMetadata(
         num_actual_tokens=num_tokens,
         num_reqs=num_reqs,
         num_decodes=num_decodes,
         query_start_loc=buffers.query_start_loc[:num_reqs_padded + 1],
         seq_lens=buffers.seq_lens[:num_reqs_padded],
-        block_tables=tables,
-        slot_mapping=buffers.slot_mapping[:num_tokens_padded],
+        block_tables=tables[0],
+        slot_mapping=slot_mappings[0],
         query_start_loc_np=query_start_loc_np,
         seq_lens_np=seq_lens_np,
         max_seq_len=max_seq_len,
+        num_layers=num_layers,
     )
+    if len(tables) > 1:
+        metadata.other_groups = tuple(
+            dataclasses.replace(metadata, block_tables=tables[g], slot_mapping=slot_mappings[g])
+            for g in range(1, len(tables)))
     return InputBatch(req_ids=req_ids, idx_mapping=idx_mapping, idx_mapping_np=idx_mapping_np,
                       num_scheduled=buffers.num_scheduled[:num_reqs],
                       num_scheduled_np=num_scheduled_np, num_tokens=num_tokens,

@@ -19,9 +19,13 @@ def prepare_inputs(idx_mapping_host, num_scheduled_host, query_start_loc_host,
                    block_table, block_size, idx_mapping, num_scheduled, query_start_loc,
                    seq_lens, logits_indices, input_ids, positions, slot_mapping,
                    block_tables):
+    """`block_table` stacks the KV cache groups' tables (num_slots rows each); `block_tables`
+    [groups, rows, cols] and `slot_mapping` [groups, tokens] get each group's."""
     num_reqs = idx_mapping_host.shape[0]
     num_reqs_padded = query_start_loc_host.shape[0] - 1
     num_tokens = query_start_loc_host[num_reqs]
+    num_groups = block_tables.shape[0]
+    num_slots = block_table.shape[0] // num_groups
     query_start_loc[0] = 0
     for row in range(num_reqs_padded):
         end = query_start_loc_host[row + 1]
@@ -31,13 +35,15 @@ def prepare_inputs(idx_mapping_host, num_scheduled_host, query_start_loc_host,
             idx_mapping[row] = 0
             num_scheduled[row] = 0
             seq_lens[row] = 0
-            for col in range(block_tables.shape[1]):
-                block_tables[row, col] = 0
+            for g in range(num_groups):
+                for col in range(block_tables.shape[2]):
+                    block_tables[g, row, col] = 0
             continue
         slot = idx_mapping_host[row]
         # Element loops: numba's slice assignment is several times slower here.
-        for col in range(block_tables.shape[1]):
-            block_tables[row, col] = block_table[slot, col]
+        for g in range(num_groups):
+            for col in range(block_tables.shape[2]):
+                block_tables[g, row, col] = block_table[g * num_slots + slot, col]
         n = num_scheduled_host[row]
         idx_mapping[row] = slot
         num_scheduled[row] = n
@@ -52,14 +58,16 @@ def prepare_inputs(idx_mapping_host, num_scheduled_host, query_start_loc_host,
                 input_ids[token] = token_ids[slot, pos]
             else:
                 input_ids[token] = last_sampled[slot]
-            block = block_table[slot, pos // block_size]
-            slot_mapping[token] = block * block_size + pos % block_size
+            for g in range(num_groups):
+                block = block_table[g * num_slots + slot, pos // block_size]
+                slot_mapping[g, token] = block * block_size + pos % block_size
     for token in range(num_tokens, num_tokens_padded):
         input_ids[token] = 0
         positions[token] = 0
     # Padded tokens, and everything past them, never write the KV cache.
-    for token in range(num_tokens, slot_mapping.shape[0]):
-        slot_mapping[token] = -1
+    for g in range(num_groups):
+        for token in range(num_tokens, slot_mapping.shape[1]):
+            slot_mapping[g, token] = -1
 
 
 @njit(cache=True)

@@ -8,7 +8,8 @@ and, for each of its tokens, input_ids, positions and slot_mapping. A token at p
 `pos >= prefill_len` of its slot is a sampled one and comes from `last_sampled`; prefill tokens
 come from the token history. Padded rows get seq_len 0; the last program writes
 query_start_loc[0] and pads the token tail (ids and positions 0 up to num_tokens_padded,
-slot_mapping -1 up to the buffer's end).
+slot_mapping -1 up to the buffer's end). `block_table` stacks the KV cache groups' tables
+(num_slots rows each); slot_mapping is [groups, max_num_tokens], one row per group.
 
 The four counts of the batch are not specialised (one compiled variant for every batch); the
 other integers (buffer and table widths, block size) come from the configuration.
@@ -28,10 +29,10 @@ _PER_STEP_BATCH_ARGS = ("num_reqs", "num_reqs_padded", "num_tokens", "num_tokens
 def _prepare_inputs_kernel(
         packed_ptr, num_reqs, num_reqs_padded, num_tokens, num_tokens_padded, max_num_tokens,
         num_computed_ptr, prefill_len_ptr, last_sampled_ptr, token_ids_ptr, max_model_len,
-        block_table_ptr, max_num_blocks, block_size,
+        block_table_ptr, max_num_blocks, block_size, num_slots,
         idx_mapping_ptr, num_scheduled_ptr, query_start_loc_ptr, seq_lens_ptr,
         logits_indices_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr,
-        BLOCK: tl.constexpr):
+        NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     qsl_ptr = packed_ptr + 2 * num_reqs
     if row < num_reqs_padded:
@@ -55,13 +56,15 @@ def _prepare_inputs_kernel(
                 from_history = pos < prefill_len
                 history = tl.load(token_ids_ptr + slot * max_model_len + pos,
                                   mask=mask & from_history, other=0)
-                block = tl.load(block_table_ptr + slot * max_num_blocks + pos // block_size,
-                                mask=mask, other=0)
                 out = start + offs
                 tl.store(input_ids_ptr + out, tl.where(from_history, history, last), mask=mask)
                 tl.store(positions_ptr + out, pos.to(tl.int64), mask=mask)
-                tl.store(slot_mapping_ptr + out,
-                         block.to(tl.int64) * block_size + pos % block_size, mask=mask)
+                for g in tl.static_range(NUM_GROUPS):
+                    table_row = g * num_slots + slot
+                    block = tl.load(block_table_ptr + table_row * max_num_blocks
+                                    + pos // block_size, mask=mask, other=0)
+                    tl.store(slot_mapping_ptr + g * max_num_tokens + out,
+                             block.to(tl.int64) * block_size + pos % block_size, mask=mask)
         else:
             tl.store(idx_mapping_ptr + row, 0)
             tl.store(num_scheduled_ptr + row, 0)
@@ -73,8 +76,9 @@ def _prepare_inputs_kernel(
             padded = offs < num_tokens_padded
             tl.store(input_ids_ptr + offs, tl.full([BLOCK], 0, dtype=tl.int32), mask=padded)
             tl.store(positions_ptr + offs, tl.full([BLOCK], 0, dtype=tl.int64), mask=padded)
-            tl.store(slot_mapping_ptr + offs, tl.full([BLOCK], -1, dtype=tl.int64),
-                     mask=offs < max_num_tokens)
+            for g in tl.static_range(NUM_GROUPS):
+                tl.store(slot_mapping_ptr + g * max_num_tokens + offs,
+                         tl.full([BLOCK], -1, dtype=tl.int64), mask=offs < max_num_tokens)
 
 
 def prepare_inputs(packed: torch.Tensor, num_reqs: int, num_reqs_padded: int, num_tokens: int,
@@ -85,10 +89,12 @@ def prepare_inputs(packed: torch.Tensor, num_reqs: int, num_reqs_padded: int, nu
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    logits_indices: torch.Tensor, input_ids: torch.Tensor,
                    positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """slot_mapping [groups, max_num_tokens]; block_table [groups * num_slots, cols]."""
     kernel = triton_kernel(_prepare_inputs_kernel, do_not_specialize=_PER_STEP_BATCH_ARGS)
     kernel[(num_reqs_padded + 1,)](
         packed, num_reqs, num_reqs_padded, num_tokens, num_tokens_padded,
-        slot_mapping.shape[0], num_computed, prefill_len, last_sampled, token_ids,
-        token_ids.shape[1], block_table, block_table.shape[1], block_size, idx_mapping,
-        num_scheduled, query_start_loc, seq_lens, logits_indices, input_ids, positions,
-        slot_mapping, BLOCK=TOKEN_TILE)
+        slot_mapping.shape[1], num_computed, prefill_len, last_sampled, token_ids,
+        token_ids.shape[1], block_table, block_table.shape[1], block_size,
+        block_table.shape[0] // slot_mapping.shape[0], idx_mapping, num_scheduled,
+        query_start_loc, seq_lens, logits_indices, input_ids, positions, slot_mapping,
+        NUM_GROUPS=slot_mapping.shape[0], BLOCK=TOKEN_TILE)

@@ -35,6 +35,7 @@ from torch import nn
 from mrv2 import distributed
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
+from mrv2.core.kv_cache_layout import layer_windows
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.linear import QKVLinear, RowParallelLinear
 from mrv2.models.layers.mlp import GatedMLP
@@ -54,29 +55,6 @@ _STACKED_PARAMS = (
 )
 # Checkpoint tensors that are derived state, not parameters.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def layer_windows(hf: Any) -> tuple[int, ...] | None:
-    """Each layer's sliding window (0: it sees every key) as transformers applies it: the layers
-    `layer_types` marks "sliding_attention" (Gemma, Qwen2 / Qwen3 with use_sliding_window,
-    SmolLM3), or every layer of a config with a `sliding_window` and no layer types (Mistral,
-    Phi-3). None: no layer has one. A layer type mrv2 does not implement is refused by name."""
-    layer_types = getattr(hf, "layer_types", None)
-    unknown = sorted(set(layer_types or ()) - set(_LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported; supported: "
-                         f"{', '.join(_LAYER_TYPES)}")
-    window = getattr(hf, "sliding_window", None) or 0
-    if getattr(hf, "use_sliding_window", True) is False:
-        window = 0  # Qwen2 / Qwen3 keep the value with the switch off
-    if layer_types is None:
-        windows = (window,) * hf.num_hidden_layers
-    else:
-        windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
-    return windows if any(windows) else None
 
 
 class LlamaAttention(nn.Module):
@@ -110,7 +88,8 @@ class LlamaAttention(nn.Module):
         scale = spec.attention_scale or self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scale,
                               sliding_window=window if window < model_config.max_model_len else 0,
-                              softcap=spec.attention_softcap or 0.0)
+                              softcap=spec.attention_softcap or 0.0,
+                              kv_cache_group=model_config.kv_cache_layout.layer_group[layer])
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

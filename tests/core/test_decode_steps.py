@@ -189,3 +189,29 @@ def test_a_nan_inside_a_run_fails_only_its_request(tiny_llama, monkeypatch):
     assert clean.outputs[0].finish_reason == "length"
     assert ((2, 8), True) in runs  # the NaN came out of the run's one call
     llm.shutdown()
+
+
+def test_runs_of_steps_on_a_hybrid_kv_layout(tiny_model_factory, monkeypatch):
+    """Gemma 2's windowed and full layers read two KV cache groups (core/kv_cache_layout.py):
+    the stack's run of steps computes each group's slots from its own table, and the windowed
+    group's blocks given back behind the window are never read: the one-step tokens."""
+    from mrv2.models.cpu.decode import FusedDecode
+
+    path = tiny_model_factory("gemma2", config={
+        "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24, "final_logit_softcapping": 8.0})
+    prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    one, _, _ = _generate(path, prompts, params, block_size=4, dtype="float32")
+    runs = []
+    run_steps = FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    tokens, _, steps = _generate(path, prompts, params, block_size=4, dtype="float32",
+                                 num_scheduler_steps=8)
+    assert tokens == one and max(steps) == 8 and runs and all(runs)

@@ -4,8 +4,7 @@ import struct
 import pytest
 
 from mrv2.core import block_hash
-from mrv2.core.kv_cache_manager import BlockPool, KVCacheManager, PrefixCacheStats
-from mrv2.protocol import NULL_BLOCK_ID
+from mrv2.core.kv_cache_manager import KVCacheManager
 from mrv2.core.request import Request
 from mrv2.sampling_params import SamplingParams
 
@@ -14,57 +13,21 @@ def make_request(req_id: str, prompt_len: int) -> Request:
     return Request(req_id, list(range(prompt_len)), SamplingParams(max_tokens=8))
 
 
-def test_block_pool_never_hands_out_null_block() -> None:
-    pool = BlockPool(8)
-    assert pool.num_free_blocks == 7 and pool.usage == 0.0
-    blocks = pool.get_new_blocks(7)
-    assert sorted(blocks) == list(range(1, 8))
-    assert NULL_BLOCK_ID not in blocks
-    assert pool.num_free_blocks == 0 and pool.usage == 1.0
-    with pytest.raises(ValueError):
-        pool.get_new_blocks(1)
-    pool.free_blocks(blocks[:3])
-    assert pool.num_free_blocks == 3
-    assert pool.usage == pytest.approx(4 / 7)
-
-
-def test_block_pool_ref_counts_and_double_free() -> None:
-    pool = BlockPool(4)
-    (b,) = pool.get_new_blocks(1)
-    assert pool.ref_count(b) == 1
-    pool.free_blocks([b])
-    assert pool.ref_count(b) == 0 and pool.num_free_blocks == 3
-    with pytest.raises(RuntimeError):
-        pool.free_blocks([b])
-    with pytest.raises(RuntimeError):
-        pool.free_blocks([NULL_BLOCK_ID])
-    assert pool.num_free_blocks == 3
-    with pytest.raises(ValueError):
-        BlockPool(1)
-
-
-def test_block_pool_fifo_reuse() -> None:
-    pool = BlockPool(4)
-    a = pool.get_new_blocks(2)
-    pool.free_blocks(a)
-    # The block never used (3) comes first, then the freed ones in the order they were freed.
-    assert pool.get_new_blocks(3) == [3] + a
-
-
 def test_allocate_slots_returns_delta() -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     req = make_request("r", 6)
-    assert mgr.get_computed_blocks(req) == ([], 0)
+    assert mgr.get_computed_blocks(req) == (([],), 0)
     first = mgr.allocate_slots(req, 6)
-    assert first is not None and len(first) == 2
+    assert first is not None and len(first) == 1 and len(first[0]) == 2
     req.num_computed_tokens = 6
-    assert mgr.allocate_slots(req, 2) == []  # positions 6, 7 still fit in block 2
+    assert mgr.allocate_slots(req, 2) == ([],)  # positions 6, 7 still fit in block 2
     req.num_computed_tokens = 8
     third = mgr.allocate_slots(req, 1)
-    assert third is not None and len(third) == 1
-    assert mgr.get_block_ids("r") == first + third
+    assert third is not None and len(third) == 1 and len(third[0]) == 1
+    assert mgr.get_block_ids("r") == (first[0] + third[0],)
+    assert mgr.num_blocks_held("r") == 3
     assert mgr.num_free_blocks == 6
-    assert mgr.get_block_ids("unknown") == []
+    assert mgr.get_block_ids("unknown") == ([],)
 
 
 def test_allocate_slots_all_or_nothing() -> None:
@@ -72,7 +35,7 @@ def test_allocate_slots_all_or_nothing() -> None:
     a, b = make_request("a", 8), make_request("b", 8)
     assert mgr.allocate_slots(a, 8) is not None
     assert mgr.allocate_slots(b, 8) is None
-    assert mgr.num_free_blocks == 1 and mgr.get_block_ids("b") == []
+    assert mgr.num_free_blocks == 1 and mgr.get_block_ids("b") == ([],)
     assert mgr.allocate_slots(b, 4) is not None
     assert mgr.num_free_blocks == 0
 
@@ -91,7 +54,7 @@ def test_free_is_idempotent() -> None:
     mgr.free(req)
     mgr.free(req)  # a second free must not double-free
     assert mgr.num_free_blocks == 4 and mgr.usage == 0.0
-    assert mgr.get_block_ids("r") == []
+    assert mgr.get_block_ids("r") == ([],)
     mgr.free(make_request("never-allocated", 3))
     assert mgr.num_free_blocks == 4
 
@@ -108,11 +71,13 @@ def caching_manager(num_blocks: int = 16, block_size: int = 4, **kwargs) -> KVCa
 
 
 def run_prefill(mgr: KVCacheManager, req: Request) -> list[int]:
-    """Admit `req` the way the scheduler does (hits, then the rest) and compute its prompt."""
+    """Admit `req` the way the scheduler does (hits, then the rest) and compute its prompt;
+    returns its blocks (of the one KV cache group)."""
     hits, num_hit = mgr.get_computed_blocks(req)
     assert mgr.allocate_slots(req, req.num_tokens - num_hit, hits) is not None
     req.num_computed_tokens = req.num_tokens
-    return mgr.get_block_ids(req.request_id)
+    (blocks,) = mgr.get_block_ids(req.request_id)
+    return blocks
 
 
 def test_block_hash_is_a_stable_chain() -> None:
@@ -138,11 +103,11 @@ def test_same_prompt_hits_full_blocks_but_never_the_last_token(prompt_len, num_h
     assert mgr.block_pool.num_cached_blocks == prompt_len // 4
     b = tokens_request("b", prompt)
     hits, n = mgr.get_computed_blocks(b)
-    assert n == num_hit and hits == a_blocks[:num_hit // 4]
+    assert n == num_hit and hits == (a_blocks[:num_hit // 4],)
     new = mgr.allocate_slots(b, prompt_len - n, hits)
-    assert new is not None and mgr.get_block_ids("b") == hits + new
-    assert all(mgr.block_pool.ref_count(x) == 2 for x in hits)
-    assert mgr.get_computed_blocks(tokens_request("c", [7] + prompt[1:])) == ([], 0)
+    assert new is not None and mgr.get_block_ids("b") == (hits[0] + new[0],)
+    assert all(mgr.block_pool.ref_count(x) == 2 for x in hits[0])
+    assert mgr.get_computed_blocks(tokens_request("c", [7] + prompt[1:])) == (([],), 0)
 
 
 def test_hit_stops_at_the_first_differing_block() -> None:
@@ -150,9 +115,9 @@ def test_hit_stops_at_the_first_differing_block() -> None:
     prompt = list(range(100, 117))  # 4 full blocks + 1 token
     blocks = run_prefill(mgr, tokens_request("a", prompt))
     changed = prompt[:9] + [0] + prompt[10:]  # differs inside block 2
-    assert mgr.get_computed_blocks(tokens_request("b", changed)) == (blocks[:2], 8)
+    assert mgr.get_computed_blocks(tokens_request("b", changed)) == ((blocks[:2],), 8)
     longer = prompt + list(range(50))
-    assert mgr.get_computed_blocks(tokens_request("c", longer)) == (blocks[:4], 16)
+    assert mgr.get_computed_blocks(tokens_request("c", longer)) == ((blocks[:4],), 16)
 
 
 def test_hash_collision_is_caught_by_the_token_check(monkeypatch) -> None:
@@ -165,10 +130,10 @@ def test_hash_collision_is_caught_by_the_token_check(monkeypatch) -> None:
     assert mgr.block_pool.num_cached_blocks == 1
     assert mgr.block_pool.block_hash(a_blocks[1]) is None
     # Same hash, different tokens: a miss, not a wrong hit.
-    assert mgr.get_computed_blocks(tokens_request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == ([], 0)
+    assert mgr.get_computed_blocks(tokens_request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == (([],), 0)
     # The first block matches; the second's hash leads to block 0's entry, whose parent and
     # tokens differ: the hit stops after one block.
-    assert mgr.get_computed_blocks(tokens_request("c", a.prompt_token_ids)) == (a_blocks[:1], 4)
+    assert mgr.get_computed_blocks(tokens_request("c", a.prompt_token_ids)) == ((a_blocks[:1],), 4)
 
 
 def test_free_keeps_cached_blocks_and_evicts_lru_tail_first() -> None:
@@ -186,9 +151,9 @@ def test_free_keeps_cached_blocks_and_evicts_lru_tail_first() -> None:
     a2, b2 = tokens_request("a2", a.prompt_token_ids), tokens_request("b2", b.prompt_token_ids)
     assert mgr.get_computed_blocks(a2)[1] == 12
     # A new request needing 2 blocks takes a's partial tail block and its last full block.
-    assert mgr.allocate_slots(tokens_request("x", [0] * 8), 8) == a_blocks[:1:-1]
-    assert mgr.get_computed_blocks(a2) == (a_blocks[:2], 8)  # block 2 was evicted
-    assert mgr.get_computed_blocks(b2) == (b_blocks[:2], 8)  # b untouched
+    assert mgr.allocate_slots(tokens_request("x", [0] * 8), 8) == (a_blocks[:1:-1],)
+    assert mgr.get_computed_blocks(a2) == ((a_blocks[:2],), 8)  # block 2 was evicted
+    assert mgr.get_computed_blocks(b2) == ((b_blocks[:2],), 8)  # b untouched
     assert mgr.block_pool.num_cached_blocks == 5 - 1 + 2  # one evicted, x's two registered
 
 
@@ -198,9 +163,10 @@ def test_hit_touches_blocks_out_of_the_free_queue() -> None:
     a_blocks = run_prefill(mgr, a)
     mgr.free(a)
     b = tokens_request("b", a.prompt_token_ids)
-    hits, n = mgr.get_computed_blocks(b)
+    group_hits, n = mgr.get_computed_blocks(b)
+    (hits,) = group_hits
     assert n == 8 and mgr.num_free_blocks == 7  # a lookup alone takes nothing
-    assert mgr.allocate_slots(b, 1, hits) is not None
+    assert mgr.allocate_slots(b, 1, group_hits) is not None
     # The two hits left the queue; b's tail reused a's freed tail block (the queue head was
     # the never-used blocks, so a's partial block is still queued).
     assert set(hits).isdisjoint(mgr.block_pool.free_block_ids())
@@ -241,26 +207,16 @@ def test_allocate_counts_evictable_hits_against_free_blocks() -> None:
     assert mgr.block_pool.free_block_ids() == a_blocks[1::-1]  # only a's cached blocks left
     b = tokens_request("b", a.prompt_token_ids + [1, 2, 3, 4])  # 13 tokens
     hits, n = mgr.get_computed_blocks(b)
-    assert hits == a_blocks[:2] and n == 8 and mgr.num_free_blocks == 2
+    assert hits == (a_blocks[:2],) and n == 8 and mgr.num_free_blocks == 2
     # b needs 2 new blocks, and its 2 hits leave the free queue too: 4 > 2 free.
     assert mgr.allocate_slots(b, 5, hits) is None
-    assert mgr.num_free_blocks == 2 and mgr.get_block_ids("b") == []
-    assert all(mgr.block_pool.ref_count(x) == 0 for x in hits)
+    assert mgr.num_free_blocks == 2 and mgr.get_block_ids("b") == ([],)
+    assert all(mgr.block_pool.ref_count(x) == 0 for x in hits[0])
     mgr.free(hog)
     new = mgr.allocate_slots(b, 5, hits)
-    assert new is not None and len(new) == 2 and set(new).isdisjoint(hits)
-    assert mgr.get_block_ids("b") == hits + new and mgr.num_free_blocks == 1
-
-
-def test_prefix_cache_stats() -> None:
-    stats = PrefixCacheStats()
-    assert stats.hit_rate == 0.0
-    stats.record(10, 8)
-    stats.record(6, 0)
-    assert (stats.requests, stats.queries, stats.hits) == (2, 16, 8)
-    assert stats.hit_rate == 0.5
-    stats.reset()
-    assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+    assert new is not None and len(new) == 1 and len(new[0]) == 2
+    assert set(new[0]).isdisjoint(hits[0])
+    assert mgr.get_block_ids("b") == (hits[0] + new[0],) and mgr.num_free_blocks == 1
 
 
 def test_caching_off_never_hashes(monkeypatch) -> None:
@@ -271,7 +227,7 @@ def test_caching_off_never_hashes(monkeypatch) -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     prompt = list(range(100, 109))
     run_prefill(mgr, tokens_request("a", prompt))
-    assert mgr.get_computed_blocks(tokens_request("b", prompt)) == ([], 0)
+    assert mgr.get_computed_blocks(tokens_request("b", prompt)) == (([],), 0)
     assert mgr.block_pool.num_cached_blocks == 0
 
 
@@ -283,14 +239,14 @@ def test_only_known_tokens_are_cached_and_reset_prefix_cache() -> None:
     assert mgr.block_pool.num_cached_blocks == 1
     # A decode step for position 6; positions 7.. are not known yet, block 1 is not full.
     a.append_output_token_ids(7)
-    assert mgr.allocate_slots(a, 1) == []
+    assert mgr.allocate_slots(a, 1) == ([],)
     a.num_computed_tokens = 7
     assert mgr.block_pool.num_cached_blocks == 1
     a.append_output_token_ids(8)
-    assert mgr.allocate_slots(a, 1) == []  # position 7 completes block 1
+    assert mgr.allocate_slots(a, 1) == ([],)  # position 7 completes block 1
     assert mgr.block_pool.num_cached_blocks == 2
     assert not mgr.reset_prefix_cache()  # a still holds blocks
     mgr.free(a)
     assert mgr.reset_prefix_cache()
     assert mgr.block_pool.num_cached_blocks == 0
-    assert mgr.get_computed_blocks(tokens_request("b", a.all_token_ids + [1])) == ([], 0)
+    assert mgr.get_computed_blocks(tokens_request("b", a.all_token_ids + [1])) == (([],), 0)

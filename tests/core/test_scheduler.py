@@ -89,12 +89,15 @@ class FakeRunner:
                 assert new.prefill_token_ids == new.prompt_token_ids
             self.tokens[new.req_id] = list(new.prefill_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
-            self.blocks[new.req_id] = list(new.block_ids)
+            (block_ids,) = new.block_ids  # the one KV cache group
+            self.blocks[new.req_id] = list(block_ids)
         cached = out.scheduled_cached_reqs
+        assert cached.num_kv_groups == 1
         for rid, delta, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
             assert self.computed[rid] == num_computed
-            self.blocks[rid] += delta
+            (group_delta,) = delta
+            self.blocks[rid] += group_delta
         bs = self.block_size
         # Like a forward pass: every scheduled token writes its KV, then every request attends
         # to its whole context (so a request may hit blocks another computes in this step).
@@ -123,7 +126,8 @@ class FakeRunner:
             assert 0 not in blocks and len(blocks) == len(set(blocks))
             for i, b in enumerate(blocks):  # a shared block sits at one index in every list
                 assert index_of.setdefault(b, i) == i
-        return ModelRunnerOutput.build(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+        return ModelRunnerOutput.build(req_ids=list(out.num_scheduled_tokens),
+                                       sampled_token_ids=sampled)
 
     def _drop(self, rid: str) -> None:
         self.tokens.pop(rid, None)
@@ -149,7 +153,7 @@ def step(sched: Scheduler, runner: FakeRunner, results: dict, finish: dict) -> S
                                               + [r.req_id for r in out.scheduled_new_reqs])
     mro = runner.execute(out)
     for rid in out.num_scheduled_tokens:  # base list + deltas == the scheduler's list
-        assert runner.blocks[rid] == sched.kv_cache_manager.get_block_ids(rid)
+        assert (runner.blocks[rid],) == sched.kv_cache_manager.get_block_ids(rid)
     for o in sched.update_from_output(out, mro):
         assert o.request_id not in finish
         results[o.request_id] += o.new_token_ids
@@ -190,12 +194,13 @@ def test_single_request_prefill_then_decode() -> None:
     assert (sched.num_waiting, sched.get_num_unfinished_requests()) == (1, 1)
     results, finish, outs = run_all(sched, runner)
     assert [o.num_scheduled_tokens for o in outs] == [{"a": 11}, {"a": 1}, {"a": 1}, {}]
-    assert len(outs[0].scheduled_new_reqs[0].block_ids) == 3
-    assert outs[1].scheduled_cached_reqs.new_block_ids == [[]]  # position 11 is in block 3
-    assert len(outs[2].scheduled_cached_reqs.new_block_ids[0]) == 1  # position 12: block 4
+    assert [len(g) for g in outs[0].scheduled_new_reqs[0].block_ids] == [3]
+    assert outs[1].scheduled_cached_reqs.new_block_ids == [[[]]]  # position 11 is in block 3
+    assert [len(g) for g in outs[2].scheduled_cached_reqs.new_block_ids[0]] == [1]  # block 4
     assert outs[-1].finished_req_ids == ["a"] and outs[-1].is_empty
     assert results["a"] == expected(req)
-    assert finish["a"] == (FinishReason.LENGTH, None) and req.status is RequestStatus.FINISHED_LENGTH
+    assert finish["a"] == (FinishReason.LENGTH, None)
+    assert req.status is RequestStatus.FINISHED_LENGTH
 
 
 def test_budget_and_max_num_seqs_respected() -> None:
@@ -256,7 +261,7 @@ def test_newest_request_preempts_itself(prefix_caching: bool) -> None:
     assert b.num_preemptions == 1 and a.num_preemptions == 0 and sched.num_preemptions == 1
     resumed = [n for o in outs for n in o.scheduled_new_reqs if n.req_id == "b"][-1]
     assert resumed.prefill_token_ids == b.prompt_token_ids + results["b"][:1]
-    assert len(resumed.block_ids) == 3
+    assert [len(g) for g in resumed.block_ids] == [3]
     # b's blocks were freed tail first; a's next block evicted b's block 1, so with prefix
     # caching b resumes with its block 0 still cached and recomputes the other 5 tokens.
     hit = 4 if prefix_caching else 0
@@ -442,7 +447,7 @@ def test_same_prompt_twice_second_computes_only_the_tail(prompt_len: int,
     a_new, _ = admission(outs, "a")
     b_new, b_out = admission(outs, "b")
     assert b_new.num_computed_tokens == hit
-    assert b_new.block_ids[:hit // 4] == a_new.block_ids[:hit // 4]
+    assert b_new.block_ids[0][:hit // 4] == a_new.block_ids[0][:hit // 4]
     assert b_out.num_scheduled_tokens["b"] == prompt_len - hit
     assert runner.num_computed_total == 2 * prompt_len - hit + 2 * 2  # + 2 decodes each
     stats = sched.prefix_cache_stats
@@ -459,7 +464,7 @@ def test_same_step_hits_share_blocks_with_ref_counts() -> None:
     sched.add_request(b)
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 10, "b": 2}
-    a_blocks, b_blocks = (sched.kv_cache_manager.get_block_ids(r) for r in "ab")
+    (a_blocks,), (b_blocks,) = (sched.kv_cache_manager.get_block_ids(r) for r in "ab")
     assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
     pool = sched.kv_cache_manager.block_pool
     assert [pool.ref_count(x) for x in a_blocks] == [2, 2, 1]

@@ -160,7 +160,7 @@ def test_prompt_logprobs_skip_the_prefix_cache_until_the_request_sampled():
     plain = Request("b", prompt, SamplingParams(max_tokens=1))
     asking = Request("c", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))
     assert manager.get_computed_blocks(plain)[1] == 12
-    assert asking.skip_reading_prefix_cache and manager.get_computed_blocks(asking) == ([], 0)
+    assert asking.skip_reading_prefix_cache and manager.get_computed_blocks(asking) == (([],), 0)
     asking.append_output_token_ids(5)  # resumed after sampling: prompt logprobs were sent
     assert not asking.skip_reading_prefix_cache
     assert manager.get_computed_blocks(asking)[1] == 12

@@ -11,7 +11,10 @@ import random
 
 import pytest
 
+from transformers import AutoConfig
+
 from mrv2 import LLM, SamplingParams
+from mrv2.core.kv_cache_layout import KVCacheLayout, layer_windows
 from tests.entrypoints.test_llm import hf_greedy
 
 MAX_TOKENS = 12
@@ -51,10 +54,16 @@ def test_greedy_matches_transformers(tiny_model_factory, name):
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (3, 19, 45, 70)]
     prompts.append(prompts[3][:64] + [11, 12])  # a prefix-cache hit on the last prompt's
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    # 14 blocks of 8 tokens for ~270 tokens of prompts and outputs: requests are preempted.
-    block_bytes = 2 * 2 * 8 * 2 * 16 * 4 * {"smollm3": 4, "qwen2": 3, "gemma3": 3}.get(arch, 2) // 2
+    # Room for one request of max_model_len and the null block, for ~270 tokens of prompts
+    # and outputs: requests are preempted. A windowed layer's blocks behind its window are
+    # given back (core/kv_cache_layout.py): its requests need fewer.
+    hf = AutoConfig.from_pretrained(model_dir)
+    layout = KVCacheLayout.for_windows(layer_windows(hf), hf.num_hidden_layers)
+    num_blocks = layout.max_blocks_per_request(96, 8, 32) + 1
+    block_bytes = 2 * 8 * hf.num_key_value_heads * 16 * 4 * layout.num_tensors
     llm = LLM(str(model_dir), max_model_len=96, block_size=8, max_num_batched_tokens=32,
-              enable_prefix_caching=True, kv_cache_memory_gb=14 * block_bytes / (1 << 30))
+              enable_prefix_caching=True,
+              kv_cache_memory_gb=num_blocks * block_bytes / (1 << 30))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -65,5 +74,49 @@ def test_greedy_matches_transformers(tiny_model_factory, name):
         scheduler = llm.llm_engine.engine_core.scheduler
         assert scheduler.num_preemptions > 0
         assert scheduler.kv_cache_manager.prefix_cache_stats.hits >= 64
+    finally:
+        llm.shutdown()
+
+
+def _kv_blocks_in_use(llm: LLM) -> float:
+    usage = next(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")
+    return usage * (llm.llm_engine.get_stats().num_kv_blocks - 1)
+
+
+@pytest.mark.parametrize("windows", ["all", "alternate"])
+def test_prompts_8x_the_window_hold_blocks_bounded_by_it(tiny_model_factory, windows):
+    """Three prompts of 8 windows each, prefilled in chunks: the windowed layers give their
+    blocks behind the window back, so the KV blocks in use (vLLM's kv_cache_usage_perc) stay
+    bounded by the window; the full-attention layers of a hybrid model keep theirs. The tokens
+    stay transformers'."""
+    window, block, chunk, prompt_len = 16, 4, 16, 128
+    layer_types = {"all": None, "alternate": ["sliding_attention", "full_attention"] * 2}
+    config = {"sliding_window": window, "layer_types": layer_types[windows]}
+    model_dir = tiny_model_factory("qwen2", num_layers=4, config={
+        **config, "use_sliding_window": True, "max_window_layers": 0})
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 2000) for _ in range(prompt_len)] for _ in range(3)]
+    expected = hf_greedy(model_dir, prompts, 4)
+    llm = LLM(str(model_dir), max_model_len=160, block_size=block, dtype="float32",
+              max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        peak, outputs = 0.0, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+            peak = max(peak, _kv_blocks_in_use(llm))
+        assert [outputs[str(i)] for i in range(3)] == expected
+        layout = engine.engine_core.scheduler.kv_cache_manager.layout
+        per_request = layout.max_blocks_per_request(prompt_len + 4, block, chunk)
+        whole = -(-(prompt_len + 4) // block)
+        assert 0 < peak <= 3 * per_request
+        if windows == "all":  # a window and a chunk's worth, not the prompt's
+            assert per_request < whole // 3
+        else:  # the full group's blocks and a window and a chunk's worth of the other's
+            assert per_request < whole + whole // 3
     finally:
         llm.shutdown()

@@ -55,12 +55,15 @@ sampling = st.builds(
                                            max_size=3),
     allowed_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=5))
 new_reqs = st.builds(NewRequestData, req_id=ids, prompt_token_ids=tokens,
-                     prefill_token_ids=tokens, sampling_params=sampling, block_ids=tokens,
+                     prefill_token_ids=tokens, sampling_params=sampling,
+                     block_ids=st.lists(tokens, min_size=1, max_size=3),  # per KV cache group
                      num_computed_tokens=st.integers(0, 10**6))
-cached = st.integers(0, 6).flatmap(lambda n: st.builds(
-    CachedRequestData.build, req_ids=st.lists(ids, min_size=n, max_size=n),
-    new_block_ids=st.lists(tokens, min_size=n, max_size=n),
-    num_computed_tokens=st.lists(st.integers(0, 10**6), min_size=n, max_size=n)))
+# n requests, each with g KV cache groups' new block ids.
+cached = st.tuples(st.integers(0, 6), st.integers(1, 3)).flatmap(lambda ng: st.builds(
+    CachedRequestData.build, req_ids=st.lists(ids, min_size=ng[0], max_size=ng[0]),
+    new_block_ids=st.lists(st.lists(tokens, min_size=ng[1], max_size=ng[1]),
+                           min_size=ng[0], max_size=ng[0]),
+    num_computed_tokens=st.lists(st.integers(0, 10**6), min_size=ng[0], max_size=ng[0])))
 scheduler_outputs = st.builds(
     SchedulerOutput.build, scheduled_new_reqs=st.lists(new_reqs, max_size=4),
     scheduled_cached_reqs=cached,

@@ -40,7 +40,7 @@ def prefill(params: dict[str, SamplingParams] | None = None) -> SchedulerOutput:
     params = params or {}
     new = [NewRequestData(req_id=r, prompt_token_ids=p, prefill_token_ids=p,
                           sampling_params=params.get(r, SamplingParams(temperature=0.0)),
-                          block_ids=[i + 1], num_computed_tokens=0)
+                          block_ids=[[i + 1]], num_computed_tokens=0)
            for i, (r, p) in enumerate(PROMPTS.items())]
     num = {r: len(p) for r, p in PROMPTS.items()}
     return SchedulerOutput.build(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
@@ -52,7 +52,7 @@ def decode(i: int, finished: list[str] = ()) -> SchedulerOutput:
     return SchedulerOutput.build(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=CachedRequestData.build(
-            req_ids=ids, new_block_ids=[[] for _ in ids],
+            req_ids=ids, new_block_ids=[[[]] for _ in ids],
             num_computed_tokens=[len(PROMPTS[r]) + i for r in ids]),
         num_scheduled_tokens={r: 1 for r in ids}, total_num_scheduled_tokens=len(ids),
         finished_req_ids=list(finished))

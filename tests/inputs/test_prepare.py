@@ -175,7 +175,8 @@ def check_against_reference(world: World, batch: InputBatch, scheduled: dict[str
     assert all(n == 1 for n in num_scheduled[:num_decodes])  # decode rows first
     assert all(n > 1 for n in num_scheduled[num_decodes:])
     # Padding of the persistent slot_mapping: nothing past the real tokens writes the cache.
-    assert (world.buffers.slot_mapping[batch.num_tokens:] == -1).all()
+    assert (world.buffers.slot_mapping[0, batch.num_tokens:] == -1).all()
+    assert meta.other_groups == ()  # one KV cache group
 
 
 def mixed_world() -> tuple[World, dict[str, int]]:
@@ -217,15 +218,18 @@ def test_decode_first_order_is_stable() -> None:
 def test_input_buffers_shapes_and_dtypes() -> None:
     buffers = InputBuffers(16, 4, 3, CPU)
     assert buffers.max_num_tokens == 16 and buffers.max_num_reqs == 4
-    for name in ("input_ids", "positions", "slot_mapping"):
+    for name in ("input_ids", "positions"):
         assert getattr(buffers, name).shape == (16,)
+    assert buffers.slot_mapping.shape == (1, 16)  # [KV cache groups, tokens]
     # Padding-safe from the start: a warm-up run before the first step writes no KV.
     assert (buffers.slot_mapping == -1).all()
     assert buffers.query_start_loc.shape == (5,)
     assert buffers.query_start_loc.dtype == torch.int32
     assert buffers.seq_lens.shape == (4,) and buffers.seq_lens.dtype == torch.int32
     assert buffers.idx_mapping.shape == buffers.logits_indices.shape == (4,)
-    assert buffers.block_tables.shape == (4, 3) and buffers.block_tables.dtype == torch.int32
+    assert buffers.block_tables.shape == (1, 4, 3) and buffers.block_tables.dtype == torch.int32
+    assert InputBuffers(16, 4, 3, CPU, num_kv_groups=2).block_tables.shape == (2, 4, 3)
+    assert InputBuffers(16, 4, 3, CPU, num_kv_groups=2).slot_mapping.shape == (2, 16)
     assert buffers.slot_mapping.dtype == torch.int64
     # prepare_inputs gathers token ids straight into input_ids: the dtypes must agree.
     state = RequestState(4, 8, CPU)
@@ -445,7 +449,7 @@ def test_padding_follows_invariant_6(impl) -> None:
     assert (meta.block_tables[4:] == 0).all()
     assert batch.input_ids[10:].tolist() == [0] * 6
     assert batch.positions[10:].tolist() == [0] * 6
-    assert (w.buffers.slot_mapping[10:] == -1).all()  # to the buffer's end
+    assert (w.buffers.slot_mapping[0, 10:] == -1).all()  # to the buffer's end
     # Real rows only where the sampler reads.
     assert batch.logits_indices.tolist() == [0, 1, 6, 9]
     assert batch.idx_mapping.shape == batch.num_scheduled.shape == (4,)

@@ -164,6 +164,10 @@ def _step(case: Case, tables: list[list[int]], rows: list[tuple[int, int, int]],
         query_start_loc=torch.from_numpy(qsl_np), seq_lens=torch.from_numpy(sl_np),
         block_tables=block_tables, slot_mapping=torch.cat(slots).long(),
         query_start_loc_np=qsl_np, seq_lens_np=sl_np, max_seq_len=int(sl_np.max()))
+    # Every layer has a cache tensor of its own here: each KV cache group reads the same
+    # block tables.
+    num_groups = case.model_config.kv_cache_layout.num_groups
+    meta.other_groups = tuple(dataclasses.replace(meta) for _ in range(num_groups - 1))
     with torch.no_grad():
         hidden = case.model(torch.cat(ids), torch.cat(pos), kv_caches, meta)
         assert hidden.shape == (num_actual + num_pad, case.model_config.hf_config.hidden_size)

@@ -169,16 +169,16 @@ def test_gather_block_tables_in_batch_order_into_persistent_buffer() -> None:
     for slot, ids in enumerate([[1], [2, 3], [4, 5, 6], [7]]):
         tables.append_block_ids(slot, ids)
     tables.apply_staged_writes()
-    out = torch.full((4, 4), -1, dtype=torch.int32)
+    out = torch.full((1, 4, 4), -1, dtype=torch.int32)  # [groups, rows, blocks]
     rows = tables.gather_block_tables(torch.tensor([2, 0, 3]), out)
     assert rows.data_ptr() == out.data_ptr()
-    assert rows.shape == (3, 4)
-    assert rows.tolist() == [[4, 5, 6, 0], [1, 0, 0, 0], [7, 0, 0, 0]]
-    assert out[3].tolist() == [-1, -1, -1, -1]  # beyond the batch: untouched
+    assert rows.shape == (1, 3, 4)
+    assert rows.tolist() == [[[4, 5, 6, 0], [1, 0, 0, 0], [7, 0, 0, 0]]]
+    assert out[0, 3].tolist() == [-1, -1, -1, -1]  # beyond the batch: untouched
     # A later, smaller batch reuses the same buffer.
     rows = tables.gather_block_tables(torch.tensor([1]), out)
     assert rows.data_ptr() == out.data_ptr()
-    assert out[0].tolist() == [2, 3, 0, 0]
+    assert out[0, 0].tolist() == [2, 3, 0, 0]
 
 
 def test_gather_pads_rows_with_the_null_block() -> None:
@@ -186,17 +186,17 @@ def test_gather_pads_rows_with_the_null_block() -> None:
     for slot, ids in enumerate([[1], [2, 3], [4, 5, 6], [7, 8, 9, 10]]):
         tables.append_block_ids(slot, ids)
     tables.apply_staged_writes()
-    out = torch.full((4, 4), -1, dtype=torch.int32)
+    out = torch.full((1, 4, 4), -1, dtype=torch.int32)
     rows = tables.gather_block_tables(torch.tensor([3, 1]), out, num_rows_padded=4)
     assert rows.data_ptr() == out.data_ptr()
-    assert rows.tolist() == [[7, 8, 9, 10], [2, 3, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert rows.tolist() == [[[7, 8, 9, 10], [2, 3, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]]
     # Padding only as far as asked; an empty batch may be padded too.
     out.fill_(-1)
-    assert tables.gather_block_tables(torch.tensor([0]), out, 2).tolist() == [[1, 0, 0, 0],
-                                                                                [0, 0, 0, 0]]
-    assert out[2:].tolist() == [[-1] * 4] * 2
+    assert tables.gather_block_tables(torch.tensor([0]), out, 2).tolist() == [[[1, 0, 0, 0],
+                                                                                 [0, 0, 0, 0]]]
+    assert out[0, 2:].tolist() == [[-1] * 4] * 2
     assert tables.gather_block_tables(torch.zeros(0, dtype=torch.int64), out, 1).tolist() == [
-        [0, 0, 0, 0]]
+        [[0, 0, 0, 0]]]
     with pytest.raises(ValueError):
         tables.gather_block_tables(torch.tensor([0, 1]), out, num_rows_padded=1)
     with pytest.raises(ValueError):
@@ -210,13 +210,43 @@ def test_gather_wide_rows_matches_index_select() -> None:
     for slot in range(5):
         tables.append_block_ids(slot, rng.integers(1, 10_000, rng.integers(1, 701)).tolist())
     tables.apply_staged_writes()
-    out = torch.full((5, 700), -1, dtype=torch.int32)
+    out = torch.full((1, 5, 700), -1, dtype=torch.int32)
     for _ in range(3):
         idx = torch.from_numpy(rng.permutation(5)[:rng.integers(1, 6)])
         rows = tables.gather_block_tables(idx, out, num_rows_padded=5)
-        expected = torch.zeros(5, 700, dtype=torch.int32)
-        expected[:len(idx)] = tables.table.tensor[idx]
+        expected = torch.zeros(1, 5, 700, dtype=torch.int32)
+        expected[0, :len(idx)] = tables.table.tensor[idx]
         assert torch.equal(rows, expected)
+
+
+def test_groups_have_their_own_rows() -> None:
+    """Two KV cache groups: group g's row of slot s is table row g * max_num_seqs + s; the
+    packed runs are group-major, clear_row clears every group's row and a gather fills
+    [groups, rows, blocks]."""
+    tables = BlockTables(3, 4, 4, CPU, num_groups=2)
+    assert tables.table.tensor.shape == (6, 4) and tables.num_blocks.tolist() == [0] * 6
+    tables.append_block_ids(1, [1, 2])
+    tables.append_block_ids(1, [5, 6], group=1)
+    # Slots 2 and 1: group 0 gets [3] and [], group 1 gets [7, 8] and [9].
+    tables.append_block_id_runs(np.array([2, 1]), np.array([[1, 0], [2, 1]]),
+                                np.array([3, 7, 8, 9]))
+    tables.apply_staged_writes()
+    assert tables.num_blocks.tolist() == [0, 2, 1, 0, 3, 2]
+    assert tables.table.tensor.tolist() == [[0, 0, 0, 0], [1, 2, 0, 0], [3, 0, 0, 0],
+                                            [0, 0, 0, 0], [5, 6, 9, 0], [7, 8, 0, 0]]
+    out = torch.full((2, 3, 4), -1, dtype=torch.int32)
+    rows = tables.gather_block_tables(torch.tensor([2, 1]), out, num_rows_padded=3)
+    assert rows.data_ptr() == out.data_ptr()
+    assert rows.tolist() == [[[3, 0, 0, 0], [1, 2, 0, 0], [0, 0, 0, 0]],
+                             [[7, 8, 0, 0], [5, 6, 9, 0], [0, 0, 0, 0]]]
+    token_slots, positions = torch.tensor([1, 2]), torch.tensor([5, 4])
+    mapping = compute_slot_mapping(tables, token_slots, positions,
+                                   torch.zeros(2, dtype=torch.int64), group=1)
+    assert mapping.tolist() == [6 * 4 + 1, 8 * 4 + 0]
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        tables.append_block_id_runs(np.array([0]), np.array([1]), np.array([4]))
+    tables.clear_row(1)
+    assert tables.num_blocks.tolist() == [0, 0, 1, 0, 0, 2]
 
 
 def test_compute_slot_mapping_formula_and_padding() -> None:

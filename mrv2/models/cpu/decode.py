@@ -25,21 +25,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import numba
-from numba import typed
 
 from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
-from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run, weight_view
+from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
-from mrv2.models.layers.quantized import PackedWeight
-from mrv2.models.layers.numba_rows import typed_list
+from mrv2.models.cpu.stack_args import (StackArgs, embedding_table, group_tables, layer_norms,
+                                        packed_of, rotary_tables)
 
 
 # Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
@@ -49,15 +47,10 @@ MAX_DECODE_ROWS = MAX_GEMV_ROWS
 MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 
 
-def _packed(module) -> PackedWeight | None:
-    """The GGUF blocks or 16-bit weight `module` computes on (`module.packed`), or None."""
-    return module.packed
-
-
 def _kind(module) -> str:
     """What a projection computes on: "float32", "blocks" (GGUF integer blocks) or "half" (a
     16-bit float weight): one typed list holds one kind."""
-    weight = _packed(module)
+    weight = packed_of(module)
     return "float32" if weight is None else "half" if weight.is_half else "blocks"
 
 
@@ -92,33 +85,8 @@ def _layer_qualifies(layer) -> bool:
             and len(norms) in (0, 2) and all(n.eps == eps and float32_cpu(n.weight)
                                              for n in norms)
             and all(p.bias is None or float32_cpu(p.bias) for p in projections)
-            and all(n.eps == eps and float32_cpu(n.weight) for n in _layer_norms(layer))
-            and all(_packed(p) is not None or float32_cpu(p.weight) for p in projections))
-
-
-def _layer_norms(layer) -> list:
-    """The layer's norms around its sublayers (two, or Gemma's four)."""
-    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-             "post_feedforward_layernorm")
-    return [getattr(layer, name) for name in names if hasattr(layer, name)]
-
-
-def _rotary_tables(model) -> list[torch.Tensor]:
-    """cos and sin of the global rotary table, then of the local one where there is one."""
-    return [t for rotary in (model.rotary_emb, model.local_rotary_emb) if rotary is not None
-            for t in (rotary.cos_cache, rotary.sin_cache)]
-
-
-def _embedding(model) -> PackedWeight | torch.Tensor | None:
-    """The table `model`'s (a LlamaModel's) embedding looks its rows up in, as the stack
-    reads it: the GGUF blocks or 16-bit weight it is packed as, or a float32 CPU
-    weight on one rank; None otherwise."""
-    embed = model.embed_tokens
-    if embed.packed is not None:
-        return embed.packed
-    if embed.tp_size == 1 and float32_cpu(embed.weight):
-        return embed.weight
-    return None
+            and all(n.eps == eps and float32_cpu(n.weight) for n in layer_norms(layer))
+            and all(packed_of(p) is not None or float32_cpu(p.weight) for p in projections))
 
 
 def qualifies(model) -> bool:
@@ -127,11 +95,11 @@ def qualifies(model) -> bool:
     projection of one kind (float32, GGUF blocks or 16-bit: one typed list per projection),
     the embedding is one the stack reads, the final norm and rotary tables float32 CPU."""
     layers = list(model.layers)
-    tables = _rotary_tables(model)
+    tables = rotary_tables(model)
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len({layer.input_layernorm.eps for layer in layers}) == 1
             and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
-            and _embedding(model) is not None and all(float32_cpu(t) for t in tables))
+            and embedding_table(model) is not None and all(float32_cpu(t) for t in tables))
 
 
 def max_rows(model) -> int:
@@ -140,7 +108,7 @@ def max_rows(model) -> int:
     layer = model.layers[0]
     kinds = _kinds(layer)
     if all(kind == "half" for kind in kinds):
-        return _packed(layer.self_attn.qkv_proj).plan.numba_rows
+        return packed_of(layer.self_attn.qkv_proj).plan.numba_rows
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
@@ -159,133 +127,7 @@ def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,
                     for c in kv_caches))
 
 
-def _projection_parameters(module) -> list[torch.Tensor]:
-    """The parameters the kernel reads for one projection: its float32 weight, or none (a
-    packed weight is created once, with the model, and never given new storage)."""
-    return [module.weight] if _packed(module) is None else []
-
-
-def _projection_view(module, float32_tables: bool = False):
-    """The kernel's view of one projection (`weight_view`): the GGUF blocks or 16-bit weight
-    it is packed as, else its float32 weight."""
-    weight = _packed(module)
-    return weight_view(module.weight if weight is None else weight, float32_tables)
-
-
-def _projection_views(modules) -> typed.List:
-    """One projection of every layer as a typed list: its items must share one numba type, so
-    where the layers' table dtypes differ (a file mixing K-quants and 32-input types) every
-    one gets float32 tables."""
-    views = [_projection_view(m) for m in modules]
-    if len({numba.typeof(v) for v in views}) > 1:
-        views = [_projection_view(m, float32_tables=True) for m in modules]
-    return typed_list(tuple(views))
-
-
-def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
-                   ) -> list[torch.Tensor]:
-    """Every tensor the kernel reads through a standing view that may be given new storage:
-    the final norm, the rotary tables, the caches, a float32 embedding and LM head, then each
-    layer's norms and float32 projections."""
-    out = [model.norm.weight, *_rotary_tables(model), *kv_caches]
-    embedding = _embedding(model)
-    out += [w for w in (embedding, None if head is None else head.weight)
-            if isinstance(w, torch.Tensor)]
-    for layer in model.layers:
-        out += [norm.weight for norm in _layer_norms(layer)]
-        attn = layer.self_attn
-        out += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
-        for name in PROJECTIONS:
-            module = layer.get_submodule(name)
-            out += _projection_parameters(module)
-            out += [] if module.bias is None else [module.bias]
-    return out
-
-
-def _views(tensors) -> typed.List:
-    return typed_list(tuple(t.detach().numpy() for t in tensors))
-
-
-_NONE = torch.empty(0, dtype=torch.float32)
-
-
-def _or_none(part: torch.Tensor | torch.nn.Module | None) -> torch.Tensor:
-    """A bias, or a norm's weight, as the kernel reads it: a [0] tensor for none."""
-    if part is None:
-        return _NONE
-    return part.weight if isinstance(part, torch.nn.Module) else part
-
-
-class _StackArgs:
-    """The kernel's typed lists of weight and cache views (and its view of the LM head), built
-    once per (weights, caches).
-
-    The views share memory with the tensors, so in-place weight changes are seen; `key` is
-    the data pointer of every parameter and cache the views read, checked each step, so a
-    parameter given new storage (`param.data = ...`) or another cache list rebuilds the lists
-    instead of reading stale memory. Parameter objects and packed weights
-    themselves are assumed to stay (they are created once, with the model); a packed
-    weight's tensors are not in the key (on SmolLM2's 30 layers: 91 pointers a step instead of
-    421)."""
-
-    def __init__(self, model, kv_caches: list[torch.Tensor], head: LmHead | None,
-                 spec: DecoderSpec) -> None:
-        self.kv_caches_list = kv_caches
-        self.tensors = _stack_tensors(model, kv_caches, head)
-        self.key = self.current_key()
-        layers = list(model.layers)
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.w_embed = weight_view(_embedding(model), linear=False)
-        # The kernel's arguments between a step's own (both kernels take them in this order),
-        # read once (module attributes cost microseconds a step), in decode_stack's order;
-        # rotary tables per layer: 0 NoPE, 1 global, 2 local; windows: 0 every key.
-        sandwich = spec.sandwich_norms
-        local = model.local_rotary_emb
-        no_table = np.empty((0, model.rotary_emb.cos_cache.shape[1]), np.float32)
-        self.layer_args = (
-            model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
-            _views(layer.input_layernorm.weight for layer in layers),
-            _views((layer.pre_feedforward_layernorm if sandwich
-                    else layer.post_attention_layernorm).weight for layer in layers),
-            np.float32(layers[0].input_layernorm.eps),
-            *(_projection_views([layer.get_submodule(name) for layer in layers])
-              for name in PROJECTIONS),
-            tuple(_views(_or_none(layer.get_submodule(name).bias) for layer in layers)
-                  for name in PROJECTIONS),
-            tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
-                  for norm in ("q_norm", "k_norm")),
-            tuple(_views(_or_none(getattr(layer, norm) if sandwich else None) for layer in layers)
-                  for norm in ("post_attention_layernorm", "post_feedforward_layernorm")),
-            (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
-             np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh"),
-            np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
-                      for layer in layers], np.int64),
-            *((no_table, no_table) if local is None
-              else (local.cos_cache.numpy(), local.sin_cache.numpy())),
-            np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
-            model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
-            typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
-        # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.
-        self.shape_args = (attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                           mlp.intermediate_size, np.float32(attn.attn.scale))
-        self.hidden_size = model.norm.weight.shape[0]
-        self.head = head
-        self.w_head = None if head is None else weight_view(head.weight)
-        self.vocab_rows = 0 if head is None else (
-            head.weight.shape[0] if isinstance(head.weight, torch.Tensor)
-            else head.weight.out_features)
-
-    def current_key(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in self.tensors)
-
-    def current(self, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether these lists still view `kv_caches` and the model's current storage."""
-        return self.kv_caches_list is kv_caches and self.key == self.current_key()
-
-
-def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Tensor,
+def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`LlamaModel.forward` for a decode step (`applies` holds), with `args` built for the
     step's caches: the embedding, every layer (writing this step's K/V into the caches), the
@@ -296,22 +138,22 @@ def decode_model(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Ten
     head = args.head
     with_logits = head is not None and rows <= head.max_rows
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
-    seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
-    kv_per_item, splits = _work_split(args, seq_lens)
+    tables = group_tables(args, meta, rows)
+    kv_per_item, splits = _work_split(args, tables[1])
     decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
-        *args.layer_args, meta.block_tables.numpy(), seq_lens, meta.slot_mapping[:rows].numpy(),
-        *args.shape_args, kv_per_item, splits, out.numpy(), args.w_head, logits.numpy())
+        *args.layer_args, *tables, *args.shape_args, kv_per_item, splits, out.numpy(),
+        args.w_head, logits.numpy())
     return out, logits if with_logits else None
 
 
-def _work_split(args: _StackArgs, seq_lens: np.ndarray) -> tuple[int, int]:
+def _work_split(args: StackArgs, seq_lens: np.ndarray) -> tuple[int, int]:
     kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim, args.kv_itemsize,
                              len(args.kv_caches_list))
     return work_split(len(seq_lens), args.num_kv_heads, planned_threads(), kv_bytes)
 
 
-def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                      num_steps: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [rows, num_steps]: `input_ids`, the step before's, then num_steps - 1 decode
     steps' argmax from `decode_model`'s inputs; nan_rows [rows]) in one call (`args` with an LM
@@ -324,7 +166,8 @@ def decode_model_run(args: _StackArgs, input_ids: torch.Tensor, positions: torch
     nan_rows = torch.empty(rows, dtype=torch.bool)
     decode_stack_run(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
-        meta.block_tables.numpy(), seq_lens, block_size, *args.shape_args, kv_per_item, splits,
+        group_tables(args, meta, rows)[0], seq_lens, block_size, *args.shape_args,
+        kv_per_item, splits,
         np.empty((rows, args.hidden_size), np.float32), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())
     return tokens, nan_rows
@@ -334,13 +177,13 @@ class FusedDecode:
     """The fused paths of one model (`fused_decode`): `forward` runs a decode step on the
     stack where `applies` holds, on the layers between oneDNN calls (`onednn_decode`) for the
     rows that path runs, and leaves every other step to the model (None). It keeps the
-    kernel's views (`_StackArgs`), rebuilt when the caches or any tensor's storage change.
+    kernel's views (`StackArgs`), rebuilt when the caches or any tensor's storage change.
     With an LM head (`decode_logits.lm_head`), the stack's steps compute their rows' logits
     too, returned with the hidden states."""
 
     def __init__(self, model, head: LmHead | None, spec: DecoderSpec) -> None:
         self.model = model  # the inner (LlamaModel-layout) model
-        self.args: _StackArgs | None = None
+        self.args: StackArgs | None = None
         self.head = head
         self.spec = spec
         self.max_rows = max_rows(model)
@@ -364,7 +207,7 @@ class FusedDecode:
         if not applies(self.model, input_ids, kv_caches, meta, self.max_rows):
             return None
         if self.args is None or not self.args.current(kv_caches):
-            self.args = _StackArgs(self.model, kv_caches, self.head, self.spec)
+            self.args = StackArgs(self.model, kv_caches, self.head, self.spec)
         return decode_model(self.args, input_ids, positions, meta)
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -378,7 +221,7 @@ class FusedDecode:
                 or not applies(self.model, input_ids, kv_caches, meta, self.max_rows)):
             return None
         if self.args is None or not self.args.current(kv_caches):
-            self.args = _StackArgs(self.model, kv_caches, self.head, self.spec)
+            self.args = StackArgs(self.model, kv_caches, self.head, self.spec)
         return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size)
 
     def release_kv_views(self) -> None:

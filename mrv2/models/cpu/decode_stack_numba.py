@@ -256,13 +256,15 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
-                 local_cos_cache, local_sin_cache, windows, final_norm, final_eps, kv_caches,
-                 block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim, intermediate,
-                 scale, kv_per_item, splits, out, w_head, logits):
+                 local_cos_cache, local_sin_cache, windows, kv_groups, final_norm, final_eps,
+                 kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
+                 intermediate, scale, kv_per_item, splits, out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
     `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
-    outside their tables raise IndexError before anything is written."""
+    outside their tables raise IndexError before anything is written. Layer i reads the block
+    tables and slots of its KV cache group `kv_groups[i]`: `block_tables` is a tuple of the
+    groups' [rows, blocks] tables, `slots` [groups, rows]."""
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     _embed(ids, w_embed, hidden)
@@ -283,13 +285,13 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     for i in range(len(w_qkvs)):
         layer_out = np.empty((rows, hidden_size), dtype=np.float32)
         residual_out = np.empty((rows, hidden_size), dtype=np.float32)
-        kv = kv_caches[i]
+        kv, group = kv_caches[i], kv_groups[i]
         layer_biases = (biases[0][i], biases[1][i], biases[2][i], biases[3][i])
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
                       (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
                       windows[i], cos, sin,
-                      kv[0], kv[1], block_tables, seq_lens, slots,
+                      kv[0], kv[1], block_tables[group], seq_lens, slots[group],
                       num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                       splits, layer_out, residual_out)
         x, residual = layer_out, residual_out
@@ -307,11 +309,10 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 @njit(cache=True)
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
                      w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
-                     rope_layers, local_cos_cache, local_sin_cache, windows,
+                     rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
                      final_norm, final_eps, kv_caches, block_tables, seq_lens, block_size,
                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
-                     out,
-                     w_head, logits, tokens, nan_rows):
+                     out, w_head, logits, tokens, nan_rows):
     """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
     before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
     `decode_stack` with the LM head and the argmax of its logits (greedy_numba's: NaN read as
@@ -323,19 +324,21 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
     `out` and `logits` hold the last step's."""
     rows = ids.shape[0]
     step_ids = ids.copy()
-    slots = np.empty(rows, np.int64)
+    slots = np.empty((len(block_tables), rows), np.int64)
     sampled = np.empty(rows, np.int64)
     nans = np.empty(rows, np.bool_)
     bits = logits.view(np.int32)
     for r in range(rows):
         tokens[r, 0], nan_rows[r] = ids[r], False
     for s in range(1, tokens.shape[1]):
-        for r in range(rows):
-            pos = positions[r]
-            slots[r] = block_tables[r, pos // block_size] * block_size + pos % block_size
+        for g in range(len(block_tables)):
+            table = block_tables[g]
+            for r in range(rows):
+                pos = positions[r]
+                slots[g, r] = table[r, pos // block_size] * block_size + pos % block_size
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                      w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms,
-                     traits, rope_layers, local_cos_cache, local_sin_cache, windows,
+                     traits, rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
                      final_norm, final_eps, kv_caches, block_tables, seq_lens, slots,
                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                      splits, out, w_head, logits)

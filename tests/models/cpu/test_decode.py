@@ -10,6 +10,7 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.cpu import decode as cpu_decode
+from mrv2.models.cpu import stack_args
 
 
 def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:
@@ -120,10 +121,10 @@ def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_
     model = llm.llm_engine.engine_core.executor.worker.runner.model.model
     downs = [layer.mlp.down_proj for layer in model.layers]
     assert {m.packed.scales.dtype for m in downs} == {torch.int16}
-    uniform = cpu_decode._projection_views(downs)
+    uniform = stack_args.projection_views(downs)
     assert {v[1].dtype for v in uniform} == {np.dtype(np.int16)}
     downs[0].packed = downs[0].packed._with_float32_tables()
-    mixed = cpu_decode._projection_views(downs)
+    mixed = stack_args.projection_views(downs)
     llm.shutdown()
     assert {v[1].dtype for v in mixed} == {v[2].dtype for v in mixed} == {np.dtype(np.float32)}
     for view, module in zip(mixed[1:], downs[1:]):

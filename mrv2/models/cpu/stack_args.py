@@ -1,0 +1,188 @@
+"""The fused decode stack's arguments (decode_stack_numba.py): numba views of a loaded model's
+weights and KV caches, built once per (weights, caches) and rebuilt when any storage changes,
+and the per-step block tables of each KV cache group. decode.py decides when the stack runs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import typed
+
+from mrv2.attention import kv_numba
+from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
+from mrv2.models.cpu.decode_stack_numba import weight_view
+from mrv2.models.cpu.onednn_decode import PROJECTIONS
+from mrv2.models.decoder_spec import DecoderSpec
+from mrv2.models.layers.numba_rows import typed_list
+from mrv2.models.layers.quantized import PackedWeight
+
+
+def packed_of(module) -> PackedWeight | None:
+    """The GGUF blocks or 16-bit weight `module` computes on (`module.packed`), or None."""
+    return module.packed
+
+
+def layer_norms(layer) -> list:
+    """The layer's norms around its sublayers (two, or Gemma's four)."""
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm")
+    return [getattr(layer, name) for name in names if hasattr(layer, name)]
+
+
+def rotary_tables(model) -> list[torch.Tensor]:
+    """cos and sin of the global rotary table, then of the local one where there is one."""
+    return [t for rotary in (model.rotary_emb, model.local_rotary_emb) if rotary is not None
+            for t in (rotary.cos_cache, rotary.sin_cache)]
+
+
+def embedding_table(model) -> PackedWeight | torch.Tensor | None:
+    """The table `model`'s (a LlamaModel's) embedding looks its rows up in, as the stack
+    reads it: the GGUF blocks or 16-bit weight it is packed as, or a float32 CPU
+    weight on one rank; None otherwise."""
+    embed = model.embed_tokens
+    if embed.packed is not None:
+        return embed.packed
+    if embed.tp_size == 1 and float32_cpu(embed.weight):
+        return embed.weight
+    return None
+
+
+def _projection_parameters(module) -> list[torch.Tensor]:
+    """The parameters the kernel reads for one projection: its float32 weight, or none (a
+    packed weight is created once, with the model, and never given new storage)."""
+    return [module.weight] if packed_of(module) is None else []
+
+
+def _projection_view(module, float32_tables: bool = False):
+    """The kernel's view of one projection (`weight_view`): the GGUF blocks or 16-bit weight
+    it is packed as, else its float32 weight."""
+    weight = packed_of(module)
+    return weight_view(module.weight if weight is None else weight, float32_tables)
+
+
+def projection_views(modules) -> typed.List:
+    """One projection of every layer as a typed list: its items must share one numba type, so
+    where the layers' table dtypes differ (a file mixing K-quants and 32-input types) every
+    one gets float32 tables."""
+    views = [_projection_view(m) for m in modules]
+    if len({numba.typeof(v) for v in views}) > 1:
+        views = [_projection_view(m, float32_tables=True) for m in modules]
+    return typed_list(tuple(views))
+
+
+def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
+                   ) -> list[torch.Tensor]:
+    """Every tensor the kernel reads through a standing view that may be given new storage:
+    the final norm, the rotary tables, the caches, a float32 embedding and LM head, then each
+    layer's norms and float32 projections."""
+    out = [model.norm.weight, *rotary_tables(model), *kv_caches]
+    embedding = embedding_table(model)
+    out += [w for w in (embedding, None if head is None else head.weight)
+            if isinstance(w, torch.Tensor)]
+    for layer in model.layers:
+        out += [norm.weight for norm in layer_norms(layer)]
+        attn = layer.self_attn
+        out += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
+        for name in PROJECTIONS:
+            module = layer.get_submodule(name)
+            out += _projection_parameters(module)
+            out += [] if module.bias is None else [module.bias]
+    return out
+
+
+def _views(tensors) -> typed.List:
+    return typed_list(tuple(t.detach().numpy() for t in tensors))
+
+
+_NONE = torch.empty(0, dtype=torch.float32)
+
+
+def _or_none(part: torch.Tensor | torch.nn.Module | None) -> torch.Tensor:
+    """A bias, or a norm's weight, as the kernel reads it: a [0] tensor for none."""
+    if part is None:
+        return _NONE
+    return part.weight if isinstance(part, torch.nn.Module) else part
+
+
+class StackArgs:
+    """The kernel's typed lists of weight and cache views (and its view of the LM head), built
+    once per (weights, caches).
+
+    The views share memory with the tensors, so in-place weight changes are seen; `key` is
+    the data pointer of every parameter and cache the views read, checked each step, so a
+    parameter given new storage (`param.data = ...`) or another cache list rebuilds the lists
+    instead of reading stale memory. Parameter objects and packed weights
+    themselves are assumed to stay (they are created once, with the model); a packed
+    weight's tensors are not in the key (on SmolLM2's 30 layers: 91 pointers a step instead of
+    421)."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], head: LmHead | None,
+                 spec: DecoderSpec) -> None:
+        self.kv_caches_list = kv_caches
+        self.tensors = _stack_tensors(model, kv_caches, head)
+        self.key = self.current_key()
+        layers = list(model.layers)
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        # Each layer's KV cache group (core/kv_cache_layout.py): whose tables it reads.
+        self.kv_groups = np.array([layer.self_attn.attn.kv_cache_group for layer in layers],
+                                  np.int64)
+        self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.w_embed = weight_view(embedding_table(model), linear=False)
+        # The kernel's arguments between a step's own (both kernels take them in this order),
+        # read once (module attributes cost microseconds a step), in decode_stack's order;
+        # rotary tables per layer: 0 NoPE, 1 global, 2 local; windows: 0 every key.
+        sandwich = spec.sandwich_norms
+        local = model.local_rotary_emb
+        no_table = np.empty((0, model.rotary_emb.cos_cache.shape[1]), np.float32)
+        self.layer_args = (
+            model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
+            _views(layer.input_layernorm.weight for layer in layers),
+            _views((layer.pre_feedforward_layernorm if sandwich
+                    else layer.post_attention_layernorm).weight for layer in layers),
+            np.float32(layers[0].input_layernorm.eps),
+            *(projection_views([layer.get_submodule(name) for layer in layers])
+              for name in PROJECTIONS),
+            tuple(_views(_or_none(layer.get_submodule(name).bias) for layer in layers)
+                  for name in PROJECTIONS),
+            tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
+                  for norm in ("q_norm", "k_norm")),
+            tuple(_views(_or_none(getattr(layer, norm) if sandwich else None) for layer in layers)
+                  for norm in ("post_attention_layernorm", "post_feedforward_layernorm")),
+            (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
+             np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh"),
+            np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
+                      for layer in layers], np.int64),
+            *((no_table, no_table) if local is None
+              else (local.cos_cache.numpy(), local.sin_cache.numpy())),
+            np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
+            self.kv_groups, model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
+            typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
+        # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.
+        self.shape_args = (attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                           mlp.intermediate_size, np.float32(attn.attn.scale))
+        self.hidden_size = model.norm.weight.shape[0]
+        self.head = head
+        self.w_head = None if head is None else weight_view(head.weight)
+        self.vocab_rows = 0 if head is None else (
+            head.weight.shape[0] if isinstance(head.weight, torch.Tensor)
+            else head.weight.out_features)
+
+    def current_key(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.tensors)
+
+    def current(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether these lists still view `kv_caches` and the model's current storage."""
+        return self.kv_caches_list is kv_caches and self.key == self.current_key()
+
+
+def group_tables(args: StackArgs, meta, rows: int) -> tuple[tuple, np.ndarray, np.ndarray]:
+    """(block tables, seq_lens, slots) as the stack takes them: every KV cache group's table,
+    and their slots [groups, rows]."""
+    groups = [meta.for_group(g) for g in range(int(args.kv_groups.max()) + 1)]
+    slots = (groups[0].slot_mapping[None, :rows].numpy() if len(groups) == 1 else
+             np.stack([group.slot_mapping[:rows].numpy() for group in groups]))
+    seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
+    return tuple(group.block_tables.numpy() for group in groups), seq_lens, slots
