@@ -205,7 +205,7 @@ class _Workload:
         for req_id in finished:
             del self.computed[req_id]
         running = running[:num_running]
-        cached_new = [self._take(r, self.computed[r] + 1) for r in running]
+        cached_new = [[self._take(r, self.computed[r] + 1)] for r in running]  # one KV group
         cached = CachedRequestData.build(running, cached_new,
                                          [self.computed[r] for r in running])
         new, scheduled = [], {r: 1 for r in running}
@@ -213,7 +213,7 @@ class _Workload:
             req_id = f"r{self.next_block}-{i}"
             prompt = self.rng.integers(0, VOCAB, int(self.rng.integers(2, 40))).tolist()
             new.append(NewRequestData(req_id, prompt, prompt, PARAMS[i % len(PARAMS)],
-                                      self._take(req_id, len(prompt)), 0))
+                                      [self._take(req_id, len(prompt))], 0))
             scheduled[req_id] = len(prompt)
         for req_id, n in scheduled.items():
             self.computed[req_id] = self.computed.get(req_id, 0) + n
