@@ -76,11 +76,11 @@ def demo_chats(dtype: str) -> dict:
     llm = LLM(str(builtin_model_path()), dtype=dtype, batch_invariant=True,
               max_model_len=256, kv_cache_memory_gb=0.05)
     try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2)
         # Seeded sampling through every filter (min-p, top-k, top-p on the full sort of a
         # 49152-token row): the filters' sums must not follow the batch either.
         sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=11,
-                                 max_tokens=24, logprobs=2)
+                                 max_tokens=10, logprobs=2)
         chats = [[{"role": "user", "content": q}] for q in DEFAULT_QUESTIONS]
         out = {}
         for name, params in (("greedy", greedy), ("sampled", sampled)):

@@ -2,21 +2,26 @@
 
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
-mistral, qwen2, qwen3, gemma2, gemma3; converter classes ``LlamaModel``, ``Qwen2Model``,
-``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model`` in ``conversion/``; the vocabulary in
-gguf_vocab.py) and serialises with the ``gguf`` package's ``GGUFWriter``; nothing here encodes
-GGUF bytes itself. Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
+mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, olmo2; converter classes ``LlamaModel``,
+``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``,
+``SmolLM3Model``, ``Olmo2Model`` in ``conversion/``; the vocabulary in gguf_vocab.py, the
+hyperparameter keys in gguf_hparams.py) and serialises with the ``gguf`` package's
+``GGUFWriter``; nothing here encodes GGUF bytes itself. Reference: llama.cpp as vendored in
+llama-cpp-python 0.3.36 (gguf-py 0.19.0).
 
 Reproduced, by converter function:
   * ``get_model_architecture`` / ``@ModelBase.register``: Llama and Mistral -> ``llama``, Qwen2 ->
-    ``qwen2``, Qwen3 -> ``qwen3``; ``ModelBase.load_hparams``: hparams = AutoConfig(...).to_dict().
+    ``qwen2``, Qwen3 -> ``qwen3`` (and so on; SmolLM3 is a LlamaModel, permuted);
+    ``ModelBase.load_hparams``: hparams = AutoConfig(...).to_dict().
   * ``index_tensors``: parts in sorted file order, tensors sorted by name within a part.
   * ``LlamaModel.modify_tensors`` + ``LlamaModel.permute``: llama/mistral q_proj (n_head) and
     k_proj (n_kv_head) weights and biases are permuted to llama.cpp's rotary layout; qwen is not.
   * ``ModelBase.modify_tensors`` / ``map_tensor_name``: names via ``gguf.get_tensor_name_map``.
     A tied checkpoint has no lm_head tensor, so the file has no ``output.weight``.
   * ``LlamaModel.generate_extra_tensors``: llama3 rope scaling adds ``rope_freqs.weight`` (F32),
-    written first, as the converter's ``chain(generate_extra_tensors(), get_tensors())`` does.
+    written first, as the converter's ``chain(generate_extra_tensors(), get_tensors())`` does;
+    ``Phi3MiniModel``'s: LongRoPE's ``rope_factors_long`` / ``rope_factors_short``. Phi-3's
+    fused ``qkv_proj`` / ``gate_up_proj`` are written whole (``attn_qkv``, ``ffn_up``).
   * ``ModelBase.prepare_tensors``: 1-D tensors, ``*_norm.weight`` and non-``.weight`` tensors are
     F32; other tensors get the requested type; a ``gguf.QuantError`` (row length not a multiple of
     the block size) falls back to F16, as the converter's ``except gguf.QuantError`` does.
@@ -29,6 +34,9 @@ Reproduced, by converter function:
     last four through ``gguf.SpecialVocab`` itself, as the converter does).
 
 Deliberate differences:
+  * Phi-3's vocabulary: the converter writes a GPT2 (BPE) vocabulary only for a tokenizer_config
+    naming GPT2Tokenizer (Phi-4-mini) and reads tokenizer.model (SentencePiece) otherwise; the
+    tiny models have only a BPE tokenizer.json, so it is written as the GPT2 vocabulary.
   * ``tokenizer.ggml.pre``: the converter hashes the tokenization of a probe string and raises
     NotImplementedError for any tokenizer it has not been taught (mrv2's locally trained one is
     never known). We name the pre-tokenizer the tokenizer.json pipeline actually is (see
@@ -58,6 +66,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from mrv2.testing.gguf_hparams import (BLOCK_COUNT_KEYS, LLAMA_MODEL_ARCHS, add_hparams,
+                                       find_hparam, phi3_rope_dims, rope_parameters)
 from mrv2.testing.gguf_vocab import add_vocab
 
 # Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
@@ -81,6 +91,9 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "Qwen3ForCausalLM": (gguf.MODEL_ARCH.QWEN3, False),
     "Gemma2ForCausalLM": (gguf.MODEL_ARCH.GEMMA2, False),
     "Gemma3ForCausalLM": (gguf.MODEL_ARCH.GEMMA3, False),
+    "Phi3ForCausalLM": (gguf.MODEL_ARCH.PHI3, False),
+    "SmolLM3ForCausalLM": (gguf.MODEL_ARCH.SMOLLM3, True),
+    "Olmo2ForCausalLM": (gguf.MODEL_ARCH.OLMO2, False),
 }
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 
@@ -101,31 +114,6 @@ def load_hparams(model_dir: Path) -> dict[str, Any]:
     if "text_config" in hparams:
         hparams = {**hparams, **hparams["text_config"]}
     return hparams
-
-
-_BLOCK_COUNT_KEYS = ["n_layers", "num_hidden_layers", "n_layer", "num_layers"]
-
-
-def _find(hparams: dict[str, Any], keys: list[str]) -> Any:
-    """``ModelBase.find_hparam(keys, optional=True)``: the first key present wins."""
-    return next((hparams[k] for k in keys if k in hparams), None)
-
-
-def rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
-    """``TextModel.__init__``: rope_parameters (or legacy rope_scaling) with the global rope keys
-    mirrored into it."""
-    rope = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
-    if "full_attention" not in rope and "sliding_attention" not in rope:
-        theta = _find(hparams, ["global_rope_theta", "rope_global_theta", "rope_theta_global",
-                                "rope_theta", "rotary_emb_base"])
-        if "rope_theta" not in rope and theta is not None:
-            rope["rope_theta"] = theta
-        if "rope_type" not in rope and rope.get("type") is not None:
-            rope["rope_type"] = rope["type"]
-        omax = hparams.get("original_max_position_embeddings")
-        if "original_max_position_embeddings" not in rope and omax is not None:
-            rope["original_max_position_embeddings"] = omax
-    return rope.get("full_attention", rope)
 
 
 def llama3_rope_factors(hparams: dict[str, Any], rope: dict[str, Any]) -> torch.Tensor | None:
@@ -151,6 +139,24 @@ def llama3_rope_factors(hparams: dict[str, Any], rope: dict[str, Any]) -> torch.
             smooth = (old_ctx / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return torch.tensor(factors, dtype=torch.float32)
+
+
+def phi3_rope_factors(hparams: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """``Phi3MiniModel.generate_extra_tensors``: LongRoPE's long and short factors (F32), for a
+    config that has them."""
+    rope = rope_parameters(hparams)
+    long_factors, short_factors = rope.get("long_factor"), rope.get("short_factor")
+    if not long_factors:
+        return []
+    if short_factors is None:
+        raise KeyError("Missing the required key rope_scaling.long_factor or "
+                       "rope_scaling_short_factor")
+    if len(long_factors) != len(short_factors) or len(long_factors) != phi3_rope_dims(hparams) / 2:
+        raise ValueError(f"The length of rope long and short factors must be "
+                         f"{phi3_rope_dims(hparams) / 2}")
+    return [(gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(factors, dtype=torch.float32))
+            for tensor, factors in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, long_factors),
+                                    (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, short_factors))]
 
 
 def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,12 +187,14 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
                      undo_permute: bool, types: dict[str, gguf.GGMLQuantizationType],
                      ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
     """``prepare_tensors``: every tensor as (GGUF name, data, type), in the converter's order."""
-    tensor_map = gguf.get_tensor_name_map(arch, _find(hparams, _BLOCK_COUNT_KEYS))
+    tensor_map = gguf.get_tensor_name_map(arch, find_hparam(hparams, BLOCK_COUNT_KEYS))
     n_head, n_kv_head = hparams["num_attention_heads"], hparams["num_key_value_heads"]
     named: list[tuple[str, torch.Tensor]] = []  # (GGUF name, tensor)
     if arch == gguf.MODEL_ARCH.LLAMA and (
             factors := llama3_rope_factors(hparams, rope_parameters(hparams))) is not None:
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors))
+    if arch == gguf.MODEL_ARCH.PHI3:
+        named += phi3_rope_factors(hparams)
     for name, data_torch in _hf_tensors(model_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
@@ -223,89 +231,6 @@ def _real_vocab_size(model_dir: Path) -> int:
     """Gemma3Model.modify_tensors' count: tokenizer.json's vocab plus its added tokens."""
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     return len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])
-
-
-def _add_gemma2_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any],
-                        ftype: gguf.LlamaFileType) -> None:
-    """``Gemma2Model.set_gguf_parameters`` (no rope keys: llama.cpp's gemma2 base is fixed)."""
-    writer.add_context_length(hparams["max_position_embeddings"])
-    writer.add_embedding_length(hparams["hidden_size"])
-    writer.add_block_count(hparams["num_hidden_layers"])
-    writer.add_feed_forward_length(hparams["intermediate_size"])
-    writer.add_head_count(hparams["num_attention_heads"])
-    writer.add_head_count_kv(hparams.get("num_key_value_heads", hparams["num_attention_heads"]))
-    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
-    writer.add_key_length(hparams["head_dim"])
-    writer.add_value_length(hparams["head_dim"])
-    writer.add_file_type(ftype)
-    writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
-    writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
-    writer.add_sliding_window(hparams["sliding_window"])
-
-
-def _add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MODEL_ARCH,
-                 ftype: gguf.LlamaFileType) -> None:
-    """``TextModel.set_gguf_parameters`` (the keys these archs have), then LlamaModel's and
-    Gemma3Model's extras; Gemma 2's own."""
-    if arch == gguf.MODEL_ARCH.GEMMA2:
-        _add_gemma2_hparams(writer, hparams, ftype)
-        return
-    writer.add_block_count(_find(hparams, _BLOCK_COUNT_KEYS))
-    if (n_ctx := _find(hparams, ["max_position_embeddings", "n_ctx", "n_positions", "max_length",
-                                 "max_sequence_length", "model_max_length"])) is not None:
-        writer.add_context_length(n_ctx)
-    if (n_embd := _find(hparams, ["hidden_size", "n_embd", "dim"])) is not None:
-        writer.add_embedding_length(n_embd)
-    if (n_ff := _find(hparams, ["prefix_dense_intermediate_size", "dense_intermediate_size",
-                                "intermediate_size", "n_inner", "hidden_dim"])) is not None:
-        writer.add_feed_forward_length(n_ff)
-    if (n_head := _find(hparams, ["num_attention_heads", "n_head", "n_heads"])) is not None:
-        writer.add_head_count(n_head)
-    if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
-        writer.add_head_count_kv(n_head_kv)
-    if hparams.get("is_causal") is False:
-        writer.add_causal_attention(False)
-    rope = rope_parameters(hparams)
-    rope_type, factor = rope.get("rope_type"), rope.get("factor")
-    if rope_type == "linear" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(factor)
-    elif rope_type == "yarn" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(factor)
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if (ext := rope.get("extrapolation_factor")) is not None:
-            writer.add_rope_scaling_yarn_ext_factor(ext)
-        if (attn := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
-            writer.add_rope_scaling_yarn_attn_factor(attn)
-        if (beta_fast := rope.get("beta_fast")) is not None:
-            writer.add_rope_scaling_yarn_beta_fast(beta_fast)
-        if (beta_slow := rope.get("beta_slow")) is not None:
-            writer.add_rope_scaling_yarn_beta_slow(beta_slow)
-    elif rope_type in ("su", "longrope"):
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
-    # "default" (an unknown type to the converter, it only warns), "dynamic": no keys;
-    # "llama3": the rope_freqs tensor instead.
-    if (theta := rope.get("rope_theta")) is not None:
-        writer.add_rope_freq_base(theta)
-    per_type = hparams.get("rope_parameters") or {}
-    if (local := (per_type.get("sliding_attention") or {}).get("rope_theta")) is not None:
-        writer.add_rope_freq_base_swa(local)  # the windowed layers' base (Gemma 3)
-    if (eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
-        writer.add_layer_norm_rms_eps(eps)
-    if (head_dim := hparams.get("head_dim")) is not None:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_file_type(ftype)
-    if arch == gguf.MODEL_ARCH.GEMMA3:  # Gemma3Model.set_gguf_parameters' additions
-        if (cap := hparams.get("final_logit_softcapping")):
-            writer.add_final_logit_softcapping(cap)
-        if hparams.get("sliding_window_pattern") != 1:
-            writer.add_sliding_window(hparams["sliding_window"])
-    if arch == gguf.MODEL_ARCH.LLAMA:  # LlamaModel.set_gguf_parameters
-        writer.add_vocab_size(hparams["vocab_size"])
-        writer.add_rope_dimension_count(
-            hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"])
 
 
 def _shard_starts(num_tensors: int, num_splits: int) -> list[int]:
@@ -353,9 +278,9 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
         metadata.size_label = gguf.size_label(total, shared, expert, expert_count)
     writer.add_type(gguf.GGUFType.MODEL)
     metadata.set_gguf_meta_model(writer)
-    _add_hparams(writer, hparams, arch, ftype)
+    add_hparams(writer, hparams, arch, ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if arch == gguf.MODEL_ARCH.LLAMA:  # LlamaModel.set_vocab, before _set_vocab_gpt2
+    if arch in LLAMA_MODEL_ARCHS:  # LlamaModel.set_vocab, before _set_vocab_gpt2
         tok_config = model_dir / "tokenizer_config.json"
         config = json.loads(tok_config.read_text(encoding="utf-8")) if tok_config.is_file() else {}
         if (add_prefix_space := config.get("add_prefix_space")) is not None:

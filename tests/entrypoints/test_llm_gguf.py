@@ -254,3 +254,37 @@ def test_gemma_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_f
     assert _mrv2_tokens(str(path)) == expected
     q8 = str(tiny_gguf_factory(arch, "Q8_0", **kwargs))
     assert _mrv2_tokens(q8, quantization="gguf") == _mrv2_tokens(q8, quantization=None)
+
+
+# The converter's phi3, smollm3 and olmo2 (and Llama's YaRN keys): Phi-3's fused qkv_proj / gate_up_proj written whole,
+# its LongRoPE factors as tensors and partial rotary as rope.dimension_count; SmolLM3 permuted
+# like Llama, its NoPE layers llama.cpp's fixed every-4th (the source follows it); OLMo 2's norms
+# after the sublayers and q/k norms over the whole projection.
+LLAMA_FAMILY_GGUF = {
+    "phi3": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
+                              "long_factor": [3.0, 3.0, 5.0, 9.0]},
+             "max_position_embeddings": 1024,
+             "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 256}},
+    "smollm3": {"num_layers": 4, "config": {"no_rope_layers": [1, 1, 1, 0]}},
+    "olmo2": {"tie_word_embeddings": False},
+    "llama": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                               "original_max_position_embeddings": 32}},  # YaRN as keys
+}
+
+
+@pytest.mark.usefixtures("float_activations")
+@pytest.mark.parametrize("arch", list(LLAMA_FAMILY_GGUF))
+def test_llama_family_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_factory,
+                                                        arch):
+    """An F32 file gives the tokens transformers gives on the source checkpoint; a Q8_0 file
+    computed on as stored (float32 activations) the tokens of its dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = LLAMA_FAMILY_GGUF[arch]
+    source = tiny_model_factory(arch, **kwargs)
+    path = tiny_gguf_factory(arch, "F32", **kwargs)
+    expected = _hf_tokens(AutoModelForCausalLM.from_pretrained(source,
+                                                               dtype=torch.float32).eval())
+    assert _mrv2_tokens(str(path)) == expected
+    q8 = str(tiny_gguf_factory(arch, "Q8_0", **kwargs))
+    assert _mrv2_tokens(q8, quantization="gguf") == _mrv2_tokens(q8, quantization=None)

@@ -37,7 +37,8 @@ from mrv2.models.layers.linear import set_packed
 from mrv2.models.layers.quant_formats import packs
 from mrv2.models.layers.quantized import PackedWeight
 
-# Fused module (relative to a layer) -> the checkpoint modules whose rows it stacks, in order.
+# Fused module (relative to a layer) -> the checkpoint modules whose rows it stacks, in order
+# (unless the file stores the fused module itself).
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.o_proj": ("self_attn.o_proj",),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -147,6 +148,8 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
             module = layer.get_submodule(fused)
             if getattr(module, "tp_size", 1) != 1:
                 continue
+            if f"model.layers.{i}.{fused}" in stored:  # stored fused (Phi-3)
+                sources = (fused,)
             parts = [stored.get(f"model.layers.{i}.{source}") for source in sources]
             weight = None if None in parts else _stack([_stored(p) for p in parts])
             if weight is not None:

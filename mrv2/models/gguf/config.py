@@ -12,6 +12,13 @@ What the converter changes on the way, and how it is undone:
   divisors, not as keys: the divisors become `config.rope_freq_factors`, which the rotary
   embedding applies (mrv2/models/layers/rotary.py). "linear" scaling is written as keys.
 - Every end-of-generation id the file names (eos, eot, eom) becomes `eos_token_id`.
+- YaRN is written as keys (type, factor, original context, attention factor, betas).
+- Phi-3's LongRoPE is written as `rope_factors_long` / `rope_factors_short` tensors with the
+  original context length and attention factor as keys; its partial rotary as
+  `rope.dimension_count` below the head size. llama.cpp ignores a Phi-3 file's sliding window;
+  mrv2 applies it, as transformers does on the checkpoint the file came from.
+- SmolLM3's NoPE layers are not written: llama.cpp fixes every 4th layer NoPE, which is
+  SmolLM3Config's default (`no_rope_layer_interval`).
 """
 
 from __future__ import annotations
@@ -30,7 +37,12 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
+# Architectures whose rotary may cover part of each head (`rope.dimension_count` < head size).
+_PARTIAL_ROTARY_ARCHS = ("phi3",)
 # llama.cpp's Gemma conventions the file does not write: every n-th layer global (the others
 # windowed), and which size counts as "27B" (its attention scale from hidden / heads).
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -39,8 +51,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # converters): llama.cpp's default.
 _GEMMA3_LOCAL_THETA = 10000.0
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # The rope scaling types of llama.cpp's metadata that mrv2's rotary embedding implements.
-_ROPE_SCALING = {"none": "default", "linear": "linear"}
+_ROPE_SCALING = {"none": "default", "linear": "linear", "yarn": "yarn"}
 _EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
              "tokenizer.ggml.eom_token_id")
 
@@ -71,32 +84,72 @@ def _rope_parameters(ckpt: GGUFCheckpoint, head_dim: int) -> dict[str, Any]:
 
     theta = float(ckpt.arch_field(Keys.Rope.FREQ_BASE, 10000.0))
     rope_dim = ckpt.arch_field(Keys.Rope.DIMENSION_COUNT, head_dim)
+    params: dict[str, Any] = {"rope_theta": theta}
     if rope_dim != head_dim:
-        raise UnsupportedModelError(
-            f"{ckpt.path}: rotary dimension {rope_dim} differs from head_dim {head_dim} "
-            f"(partial rotary embeddings are not supported)")
+        if ckpt.architecture not in _PARTIAL_ROTARY_ARCHS or rope_dim > head_dim or rope_dim % 2:
+            raise UnsupportedModelError(
+                f"{ckpt.path}: rotary dimension {rope_dim} of head_dim {head_dim} is not "
+                f"supported for {ckpt.architecture!r} (partial rotary: "
+                f"{', '.join(_PARTIAL_ROTARY_ARCHS)})")
+        params["partial_rotary_factor"] = rope_dim / head_dim
+    if LONGROPE_TENSORS[0] in ckpt.tensors:
+        long_factor, short_factor = (_f32_vector(ckpt, name, rope_dim // 2)
+                                     for name in LONGROPE_TENSORS)
+        params.update(rope_type="longrope", long_factor=long_factor, short_factor=short_factor,
+                      original_max_position_embeddings=int(
+                          ckpt.require(Keys.Rope.SCALING_ORIG_CTX_LEN)))
+        if (factor := ckpt.arch_field(Keys.Rope.SCALING_ATTN_FACTOR)) is not None:
+            params["attention_factor"] = float(factor)
+        return params
     scaling = ckpt.arch_field(Keys.Rope.SCALING_TYPE, "none")
     if scaling not in _ROPE_SCALING:
         raise UnsupportedModelError(
             f"{ckpt.path}: rope scaling type {scaling!r} is not supported; supported: "
-            f"{', '.join(_ROPE_SCALING)} (and llama3 rope factors)")
-    params: dict[str, Any] = {"rope_type": _ROPE_SCALING[scaling], "rope_theta": theta}
-    if scaling == "linear":
+            f"{', '.join(_ROPE_SCALING)} (and llama3 rope factors, Phi-3's LongRoPE factors)")
+    params["rope_type"] = _ROPE_SCALING[scaling]
+    if scaling in ("linear", "yarn"):
         params["factor"] = float(ckpt.require(Keys.Rope.SCALING_FACTOR))
+    if scaling == "yarn":
+        params.update(_yarn_fields(ckpt))
     return params
 
 
-def _rope_freq_factors(ckpt: GGUFCheckpoint, head_dim: int) -> list[float] | None:
+def _yarn_fields(ckpt: GGUFCheckpoint) -> dict[str, Any]:
+    """YaRN's keys as transformers names them; an extrapolation mix other than 1 (llama.cpp's
+    ext_factor, which transformers has not) is refused."""
+    from gguf import Keys
+
+    ext = ckpt.arch_field(Keys.Rope.SCALING_YARN_EXT_FACTOR)
+    if ext is not None and float(ext) != 1.0:
+        raise UnsupportedModelError(f"{ckpt.path}: rope.scaling.yarn_ext_factor={ext} is not "
+                                    f"supported (1.0 only)")
+    fields: dict[str, Any] = {
+        "original_max_position_embeddings": int(ckpt.require(Keys.Rope.SCALING_ORIG_CTX_LEN))}
+    for key, name in ((Keys.Rope.SCALING_YARN_ATTN_FACTOR, "attention_factor"),
+                      (Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"),
+                      (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow")):
+        if (value := ckpt.arch_field(key)) is not None:
+            fields[name] = float(value)
+    return fields
+
+
+def _f32_vector(ckpt: GGUFCheckpoint, name: str, length: int) -> list[float]:
+    """A 1-D tensor of the file (rope factors) as floats, checked to hold `length` values."""
     from gguf.quants import dequantize
 
-    record = ckpt.tensors.get(ROPE_FREQS_TENSOR)
+    record = ckpt.tensors.get(name)
     if record is None:
+        raise GGUFError(f"{ckpt.path}: no {name} tensor")
+    values = dequantize(record.data, record.tensor_type).reshape(-1)
+    if values.shape[0] != length:
+        raise GGUFError(f"{ckpt.path}: {name} has {values.shape[0]} entries, {length} expected")
+    return np.asarray(values, dtype=np.float32).tolist()
+
+
+def _rope_freq_factors(ckpt: GGUFCheckpoint, head_dim: int) -> list[float] | None:
+    if ROPE_FREQS_TENSOR not in ckpt.tensors:
         return None
-    factors = dequantize(record.data, record.tensor_type).reshape(-1)
-    if factors.shape[0] != head_dim // 2:
-        raise GGUFError(f"{ckpt.path}: {ROPE_FREQS_TENSOR} has {factors.shape[0]} entries, "
-                        f"head_dim // 2 = {head_dim // 2} expected")
-    return np.asarray(factors, dtype=np.float32).tolist()
+    return _f32_vector(ckpt, ROPE_FREQS_TENSOR, head_dim // 2)
 
 
 def _gemma_fields(ckpt: GGUFCheckpoint, arch: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -163,8 +216,13 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     )
     if arch != "qwen2":  # Qwen2 always has q/k/v biases and no attention_bias switch
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if arch == "llama":
+    if arch in ("llama", "smollm3"):
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
+    rope = kwargs["rope_parameters"]
+    if "partial_rotary_factor" in rope:
+        kwargs["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if rope.get("rope_type") == "longrope":
+        kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     window = ckpt.arch_field(Keys.Attention.SLIDING_WINDOW)
     if window:
         kwargs["sliding_window"] = int(window)

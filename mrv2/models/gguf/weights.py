@@ -27,18 +27,22 @@ import numpy as np
 import torch
 
 from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError, GGUFTensorRecord
-from mrv2.models.gguf.config import ROPE_FREQS_TENSOR
+from mrv2.models.gguf.config import LONGROPE_TENSORS, ROPE_FREQS_TENSOR
 
 # Tensors the config consumed (they are not parameters).
-_CONFIG_TENSORS = (ROPE_FREQS_TENSOR,)
+_CONFIG_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
 # Hugging Face module names per layer (weights and biases are the same names + suffix).
 _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
                   "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
                   "pre_feedforward_layernorm", "post_feedforward_layernorm")
+# Architectures whose files store q/k/v and gate/up fused (Phi-3: attn_qkv, and ffn_up holding
+# gate and up), and those modules (their GGUF names are the unfused q and up ones' too).
+_FUSED_ARCHS = ("phi3",)
+_FUSED_LAYER_MODULES = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 _MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # GGUF architectures whose converter permutes q/k rows (convert_hf_to_gguf.LlamaModel.permute).
-_PERMUTED_ARCHS = ("llama",)
+_PERMUTED_ARCHS = ("llama", "smollm3")
 # GGUF architectures whose converter stores norm weights as 1 + w (Gemma*Model.modify_tensors).
 _SHIFTED_NORM_ARCHS = ("gemma2", "gemma3")
 
@@ -50,8 +54,9 @@ def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
 
     arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
     name_map = gguf.get_tensor_name_map(arch_ids[arch], num_layers)
+    modules = _LAYER_MODULES + (_FUSED_LAYER_MODULES if arch in _FUSED_ARCHS else ())
     hf_names = list(_MODEL_MODULES) + [f"model.layers.{i}.{module}"
-                                       for i in range(num_layers) for module in _LAYER_MODULES]
+                                       for i in range(num_layers) for module in modules]
     mapping: dict[str, str] = {}
     for hf_name in hf_names:
         gguf_name = name_map.get_name(hf_name)

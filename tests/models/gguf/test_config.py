@@ -95,9 +95,9 @@ def test_every_end_of_generation_id_is_an_eos(tmp_path):
 
 
 def test_unsupported_architecture_names_the_file(tmp_path):
-    path = _write(tmp_path / "phi.gguf", "phi3", {},
+    path = _write(tmp_path / "neox.gguf", "gptneox", {},
                   {"token_embd.weight": np.zeros((4, 4), np.float32)})
-    with pytest.raises(UnsupportedModelError, match=r"phi.gguf: GGUF architecture 'phi3'"):
+    with pytest.raises(UnsupportedModelError, match=r"neox.gguf: GGUF architecture 'gptneox'"):
         gguf_hf_config(open_gguf(path))
 
 
@@ -111,8 +111,16 @@ def test_missing_hyperparameter_names_the_key(tmp_path):
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     fields = {"llama.embedding_length": 8, "llama.attention.head_count": 2,
               "llama.block_count": 1, "llama.feed_forward_length": 16,
-              "llama.context_length": 64, "llama.rope.scaling.type": "yarn"}
+              "llama.context_length": 64, "llama.rope.scaling.type": "longrope"}
+    # LongRoPE without its factor tensors (only Phi-3's converter writes them).
+    path = _write(tmp_path / "lr.gguf", "llama", fields,
+                  {"token_embd.weight": np.zeros((16, 8), np.float32)})
+    with pytest.raises(UnsupportedModelError, match="lr.gguf: rope scaling type 'longrope'"):
+        gguf_hf_config(open_gguf(path))
+    fields.update({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                   "llama.rope.scaling.original_context_length": 16,
+                   "llama.rope.scaling.yarn_ext_factor": 0.5})
     path = _write(tmp_path / "yarn.gguf", "llama", fields,
                   {"token_embd.weight": np.zeros((16, 8), np.float32)})
-    with pytest.raises(UnsupportedModelError, match="yarn.gguf: rope scaling type 'yarn'"):
+    with pytest.raises(UnsupportedModelError, match="yarn.gguf: rope.scaling.yarn_ext_factor"):
         gguf_hf_config(open_gguf(path))
