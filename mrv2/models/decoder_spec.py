@@ -46,6 +46,9 @@ class DecoderSpec:
     # Gemma 2: scores and final logits soft-capped, tanh(x / cap) * cap (None: not).
     attention_softcap: float | None = None
     logit_softcap: float | None = None
+    # Ministral 3 (Llama 4's attention scaling): (beta, original) scales the rotated queries
+    # by 1 + beta * log(1 + floor(position / original)); None: not.
+    position_query_scale: tuple[float, int] | None = None
 
     @property
     def has_biases(self) -> bool:

@@ -24,7 +24,7 @@ from mrv2.config import ModelConfig
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.mlp import GatedMLP
 from mrv2.models.layers.norm import RMSNorm
-from mrv2.models.layers.rotary import per_layer_type_rope
+from mrv2.models.layers.rotary import RotaryInputs, per_layer_type_rope
 from mrv2.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -38,7 +38,7 @@ class GemmaDecoderLayer(nn.Module):
                      "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(hf.hidden_size, hf.rms_norm_eps, unit_offset=True))
 
-    def forward(self, cos_sin: Any, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: RotaryInputs, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's normalised MLP output, the residual stream before adding it)."""
@@ -47,7 +47,7 @@ class GemmaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(cos_sin, hidden, kv_cache, meta))
+        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 

@@ -1,5 +1,6 @@
-"""Llama-family decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3 / Phi-4-mini, SmolLM3 and (with
-its own layer, olmo2.py) OLMo 2 share this implementation.
+"""Llama-family decoder: Llama, Mistral, Ministral 3 (Mistral 3's text model), Qwen2, Qwen3,
+Phi-3 / Phi-4-mini, SmolLM3 and (with its own layer, olmo2.py) OLMo 2 share this
+implementation.
 
 Differences are declared in the model's DecoderSpec (decoder_spec.py), not copied:
 - Qwen2 always has q/k/v bias (no o_proj bias); Llama/Qwen3 follow `attention_bias` for
@@ -10,6 +11,8 @@ Differences are declared in the model's DecoderSpec (decoder_spec.py), not copie
   under tensor parallelism: layers/linear.py); its LongRoPE and partial rotary are the rotary
   layer's (layers/rotary.py).
 - SmolLM3 skips rotary in the layers `no_rope_layers` marks 0 (NoPE layers).
+- Ministral 3 scales the rotated queries by 1 + beta * log(1 + floor(position / original))
+  (`llama_4_scaling_beta`: exactly 1 within the original context).
 - Sliding-window attention in the layers the config gives a window (`layer_windows`).
 - `tie_word_embeddings` reuses the embedding matrix as the LM head.
 
@@ -42,7 +45,8 @@ from mrv2.models.layers.mlp import GatedMLP
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
-from mrv2.models.layers.rotary import (RotaryEmbedding, apply_rotary_qk, normalize_heads,
+from mrv2.models.layers.rotary import (RotaryEmbedding, RotaryInputs, apply_rotary_qk,
+                                       normalize_heads, position_query_scale,
                                        rope_parameters_from_config)
 
 # (fused param, checkpoint name, shard id)
@@ -91,7 +95,7 @@ class LlamaAttention(nn.Module):
                               softcap=spec.attention_softcap or 0.0,
                               kv_cache_group=model_config.kv_cache_layout.layer_group[layer])
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward(self, rope: RotaryInputs, hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
@@ -101,10 +105,12 @@ class LlamaAttention(nn.Module):
         elif self.q_norm is not None:
             head_norms = (self.q_norm, self.k_norm)
         if self.use_rope:
-            cos, sin = cos_sin if self.rope_table is None else cos_sin[self.rope_table]
+            cos, sin = rope.table(self.rope_table == 1)
             q, k = apply_rotary_qk(q, k, cos, sin, self.head_dim, *head_norms)
         elif head_norms[0] is not None:
             q, k = normalize_heads(q, k, *head_norms, self.head_dim)
+        if rope.query_scale is not None:
+            q = q * rope.query_scale.to(q.dtype)
         out = self.attn(q, k, v, kv_cache, meta)
         if out.shape[0] < num_tokens:
             # The backend returns only the num_actual_tokens rows; padding rows get zeros
@@ -132,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward(self, rope: RotaryInputs, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
@@ -141,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(cos_sin, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -156,6 +162,7 @@ class LlamaModel(nn.Module):
                                     for i in range(model_config.num_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps, spec.norm_unit_offset)
         self.embedding_scale = spec.embedding_scale
+        self.position_query_scale = spec.position_query_scale
         # One table for all layers: positions can reach max_model_len even when it exceeds
         # max_position_embeddings (transformers computes any position on the fly).
         max_position = max(hf.max_position_embeddings, model_config.max_model_len)
@@ -173,22 +180,25 @@ class LlamaModel(nn.Module):
         return self.forward_layers(*self.embed(input_ids, positions), kv_caches, meta)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """((cos, sin) of the positions, shared by every layer; the embedded ids [T, hidden])."""
+              ) -> tuple[RotaryInputs, torch.Tensor]:
+        """(the rotary inputs of the positions, shared by every layer; the embedded ids [T,
+        hidden])."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:  # rounded to the activation dtype, as Gemma's
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
-        if self.local_rotary_emb is not None:
-            cos_sin = (cos_sin, self.local_rotary_emb.get_cos_sin(positions, hidden.dtype))
-        return cos_sin, hidden
+        cos, sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        local = (None if self.local_rotary_emb is None
+                 else self.local_rotary_emb.get_cos_sin(positions, hidden.dtype))
+        scale = (None if self.position_query_scale is None
+                 else position_query_scale(positions, *self.position_query_scale))
+        return RotaryInputs(cos, sin, local, scale), hidden
 
-    def forward_layers(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward_layers(self, rope: RotaryInputs, hidden: torch.Tensor,
                        kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Every decoder layer, then the final norm: embedded [T, hidden] -> [T, hidden]."""
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], meta)
+            hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta)
         if residual is None:  # layers that add their outputs into the stream themselves
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
@@ -220,7 +230,16 @@ class LlamaForCausalLM(nn.Module):
             o_bias=self.o_proj_bias_allowed and attention_bias, qk_norm=self.qk_norm,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             activation=getattr(hf, "hidden_activation", None) or hf.hidden_act,
-            tied_embeddings=self.tie_word_embeddings, sliding_windows=layer_windows(hf))
+            tied_embeddings=self.tie_word_embeddings, sliding_windows=layer_windows(hf),
+            position_query_scale=self.position_query_scale(hf))
+
+    def position_query_scale(self, hf: Any) -> tuple[float, int] | None:
+        """Ministral 3's query scaling; refused for an architecture that does not scale."""
+        params = getattr(hf, "rope_parameters", None) or {}
+        if params.get("llama_4_scaling_beta"):
+            raise ValueError(f"rope parameter llama_4_scaling_beta is not supported for "
+                             f"{type(self).__name__}")
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata
@@ -270,6 +289,16 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class Ministral3ForCausalLM(LlamaForCausalLM):
+    """Mistral 3's text model (Ministral 3): Mistral's layers with YaRN, whose rotated queries
+    are scaled by position beyond the original context (Llama 4's attention scaling)."""
+
+    def position_query_scale(self, hf: Any) -> tuple[float, int] | None:
+        params = rope_parameters_from_config(hf)
+        beta = params.get("llama_4_scaling_beta")
+        return None if not beta else (float(beta), int(params["original_max_position_embeddings"]))
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

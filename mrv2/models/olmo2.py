@@ -24,6 +24,7 @@ from mrv2.config import ModelConfig
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.mlp import GatedMLP
 from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.rotary import RotaryInputs
 from mrv2.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -36,11 +37,11 @@ class Olmo2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward(self, rope: RotaryInputs, hidden: torch.Tensor,
                 residual: None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
         """`hidden` is the residual stream itself: returns (the stream after this layer, None)."""
-        attn = self.self_attn(cos_sin, hidden, kv_cache, meta)
+        attn = self.self_attn(rope, hidden, kv_cache, meta)
         hidden = hidden + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden)), None
 

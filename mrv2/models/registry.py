@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from mrv2.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
-                               Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
+from mrv2.models.llama import (LlamaForCausalLM, Ministral3ForCausalLM, MistralForCausalLM,
+                               Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                               SmolLM3ForCausalLM)
 from mrv2.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from mrv2.models.olmo2 import Olmo2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -12,7 +12,7 @@ import gguf
 
 # Architectures the converter writes with its LlamaModel class (vocab size and rope dimension
 # keys, permuted q/k, add_space_prefix).
-LLAMA_MODEL_ARCHS = (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3)
+LLAMA_MODEL_ARCHS = (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3, gguf.MODEL_ARCH.MISTRAL3)
 
 
 BLOCK_COUNT_KEYS = ["n_layers", "num_hidden_layers", "n_layer", "num_layers"]
@@ -127,6 +127,11 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
         writer.add_vocab_size(hparams["vocab_size"])
         writer.add_rope_dimension_count(
             hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"])
+    if arch == gguf.MODEL_ARCH.MISTRAL3 and hparams.get("model_type") == "ministral3":
+        if rope.get("rope_type") != "yarn":  # Mistral3Model.Ministral3Model's asserts
+            raise ValueError("ministral3 rope_type must be 'yarn'")
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
 def phi3_rope_dims(hparams: dict[str, Any]) -> int:

@@ -2,12 +2,12 @@
 
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
-mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, olmo2; converter classes ``LlamaModel``,
-``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``,
-``SmolLM3Model``, ``Olmo2Model`` in ``conversion/``; the vocabulary in gguf_vocab.py, the
-hyperparameter keys in gguf_hparams.py) and serialises with the ``gguf`` package's
-``GGUFWriter``; nothing here encodes GGUF bytes itself. Reference: llama.cpp as vendored in
-llama-cpp-python 0.3.36 (gguf-py 0.19.0).
+mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, olmo2, mistral3; converter classes
+``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``,
+``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model`` in ``conversion/``;
+the vocabulary in gguf_vocab.py, the hyperparameter keys in gguf_hparams.py) and serialises
+with the ``gguf`` package's ``GGUFWriter``; nothing here encodes GGUF bytes itself.
+Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
 
 Reproduced, by converter function:
   * ``get_model_architecture`` / ``@ModelBase.register``: Llama and Mistral -> ``llama``, Qwen2 ->
@@ -94,6 +94,7 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "Phi3ForCausalLM": (gguf.MODEL_ARCH.PHI3, False),
     "SmolLM3ForCausalLM": (gguf.MODEL_ARCH.SMOLLM3, True),
     "Olmo2ForCausalLM": (gguf.MODEL_ARCH.OLMO2, False),
+    "Ministral3ForCausalLM": (gguf.MODEL_ARCH.MISTRAL3, True),
 }
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 

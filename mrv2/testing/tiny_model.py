@@ -36,6 +36,7 @@ from mrv2.utils.disk_cache import cache_root
 _ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
@@ -144,7 +145,7 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
         tie_word_embeddings=p["tie_word_embeddings"], rope_parameters=dict(p["rope_parameters"]),
         architectures=[model_cls.__name__], dtype="float32", **ids,
     )
-    if p["arch"] == "mistral":
+    if p["arch"] in ("mistral", "ministral3"):
         fields["sliding_window"] = None
     fields.update(p.get("config") or {})
     config = config_cls(**fields)

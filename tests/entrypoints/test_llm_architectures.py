@@ -1,9 +1,10 @@
 """End to end on each architecture of issue 49 that the Llama-family layers compute
 (Phi-3 with LongRoPE, partial rotary and a sliding window, SmolLM3 with NoPE layers, OLMo 2,
 Gemma 2 with soft caps, Gemma 3 with its local rope,
-Mistral and Qwen2 with sliding windows shorter than the prompts, Llama with YaRN and dynamic
-NTK): greedy tokens equal transformers' on the same random weights through chunked
-prefill (a budget smaller than the prompts), a prefix-cache hit and preemption."""
+Mistral and Qwen2 with sliding windows shorter than the prompts, Ministral 3 (Mistral 3's text
+model), Llama with YaRN and dynamic NTK): greedy tokens equal transformers' on the same random
+weights through chunked prefill (a budget smaller than the prompts), a prefix-cache hit and
+preemption."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ CASES = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}}),
+    # Mistral 3's text model: YaRN, and queries scaled by position past the original context.
+    "ministral3": ("ministral3", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.4}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 32}}),
     "llama-dynamic": ("llama", {"max_position_embeddings": 256,

@@ -256,10 +256,11 @@ def test_gemma_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_f
     assert _mrv2_tokens(q8, quantization="gguf") == _mrv2_tokens(q8, quantization=None)
 
 
-# The converter's phi3, smollm3 and olmo2 (and Llama's YaRN keys): Phi-3's fused qkv_proj / gate_up_proj written whole,
-# its LongRoPE factors as tensors and partial rotary as rope.dimension_count; SmolLM3 permuted
-# like Llama, its NoPE layers llama.cpp's fixed every-4th (the source follows it); OLMo 2's norms
-# after the sublayers and q/k norms over the whole projection.
+# The converter's phi3, smollm3, olmo2 and mistral3 (and Llama's YaRN keys): Phi-3's fused
+# qkv_proj / gate_up_proj written whole, its LongRoPE factors as tensors and partial rotary as
+# rope.dimension_count; SmolLM3 permuted like Llama, its NoPE layers llama.cpp's fixed
+# every-4th (the source follows it); OLMo 2's norms after the sublayers and q/k norms over the
+# whole projection; Ministral 3's query scaling (attention.temperature_scale).
 LLAMA_FAMILY_GGUF = {
     "phi3": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
                               "long_factor": [3.0, 3.0, 5.0, 9.0]},
@@ -267,6 +268,9 @@ LLAMA_FAMILY_GGUF = {
              "config": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 256}},
     "smollm3": {"num_layers": 4, "config": {"no_rope_layers": [1, 1, 1, 0]}},
     "olmo2": {"tie_word_embeddings": False},
+    "ministral3": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
+                                    "original_max_position_embeddings": 8}},
     "llama": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
                                "original_max_position_embeddings": 32}},  # YaRN as keys
 }

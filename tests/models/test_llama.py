@@ -74,6 +74,10 @@ CASES = {
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 8}}),
+    # Ministral 3: YaRN, and the queries scaled by 1 + beta * log(1 + floor(pos / 4)).
+    "ministral3": ("ministral3", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}}),
 }
 
 
@@ -243,3 +247,19 @@ def test_sliding_windows_per_layer(tiny_model_factory) -> None:
 def test_unexpected_checkpoint_tensor_raises(case: Case) -> None:
     with pytest.raises(ValueError, match="no matching parameter"):
         case.model.load_weights([("model.layers.0.mlp.extra.weight", torch.zeros(1))])
+
+
+def test_query_scaling_is_refused_where_the_architecture_has_none():
+    """llama_4_scaling_beta is Ministral 3's: on a Llama config it is refused, not ignored."""
+    from types import SimpleNamespace
+
+    from mrv2.models.llama import LlamaForCausalLM, Ministral3ForCausalLM
+
+    hf = SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                          "original_max_position_embeddings": 16,
+                                          "llama_4_scaling_beta": 0.1},
+                         max_position_embeddings=64)
+    with pytest.raises(ValueError, match="llama_4_scaling_beta"):
+        LlamaForCausalLM.position_query_scale(object.__new__(LlamaForCausalLM), hf)
+    scale = Ministral3ForCausalLM.position_query_scale(object.__new__(Ministral3ForCausalLM), hf)
+    assert scale == (0.1, 16)

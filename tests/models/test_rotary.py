@@ -5,6 +5,8 @@ Triton interpreted) against transformers' Phi-3 `apply_rotary_pos_emb`."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config
@@ -113,3 +115,25 @@ def test_bad_partial_factors_and_factor_lists_are_refused():
               "partial_rotary_factor": 1.0}
     with pytest.raises(ValueError, match="short_factor has 8 entries; 16 expected"):
         compute_inv_freq(HEAD_DIM, params, 64)
+
+
+def test_rope_parameters_mrv2_does_not_read_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from mrv2.models.layers.rotary import rope_parameters_from_config
+
+    hf = SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 2.0,
+                                          "original_max_position_embeddings": 8,
+                                          "yarn_temperature": 0.5},
+                         max_position_embeddings=64)
+    with pytest.raises(ValueError, match="yarn_temperature"):
+        rope_parameters_from_config(hf)
+
+
+def test_position_query_scale_is_one_within_the_original_context():
+    from mrv2.models.layers.rotary import position_query_scale
+
+    scale = position_query_scale(torch.tensor([0, 7, 8, 23, 24]), 0.5, 8)
+    expected = [1.0, 1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(4)]
+    assert scale.shape == (5, 1)
+    assert scale[:, 0].tolist() == pytest.approx(expected, rel=1e-6)

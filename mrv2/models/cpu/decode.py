@@ -63,7 +63,7 @@ def _kinds(layer) -> tuple[str, ...]:
 # (Gemma's).
 _UNSUPPORTED_TRAITS = ("norms_after", "qk_norm_over_projection")
 _STACK_ONLY_TRAITS = ("sandwich_norms", "norm_unit_offset", "embedding_scale", "local_rope",
-                      "attention_softcap", "logit_softcap")
+                      "attention_softcap", "logit_softcap", "position_query_scale")
 
 
 def supports(spec: DecoderSpec | None) -> bool:
@@ -200,10 +200,10 @@ class FusedDecode:
         these paths run; None for a step the model runs itself."""
         rows = input_ids.shape[0]
         if self.onednn is not None and self.onednn.runs(rows):
-            cos_sin, hidden = self.model.embed(input_ids, positions)
+            rope, hidden = self.model.embed(input_ids, positions)
             if not applies(self.model, hidden, kv_caches, meta, MAX_ONEDNN_DECODE_ROWS):
-                return self.model.forward_layers(cos_sin, hidden, kv_caches, meta), None
-            return self.onednn(cos_sin, hidden, kv_caches, meta), None
+                return self.model.forward_layers(rope, hidden, kv_caches, meta), None
+            return self.onednn(rope, hidden, kv_caches, meta), None
         if not applies(self.model, input_ids, kv_caches, meta, self.max_rows):
             return None
         if self.args is None or not self.args.current(kv_caches):

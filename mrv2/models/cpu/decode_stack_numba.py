@@ -198,7 +198,8 @@ def _head_norm(x, weight, eps, rows, num_heads, head_dim):
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
-                  qk_norms, post_norms, traits, rope, window, cos, sin, k_cache, v_cache,
+                  qk_norms, post_norms, traits, rope, window, cos, sin, q_scales, k_cache,
+                  v_cache,
                   block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                   intermediate, scale, kv_per_item, splits, out, residual_out):
     rows, hidden_size = hidden.shape
@@ -224,6 +225,9 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     else:  # a NoPE layer (SmolLM3)
         q[:] = q_in
         k[:] = k_in
+    for r in range(q_scales.shape[0]):  # Ministral 3: the rotated queries scaled by position
+        for j in range(q_size):
+            q[r, j] *= q_scales[r]
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
@@ -280,6 +284,13 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         sin = (global_sin, rotary_rows(positions, local_sin_cache))
     else:
         cos, sin = (global_cos, global_cos), (global_sin, global_sin)
+    # Ministral 3: 1 + beta * log(1 + floor(position / original)) per row, in float32 as
+    # transformers computes it; none (an empty array) for the other models.
+    beta, original = traits[4], np.float32(traits[5])
+    q_scales = np.empty(rows if beta != 0.0 else 0, dtype=np.float32)
+    for r in range(q_scales.shape[0]):
+        steps = np.floor(np.float32(positions[r]) / original)
+        q_scales[r] = np.float32(1.0) + beta * np.log(np.float32(1.0) + steps)
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
     for i in range(len(w_qkvs)):
@@ -290,7 +301,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
                       (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
-                      windows[i], cos, sin,
+                      windows[i], cos, sin, q_scales,
                       kv[0], kv[1], block_tables[group], seq_lens, slots[group],
                       num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
                       splits, layer_out, residual_out)

@@ -58,6 +58,7 @@ from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.layers.numba_rows import NUMBA_OPTIONS, SERIAL_MAX_ROWS, typed_list
+from mrv2.models.layers.rotary import RotaryInputs
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
 from mrv2.utils.kernel_flags import FASTMATH
@@ -307,7 +308,7 @@ class OneDnnDecode:
     def runs(self, rows: int) -> bool:
         return self.min_rows <= rows <= MAX_ONEDNN_DECODE_ROWS
 
-    def __call__(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def __call__(self, rope: RotaryInputs, hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         rows, hidden_size = hidden.shape
         weights = self.step_weights()
@@ -315,7 +316,7 @@ class OneDnnDecode:
                            self.head_dim, self.dtype,
                            None if self._kernel_weights is None else self.widths)
         threads = numba.get_num_threads()
-        cos, sin = (t.contiguous().numpy() for t in cos_sin)
+        cos, sin = (t.contiguous().numpy() for t in (rope.cos, rope.sin))
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
         kv_bytes = step_kv_bytes(seq_lens, self.num_kv_heads, self.head_dim,
                                  kv_caches[0].element_size(), len(kv_caches))

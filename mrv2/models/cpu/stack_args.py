@@ -137,6 +137,7 @@ class StackArgs:
         sandwich = spec.sandwich_norms
         local = model.local_rotary_emb
         no_table = np.empty((0, model.rotary_emb.cos_cache.shape[1]), np.float32)
+        query_scale = spec.position_query_scale or (0.0, 1)  # beta 0: no scaling
         self.layer_args = (
             model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
             _views(layer.input_layernorm.weight for layer in layers),
@@ -152,7 +153,8 @@ class StackArgs:
             tuple(_views(_or_none(getattr(layer, norm) if sandwich else None) for layer in layers)
                   for norm in ("post_attention_layernorm", "post_feedforward_layernorm")),
             (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
-             np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh"),
+             np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh",
+             np.float32(query_scale[0]), np.int64(query_scale[1])),
             np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
                       for layer in layers], np.int64),
             *((no_table, no_table) if local is None

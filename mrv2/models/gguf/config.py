@@ -17,6 +17,8 @@ What the converter changes on the way, and how it is undone:
   original context length and attention factor as keys; its partial rotary as
   `rope.dimension_count` below the head size. llama.cpp ignores a Phi-3 file's sliding window;
   mrv2 applies it, as transformers does on the checkpoint the file came from.
+- Ministral 3 (GGUF "mistral3") writes its query scaling's beta as
+  `attention.temperature_scale` and YaRN's mscale_all_dim as `rope.scaling.yarn_log_multiplier`.
 - SmolLM3's NoPE layers are not written: llama.cpp fixes every 4th layer NoPE, which is
   SmolLM3Config's default (`no_rope_layer_interval`).
 """
@@ -40,6 +42,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "mistral3": ("Ministral3Config", "Ministral3ForCausalLM"),
 }
 # Architectures whose rotary may cover part of each head (`rope.dimension_count` < head size).
 _PARTIAL_ROTARY_ARCHS = ("phi3",)
@@ -125,6 +128,10 @@ def _yarn_fields(ckpt: GGUFCheckpoint) -> dict[str, Any]:
                                     f"supported (1.0 only)")
     fields: dict[str, Any] = {
         "original_max_position_embeddings": int(ckpt.require(Keys.Rope.SCALING_ORIG_CTX_LEN))}
+    if (log_mul := ckpt.arch_field(Keys.Rope.SCALING_YARN_LOG_MUL)) is not None:
+        fields["mscale"] = fields["mscale_all_dim"] = float(log_mul)  # Ministral 3's pair
+    if (beta := ckpt.arch_field(Keys.Attention.TEMPERATURE_SCALE)) is not None:
+        fields["llama_4_scaling_beta"] = float(beta)
     for key, name in ((Keys.Rope.SCALING_YARN_ATTN_FACTOR, "attention_factor"),
                       (Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"),
                       (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow")):

@@ -42,7 +42,7 @@ _FUSED_ARCHS = ("phi3",)
 _FUSED_LAYER_MODULES = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 _MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # GGUF architectures whose converter permutes q/k rows (convert_hf_to_gguf.LlamaModel.permute).
-_PERMUTED_ARCHS = ("llama", "smollm3")
+_PERMUTED_ARCHS = ("llama", "smollm3", "mistral3")
 # GGUF architectures whose converter stores norm weights as 1 + w (Gemma*Model.modify_tensors).
 _SHIFTED_NORM_ARCHS = ("gemma2", "gemma3")
 

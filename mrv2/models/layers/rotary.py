@@ -26,7 +26,7 @@ Config forms read (both appear in the wild):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +38,14 @@ from mrv2.models.layers.numba_rows import float32_cpu_inference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 DEFAULT_ROPE_THETA = 10000.0
+# The rope parameters mrv2 reads (transformers' names; "type" is the legacy rope_type, and
+# llama_4_scaling_beta is read by the model that scales its queries: Ministral 3). A config
+# with any other key is refused by name.
+ROPE_PARAMETER_KEYS = frozenset((
+    "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+    "max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+    "mscale", "mscale_all_dim", "attention_factor", "truncate", "long_factor", "short_factor",
+    "partial_rotary_factor", "freq_factors", "llama_4_scaling_beta"))
 
 
 def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None
@@ -57,6 +65,10 @@ def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None
             raise ValueError(f"per-layer-type rope parameters are not supported here: "
                              f"{params}")
         params = dict(params[layer_type])
+    unknown = sorted(set(params) - ROPE_PARAMETER_KEYS)
+    if unknown:
+        raise ValueError(f"rope parameters {unknown} are not supported; supported: "
+                         f"{', '.join(sorted(ROPE_PARAMETER_KEYS))}")
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
     if params.get("rope_theta") is None:
@@ -78,6 +90,28 @@ def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None
     if partial is not None:
         params["partial_rotary_factor"] = float(partial)
     return params
+
+
+class RotaryInputs(NamedTuple):
+    """What the layers' rotary reads for one step (LlamaModel.embed): cos and sin [T, D] of the
+    tokens' positions, the local table's where the model has one (Gemma 3's windowed layers),
+    and the queries' scale [T, 1] where the model scales them by position (Ministral 3)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local: tuple[torch.Tensor, torch.Tensor] | None = None
+    query_scale: torch.Tensor | None = None
+
+    def table(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the local table, or of the global one."""
+        return self.local if local else (self.cos, self.sin)
+
+
+def position_query_scale(positions: torch.Tensor, beta: float, original: int) -> torch.Tensor:
+    """Llama 4's attention scaling, as Ministral 3 applies it to the rotated queries:
+    1 + beta * log(1 + floor(position / original)) [T, 1] in float32 (exactly 1 below
+    `original`)."""
+    return (1 + beta * torch.log(1 + torch.floor(positions / original)))[:, None]
 
 
 def per_layer_type_rope(params: dict[str, Any] | None) -> bool:

@@ -154,6 +154,10 @@ ARCHS = {
     "smollm3": {"num_layers": 3, "config": {"no_rope_layers": [1, 0, 0]}},
     # Gemma: sandwich norms of 1 + w, scaled embeddings, GeLU, windows, soft caps (Gemma 2),
     # q/k norms and the windowed layers' own rope table (Gemma 3).
+    # Ministral 3: the queries scaled by position (past 8 tokens here).
+    "ministral3": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 8,
+                                    "llama_4_scaling_beta": 0.5}},
     "gemma2": {"config": {"sliding_window": 6, "attn_logit_softcapping": 1.5,
                           "final_logit_softcapping": 8.0, "query_pre_attn_scalar": 24,
                           "layer_types": ["sliding_attention", "full_attention"]}},
