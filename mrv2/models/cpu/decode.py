@@ -59,19 +59,18 @@ def _kinds(layer) -> tuple[str, ...]:
     return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
 
 
-# Traits the stack does not compute (OLMo 2's), and those only it computes, not onednn_decode
-# (Gemma's).
-_UNSUPPORTED_TRAITS = ("norms_after", "qk_norm_over_projection")
+# Traits only the stack computes, not onednn_decode (Gemma's, OLMo 2's, Ministral 3's).
 _STACK_ONLY_TRAITS = ("sandwich_norms", "norm_unit_offset", "embedding_scale", "local_rope",
-                      "attention_softcap", "logit_softcap", "position_query_scale")
+                      "attention_softcap", "logit_softcap", "position_query_scale",
+                      "norms_after", "qk_norm_over_projection")
 
 
 def supports(spec: DecoderSpec | None) -> bool:
-    """Whether the stack computes a model that declares `spec`: Llama's or Gemma's layers,
-    SiLU- or GeLU(tanh)-gated, with any biases, per-head q/k norms, NoPE layers, partial
-    rotary, windows, local rope and soft caps."""
-    return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and not any(getattr(spec, trait) for trait in _UNSUPPORTED_TRAITS))
+    """Whether the stack computes a model that declares `spec`: Llama's, Gemma's or OLMo 2's
+    layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
+    projection, NoPE layers, partial rotary, windows, local rope, soft caps and position-scaled
+    queries."""
+    return spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
 
 
 def _layer_qualifies(layer) -> bool:
@@ -79,7 +78,7 @@ def _layer_qualifies(layer) -> bool:
     each projection packed or float32 CPU with a float32 CPU bias or none, tp 1."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = [layer.get_submodule(name) for name in PROJECTIONS]
-    eps = layer.input_layernorm.eps
+    eps = layer.post_attention_layernorm.eps
     norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     return (attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
             and len(norms) in (0, 2) and all(n.eps == eps and float32_cpu(n.weight)
@@ -97,7 +96,7 @@ def qualifies(model) -> bool:
     layers = list(model.layers)
     tables = rotary_tables(model)
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
-            and len({layer.input_layernorm.eps for layer in layers}) == 1
+            and len({layer.post_attention_layernorm.eps for layer in layers}) == 1
             and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
             and embedding_table(model) is not None and all(float32_cpu(t) for t in tables))
 

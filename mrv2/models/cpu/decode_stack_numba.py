@@ -1,5 +1,5 @@
-"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama- or
-Gemma-layout model, token ids to final hidden states (and the LM head's logits), as one numba
+"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama-, Gemma-
+or OLMo 2-layout model, token ids to final hidden states (and the LM head's logits), as one numba
 call (CPU, float32 activations). decode.py decides when it runs and builds the views it reads.
 
 The arithmetic is the same as the module path's (norm_numba, rotary_numba, activation_numba,
@@ -7,8 +7,9 @@ cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened
 dequantized exactly, Gemma's scaled), RMSNorm in float32 then the weight multiply (Gemma's
 norms hold 1 + w: the same float32 product), rotate-half rotary (per layer: none, the global
 or the local table), SiLU(gate) * up or GeLU(tanh), attention over the paged cache after this
-step's K/V are written (windows, soft caps), Gemma's norms after the sublayers, its capped
-logits. Each weight is a
+step's K/V are written (windows, soft caps), Gemma's and OLMo 2's norms after the sublayers
+(OLMo 2: none before them, q/k norms over the whole projections), Ministral 3's queries scaled
+by position, Gemma's capped logits. Each weight is a
 float32 view, a `HalfWeightView` or a `BlockWeightView`: the kind is the view's class, so
 `_linear` and `_embed` pick their kernel at compile time from it, and at run time from whether
 the view has panels (and blocks), as quantized_linear does.
@@ -196,6 +197,15 @@ def _head_norm(x, weight, eps, rows, num_heads, head_dim):
     return out.reshape(rows, num_heads * head_dim)
 
 
+@njit(cache=True)
+def _add_streams(x, residual, out):
+    """out = x + residual (or x where `residual` is [0, 0]: the stream's start), elementwise:
+    the residual stream of a model without norms before its sublayers (OLMo 2)."""
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[r, i] = x[r, i] + residual[r, i] if residual.shape[0] > 0 else x[r, i]
+
+
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
                   qk_norms, post_norms, traits, rope, window, cos, sin, q_scales, k_cache,
@@ -207,14 +217,21 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     b_qkv, b_o, b_gate_up, b_down = biases
     q_norm, k_norm = qk_norms
     normed = np.empty((rows, hidden_size), dtype=np.float32)
-    add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
-    if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
-        residual_out[:] = hidden
+    if ln1.shape[0] > 0:
+        add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
+        if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
+            residual_out[:] = hidden
+    else:  # OLMo 2: no norm before the sublayer, whose input is the stream itself
+        _add_streams(hidden, residual, residual_out)
+        normed[:] = residual_out
     qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
     _linear(normed, w_qkv, qkv)
     _add_bias(qkv, b_qkv)
     q_in, k_in = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
-    if q_norm.shape[0] > 0:  # per-head q/k norms before rotary (one eps: the layer norms')
+    if q_norm.shape[0] > 0 and traits[6]:  # OLMo 2: q/k norms over the whole projections
+        q_in = _head_norm(q_in, q_norm, eps, rows, 1, q_size)
+        k_in = _head_norm(k_in, k_norm, eps, rows, 1, kv_size)
+    elif q_norm.shape[0] > 0:  # per-head q/k norms before rotary (one eps: the layer norms')
         q_in = _head_norm(q_in, q_norm, eps, rows, num_heads, head_dim)
         k_in = _head_norm(k_in, k_norm, eps, rows, num_kv_heads, head_dim)
     q = np.empty((rows, q_size), dtype=np.float32)
@@ -236,11 +253,15 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     _linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)
     post_attn, post_ff = post_norms
-    if post_attn.shape[0] > 0:  # Gemma: the attention output normalised before it joins
+    if post_attn.shape[0] > 0:  # Gemma, OLMo 2: the attention output normalised before it joins
         o_in = o.copy()
         add_rms_norm_kernel(o_in, NO_RESIDUAL, post_attn, eps, o, o_in)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
-    add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
+    if ln2.shape[0] > 0:
+        add_rms_norm_kernel(o, residual_out.copy(), ln2, eps, normed, summed)
+    else:  # OLMo 2: the MLP reads the stream itself
+        _add_streams(o, residual_out, summed)
+        normed[:] = summed
     residual_out[:] = summed
     gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
     _linear(normed, w_gate_up, gate_up)
@@ -252,7 +273,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
         silu_and_mul_kernel(gate_up, intermediate, act)
     _linear(act, w_down, out)
     _add_bias(out, b_down)
-    if post_ff.shape[0] > 0:  # Gemma: so is the MLP's
+    if post_ff.shape[0] > 0:  # Gemma, OLMo 2: so is the MLP's
         out_in = out.copy()
         add_rms_norm_kernel(out_in, NO_RESIDUAL, post_ff, eps, out, out_in)
 

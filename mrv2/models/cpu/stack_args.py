@@ -134,27 +134,32 @@ class StackArgs:
         # The kernel's arguments between a step's own (both kernels take them in this order),
         # read once (module attributes cost microseconds a step), in decode_stack's order;
         # rotary tables per layer: 0 NoPE, 1 global, 2 local; windows: 0 every key.
-        sandwich = spec.sandwich_norms
+        sandwich, after = spec.sandwich_norms, spec.norms_after
+        # The norms before attention and before the MLP: Llama's two, Gemma's input and
+        # pre-feedforward ones, none for OLMo 2 (norms after the sublayers only: a [0] view).
+        before_mlp = ("pre_feedforward_layernorm" if sandwich
+                      else None if after else "post_attention_layernorm")
         local = model.local_rotary_emb
         no_table = np.empty((0, model.rotary_emb.cos_cache.shape[1]), np.float32)
         query_scale = spec.position_query_scale or (0.0, 1)  # beta 0: no scaling
         self.layer_args = (
             model.rotary_emb.cos_cache.numpy(), model.rotary_emb.sin_cache.numpy(),
-            _views(layer.input_layernorm.weight for layer in layers),
-            _views((layer.pre_feedforward_layernorm if sandwich
-                    else layer.post_attention_layernorm).weight for layer in layers),
-            np.float32(layers[0].input_layernorm.eps),
+            _views(_or_none(None if after else layer.input_layernorm) for layer in layers),
+            _views(_or_none(before_mlp and getattr(layer, before_mlp)) for layer in layers),
+            np.float32(layers[0].post_attention_layernorm.eps),
             *(projection_views([layer.get_submodule(name) for layer in layers])
               for name in PROJECTIONS),
             tuple(_views(_or_none(layer.get_submodule(name).bias) for layer in layers)
                   for name in PROJECTIONS),
             tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
                   for norm in ("q_norm", "k_norm")),
-            tuple(_views(_or_none(getattr(layer, norm) if sandwich else None) for layer in layers)
+            tuple(_views(_or_none(getattr(layer, norm) if sandwich or after else None)
+                         for layer in layers)
                   for norm in ("post_attention_layernorm", "post_feedforward_layernorm")),
             (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
              np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh",
-             np.float32(query_scale[0]), np.int64(query_scale[1])),
+             np.float32(query_scale[0]), np.int64(query_scale[1]),
+             spec.qk_norm_over_projection),
             np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
                       for layer in layers], np.int64),
             *((no_table, no_table) if local is None

@@ -154,6 +154,8 @@ ARCHS = {
     "smollm3": {"num_layers": 3, "config": {"no_rope_layers": [1, 0, 0]}},
     # Gemma: sandwich norms of 1 + w, scaled embeddings, GeLU, windows, soft caps (Gemma 2),
     # q/k norms and the windowed layers' own rope table (Gemma 3).
+    # OLMo 2: no norms before the sublayers, norms after them, q/k norms over projections.
+    "olmo2": {},
     # Ministral 3: the queries scaled by position (past 8 tokens here).
     "ministral3": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                     "original_max_position_embeddings": 8,
@@ -173,8 +175,8 @@ ARCHS = {
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
     """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (its head_dim not hidden / heads),
-    Phi-3's partial rotary, SmolLM3's NoPE layers and Gemma's traits are computed inside the
-    stack as the module path computes them."""
+    Phi-3's partial rotary, SmolLM3's NoPE layers, OLMo 2's norms, Ministral 3's query scaling
+    and Gemma's traits are computed inside the stack as the module path computes them."""
     path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
@@ -217,18 +219,6 @@ def test_no_fused_path_for_layers_it_does_not_compute(tiny_model_factory):
     for norm in ("input_layernorm", "post_attention_layernorm"):
         getattr(model.model.layers[1], norm).eps = 1e-3
     assert cpu_decode.fused_decode(model) is None
-
-
-def test_no_fused_path_for_norms_after_the_sublayers(tiny_model_factory):
-    """OLMo 2 declares norms after attention and the MLP and q/k norms over whole
-    projections: the stack does not compute those, so the module path runs."""
-    llm = LLM(str(tiny_model_factory("olmo2")), max_model_len=64)
-    assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is None
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
-                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)
-    llm.shutdown()
-    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_off_with_autograd_or_other_dtypes(tiny_llama):
