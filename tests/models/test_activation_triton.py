@@ -1,5 +1,5 @@
-"""activation_triton (SiLU-and-mul) against activation.py's torch path: interpreted on CPU
-tensors (odd widths, strided rows), compiled on a GPU in bf16 and fp32."""
+"""activation_triton (SiLU- and GeLU(tanh)-and-mul) against activation.py's torch path:
+interpreted on CPU tensors (odd widths, strided rows), compiled on a GPU in bf16 and fp32."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mrv2 import platform
 from mrv2.models.layers import activation_triton
-from mrv2.models.layers.activation import silu_and_mul
+from mrv2.models.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from tests.models.triton_layer_helpers import (COMPILED_TOL, INTERPRETED_TOL, compiled_variants,
                                                needs_cuda)
 
@@ -57,5 +57,18 @@ def test_compiled_matches_torch(dtype: torch.dtype) -> None:
         # Process-wide count; one row may get its own variant (test_norm_triton.py): from
         # the second row count on it must not grow.
         if rows == 7:
-            first_variants = compiled_variants(activation_triton._silu_and_mul_kernel)
-    assert compiled_variants(activation_triton._silu_and_mul_kernel) == first_variants
+            first_variants = compiled_variants(activation_triton._gated_act_kernel)
+    assert compiled_variants(activation_triton._gated_act_kernel) == first_variants
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_gelu_tanh_interpreted_matches_torch(dtype: torch.dtype) -> None:
+    """Gemma's gelu_pytorch_tanh, saturated gates included (|x| up to ~10)."""
+    gate_up = _gate_up(3, 19, dtype, "cpu")
+    with platform.triton_interpreter():
+        out = gelu_tanh_and_mul(gate_up)
+    gate, up = gate_up.split(19, dim=-1)
+    reference = F.gelu(gate, approximate="tanh") * up
+    assert out.shape == (3, 19) and out.dtype == dtype
+    torch.testing.assert_close(out, reference, **INTERPRETED_TOL[dtype])

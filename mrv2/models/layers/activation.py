@@ -2,8 +2,9 @@
 
 SiLU-and-mul (Llama family): CUDA tensors run the fused Triton twin (activation_triton.py),
 float32 CPU tensors outside autograd the fused numba twin (activation_numba.py), any other
-tensor the torch ops. GeLU(tanh)-and-mul (Gemma's gelu_pytorch_tanh): torch's own ops on every
-device (transformers' function itself).
+tensor the torch ops. GeLU(tanh)-and-mul (Gemma's gelu_pytorch_tanh): the Triton twin on CUDA,
+torch's own ops (transformers' function itself) elsewhere; the fused decode stack has its numba
+kernel (activation_numba.gelu_tanh_and_mul_kernel).
 
 `GATED_ACTIVATIONS` maps a config's `hidden_act` / `hidden_activation` to its function."""
 
@@ -29,6 +30,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if platform.kernel_impl(gate_up.device, portable_cpu_impl=True) == platform.TRITON:
+        from mrv2.models.layers import activation_triton
+
+        return activation_triton.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
