@@ -43,11 +43,12 @@ def test_a_requests_answer_does_not_depend_on_its_batch(path, tiny_llama, tiny_g
         assert any(case["logprobs"] != alone["logprobs"] for case in default.values())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_demos_chats_alone_and_together(dtype, tmp_path):
+def test_the_demos_chats_alone_and_together(tmp_path):
     """The built-in SmolLM2 (a 49152-token vocabulary) answers the demo's four chats with the
-    same bits alone and in one batch, greedy and with seeded sampling through every filter."""
-    answers = _cases(tmp_path, Path("demo"), dtype, None, invariant=True)
+    same bits alone and in one batch, greedy and with seeded sampling through every filter
+    (bfloat16: the default dtype on a CPU with native bf16; the float32 path's batch
+    invariance is the tiny models' test above, its vocabulary-wide ops the same kernels)."""
+    answers = _cases(tmp_path, Path("demo"), "bfloat16", None, invariant=True)
     for name in ("greedy", "sampled"):
         assert answers[name]["together"] == answers[name]["alone"], name
     assert answers["sampled"]["alone"] != answers["greedy"]["alone"]

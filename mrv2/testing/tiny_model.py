@@ -223,7 +223,12 @@ def make_tiny_model(
         vocab_size = -(-tokenizer_vocab_size // 64) * 64
     elif vocab_size < tokenizer_vocab_size:
         raise ValueError(f"vocab_size {vocab_size} < tokenizer vocab {tokenizer_vocab_size}")
-    rope = dict(rope_scaling or {})
+    # Ministral 3's rope is YaRN with its query-scaling beta (transformers reads both): its
+    # released shape, scaled down to a tiny model's context.
+    default_rope = ({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "llama_4_scaling_beta": 0.1} if arch == "ministral3" else {})
+    rope = dict(rope_scaling or default_rope)
     if "type" in rope:  # legacy spelling of rope_type
         rope.setdefault("rope_type", rope.pop("type"))
     rope_parameters = {"rope_type": "default", **rope, "rope_theta": float(rope_theta)}

@@ -68,7 +68,7 @@ def test_unsupported_architecture_is_refused_before_weights(model_dir: Path) -> 
 
 def test_registry() -> None:
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM",
-                                       "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                       "Ministral3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Phi3ForCausalLM", "SmolLM3ForCausalLM",
                                        "Olmo2ForCausalLM", "Gemma2ForCausalLM",
                                        "Gemma3ForCausalLM")

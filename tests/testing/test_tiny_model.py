@@ -138,7 +138,7 @@ def test_tied_embeddings(tmp_path: Path) -> None:
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="llama, mistral, ministral3, qwen2, qwen3"):
         make_tiny_model(tmp_path / "x", "gpt2")
     with pytest.raises(ValueError, match="vocab_size"):
         make_tiny_model(tmp_path / "x", "llama", vocab_size=1000)
