@@ -34,8 +34,9 @@ Invariants:
 - In a windowed group, the blocks wholly behind the window of the request's next query are
   given back (the entry becomes the null block) before each allocation: no later query of the
   request reads them. The worker's table keeps the stale id, which no result depends on
-  (the kernels start a windowed row's keys at its window, or mask what lies before it). A prefix hit in a windowed group needs
-  only the blocks of the window behind the hit; the ones before it are null.
+  (the kernels start a windowed row's keys at its window, or mask what lies before it). A
+  prefix hit in a windowed group needs only the blocks of the window behind the hit; the ones
+  before it are null.
 - A block is registered in one group: the cache's key is the chained hash salted with the
   group, so two groups' copies of one prefix never hit each other.
 """
