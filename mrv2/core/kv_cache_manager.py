@@ -56,8 +56,6 @@ HashFn = Callable[[BlockHash, Sequence[int]], BlockHash]
 # Per KV cache group, a list of block ids (one request's, or one step's delta of it).
 GroupBlockIds = tuple[list[int], ...]
 
-__all__ = ["BlockPool", "GroupBlockIds", "KVCacheManager", "PrefixCacheStats", "cdiv"]
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from executor.packed import check_id
 from mrv2.core.decode_steps import decode_steps
-from mrv2.core.kv_cache_manager import GroupBlockIds, KVCacheManager, PrefixCacheStats
+from mrv2.core.block_pool import PrefixCacheStats
+from mrv2.core.kv_cache_manager import GroupBlockIds, KVCacheManager
 from mrv2.core.request import Request, RequestStatus
 from mrv2.core.structured_output import StructuredOutputManager
 from mrv2.protocol import (CachedRequestData, EngineCoreOutput, FinishReason, GrammarOutput,

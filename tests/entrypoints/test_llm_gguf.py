@@ -244,9 +244,17 @@ def test_gemma_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_f
     transformers gives on the source checkpoint; a Q8_0 file computed on as stored (float32
     activations) the tokens of its dequantized weights."""
     from mrv2.testing.tiny_model import DEFAULT_VOCAB_SIZE
-    from transformers import AutoModelForCausalLM
 
     kwargs = {**GEMMA_GGUF[arch], "vocab_size": DEFAULT_VOCAB_SIZE, "tie_word_embeddings": True}
+    _check_gguf_against_source(tiny_model_factory, tiny_gguf_factory, arch, kwargs)
+
+
+def _check_gguf_against_source(tiny_model_factory, tiny_gguf_factory, arch: str,
+                               kwargs: dict) -> None:
+    """The F32 file's tokens are transformers' on the source checkpoint; the Q8_0 file's on
+    its blocks as stored are those of its dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
     source = tiny_model_factory(arch, **kwargs)
     path = tiny_gguf_factory(arch, "F32", **kwargs)
     expected = _hf_tokens(AutoModelForCausalLM.from_pretrained(source,
@@ -282,13 +290,5 @@ def test_llama_family_gguf_equals_the_safetensors_model(tiny_model_factory, tiny
                                                         arch):
     """An F32 file gives the tokens transformers gives on the source checkpoint; a Q8_0 file
     computed on as stored (float32 activations) the tokens of its dequantized weights."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = LLAMA_FAMILY_GGUF[arch]
-    source = tiny_model_factory(arch, **kwargs)
-    path = tiny_gguf_factory(arch, "F32", **kwargs)
-    expected = _hf_tokens(AutoModelForCausalLM.from_pretrained(source,
-                                                               dtype=torch.float32).eval())
-    assert _mrv2_tokens(str(path)) == expected
-    q8 = str(tiny_gguf_factory(arch, "Q8_0", **kwargs))
-    assert _mrv2_tokens(q8, quantization="gguf") == _mrv2_tokens(q8, quantization=None)
+    _check_gguf_against_source(tiny_model_factory, tiny_gguf_factory, arch,
+                               LLAMA_FAMILY_GGUF[arch])

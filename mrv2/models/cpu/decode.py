@@ -137,7 +137,7 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     head = args.head
     with_logits = head is not None and rows <= head.max_rows
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
-    tables = group_tables(args, meta, rows)
+    tables = group_tables(meta, rows)
     kv_per_item, splits = _work_split(args, tables[1])
     decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
@@ -165,7 +165,7 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     nan_rows = torch.empty(rows, dtype=torch.bool)
     decode_stack_run(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
-        group_tables(args, meta, rows)[0], seq_lens, block_size, *args.shape_args,
+        group_tables(meta, rows)[0], seq_lens, block_size, *args.shape_args,
         kv_per_item, splits,
         np.empty((rows, args.hidden_size), np.float32), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())

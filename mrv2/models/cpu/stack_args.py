@@ -185,10 +185,10 @@ class StackArgs:
         return self.kv_caches_list is kv_caches and self.key == self.current_key()
 
 
-def group_tables(args: StackArgs, meta, rows: int) -> tuple[tuple, np.ndarray, np.ndarray]:
+def group_tables(meta, rows: int) -> tuple[tuple, np.ndarray, np.ndarray]:
     """(block tables, seq_lens, slots) as the stack takes them: every KV cache group's table,
     and their slots [groups, rows]."""
-    groups = [meta.for_group(g) for g in range(int(args.kv_groups.max()) + 1)]
+    groups = [meta, *meta.other_groups]
     slots = (groups[0].slot_mapping[None, :rows].numpy() if len(groups) == 1 else
              np.stack([group.slot_mapping[:rows].numpy() for group in groups]))
     seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
