@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from mrv2.core.kv_cache_layout import KVCacheLayout, layer_windows
+from mrv2.core.kv_cache_layout import KVCacheLayout
 
 
 class ConfigError(ValueError):
@@ -135,9 +135,7 @@ class ModelConfig:
     def kv_cache_layout(self) -> KVCacheLayout:
         """The layers' KV cache groups and tensors (the scheduler's and the worker's); a
         config without layers (a scheduler's, in tests) has one group of one layer."""
-        hf = self.hf_config
-        return KVCacheLayout.for_windows(None if hf is None else layer_windows(hf),
-                                         getattr(hf, "num_hidden_layers", 1))
+        return KVCacheLayout.for_model(self.hf_config)
 
 
 # vLLM's kv_cache_dtype values that mrv2 stores, and their element type; "auto" stores the

@@ -72,18 +72,18 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         sched = config.scheduler_config
-        max_model_len = config.model_config.max_model_len
-        self.requests = RequestState(sched.max_num_seqs, max_model_len, device)
         model_config = config.model_config
-        num_kv_groups = model_config.kv_cache_layout.num_groups
+        self.requests = RequestState(sched.max_num_seqs, model_config.max_model_len, device)
+        layout = model_config.kv_cache_layout
         self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
-                                        config.cache_config.block_size, device, num_kv_groups)
+                                        config.cache_config.block_size, device,
+                                        layout.num_groups, layout.group_block_scales)
         self.sampling = SamplingStates(self.requests, model_config.vocab_size,
                                        model_config.seed,
                                        eos_token_ids=eos_token_ids(model_config.hf_config,
                                                                    model_config.model))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                    config.max_num_blocks_per_req, device, num_kv_groups)
+                                    config.max_num_blocks_per_req, device, layout.num_groups)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
         self.prompt_logprobs = PromptLogprobsState(model_config.vocab_size, device)
         # A pooling engine's runner also pools each request's hidden states (state/pooling.py).

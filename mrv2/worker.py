@@ -23,6 +23,7 @@ from mrv2 import batch_invariant, distributed, platform
 from mrv2.async_output import AsyncOutput
 from mrv2.attention.backend import attach_split_kv_scratch, kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig
+from mrv2.core.kv_cache_layout import layer_kv_shape
 from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -48,7 +49,7 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.num_kv_blocks = 0
-        self._kv_shapes: list[torch.Size] | None = None  # while asleep: the caches' shapes
+        self._kv_asleep = False  # the KV caches' storage was given back (sleep mode)
         self._fast_paths: cpu_fast_paths.CpuFastPaths | None = None
         self._free_cores: free_cores.FreeCoreThreads | None = None
 
@@ -77,10 +78,17 @@ class Worker:
             attach_split_kv_scratch(self.model, self.config.scheduler_config.max_num_seqs,
                                     self.config.model_config.max_model_len, self.device)
 
+    def _layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads this rank caches, head dim) of a layer (its share under tensor
+        parallelism)."""
+        kv_heads, head_dim = layer_kv_shape(self.config.model_config.hf_config, layer)
+        return kv_heads // self.world_size, head_dim
+
     @property
-    def num_kv_heads(self) -> int:
-        """The kv heads this rank caches (its share under tensor parallelism)."""
-        return self.config.model_config.num_kv_heads // self.world_size
+    def _kv_width(self) -> int:
+        """Elements per token of each KV tensor, K or V: the widest layer's."""
+        return max(kv_heads * head_dim for kv_heads, head_dim in
+                   map(self._layer_kv_shape, range(self.config.model_config.num_layers)))
 
     @property
     def kv_block_bytes(self) -> int:
@@ -89,7 +97,7 @@ class Worker:
         mc, cc = self.config.model_config, self.config.cache_config
         elem = self.config.kv_cache_dtype.itemsize
         num_tensors = mc.kv_cache_layout.num_tensors
-        return 2 * num_tensors * cc.block_size * self.num_kv_heads * mc.head_dim * elem
+        return 2 * num_tensors * cc.block_size * self._kv_width * elem
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests use.
@@ -146,16 +154,29 @@ class Worker:
         return torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
 
     def _kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """Each layer's KV cache: the layout's tensors, a layer's being the one its position
-        in its KV cache group names (the same tensor object for the layers that share it)."""
+        """Each layer's KV cache [2, blocks, block_size, kv heads, head dim]: a view of the
+        layout's tensor that its position in its KV cache group names, with `block_scale`
+        blocks of its shape per block id (core/kv_cache_layout.py). The layers of one tensor
+        and shape share one view object; a KV-shared layer gets its source's."""
         mc, cc = self.config.model_config, self.config.cache_config
-        shape = kv_cache_shape(num_blocks, cc.block_size, self.num_kv_heads, mc.head_dim)
         layout = mc.kv_cache_layout
-        tensors = [self._kv_cache_zeros(shape) for _ in range(layout.num_tensors)]
-        return [tensors[t] for t in layout.layer_tensor]
+        tensors = [self._kv_cache_zeros((2, num_blocks, cc.block_size * self._kv_width))
+                   for _ in range(layout.num_tensors)]
+        views: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        caches = []
+        for layer in range(mc.num_layers):
+            source = layout.layer_source[layer]
+            kv_heads, head_dim = self._layer_kv_shape(source)
+            scale = layout.groups[layout.layer_group[source]].block_scale
+            key = (layout.layer_tensor[source], scale, kv_heads, head_dim)
+            if key not in views:
+                views[key] = tensors[key[0]].view(kv_cache_shape(
+                    num_blocks * scale, cc.block_size, kv_heads, head_dim))
+            caches.append(views[key])
+        return caches
 
     def _kv_tensors(self) -> list[torch.Tensor]:
-        """The runner's KV tensors, each once."""
+        """The runner's KV cache views, each once."""
         return list({id(cache): cache for cache in self.runner.kv_caches}.values())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -178,10 +199,10 @@ class Worker:
         runner's cache tensors stay the same objects, with empty storage); level 2 also
         drops the weights. On the CPU the weights already live in host memory, so level 1
         moves nothing there (on CUDA too: mrv2 does not offload them)."""
-        if self._kv_shapes is None:
+        if not self._kv_asleep:
             if self._fast_paths is not None:
                 self._fast_paths.release_kv_views()
-            self._kv_shapes = [cache.shape for cache in self._kv_tensors()]
+            self._kv_asleep = True
             for cache in self._kv_tensors():
                 cache.set_(cache.new_empty(0))  # the old storage goes with its last view
         if level == 2:
@@ -195,10 +216,11 @@ class Worker:
     def wake_up(self) -> None:
         """Give the KV cache its memory back (zeroed, as at start-up) and, after level 2, load
         the weights again from the checkpoint (vLLM leaves that to the user)."""
-        if self._kv_shapes is not None:
-            for cache, shape in zip(self._kv_tensors(), self._kv_shapes):
-                cache.set_(self._kv_cache_zeros(shape))
-            self._kv_shapes = None
+        if self._kv_asleep:
+            # New tensors viewed as before; each layer's cache object takes its new view.
+            for cache, fresh in zip(self.runner.kv_caches, self._kv_caches(self.num_kv_blocks)):
+                cache.set_(fresh)
+            self._kv_asleep = False
         if self.model is None:
             self._load_weights()
             self.runner.model, self.runner.fused_decode = self.model, self._fused_decode()

@@ -101,9 +101,11 @@ class Attention(nn.Module):
         # Set by attach_split_kv_scratch; shared with every layer of the same head shape.
         self.split_kv_scratch = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, KV*D] -> [T, H*D]. Writes k/v into the cache first.
+        """q: [T, H*D], k/v: [T, KV*D] -> [T, H*D]. Writes k/v into the cache first; k and v
+        None: the cache already holds this step's keys and values (a KV-shared layer reads
+        what its source layer wrote earlier in the step).
 
         Only the first `meta.num_actual_tokens` tokens are used and returned. On the Triton
         backend, tokens among them that belong to no row (graph padding past
@@ -112,12 +114,15 @@ class Attention(nn.Module):
         meta = meta.for_group(self.kv_cache_group)
         n = meta.num_actual_tokens
         q = q[:n].view(n, self.num_heads, self.head_dim)
-        k = k[:n].view(n, self.num_kv_heads, self.head_dim)
-        v = v[:n].view(n, self.num_kv_heads, self.head_dim)
+        writes = k is not None
+        if writes:
+            k = k[:n].view(n, self.num_kv_heads, self.head_dim)
+            v = v[:n].view(n, self.num_kv_heads, self.head_dim)
         if attention_backend(q.device) == platform.TRITON:
             from mrv2.attention import paged_triton
 
-            paged_triton.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
+            if writes:
+                paged_triton.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
             # Batch-invariant mode: one kernel and one query tile size for every step, so a
             # token's sums do not depend on what else the step holds.
             uniform_decode = (meta.num_decodes == meta.num_reqs
@@ -140,7 +145,8 @@ class Attention(nn.Module):
         else:
             from mrv2.attention import paged_torch
 
-            paged_torch.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
+            if writes:
+                paged_torch.write_kv(k, v, kv_cache, meta.slot_mapping[:n])
             out = paged_torch.paged_attention(q, kv_cache, meta, self.scale, k, v,
                                               window=self.sliding_window, softcap=self.softcap,
                                               sinks=self.sinks)

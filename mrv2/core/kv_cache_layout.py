@@ -16,8 +16,18 @@ block of each tensor, and the group that holds the id decides which of its layer
 
 A model with one window for every layer (or none) is one group of all its layers: one tensor
 per layer, one block table, as before hybrid layouts existed. A layout that would need more
-than MAX_KV_CACHE_GROUPS groups (a lone windowed layer among many full ones) stays one group:
-its windowed layers then keep their blocks (correct, only less frugal).
+than MAX_KV_CACHE_GROUPS groups (a lone windowed layer among many full ones) stays one group
+per KV width: its windowed layers then keep their blocks (correct, only less frugal).
+
+Layers whose caches differ in width (Gemma 4: 512-dim global heads beside 256-dim windowed
+ones; `width` = kv heads x head dim per token) fall into separate groups. Every tensor is as
+wide as the widest layer, so a block id holds `block_scale` blocks of a narrower group's shape:
+that group's layers view the tensor as that many times as many blocks of their own shape and
+address block id b as their block b * block_scale (the worker scales the ids as it stages
+them), so the kernels see contiguous caches of one shape each.
+
+A layer that reuses an earlier layer's keys and values (Gemma 4's KV-shared layers,
+`kv_sources`) owns no cache: it reads its source's tensor through its source's group.
 
 Torch-free: the scheduler builds the same layout as the worker, from the model config.
 """
@@ -55,12 +65,54 @@ def layer_windows(hf: Any) -> tuple[int, ...] | None:
     return windows if any(windows) else None
 
 
+def layer_kv_shape(hf: Any, layer: int) -> tuple[int, int]:
+    """(kv heads, head dim) of a layer: the model's, or its own where the config gives layers
+    their own (Gemma 4's `per_layer_config`: global layers' wider heads)."""
+    per_layer = getattr(hf, "per_layer_config", None)
+    own = per_layer[layer] if per_layer else hf
+    kv_heads = getattr(own, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(own, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return kv_heads, head_dim
+
+
+def layer_kv_widths(hf: Any) -> tuple[int, ...] | None:
+    """Each layer's KV width per token (kv heads x head dim) where layers differ; None: every
+    layer has the model's."""
+    widths = tuple(kv_heads * head_dim for kv_heads, head_dim
+                   in (layer_kv_shape(hf, layer) for layer in range(hf.num_hidden_layers)))
+    return widths if len(set(widths)) > 1 else None
+
+
+def layer_kv_sources(hf: Any) -> tuple[int, ...] | None:
+    """Each layer's KV source: itself, or for Gemma 4's last `num_kv_shared_layers` layers the
+    last earlier layer of its type that computes its own keys and values (transformers'
+    `kv_sharing_modes`). None: every layer owns its cache."""
+    shared = getattr(hf, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return None
+    num_layers = hf.num_hidden_layers
+    types = list(getattr(hf, "layer_types", None) or ["full_attention"] * num_layers)
+    first_shared = num_layers - shared
+    if first_shared < 1:
+        raise ValueError(f"num_kv_shared_layers={shared} leaves no layer of the "
+                         f"{num_layers} computing keys and values")
+    last_owner = {kind: layer for layer, kind in enumerate(types[:first_shared])}
+    missing = sorted(set(types[first_shared:]) - set(last_owner))
+    if missing:
+        raise ValueError(f"num_kv_shared_layers={shared}: no earlier layer of type "
+                         f"{missing} computes the keys and values the shared layers reuse")
+    return tuple(layer if layer < first_shared else last_owner[types[layer]]
+                 for layer in range(num_layers))
+
+
 @dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share one block table per request."""
 
     window: int  # 0: full attention (every block is kept)
     layers: tuple[int, ...]
+    # Blocks of this group's shape in one block id of the (widest layer's) tensors.
+    block_scale: int = 1
 
     def max_blocks(self, num_tokens: int, block_size: int, max_new_tokens: int) -> int:
         """The most blocks a request of `num_tokens` tokens holds in this group at once, when a
@@ -85,34 +137,67 @@ class KVCacheLayout:
     # Per layer: its group, and the tensor (its position in that group) holding its K/V.
     layer_group: tuple[int, ...]
     layer_tensor: tuple[int, ...]
+    # Per layer: the layer whose keys and values it reads (itself unless KV-shared).
+    layer_source: tuple[int, ...]
 
     @classmethod
-    def for_windows(cls, windows: Sequence[int] | None, num_layers: int) -> KVCacheLayout:
-        """Group `num_layers` layers by their windows (None: no layer has one)."""
+    def for_windows(cls, windows: Sequence[int] | None, num_layers: int, *,
+                    widths: Sequence[int] | None = None,
+                    sources: Sequence[int] | None = None) -> KVCacheLayout:
+        """Group `num_layers` layers by their windows (None: no layer has one) and KV widths
+        (None: all equal); a layer whose `sources` entry names another layer joins that
+        layer's group and tensor."""
         windows = tuple(windows) if windows is not None else (0,) * num_layers
-        if len(windows) != num_layers:
-            raise ValueError(f"{len(windows)} windows for {num_layers} layers")
-        kinds: dict[int, list[int]] = {}
-        for layer, window in enumerate(windows):
-            kinds.setdefault(window, []).append(layer)
+        widths = tuple(widths) if widths is not None else (1,) * num_layers
+        sources = tuple(sources) if sources is not None else tuple(range(num_layers))
+        if not len(windows) == len(widths) == len(sources) == num_layers:
+            raise ValueError(f"{len(windows)} windows, {len(widths)} widths and "
+                             f"{len(sources)} KV sources for {num_layers} layers")
+        owners = [layer for layer in range(num_layers) if sources[layer] == layer]
+        if any(sources[sources[layer]] != sources[layer] for layer in range(num_layers)):
+            raise ValueError(f"KV sources {sources}: a layer must read a layer that owns its "
+                             f"cache")
+        widest = max(widths)
+        if any(widest % width for width in widths):
+            raise ValueError(f"KV widths {sorted(set(widths))} per token: each must divide "
+                             f"the widest")
+        kinds: dict[tuple[int, int], list[int]] = {}
+        for layer in owners:
+            kinds.setdefault((windows[layer], widths[layer]), []).append(layer)
         size = min(len(layers) for layers in kinds.values())
-        num_groups = sum(-(-len(layers) // size) for layers in kinds.values())
-        if len(kinds) == 1 or num_groups > MAX_KV_CACHE_GROUPS:
-            # One group; its blocks follow a window only when every layer has that window.
-            window = windows[0] if len(kinds) == 1 else 0
-            return cls((KVCacheGroup(window, tuple(range(num_layers))),),
-                       (0,) * num_layers, tuple(range(num_layers)))
+        if sum(-(-len(layers) // size) for layers in kinds.values()) > MAX_KV_CACHE_GROUPS:
+            # One group per width; its blocks follow a window only when all its layers have it.
+            merged: dict[int, list[int]] = {}
+            for (_, width), layers in kinds.items():
+                merged.setdefault(width, []).extend(layers)
+            kinds = {}
+            for width, layers in merged.items():
+                one_window = {windows[layer] for layer in layers}
+                window = one_window.pop() if len(one_window) == 1 else 0
+                kinds[(window, width)] = sorted(layers)
+            size = max(len(layers) for layers in kinds.values())
         groups = []
         layer_group = [0] * num_layers
         layer_tensor = [0] * num_layers
-        for window, layers in kinds.items():
+        for (window, width), layers in kinds.items():
             for start in range(0, len(layers), size):
                 members = tuple(layers[start:start + size])
                 for position, layer in enumerate(members):
                     layer_group[layer] = len(groups)
                     layer_tensor[layer] = position
-                groups.append(KVCacheGroup(window, members))
-        return cls(tuple(groups), tuple(layer_group), tuple(layer_tensor))
+                groups.append(KVCacheGroup(window, members, widest // width))
+        for layer in range(num_layers):
+            layer_group[layer] = layer_group[sources[layer]]
+            layer_tensor[layer] = layer_tensor[sources[layer]]
+        return cls(tuple(groups), tuple(layer_group), tuple(layer_tensor), sources)
+
+    @classmethod
+    def for_model(cls, hf: Any) -> KVCacheLayout:
+        """The layout of a transformers config's layers (None: one layer, a test's)."""
+        if hf is None:
+            return cls.for_windows(None, 1)
+        return cls.for_windows(layer_windows(hf), hf.num_hidden_layers,
+                               widths=layer_kv_widths(hf), sources=layer_kv_sources(hf))
 
     @property
     def num_groups(self) -> int:
@@ -122,6 +207,10 @@ class KVCacheLayout:
     def num_tensors(self) -> int:
         """KV tensors to allocate: as many as the largest group has layers."""
         return max(len(group.layers) for group in self.groups)
+
+    @property
+    def group_block_scales(self) -> tuple[int, ...]:
+        return tuple(group.block_scale for group in self.groups)
 
     @property
     def is_hybrid(self) -> bool:

@@ -211,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
     o_proj_bias_allowed = True  # Qwen2: never an o_proj bias
     qk_norm = False  # Qwen3: per-head RMSNorm on q and k
     layer_class: type[nn.Module] = LlamaDecoderLayer
+    model_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -218,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         self.model_config = model_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.decoder_spec = self.declare(hf)
-        self.model = LlamaModel(model_config, self.decoder_spec, self.layer_class)
+        self.model = self.model_class(model_config, self.decoder_spec, self.layer_class)
         self.lm_head: ParallelLMHead | None = (
             None if self.tie_word_embeddings else ParallelLMHead(hf.vocab_size, hf.hidden_size))
 

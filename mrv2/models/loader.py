@@ -82,7 +82,13 @@ def _directory_config(model_path: str) -> Any:
 
     from transformers import AutoConfig  # heavy import, only when a model is loaded
 
-    return AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config, "per_layer_config", None):
+        # Gemma 4's layers override head_dim / num_key_value_heads: mrv2 reads each layer's
+        # from `per_layer_config` (kv_cache_layout.layer_kv_shape) and the global value as
+        # the model's default (the windowed layers').
+        config.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:

@@ -8,6 +8,7 @@ from mrv2.models.llama import (LlamaForCausalLM, Ministral3ForCausalLM, MistralF
                                Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
                                SmolLM3ForCausalLM)
 from mrv2.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from mrv2.models.gemma4 import Gemma4ForCausalLM
 from mrv2.models.olmo2 import Olmo2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -21,6 +22,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -1,6 +1,10 @@
 """Per-slot block tables, updated by staged deltas; one table per KV cache group
 (core/kv_cache_layout.py), stacked: group g's row of slot s is row g * max_num_seqs + s.
 
+A group whose layers' caches are narrower than the KV tensors (`block_scale` > 1) addresses
+block id b as its block b * block_scale: its ids are scaled here, as they are staged, so every
+kernel after reads the ids of the group's own cache view.
+
 A running request's step carries only the block ids allocated in that step; they are staged
 after the row's current fill and written with the other staged runs in one copy. Per step the
 rows of the scheduled requests are gathered into batch order with one kernel (Triton on CUDA,
@@ -21,8 +25,11 @@ from mrv2.state.staged import StagedWriteTensor
 
 class BlockTables:
     def __init__(self, max_num_seqs: int, max_num_blocks_per_req: int, block_size: int,
-                 device: torch.device, num_groups: int = 1) -> None:
+                 device: torch.device, num_groups: int = 1,
+                 block_scales: Sequence[int] | None = None) -> None:
         self.block_size = block_size
+        self.block_scales = (None if block_scales is None or set(block_scales) == {1}
+                             else np.asarray(block_scales, dtype=np.int32))
         self.max_num_blocks = max_num_blocks_per_req
         self.max_num_seqs = max_num_seqs
         self.num_groups = num_groups
@@ -41,6 +48,8 @@ class BlockTables:
         if start + len(block_ids) > self.max_num_blocks:
             raise ValueError(f"slot {slot} would hold {start + len(block_ids)} blocks, more than "
                              f"the {self.max_num_blocks} a request of max_model_len can use")
+        if self.block_scales is not None:
+            block_ids = np.asarray(block_ids, dtype=np.int32) * self.block_scales[group]
         self.table.stage_write(row, start, block_ids)
         self.num_blocks[row] = start + len(block_ids)
 
@@ -56,6 +65,9 @@ class BlockTables:
             raise ValueError(f"{len(slots)} slots, {lengths.shape} block-id counts summing to "
                              f"{int(lengths.sum())} and {len(values)} block ids for "
                              f"{self.num_groups} KV cache groups")
+        values = np.asarray(values, dtype=np.int32)
+        if self.block_scales is not None:
+            values = values * np.repeat(self.block_scales, lengths.sum(axis=1))
         rows = (slots if self.num_groups == 1 else
                 (np.arange(self.num_groups)[:, None] * self.max_num_seqs + slots).reshape(-1))
         lengths = lengths.reshape(-1)
@@ -70,7 +82,7 @@ class BlockTables:
             raise ValueError(f"slot {rows[bad] % self.max_num_seqs} would hold {ends[bad]} "
                              f"blocks, more than the {self.max_num_blocks} a request of "
                              f"max_model_len can use")
-        self.table.stage_runs(rows, starts, lengths, np.asarray(values, dtype=np.int32))
+        self.table.stage_runs(rows, starts, lengths, values)
         self.num_blocks[rows] = ends
 
     def clear_row(self, slot: int) -> None:

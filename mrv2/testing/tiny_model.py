@@ -44,6 +44,7 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
 }
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
@@ -91,6 +92,10 @@ def _init_weights(model: torch.nn.Module, seed: int, init_scale: float, tied: bo
             else:
                 raise RuntimeError(f"no init rule for parameter {name} {tuple(p.shape)}")
             p.copy_(value)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, loaded
+                g = torch.Generator().manual_seed(_tensor_seed(seed, name))
+                b.copy_(1.0 + NORM_STD * torch.randn(b.shape, generator=g))
 
 
 def _split_shards(sizes: list[int], num_shards: int) -> list[int]:
@@ -147,6 +152,8 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
     )
     if p["arch"] in ("mistral", "ministral3"):
         fields["sliding_window"] = None
+    if p["arch"] == "gemma4":  # per layer type: transformers' defaults unless `config` gives
+        del fields["rope_parameters"]
     fields.update(p.get("config") or {})
     config = config_cls(**fields)
     # fork_rng: the caller's global RNG state is left as it was.

@@ -194,3 +194,24 @@ def test_decode_steps_take_the_split_kv_path_once_scratch_is_attached(monkeypatc
         out = model[0](q, k, v, cache, meta)
     assert calls == [1]
     assert (out - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_a_layer_without_keys_reads_what_its_source_wrote(impl):
+    """A KV-shared layer (Gemma 4) passes no k/v: it attends over the cache its source layer
+    filled this step, writes nothing, and equals attending with the keys themselves."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, NUM_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(5, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(5, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    blocks = [3, 1]
+    slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(5)]
+    meta = metadata([5], [5], blocks, slots)
+    source, reader = (Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, 0.5) for _ in range(2))
+    cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
+    with platform.kernels_on_cpu(impl):
+        source(q.flatten(1), k.flatten(1), v.flatten(1), cache, meta)
+        before = cache.clone()
+        out = reader(q.flatten(1), None, None, cache, meta)
+    assert torch.equal(cache, before)
+    torch.testing.assert_close(out.view(5, NUM_HEADS, HEAD_DIM), dense_causal(q, k, v, 0.5))

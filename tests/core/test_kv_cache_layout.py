@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from mrv2.core.kv_cache_layout import (MAX_KV_CACHE_GROUPS, KVCacheGroup, KVCacheLayout,
+                                       layer_kv_shape, layer_kv_sources, layer_kv_widths,
                                        layer_windows)
 
 
@@ -76,3 +77,55 @@ def test_layer_windows_read_as_transformers_applies_them() -> None:
     with pytest.raises(ValueError, match="chunked_attention"):
         layer_windows(SimpleNamespace(num_hidden_layers=1, sliding_window=8,
                                       layer_types=["chunked_attention"]))
+
+
+def test_layers_of_different_widths_get_groups_of_their_own_and_a_block_scale() -> None:
+    # Gemma 4: windowed layers 2 kv heads x 16, global layers 2 x 32.
+    windows, widths = (8, 8, 0, 8, 0), (32, 32, 64, 32, 64)
+    layout = KVCacheLayout.for_windows(windows, 5, widths=widths)
+    assert [(g.window, g.block_scale) for g in layout.groups] == [(8, 2), (8, 2), (0, 1)]
+    assert layout.group_block_scales == (2, 2, 1)
+    with pytest.raises(ValueError, match="each must divide the widest"):
+        KVCacheLayout.for_windows(None, 2, widths=(32, 48))
+
+
+def test_one_width_keeps_every_group_at_scale_one() -> None:
+    layout = KVCacheLayout.for_windows((8, 0, 8, 0), 4, widths=(32,) * 4)
+    assert layout.group_block_scales == (1, 1)
+
+
+def test_too_many_groups_fall_back_to_one_group_per_width() -> None:
+    windows = (4,) + (0,) * (MAX_KV_CACHE_GROUPS + 1)
+    widths = (16,) + (32,) * (MAX_KV_CACHE_GROUPS + 1)
+    layout = KVCacheLayout.for_windows(windows, len(windows), widths=widths)
+    assert [(g.window, g.layers, g.block_scale) for g in layout.groups] == [
+        (4, (0,), 2), (0, tuple(range(1, len(windows))), 1)]
+
+
+def test_kv_shared_layers_read_their_sources_group_and_tensor() -> None:
+    layout = KVCacheLayout.for_windows((8, 0, 8, 0), 4, sources=(0, 1, 0, 1))
+    assert layout.groups == (KVCacheGroup(8, (0,)), KVCacheGroup(0, (1,)))
+    assert layout.layer_group == (0, 1, 0, 1) and layout.layer_tensor == (0, 0, 0, 0)
+    assert layout.num_tensors == 1 and layout.layer_source == (0, 1, 0, 1)
+    with pytest.raises(ValueError, match="must read a layer that owns its cache"):
+        KVCacheLayout.for_windows(None, 3, sources=(0, 0, 1))
+
+
+def test_gemma4_config_gives_widths_and_sources() -> None:
+    from transformers import Gemma4TextConfig
+
+    types = ["sliding_attention", "sliding_attention", "full_attention",
+             "sliding_attention", "full_attention"]
+    hf = Gemma4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                          attention_k_eq_v=True, sliding_window=4, layer_types=types,
+                          num_kv_shared_layers=2, hidden_size_per_layer_input=0)
+    assert [layer_kv_shape(hf, i) for i in range(5)] == [(2, 8), (2, 8), (1, 16), (2, 8),
+                                                         (1, 16)]
+    assert layer_kv_widths(hf) is None  # 2 x 8 == 1 x 16: one width
+    # Layers 3 and 4 reuse the last earlier layer of their type: 1 (windowed), 2 (global).
+    assert layer_kv_sources(hf) == (0, 1, 2, 1, 2)
+    layout = KVCacheLayout.for_model(hf)
+    assert layout.layer_group[3] == layout.layer_group[1]
+    assert layout.layer_tensor[4] == layout.layer_tensor[2]

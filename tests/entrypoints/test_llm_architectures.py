@@ -1,6 +1,7 @@
 """End to end on each architecture of issue 49 that the Llama-family layers compute
 (Phi-3 with LongRoPE, partial rotary and a sliding window, SmolLM3 with NoPE layers, OLMo 2,
-Gemma 2 with soft caps, Gemma 3 with its local rope,
+Gemma 2 with soft caps, Gemma 3 with its local rope, Gemma 4 with wide global heads, per-layer
+inputs and KV-shared layers,
 Mistral and Qwen2 with sliding windows shorter than the prompts, Ministral 3 (Mistral 3's text
 model), Llama with YaRN and dynamic NTK): greedy tokens equal transformers' on the same random
 weights through chunked prefill (a budget smaller than the prompts), a prefix-cache hit and
@@ -15,10 +16,15 @@ import pytest
 from transformers import AutoConfig
 
 from mrv2 import LLM, SamplingParams
-from mrv2.core.kv_cache_layout import KVCacheLayout, layer_windows
+from mrv2.core.kv_cache_layout import KVCacheLayout, layer_kv_shape
 from tests.entrypoints.test_llm import hf_greedy
 
 MAX_TOKENS = 12
+_GEMMA4_LAYERS = (["sliding_attention"] * 2 + ["full_attention"]
+                  + ["sliding_attention", "full_attention"] * 2)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1e6}}
 CASES = {
     "phi3-longrope": ("phi3", {"rope_scaling": {
         "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
@@ -40,6 +46,18 @@ CASES = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}}),
+    # Gemma 4: wider global heads with one kv head (values = keys), proportional rope, per-layer
+    # inputs, the last two layers reusing earlier layers' caches with double-wide MLPs.
+    "gemma4": ("gemma4", {"num_layers": 7, "tie_word_embeddings": True, "config": {
+        "sliding_window": 9, "layer_types": _GEMMA4_LAYERS, "global_head_dim": 32,
+        "num_global_key_value_heads": 2, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 20.0, "rope_parameters": _GEMMA4_ROPE}}),
+    # Gemma 4 without per-layer inputs or KV sharing, separate values, one head width.
+    "gemma4-plain": ("gemma4", {"num_layers": 3, "config": {
+        "sliding_window": 9, "layer_types": _GEMMA4_LAYERS[:3], "global_head_dim": 16,
+        "hidden_size_per_layer_input": 0, "rope_parameters": _GEMMA4_ROPE}}),
     # Mistral 3's text model: YaRN, and queries scaled by position past the original context.
     "ministral3": ("ministral3", {"rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
@@ -64,9 +82,11 @@ def test_greedy_matches_transformers(tiny_model_factory, name):
     # and outputs: requests are preempted. A windowed layer's blocks behind its window are
     # given back (core/kv_cache_layout.py): its requests need fewer.
     hf = AutoConfig.from_pretrained(model_dir)
-    layout = KVCacheLayout.for_windows(layer_windows(hf), hf.num_hidden_layers)
+    layout = KVCacheLayout.for_model(hf)
     num_blocks = layout.max_blocks_per_request(96, 8, 32) + 1
-    block_bytes = 2 * 8 * hf.num_key_value_heads * 16 * 4 * layout.num_tensors
+    width = max(heads * dim for heads, dim in (layer_kv_shape(hf, layer)
+                                               for layer in range(hf.num_hidden_layers)))
+    block_bytes = 2 * 8 * width * 4 * layout.num_tensors
     llm = LLM(str(model_dir), max_model_len=96, block_size=8, max_num_batched_tokens=32,
               enable_prefix_caching=True,
               kv_cache_memory_gb=num_blocks * block_bytes / (1 << 30))

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from mrv2.attention import AttentionMetadata
 from mrv2.config import ModelConfig
+from mrv2.core.kv_cache_layout import layer_kv_shape
 from mrv2.models import load_hf_config, load_model
 from mrv2.models.llama import LlamaForCausalLM
 
@@ -72,6 +73,19 @@ CASES = {
     "gemma3-v4-config": ("gemma3", {"num_layers": 3, "config": {
         "sliding_window": 5, "query_pre_attn_scalar": 24,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}}),
+    # Gemma 4: wider global heads (values = keys), proportional rope on them, per-layer
+    # inputs, the last two layers reading layers 1's and 2's caches with double-wide MLPs.
+    "gemma4": ("gemma4", {"num_layers": 5, "tie_word_embeddings": True, "config": {
+        "sliding_window": 5, "layer_types": ["sliding_attention", "sliding_attention",
+                                             "full_attention", "sliding_attention",
+                                             "full_attention"],
+        "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 10.0, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6}}}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 8}}),
     # Ministral 3: YaRN, and the queries scaled by 1 + beta * log(1 + floor(pos / 4)).
@@ -123,10 +137,15 @@ def case(request, tiny_model_factory, tmp_path_factory) -> Case:
 
 
 def _kv_caches(mc: ModelConfig) -> list[torch.Tensor]:
+    """A cache of its own shape per layer that owns one; a KV-shared layer (Gemma 4) gets its
+    source's."""
     # Finite garbage: a slot that is read before being written shows up as a mismatch.
     gen = torch.Generator().manual_seed(7)
-    return [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, generator=gen)
-            for _ in range(mc.num_layers)]
+    sources = mc.kv_cache_layout.layer_source
+    owned = {layer: torch.randn(2, NUM_BLOCKS, BLOCK_SIZE,
+                                *layer_kv_shape(mc.hf_config, layer), generator=gen)
+             for layer in range(mc.num_layers) if sources[layer] == layer}
+    return [owned[source] for source in sources]
 
 
 def _block_tables() -> list[list[int]]:

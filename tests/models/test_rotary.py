@@ -137,3 +137,22 @@ def test_position_query_scale_is_one_within_the_original_context():
     expected = [1.0, 1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(4)]
     assert scale.shape == (5, 1)
     assert scale[:, 0].tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_proportional_rope_equals_transformers_and_rotates_the_whole_head():
+    """Gemma 4's global layers: the first partial_rotary_factor of the angles turn (as over the
+    whole head), the rest have frequency 0; the table spans the whole head."""
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2, head_dim=8,
+                              global_head_dim=32, hidden_size_per_layer_input=0,
+                              layer_types=["sliding_attention", "full_attention"])
+    expected, factor = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu",
+                                                           layer_type="full_attention")
+    params = rope_parameters_from_config(config, "full_attention")
+    assert params["rope_type"] == "proportional" and params["partial_rotary_factor"] == 0.25
+    assert rotary_dim(32, params) == 32 and factor == 1.0
+    ours = compute_inv_freq(32, params)
+    assert torch.equal(ours, expected.float())
+    assert (ours[4:] == 0).all() and (ours[:4] > 0).all()

@@ -279,3 +279,16 @@ def test_compute_slot_mapping_no_tokens() -> None:
                                    torch.zeros(0, dtype=torch.int64), out)
     assert mapping.numel() == 0
     assert out.tolist() == [-1] * 5
+
+
+def test_a_narrow_group_stages_its_ids_scaled() -> None:
+    """A group whose caches are narrower than the KV tensors (block_scale 2: Gemma 4's windowed
+    layers beside wider global heads) addresses block id b as its block 2b, in both forms."""
+    tables = BlockTables(2, 4, 4, CPU, num_groups=2, block_scales=(2, 1))
+    tables.append_block_ids(0, [3, 5], group=0)
+    tables.append_block_ids(0, [3, 5], group=1)
+    tables.append_block_id_runs(np.array([1]), np.array([[1], [2]]), np.array([7, 8, 9]))
+    tables.apply_staged_writes()
+    rows = tables.table.tensor.tolist()
+    assert rows[0][:2] == [6, 10] and rows[1][:1] == [14]  # group 0: slots 0 and 1
+    assert rows[2][:2] == [3, 5] and rows[3][:2] == [8, 9]  # group 1 unscaled

@@ -69,8 +69,10 @@ def supports(spec: DecoderSpec | None) -> bool:
     """Whether the stack computes a model that declares `spec`: Llama's, Gemma's or OLMo 2's
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
     projection, NoPE layers, partial rotary, windows, local rope, soft caps and position-scaled
-    queries."""
-    return spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
+    queries; not Gemma 4's value norms, per-layer inputs or KV-shared layers."""
+    return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
+            and not spec.value_norm and not spec.per_layer_input_size
+            and spec.kv_sources is None)
 
 
 def _layer_qualifies(layer) -> bool:

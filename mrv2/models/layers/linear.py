@@ -328,17 +328,22 @@ class QKVLinear(_FusedLinear):
 
     Under tensor parallelism each rank holds H/tp query heads and KV/tp kv heads (the heads
     [r*H/tp, (r+1)*H/tp) and [r*KV/tp, (r+1)*KV/tp)); `num_heads`/`num_kv_heads` are this
-    rank's counts."""
+    rank's counts.
+
+    `projections`: which of q, k, v the layer computes (Gemma 4: q and k where values are the
+    keys, `attention_k_eq_v`; q alone in a layer that reuses another's keys and values)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, *, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None, projections: str = "qkv") -> None:
         rank, size = _tp(tp_rank, tp_size)
         local_heads = distributed.divide(num_heads, size, "num_attention_heads")
         local_kv = distributed.divide(num_kv_heads, size, "num_key_value_heads")
-        super().__init__(hidden_size, {"q": num_heads * head_dim,
-                                       "k": num_kv_heads * head_dim,
-                                       "v": num_kv_heads * head_dim}, bias,
+        widths = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                  "v": num_kv_heads * head_dim}
+        if projections not in ("qkv", "qk", "q"):
+            raise ValueError(f"projections={projections!r}: expected 'qkv', 'qk' or 'q'")
+        super().__init__(hidden_size, {p: widths[p] for p in projections}, bias,
                          tp_rank=rank, tp_size=size)
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
@@ -353,11 +358,10 @@ class QKVLinear(_FusedLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> q [T, H*D], k [T, KV*D], v [T, KV*D] (this rank's heads; views of
-        one matmul)."""
-        qkv = self.forward(x)
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        one matmul): as many as the layer projects."""
+        return self.forward(x).split(list(self.shard_sizes.values()), dim=-1)
 
 
 class MergedLinear(_FusedLinear):

@@ -36,7 +36,8 @@ from mrv2.models.layers import rotary_numba
 from mrv2.models.layers.norm import RMSNorm
 from mrv2.models.layers.numba_rows import float32_cpu_inference
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope",
+                        "proportional")
 DEFAULT_ROPE_THETA = 10000.0
 # The rope parameters mrv2 reads (transformers' names; "type" is the legacy rope_type, and
 # llama_4_scaling_beta is read by the model that scales its queries: Ministral 3). A config
@@ -122,7 +123,10 @@ def per_layer_type_rope(params: dict[str, Any] | None) -> bool:
 
 def rotary_dim(head_dim: int, rope_parameters: dict[str, Any]) -> int:
     """The dimensions of a head that rotate (the first ones): all but under a partial rotary
-    factor, int(head_dim * factor) as transformers takes it."""
+    factor, int(head_dim * factor) as transformers takes it. Proportional RoPE (Gemma 4's
+    global layers) rotates the whole head, its partial factor zeroing the high frequencies."""
+    if rope_parameters.get("rope_type") == "proportional":
+        return head_dim
     dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
     if dim % 2 or not 0 < dim <= head_dim:
         raise ValueError(f"partial_rotary_factor={rope_parameters['partial_rotary_factor']} "
@@ -147,6 +151,12 @@ def compute_inv_freq(head_dim: int, rope_parameters: dict[str, Any],
     inv_freq = 1.0 / (base ** shape)
     if rope_type == "linear":
         inv_freq = inv_freq / float(rope_parameters["factor"])
+    elif rope_type == "proportional":
+        # The first partial_rotary_factor of the angles turn as over the whole head; the
+        # rest do not turn (frequency 0: those dimension pairs pass through).
+        angles = int(rope_parameters.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[angles:] = 0.0
+        inv_freq = inv_freq / float(rope_parameters.get("factor", 1.0))
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
     elif rope_type == "yarn":
