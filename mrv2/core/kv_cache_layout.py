@@ -193,8 +193,9 @@ class KVCacheLayout:
 
     @classmethod
     def for_model(cls, hf: Any) -> KVCacheLayout:
-        """The layout of a transformers config's layers (None: one layer, a test's)."""
-        if hf is None:
+        """The layout of a transformers config's layers (one layer for a config without them:
+        a scheduler test's)."""
+        if getattr(hf, "num_hidden_layers", None) is None:
             return cls.for_windows(None, 1)
         return cls.for_windows(layer_windows(hf), hf.num_hidden_layers,
                                widths=layer_kv_widths(hf), sources=layer_kv_sources(hf))

@@ -53,7 +53,7 @@ def _value_norm(v: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor:
     return h.to(v.dtype).reshape(v.shape)
 
 
-def _head_norm(x: torch.Tensor, norm: RMSNorm, head_dim: int) -> torch.Tensor:
+def _norm_heads(x: torch.Tensor, norm: RMSNorm, head_dim: int) -> torch.Tensor:
     return norm(x.reshape(x.shape[0], -1, head_dim)).reshape(x.shape)
 
 
@@ -87,12 +87,12 @@ class Gemma4Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q, *kv = self.qkv_proj.forward_split(hidden)
         cos, sin = rope.table(self.rope_table == 1)
-        q = apply_rotary(_head_norm(q, self.q_norm, self.head_dim), cos, sin, self.head_dim)
+        q = apply_rotary(_norm_heads(q, self.q_norm, self.head_dim), cos, sin, self.head_dim)
         k = v = None
         if kv:  # this layer's own keys and values (a KV-shared layer reads its source's)
             k = kv[0]
             v = _value_norm(kv[0] if self.k_eq_v else kv[1], self.head_dim, self.eps)
-            k = apply_rotary(_head_norm(k, self.k_norm, self.head_dim), cos, sin, self.head_dim)
+            k = apply_rotary(_norm_heads(k, self.k_norm, self.head_dim), cos, sin, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         if out.shape[0] < num_tokens:  # padding rows: zeros (as LlamaAttention)
             out = F.pad(out, (0, 0, 0, num_tokens - out.shape[0]))

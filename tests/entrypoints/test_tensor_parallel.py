@@ -96,6 +96,13 @@ def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
     # sandwich norms of 1 + w, scaled embeddings, GeLU, windows, soft caps, local rope
     ("gemma3", {"config": {"sliding_window": 5, "attn_logit_softcapping": 1.5,
                            "final_logit_softcapping": 8.0}}, False),
+    # Gemma 4: wider global heads (values = keys), per-layer inputs (replicated), KV-shared
+    # layers reading their sources' per-rank caches
+    ("gemma4", {"num_layers": 4, "config": {
+        "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "global_head_dim": 32, "num_global_key_value_heads": 2, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
+        "num_kv_shared_layers": 2}}, False),
 ])
 def test_tp2_matches_tp1_and_transformers(tiny_model_factory, arch, extra, seeded):
     model_dir = tiny_model_factory(arch, num_heads=4, num_kv_heads=2, **extra)

@@ -90,7 +90,7 @@ def test_rope_parameters_old_and_new_forms(tmp_path) -> None:
     assert params["original_max_position_embeddings"] == 16
 
 
-@pytest.mark.parametrize("rope_type", ["proportional", "mrope"])
+@pytest.mark.parametrize("rope_type", ["mrope", "su"])
 def test_unsupported_rope_type_raises(rope_type: str) -> None:
     with pytest.raises(ValueError, match="supported rope types: default, linear, llama3"):
         compute_inv_freq(16, {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0})

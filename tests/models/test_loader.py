@@ -71,7 +71,7 @@ def test_registry() -> None:
                                        "Ministral3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Phi3ForCausalLM", "SmolLM3ForCausalLM",
                                        "Olmo2ForCausalLM", "Gemma2ForCausalLM",
-                                       "Gemma3ForCausalLM")
+                                       "Gemma3ForCausalLM", "Gemma4ForCausalLM")
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
     assert issubclass(UnsupportedModelError, ValueError)
