@@ -170,8 +170,12 @@ class Worker:
             scale = layout.groups[layout.layer_group[source]].block_scale
             key = (layout.layer_tensor[source], scale, kv_heads, head_dim)
             if key not in views:
-                views[key] = tensors[key[0]].view(kv_cache_shape(
-                    num_blocks * scale, cc.block_size, kv_heads, head_dim))
+                # On the tensor's storage, not a `.view` of it: a view would keep the tensor
+                # (its `_base`) and so the memory alive through `sleep`'s `set_`.
+                tensor = tensors[key[0]]
+                views[key] = tensor.new_empty(0).set_(
+                    tensor.untyped_storage(), tensor.storage_offset(),
+                    kv_cache_shape(num_blocks * scale, cc.block_size, kv_heads, head_dim))
             caches.append(views[key])
         return caches
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from mrv2.core.kv_cache_layout import layer_kv_shape
 from mrv2.testing import (SUPPORTED_ARCHS, default_demo_model_path, get_tokenizer_dir,
                           make_tiny_model)
 from mrv2.testing import tiny_model as tm
@@ -67,7 +68,8 @@ def test_arch_loads_in_transformers(models: dict[str, Path], arch: str) -> None:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert config[key] == getattr(tok, key) is not None
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
-    assert AutoConfig.from_pretrained(d).head_dim == 16  # qwen3 would default to 128
+    # qwen3 would default to 128; Gemma 4's is per layer (the windowed layers' here)
+    assert layer_kv_shape(AutoConfig.from_pretrained(d), 0)[1] == 16
     # transformers 5 loads qwen2 dirs with Qwen2Tokenizer, which rebuilds the pipeline: the raw
     # tokenizer.json must still agree with AutoTokenizer (and no extra unk token may appear).
     raw = Tokenizer.from_file(str(d / "tokenizer.json"))
