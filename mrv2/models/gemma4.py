@@ -35,8 +35,7 @@ from mrv2.models.layers.linear import (Linear, QKVLinear, RowParallelLinear,
                                       default_weight_loader, set_weight_attrs)
 from mrv2.models.layers.mlp import GatedMLP
 from mrv2.models.layers.norm import RMSNorm
-from mrv2.models.layers.rotary import (RotaryEmbedding, RotaryInputs, apply_rotary,
-                                       rope_parameters_from_config)
+from mrv2.models.layers.rotary import RotaryInputs, apply_rotary, apply_rotary_qk
 from mrv2.models.layers.vocab_embedding import VocabParallelEmbedding
 from mrv2.models.llama import LlamaForCausalLM, LlamaModel
 
@@ -53,10 +52,6 @@ def _value_norm(v: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor:
     return h.to(v.dtype).reshape(v.shape)
 
 
-def _norm_heads(x: torch.Tensor, norm: RMSNorm, head_dim: int) -> torch.Tensor:
-    return norm(x.reshape(x.shape[0], -1, head_dim)).reshape(x.shape)
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, model_config: ModelConfig, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
@@ -64,11 +59,11 @@ class Gemma4Attention(nn.Module):
         self.source = layer if spec.kv_sources is None else spec.kv_sources[layer]
         kv_heads, self.head_dim = layer_kv_shape(hf, self.source)
         window = spec.window(layer)
-        self.k_eq_v = bool(getattr(hf, "attention_k_eq_v", False)) and not window
+        k_eq_v = bool(getattr(hf, "attention_k_eq_v", False)) and not window
         owns_kv = self.source == layer
         self.qkv_proj = QKVLinear(hf.hidden_size, self.head_dim, hf.num_attention_heads,
                                   kv_heads, bias=spec.qkv_bias,
-                                  projections=("qk" if self.k_eq_v else "qkv") if owns_kv
+                                  projections=("qk" if k_eq_v else "qkv") if owns_kv
                                   else "q")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(hf.num_attention_heads * self.head_dim, hf.hidden_size,
@@ -87,12 +82,13 @@ class Gemma4Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q, *kv = self.qkv_proj.forward_split(hidden)
         cos, sin = rope.table(self.rope_table == 1)
-        q = apply_rotary(_norm_heads(q, self.q_norm, self.head_dim), cos, sin, self.head_dim)
         k = v = None
         if kv:  # this layer's own keys and values (a KV-shared layer reads its source's)
-            k = kv[0]
-            v = _value_norm(kv[0] if self.k_eq_v else kv[1], self.head_dim, self.eps)
-            k = apply_rotary(_norm_heads(k, self.k_norm, self.head_dim), cos, sin, self.head_dim)
+            v = _value_norm(kv[-1], self.head_dim, self.eps)  # k_eq_v: the keys' projection
+            q, k = apply_rotary_qk(q, kv[0], cos, sin, self.head_dim, self.q_norm, self.k_norm)
+        else:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(num_tokens, -1)
+            q = apply_rotary(q, cos, sin, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         if out.shape[0] < num_tokens:  # padding rows: zeros (as LlamaAttention)
             out = F.pad(out, (0, 0, 0, num_tokens - out.shape[0]))
@@ -137,11 +133,6 @@ class Gemma4Model(LlamaModel):
                  layer_class: type[nn.Module]) -> None:
         super().__init__(model_config, spec, layer_class)
         hf = model_config.hf_config
-        # The global layers' table has their own head dim (the windowed layers' the model's).
-        global_layer = hf.layer_types.index("full_attention")
-        self.rotary_emb = RotaryEmbedding(
-            layer_kv_shape(hf, global_layer)[1], self.rotary_emb.max_position,
-            rope_parameters_from_config(hf, "full_attention"), model_config.max_model_len)
         self.hidden_size = hf.hidden_size
         self.per_layer_input_size = size = spec.per_layer_input_size
         if size:

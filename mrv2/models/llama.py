@@ -38,7 +38,7 @@ from torch import nn
 from mrv2 import distributed
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.core.kv_cache_layout import layer_windows
+from mrv2.core.kv_cache_layout import layer_kv_shape, layer_windows
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.linear import QKVLinear, RowParallelLinear
 from mrv2.models.layers.mlp import GatedMLP
@@ -167,7 +167,10 @@ class LlamaModel(nn.Module):
         # max_position_embeddings (transformers computes any position on the fly).
         max_position = max(hf.max_position_embeddings, model_config.max_model_len)
         def rotary(layer_type: str | None) -> RotaryEmbedding:
-            return RotaryEmbedding(model_config.head_dim, max_position,
+            # The head dim of the layers of that type (Gemma 4's global heads are wider).
+            types = list(getattr(hf, "layer_types", None) or ())
+            layer = types.index(layer_type) if layer_type in types else 0
+            return RotaryEmbedding(layer_kv_shape(hf, layer)[1], max_position,
                                    rope_parameters_from_config(hf, layer_type),
                                    model_config.max_model_len)
 
