@@ -56,12 +56,18 @@ def load_hf_config(model_path: str, hf_config_path: str | None = None) -> Any:
     fails with UnsupportedModelError even when transformers does not know its model_type.
     """
     if hf_config_path is not None:
-        return _directory_config(hf_config_path)
-    if is_gguf_path(model_path):
+        config = _directory_config(hf_config_path)
+    elif is_gguf_path(model_path):
         config = gguf_hf_config(open_gguf(model_path))
         get_model_class(config.architectures)
-        return config
-    return _directory_config(model_path)
+    else:
+        config = _directory_config(model_path)
+    if getattr(config, "per_layer_config", None):
+        # Gemma 4's layers override head_dim / num_key_value_heads: mrv2 reads each layer's
+        # from `per_layer_config` (kv_cache_layout.layer_kv_shape) and the global value as
+        # the model's default (the windowed layers').
+        config.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def _directory_config(model_path: str) -> Any:
@@ -82,13 +88,7 @@ def _directory_config(model_path: str) -> Any:
 
     from transformers import AutoConfig  # heavy import, only when a model is loaded
 
-    config = AutoConfig.from_pretrained(model_path)
-    if getattr(config, "per_layer_config", None):
-        # Gemma 4's layers override head_dim / num_key_value_heads: mrv2 reads each layer's
-        # from `per_layer_config` (kv_cache_layout.layer_kv_shape) and the global value as
-        # the model's default (the windowed layers').
-        config.allow_global_per_layer_attribute_access = True
-    return config
+    return AutoConfig.from_pretrained(model_path)
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:

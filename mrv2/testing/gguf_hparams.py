@@ -1,6 +1,7 @@
 """The hyperparameter keys llama.cpp's converter writes (``set_gguf_parameters`` of its model
-classes), for gguf_writer.py: ``TextModel``'s generic keys with ``LlamaModel``'s and
-``Gemma3Model``'s additions, and ``Gemma2Model``'s and ``Phi3MiniModel``'s own sets."""
+classes), for gguf_writer.py: ``TextModel``'s generic keys with ``LlamaModel``'s,
+``Gemma3Model``'s and ``Gemma4Model``'s additions, and ``Gemma2Model``'s and
+``Phi3MiniModel``'s own sets."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from typing import Any
 
 import gguf
+import torch
 
 
 # Architectures the converter writes with its LlamaModel class (vocab size and rope dimension
@@ -118,7 +120,7 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(ftype)
-    if arch == gguf.MODEL_ARCH.GEMMA3:  # Gemma3Model.set_gguf_parameters' additions
+    if arch in (gguf.MODEL_ARCH.GEMMA3, gguf.MODEL_ARCH.GEMMA4):  # Gemma3Model's additions
         if (cap := hparams.get("final_logit_softcapping")):
             writer.add_final_logit_softcapping(cap)
         if hparams.get("sliding_window_pattern") != 1:
@@ -132,6 +134,69 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
             raise ValueError("ministral3 rope_type must be 'yarn'")
         writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
         writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+    if arch == gguf.MODEL_ARCH.GEMMA4:
+        _add_gemma4_hparams(writer, hparams)
+
+
+def gemma4_global_shape(hparams: dict[str, Any]) -> tuple[int, int | None]:
+    """``Gemma4Model``'s reading of the global layers' (head size, kv heads): the top-level
+    fields, else the first full-attention layer's ``per_layer_config`` entry."""
+    head_dim, kv_heads = hparams.get("global_head_dim"), hparams.get("num_global_key_value_heads")
+    per_layer = hparams.get("per_layer_config") or {}
+    for layer, config in per_layer.items():
+        if hparams["layer_types"][int(layer)] == "full_attention":
+            head_dim = head_dim if head_dim is not None else config.get("head_dim")
+            kv_heads = kv_heads if kv_heads is not None else config.get("num_key_value_heads")
+            break
+    if head_dim is None:
+        raise ValueError("no global head_dim")
+    return head_dim, kv_heads
+
+
+def _add_gemma4_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any]) -> None:
+    """``Gemma4Model.set_gguf_parameters``' additions; the keys it writes again replace the
+    earlier values (as GGUFWriter's overwrite does, without its duplicate-key warning)."""
+    def replace(key: str) -> None:
+        writer.kv_data[0].pop(key.format(arch=writer.arch), None)
+
+    layers, shared = hparams["num_hidden_layers"], hparams["num_kv_shared_layers"]
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(hparams.get("hidden_size_per_layer_input") or 0)
+    swa = [t == "sliding_attention" for t in hparams["layer_types"]]
+    writer.add_sliding_window_pattern(swa)
+    head_dim_full, kv_full = gemma4_global_shape(hparams)
+    head_dim_swa = hparams["head_dim"]
+    for key in (gguf.Keys.Attention.KEY_LENGTH, gguf.Keys.Attention.VALUE_LENGTH):
+        replace(key)
+    writer.add_key_length(head_dim_full)
+    writer.add_value_length(head_dim_full)
+    writer.add_key_length_swa(head_dim_swa)
+    writer.add_value_length_swa(head_dim_swa)
+    if hparams.get("use_double_wide_mlp", False):
+        n_ff = hparams["intermediate_size"]
+        replace(gguf.Keys.LLM.FEED_FORWARD_LENGTH)
+        writer.add_feed_forward_length([n_ff if i < layers - shared else 2 * n_ff
+                                        for i in range(layers)])
+    kv_swa = hparams.get("num_key_value_heads")
+    if kv_full is not None and kv_swa is not None:
+        replace(gguf.Keys.Attention.HEAD_COUNT_KV)
+        writer.add_head_count_kv([kv_swa if w else kv_full for w in swa])
+    sliding_rope = (hparams.get("rope_parameters") or {}).get("sliding_attention") or {}
+    writer.add_rope_dimension_count(head_dim_full)
+    writer.add_rope_dimension_count_swa(
+        int(head_dim_swa * sliding_rope.get("partial_rotary_factor", 1.0)))
+
+
+def gemma4_rope_freqs(hparams: dict[str, Any]) -> torch.Tensor:
+    """``Gemma4Model.generate_extra_tensors``: the global layers' proportional rope as
+    per-frequency divisors, 1 for the rotated ones and 1e30 (stopped) for the rest."""
+    full = hparams["rope_parameters"]["full_attention"]
+    if full["rope_type"] != "proportional":
+        raise ValueError("Gemma 4's full-attention rope must be 'proportional'")
+    head_dim_full = gemma4_global_shape(hparams)[0]
+    rotated = int(head_dim_full * full["partial_rotary_factor"] / 2)
+    return torch.tensor([1.0] * rotated + [1e30] * (head_dim_full // 2 - rotated),
+                        dtype=torch.float32)
 
 
 def phi3_rope_dims(hparams: dict[str, Any]) -> int:

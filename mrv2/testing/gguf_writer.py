@@ -2,9 +2,10 @@
 
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
-mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, olmo2, mistral3; converter classes
-``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``,
-``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model`` in ``conversion/``;
+mistral, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, smollm3, olmo2, mistral3; converter
+classes ``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``,
+``Gemma4Model``, ``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model`` in
+``conversion/``;
 the vocabulary in gguf_vocab.py, the hyperparameter keys in gguf_hparams.py) and serialises
 with the ``gguf`` package's ``GGUFWriter``; nothing here encodes GGUF bytes itself.
 Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
@@ -34,6 +35,9 @@ Reproduced, by converter function:
     last four through ``gguf.SpecialVocab`` itself, as the converter does).
 
 Deliberate differences:
+  * Gemma 4's vocabulary: the converter reads it with ``gguf.LlamaHfVocab`` (a sentencepiece-
+    style BPE tokenizer.json) and writes tokenizer model "gemma4"; the tiny models' byte-level
+    BPE is written as the GPT2 vocabulary, as Gemma 3's is when it has no tokenizer.model.
   * Phi-3's vocabulary: the converter writes a GPT2 (BPE) vocabulary only for a tokenizer_config
     naming GPT2Tokenizer (Phi-4-mini) and reads tokenizer.model (SentencePiece) otherwise; the
     tiny models have only a BPE tokenizer.json, so it is written as the GPT2 vocabulary.
@@ -67,7 +71,8 @@ import torch
 from safetensors import safe_open
 
 from mrv2.testing.gguf_hparams import (BLOCK_COUNT_KEYS, LLAMA_MODEL_ARCHS, add_hparams,
-                                       find_hparam, phi3_rope_dims, rope_parameters)
+                                       find_hparam, gemma4_rope_freqs, phi3_rope_dims,
+                                       rope_parameters)
 from mrv2.testing.gguf_vocab import add_vocab
 
 # Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
@@ -95,8 +100,11 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "SmolLM3ForCausalLM": (gguf.MODEL_ARCH.SMOLLM3, True),
     "Olmo2ForCausalLM": (gguf.MODEL_ARCH.OLMO2, False),
     "Ministral3ForCausalLM": (gguf.MODEL_ARCH.MISTRAL3, True),
+    "Gemma4ForCausalLM": (gguf.MODEL_ARCH.GEMMA4, False),
 }
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
+# Gemma3Model.modify_tensors' steps that Gemma4Model inherits (OOV embedding rows dropped).
+_GEMMA3_FAMILY = (gguf.MODEL_ARCH.GEMMA3, gguf.MODEL_ARCH.GEMMA4)
 
 def permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
     """``LlamaModel.permute``: rows of each head go from HF's half-split rotary layout (the first
@@ -196,6 +204,9 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors))
     if arch == gguf.MODEL_ARCH.PHI3:
         named += phi3_rope_factors(hparams)
+    if arch == gguf.MODEL_ARCH.GEMMA4:
+        named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                      gemma4_rope_freqs(hparams)))
     for name, data_torch in _hf_tensors(model_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
@@ -203,7 +214,7 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
             continue  # Gemma2Model.filter_tensors: llama.cpp ties the head
         if arch in _GEMMA and name.endswith("norm.weight"):
             data_torch = data_torch + 1  # Gemma*Model.modify_tensors: GemmaRMSNorm's 1 + w
-        if arch == gguf.MODEL_ARCH.GEMMA3 and "embed_tokens.weight" in name:
+        if arch in _GEMMA3_FAMILY and "embed_tokens.weight" in name:
             data_torch = data_torch[:_real_vocab_size(model_dir)]  # OOV rows dropped
         if data_torch.dtype not in (torch.float16, torch.float32):
             data_torch = data_torch.to(torch.float32)
@@ -211,6 +222,8 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
             data_torch = permute(data_torch, n_head, n_head)
         if undo_permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             data_torch = permute(data_torch, n_head, n_kv_head)
+        if arch == gguf.MODEL_ARCH.GEMMA4 and name.endswith("layer_scalar"):
+            name += ".weight"  # Gemma4Model.filter_tensors
         new_name = tensor_map.get_name(key=name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
             raise ValueError(f"Can not map tensor {name!r}")

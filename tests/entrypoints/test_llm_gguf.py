@@ -9,6 +9,7 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.builtin import builtin_model_path
+from mrv2.testing.tokenizer import DEFAULT_VOCAB_SIZE
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -234,6 +235,18 @@ GEMMA_GGUF = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}},
+    # Gemma 4: per-layer kv heads and MLP widths as arrays, wider global heads with k = v and
+    # proportional rope (the rope_freqs tensor), KV-shared layers, per-layer inputs.
+    "gemma4": {"num_layers": 5, "config": {
+        "sliding_window": 5, "final_logit_softcapping": 10.0,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention", "full_attention"],
+        "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": DEFAULT_VOCAB_SIZE,
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6}}}},
 }
 
 
@@ -243,8 +256,6 @@ def test_gemma_gguf_equals_the_safetensors_model(tiny_model_factory, tiny_gguf_f
     """Norms stored as 1 + w, windows, soft caps, the local rope: an F32 file gives the tokens
     transformers gives on the source checkpoint; a Q8_0 file computed on as stored (float32
     activations) the tokens of its dequantized weights."""
-    from mrv2.testing.tiny_model import DEFAULT_VOCAB_SIZE
-
     kwargs = {**GEMMA_GGUF[arch], "vocab_size": DEFAULT_VOCAB_SIZE, "tie_word_embeddings": True}
     _check_gguf_against_source(tiny_model_factory, tiny_gguf_factory, arch, kwargs)
 

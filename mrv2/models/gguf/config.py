@@ -21,6 +21,11 @@ What the converter changes on the way, and how it is undone:
   `attention.temperature_scale` and YaRN's mscale_all_dim as `rope.scaling.yarn_log_multiplier`.
 - SmolLM3's NoPE layers are not written: llama.cpp fixes every 4th layer NoPE, which is
   SmolLM3Config's default (`no_rope_layer_interval`).
+- Gemma 4 writes its layer pattern (`attention.sliding_window_pattern`), its global layers' kv
+  heads and its KV-shared layers' double-wide MLPs as per-layer arrays, the windowed layers'
+  head size as `key_length_swa`, and its global layers' "proportional" RoPE as a `rope_freqs`
+  tensor: divisor 1 for the rotated frequencies, 1e30 (frequency 0) for the rest.
+  `attention_k_eq_v` is not written: global layers without an `attn_v` tensor say it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "mistral3": ("Ministral3Config", "Ministral3ForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
 }
+# Architectures whose head_count_kv / feed_forward_length may be per-layer arrays.
+_PER_LAYER_ARRAY_ARCHS = ("gemma4",)
+# A rope_freqs divisor at least this large stops its frequency (llama.cpp's Gemma 4 writes 1e30).
+_STOPPED_FREQUENCY_DIVISOR = 1e29
 # Architectures whose rotary may cover part of each head (`rope.dimension_count` < head size).
 _PARTIAL_ROTARY_ARCHS = ("phi3",)
 # llama.cpp's Gemma conventions the file does not write: every n-th layer global (the others
@@ -183,6 +193,99 @@ def _gemma_fields(ckpt: GGUFCheckpoint, arch: str, kwargs: dict[str, Any]) -> di
     return fields
 
 
+def _per_layer_ints(ckpt: GGUFCheckpoint, key: str, layers: int,
+                    default: int | None = None) -> list[int]:
+    """A key that is one value or an array of one value per layer, as one value per layer."""
+    value = ckpt.require(key) if default is None else ckpt.arch_field(key, default)
+    values = ([int(v) for v in value] if isinstance(value, (list, tuple))
+              else [int(value)] * layers)
+    if len(values) != layers:
+        raise GGUFError(f"{ckpt.path}: {key.format(arch=ckpt.architecture)} has {len(values)} "
+                        f"entries for {layers} layers")
+    return values
+
+
+def _gemma4_rope(ckpt: GGUFCheckpoint, head_dim: int) -> dict[str, Any]:
+    """Gemma 4's rope per layer type: the windowed layers' default rope (rope.freq_base_swa,
+    rope.dimension_count_swa), the global layers' "proportional" rope whose rotated share is the
+    count of rope_freqs divisors that are 1 (the others stop their frequency)."""
+    from gguf import Keys
+
+    sliding: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(ckpt.arch_field(Keys.Rope.FREQ_BASE_SWA, 10000.0))}
+    rotated_swa = int(ckpt.arch_field(Keys.Rope.DIMENSION_COUNT_SWA, head_dim))
+    if rotated_swa != head_dim:
+        sliding["partial_rotary_factor"] = rotated_swa / head_dim
+    global_dim = int(ckpt.require(Keys.Attention.KEY_LENGTH))
+    full: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(ckpt.arch_field(Keys.Rope.FREQ_BASE, 1e6))}
+    rotated = int(ckpt.arch_field(Keys.Rope.DIMENSION_COUNT, global_dim))
+    if ROPE_FREQS_TENSOR in ckpt.tensors:
+        divisors = _f32_vector(ckpt, ROPE_FREQS_TENSOR, global_dim // 2)
+        pairs = sum(1 for d in divisors if d == 1.0)
+        if divisors != [1.0] * pairs + divisors[pairs:] or any(
+                d < _STOPPED_FREQUENCY_DIVISOR for d in divisors[pairs:]):
+            raise UnsupportedModelError(
+                f"{ckpt.path}: Gemma 4 rope_freqs other than 1 for the rotated frequencies "
+                f"then >= {_STOPPED_FREQUENCY_DIVISOR:g} (proportional rope) are not supported")
+        full["rope_type"], rotated = "proportional", 2 * pairs
+    if rotated != global_dim:
+        full["partial_rotary_factor"] = rotated / global_dim
+    return {"sliding_attention": sliding, "full_attention": full}
+
+
+def _gemma4_fields(ckpt: GGUFCheckpoint, kwargs: dict[str, Any], kv_heads: list[int],
+                   ffn: list[int]) -> dict[str, Any]:
+    """Gemma 4's config fields from its per-layer keys and the tensors present."""
+    from gguf import Keys
+
+    layers, path = kwargs["num_hidden_layers"], ckpt.path
+    windowed = ckpt.require(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if not isinstance(windowed, list) or len(windowed) != layers:
+        raise GGUFError(f"{path}: attention.sliding_window_pattern must hold one flag per layer")
+    first_shared = layers - int(ckpt.arch_field(Keys.Attention.SHARED_KV_LAYERS, 0))
+
+    def one_value(values: list[int], is_windowed: bool, what: str) -> int | None:
+        found = {v for v, w in zip(values, windowed) if bool(w) == is_windowed}
+        if len(found) > 1:
+            raise UnsupportedModelError(f"{path}: {what} differing between layers of one type "
+                                        f"are not supported")
+        return found.pop() if found else None
+
+    fields: dict[str, Any] = {
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": ckpt.arch_field(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+        "num_kv_shared_layers": layers - first_shared,
+        "hidden_size_per_layer_input": int(
+            ckpt.arch_field(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, 0)),
+        "enable_moe_block": "blk.0.ffn_gate_inp.weight" in ckpt.tensors,
+        "attention_k_eq_v": any(not windowed[i] and f"blk.{i}.attn_v.weight" not in ckpt.tensors
+                                for i in range(first_shared)),
+        "num_key_value_heads": one_value(kv_heads, True, "head_count_kv") or kv_heads[0],
+    }
+    if (per_layer := ckpt.tensors.get("per_layer_token_embd.weight")) is not None:
+        fields["vocab_size_per_layer_input"] = per_layer.shape[0]
+    global_kv = one_value(kv_heads, False, "head_count_kv")
+    global_dim = int(ckpt.require(Keys.Attention.KEY_LENGTH))
+    value_dims = (ckpt.arch_field(Keys.Attention.VALUE_LENGTH, global_dim),
+                  ckpt.arch_field(Keys.Attention.VALUE_LENGTH_SWA, kwargs["head_dim"]))
+    if value_dims != (global_dim, kwargs["head_dim"]):
+        raise UnsupportedModelError(f"{path}: value lengths {value_dims} other than the key "
+                                    f"lengths are not supported")
+    # The global layers' own shape, as transformers' per_layer_config (its global_head_dim
+    # argument would default to 512, and its kv-head argument applies only with k_eq_v).
+    overrides = {"head_dim": global_dim, "num_key_value_heads": global_kv}
+    fields["per_layer_config"] = {i: overrides for i in range(layers) if not windowed[i]}
+    wide = [ffn[0] if i < first_shared else 2 * ffn[0] for i in range(layers)]
+    if len(set(ffn)) > 1 and ffn != wide:
+        raise UnsupportedModelError(f"{path}: feed_forward_length {ffn} is neither one width nor "
+                                    f"double width in the KV-shared layers")
+    fields["use_double_wide_mlp"] = len(set(ffn)) > 1
+    return fields
+
+
 def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     """The transformers PretrainedConfig the checkpoint was converted from."""
     import transformers
@@ -196,7 +299,19 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     config_class, architecture = GGUF_ARCHITECTURES[arch]
     hidden = int(ckpt.require(Keys.LLM.EMBEDDING_LENGTH))
     heads = int(ckpt.require(Keys.Attention.HEAD_COUNT))
-    head_dim = int(ckpt.arch_field(Keys.Attention.KEY_LENGTH, hidden // heads))
+    layers = int(ckpt.require(Keys.LLM.BLOCK_COUNT))
+    kv_heads = _per_layer_ints(ckpt, Keys.Attention.HEAD_COUNT_KV, layers, heads)
+    ffn = _per_layer_ints(ckpt, Keys.LLM.FEED_FORWARD_LENGTH, layers)
+    if arch not in _PER_LAYER_ARRAY_ARCHS and (len(set(kv_heads)) > 1 or len(set(ffn)) > 1):
+        raise UnsupportedModelError(
+            f"{ckpt.path}: per-layer head_count_kv / feed_forward_length are not supported for "
+            f"{arch!r} (only for {', '.join(_PER_LAYER_ARRAY_ARCHS)})")
+    if arch == "gemma4":  # key_length is the global layers' head size
+        head_dim = int(ckpt.require(Keys.Attention.KEY_LENGTH_SWA))
+        rope_parameters = _gemma4_rope(ckpt, head_dim)
+    else:
+        head_dim = int(ckpt.arch_field(Keys.Attention.KEY_LENGTH, hidden // heads))
+        rope_parameters = _rope_parameters(ckpt, head_dim)
     embed = ckpt.tensors.get("token_embd.weight")
     if embed is None:
         raise GGUFError(f"{ckpt.path}: no token_embd.weight tensor")
@@ -205,16 +320,16 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     kwargs: dict[str, Any] = dict(
         architectures=[architecture],
         hidden_size=hidden,
-        num_hidden_layers=int(ckpt.require(Keys.LLM.BLOCK_COUNT)),
-        intermediate_size=int(ckpt.require(Keys.LLM.FEED_FORWARD_LENGTH)),
+        num_hidden_layers=layers,
+        intermediate_size=ffn[0],
         num_attention_heads=heads,
-        num_key_value_heads=int(ckpt.arch_field(Keys.Attention.HEAD_COUNT_KV, heads)),
+        num_key_value_heads=kv_heads[0],
         head_dim=head_dim,
         max_position_embeddings=int(ckpt.require(Keys.LLM.CONTEXT_LENGTH)),
         rms_norm_eps=float(ckpt.arch_field(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
         # The embedding's rows, not llama.vocab_size: the weights decide what can be looked up.
         vocab_size=embed.shape[0],
-        rope_parameters=_rope_parameters(ckpt, head_dim),
+        rope_parameters=rope_parameters,
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=ckpt.fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None),
@@ -237,8 +352,10 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         kwargs["use_sliding_window"] = False
     if arch in _GEMMA_PATTERN:
         kwargs.update(_gemma_fields(ckpt, arch, kwargs))
+    if arch == "gemma4":
+        kwargs.update(_gemma4_fields(ckpt, kwargs, kv_heads, ffn))
     config = getattr(transformers, config_class)(**kwargs)
-    factors = _rope_freq_factors(ckpt, head_dim)
+    factors = None if arch == "gemma4" else _rope_freq_factors(ckpt, head_dim)
     if factors is not None:
         config.rope_freq_factors = factors
     name = ckpt.fields.get("general.name")

@@ -36,6 +36,10 @@ def gguf_tokenizer(ckpt: GGUFCheckpoint) -> Any:
     if tokenizer_dict.get("tokenizer_type") == "llama":
         # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
         init_kwargs.setdefault("add_bos_token", True)
+    elif tokenizer_dict.get("tokenizer_type") == "gemma4":
+        # Gemma 4's chat template writes <bos> itself: its own tokenizer adds none, whatever
+        # the file's flag says (transformers reads the file so; llama.cpp forces BOS on).
+        init_kwargs["add_bos_token"] = False
     tokens = tokenizer_dict["tokens"]
     for name, key in _SPECIAL_TOKEN_KEYS.items():
         token_id = fields.get(key)

@@ -35,12 +35,18 @@ _CONFIG_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
 _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
                   "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
-                  "pre_feedforward_layernorm", "post_feedforward_layernorm")
+                  "pre_feedforward_layernorm", "post_feedforward_layernorm",
+                  # Gemma 4's per-layer inputs and output scale
+                  "per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm",
+                  "layer_scalar")
+# Hugging Face parameters named without a .weight suffix (the converter appends one).
+_SUFFIXLESS_MODULES = ("layer_scalar",)
 # Architectures whose files store q/k/v and gate/up fused (Phi-3: attn_qkv, and ffn_up holding
 # gate and up), and those modules (their GGUF names are the unfused q and up ones' too).
 _FUSED_ARCHS = ("phi3",)
 _FUSED_LAYER_MODULES = ("self_attn.qkv_proj", "mlp.gate_up_proj")
-_MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+_MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head", "model.embed_tokens_per_layer",
+                  "model.per_layer_model_projection", "model.per_layer_projection_norm")
 # GGUF architectures whose converter permutes q/k rows (convert_hf_to_gguf.LlamaModel.permute).
 _PERMUTED_ARCHS = ("llama", "smollm3", "mistral3")
 # GGUF architectures whose converter stores norm weights as 1 + w (Gemma*Model.modify_tensors).
@@ -144,7 +150,9 @@ def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple
         if arch in _PERMUTED_ARCHS:
             permuted = heads.get(hf_module.split(".", 3)[-1])
         shifted = arch in _SHIFTED_NORM_ARCHS and hf_module.endswith("norm")
-        yield f"{hf_module}.{suffix}", GGUFWeight(record, permuted, -1.0 if shifted else 0.0)
+        hf_name = (hf_module if hf_module.endswith(_SUFFIXLESS_MODULES)
+                   else f"{hf_module}.{suffix}")
+        yield hf_name, GGUFWeight(record, permuted, -1.0 if shifted else 0.0)
         # The consumer is done with it (the loader copied its values into a parameter): its
         # pages need not stay resident (a later read faults them back in).
         record.release_pages()

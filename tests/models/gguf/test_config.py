@@ -124,3 +124,94 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
                   {"token_embd.weight": np.zeros((16, 8), np.float32)})
     with pytest.raises(UnsupportedModelError, match="yarn.gguf: rope.scaling.yarn_ext_factor"):
         gguf_hf_config(open_gguf(path))
+
+
+GEMMA4 = {"num_layers": 5, "config": {
+    "sliding_window": 5, "layer_types": ["sliding_attention", "sliding_attention",
+                                         "full_attention", "sliding_attention", "full_attention"],
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
+    "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "final_logit_softcapping": 10.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1e6}}}}
+
+
+def test_gemma4_config_equals_the_source_config(tiny_model_factory, tiny_gguf_factory):
+    """Per-layer arrays, the SWA head size, the rope_freqs tensor and the tensors present
+    (no attn_v: k = v) give back transformers' config of the source checkpoint."""
+    source = AutoConfig.from_pretrained(tiny_model_factory("gemma4", **GEMMA4))
+    config = gguf_hf_config(open_gguf(tiny_gguf_factory("gemma4", "F32", **GEMMA4)))
+    for field in ("layer_types", "num_kv_shared_layers", "use_double_wide_mlp",
+                  "attention_k_eq_v", "hidden_size_per_layer_input", "sliding_window",
+                  "vocab_size_per_layer_input", "final_logit_softcapping", "intermediate_size",
+                  "architectures"):
+        assert getattr(config, field) == getattr(source, field), field
+    for layer in range(5):
+        for field in ("head_dim", "num_key_value_heads"):
+            assert (getattr(config.per_layer_config[layer], field)
+                    == getattr(source.per_layer_config[layer], field)), (layer, field)
+    assert config.rope_parameters == source.rope_parameters
+
+
+def _copy_gguf(src, dst, fields: dict, drop: tuple[str, ...] = (),
+               tensors: dict[str, np.ndarray] | None = None):
+    """The file at src with some metadata replaced, tensors dropped or added."""
+    ckpt = open_gguf(src)
+    writer = gguf.GGUFWriter(dst, ckpt.architecture)
+    for key, value in {**ckpt.fields, **fields}.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)
+    for name, record in ckpt.tensors.items():
+        if name not in drop:
+            writer.add_tensor(name, np.array(record.data), raw_dtype=record.tensor_type)
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("fields,tensors,match", [
+    ({"gemma4.feed_forward_length": [128, 256, 128, 256, 256]}, {},
+     "neither one width nor double width"),
+    ({"gemma4.attention.head_count_kv": [2, 1, 1, 2, 1]}, {},
+     "head_count_kv differing between layers of one type"),
+    ({"gemma4.attention.value_length": 16}, {}, "value lengths"),
+    ({}, {"rope_freqs.weight": np.arange(1, 17, dtype=np.float32)}, "rope_freqs"),
+])
+def test_gemma4_keys_mrv2_does_not_implement_are_refused(tiny_gguf_factory, tmp_path, fields,
+                                                         tensors, match):
+    path = _copy_gguf(tiny_gguf_factory("gemma4", "F32", **GEMMA4), tmp_path / "g4.gguf",
+                      fields, drop=tuple(tensors), tensors=tensors)
+    with pytest.raises(UnsupportedModelError, match=f"g4.gguf: .*{match}"):
+        gguf_hf_config(open_gguf(path))
+
+
+def test_gemma4_experts_and_per_layer_arrays_elsewhere_are_named(tiny_gguf_factory, tmp_path):
+    """A Gemma 4 file with a router says enable_moe_block (which the model refuses by name);
+    per-layer arrays on an architecture without them are refused."""
+    path = _copy_gguf(tiny_gguf_factory("gemma4", "F32", **GEMMA4), tmp_path / "moe.gguf", {},
+                      tensors={"blk.0.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)})
+    assert gguf_hf_config(open_gguf(path)).enable_moe_block is True
+    fields = {"llama.embedding_length": 8, "llama.attention.head_count": 2,
+              "llama.block_count": 2, "llama.feed_forward_length": 16,
+              "llama.context_length": 64}
+    path = _write(tmp_path / "arr.gguf", "llama", fields,
+                  {"token_embd.weight": np.zeros((16, 8), np.float32)})
+    path = _copy_gguf(path, tmp_path / "arr2.gguf", {"llama.attention.head_count_kv": [2, 1]})
+    with pytest.raises(UnsupportedModelError, match="arr2.gguf: per-layer head_count_kv"):
+        gguf_hf_config(open_gguf(path))

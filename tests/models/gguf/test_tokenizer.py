@@ -79,3 +79,35 @@ def _tiny_file(tiny_model_factory, tmp_path):
     from mrv2.testing.gguf_writer import write_gguf
 
     return write_gguf(tiny_model_factory("llama"), tmp_path / "source.gguf", "F32")[0]
+
+
+def test_gemma4_vocabulary_adds_no_bos_as_transformers_reads_it(tmp_path):
+    """A Gemma 4 file (tokenizer model "gemma4": sentencepiece-style BPE) says add_bos_token
+    true, but its chat template writes <bos>: the tokenizer adds none, as transformers' reading
+    of the file, and splits text as it does."""
+    import gguf
+
+    path = tmp_path / "gemma4-vocab.gguf"
+    writer = gguf.GGUFWriter(path, "gemma4")
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab"]
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([gguf.TokenType.CONTROL] * 4 + [gguf.TokenType.NORMAL] * 6)
+    writer.add_token_merges(["\u2581 a", "a b", "\u2581a b"])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokenizer = gguf_tokenizer(open_gguf(path))
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in ("ab a", "a ab b", "ba"):
+        assert tokenizer(text).input_ids == reference(text).input_ids, text
+    assert tokenizer("ab a").input_ids[0] != 2
+    assert tokenizer.eos_token == "<eos>"
