@@ -19,6 +19,7 @@ from torch import nn
 
 from mrv2.config import ModelConfig
 from mrv2.models.gguf import gguf_hf_config, is_gguf_path, iterate_gguf_weights, open_gguf
+from mrv2.models.multimodal_text import TEXT_MODELS, text_config, text_weights
 from mrv2.models.registry import UnsupportedModelError, get_model_class
 
 if TYPE_CHECKING:
@@ -84,11 +85,12 @@ def _directory_config(model_path: str) -> Any:
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file}: invalid JSON ({e})") from None
-    get_model_class(raw.get("architectures"))
+    # A multimodal checkpoint serves its language model (models/multimodal_text.py).
+    get_model_class([TEXT_MODELS.get(a, a) for a in raw.get("architectures") or []])
 
     from transformers import AutoConfig  # heavy import, only when a model is loaded
 
-    return AutoConfig.from_pretrained(model_path)
+    return text_config(AutoConfig.from_pretrained(model_path))
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
@@ -198,7 +200,10 @@ def checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, Any]]:
     if is_gguf_path(model_config.model):
         return iterate_gguf_weights(open_gguf(model_config.model), model_config.hf_config)
     safetensors_files(model_config.model)
-    return iterate_safetensors(model_config.model, lazy=True)
+    weights = iterate_safetensors(model_config.model, lazy=True)
+    if getattr(model_config.hf_config, "multimodal_architecture", None):
+        return text_weights(weights)
+    return weights
 
 
 @contextmanager
