@@ -12,7 +12,7 @@ from numba import typed
 
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
-from mrv2.models.cpu.decode_stack_numba import weight_view
+from mrv2.models.cpu.stack_views_numba import weight_view
 from mrv2.models.cpu.onednn_decode import PROJECTIONS
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.numba_rows import typed_list

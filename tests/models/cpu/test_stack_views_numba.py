@@ -1,9 +1,9 @@
-"""The fused decode stack kernel's own parts: its embedding lookup on every weight kind (GGUF
-blocks, or held as group panels) against the module path's lookup (bit for bit), a 16-bit
-weight's linear against quantized_linear's (bit for bit, GEMV and panels), a projection's bias
-and Qwen3's per-head q/k norm against the module path's (bit for bit), and the rotary rows at
-the step's positions; the lookups raise IndexError outside their tables. The whole stack
-against the module path is test_decode.py's."""
+"""The fused decode stack's weight views (stack_views_numba.py) and the kernel's own parts:
+its embedding lookup on every weight kind (GGUF blocks, or held as group panels) against the
+module path's lookup (bit for bit), a 16-bit weight's linear against quantized_linear's (bit
+for bit, GEMV and panels), a projection's bias and Qwen3's per-head q/k norm against the module
+path's (bit for bit), and the rotary rows at the step's positions; the lookups raise IndexError
+outside their tables. The whole stack against the module path is test_decode.py's."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from numba import njit
 
-from mrv2.models.cpu.decode_stack_numba import (_add_bias, _embed, _head_norm, _linear,
-                                                rotary_rows, weight_view)
+from mrv2.models.cpu.decode_stack_numba import _add_bias, _head_norm
+from mrv2.models.cpu.stack_views_numba import rotary_rows, stack_embed, stack_linear, weight_view
 from mrv2.models.layers import half_panel_linear, quantized, quantized_panel_numba
 from mrv2.models.layers.norm import RMSNorm
 from mrv2.models.layers.quantized import PackedWeight, quantized_linear
@@ -24,12 +24,12 @@ VOCAB, WIDTH = 40, 256
 
 @njit
 def _lookup(ids, w, out):
-    _embed(ids, w, out)
+    stack_embed(ids, w, out)
 
 
 @njit
 def _stack_linear(x, w, out):
-    _linear(x, w, out)
+    stack_linear(x, w, out)
 
 
 @njit
