@@ -51,9 +51,7 @@ class DecoderSpec:
     position_query_scale: tuple[float, int] | None = None
     # Gemma 4: values RMS-normalised per head (no weight), layers whose own heads may be
     # wider (`per_layer_config`), per-layer input embeddings of this width (0: none) and layers
-    # that reuse an earlier layer's keys and values (each layer's source; None: none). The
-    # fused decode stack runs none of these (cpu/decode.supports): such a model runs its
-    # modules.
+    # that reuse an earlier layer's keys and values (each layer's source; None: none).
     value_norm: bool = False
     per_layer_input_size: int = 0
     kv_sources: tuple[int, ...] | None = None

@@ -15,7 +15,8 @@
   `layer_scalar`; final logits soft-capped as Gemma 2's.
 
 MoE blocks (`enable_moe_block`) and bidirectional attention are refused by name. The fused CPU
-decode stack does not run Gemma 4 (DecoderSpec.value_norm and the rest): its modules do.
+decode stack runs Gemma 4 from what it declares (DecoderSpec.value_norm, per_layer_input_size,
+kv_sources; its attention's `projections` and `layer_scalar`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Gemma4Attention(nn.Module):
         self.eps = hf.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, self.eps)
         self.k_norm = RMSNorm(self.head_dim, self.eps) if owns_kv else None
-        self.rope_table = 1 if window else 0
+        self.use_rope, self.rope_table = True, 1 if window else 0
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=1.0,
                               sliding_window=window if window < model_config.max_model_len
                               else 0,

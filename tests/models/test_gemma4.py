@@ -24,13 +24,13 @@ def _model_config(path, **overrides) -> ModelConfig:
     return ModelConfig(model=str(path), dtype=torch.float32, max_model_len=64, hf_config=hf)
 
 
-def test_declares_what_the_fused_stack_does_not_run(tiny_model_factory) -> None:
+def test_declares_its_traits_and_the_fused_stack_runs_them(tiny_model_factory) -> None:
     model = load_model(_model_config(tiny_model_factory("gemma4", num_layers=4, config=CONFIG)),
                        torch.device("cpu"))
     spec = model.decoder_spec
     assert spec.value_norm and spec.per_layer_input_size == 8
     assert spec.kv_sources == (0, 1, 0, 1) and spec.attention_scale == 1.0
-    assert not decode.supports(spec)
+    assert decode.supports(spec) and decode.fused_decode(model) is not None
     # KV-shared layers project queries only; their sources' caches hold their keys.
     assert model.model.layers[2].self_attn.qkv_proj.shard_sizes.keys() == {"q"}
     assert model.model.layers[1].self_attn.qkv_proj.shard_sizes.keys() == {"q", "k", "v"}

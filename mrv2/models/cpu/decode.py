@@ -36,8 +36,10 @@ from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
-from mrv2.models.cpu.stack_args import (StackArgs, embedding_table, group_tables, layer_norms,
-                                        packed_of, rotary_tables)
+from mrv2.models.cpu.decode_stack_numba import KV_SHARED
+from mrv2.models.cpu.stack_args import (PER_LAYER_PROJECTIONS, StackArgs, embedding_table,
+                                        group_tables, has_per_layer_inputs, kv_mode,
+                                        layer_norms, packed_of, rotary_tables)
 
 
 # Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
@@ -59,35 +61,59 @@ def _kinds(layer) -> tuple[str, ...]:
     return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
 
 
-# Traits only the stack computes, not onednn_decode (Gemma's, OLMo 2's, Ministral 3's).
+# Traits only the stack computes, not onednn_decode (Gemma's, Gemma 4's, OLMo 2's,
+# Ministral 3's).
 _STACK_ONLY_TRAITS = ("sandwich_norms", "norm_unit_offset", "embedding_scale", "local_rope",
                       "attention_softcap", "logit_softcap", "position_query_scale",
-                      "norms_after", "qk_norm_over_projection")
+                      "norms_after", "qk_norm_over_projection", "value_norm",
+                      "per_layer_input_size", "kv_sources")
 
 
 def supports(spec: DecoderSpec | None) -> bool:
     """Whether the stack computes a model that declares `spec`: Llama's, Gemma's or OLMo 2's
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
-    projection, NoPE layers, partial rotary, windows, local rope, soft caps and position-scaled
-    queries; not Gemma 4's value norms, per-layer inputs or KV-shared layers."""
-    return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and not spec.value_norm and not spec.per_layer_input_size
-            and spec.kv_sources is None)
+    projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
+    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers."""
+    return spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
+
+
+def _float32_or_packed(module) -> bool:
+    return packed_of(module) is not None or float32_cpu(module.weight)
 
 
 def _layer_qualifies(layer) -> bool:
-    """The parts that never change: float32 CPU norms of one eps (q/k norms: both or none),
-    each projection packed or float32 CPU with a float32 CPU bias or none, tp 1."""
+    """The parts that never change: float32 CPU norms of one eps (q/k norms: both or none; a
+    layer that reads another's keys and values, q alone), each projection packed or float32
+    CPU with a float32 CPU bias or none, tp 1; Gemma 4's per-layer modules likewise."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = [layer.get_submodule(name) for name in PROJECTIONS]
     eps = layer.post_attention_layernorm.eps
     norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    paired = len(norms) in (0, 2) or (kv_mode(attn) == KV_SHARED and attn.q_norm is not None)
+    per_layer = [getattr(layer, name) for name in PER_LAYER_PROJECTIONS if hasattr(layer, name)]
+    per_layer_norm = getattr(layer, "post_per_layer_input_norm", None)
     return (attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
-            and len(norms) in (0, 2) and all(n.eps == eps and float32_cpu(n.weight)
-                                             for n in norms)
-            and all(p.bias is None or float32_cpu(p.bias) for p in projections)
+            and paired and all(n.eps == eps and float32_cpu(n.weight) for n in norms)
+            and all(p.bias is None or float32_cpu(p.bias) for p in projections + per_layer)
             and all(n.eps == eps and float32_cpu(n.weight) for n in layer_norms(layer))
-            and all(packed_of(p) is not None or float32_cpu(p.weight) for p in projections))
+            and all(_float32_or_packed(p) for p in projections + per_layer)
+            and (per_layer_norm is None or (per_layer_norm.eps == eps
+                                            and float32_cpu(per_layer_norm.weight))))
+
+
+def _per_layer_inputs_qualify(model, eps: float) -> bool:
+    """Gemma 4's per-layer inputs, where the model has them: a table the stack reads, a
+    float32 or packed projection and float32 norm of the layers' eps, each layer's gate and
+    projection of one kind."""
+    if not has_per_layer_inputs(model):
+        return True
+    norm = model.per_layer_projection_norm
+    layers = list(model.layers)
+    return (embedding_table(model.embed_tokens_per_layer) is not None
+            and _float32_or_packed(model.per_layer_model_projection)
+            and norm.eps == eps and float32_cpu(norm.weight)
+            and all(len({_kind(getattr(layer, name)) for layer in layers}) == 1
+                    for name in PER_LAYER_PROJECTIONS))
 
 
 def qualifies(model) -> bool:
@@ -97,10 +123,12 @@ def qualifies(model) -> bool:
     the embedding is one the stack reads, the final norm and rotary tables float32 CPU."""
     layers = list(model.layers)
     tables = rotary_tables(model)
+    eps = {layer.post_attention_layernorm.eps for layer in layers}
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
-            and len({layer.post_attention_layernorm.eps for layer in layers}) == 1
+            and len(eps) == 1 and _per_layer_inputs_qualify(model, eps.pop())
             and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
-            and embedding_table(model) is not None and all(float32_cpu(t) for t in tables))
+            and embedding_table(model.embed_tokens) is not None
+            and all(float32_cpu(t) for t in tables))
 
 
 def max_rows(model) -> int:
@@ -148,10 +176,15 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     return out, logits if with_logits else None
 
 
-def _work_split(args: StackArgs, seq_lens: np.ndarray) -> tuple[int, int]:
-    kv_bytes = step_kv_bytes(seq_lens, args.num_kv_heads, args.head_dim, args.kv_itemsize,
-                             len(args.kv_caches_list))
-    return work_split(len(seq_lens), args.num_kv_heads, planned_threads(), kv_bytes)
+def _work_split(args: StackArgs, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kv heads per work item, context splits) of each layer's attention this step: one plan
+    per kv head count (Gemma 4's global layers have their own), for the step's K/V bytes."""
+    kv_bytes = step_kv_bytes(seq_lens, 1, args.kv_width_sum, args.kv_itemsize, 1)
+    plans = {heads: work_split(len(seq_lens), heads, planned_threads(), kv_bytes)
+             for heads in args.kv_head_counts}
+    per_item = np.array([plans[h][0] for h in args.num_kv_heads], np.int64)
+    splits = np.array([plans[h][1] for h in args.num_kv_heads], np.int64)
+    return per_item, splits
 
 
 def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,

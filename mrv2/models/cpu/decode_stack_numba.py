@@ -1,5 +1,5 @@
 """The fused decode stack's kernel: a decode step of a few rows through a whole Llama-, Gemma-
-or OLMo 2-layout model, token ids to final hidden states (and the LM head's logits), as one numba
+(2, 3, 4) or OLMo 2-layout model, token ids to final hidden states (and the LM head's logits), as one numba
 call (CPU, float32 activations). decode.py decides when it runs and builds the views it reads.
 
 The arithmetic is the same as the module path's (norm_numba, rotary_numba, activation_numba,
@@ -9,7 +9,9 @@ norms hold 1 + w: the same float32 product), rotate-half rotary (per layer: none
 or the local table), SiLU(gate) * up or GeLU(tanh), attention over the paged cache after this
 step's K/V are written (windows, soft caps), Gemma's and OLMo 2's norms after the sublayers
 (OLMo 2: none before them, q/k norms over the whole projections), Ministral 3's queries scaled
-by position, Gemma's capped logits. Each weight is a view of stack_views_numba.py, whose
+by position, Gemma's capped logits; Gemma 4's per-layer shapes (kv heads, head size, MLP width),
+values that are the keys (k = v) and RMS-normalised, layers reading an earlier layer's cache
+(no K/V written), per-layer inputs and output scale. Each weight is a view of stack_views_numba.py, whose
 `stack_linear` and `stack_embed` compute on it.
 """
 
@@ -57,16 +59,24 @@ def _add_streams(x, residual, out):
             out[r, i] = x[r, i] + residual[r, i] if residual.shape[0] > 0 else x[r, i]
 
 
+# A layer's keys and values (`kv_modes`): its own projections; the values are the key
+# projection (Gemma 4's attention_k_eq_v); none, the cache read is an earlier layer's (Gemma
+# 4's KV-shared layers: their cache views are their sources').
+KV_OWN, KV_FROM_KEYS, KV_SHARED = 0, 1, 2
+
+
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
                   qk_norms, post_norms, traits, rope, window, cos, sin, q_scales, k_cache,
-                  v_cache,
+                  v_cache, kv_mode,
                   block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                   intermediate, scale, kv_per_item, splits, out, residual_out):
     rows, hidden_size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     b_qkv, b_o, b_gate_up, b_down = biases
     q_norm, k_norm = qk_norms
+    projected = q_size + kv_size * (2 if kv_mode == KV_OWN else 1 if kv_mode == KV_FROM_KEYS
+                                    else 0)
     normed = np.empty((rows, hidden_size), dtype=np.float32)
     if ln1.shape[0] > 0:
         add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
@@ -75,28 +85,36 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     else:  # OLMo 2: no norm before the sublayer, whose input is the stream itself
         _add_streams(hidden, residual, residual_out)
         normed[:] = residual_out
-    qkv = np.empty((rows, q_size + 2 * kv_size), dtype=np.float32)
+    qkv = np.empty((rows, projected), dtype=np.float32)
     stack_linear(normed, w_qkv, qkv)
     _add_bias(qkv, b_qkv)
+    own_kv = kv_mode != KV_SHARED
     q_in, k_in = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
     if q_norm.shape[0] > 0 and traits[6]:  # OLMo 2: q/k norms over the whole projections
         q_in = _head_norm(q_in, q_norm, eps, rows, 1, q_size)
         k_in = _head_norm(k_in, k_norm, eps, rows, 1, kv_size)
     elif q_norm.shape[0] > 0:  # per-head q/k norms before rotary (one eps: the layer norms')
         q_in = _head_norm(q_in, q_norm, eps, rows, num_heads, head_dim)
-        k_in = _head_norm(k_in, k_norm, eps, rows, num_kv_heads, head_dim)
+        if own_kv:
+            k_in = _head_norm(k_in, k_norm, eps, rows, num_kv_heads, head_dim)
     q = np.empty((rows, q_size), dtype=np.float32)
-    k = np.empty((rows, kv_size), dtype=np.float32)
+    k = np.empty((rows, kv_size if own_kv else 0), dtype=np.float32)
     if rope:  # 0: a NoPE layer; 1, 2: its rows of the global or local table
         rotary_kernel(q_in, cos[rope - 1], sin[rope - 1], head_dim, q)
-        rotary_kernel(k_in, cos[rope - 1], sin[rope - 1], head_dim, k)
+        if own_kv:
+            rotary_kernel(k_in, cos[rope - 1], sin[rope - 1], head_dim, k)
     else:  # a NoPE layer (SmolLM3)
         q[:] = q_in
         k[:] = k_in
     for r in range(q_scales.shape[0]):  # Ministral 3: the rotated queries scaled by position
         for j in range(q_size):
             q[r, j] *= q_scales[r]
-    kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
+    if own_kv:  # values: their projection, or (k = v) the keys' before norm and rotary
+        v = qkv[:, projected - kv_size:]
+        if traits[7]:  # Gemma 4: each head RMS-normalised without a weight
+            v = _head_norm(v, np.ones(head_dim, dtype=np.float32), eps, rows, num_kv_heads,
+                           head_dim)
+        kv_numba.write_kv_kernel(k, v, k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item, splits, window, traits[1], NO_SINKS)
@@ -130,17 +148,71 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _per_layer_inputs(ids, embedded, per_layer, eps, layers):
+    """Gemma 4's per-layer inputs of the rows [rows, layers * size] (none: [0, 0]), as
+    Gemma4Model.per_layer_inputs: the per-layer table's rows scaled by sqrt(size), plus the
+    RMS-normalised projection of the scaled embeddings times hidden ** -0.5, times 2 ** -0.5.
+    `per_layer`: (table, projection, its norm [size], the layers' gates, projections and
+    norms)."""
+    table, w_project, norm = per_layer[0], per_layer[1], per_layer[2]
+    size = norm.shape[0]
+    if size == 0:
+        return np.empty((0, 0), dtype=np.float32)
+    rows, hidden_size = embedded.shape
+    looked_up = np.empty((rows, layers * size), dtype=np.float32)
+    stack_embed(ids, table, looked_up)
+    projected = np.empty((rows, layers * size), dtype=np.float32)
+    stack_linear(embedded, w_project, projected)
+    table_scale, project_scale = np.float32(np.sqrt(size)), np.float32(hidden_size ** -0.5)
+    for r in range(rows):
+        for j in range(layers * size):
+            projected[r, j] *= project_scale
+    normed = _head_norm(projected, norm, eps, rows, layers, size)
+    mix = np.float32(2.0 ** -0.5)
+    for r in range(rows):
+        for j in range(layers * size):
+            normed[r, j] = (normed[r, j] + looked_up[r, j] * table_scale) * mix
+    return normed
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _mix_per_layer(hidden, pl_rows, per_layer, layer, eps):
+    """hidden += norm(projection(GeLU(gate(hidden)) * the layer's per-layer input)), in place
+    (Gemma4DecoderLayer's per-layer block)."""
+    gates, projections, norms = per_layer[3], per_layer[4], per_layer[5]
+    rows, size = hidden.shape[0], per_layer[2].shape[0]
+    gate = np.empty((rows, size), dtype=np.float32)
+    stack_linear(hidden, gates[layer], gate)
+    gated = np.empty((rows, 2 * size), dtype=np.float32)  # [gate | input]: GeLU(gate) * input
+    gated[:, :size] = gate
+    gated[:, size:] = pl_rows[:, layer * size:(layer + 1) * size]
+    act = np.empty((rows, size), dtype=np.float32)
+    gelu_tanh_and_mul_kernel(gated, size, act)
+    projected = np.empty_like(hidden)
+    stack_linear(act, projections[layer], projected)
+    normed = np.empty_like(hidden)
+    add_rms_norm_kernel(projected, NO_RESIDUAL, norms[layer], eps, normed, projected)
+    for r in range(rows):
+        for j in range(hidden.shape[1]):
+            hidden[r, j] += normed[r, j]
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
                  local_cos_cache, local_sin_cache, windows, kv_groups, final_norm, final_eps,
-                 kv_caches, block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
-                 intermediate, scale, kv_per_item, splits, out, w_head, logits):
+                 kv_caches, kv_modes, layer_scalars, per_layer, block_tables, seq_lens, slots,
+                 num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
+                 out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
     `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
     outside their tables raise IndexError before anything is written. Layer i reads the block
     tables and slots of its KV cache group `kv_groups[i]`: `block_tables` is a tuple of the
-    groups' [rows, blocks] tables, `slots` [groups, rows]."""
+    groups' [rows, blocks] tables, `slots` [groups, rows]. Per layer: its KV mode
+    (`kv_modes`), kv heads, head size, MLP width and attention work split (arrays); Gemma 4's
+    output scale (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
+    `_per_layer_inputs`; a [0] projection norm for none)."""
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     stack_embed(ids, w_embed, hidden)
@@ -163,6 +235,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     for r in range(q_scales.shape[0]):
         steps = np.floor(np.float32(positions[r]) / original)
         q_scales[r] = np.float32(1.0) + beta * np.log(np.float32(1.0) + steps)
+    pl_rows = _per_layer_inputs(ids, hidden, per_layer, eps, len(w_qkvs))
     x = hidden
     residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
     for i in range(len(w_qkvs)):
@@ -174,10 +247,18 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
                       (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
                       windows[i], cos, sin, q_scales,
-                      kv[0], kv[1], block_tables[group], seq_lens, slots[group],
-                      num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
-                      splits, layer_out, residual_out)
+                      kv[0], kv[1], kv_modes[i], block_tables[group], seq_lens, slots[group],
+                      num_heads, num_kv_heads[i], head_dim[i], intermediate[i], scale,
+                      kv_per_item[i], splits[i], layer_out, residual_out)
         x, residual = layer_out, residual_out
+        if layer_scalars[i].shape[0] > 0:  # Gemma 4: the stream itself, mixed and scaled
+            _add_streams(layer_out, residual_out, layer_out)
+            if pl_rows.shape[0] > 0:
+                _mix_per_layer(layer_out, pl_rows, per_layer, i, eps)
+            for r in range(rows):
+                for j in range(hidden_size):
+                    layer_out[r, j] *= layer_scalars[i][0]
+            residual = np.empty((0, 0), dtype=np.float32)
     summed = np.empty((rows, hidden_size), dtype=np.float32)
     add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
     if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
@@ -193,9 +274,10 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
                      w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
                      rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
-                     final_norm, final_eps, kv_caches, block_tables, seq_lens, block_size,
-                     num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
-                     out, w_head, logits, tokens, nan_rows):
+                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer,
+                     block_tables, seq_lens, block_size, num_heads, num_kv_heads, head_dim,
+                     intermediate, scale, kv_per_item, splits, out, w_head, logits, tokens,
+                     nan_rows):
     """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
     before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
     `decode_stack` with the LM head and the argmax of its logits (greedy_numba's: NaN read as
@@ -222,9 +304,9 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                      w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms,
                      traits, rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
-                     final_norm, final_eps, kv_caches, block_tables, seq_lens, slots,
-                     num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item,
-                     splits, out, w_head, logits)
+                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer,
+                     block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
+                     intermediate, scale, kv_per_item, splits, out, w_head, logits)
         if rows <= MAX_SERIAL_ROWS:
             greedy_argmax_serial(bits, sampled, nans)
         else:

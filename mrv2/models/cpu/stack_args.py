@@ -13,6 +13,7 @@ from numba import typed
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
 from mrv2.models.cpu.stack_views_numba import weight_view
+from mrv2.models.cpu.decode_stack_numba import KV_FROM_KEYS, KV_OWN, KV_SHARED
 from mrv2.models.cpu.onednn_decode import PROJECTIONS
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.numba_rows import typed_list
@@ -37,16 +38,29 @@ def rotary_tables(model) -> list[torch.Tensor]:
             for t in (rotary.cos_cache, rotary.sin_cache)]
 
 
-def embedding_table(model) -> PackedWeight | torch.Tensor | None:
-    """The table `model`'s (a LlamaModel's) embedding looks its rows up in, as the stack
-    reads it: the GGUF blocks or 16-bit weight it is packed as, or a float32 CPU
-    weight on one rank; None otherwise."""
-    embed = model.embed_tokens
+def embedding_table(embed) -> PackedWeight | torch.Tensor | None:
+    """The table an embedding (a VocabParallelEmbedding: the token embedding, Gemma 4's
+    per-layer one) looks its rows up in, as the stack reads it: the GGUF blocks or 16-bit
+    weight it is packed as, or a float32 CPU weight on one rank; None otherwise."""
     if embed.packed is not None:
         return embed.packed
     if embed.tp_size == 1 and float32_cpu(embed.weight):
         return embed.weight
     return None
+
+
+def kv_mode(attn) -> int:
+    """A layer's keys and values as the kernel computes them (decode_stack_numba's KV_OWN,
+    KV_FROM_KEYS, KV_SHARED): from which projections its qkv_proj computes."""
+    return {"qkv": KV_OWN, "qk": KV_FROM_KEYS, "q": KV_SHARED}[attn.qkv_proj.projections]
+
+
+# Gemma 4's per-layer input modules, per layer (gate, projection) and of the model.
+PER_LAYER_PROJECTIONS = ("per_layer_input_gate", "per_layer_projection")
+
+
+def has_per_layer_inputs(model) -> bool:
+    return getattr(model, "per_layer_input_size", 0) > 0
 
 
 def _projection_parameters(module) -> list[torch.Tensor]:
@@ -78,9 +92,13 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
     the final norm, the rotary tables, the caches, a float32 embedding and LM head, then each
     layer's norms and float32 projections."""
     out = [model.norm.weight, *rotary_tables(model), *kv_caches]
-    embedding = embedding_table(model)
-    out += [w for w in (embedding, None if head is None else head.weight)
-            if isinstance(w, torch.Tensor)]
+    tables = [embedding_table(model.embed_tokens), None if head is None else head.weight]
+    per_layer = has_per_layer_inputs(model)
+    if per_layer:
+        tables.append(embedding_table(model.embed_tokens_per_layer))
+        out += _projection_parameters(model.per_layer_model_projection)
+        out.append(model.per_layer_projection_norm.weight)
+    out += [w for w in tables if isinstance(w, torch.Tensor)]
     for layer in model.layers:
         out += [norm.weight for norm in layer_norms(layer)]
         attn = layer.self_attn
@@ -89,6 +107,12 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
             module = layer.get_submodule(name)
             out += _projection_parameters(module)
             out += [] if module.bias is None else [module.bias]
+        if hasattr(layer, "layer_scalar"):
+            out.append(layer.layer_scalar)
+        if per_layer:
+            for name in PER_LAYER_PROJECTIONS:
+                out += _projection_parameters(getattr(layer, name))
+            out.append(layer.post_per_layer_input_norm.weight)
     return out
 
 
@@ -97,6 +121,23 @@ def _views(tensors) -> typed.List:
 
 
 _NONE = torch.empty(0, dtype=torch.float32)
+_NO_MATRIX = np.empty((0, 0), np.float32)
+
+
+def _per_layer_args(model) -> tuple:
+    """decode_stack's `per_layer` (Gemma 4's per-layer inputs): the per-layer table, the
+    embeddings' projection and its norm, then each layer's gate, projection and norm; for a
+    model without them, empty views of the same types as a float32 model's."""
+    if not has_per_layer_inputs(model):
+        return (_NO_MATRIX, _NO_MATRIX, _NONE.numpy(), typed_list((_NO_MATRIX,)),
+                typed_list((_NO_MATRIX,)), typed_list((_NONE.numpy(),)))
+    layers = list(model.layers)
+    return (weight_view(embedding_table(model.embed_tokens_per_layer), linear=False),
+            _projection_view(model.per_layer_model_projection),
+            model.per_layer_projection_norm.weight.detach().numpy(),
+            *(projection_views([getattr(layer, name) for layer in layers])
+              for name in PER_LAYER_PROJECTIONS),
+            _views(layer.post_per_layer_input_norm.weight for layer in layers))
 
 
 def _or_none(part: torch.Tensor | torch.nn.Module | None) -> torch.Tensor:
@@ -124,13 +165,18 @@ class StackArgs:
         self.tensors = _stack_tensors(model, kv_caches, head)
         self.key = self.current_key()
         layers = list(model.layers)
-        attn, mlp = layers[0].self_attn, layers[0].mlp
+        attn = layers[0].self_attn
         # Each layer's KV cache group (core/kv_cache_layout.py): whose tables it reads.
         self.kv_groups = np.array([layer.self_attn.attn.kv_cache_group for layer in layers],
                                   np.int64)
         self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.w_embed = weight_view(embedding_table(model), linear=False)
+        # Per layer (Gemma 4's differ): kv heads, head size, MLP width.
+        self.num_kv_heads = np.array([layer.self_attn.num_kv_heads for layer in layers],
+                                     np.int64)
+        self.head_dim = np.array([layer.self_attn.head_dim for layer in layers], np.int64)
+        self.kv_head_counts = sorted(set(self.num_kv_heads.tolist()))
+        self.kv_width_sum = int((self.num_kv_heads * self.head_dim).sum())
+        self.w_embed = weight_view(embedding_table(model.embed_tokens), linear=False)
         # The kernel's arguments between a step's own (both kernels take them in this order),
         # read once (module attributes cost microseconds a step), in decode_stack's order;
         # rotary tables per layer: 0 NoPE, 1 global, 2 local; windows: 0 every key.
@@ -159,17 +205,21 @@ class StackArgs:
             (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
              np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh",
              np.float32(query_scale[0]), np.int64(query_scale[1]),
-             spec.qk_norm_over_projection),
+             spec.qk_norm_over_projection, spec.value_norm),
             np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
                       for layer in layers], np.int64),
             *((no_table, no_table) if local is None
               else (local.cos_cache.numpy(), local.sin_cache.numpy())),
             np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
             self.kv_groups, model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
-            typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)))
-        # and the shapes: heads, kv heads, head size, intermediate size, attention's scale.
-        self.shape_args = (attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                           mlp.intermediate_size, np.float32(attn.attn.scale))
+            typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)),
+            np.array([kv_mode(layer.self_attn) for layer in layers], np.int64),
+            _views(getattr(layer, "layer_scalar", _NONE) for layer in layers),
+            _per_layer_args(model))
+        # and the shapes: heads, kv heads, head size, MLP width (per layer), attention's scale.
+        self.shape_args = (attn.num_heads, self.num_kv_heads, self.head_dim,
+                           np.array([layer.mlp.intermediate_size for layer in layers], np.int64),
+                           np.float32(attn.attn.scale))
         self.hidden_size = model.norm.weight.shape[0]
         self.head = head
         self.w_head = None if head is None else weight_view(head.weight)

@@ -351,6 +351,11 @@ class QKVLinear(_FusedLinear):
         self.num_kv_heads = local_kv
 
     @property
+    def projections(self) -> str:
+        """Which of q, k, v the layer projects: "qkv", "qk" or "q"."""
+        return "".join(self.shard_sizes)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -169,6 +169,16 @@ ARCHS = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}},
+    # Gemma 4: wider global heads whose values are their keys, value norms, per-layer inputs,
+    # the last two layers reading layers 1's and 2's caches with double-wide MLPs.
+    "gemma4": {"num_layers": 5, "tie_word_embeddings": True, "config": {
+        "sliding_window": 7, "layer_types": ["sliding_attention", "sliding_attention",
+                                             "full_attention", "sliding_attention",
+                                             "full_attention"],
+        "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 10.0}},
 }
 
 
