@@ -39,10 +39,34 @@ from mrv2.models.layers.quantized import PackedWeight
 
 # Fused module (relative to a layer) -> the checkpoint modules whose rows it stacks, in order
 # (unless the file stores the fused module itself).
+# (q/k/v: those of them the layer projects, `QKVLinear.projections`; Gemma 4's layers may
+# project q and k, or q alone.)
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.o_proj": ("self_attn.o_proj",),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "mlp.down_proj": ("mlp.down_proj",)}
+# Linears a layer or the model may have besides (Gemma 4's per-layer inputs), and lookup-only
+# tables (Gemma 4's per-layer embedding: for E2B the largest tensor of the file).
+_OPTIONAL_LAYER_LINEARS = ("per_layer_input_gate", "per_layer_projection")
+_OPTIONAL_MODEL_LINEARS = ("per_layer_model_projection",)
+_LOOKUP_TABLES = ("embed_tokens_per_layer",)
+
+
+def _sources(layer: nn.Module, fused: str) -> tuple[str, ...]:
+    """The checkpoint modules whose rows `fused` stacks in this layer."""
+    if fused == "self_attn.qkv_proj":
+        projections = getattr(layer.self_attn.qkv_proj, "projections", "qkv")
+        return tuple(f"self_attn.{p}_proj" for p in projections)
+    return _FUSED[fused]
+
+
+def _optional_linears(inner: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(checkpoint module name, module) of every optional linear `inner` has."""
+    found = [(f"model.{name}", getattr(inner, name)) for name in _OPTIONAL_MODEL_LINEARS
+             if hasattr(inner, name)]
+    return found + [(f"model.layers.{i}.{name}", getattr(layer, name))
+                    for i, layer in enumerate(inner.layers)
+                    for name in _OPTIONAL_LAYER_LINEARS if hasattr(layer, name)]
 
 
 @dataclass
@@ -144,10 +168,11 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
                                                                    "lm_head")
                                      if name in packed.weights)
     for i, layer in enumerate(inner.layers):
-        for fused, sources in _FUSED.items():
+        for fused in _FUSED:
             module = layer.get_submodule(fused)
             if getattr(module, "tp_size", 1) != 1:
                 continue
+            sources = _sources(layer, fused)
             if f"model.layers.{i}.{fused}" in stored:  # stored fused (Phi-3)
                 sources = (fused,)
             parts = [stored.get(f"model.layers.{i}.{source}") for source in sources]
@@ -156,6 +181,20 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
                 _pack_linear(module, weight, f"model.layers.{i}.{fused}", packed)
                 packed.checkpoint_names.update(f"model.layers.{i}.{source}.weight"
                                                  for source in sources)
+    for name, module in _optional_linears(inner):
+        weight = _stored(stored[name]) if name in stored else None
+        if weight is not None:
+            _pack_linear(module, weight, name, packed)
+            packed.checkpoint_names.add(f"{name}.weight")
+    for name in _LOOKUP_TABLES:
+        table = getattr(inner, name, None)
+        weight = (_stored(stored[f"model.{name}"])
+                  if table is not None and table.tp_size == 1 and f"model.{name}" in stored
+                  else None)
+        if weight is not None:  # lookups only: kept as blocks, no panels
+            set_packed(table, weight)
+            packed.weights[f"model.{name}"] = weight
+            packed.checkpoint_names.add(f"model.{name}.weight")
     return packed
 
 
@@ -174,12 +213,16 @@ def pack_16bit_weights(model: nn.Module, dtype: torch.dtype) -> PackedModules | 
     if inner is None or not hasattr(inner, "layers"):
         return None
     packed = PackedModules()
-    for i, layer in enumerate(inner.layers):
-        for fused in _FUSED:
-            module = layer.get_submodule(fused)
-            if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
-                _pack_linear(module, PackedWeight.from_float(module.weight, dtype),
-                               f"model.layers.{i}.{fused}", packed)
+    linears = [(f"model.layers.{i}.{fused}", layer.get_submodule(fused))
+               for i, layer in enumerate(inner.layers) for fused in _FUSED]
+    for name, module in linears + _optional_linears(inner):
+        if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
+            _pack_linear(module, PackedWeight.from_float(module.weight, dtype), name, packed)
+    for name in _LOOKUP_TABLES:
+        table = getattr(inner, name, None)
+        if table is not None and table.tp_size == 1 and table.weight.dtype == torch.float32:
+            set_packed(table, PackedWeight.from_float(table.weight, dtype))
+            packed.weights[f"model.{name}"] = table.packed
 
     def vocab_weight(name: str) -> PackedWeight | None:  # a tied model has no lm_head
         weight = model.get_submodule(name).weight

@@ -285,3 +285,45 @@ def _bf16_checkpoint_weight(path, name: str) -> torch.Tensor:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))[name].float()
+
+
+GEMMA4 = {"num_layers": 5, "tie_word_embeddings": True, "config": {
+    "sliding_window": 5, "layer_types": ["sliding_attention", "sliding_attention",
+                                         "full_attention", "sliding_attention",
+                                         "full_attention"],
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
+    "num_kv_shared_layers": 2, "use_double_wide_mlp": True}}
+
+
+@pytest.mark.usefixtures("float_activations")
+def test_gemma4_every_weight_on_the_blocks_and_the_fused_stack(tiny_gguf_factory,
+                                                               tiny_model_factory):
+    """Gemma 4's q+k and q-only projections, its per-layer linears and its per-layer table are
+    packed from the file (none dequantized: E2B's per-layer table alone is 2.3B values), the
+    fused stack runs them, and greedy tokens equal the dequantized model's; a 16-bit model
+    keeps them 16-bit."""
+    from mrv2.models.cpu.quantized_weights import pack_16bit_weights
+
+    path = tiny_gguf_factory("gemma4", "Q8_0", **GEMMA4)
+    llm = _quantized(path, max_num_seqs=4)
+    worker = llm.llm_engine.engine_core.executor.worker
+    inner = worker.model.model
+    linears = [m for name, m in inner.named_modules() if name.endswith(
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "per_layer_input_gate",
+         "per_layer_projection", "per_layer_model_projection"))]
+    assert len(linears) == 5 * 6 + 1 and all(m.packed is not None for m in linears)
+    assert inner.embed_tokens_per_layer.packed is not None
+    assert worker.runner.fused_decode is not None
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7, 8, 9]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    _run_float32_reference(llm)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    llm.shutdown()
+    assert got == want
+    model = load_model(_configs(tiny_model_factory("gemma4", **GEMMA4)).model_config, CPU)
+    packed = pack_16bit_weights(model, torch.bfloat16)
+    assert {"model.embed_tokens_per_layer", "model.per_layer_model_projection",
+            "model.layers.4.per_layer_projection", "model.layers.4.self_attn.qkv_proj"
+            } <= set(packed.weights)
