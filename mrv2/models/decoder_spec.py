@@ -17,6 +17,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts model's feed-forward (layers/moe.py): `sparse_layers[i]` says
+    whether layer i routes to experts (else it has the dense MLP of `intermediate_size`)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights rescaled to sum to 1
+    sparse_layers: tuple[bool, ...]
+    shared_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     qkv_bias: bool  # q/k/v projections have a bias
     o_bias: bool  # the attention output projection has a bias
@@ -55,6 +67,13 @@ class DecoderSpec:
     value_norm: bool = False
     per_layer_input_size: int = 0
     kv_sources: tuple[int, ...] | None = None
+    # Mixture of experts (None: every layer's MLP is dense). The fused decode stack does not
+    # run routed layers (cpu/decode.supports).
+    moe: MoESpec | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward routes to experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def has_biases(self) -> bool:

@@ -41,7 +41,7 @@ from mrv2.config import ModelConfig
 from mrv2.core.kv_cache_layout import layer_kv_shape, layer_windows
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.linear import QKVLinear, RowParallelLinear
-from mrv2.models.layers.mlp import GatedMLP
+from mrv2.models.layers.moe import expert_shard, feed_forward
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
@@ -134,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         hf = model_config.hf_config
         self.self_attn = LlamaAttention(model_config, spec, layer)
-        self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, spec.mlp_bias, spec.activation)
+        self.mlp = feed_forward(hf.hidden_size, hf.intermediate_size, spec, layer)
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -272,8 +272,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the LM head is embed_tokens
-            param_name, shard_id = name, None
-            for fused, ckpt, sid in _STACKED_PARAMS:
+            param_name, shard_id = expert_shard(name) or (name, None)
+            for fused, ckpt, sid in _STACKED_PARAMS if param_name == name else ():
                 if f".{ckpt}." in name:
                     param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
                     break

@@ -9,6 +9,8 @@ from mrv2.models.llama import (LlamaForCausalLM, Ministral3ForCausalLM, MistralF
                                SmolLM3ForCausalLM)
 from mrv2.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from mrv2.models.gemma4 import Gemma4ForCausalLM
+from mrv2.models.moe import (MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM,
+                             Qwen3MoeForCausalLM)
 from mrv2.models.olmo2 import Olmo2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -23,6 +25,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

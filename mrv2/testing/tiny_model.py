@@ -45,6 +45,10 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
@@ -84,6 +88,9 @@ def _init_weights(model: torch.nn.Module, seed: int, init_scale: float, tied: bo
                 value = embed_std * noise
             elif name == "lm_head.weight":
                 value = noise * (LOGIT_STD / math.sqrt(hidden))  # input is unit-RMS after norm
+            elif p.dim() == 3:  # a MoE layer's experts [E, out, in], each as a 2-D weight
+                gain = RESID_GAIN if name.endswith("down_proj") else 1.0
+                value = noise * (gain * init_scale / math.sqrt(p.shape[2]))
             elif p.dim() == 2:
                 # 1/sqrt(fan_in) keeps unit gain; the residual-writing projections get more so
                 # that attention/MLP outputs dominate the token embedding (context matters).

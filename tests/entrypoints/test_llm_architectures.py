@@ -3,7 +3,8 @@
 Gemma 2 with soft caps, Gemma 3 with its local rope, Gemma 4 with wide global heads, per-layer
 inputs and KV-shared layers,
 Mistral and Qwen2 with sliding windows shorter than the prompts, Ministral 3 (Mistral 3's text
-model), Llama with YaRN and dynamic NTK): greedy tokens equal transformers' on the same random
+model), Llama with YaRN and dynamic NTK, the MoE models: Qwen3-MoE, Qwen2-MoE, Mixtral,
+OLMoE): greedy tokens equal transformers' on the same random
 weights through chunked prefill (a budget smaller than the prompts), a prefix-cache hit and
 preemption."""
 
@@ -63,6 +64,18 @@ CASES = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.4}}),
+    # Mixture of experts (layers/moe.py): Qwen3-MoE with renormalised top-2 of 8, a dense
+    # mlp-only layer; Qwen2-MoE with top-3 of 16 not renormalised, routed every 2nd layer, a
+    # shared expert; Mixtral top-1 of 4 (its checkpoint names); OLMoE top-4 of 8, q/k norms
+    # over the projections.
+    "qwen3-moe": ("qwen3_moe", {"num_layers": 3, "config": {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}}),
+    "qwen2-moe": ("qwen2_moe", {"num_layers": 3, "config": {
+        "num_experts": 16, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2}}),
+    "mixtral": ("mixtral", {"config": {"num_local_experts": 4, "num_experts_per_tok": 1}}),
+    "olmoe": ("olmoe", {"config": {"num_experts": 8, "num_experts_per_tok": 4}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 32}}),
     "llama-dynamic": ("llama", {"max_position_embeddings": 256,

@@ -103,6 +103,11 @@ def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
         "global_head_dim": 32, "num_global_key_value_heads": 2, "attention_k_eq_v": True,
         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
         "num_kv_shared_layers": 2}}, False),
+    # Experts: every rank holds each expert's half of the intermediate (all-reduced once), and
+    # the shared expert and its gate; a dense mlp-only layer between.
+    ("qwen2_moe", {"num_layers": 3, "config": {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}}, False),
 ])
 def test_tp2_matches_tp1_and_transformers(tiny_model_factory, arch, extra, seeded):
     model_dir = tiny_model_factory(arch, num_heads=4, num_kv_heads=2, **extra)

@@ -86,6 +86,18 @@ CASES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                "rope_theta": 1e6}}}}),
+    # Mixture of experts (layers/moe.py): Qwen3-MoE with renormalised top-2 of 8, a dense
+    # mlp-only layer; Qwen2-MoE with top-3 of 16 not renormalised, routed every 2nd layer, a
+    # shared expert; Mixtral top-1 of 4 (its checkpoint names); OLMoE top-4 of 8, q/k norms
+    # over the projections.
+    "qwen3-moe": ("qwen3_moe", {"num_layers": 3, "config": {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}}),
+    "qwen2-moe": ("qwen2_moe", {"num_layers": 3, "config": {
+        "num_experts": 16, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2}}),
+    "mixtral": ("mixtral", {"config": {"num_local_experts": 4, "num_experts_per_tok": 1}}),
+    "olmoe": ("olmoe", {"config": {"num_experts": 8, "num_experts_per_tok": 4}}),
     "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 8}}),
     # Ministral 3: YaRN, and the queries scaled by 1 + beta * log(1 + floor(pos / 4)).
@@ -230,7 +242,8 @@ def test_chunked_prefill_and_decode_match_transformers(case: Case) -> None:
 def test_all_parameters_are_fused_and_loaded(case: Case) -> None:
     names = set(dict(case.model.named_parameters()))
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
-    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert ("model.layers.0.mlp.experts.gate_up_proj" if case.model.decoder_spec.is_sparse(0)
+            else "model.layers.0.mlp.gate_up_proj.weight") in names
     tied = case.model_config.hf_config.tie_word_embeddings
     assert ("lm_head.weight" in names) is not tied
     for name, param in case.model.named_parameters():

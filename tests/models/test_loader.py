@@ -67,15 +67,15 @@ def test_unsupported_architecture_is_refused_before_weights(model_dir: Path) -> 
 
 
 def test_registry() -> None:
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM",
-                                       "Ministral3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                       "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-                                       "Olmo2ForCausalLM", "Gemma2ForCausalLM",
-                                       "Gemma3ForCausalLM", "Gemma4ForCausalLM")
+    assert SUPPORTED_ARCHITECTURES == (
+        "LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
     assert issubclass(UnsupportedModelError, ValueError)
-    for bad in ([], None, ["MixtralForCausalLM"]):
+    for bad in ([], None, ["GptOssForCausalLM"]):
         with pytest.raises(UnsupportedModelError, match="supported architectures: "
                                                         "LlamaForCausalLM, MistralForCausalLM"):
             get_model_class(bad)

@@ -73,8 +73,10 @@ def supports(spec: DecoderSpec | None) -> bool:
     """Whether the stack computes a model that declares `spec`: Llama's, Gemma's or OLMo 2's
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
-    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers."""
-    return spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
+    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers; not (yet)
+    routed experts."""
+    return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
+            and spec.moe is None)
 
 
 def _float32_or_packed(module) -> bool:

@@ -52,6 +52,18 @@ _OPTIONAL_MODEL_LINEARS = ("per_layer_model_projection",)
 _LOOKUP_TABLES = ("embed_tokens_per_layer",)
 
 
+def _fused_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each `_FUSED` projection the layer has (a layer routed to experts
+    has no gate_up_proj / down_proj of its own: layers/moe.py)."""
+    found = []
+    for fused in _FUSED:
+        parent, _, child = fused.rpartition(".")
+        module = getattr(layer.get_submodule(parent), child, None)
+        if isinstance(module, nn.Module):
+            found.append((fused, module))
+    return found
+
+
 def _sources(layer: nn.Module, fused: str) -> tuple[str, ...]:
     """The checkpoint modules whose rows `fused` stacks in this layer."""
     if fused == "self_attn.qkv_proj":
@@ -168,8 +180,7 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
                                                                    "lm_head")
                                      if name in packed.weights)
     for i, layer in enumerate(inner.layers):
-        for fused in _FUSED:
-            module = layer.get_submodule(fused)
+        for fused, module in _fused_modules(layer):
             if getattr(module, "tp_size", 1) != 1:
                 continue
             sources = _sources(layer, fused)
@@ -213,8 +224,8 @@ def pack_16bit_weights(model: nn.Module, dtype: torch.dtype) -> PackedModules | 
     if inner is None or not hasattr(inner, "layers"):
         return None
     packed = PackedModules()
-    linears = [(f"model.layers.{i}.{fused}", layer.get_submodule(fused))
-               for i, layer in enumerate(inner.layers) for fused in _FUSED]
+    linears = [(f"model.layers.{i}.{fused}", module)
+               for i, layer in enumerate(inner.layers) for fused, module in _fused_modules(layer)]
     for name, module in linears + _optional_linears(inner):
         if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
             _pack_linear(module, PackedWeight.from_float(module.weight, dtype), name, packed)

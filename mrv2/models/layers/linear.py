@@ -82,7 +82,7 @@ class _LazyNarrow:
         return self.base[tuple(index)]
 
 
-def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+def tp_rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
     rank = distributed.get_tp_rank() if tp_rank is None else tp_rank
     size = distributed.get_tp_size() if tp_size is None else tp_size
     if not 0 <= rank < size:
@@ -189,7 +189,7 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         per_rank = distributed.divide(output_size, self.tp_size, "output_size")
         super().__init__(input_size, per_rank, bias)
         self.output_size = output_size
@@ -221,7 +221,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = distributed.divide(input_size, self.tp_size,
                                                            "input_size")
@@ -265,7 +265,7 @@ class _FusedLinear(Linear):
     def __init__(self, input_size: int, shard_sizes: dict[ShardId, int],
                  bias: bool = False, *, tp_rank: int | None = None,
                  tp_size: int | None = None) -> None:
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         # Insertion order of shard_sizes is the row order in the fused weight.
         self.full_shard_sizes = dict(shard_sizes)
         local = {sid: distributed.divide(size, self.tp_size, f"shard {sid!r} size")
@@ -336,7 +336,7 @@ class QKVLinear(_FusedLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, *, tp_rank: int | None = None,
                  tp_size: int | None = None, projections: str = "qkv") -> None:
-        rank, size = _tp(tp_rank, tp_size)
+        rank, size = tp_rank_and_size(tp_rank, tp_size)
         local_heads = distributed.divide(num_heads, size, "num_attention_heads")
         local_kv = distributed.divide(num_kv_heads, size, "num_key_value_heads")
         widths = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,

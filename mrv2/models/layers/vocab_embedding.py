@@ -15,8 +15,8 @@ from torch import nn
 
 from mrv2 import batch_invariant, distributed
 from mrv2.models.layers import cpu_linear
-from mrv2.models.layers.linear import (ShardId, _copy, _tp, check_unfused, narrow,
-                                       set_weight_attrs, tensor_shape)
+from mrv2.models.layers.linear import (ShardId, _copy, check_unfused, narrow,
+                                       set_weight_attrs, tensor_shape, tp_rank_and_size)
 from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 
 
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int | None = None,
                  tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
         self.vocab_start, self.vocab_rows, padded = vocab_range(vocab_size, self.tp_rank,
                                                                 self.tp_size)

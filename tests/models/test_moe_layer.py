@@ -1,0 +1,108 @@
+"""mrv2.models.layers.moe: routing as transformers routes, the grouped experts against a
+token-by-token reference, per-expert and whole 3-D checkpoint tensors loading the same
+parameters, each tensor-parallel rank its slice of every expert, and the checkpoint names of
+per-expert tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrv2.models.layers.moe import FusedMoE, SparseMoE, expert_shard, route
+
+
+def _experts(num_experts: int, hidden: int, inter: int, seed: int = 0, **kwargs) -> FusedMoE:
+    moe = FusedMoE(num_experts, hidden, inter, "silu", **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        moe.gate_up_proj.copy_(torch.randn(moe.gate_up_proj.shape, generator=gen) * 0.3)
+        moe.down_proj.copy_(torch.randn(moe.down_proj.shape, generator=gen) * 0.3)
+    return moe
+
+
+def _token_by_token(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    inter = moe.local_intermediate
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot])
+            gate_up = moe.gate_up_proj[e] @ x[t]
+            h = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, slot] * (moe.down_proj[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("num_experts, top_k, renormalize", [(4, 1, True), (8, 2, True),
+                                                             (16, 4, False), (6, 3, False)])
+def test_route_is_softmax_top_k_renormalised(num_experts, top_k, renormalize):
+    logits = torch.randn(7, num_experts, generator=torch.Generator().manual_seed(num_experts))
+    weights, ids = route(logits, top_k, renormalize, torch.float32)
+    probs = logits.softmax(-1)
+    assert torch.equal(ids, probs.topk(top_k, -1).indices)
+    expected = probs.gather(1, ids)
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+        assert torch.allclose(weights.sum(-1), torch.ones(7))
+    torch.testing.assert_close(weights, expected)
+
+
+@pytest.mark.parametrize("num_experts, top_k, tokens", [(4, 1, 1), (8, 2, 5), (16, 4, 33)])
+def test_grouped_experts_equal_the_token_by_token_sum(num_experts, top_k, tokens):
+    moe = _experts(num_experts, 24, 40)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, 24, generator=gen)
+    weights, ids = route(torch.randn(tokens, num_experts, generator=gen), top_k, True,
+                         torch.float32)
+    torch.testing.assert_close(moe(x, weights, ids), _token_by_token(moe, x, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_per_expert_and_whole_tensors_load_the_same_and_ranks_hold_their_slices():
+    num_experts, hidden, inter = 3, 8, 12
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.randn(num_experts, inter, hidden, generator=gen)
+    up = torch.randn(num_experts, inter, hidden, generator=gen)
+    down = torch.randn(num_experts, hidden, inter, generator=gen)
+    whole = FusedMoE(num_experts, hidden, inter, "silu", tp_rank=0, tp_size=1)
+    whole.weight_loader(whole.gate_up_proj, torch.cat([gate, up], dim=1))
+    whole.weight_loader(whole.down_proj, down)
+    for rank in range(2):
+        part = FusedMoE(num_experts, hidden, inter, "silu", tp_rank=rank, tp_size=2)
+        for e in range(num_experts):
+            part.weight_loader(part.gate_up_proj, gate[e], (e, 0))
+            part.weight_loader(part.gate_up_proj, up[e], (e, 1))
+            part.weight_loader(part.down_proj, down[e], (e, None))
+        rows = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        assert torch.equal(part.gate_up_proj, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(part.down_proj, down[:, :, rows])
+    assert torch.equal(whole.gate_up_proj, torch.cat([gate, up], dim=1))
+    with pytest.raises(ValueError, match="expert 5: the layer has 3 experts"):
+        whole.weight_loader(whole.down_proj, down[0], (5, None))
+    with pytest.raises(ValueError, match="expected"):
+        whole.weight_loader(whole.down_proj, down[:, :, :4])
+
+
+def test_expert_checkpoint_names():
+    assert expert_shard("model.layers.2.mlp.experts.11.up_proj.weight") == (
+        "model.layers.2.mlp.experts.gate_up_proj", (11, 1))
+    assert expert_shard("model.layers.0.mlp.experts.0.down_proj.weight") == (
+        "model.layers.0.mlp.experts.down_proj", (0, None))
+    assert expert_shard("model.layers.0.mlp.shared_expert.up_proj.weight") is None
+    assert expert_shard("model.layers.0.mlp.gate_up_proj.weight") is None
+
+
+def test_shared_expert_joins_behind_its_sigmoid_gate():
+    block = SparseMoE(16, 4, 2, 8, "silu", True, shared_intermediate_size=12)
+    gen = torch.Generator().manual_seed(4)
+    for p in block.parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(5, 16, generator=gen)
+    weights, ids = route(block.gate(x), 2, True, x.dtype)
+    expected = (block.experts(x, weights, ids)
+                + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x))
+    torch.testing.assert_close(block(x), expected)
+    with pytest.raises(ValueError, match="num_experts_per_tok=5"):
+        SparseMoE(16, 4, 5, 8, "silu", True)
