@@ -114,8 +114,16 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
     per_type = hparams.get("rope_parameters") or {}
     if (local := (per_type.get("sliding_attention") or {}).get("rope_theta")) is not None:
         writer.add_rope_freq_base_swa(local)  # the windowed layers' base (Gemma 3)
-    if (eps := find_hparam(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
+    if arch == gguf.MODEL_ARCH.OLMOE:
+        writer.add_layer_norm_rms_eps(1e-5)  # OlmoeModel.set_gguf_parameters' fixed value
+    elif (eps := find_hparam(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
         writer.add_layer_norm_rms_eps(eps)
+    if (n_experts := find_hparam(hparams, ["num_local_experts", "num_experts",
+                                           "n_routed_experts"])) is not None:
+        writer.add_expert_count(n_experts)
+    if (n_used := find_hparam(hparams, ["num_experts_per_tok", "num_experts_per_token",
+                                        "top_k_experts"])) is not None:
+        writer.add_expert_used_count(n_used)
     if (head_dim := hparams.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -136,6 +144,11 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
         writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch == gguf.MODEL_ARCH.GEMMA4:
         _add_gemma4_hparams(writer, hparams)
+    if arch in (gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE):  # Qwen2MoeModel's
+        if (size := hparams.get("moe_intermediate_size")) is not None:
+            writer.add_expert_feed_forward_length(size)
+        if (shared := hparams.get("shared_expert_intermediate_size")) is not None:
+            writer.add_expert_shared_feed_forward_length(shared)
 
 
 def gemma4_global_shape(hparams: dict[str, Any]) -> tuple[int, int | None]:

@@ -2,10 +2,11 @@
 
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
-mistral, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, smollm3, olmo2, mistral3; converter
-classes ``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``,
-``Gemma4Model``, ``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model`` in
-``conversion/``;
+mistral, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, smollm3, olmo2, mistral3, and the MoE
+ones qwen2moe, qwen3moe, olmoe and Mixtral as llama; converter classes ``LlamaModel``,
+``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``, ``Gemma4Model``,
+``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model``, ``Qwen2MoeModel``,
+``Qwen3MoeModel``, ``OlmoeModel`` in ``conversion/``;
 the vocabulary in gguf_vocab.py, the hyperparameter keys in gguf_hparams.py) and serialises
 with the ``gguf`` package's ``GGUFWriter``; nothing here encodes GGUF bytes itself.
 Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
@@ -18,6 +19,8 @@ Reproduced, by converter function:
   * ``LlamaModel.modify_tensors`` + ``LlamaModel.permute``: llama/mistral q_proj (n_head) and
     k_proj (n_kv_head) weights and biases are permuted to llama.cpp's rotary layout; qwen is not.
   * ``ModelBase.modify_tensors`` / ``map_tensor_name``: names via ``gguf.get_tensor_name_map``.
+  * The MoE classes' ``modify_tensors``: a layer's per-expert tensors merged into one 3-D tensor
+    per projection once all arrived (``ExpertMerger``); the routers kept F32.
     A tied checkpoint has no lm_head tensor, so the file has no ``output.weight``.
   * ``LlamaModel.generate_extra_tensors``: llama3 rope scaling adds ``rope_freqs.weight`` (F32),
     written first, as the converter's ``chain(generate_extra_tensors(), get_tensors())`` does;
@@ -60,6 +63,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -101,6 +105,10 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "Olmo2ForCausalLM": (gguf.MODEL_ARCH.OLMO2, False),
     "Ministral3ForCausalLM": (gguf.MODEL_ARCH.MISTRAL3, True),
     "Gemma4ForCausalLM": (gguf.MODEL_ARCH.GEMMA4, False),
+    "Qwen3MoeForCausalLM": (gguf.MODEL_ARCH.QWEN3MOE, False),
+    "Qwen2MoeForCausalLM": (gguf.MODEL_ARCH.QWEN2MOE, False),
+    "OlmoeForCausalLM": (gguf.MODEL_ARCH.OLMOE, False),
+    "MixtralForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
 }
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 # Gemma3Model.modify_tensors' steps that Gemma4Model inherits (OOV embedding rows dropped).
@@ -184,10 +192,15 @@ def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+# Matrices prepare_tensors keeps in F32 (the MoE routers).
+_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def _tensor_type(new_name: str, n_dims: int, types: dict[str, gguf.GGMLQuantizationType]
                  ) -> gguf.GGMLQuantizationType:
     """``prepare_tensors``' type choice; `types`: name ending -> type, the first that matches."""
-    if n_dims <= 1 or new_name.endswith("_norm.weight") or not new_name.endswith(".weight"):
+    if (n_dims <= 1 or new_name.endswith(("_norm.weight", *_F32_MATRICES))
+            or not new_name.endswith(".weight")):
         return gguf.GGMLQuantizationType.F32  # llama.cpp reads norms, biases and rope_freqs as F32
     return next(t for end, t in types.items() if new_name.endswith(end))
 
@@ -207,6 +220,7 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
     if arch == gguf.MODEL_ARCH.GEMMA4:
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                       gemma4_rope_freqs(hparams)))
+    merger = ExpertMerger(hparams, arch)
     for name, data_torch in _hf_tensors(model_dir):
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
@@ -224,10 +238,14 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
             data_torch = permute(data_torch, n_head, n_kv_head)
         if arch == gguf.MODEL_ARCH.GEMMA4 and name.endswith("layer_scalar"):
             name += ".weight"  # Gemma4Model.filter_tensors
-        new_name = tensor_map.get_name(key=name, try_suffixes=(".weight", ".bias"))
-        if new_name is None:
-            raise ValueError(f"Can not map tensor {name!r}")
-        named.append((new_name, data_torch))
+        merged = merger.add(name, data_torch)
+        if merged is None:
+            continue  # an expert's tensor: written with its layer's others, merged
+        for merged_name, merged_data in merged:
+            new_name = tensor_map.get_name(key=merged_name, try_suffixes=(".weight", ".bias"))
+            if new_name is None:
+                raise ValueError(f"Can not map tensor {merged_name!r}")
+            named.append((new_name, merged_data))
     out = []
     for new_name, data_torch in named:
         data = data_torch.numpy()
@@ -238,7 +256,44 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
             qtype = gguf.GGMLQuantizationType.F16
             qdata = gguf.quants.quantize(data, qtype)
         out.append((new_name, qdata, qtype))
+    merger.check_done()
     return out
+
+
+class ExpertMerger:
+    """``Qwen2MoeModel`` / ``OlmoeModel`` / ``LlamaModel.modify_tensors``' expert merging: a
+    layer's per-expert tensors are held until all 3 * E arrived, then written as one 3-D tensor
+    per projection, in the converter's order and names."""
+
+    _PATTERN = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\."
+                          r"(\w+)\.weight$")
+
+    def __init__(self, hparams: dict[str, Any], arch: gguf.MODEL_ARCH) -> None:
+        self.num_experts = find_hparam(hparams, ["num_local_experts", "num_experts"]) or 0
+        mixtral = arch == gguf.MODEL_ARCH.LLAMA
+        self.order = ("w1", "w2", "w3") if mixtral else ("down_proj", "gate_proj", "up_proj")
+        self.merged_name = ("layers.{bid}.feed_forward.experts.{w}.weight" if mixtral
+                            else "model.layers.{bid}.mlp.experts.{w}.weight")
+        self.pending: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+
+    def add(self, name: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """[(name, tensor)] to write for this checkpoint tensor, or None (held)."""
+        match = self._PATTERN.match(name)
+        if match is None or not self.num_experts:
+            return [(name, data)]
+        bid = int(match.group(1))
+        layer = self.pending.setdefault(bid, {})
+        layer[(int(match.group(3)), match.group(4))] = data
+        if len(layer) < 3 * self.num_experts:
+            return None
+        del self.pending[bid]
+        return [(self.merged_name.format(bid=bid, w=w),
+                 torch.stack([layer[(x, w)] for x in range(self.num_experts)]))
+                for w in self.order]
+
+    def check_done(self) -> None:
+        if self.pending:
+            raise ValueError(f"Unprocessed experts in layers {sorted(self.pending)}")
 
 
 def _real_vocab_size(model_dir: Path) -> int:

@@ -118,6 +118,35 @@ def _split_shards(sizes: list[int], num_shards: int) -> list[int]:
     return out
 
 
+# Mixtral's Hub names for its MoE block and its experts' projections.
+_MIXTRAL_HUB = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _hub_expert_layout(state: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """transformers 5's in-memory experts ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) as
+    the Hub's checkpoints hold them, one tensor per expert and projection (what save_pretrained
+    writes, and llama.cpp's converter reads); Mixtral's under its own names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if not prefix or leaf not in ("gate_up_proj", "down_proj"):
+            out[name] = tensor
+            continue
+        halves = (("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",))
+        for expert in range(tensor.shape[0]):
+            for i, part in enumerate(tensor[expert].chunk(len(halves), dim=0)):
+                out[f"{prefix}.experts.{expert}.{halves[i]}.weight"] = part.contiguous()
+    if arch != "mixtral":
+        return out
+    renamed = {}
+    for name, tensor in out.items():
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        for hub, mixtral in _MIXTRAL_HUB.items():
+            name = name.replace(f".{hub}.", f".{mixtral}.")
+        renamed[name] = tensor
+    return renamed
+
+
 def _save_weights(state: dict[str, torch.Tensor], dst: Path, num_shards: int) -> None:
     meta = {"format": "pt"}  # what transformers' save_pretrained writes
     if num_shards == 1:
@@ -171,7 +200,7 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if p["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)  # as save_pretrained does: the loader re-ties it
-    _save_weights(state, dst, p["num_shards"])
+    _save_weights(_hub_expert_layout(state, p["arch"]), dst, p["num_shards"])
     for f in dst.glob("*.safetensors"):
         f.chmod(0o644)  # safetensors writes 0600; cached models may be shared between users
     config.save_pretrained(dst)

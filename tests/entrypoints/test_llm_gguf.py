@@ -275,11 +275,11 @@ def _check_gguf_against_source(tiny_model_factory, tiny_gguf_factory, arch: str,
     assert _mrv2_tokens(q8, quantization="gguf") == _mrv2_tokens(q8, quantization=None)
 
 
-# The converter's phi3, smollm3, olmo2 and mistral3 (and Llama's YaRN keys): Phi-3's fused
-# qkv_proj / gate_up_proj written whole, its LongRoPE factors as tensors and partial rotary as
-# rope.dimension_count; SmolLM3 permuted like Llama, its NoPE layers llama.cpp's fixed
-# every-4th (the source follows it); OLMo 2's norms after the sublayers and q/k norms over the
-# whole projection; Ministral 3's query scaling (attention.temperature_scale).
+# The converter's phi3, smollm3, olmo2, mistral3 and MoE models (and Llama's YaRN keys):
+# Phi-3's fused qkv_proj / gate_up_proj written whole, its LongRoPE factors as tensors and
+# partial rotary as rope.dimension_count; SmolLM3 permuted like Llama, its NoPE layers
+# llama.cpp's fixed every-4th (the source follows it); OLMo 2's norms after the sublayers and
+# q/k norms over the whole projection; Ministral 3's query scaling (temperature_scale).
 LLAMA_FAMILY_GGUF = {
     "phi3": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
                               "long_factor": [3.0, 3.0, 5.0, 9.0]},
@@ -292,6 +292,20 @@ LLAMA_FAMILY_GGUF = {
                                     "original_max_position_embeddings": 8}},
     "llama": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
                                "original_max_position_embeddings": 32}},  # YaRN as keys
+    # MoE: experts as 3-D tensors, routers F32; renormalisation as llama.cpp fixes it per
+    # architecture (the sources follow it; llama.cpp has no dense layers in these), Qwen2-MoE's
+    # shared expert, OLMoE's eps as its converter writes it, Mixtral as "llama".
+    "qwen3_moe": {"num_layers": 3, "config": {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True}},
+    "qwen2_moe": {"num_layers": 3, "config": {
+        "num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96}},
+    # (seed 1: seed 0's greedy tokens reach the EOS id, which transformers' min_new_tokens
+    # masks and mrv2's ignore_eos does not)
+    "olmoe": {"seed": 1, "config": {"num_experts": 8, "num_experts_per_tok": 4,
+                                    "rms_norm_eps": 1e-5}},
+    "mixtral": {"config": {"num_local_experts": 4, "num_experts_per_tok": 2}},
 }
 
 

@@ -19,6 +19,10 @@ What the converter changes on the way, and how it is undone:
   mrv2 applies it, as transformers does on the checkpoint the file came from.
 - Ministral 3 (GGUF "mistral3") writes its query scaling's beta as
   `attention.temperature_scale` and YaRN's mscale_all_dim as `rope.scaling.yarn_log_multiplier`.
+- MoE files (qwen3moe, qwen2moe, olmoe; Mixtral as "llama" with an expert_count) store each
+  layer's experts as 3-D tensors (`ffn_gate_exps` ...); norm_topk_prob is not written (llama.cpp
+  fixes it per architecture, `_MOE_RENORMALIZE`); every layer is routed (the converter
+  writes no dense MLP for them).
 - SmolLM3's NoPE layers are not written: llama.cpp fixes every 4th layer NoPE, which is
   SmolLM3Config's default (`no_rope_layer_interval`).
 - Gemma 4 writes its layer pattern (`attention.sliding_window_pattern`), its global layers' kv
@@ -49,7 +53,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "mistral3": ("Ministral3Config", "Ministral3ForCausalLM"),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
+# Mixtral is written as "llama" with experts (an expert_count key).
+_MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
+# Whether llama.cpp rescales an architecture's top-k expert weights to sum to 1 (its graph
+# fixes it per architecture; an expert_weights_norm key overrides).
+_MOE_RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
 # Architectures whose head_count_kv / feed_forward_length may be per-layer arrays.
 _PER_LAYER_ARRAY_ARCHS = ("gemma4",)
 # A rope_freqs divisor at least this large stops its frequency (llama.cpp's Gemma 4 writes 1e30).
@@ -286,6 +298,38 @@ def _gemma4_fields(ckpt: GGUFCheckpoint, kwargs: dict[str, Any], kv_heads: list[
     return fields
 
 
+def _moe_fields(ckpt: GGUFCheckpoint, arch: str) -> dict[str, Any]:
+    """A MoE file's expert fields as its transformers config names them."""
+    from gguf import Keys
+
+    if arch not in _MOE_RENORMALIZE:
+        raise UnsupportedModelError(f"{ckpt.path}: experts in a {arch!r} file are not "
+                                    f"supported (MoE: {', '.join(_MOE_RENORMALIZE)})")
+    gating = ckpt.arch_field(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+        raise UnsupportedModelError(f"{ckpt.path}: expert_gating_func {gating} is not "
+                                    f"supported (softmax only)")
+    renormalize = bool(ckpt.arch_field(Keys.LLM.EXPERT_WEIGHTS_NORM, _MOE_RENORMALIZE[arch]))
+    experts = int(ckpt.require(Keys.LLM.EXPERT_COUNT))
+    used = int(ckpt.require(Keys.LLM.EXPERT_USED_COUNT))
+    if arch == "llama":  # Mixtral: every layer routed, always renormalised
+        if not renormalize:
+            raise UnsupportedModelError(f"{ckpt.path}: Mixtral without renormalised expert "
+                                        f"weights is not supported")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    fields: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used,
+                              "norm_topk_prob": renormalize}
+    if arch == "olmoe":
+        return fields
+    # llama.cpp's qwen MoE files have no dense layers (its tensor map has none for them).
+    fields.update(moe_intermediate_size=int(ckpt.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(
+            ckpt.arch_field(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0))
+    return fields
+
+
 def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
     """The transformers PretrainedConfig the checkpoint was converted from."""
     import transformers
@@ -297,6 +341,8 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
             f"{ckpt.path}: GGUF architecture {arch!r} is not supported; supported GGUF "
             f"architectures: {', '.join(GGUF_ARCHITECTURES)}")
     config_class, architecture = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and ckpt.arch_field(Keys.LLM.EXPERT_COUNT):
+        config_class, architecture = _MIXTRAL
     hidden = int(ckpt.require(Keys.LLM.EMBEDDING_LENGTH))
     heads = int(ckpt.require(Keys.Attention.HEAD_COUNT))
     layers = int(ckpt.require(Keys.LLM.BLOCK_COUNT))
@@ -354,6 +400,8 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         kwargs.update(_gemma_fields(ckpt, arch, kwargs))
     if arch == "gemma4":
         kwargs.update(_gemma4_fields(ckpt, kwargs, kv_heads, ffn))
+    if ckpt.arch_field(Keys.LLM.EXPERT_COUNT):
+        kwargs.update(_moe_fields(ckpt, arch))
     config = getattr(transformers, config_class)(**kwargs)
     factors = None if arch == "gemma4" else _rope_freq_factors(ckpt, head_dim)
     if factors is not None:

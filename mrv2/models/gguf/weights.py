@@ -20,6 +20,7 @@ store every norm weight as 1 + w; `GGUFWeight` subtracts the 1 again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Iterator
 
@@ -29,6 +30,7 @@ import torch
 from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError, GGUFTensorRecord
 from mrv2.models.gguf.config import LONGROPE_TENSORS, ROPE_FREQS_TENSOR
 
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Tensors the config consumed (they are not parameters).
 _CONFIG_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
 # Hugging Face module names per layer (weights and biases are the same names + suffix).
@@ -38,7 +40,12 @@ _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
                   "pre_feedforward_layernorm", "post_feedforward_layernorm",
                   # Gemma 4's per-layer inputs and output scale
                   "per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm",
-                  "layer_scalar")
+                  "layer_scalar",
+                  # MoE: the router, the experts (3-D: one tensor per projection), Qwen2-MoE's
+                  # shared expert and its gate
+                  "mlp.gate", *(f"mlp.experts.{p}" for p in _EXPERT_PROJECTIONS),
+                  *(f"mlp.shared_expert.{p}" for p in _EXPERT_PROJECTIONS),
+                  "mlp.shared_expert_gate")
 # Hugging Face parameters named without a .weight suffix (the converter appends one).
 _SUFFIXLESS_MODULES = ("layer_scalar",)
 # Architectures whose files store q/k/v and gate/up fused (Phi-3: attn_qkv, and ffn_up holding
@@ -69,6 +76,12 @@ def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
         if gguf_name is not None:
             mapping[gguf_name] = hf_name
     return mapping
+
+
+def expert_record(record: GGUFTensorRecord, expert: int) -> GGUFTensorRecord:
+    """One expert's 2-D tensor of a 3-D experts tensor: its rows of blocks."""
+    return dataclasses.replace(record, name=f"{record.name}[{expert}]", shape=record.shape[1:],
+                               data=record.data[expert])
 
 
 def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -152,7 +165,13 @@ def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple
         shifted = arch in _SHIFTED_NORM_ARCHS and hf_module.endswith("norm")
         hf_name = (hf_module if hf_module.endswith(_SUFFIXLESS_MODULES)
                    else f"{hf_module}.{suffix}")
-        yield hf_name, GGUFWeight(record, permuted, -1.0 if shifted else 0.0)
+        if len(record.shape) == 3:  # a layer's experts: one 2-D tensor each, as on the Hub
+            experts, projection = hf_module.rsplit(".", 1)
+            for expert in range(record.shape[0]):
+                yield (f"{experts}.{expert}.{projection}.{suffix}",
+                       GGUFWeight(expert_record(record, expert)))
+        else:
+            yield hf_name, GGUFWeight(record, permuted, -1.0 if shifted else 0.0)
         # The consumer is done with it (the loader copied its values into a parameter): its
         # pages need not stay resident (a later read faults them back in).
         record.release_pages()
