@@ -259,7 +259,7 @@ def _weights_onto_huge_pages(model: torch.nn.Module,
     compute on in their place. oneDNN's packed copies are collapsed where they are made."""
     tensors = [*model.parameters(), *model.buffers()]
     if fast_paths is not None and fast_paths.packed is not None:
-        tensors += [t for weight in fast_paths.packed.weights.values()
+        tensors += [t for weight in fast_paths.packed.all_weights()
                     for t in weight.storage_tensors()]
     huge_pages.collapse_weights(tensors)
 

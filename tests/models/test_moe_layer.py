@@ -106,3 +106,27 @@ def test_shared_expert_joins_behind_its_sigmoid_gate():
     torch.testing.assert_close(block(x), expected)
     with pytest.raises(ValueError, match="num_experts_per_tok=5"):
         SparseMoE(16, 4, 5, 8, "silu", True)
+
+
+def test_packed_experts_compute_what_their_rounded_weights_do():
+    """Experts on 16-bit packed weights (as a bfloat16 model's, models/cpu/quantized_weights)
+    give what the float experts give on the same rounded weights; the float parameters go."""
+    from mrv2.models.layers.quantized import PackedWeight
+
+    moe = _experts(8, 32, 48, seed=5)
+    with torch.no_grad():  # the weights bfloat16 holds, so both sides compute on the same
+        moe.gate_up_proj.copy_(moe.gate_up_proj.bfloat16().float())
+        moe.down_proj.copy_(moe.down_proj.bfloat16().float())
+    gen = torch.Generator().manual_seed(6)
+    # One row an expert: the 16-bit GEMV keeps x in float32 (from MIN_NATIVE_HALF_ROWS rows
+    # the matrix units round it to bfloat16, tested in tests/models/test_quantized.py).
+    x = torch.randn(1, 32, generator=gen)
+    weights, ids = route(torch.randn(1, 8, generator=gen), 3, True, torch.float32)
+    expected = moe(x, weights, ids)
+    moe.set_packed([(PackedWeight.from_float(moe.gate_up_proj[e], torch.bfloat16),
+                     PackedWeight.from_float(moe.down_proj[e], torch.bfloat16))
+                    for e in range(8)])
+    assert moe.gate_up_proj.numel() == 0 and moe.down_proj.numel() == 0
+    torch.testing.assert_close(moe(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed experts: 2 for 8 experts"):
+        moe.set_packed(list(moe.packed[:2]))

@@ -90,15 +90,24 @@ class PackedModules:
 
     weights: dict[str, PackedWeight] = field(default_factory=dict)
     checkpoint_names: set[str] = field(default_factory=set)
+    # MoE layers' experts (module name -> each expert's gate/up and down).
+    experts: dict[str, list[tuple[PackedWeight, PackedWeight]]] = field(default_factory=dict)
 
     @property
     def parameter_names(self) -> set[str]:
-        """The parameters the packed weights stand in for (each module's "weight")."""
-        return {f"{name}.weight" for name in self.weights}
+        """The parameters the packed weights stand in for (each module's "weight"; the
+        experts' two 3-D parameters)."""
+        return ({f"{name}.weight" for name in self.weights}
+                | {f"{name}.{p}" for name in self.experts for p in ("gate_up_proj", "down_proj")})
+
+    def all_weights(self) -> list[PackedWeight]:
+        """Every packed weight: the modules' and each expert's two."""
+        return [*self.weights.values(),
+                *(w for pairs in self.experts.values() for pair in pairs for w in pair)]
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.weights.values())
+        return sum(w.nbytes for w in self.all_weights())
 
 
 def float32_weight(module: nn.Module) -> torch.Tensor | None:
@@ -197,6 +206,17 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
         if weight is not None:
             _pack_linear(module, weight, name, packed)
             packed.checkpoint_names.add(f"{name}.weight")
+    for i, experts in _expert_modules(inner):
+        prefix = f"model.layers.{i}.mlp.experts"
+        names = [[f"{prefix}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+                 for e in range(experts.num_experts)]
+        if experts.tp_size != 1 or any(n not in stored for ns in names for n in ns):
+            continue
+        pairs = [(_stack([_stored(stored[gate]), _stored(stored[up])]), _stored(stored[down]))
+                 for gate, up, down in names]
+        if all(gate_up is not None and down is not None for gate_up, down in pairs):
+            _pack_experts(experts, pairs, prefix, packed)
+            packed.checkpoint_names.update(f"{n}.weight" for ns in names for n in ns)
     for name in _LOOKUP_TABLES:
         table = getattr(inner, name, None)
         weight = (_stored(stored[f"model.{name}"])
@@ -212,8 +232,12 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
 def packed_modules(model: nn.Module) -> PackedModules:
     """What `model`'s modules compute on in place of their float weight (`module.packed`, set
     at load or by the attach functions here), by module name."""
-    return PackedModules({name: module.packed for name, module in model.named_modules()
-                             if getattr(module, "packed", None) is not None})
+    modules = list(model.named_modules())
+    return PackedModules(
+        {name: m.packed for name, m in modules if isinstance(getattr(m, "packed", None),
+                                                            PackedWeight)},
+        experts={name: list(m.packed) for name, m in modules
+                 if isinstance(getattr(m, "packed", None), tuple)})
 
 
 def pack_16bit_weights(model: nn.Module, dtype: torch.dtype) -> PackedModules | None:
@@ -229,6 +253,12 @@ def pack_16bit_weights(model: nn.Module, dtype: torch.dtype) -> PackedModules | 
     for name, module in linears + _optional_linears(inner):
         if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
             _pack_linear(module, PackedWeight.from_float(module.weight, dtype), name, packed)
+    for i, experts in _expert_modules(inner):
+        if experts.tp_size == 1 and experts.gate_up_proj.dtype == torch.float32:
+            pairs = [(PackedWeight.from_float(experts.gate_up_proj[e], dtype),
+                      PackedWeight.from_float(experts.down_proj[e], dtype))
+                     for e in range(experts.num_experts)]
+            _pack_experts(experts, pairs, f"model.layers.{i}.mlp.experts", packed)
     for name in _LOOKUP_TABLES:
         table = getattr(inner, name, None)
         if table is not None and table.tp_size == 1 and table.weight.dtype == torch.float32:
@@ -255,6 +285,20 @@ def _pack_linear(module: nn.Module, weight: PackedWeight, name: str,
                    packed: PackedModules) -> None:
     set_packed(module, _hold_as_computed(weight))
     packed.weights[name] = weight
+
+
+def _expert_modules(inner: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, experts module) of every layer routed to experts (layers/moe.py)."""
+    return [(i, layer.mlp.experts) for i, layer in enumerate(inner.layers)
+            if hasattr(layer.mlp, "experts")]
+
+
+def _pack_experts(experts: nn.Module, pairs: list[tuple[PackedWeight, PackedWeight]],
+                  name: str, packed: PackedModules) -> None:
+    """Each expert's (gate/up, down) held as their kernels compute on them."""
+    held = [(_hold_as_computed(gate_up), _hold_as_computed(down)) for gate_up, down in pairs]
+    experts.set_packed(held)
+    packed.experts[name] = held
 
 
 def _pack_vocab(model: nn.Module, inner: nn.Module,

@@ -15,7 +15,10 @@ slices. Under tensor parallelism every rank holds every expert's 1/tp of the int
 Compute: the token-expert pairs sorted by expert (one stable argsort), each expert with tokens
 runs its two GEMMs on its rows only, scaled by their routing weights and summed into the token
 rows in expert order (index_add_), as transformers sums them: only the chosen experts'
-weights are read.
+weights are read. On the CPU the experts may compute on packed weights instead (`packed`: per
+expert, its gate/up and its down as a GGUF file's blocks or 16-bit weights, given by
+models/cpu/quantized_weights.py at load), each through `quantized_linear`, whose plan was
+chosen once per weight.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from mrv2 import distributed
 from mrv2.models.layers.activation import GATED_ACTIVATIONS
 from mrv2.models.layers.linear import (Linear, materialize, narrow, set_weight_attrs,
                                        tensor_shape, tp_rank_and_size)
+from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.mlp import GatedMLP
 
@@ -86,6 +90,18 @@ class FusedMoE(nn.Module):
                          shard_ids=tuple((e, h) for e in range(num_experts) for h in (0, 1)))
         set_weight_attrs(self.down_proj, weight_loader=self.weight_loader,
                          shard_ids=tuple((e, None) for e in range(num_experts)))
+        # Per expert (gate/up, down) packed weights it computes on instead (`set_packed`).
+        self.packed: tuple[tuple[PackedWeight, PackedWeight], ...] | None = None
+
+    def set_packed(self, experts: list[tuple[PackedWeight, PackedWeight]]) -> None:
+        """Compute on `experts` (one rank only) from now on; the float parameters are released
+        (nothing reads them again)."""
+        if len(experts) != self.num_experts or self.tp_size != 1:
+            raise ValueError(f"packed experts: {len(experts)} for {self.num_experts} experts "
+                             f"on tp {self.tp_size} (one rank only)")
+        self.packed = tuple(experts)
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(self, name, nn.Parameter(torch.empty(0), requires_grad=False))
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """This rank's part of a whole 3-D tensor (shard None) or of one expert's projection
@@ -137,8 +153,13 @@ class FusedMoE(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            hidden = self.act_and_mul(F.linear(x[rows], self.gate_up_proj[expert]))
-            y = F.linear(hidden, self.down_proj[expert])
+            if self.packed is not None:
+                gate_up, down = self.packed[expert]
+                hidden = self.act_and_mul(quantized_linear(x[rows], gate_up))
+                y = quantized_linear(hidden, down)
+            else:
+                hidden = self.act_and_mul(F.linear(x[rows], self.gate_up_proj[expert]))
+                y = F.linear(hidden, self.down_proj[expert])
             out.index_add_(0, rows, y * pair_weights[start:start + count, None])
             start += count
         return distributed.tp_all_reduce(out) if self.tp_size > 1 else out

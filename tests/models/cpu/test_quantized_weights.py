@@ -137,7 +137,7 @@ def _run_float32_reference(llm: LLM) -> None:
     model's own forward (the fused decode built on the blocks dropped)."""
     worker = llm.llm_engine.engine_core.executor.worker
     worker.model = _dequantized(llm.llm_engine.engine_core.config.model_config)
-    assert worker.model.model.layers[0].mlp.down_proj.packed is None
+    assert worker.model.model.layers[0].self_attn.o_proj.packed is None
     worker.runner.model, worker.runner.fused_decode = worker.model, None
 
 
@@ -327,3 +327,29 @@ def test_gemma4_every_weight_on_the_blocks_and_the_fused_stack(tiny_gguf_factory
     assert {"model.embed_tokens_per_layer", "model.per_layer_model_projection",
             "model.layers.4.per_layer_projection", "model.layers.4.self_attn.qkv_proj"
             } <= set(packed.weights)
+
+
+@pytest.mark.usefixtures("float_activations")
+@pytest.mark.parametrize("arch, kwargs", [
+    ("qwen2_moe", {"num_layers": 2, "config": {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 96}}),
+    ("mixtral", {"num_layers": 2, "config": {"num_local_experts": 4, "num_experts_per_tok": 2}}),
+])
+def test_moe_experts_on_the_blocks_give_the_dequantized_models_tokens(tiny_gguf_factory, arch,
+                                                                      kwargs):
+    """A MoE file's experts are packed per expert from its 3-D tensors (gate and up stacked,
+    never dequantized) and compute on them: greedy tokens equal the dequantized model's."""
+    path = tiny_gguf_factory(arch, "Q8_0", **kwargs)
+    llm = _quantized(path, max_num_seqs=4)
+    worker = llm.llm_engine.engine_core.executor.worker
+    experts = [layer.mlp.experts for layer in worker.model.model.layers]
+    assert all(e.packed is not None and e.gate_up_proj.numel() == 0 for e in experts)
+    assert experts[0].packed[0][0].out_features == 2 * experts[0].intermediate_size
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7, 8, 9]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    _run_float32_reference(llm)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    llm.shutdown()
+    assert got == want
