@@ -134,6 +134,19 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: no general.architecture in the metadata")
         return arch
 
+    def f32_vector(self, name: str, length: int) -> list[float]:
+        """A 1-D tensor of the file (rope factors) as floats, checked to hold `length` values."""
+        from gguf.quants import dequantize
+
+        record = self.tensors.get(name)
+        if record is None:
+            raise GGUFError(f"{self.path}: no {name} tensor")
+        values = dequantize(record.data, record.tensor_type).reshape(-1)
+        if values.shape[0] != length:
+            raise GGUFError(f"{self.path}: {name} has {values.shape[0]} entries, {length} "
+                            f"expected")
+        return np.asarray(values, dtype=np.float32).tolist()
+
     def arch_field(self, key: str, default: Any = None) -> Any:
         """A `gguf.Keys` field with `{arch}` filled in, e.g. Keys.LLM.BLOCK_COUNT."""
         return self.fields.get(key.format(arch=self.architecture), default)

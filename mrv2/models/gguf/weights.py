@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError, GGUFTensorRecord
-from mrv2.models.gguf.config import LONGROPE_TENSORS, ROPE_FREQS_TENSOR
+from mrv2.models.gguf.arch_fields import ROPE_FREQS_TENSOR
+from mrv2.models.gguf.config import LONGROPE_TENSORS
 
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Tensors the config consumed (they are not parameters).

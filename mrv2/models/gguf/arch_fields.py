@@ -1,0 +1,140 @@
+"""The fields of a GGUF file's config that some architectures write their own way (gguf/config.py
+reads the rest): Gemma 4's per-layer arrays and proportional rope, and the MoE files' experts.
+
+- Gemma 4 writes its layer pattern (`attention.sliding_window_pattern`), its global layers' kv
+  heads and its KV-shared layers' double-wide MLPs as per-layer arrays, the windowed layers'
+  head size as `key_length_swa`, and its global layers' "proportional" RoPE as a `rope_freqs`
+  tensor: divisor 1 for the rotated frequencies, 1e30 (frequency 0) for the rest.
+  `attention_k_eq_v` is not written: global layers without an `attn_v` tensor say it.
+- MoE files (qwen3moe, qwen2moe, olmoe; Mixtral as "llama" with an expert_count) store each
+  layer's experts as 3-D tensors (`ffn_gate_exps` ...); norm_topk_prob is not written (llama.cpp
+  fixes it per architecture, `_MOE_RENORMALIZE`); every layer is routed (the converter writes no
+  dense MLP for them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError
+from mrv2.models.registry import UnsupportedModelError
+
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# A rope_freqs divisor at least this large stops its frequency (llama.cpp's Gemma 4 writes 1e30).
+_STOPPED_FREQUENCY_DIVISOR = 1e29
+# Whether llama.cpp rescales an architecture's top-k expert weights to sum to 1 (its graph
+# fixes it per architecture; an expert_weights_norm key overrides).
+_MOE_RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
+
+
+def gemma4_rope(ckpt: GGUFCheckpoint, head_dim: int) -> dict[str, Any]:
+    """Gemma 4's rope per layer type: the windowed layers' default rope (rope.freq_base_swa,
+    rope.dimension_count_swa), the global layers' "proportional" rope whose rotated share is the
+    count of rope_freqs divisors that are 1 (the others stop their frequency)."""
+    from gguf import Keys
+
+    sliding: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(ckpt.arch_field(Keys.Rope.FREQ_BASE_SWA, 10000.0))}
+    rotated_swa = int(ckpt.arch_field(Keys.Rope.DIMENSION_COUNT_SWA, head_dim))
+    if rotated_swa != head_dim:
+        sliding["partial_rotary_factor"] = rotated_swa / head_dim
+    global_dim = int(ckpt.require(Keys.Attention.KEY_LENGTH))
+    full: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(ckpt.arch_field(Keys.Rope.FREQ_BASE, 1e6))}
+    rotated = int(ckpt.arch_field(Keys.Rope.DIMENSION_COUNT, global_dim))
+    if ROPE_FREQS_TENSOR in ckpt.tensors:
+        divisors = ckpt.f32_vector(ROPE_FREQS_TENSOR, global_dim // 2)
+        pairs = sum(1 for d in divisors if d == 1.0)
+        if divisors != [1.0] * pairs + divisors[pairs:] or any(
+                d < _STOPPED_FREQUENCY_DIVISOR for d in divisors[pairs:]):
+            raise UnsupportedModelError(
+                f"{ckpt.path}: Gemma 4 rope_freqs other than 1 for the rotated frequencies "
+                f"then >= {_STOPPED_FREQUENCY_DIVISOR:g} (proportional rope) are not supported")
+        full["rope_type"], rotated = "proportional", 2 * pairs
+    if rotated != global_dim:
+        full["partial_rotary_factor"] = rotated / global_dim
+    return {"sliding_attention": sliding, "full_attention": full}
+
+
+def gemma4_fields(ckpt: GGUFCheckpoint, kwargs: dict[str, Any], kv_heads: list[int],
+                   ffn: list[int]) -> dict[str, Any]:
+    """Gemma 4's config fields from its per-layer keys and the tensors present."""
+    from gguf import Keys
+
+    layers, path = kwargs["num_hidden_layers"], ckpt.path
+    windowed = ckpt.require(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if not isinstance(windowed, list) or len(windowed) != layers:
+        raise GGUFError(f"{path}: attention.sliding_window_pattern must hold one flag per layer")
+    first_shared = layers - int(ckpt.arch_field(Keys.Attention.SHARED_KV_LAYERS, 0))
+
+    def one_value(values: list[int], is_windowed: bool, what: str) -> int | None:
+        found = {v for v, w in zip(values, windowed) if bool(w) == is_windowed}
+        if len(found) > 1:
+            raise UnsupportedModelError(f"{path}: {what} differing between layers of one type "
+                                        f"are not supported")
+        return found.pop() if found else None
+
+    fields: dict[str, Any] = {
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": ckpt.arch_field(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+        "num_kv_shared_layers": layers - first_shared,
+        "hidden_size_per_layer_input": int(
+            ckpt.arch_field(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, 0)),
+        "enable_moe_block": "blk.0.ffn_gate_inp.weight" in ckpt.tensors,
+        "attention_k_eq_v": any(not windowed[i] and f"blk.{i}.attn_v.weight" not in ckpt.tensors
+                                for i in range(first_shared)),
+        "num_key_value_heads": one_value(kv_heads, True, "head_count_kv") or kv_heads[0],
+    }
+    if (per_layer := ckpt.tensors.get("per_layer_token_embd.weight")) is not None:
+        fields["vocab_size_per_layer_input"] = per_layer.shape[0]
+    global_kv = one_value(kv_heads, False, "head_count_kv")
+    global_dim = int(ckpt.require(Keys.Attention.KEY_LENGTH))
+    value_dims = (ckpt.arch_field(Keys.Attention.VALUE_LENGTH, global_dim),
+                  ckpt.arch_field(Keys.Attention.VALUE_LENGTH_SWA, kwargs["head_dim"]))
+    if value_dims != (global_dim, kwargs["head_dim"]):
+        raise UnsupportedModelError(f"{path}: value lengths {value_dims} other than the key "
+                                    f"lengths are not supported")
+    # The global layers' own shape, as transformers' per_layer_config (its global_head_dim
+    # argument would default to 512, and its kv-head argument applies only with k_eq_v).
+    overrides = {"head_dim": global_dim, "num_key_value_heads": global_kv}
+    fields["per_layer_config"] = {i: overrides for i in range(layers) if not windowed[i]}
+    wide = [ffn[0] if i < first_shared else 2 * ffn[0] for i in range(layers)]
+    if len(set(ffn)) > 1 and ffn != wide:
+        raise UnsupportedModelError(f"{path}: feed_forward_length {ffn} is neither one width nor "
+                                    f"double width in the KV-shared layers")
+    fields["use_double_wide_mlp"] = len(set(ffn)) > 1
+    return fields
+
+
+def moe_fields(ckpt: GGUFCheckpoint, arch: str) -> dict[str, Any]:
+    """A MoE file's expert fields as its transformers config names them."""
+    from gguf import Keys
+
+    if arch not in _MOE_RENORMALIZE:
+        raise UnsupportedModelError(f"{ckpt.path}: experts in a {arch!r} file are not "
+                                    f"supported (MoE: {', '.join(_MOE_RENORMALIZE)})")
+    gating = ckpt.arch_field(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+        raise UnsupportedModelError(f"{ckpt.path}: expert_gating_func {gating} is not "
+                                    f"supported (softmax only)")
+    renormalize = bool(ckpt.arch_field(Keys.LLM.EXPERT_WEIGHTS_NORM, _MOE_RENORMALIZE[arch]))
+    experts = int(ckpt.require(Keys.LLM.EXPERT_COUNT))
+    used = int(ckpt.require(Keys.LLM.EXPERT_USED_COUNT))
+    if arch == "llama":  # Mixtral: every layer routed, always renormalised
+        if not renormalize:
+            raise UnsupportedModelError(f"{ckpt.path}: Mixtral without renormalised expert "
+                                        f"weights is not supported")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    fields: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used,
+                              "norm_topk_prob": renormalize}
+    if arch == "olmoe":
+        return fields
+    # llama.cpp's qwen MoE files have no dense layers (its tensor map has none for them).
+    fields.update(moe_intermediate_size=int(ckpt.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(
+            ckpt.arch_field(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0))
+    return fields
