@@ -182,11 +182,9 @@ def _work_split(args: StackArgs, seq_lens: np.ndarray) -> tuple[np.ndarray, np.n
     """(kv heads per work item, context splits) of each layer's attention this step: one plan
     per kv head count (Gemma 4's global layers have their own), for the step's K/V bytes."""
     kv_bytes = step_kv_bytes(seq_lens, 1, args.kv_width_sum, args.kv_itemsize, 1)
-    plans = {heads: work_split(len(seq_lens), heads, planned_threads(), kv_bytes)
-             for heads in args.kv_head_counts}
-    per_item = np.array([plans[h][0] for h in args.num_kv_heads], np.int64)
-    splits = np.array([plans[h][1] for h in args.num_kv_heads], np.int64)
-    return per_item, splits
+    plans = np.array([work_split(len(seq_lens), int(heads), planned_threads(), kv_bytes)
+                      for heads in args.kv_head_counts], np.int64)[args.kv_head_count_of_layer]
+    return np.ascontiguousarray(plans[:, 0]), np.ascontiguousarray(plans[:, 1])
 
 
 def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,

@@ -67,8 +67,7 @@ def _fused_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 def _sources(layer: nn.Module, fused: str) -> tuple[str, ...]:
     """The checkpoint modules whose rows `fused` stacks in this layer."""
     if fused == "self_attn.qkv_proj":
-        projections = getattr(layer.self_attn.qkv_proj, "projections", "qkv")
-        return tuple(f"self_attn.{p}_proj" for p in projections)
+        return tuple(f"self_attn.{p}_proj" for p in layer.self_attn.qkv_proj.projections)
     return _FUSED[fused]
 
 

@@ -174,7 +174,9 @@ class StackArgs:
         self.num_kv_heads = np.array([layer.self_attn.num_kv_heads for layer in layers],
                                      np.int64)
         self.head_dim = np.array([layer.self_attn.head_dim for layer in layers], np.int64)
-        self.kv_head_counts = sorted(set(self.num_kv_heads.tolist()))
+        # The distinct kv head counts (one attention work split each) and each layer's.
+        self.kv_head_counts, self.kv_head_count_of_layer = np.unique(self.num_kv_heads,
+                                                                     return_inverse=True)
         self.kv_width_sum = int((self.num_kv_heads * self.head_dim).sum())
         self.w_embed = weight_view(embedding_table(model.embed_tokens), linear=False)
         # The kernel's arguments between a step's own (both kernels take them in this order),

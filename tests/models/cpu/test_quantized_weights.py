@@ -287,6 +287,18 @@ def _bf16_checkpoint_weight(path, name: str) -> torch.Tensor:
     return load_file(str(path / "model.safetensors"))[name].float()
 
 
+def _assert_blocks_give_the_float32_tokens(llm: LLM) -> None:
+    """Greedy tokens of three prompts on `llm`'s packed weights equal those of the same file's
+    dequantized float32 model in the same engine; shuts `llm` down."""
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7, 8, 9]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    _run_float32_reference(llm)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    llm.shutdown()
+    assert got == want
+
+
 GEMMA4 = {"num_layers": 5, "tie_word_embeddings": True, "config": {
     "sliding_window": 5, "layer_types": ["sliding_attention", "sliding_attention",
                                          "full_attention", "sliding_attention",
@@ -315,13 +327,7 @@ def test_gemma4_every_weight_on_the_blocks_and_the_fused_stack(tiny_gguf_factory
     assert len(linears) == 5 * 6 + 1 and all(m.packed is not None for m in linears)
     assert inner.embed_tokens_per_layer.packed is not None
     assert worker.runner.fused_decode is not None
-    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7, 8, 9]} for i in range(3)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    _run_float32_reference(llm)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    llm.shutdown()
-    assert got == want
+    _assert_blocks_give_the_float32_tokens(llm)
     model = load_model(_configs(tiny_model_factory("gemma4", **GEMMA4)).model_config, CPU)
     packed = pack_16bit_weights(model, torch.bfloat16)
     assert {"model.embed_tokens_per_layer", "model.per_layer_model_projection",
@@ -346,10 +352,4 @@ def test_moe_experts_on_the_blocks_give_the_dequantized_models_tokens(tiny_gguf_
     experts = [layer.mlp.experts for layer in worker.model.model.layers]
     assert all(e.packed is not None and e.gate_up_proj.numel() == 0 for e in experts)
     assert experts[0].packed[0][0].out_features == 2 * experts[0].intermediate_size
-    prompts = [{"prompt_token_ids": [5, 17, 300, 42 + i, 1000, 7, 8, 9]} for i in range(3)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    _run_float32_reference(llm)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    llm.shutdown()
-    assert got == want
+    _assert_blocks_give_the_float32_tokens(llm)

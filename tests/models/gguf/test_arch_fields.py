@@ -4,29 +4,17 @@ and the refusals of keys mrv2 does not implement, are test_config.py's.)"""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 
 from mrv2.models.gguf import open_gguf
 from mrv2.models.gguf.arch_fields import gemma4_rope, moe_fields
 from mrv2.models.registry import UnsupportedModelError
+from tests.models.gguf.test_config import write_file
 
 
 def _file(path, arch: str, fields: dict, tensors: dict[str, np.ndarray]):
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in fields.items():
-        if isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return open_gguf(path)
+    return open_gguf(write_file(path, arch, fields, tensors))
 
 
 def test_gemma4_rotated_share_is_the_count_of_unit_divisors(tmp_path):

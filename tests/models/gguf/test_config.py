@@ -66,17 +66,26 @@ def test_linear_rope_scaling(tiny_model_factory, tiny_gguf_factory):
     assert config.rope_parameters["factor"] == 4.0
 
 
-def _write(path, arch: str, fields: dict, tensors: dict[str, np.ndarray]):
+def write_file(path, arch: str, fields: dict, tensors: dict):
+    """A GGUF file of these metadata fields (ints as uint32, floats as float32, bools,
+    strings, lists as arrays) and tensors (numpy arrays, or another file's records as stored)."""
     writer = gguf.GGUFWriter(path, arch)
     for key, value in fields.items():
-        if isinstance(value, int):
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
             writer.add_uint32(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         else:
             writer.add_string(key, value)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, np.ndarray):
+            writer.add_tensor(name, tensor)
+        else:
+            writer.add_tensor(name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -89,20 +98,20 @@ def test_every_end_of_generation_id_is_an_eos(tmp_path):
               "llama.block_count": 1, "llama.feed_forward_length": 16,
               "llama.context_length": 64, "tokenizer.ggml.eos_token_id": 7,
               "tokenizer.ggml.eot_token_id": 9, "tokenizer.ggml.eom_token_id": 7}
-    path = _write(tmp_path / "eog.gguf", "llama", fields,
+    path = write_file(tmp_path / "eog.gguf", "llama", fields,
                   {"token_embd.weight": np.zeros((16, 8), np.float32)})
     assert gguf_hf_config(open_gguf(path)).eos_token_id == [7, 9]
 
 
 def test_unsupported_architecture_names_the_file(tmp_path):
-    path = _write(tmp_path / "neox.gguf", "gptneox", {},
+    path = write_file(tmp_path / "neox.gguf", "gptneox", {},
                   {"token_embd.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(UnsupportedModelError, match=r"neox.gguf: GGUF architecture 'gptneox'"):
         gguf_hf_config(open_gguf(path))
 
 
 def test_missing_hyperparameter_names_the_key(tmp_path):
-    path = _write(tmp_path / "bare.gguf", "llama", {"llama.embedding_length": 8},
+    path = write_file(tmp_path / "bare.gguf", "llama", {"llama.embedding_length": 8},
                   {"token_embd.weight": np.zeros((4, 8), np.float32)})
     with pytest.raises(GGUFError, match=r"bare.gguf: metadata key 'llama.attention.head_count'"):
         gguf_hf_config(open_gguf(path))
@@ -113,14 +122,14 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
               "llama.block_count": 1, "llama.feed_forward_length": 16,
               "llama.context_length": 64, "llama.rope.scaling.type": "longrope"}
     # LongRoPE without its factor tensors (only Phi-3's converter writes them).
-    path = _write(tmp_path / "lr.gguf", "llama", fields,
+    path = write_file(tmp_path / "lr.gguf", "llama", fields,
                   {"token_embd.weight": np.zeros((16, 8), np.float32)})
     with pytest.raises(UnsupportedModelError, match="lr.gguf: rope scaling type 'longrope'"):
         gguf_hf_config(open_gguf(path))
     fields.update({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
                    "llama.rope.scaling.original_context_length": 16,
                    "llama.rope.scaling.yarn_ext_factor": 0.5})
-    path = _write(tmp_path / "yarn.gguf", "llama", fields,
+    path = write_file(tmp_path / "yarn.gguf", "llama", fields,
                   {"token_embd.weight": np.zeros((16, 8), np.float32)})
     with pytest.raises(UnsupportedModelError, match="yarn.gguf: rope.scaling.yarn_ext_factor"):
         gguf_hf_config(open_gguf(path))
@@ -159,30 +168,10 @@ def _copy_gguf(src, dst, fields: dict, drop: tuple[str, ...] = (),
                tensors: dict[str, np.ndarray] | None = None):
     """The file at src with some metadata replaced, tensors dropped or added."""
     ckpt = open_gguf(src)
-    writer = gguf.GGUFWriter(dst, ckpt.architecture)
-    for key, value in {**ckpt.fields, **fields}.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_string(key, value)
-    for name, record in ckpt.tensors.items():
-        if name not in drop:
-            writer.add_tensor(name, np.array(record.data), raw_dtype=record.tensor_type)
-    for name, array in (tensors or {}).items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    kept = {key: value for key, value in {**ckpt.fields, **fields}.items()
+            if not key.startswith("GGUF.") and key != "general.architecture"}
+    records = {name: record for name, record in ckpt.tensors.items() if name not in drop}
+    return write_file(dst, ckpt.architecture, kept, {**records, **(tensors or {})})
 
 
 @pytest.mark.parametrize("fields,tensors,match", [
@@ -210,7 +199,7 @@ def test_gemma4_experts_and_per_layer_arrays_elsewhere_are_named(tiny_gguf_facto
     fields = {"llama.embedding_length": 8, "llama.attention.head_count": 2,
               "llama.block_count": 2, "llama.feed_forward_length": 16,
               "llama.context_length": 64}
-    path = _write(tmp_path / "arr.gguf", "llama", fields,
+    path = write_file(tmp_path / "arr.gguf", "llama", fields,
                   {"token_embd.weight": np.zeros((16, 8), np.float32)})
     path = _copy_gguf(path, tmp_path / "arr2.gguf", {"llama.attention.head_count_kv": [2, 1]})
     with pytest.raises(UnsupportedModelError, match="arr2.gguf: per-layer head_count_kv"):
