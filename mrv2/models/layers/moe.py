@@ -18,7 +18,8 @@ rows in expert order (index_add_), as transformers sums them: only the chosen ex
 weights are read. On the CPU the experts may compute on packed weights instead (`packed`: per
 expert, its gate/up and its down as a GGUF file's blocks or 16-bit weights, given by
 models/cpu/quantized_weights.py at load), each through `quantized_linear`, whose plan was
-chosen once per weight.
+chosen once per weight. CUDA tensors on float experts run the Triton twin instead
+(moe_triton.py: the pairs aligned to blocks, one grouped GEMM launch per projection).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mrv2 import distributed
+from mrv2 import distributed, platform
 from mrv2.models.layers.activation import GATED_ACTIVATIONS
 from mrv2.models.layers.linear import (Linear, materialize, narrow, set_weight_attrs,
                                        tensor_shape, tp_rank_and_size)
@@ -142,6 +143,13 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, k] -> [T, H] (all-reduced)."""
+        if self.packed is None and platform.kernel_impl(
+                x.device, portable_cpu_impl=True) == platform.TRITON:
+            from mrv2.models.layers import moe_triton  # Triton is imported on first use only
+
+            out = moe_triton.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                       self.act_and_mul)
+            return distributed.tp_all_reduce(out) if self.tp_size > 1 else out
         top_k = ids.shape[1]
         order = torch.argsort(ids.reshape(-1), stable=True)
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
