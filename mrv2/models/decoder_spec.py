@@ -26,6 +26,16 @@ class MoESpec:
     renormalize: bool  # the top-k weights rescaled to sum to 1
     sparse_layers: tuple[bool, ...]
     shared_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+    # gpt-oss: a bias on the router and on each expert's two projections, the experts' own
+    # activation (None: DecoderSpec.activation) with its keyword arguments, and the
+    # checkpoint's layout of the 3-D expert tensors (load only: layers/moe.EXPERT_LAYOUTS).
+    # Each default is what the other MoE models do: code that computes only those can
+    # refuse the rest by comparing the fields with their defaults.
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str | None = None
+    activation_kwargs: tuple[tuple[str, float], ...] = ()
+    checkpoint_layout: str = "stacked"
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,9 @@ class DecoderSpec:
     # Mixture of experts (None: every layer's MLP is dense). The fused decode stack does not
     # run routed layers (cpu/decode.supports).
     moe: MoESpec | None = None
+    # gpt-oss: each attention head's learned sink logit (attention/backend.Attention's
+    # `sinks`), one more logit in its softmax with no value.
+    attention_sinks: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward routes to experts."""

@@ -40,7 +40,8 @@ from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
 from mrv2.core.kv_cache_layout import layer_kv_shape, layer_windows
 from mrv2.models.decoder_spec import DecoderSpec
-from mrv2.models.layers.linear import QKVLinear, RowParallelLinear
+from mrv2.models.layers.linear import (QKVLinear, RowParallelLinear, default_weight_loader,
+                                       narrow, set_weight_attrs)
 from mrv2.models.layers.moe import expert_shard, feed_forward
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
@@ -93,7 +94,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scale,
                               sliding_window=window if window < model_config.max_model_len else 0,
                               softcap=spec.attention_softcap or 0.0,
+                              sinks=spec.attention_sinks,
                               kv_cache_group=model_config.kv_cache_layout.layer_group[layer])
+        if self.attn.sinks is not None:  # the checkpoint's [heads]: this rank's heads' part
+            set_weight_attrs(self.attn.sinks, weight_loader=self._sinks_loader, shard_ids=(None,))
+
+    def _sinks_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+                      ) -> None:
+        start = self.qkv_proj.tp_rank * self.num_heads
+        default_weight_loader(param, narrow(loaded, 0, start, self.num_heads), shard_id)
 
     def forward(self, rope: RotaryInputs, hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -9,6 +9,7 @@ from mrv2.models.llama import (LlamaForCausalLM, Ministral3ForCausalLM, MistralF
                                SmolLM3ForCausalLM)
 from mrv2.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from mrv2.models.gemma4 import Gemma4ForCausalLM
+from mrv2.models.gpt_oss import GptOssForCausalLM
 from mrv2.models.moe import (MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM,
                              Qwen3MoeForCausalLM)
 from mrv2.models.olmo2 import Olmo2ForCausalLM
@@ -29,6 +30,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -49,6 +49,7 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
@@ -69,6 +70,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def _init_weights(model: torch.nn.Module, seed: int, init_scale: float, tied: bool) -> None:
     hidden = model.config.hidden_size
+    # gpt-oss holds its experts transposed, [E, in, out]: the fan-in is dim 1.
+    expert_fan_in = 1 if model.config.model_type == "gpt_oss" else 2
     # A tied embedding doubles as the lm_head, and the current token's embedding in the residual
     # then votes for itself (greedy output collapses into repeats). Keep it small and get the
     # logit scale from the final norm's weight instead, as real tied checkpoints do.
@@ -82,15 +85,17 @@ def _init_weights(model: torch.nn.Module, seed: int, init_scale: float, tied: bo
             if p.dim() == 1 and name.endswith("norm.weight"):
                 gain = final_norm_gain if name == "model.norm.weight" else 1.0
                 value = gain * (1.0 + NORM_STD * noise)
-            elif p.dim() == 1 and name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's experts' [E, out] too
                 value = BIAS_STD * noise
+            elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits, as the scores'
+                value = noise
             elif name.endswith("embed_tokens.weight"):
                 value = embed_std * noise
             elif name == "lm_head.weight":
                 value = noise * (LOGIT_STD / math.sqrt(hidden))  # input is unit-RMS after norm
             elif p.dim() == 3:  # a MoE layer's experts [E, out, in], each as a 2-D weight
                 gain = RESID_GAIN if name.endswith("down_proj") else 1.0
-                value = noise * (gain * init_scale / math.sqrt(p.shape[2]))
+                value = noise * (gain * init_scale / math.sqrt(p.shape[expert_fan_in]))
             elif p.dim() == 2:
                 # 1/sqrt(fan_in) keeps unit gain; the residual-writing projections get more so
                 # that attention/MLP outputs dominate the token embedding (context matters).
@@ -125,7 +130,10 @@ _MIXTRAL_HUB = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 def _hub_expert_layout(state: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
     """transformers 5's in-memory experts ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) as
     the Hub's checkpoints hold them, one tensor per expert and projection (what save_pretrained
-    writes, and llama.cpp's converter reads); Mixtral's under its own names."""
+    writes, and llama.cpp's converter reads); Mixtral's under its own names. gpt-oss's Hub
+    checkpoints hold transformers' 3-D tensors as they are."""
+    if arch == "gpt_oss":
+        return state
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".experts.")
@@ -294,7 +302,8 @@ def make_tiny_model(
         if existing == manifest:
             return out  # fast path: complete build with identical parameters
         if existing is None and out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise FileExistsError(f"{out} exists and is not an mrv2 tiny model (use overwrite=True)")
+            raise FileExistsError(f"{out} exists and is not an mrv2 tiny model "
+                                  f"(use overwrite=True)")
     tmp = make_temp_dir(out)
     try:
         _build(tmp, params)

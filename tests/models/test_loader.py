@@ -71,11 +71,11 @@ def test_registry() -> None:
         "LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "Qwen2ForCausalLM",
         "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Qwen3MoeForCausalLM",
-        "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+        "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM")
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
     assert issubclass(UnsupportedModelError, ValueError)
-    for bad in ([], None, ["GptOssForCausalLM"]):
+    for bad in ([], None, ["DeepseekV3ForCausalLM"]):
         with pytest.raises(UnsupportedModelError, match="supported architectures: "
                                                         "LlamaForCausalLM, MistralForCausalLM"):
             get_model_class(bad)

@@ -130,3 +130,65 @@ def test_packed_experts_compute_what_their_rounded_weights_do():
     torch.testing.assert_close(moe(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="packed experts: 2 for 8 experts"):
         moe.set_packed(list(moe.packed[:2]))
+
+
+def _gpt_oss_block(tp_rank: int = 0, tp_size: int = 1, limit: float = 0.8):
+    """transformers' GptOssMLP (random weights, biases included) and a SparseMoE declared as
+    gpt-oss's, the reference's tensors loaded as a checkpoint holds them."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(hidden_size=16, intermediate_size=12, num_local_experts=5,
+                          num_experts_per_tok=2, swiglu_limit=limit)
+    ref = GptOssMLP(config).float()
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    block = SparseMoE(16, 5, 2, 12, "silu", True, router_bias=True,
+                      expert_activation="swigluoai", bias=True,
+                      activation_kwargs=(("alpha", 1.702), ("limit", limit)),
+                      checkpoint_layout="interleaved_transposed", tp_rank=tp_rank,
+                      tp_size=tp_size)
+    params = dict(block.named_parameters())
+    for name, tensor in ref.state_dict().items():
+        param = params[name.replace("router.", "gate.")]
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:  # the router: replicated
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor)
+    return ref, block
+
+
+def test_gpt_oss_block_matches_transformers():
+    """Router bias, top-k then softmax, interleaved and transposed gate/up de-interleaved at
+    load, expert biases and the clamped SwiGLU (its limit low enough to bite) against
+    transformers' GptOssMLP."""
+    ref, block = _gpt_oss_block()
+    x = torch.randn(1, 9, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected, _ = ref(x)
+        torch.testing.assert_close(block(x), expected, rtol=1e-5, atol=1e-5)
+        gate_up = F.linear(x[0], block.experts.gate_up_proj[0], block.experts.gate_up_proj_bias[0])
+    assert (gate_up[:, :12] > 0.8).any() and (gate_up[:, 12:].abs() > 0.8).any()
+
+
+def test_gpt_oss_ranks_hold_their_slices_and_add_down_bias_once(monkeypatch):
+    """Under tp 2 each rank holds its half of gate's and up's rows and biases; down's bias is
+    added by rank 0 only, so the ranks' partial sums (all-reduced: summed here) are tp 1's."""
+    from mrv2 import distributed
+
+    monkeypatch.setattr(distributed, "tp_all_reduce", lambda t: t)
+    ref, whole = _gpt_oss_block()
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(10))
+    weights, ids = route(whole.gate(x), 2, True, x.dtype)
+    parts = [_gpt_oss_block(rank, 2)[1] for rank in range(2)]
+    for rank, part in enumerate(parts):
+        rows = torch.cat([torch.arange(6) + rank * 6, torch.arange(6) + 12 + rank * 6])
+        assert torch.equal(part.experts.gate_up_proj, whole.experts.gate_up_proj[:, rows])
+        assert torch.equal(part.experts.gate_up_proj_bias,
+                           whole.experts.gate_up_proj_bias[:, rows])
+    with torch.no_grad():
+        torch.testing.assert_close(sum(p.experts(x, weights, ids) for p in parts),
+                                   whole.experts(x, weights, ids), rtol=1e-5, atol=1e-5)

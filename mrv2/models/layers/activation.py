@@ -5,6 +5,8 @@ float32 CPU tensors outside autograd the fused numba twin (activation_numba.py),
 tensor the torch ops. GeLU(tanh)-and-mul (Gemma's gelu_pytorch_tanh): the Triton twin on CUDA,
 torch's own ops (transformers' function itself) elsewhere; the fused decode stack has its numba
 kernel (activation_numba.gelu_tanh_and_mul_kernel).
+SwiGLU-OAI (gpt-oss's experts, vLLM's "swigluoai"): the numba twin for float32 CPU tensors,
+the torch ops elsewhere; its alpha and limit are the config's (MoESpec.activation_kwargs).
 
 `GATED_ACTIVATIONS` maps a config's `hidden_act` / `hidden_activation` to its function."""
 
@@ -38,4 +40,17 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+def swigluoai_and_mul(gate_up: torch.Tensor, alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's experts' clamped SwiGLU (transformers' GptOssExperts._apply_gate, on gate
+    and up de-interleaved at load): gate clamped to <= limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if float32_cpu_inference(gate_up):
+        return activation_numba.swigluoai_and_mul(gate_up, alpha, limit)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul,
+                     "swigluoai": swigluoai_and_mul}

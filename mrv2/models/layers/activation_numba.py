@@ -1,5 +1,6 @@
-"""The numba twin of activation.py's SiLU-and-mul, float32 on CPU (numba_rows.py says when it
-runs). `silu_and_mul_kernel` is the serial kernel itself, for callers that are numba code
+"""The numba twins of activation.py's SiLU-and-mul and gpt-oss's clamped SwiGLU
+(`swigluoai_and_mul`), float32 on CPU (numba_rows.py says when they run).
+`silu_and_mul_kernel` is the serial kernel itself, for callers that are numba code
 (models/cpu/decode.py). `silu_and_mul_bf16` takes and gives bfloat16, for the MLP of a 16-bit
 model whose linears run on the CPU's matrix units (models/layers/mlp.py).
 
@@ -40,6 +41,44 @@ def gelu_tanh_and_mul_kernel(gate_up, width, out):
             inner = c * (g + np.float32(0.044715) * g * g * g)
             out[r, i] = (np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner))
                          * gate_up[r, width + i])
+
+
+@njit(**NUMBA_OPTIONS)
+def swigluoai_and_mul_kernel(gate_up, width, alpha, limit, out):
+    """gpt-oss's clamped SwiGLU, float32, serial: gate clamped to <= limit, up to [-limit,
+    limit], out = (up + 1) * gate * sigmoid(alpha * gate). The comparisons keep a NaN (as
+    torch's clamp does)."""
+    rows = gate_up.shape[0]
+    for r in range(rows):
+        for i in range(width):
+            g = gate_up[r, i]
+            u = gate_up[r, width + i]
+            if g > limit:
+                g = limit
+            if u > limit:
+                u = limit
+            elif u < -limit:
+                u = -limit
+            out[r, i] = (u + np.float32(1.0)) * (g / (np.float32(1.0) + exp32(-alpha * g)))
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _swigluoai_and_mul_rows(gate_up, width, alpha, limit, out):
+    rows = gate_up.shape[0]
+    for c in prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        lo, hi = c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS)
+        swigluoai_and_mul_kernel(gate_up[lo:hi], width, alpha, limit, out[lo:hi])
+
+
+def swigluoai_and_mul(gate_up: torch.Tensor, alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns, then up) -> gpt-oss's clamped SwiGLU [T, I]."""
+    width = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
+    kernel = (swigluoai_and_mul_kernel if gate_up.shape[0] <= SERIAL_MAX_ROWS
+              else _swigluoai_and_mul_rows)
+    kernel(rows_view(gate_up), width, np.float32(alpha), np.float32(limit), out.numpy())
+    return out
 
 
 @njit(parallel=True, **NUMBA_OPTIONS)

@@ -1,20 +1,25 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a router picks each
-token's top-k experts, each a gated MLP, and the block's output is their weighted sum (plus,
-for Qwen2-MoE, a shared expert behind a sigmoid gate).
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss): a router
+picks each token's top-k experts, each a gated MLP, and the block's output is their weighted
+sum (plus, for Qwen2-MoE, a shared expert behind a sigmoid gate).
 
 Routing (`route`): softmax of the router logits in float32, the top-k, renormalised to sum to
-1 where the model says so (`norm_topk_prob`; Mixtral's top-k-then-softmax is the same
-numbers), the weights cast to the activation dtype: transformers' order of operations.
+1 where the model says so (`norm_topk_prob`; Mixtral's and gpt-oss's top-k-then-softmax is
+the same numbers), the weights cast to the activation dtype: transformers' order of
+operations. gpt-oss's router has a bias.
 
 Experts (`FusedMoE`): a layer's experts in two 3-D parameters, `gate_up_proj` [E, 2I, H] (gate
 rows, then up rows) and `down_proj` [E, H, I]: transformers 5's layout, which loads as is; the
 Hub's per-expert tensors (`experts.{e}.gate_proj` / `up_proj` / `down_proj`) load into their
-slices. Under tensor parallelism every rank holds every expert's 1/tp of the intermediate
-(gate's and up's rows, down's columns), and the partial sums are all-reduced once per block.
+slices. gpt-oss's checkpoints hold them transposed, [E, H, 2I] with gate and up columns
+alternating and [E, I, H] (`checkpoint_layout` "interleaved_transposed"): converted to the
+stacked layout at load, as are its expert biases (`gate_up_proj_bias` [E, 2I], `down_proj_bias`
+[E, H]). Under tensor parallelism every rank holds every expert's 1/tp of the intermediate
+(gate's and up's rows and biases, down's columns), and the partial sums are all-reduced once
+per block; down's bias is added by rank 0 alone, so the sum holds it once.
 
 Compute: the token-expert pairs sorted by expert (one stable argsort), each expert with tokens
 runs its two GEMMs on its rows only, scaled by their routing weights and summed into the token
-rows in expert order (index_add_), as transformers sums them: only the chosen experts'
+rows in expert order (an indexed add), as transformers sums them: only the chosen experts'
 weights are read. On the CPU the experts may compute on packed weights instead (`packed`: per
 expert, its gate/up and its down as a GGUF file's blocks or 16-bit weights, given by
 models/cpu/quantized_weights.py at load), each through `quantized_linear`, whose plan was
@@ -33,8 +38,8 @@ from torch import nn
 
 from mrv2 import distributed, platform
 from mrv2.models.layers.activation import GATED_ACTIVATIONS
-from mrv2.models.layers.linear import (Linear, materialize, narrow, set_weight_attrs,
-                                       tensor_shape, tp_rank_and_size)
+from mrv2.models.layers.linear import (Linear, default_weight_loader, materialize, narrow,
+                                       set_weight_attrs, tensor_shape, tp_rank_and_size)
 from mrv2.models.layers.quantized import PackedWeight, quantized_linear
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.mlp import GatedMLP
@@ -42,6 +47,9 @@ from mrv2.models.layers.mlp import GatedMLP
 # Per-expert checkpoint projections -> (parameter, which half of gate_up_proj; None: down).
 EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                       "down_proj": ("down_proj", None)}
+# How a checkpoint holds a layer's 3-D expert tensors: transformers 5's (gate rows then up rows,
+# out x in) or gpt-oss's (in x out, gate and up columns alternating).
+EXPERT_LAYOUTS = ("stacked", "interleaved_transposed")
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -53,6 +61,16 @@ def expert_shard(name: str) -> tuple[str, tuple[int, int | None]] | None:
         return None
     param, half = EXPERT_PROJECTIONS[match.group(3)]
     return f"{match.group(1)}.{param}", (int(match.group(2)), half)
+
+
+def _as_stacked(tensor: torch.Tensor, is_down: bool) -> torch.Tensor:
+    """A gpt-oss expert tensor in the stacked layout: gate_up [E, H, 2I] -> [E, 2I, H] (gate
+    rows, then up rows), down [E, I, H] -> [E, H, I], gate_up's bias [E, 2I] de-interleaved."""
+    if tensor.dim() == 3:
+        tensor = tensor.transpose(1, 2)
+    if is_down:
+        return tensor
+    return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -69,18 +87,25 @@ class FusedMoE(nn.Module):
     """A layer's routed experts (see the module docstring): forward(x, weights, ids)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str, *, tp_rank: int | None = None,
+                 activation: str, *, bias: bool = False,
+                 activation_kwargs: tuple[tuple[str, float], ...] = (),
+                 checkpoint_layout: str = "stacked", tp_rank: int | None = None,
                  tp_size: int | None = None) -> None:
         super().__init__()
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"hidden_act={activation!r} is not supported for experts; "
                              f"supported: {', '.join(GATED_ACTIVATIONS)}")
+        if checkpoint_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert checkpoint layout {checkpoint_layout!r}: expected one "
+                             f"of {', '.join(EXPERT_LAYOUTS)}")
+        self.checkpoint_layout = checkpoint_layout
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size  # the checkpoint's, every rank's whole
         self.local_intermediate = distributed.divide(intermediate_size, self.tp_size,
                                                      "moe_intermediate_size")
-        self.act_and_mul = GATED_ACTIVATIONS[activation]
+        act, kwargs = GATED_ACTIVATIONS[activation], dict(activation_kwargs)
+        self.act_and_mul = (lambda gate_up: act(gate_up, **kwargs)) if kwargs else act
         local = self.local_intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size),
                                          requires_grad=False)
@@ -91,6 +116,13 @@ class FusedMoE(nn.Module):
                          shard_ids=tuple((e, h) for e in range(num_experts) for h in (0, 1)))
         set_weight_attrs(self.down_proj, weight_loader=self.weight_loader,
                          shard_ids=tuple((e, None) for e in range(num_experts)))
+        # Biases: gate/up's sharded as its rows, down's replicated (added by rank 0).
+        for name, shape in (("gate_up_proj_bias", (num_experts, 2 * local)),
+                            ("down_proj_bias", (num_experts, hidden_size))):
+            param = nn.Parameter(torch.empty(shape), requires_grad=False) if bias else None
+            self.register_parameter(name, param)
+            if param is not None:
+                set_weight_attrs(param, weight_loader=self.weight_loader, shard_ids=(None,))
         # Per expert (gate/up, down) packed weights it computes on instead (`set_packed`).
         self.packed: tuple[tuple[PackedWeight, PackedWeight], ...] | None = None
 
@@ -105,14 +137,20 @@ class FusedMoE(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(0), requires_grad=False))
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        """This rank's part of a whole 3-D tensor (shard None) or of one expert's projection
-        (shard (expert, half))."""
+        """This rank's part of a whole 3-D tensor or bias (shard None) or of one expert's
+        projection (shard (expert, half))."""
+        if param is self.down_proj_bias:  # replicated
+            default_weight_loader(param, loaded, shard_id)
+            return
         local, rank = self.local_intermediate, self.tp_rank
         is_down = param is self.down_proj
         axis = 2 if is_down else 1  # the intermediate dim (of the 3-D parameter)
         if shard_id is None:
+            if self.checkpoint_layout == "interleaved_transposed":  # whole tensors only
+                loaded = _as_stacked(materialize(loaded), is_down)
             full = ((self.num_experts, self.hidden_size, self.intermediate_size) if is_down else
                     (self.num_experts, 2 * self.intermediate_size, self.hidden_size))
+            full = full[:param.dim()]  # gate/up's bias: [E, 2I]
             if tensor_shape(loaded) != full:
                 raise ValueError(f"experts: checkpoint tensor has shape "
                                  f"{tensor_shape(loaded)}, expected {full}")
@@ -143,7 +181,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, k] -> [T, H] (all-reduced)."""
-        if self.packed is None and platform.kernel_impl(
+        # The Triton twin has no expert biases (gpt-oss's run the torch ops below).
+        if self.packed is None and self.gate_up_proj_bias is None and platform.kernel_impl(
                 x.device, portable_cpu_impl=True) == platform.TRITON:
             from mrv2.models.layers import moe_triton  # Triton is imported on first use only
 
@@ -161,16 +200,28 @@ class FusedMoE(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start:start + count]
+            gate_up_bias, down_bias = self.expert_biases(expert)
             if self.packed is not None:
                 gate_up, down = self.packed[expert]
-                hidden = self.act_and_mul(quantized_linear(x[rows], gate_up))
-                y = quantized_linear(hidden, down)
+                hidden = self.act_and_mul(quantized_linear(x[rows], gate_up, gate_up_bias))
+                y = quantized_linear(hidden, down, down_bias)
             else:
-                hidden = self.act_and_mul(F.linear(x[rows], self.gate_up_proj[expert]))
-                y = F.linear(hidden, self.down_proj[expert])
-            out.index_add_(0, rows, y * pair_weights[start:start + count, None])
+                hidden = self.act_and_mul(F.linear(x[rows], self.gate_up_proj[expert],
+                                                   gate_up_bias))
+                y = F.linear(hidden, self.down_proj[expert], down_bias)
+            # An expert's rows are distinct tokens (top-k ids are distinct): an indexed add
+            # is index_add_'s sum, without its CPU cost (milliseconds a call, threads waking).
+            out[rows] += y * pair_weights[start:start + count, None]
             start += count
         return distributed.tp_all_reduce(out) if self.tp_size > 1 else out
+
+    def expert_biases(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate/up's, down's) bias of `expert` on this rank: None without biases, and down's
+        None off rank 0 (the all-reduce adds rank 0's once)."""
+        if self.gate_up_proj_bias is None:
+            return None, None
+        return (self.gate_up_proj_bias[expert],
+                self.down_proj_bias[expert] if self.tp_rank == 0 else None)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
@@ -180,17 +231,21 @@ class FusedMoE(nn.Module):
 class SparseMoE(nn.Module):
     """A MoE feed-forward block: `gate` (the router, replicated), `experts`, and optionally
     Qwen2-MoE's `shared_expert` (a gated MLP every token goes through) scaled by
-    sigmoid(`shared_expert_gate`(x))."""
+    sigmoid(`shared_expert_gate`(x)). gpt-oss: a router bias (`router_bias`), the experts'
+    own activation (`expert_activation`; None: `activation`) and FusedMoE's other keywords
+    (`expert_options`: biases, activation arguments, checkpoint layout)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  intermediate_size: int, activation: str, renormalize: bool,
-                 shared_intermediate_size: int = 0) -> None:
+                 shared_intermediate_size: int = 0, *, router_bias: bool = False,
+                 expert_activation: str | None = None, **expert_options: Any) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = Linear(hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation)
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size,
+                                expert_activation or activation, **expert_options)
         self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size, False, activation)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_intermediate_size else None
@@ -214,4 +269,7 @@ def feed_forward(hidden_size: int, intermediate_size: int, spec: DecoderSpec,
         return GatedMLP(hidden_size, intermediate_size, spec.mlp_bias, spec.activation)
     moe = spec.moe
     return SparseMoE(hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
-                     spec.activation, moe.renormalize, moe.shared_intermediate_size)
+                     spec.activation, moe.renormalize, moe.shared_intermediate_size,
+                     router_bias=moe.router_bias, expert_activation=moe.activation,
+                     bias=moe.expert_bias, activation_kwargs=moe.activation_kwargs,
+                     checkpoint_layout=moe.checkpoint_layout)
