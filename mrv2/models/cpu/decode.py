@@ -37,6 +37,9 @@ from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
 from mrv2.models.cpu.decode_stack_numba import KV_SHARED
+from mrv2.models.cpu.stack_moe import (expert_weights, layer_projection, moe_qualifies,
+                                       moe_supported, sparse_block)
+from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.cpu.stack_args import (PER_LAYER_PROJECTIONS, StackArgs, embedding_table,
                                         group_tables, has_per_layer_inputs, kv_mode,
                                         layer_norms, packed_of, rotary_tables)
@@ -49,16 +52,29 @@ MAX_DECODE_ROWS = MAX_GEMV_ROWS
 MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 
 
-def _kind(module) -> str:
-    """What a projection computes on: "float32", "blocks" (GGUF integer blocks) or "half" (a
-    16-bit float weight): one typed list holds one kind."""
-    weight = packed_of(module)
-    return "float32" if weight is None else "half" if weight.is_half else "blocks"
+def _weight_kind(weight) -> str:
+    """What a weight is: "float32", "blocks" (GGUF integer blocks) or "half" (a 16-bit float
+    weight): one typed list holds one kind."""
+    if not isinstance(weight, PackedWeight):
+        return "float32"
+    return "half" if weight.is_half else "blocks"
 
 
-def _kinds(layer) -> tuple[str, ...]:
+def _kind(module) -> str | None:
+    """The kind of weight a projection computes on (None: the layer has no such one)."""
+    return None if module is None else _weight_kind(packed_of(module))
+
+
+def _kinds(layer) -> tuple[str | None, ...]:
     """Per projection of `layer`: its `_kind`."""
-    return tuple(_kind(layer.get_submodule(name)) for name in PROJECTIONS)
+    return tuple(_kind(layer_projection(layer, name)) for name in PROJECTIONS)
+
+
+def _model_kinds(model) -> set[str]:
+    """Every kind of weight the stack's linears read in `model`, its experts' included."""
+    kinds = {kind for layer in model.layers for kind in _kinds(layer) if kind is not None}
+    return kinds | {_weight_kind(w) for block in filter(None, map(sparse_block, model.layers))
+                    for pair in expert_weights(block.experts) for w in pair}
 
 
 # Traits only the stack computes, not onednn_decode (Gemma's, Gemma 4's, OLMo 2's,
@@ -73,10 +89,10 @@ def supports(spec: DecoderSpec | None) -> bool:
     """Whether the stack computes a model that declares `spec`: Llama's, Gemma's or OLMo 2's
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
-    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers; not (yet)
-    routed experts."""
+    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers; routed experts
+    as stack_moe computes them."""
     return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and spec.moe is None)
+            and moe_supported(spec.moe))
 
 
 def _float32_or_packed(module) -> bool:
@@ -87,14 +103,15 @@ def _layer_qualifies(layer) -> bool:
     """The parts that never change: float32 CPU norms of one eps (q/k norms: both or none; a
     layer that reads another's keys and values, q alone), each projection packed or float32
     CPU with a float32 CPU bias or none, tp 1; Gemma 4's per-layer modules likewise."""
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = [layer.get_submodule(name) for name in PROJECTIONS]
+    attn = layer.self_attn
+    projections = [p for p in (layer_projection(layer, name) for name in PROJECTIONS)
+                   if p is not None]
     eps = layer.post_attention_layernorm.eps
     norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     paired = len(norms) in (0, 2) or (kv_mode(attn) == KV_SHARED and attn.q_norm is not None)
     per_layer = [getattr(layer, name) for name in PER_LAYER_PROJECTIONS if hasattr(layer, name)]
     per_layer_norm = getattr(layer, "post_per_layer_input_norm", None)
-    return (attn.o_proj.tp_size == 1 and mlp.down_proj.tp_size == 1
+    return (all(p.tp_size == 1 for p in projections)
             and paired and all(n.eps == eps and float32_cpu(n.weight) for n in norms)
             and all(p.bias is None or float32_cpu(p.bias) for p in projections + per_layer)
             and all(n.eps == eps and float32_cpu(n.weight) for n in layer_norms(layer))
@@ -122,13 +139,16 @@ def qualifies(model) -> bool:
     """Whether the fused stack can run the weights of `model` (the inner model of a supported
     spec): every layer qualifies, all with one norm eps (the kernel takes one) and each
     projection of one kind (float32, GGUF blocks or 16-bit: one typed list per projection),
-    the embedding is one the stack reads, the final norm and rotary tables float32 CPU."""
+    the embedding is one the stack reads, the final norm and rotary tables float32 CPU; the
+    MoE layers as stack_moe takes them."""
     layers = list(model.layers)
     tables = rotary_tables(model)
     eps = {layer.post_attention_layernorm.eps for layer in layers}
+    kinds = [_kinds(layer) for layer in layers]
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len(eps) == 1 and _per_layer_inputs_qualify(model, eps.pop())
-            and len({_kinds(layer) for layer in layers}) == 1 and float32_cpu(model.norm.weight)
+            and all(len({k[j] for k in kinds} - {None}) <= 1 for j in range(len(PROJECTIONS)))
+            and moe_qualifies(model) and float32_cpu(model.norm.weight)
             and embedding_table(model.embed_tokens) is not None
             and all(float32_cpu(t) for t in tables))
 
@@ -136,10 +156,9 @@ def qualifies(model) -> bool:
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (one that `qualifies`): with 16-bit
     projections, its plan's `numba_rows` (as the layer path's linears compute)."""
-    layer = model.layers[0]
-    kinds = _kinds(layer)
-    if all(kind == "half" for kind in kinds):
-        return packed_of(layer.self_attn.qkv_proj).plan.numba_rows
+    kinds = _model_kinds(model)
+    if kinds == {"half"}:
+        return packed_of(model.layers[0].self_attn.qkv_proj).plan.numba_rows
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
@@ -223,8 +242,8 @@ class FusedDecode:
         self.max_rows = max_rows(model)
         # From the rows where its linears move to oneDNN, a bfloat16 or float32 model's steps
         # run the layers between oneDNN calls instead (onednn_decode.py: Llama's layers only).
-        plain = spec.activation == "silu" and not any(getattr(spec, trait)
-                                                      for trait in _STACK_ONLY_TRAITS)
+        plain = spec.activation == "silu" and spec.moe is None and not any(
+            getattr(spec, trait) for trait in _STACK_ONLY_TRAITS)
         self.onednn = onednn_decode(model) if plain else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

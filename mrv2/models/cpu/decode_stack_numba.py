@@ -25,6 +25,7 @@ from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import NO_SINKS, decode_kernel
 from mrv2.models.layers.activation_numba import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
+from mrv2.models.cpu.moe_numba import moe_block
 from mrv2.models.cpu.stack_views_numba import rotary_rows, stack_embed, stack_linear
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.sampler.greedy_numba import (MAX_SERIAL_ROWS, greedy_argmax_kernel,
@@ -69,7 +70,7 @@ KV_OWN, KV_FROM_KEYS, KV_SHARED = 0, 1, 2
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
                   qk_norms, post_norms, traits, rope, window, cos, sin, q_scales, k_cache,
-                  v_cache, kv_mode,
+                  v_cache, kv_mode, moe,
                   block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                   intermediate, scale, kv_per_item, splits, out, residual_out):
     rows, hidden_size = hidden.shape
@@ -133,16 +134,31 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
         _add_streams(o, residual_out, summed)
         normed[:] = summed
     residual_out[:] = summed
-    gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
-    stack_linear(normed, w_gate_up, gate_up)
-    _add_bias(gate_up, b_gate_up)
-    act = np.empty((rows, intermediate), dtype=np.float32)
-    if traits[3]:
-        gelu_tanh_and_mul_kernel(gate_up, intermediate, act)
-    else:
-        silu_and_mul_kernel(gate_up, intermediate, act)
-    stack_linear(act, w_down, out)
-    _add_bias(out, b_down)
+    if intermediate > 0:  # the dense slot: the layer's MLP, or a MoE layer's shared expert
+        gate_up = np.empty((rows, 2 * intermediate), dtype=np.float32)
+        stack_linear(normed, w_gate_up, gate_up)
+        _add_bias(gate_up, b_gate_up)
+        act = np.empty((rows, intermediate), dtype=np.float32)
+        if traits[3]:
+            gelu_tanh_and_mul_kernel(gate_up, intermediate, act)
+        else:
+            silu_and_mul_kernel(gate_up, intermediate, act)
+        stack_linear(act, w_down, out)
+        _add_bias(out, b_down)
+    router, shared_gate, expert_gate_ups, expert_downs, top_k, renormalize, width = moe
+    if router.shape[0] > 0:  # routed experts (moe_numba.py)
+        routed = np.empty((rows, hidden_size), dtype=np.float32)
+        moe_block(normed, router, expert_gate_ups, expert_downs, top_k, renormalize, width,
+                  traits[3], routed)
+        if intermediate > 0:  # Qwen2-MoE: experts + sigmoid(shared_expert_gate(x)) * shared
+            gate = np.empty((rows, 1), dtype=np.float32)
+            stack_linear(normed, shared_gate, gate)
+            for r in range(rows):
+                shared_scale = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate[r, 0]))
+                for i in range(hidden_size):
+                    out[r, i] = routed[r, i] + shared_scale * out[r, i]
+        else:
+            out[:] = routed
     if post_ff.shape[0] > 0:  # Gemma, OLMo 2: so is the MLP's
         out_in = out.copy()
         add_rms_norm_kernel(out_in, NO_RESIDUAL, post_ff, eps, out, out_in)
@@ -202,8 +218,8 @@ def _mix_per_layer(hidden, pl_rows, per_layer, layer, eps):
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
                  local_cos_cache, local_sin_cache, windows, kv_groups, final_norm, final_eps,
-                 kv_caches, kv_modes, layer_scalars, per_layer, block_tables, seq_lens, slots,
-                 num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
+                 kv_caches, kv_modes, layer_scalars, per_layer, moe, block_tables, seq_lens,
+                 slots, num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
                  out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
@@ -213,7 +229,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     groups' [rows, blocks] tables, `slots` [groups, rows]. Per layer: its KV mode
     (`kv_modes`), kv heads, head size, MLP width and attention work split (arrays); Gemma 4's
     output scale (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
-    `_per_layer_inputs`; a [0] projection norm for none)."""
+    `_per_layer_inputs`; a [0] projection norm for none); routed experts (`moe`,
+    stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too)."""
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     stack_embed(ids, w_embed, hidden)
@@ -248,7 +265,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
                       (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
                       windows[i], cos, sin, q_scales,
-                      kv[0], kv[1], kv_modes[i], block_tables[group], seq_lens, slots[group],
+                      kv[0], kv[1], kv_modes[i],
+                      (moe[0][i], moe[1][i], moe[2][i], moe[3][i], moe[4], moe[5], moe[6]),
+                      block_tables[group], seq_lens, slots[group],
                       num_heads, num_kv_heads[i], head_dim[i], intermediate[i], scale,
                       kv_per_item[i], splits[i], layer_out, residual_out)
         x, residual = layer_out, residual_out
@@ -275,7 +294,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
                      w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
                      rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
-                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer,
+                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
                      block_tables, seq_lens, block_size, num_heads, num_kv_heads, head_dim,
                      intermediate, scale, kv_per_item, splits, out, w_head, logits, tokens,
                      nan_rows):
@@ -305,7 +324,7 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                      w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms,
                      traits, rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
-                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer,
+                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
                      block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                      intermediate, scale, kv_per_item, splits, out, w_head, logits)
         if rows <= MAX_SERIAL_ROWS:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,7 +45,11 @@ from mrv2.models.layers.quantized import PackedWeight
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.o_proj": ("self_attn.o_proj",),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp.down_proj": ("mlp.down_proj",)}
+          "mlp.down_proj": ("mlp.down_proj",),
+          # Qwen2-MoE's shared expert (layers/moe.py: a gated MLP beside the routed experts)
+          "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj",
+                                             "mlp.shared_expert.up_proj"),
+          "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",)}
 # Linears a layer or the model may have besides (Gemma 4's per-layer inputs), and lookup-only
 # tables (Gemma 4's per-layer embedding: for E2B the largest tensor of the file).
 _OPTIONAL_LAYER_LINEARS = ("per_layer_input_gate", "per_layer_projection")
@@ -54,11 +59,12 @@ _LOOKUP_TABLES = ("embed_tokens_per_layer",)
 
 def _fused_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of each `_FUSED` projection the layer has (a layer routed to experts
-    has no gate_up_proj / down_proj of its own: layers/moe.py)."""
+    has no gate_up_proj / down_proj of its own, maybe a shared expert's: layers/moe.py)."""
     found = []
     for fused in _FUSED:
-        parent, _, child = fused.rpartition(".")
-        module = getattr(layer.get_submodule(parent), child, None)
+        module = layer
+        for part in fused.split("."):
+            module = getattr(module, part, None)
         if isinstance(module, nn.Module):
             found.append((fused, module))
     return found
@@ -253,7 +259,8 @@ def pack_16bit_weights(model: nn.Module, dtype: torch.dtype) -> PackedModules | 
         if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
             _pack_linear(module, PackedWeight.from_float(module.weight, dtype), name, packed)
     for i, experts in _expert_modules(inner):
-        if experts.tp_size == 1 and experts.gate_up_proj.dtype == torch.float32:
+        if (experts.packed is None and experts.tp_size == 1
+                and experts.gate_up_proj.dtype == torch.float32):  # MXFP4 ones: packed at load
             pairs = [(PackedWeight.from_float(experts.gate_up_proj[e], dtype),
                       PackedWeight.from_float(experts.down_proj[e], dtype))
                      for e in range(experts.num_experts)]
@@ -298,6 +305,18 @@ def _pack_experts(experts: nn.Module, pairs: list[tuple[PackedWeight, PackedWeig
     held = [(_hold_as_computed(gate_up), _hold_as_computed(down)) for gate_up, down in pairs]
     experts.set_packed(held)
     packed.experts[name] = held
+
+
+def pack_mxfp4_experts(experts: nn.Module, gate_up: np.ndarray, down: np.ndarray) -> None:
+    """Give a layer's experts (one rank; layers/moe.FusedMoE) MXFP4 weights as ggml's blocks,
+    uint8 [E, rows, bytes] each (gate/up's rows: gate's, then up's), computed on as stored
+    and held as their kernels compute on them: a safetensors MXFP4 checkpoint's experts
+    (models/mxfp4.py), never dequantized."""
+    hidden, inter = experts.hidden_size, experts.intermediate_size
+    experts.set_packed([
+        (_hold_as_computed(PackedWeight.from_gguf(gate_up[e], "MXFP4", (2 * inter, hidden))),
+         _hold_as_computed(PackedWeight.from_gguf(down[e], "MXFP4", (hidden, inter))))
+        for e in range(experts.num_experts)])
 
 
 def _pack_vocab(model: nn.Module, inner: nn.Module,

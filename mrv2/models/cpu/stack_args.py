@@ -12,7 +12,8 @@ from numba import typed
 
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
-from mrv2.models.cpu.stack_views_numba import weight_view
+from mrv2.models.cpu.stack_moe import dense_mlp, layer_projection, moe_args, moe_parameters
+from mrv2.models.cpu.stack_views_numba import NO_MATRIX, no_rows, weight_view
 from mrv2.models.cpu.decode_stack_numba import KV_FROM_KEYS, KV_OWN, KV_SHARED
 from mrv2.models.cpu.onednn_decode import PROJECTIONS
 from mrv2.models.decoder_spec import DecoderSpec
@@ -76,14 +77,20 @@ def _projection_view(module, float32_tables: bool = False):
     return weight_view(module.weight if weight is None else weight, float32_tables)
 
 
-def projection_views(modules) -> typed.List:
+def projection_views(modules, like=None) -> typed.List:
     """One projection of every layer as a typed list: its items must share one numba type, so
     where the layers' table dtypes differ (a file mixing K-quants and 32-input types) every
-    one gets float32 tables."""
-    views = [_projection_view(m) for m in modules]
-    if len({numba.typeof(v) for v in views}) > 1:
-        views = [_projection_view(m, float32_tables=True) for m in modules]
-    return typed_list(tuple(views))
+    one gets float32 tables; a layer without it (None: a MoE layer's MLP) a placeholder
+    (`like`: a view whose type it takes when no layer has one)."""
+    views = [None if m is None else _projection_view(m) for m in modules]
+    if len({numba.typeof(v) for v in views if v is not None}) > 1:
+        views = [None if m is None else _projection_view(m, float32_tables=True)
+                 for m in modules]
+    present = [v for v in views if v is not None]
+    # A layer without one: a placeholder of the others' type, else of `like`'s (a view of
+    # another projection: the same compiled stack as a model with those weights everywhere).
+    placeholder = no_rows(present[0] if present else like)
+    return typed_list(tuple(placeholder if v is None else v for v in views))
 
 
 def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
@@ -98,13 +105,12 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
         tables.append(embedding_table(model.embed_tokens_per_layer))
         out += _projection_parameters(model.per_layer_model_projection)
         out.append(model.per_layer_projection_norm.weight)
-    out += [w for w in tables if isinstance(w, torch.Tensor)]
+    out += [w for w in tables if isinstance(w, torch.Tensor)] + moe_parameters(model)
     for layer in model.layers:
         out += [norm.weight for norm in layer_norms(layer)]
         attn = layer.self_attn
         out += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
-        for name in PROJECTIONS:
-            module = layer.get_submodule(name)
+        for module in filter(None, (layer_projection(layer, name) for name in PROJECTIONS)):
             out += _projection_parameters(module)
             out += [] if module.bias is None else [module.bias]
         if hasattr(layer, "layer_scalar"):
@@ -121,7 +127,6 @@ def _views(tensors) -> typed.List:
 
 
 _NONE = torch.empty(0, dtype=torch.float32)
-_NO_MATRIX = np.empty((0, 0), np.float32)
 
 
 def _per_layer_args(model) -> tuple:
@@ -129,8 +134,8 @@ def _per_layer_args(model) -> tuple:
     embeddings' projection and its norm, then each layer's gate, projection and norm; for a
     model without them, empty views of the same types as a float32 model's."""
     if not has_per_layer_inputs(model):
-        return (_NO_MATRIX, _NO_MATRIX, _NONE.numpy(), typed_list((_NO_MATRIX,)),
-                typed_list((_NO_MATRIX,)), typed_list((_NONE.numpy(),)))
+        return (NO_MATRIX, NO_MATRIX, _NONE.numpy(), typed_list((NO_MATRIX,)),
+                typed_list((NO_MATRIX,)), typed_list((_NONE.numpy(),)))
     layers = list(model.layers)
     return (weight_view(embedding_table(model.embed_tokens_per_layer), linear=False),
             _projection_view(model.per_layer_model_projection),
@@ -138,6 +143,16 @@ def _per_layer_args(model) -> tuple:
             *(projection_views([getattr(layer, name) for layer in layers])
               for name in PER_LAYER_PROJECTIONS),
             _views(layer.post_per_layer_input_norm.weight for layer in layers))
+
+
+def _bias(module: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if module is None else module.bias
+
+
+def _mlp_width(layer) -> int:
+    """The width of the layer's dense slot (stack_moe.dense_mlp; 0: none)."""
+    mlp = dense_mlp(layer)
+    return 0 if mlp is None else mlp.intermediate_size
 
 
 def _or_none(part: torch.Tensor | torch.nn.Module | None) -> torch.Tensor:
@@ -188,6 +203,11 @@ class StackArgs:
         before_mlp = ("pre_feedforward_layernorm" if sandwich
                       else None if after else "post_attention_layernorm")
         local = model.local_rotary_emb
+        projections = [projection_views([layer.get_submodule(name) for layer in layers])
+                       for name in PROJECTIONS[:2]]  # attention's: every layer has them
+        like = projections[1][0]
+        projections += [projection_views([layer_projection(layer, name) for layer in layers],
+                                         like) for name in PROJECTIONS[2:]]
         no_table = np.empty((0, model.rotary_emb.cos_cache.shape[1]), np.float32)
         query_scale = spec.position_query_scale or (0.0, 1)  # beta 0: no scaling
         self.layer_args = (
@@ -195,9 +215,8 @@ class StackArgs:
             _views(_or_none(None if after else layer.input_layernorm) for layer in layers),
             _views(_or_none(before_mlp and getattr(layer, before_mlp)) for layer in layers),
             np.float32(layers[0].post_attention_layernorm.eps),
-            *(projection_views([layer.get_submodule(name) for layer in layers])
-              for name in PROJECTIONS),
-            tuple(_views(_or_none(layer.get_submodule(name).bias) for layer in layers)
+            *projections,
+            tuple(_views(_or_none(_bias(layer_projection(layer, name))) for layer in layers)
                   for name in PROJECTIONS),
             tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
                   for norm in ("q_norm", "k_norm")),
@@ -217,10 +236,10 @@ class StackArgs:
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)),
             np.array([kv_mode(layer.self_attn) for layer in layers], np.int64),
             _views(getattr(layer, "layer_scalar", _NONE) for layer in layers),
-            _per_layer_args(model))
+            _per_layer_args(model), moe_args(model, spec, like))
         # and the shapes: heads, kv heads, head size, MLP width (per layer), attention's scale.
         self.shape_args = (attn.num_heads, self.num_kv_heads, self.head_dim,
-                           np.array([layer.mlp.intermediate_size for layer in layers], np.int64),
+                           np.array([_mlp_width(layer) for layer in layers], np.int64),
                            np.float32(attn.attn.scale))
         self.hidden_size = model.norm.weight.shape[0]
         self.head = head

@@ -65,6 +65,22 @@ def weight_view(weight: PackedWeight | torch.Tensor, float32_tables: bool = Fals
                            weight.plan.x_format, panels)
 
 
+# An absent float32 matrix (a dense layer's router, a weight no layer has), as kernels take it.
+NO_MATRIX = np.empty((0, 0), np.float32)
+
+
+def no_rows(view):
+    """A view of the same numba type as `view` (a float32 weight, HalfWeightView or
+    BlockWeightView) with no output rows: the stack's placeholder for a weight a layer does
+    not have (a typed list's items share one type)."""
+    if isinstance(view, np.ndarray):
+        return view[:0]
+    if isinstance(view, HalfWeightView):
+        return view._replace(q=view.q[:0], panels=view.panels[:0])
+    return view._replace(q=view.q[:0], scales=view.scales[:0], mins=view.mins[:0],
+                         panels=tuple(p[:0] for p in view.panels))
+
+
 def stack_linear(x, w, out):
     """out = x @ W^T inside the stack; `w` a float32 weight view, a HalfWeightView or a
     BlockWeightView (numba only: see the overload)."""

@@ -94,6 +94,25 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     assert_same_outputs(fused, plain)
 
 
+@pytest.mark.usefixtures("float_activations")
+def test_experts_on_the_blocks_match_the_quantized_module_path(tiny_gguf_factory, monkeypatch):
+    """Qwen3-MoE's experts as Q4_0 blocks (one view each) in the stack: the module path's
+    tokens and logprobs at 5 rows."""
+    path = tiny_gguf_factory("qwen3_moe", "Q4_0", num_layers=2, config={
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True})
+    llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False, quantization="gguf")
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    assert runner.model.model.layers[1].mlp.experts.packed is not None
+    assert runner.fused_decode.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(5)]
+    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    llm.shutdown()
+    assert fused_calls > 0 and plain_calls == 0
+    assert_same_outputs(fused, plain)
+
+
 @pytest.mark.parametrize("tensor_type, native, rows", [
     ("BF16", True, "native"), ("BF16", False, "quantized"), ("Q4_1", True, "quantized")])
 def test_stack_stops_where_16_bit_linears_move_to_matrix_units(tiny_gguf_factory, tensor_type,
@@ -179,6 +198,11 @@ ARCHS = {
         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 2048,
         "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
         "final_logit_softcapping": 10.0}},
+    # Qwen2-MoE: routed experts (top-3 of 8, not renormalised) every 2nd layer with a shared
+    # expert behind its gate, a dense MLP in the others (moe_numba.py).
+    "qwen2_moe": {"num_layers": 3, "config": {
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2}},
 }
 
 

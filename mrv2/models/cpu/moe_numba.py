@@ -1,0 +1,93 @@
+"""The fused decode stack's mixture-of-experts block (decode_stack_numba.py): each row routed
+to its top-k experts and their gated MLPs summed, as layers/moe.py's torch path computes it,
+on the stack's weight views (stack_views_numba.py: float32, 16-bit or GGUF blocks, per expert).
+
+Same arithmetic and order as the torch path: the router's logits by the stack's linear,
+softmax in float32, the top-k (ties to the lowest expert id), renormalised where the model
+says so; then expert by expert in id order, the rows routed to it gathered, its gate/up and
+down linears run on those rows only, and each output row, times its routing weight, added to
+the block's output. At batch 1 only the chosen experts' weights are read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from mrv2.models.cpu.stack_views_numba import stack_linear
+from mrv2.models.layers.activation_numba import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
+from mrv2.models.layers.numba_exp import exp32
+from mrv2.utils.kernel_flags import FASTMATH
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def route_rows(logits, top_k, renormalize, weights, ids):
+    """Each row's top-k experts (`ids` [rows, k], by descending probability, ties to the lower
+    id) and their softmax probabilities (`weights` [rows, k], float32), rescaled to sum to 1
+    where `renormalize`: layers/moe.route on `logits` [rows, experts]."""
+    rows, experts = logits.shape
+    probs = np.empty(experts, dtype=np.float32)
+    taken = np.empty(experts, dtype=np.bool_)
+    for r in range(rows):
+        top = logits[r, 0]
+        for e in range(1, experts):
+            top = max(top, logits[r, e])
+        total = np.float32(0.0)
+        for e in range(experts):
+            probs[e] = exp32(logits[r, e] - top)
+            total += probs[e]
+            taken[e] = False
+        chosen = np.float32(0.0)
+        for j in range(top_k):
+            best = -1
+            for e in range(experts):
+                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                    best = e
+            taken[best] = True
+            ids[r, j] = best
+            weights[r, j] = probs[best] / total
+            chosen += weights[r, j]
+        if renormalize:
+            for j in range(top_k):
+                weights[r, j] /= chosen
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def moe_block(x, router, gate_ups, downs, top_k, renormalize, intermediate, gelu, out):
+    """out [rows, hidden] = the routed experts' weighted sum for the rows of `x` (overwritten):
+    `router` a float32 [experts, hidden] weight, `gate_ups` / `downs` each expert's weight
+    view (gate rows then up rows [2 * intermediate, hidden]; [hidden, intermediate]),
+    SiLU-gated (GeLU(tanh) with `gelu`)."""
+    rows, hidden = x.shape
+    experts = router.shape[0]
+    logits = np.empty((rows, experts), dtype=np.float32)
+    stack_linear(x, router, logits)
+    weights = np.empty((rows, top_k), dtype=np.float32)
+    ids = np.empty((rows, top_k), dtype=np.int64)
+    route_rows(logits, top_k, renormalize, weights, ids)
+    out[:] = 0.0
+    pairs = np.empty(rows * top_k, dtype=np.int64)  # the (row * k + j) routed to one expert
+    for e in range(experts):
+        count = 0
+        for p in range(rows * top_k):
+            if ids[p // top_k, p % top_k] == e:
+                pairs[count] = p
+                count += 1
+        if count == 0:
+            continue
+        rows_in = np.empty((count, hidden), dtype=np.float32)
+        for c in range(count):
+            rows_in[c] = x[pairs[c] // top_k]
+        gate_up = np.empty((count, 2 * intermediate), dtype=np.float32)
+        stack_linear(rows_in, gate_ups[e], gate_up)
+        act = np.empty((count, intermediate), dtype=np.float32)
+        if gelu:
+            gelu_tanh_and_mul_kernel(gate_up, intermediate, act)
+        else:
+            silu_and_mul_kernel(gate_up, intermediate, act)
+        expert_out = np.empty((count, hidden), dtype=np.float32)
+        stack_linear(act, downs[e], expert_out)
+        for c in range(count):
+            row, weight = pairs[c] // top_k, weights[pairs[c] // top_k, pairs[c] % top_k]
+            for i in range(hidden):
+                out[row, i] += expert_out[c, i] * weight
