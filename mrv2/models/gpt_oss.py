@@ -12,6 +12,13 @@
 
 Checkpoint names: the router is `mlp.router` (mrv2's `mlp.gate`), the sinks
 `self_attn.sinks` (mrv2's `self_attn.attn.sinks`).
+
+MXFP4 checkpoints (`quantization_config = {"quant_method": "mxfp4"}`, the released ones):
+each expert tensor as `<name>_blocks` and `<name>_scales` (models/mxfp4.py). On the CPU, on
+one rank, in float32, the experts compute on them as stored (ggml's MXFP4 blocks, gate/up's
+rows de-interleaved: cpu/quantized_weights.pack_mxfp4_experts); elsewhere they are
+dequantized, exactly, into the float experts. Any other quantization method is refused by
+name (loader.py, `quantization_methods`).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import dataclasses
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch import nn
 
+from mrv2.models import mxfp4
 from mrv2.models.decoder_spec import DecoderSpec, MoESpec
+from mrv2.models.layers.linear import materialize
 from mrv2.models.llama import LlamaForCausalLM
 
 # Checkpoint name fragment -> the parameter's.
@@ -35,7 +45,21 @@ def _parameter_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, 
         yield name, tensor
 
 
+def _computes_as_stored(experts: nn.Module) -> bool:
+    """Whether a layer's experts compute on MXFP4 blocks as stored: float32 on the CPU, one
+    rank (the packed-weight kernels' conditions)."""
+    param = experts.gate_up_proj
+    return experts.tp_size == 1 and param.device.type == "cpu" and param.dtype == torch.float32
+
+
+def _deinterleaved(tensor: torch.Tensor) -> torch.Tensor:
+    """gate/up's rows (dim 1) alternating -> gate's, then up's."""
+    return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+
+
 class GptOssForCausalLM(LlamaForCausalLM):
+    quantization_methods = ("mxfp4",)  # checkpoint quantization it loads (loader.py)
+
     def declare(self, hf: Any) -> DecoderSpec:
         moe = MoESpec(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                       intermediate_size=hf.intermediate_size, renormalize=True,
@@ -47,4 +71,43 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return dataclasses.replace(super().declare(hf), attention_sinks=True, moe=moe)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_parameter_names(weights))
+        packed: set[str] = set()
+        loaded = super().load_weights(self._mxfp4_experts(_parameter_names(weights), packed))
+        return loaded | packed
+
+    def _mxfp4_experts(self, weights: Iterable[tuple[str, Any]], packed: set[str]
+                       ) -> Iterator[tuple[str, Any]]:
+        """`weights` with each MXFP4 pair (`<param>_blocks`, `<param>_scales`) given to its
+        experts as stored (`packed` gets the parameter names, once a layer has both) or
+        yielded dequantized as the float checkpoint holds it ([E, in, out])."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        stored: dict[str, dict[str, Any]] = {}  # experts module -> parameter -> blocks
+        for name, tensor in weights:
+            param, _, kind = name.rpartition("_")
+            if kind not in ("blocks", "scales"):
+                yield name, tensor
+                continue
+            pair = halves.setdefault(param, {})
+            pair[kind] = materialize(tensor)
+            if len(pair) < 2:
+                continue
+            del halves[param]
+            module, _, leaf = param.rpartition(".")
+            experts = self.get_submodule(module)
+            if not _computes_as_stored(experts):
+                yield param, mxfp4.dequantize(pair["blocks"], pair["scales"]).transpose(1, 2)
+                continue
+            blocks, scales = pair["blocks"], pair["scales"]
+            if leaf == "gate_up_proj":
+                blocks, scales = _deinterleaved(blocks), _deinterleaved(scales)
+            layer = stored.setdefault(module, {})
+            layer[leaf] = mxfp4.as_gguf_blocks(blocks, scales)
+            if len(layer) == 2:
+                from mrv2.models.cpu.quantized_weights import pack_mxfp4_experts  # CPU kernels
+
+                pack_mxfp4_experts(experts, layer["gate_up_proj"], layer["down_proj"])
+                packed.update(f"{module}.{p}" for p in layer)
+                del stored[module]
+        if halves or stored:
+            raise ValueError(f"MXFP4 expert tensors without their pair: "
+                             f"{sorted(halves) + sorted(stored)}")

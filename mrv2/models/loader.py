@@ -68,7 +68,24 @@ def load_hf_config(model_path: str, hf_config_path: str | None = None) -> Any:
         # from `per_layer_config` (kv_cache_layout.layer_kv_shape) and the global value as
         # the model's default (the windowed layers').
         config.allow_global_per_layer_attribute_access = True
+    check_quantization_config(config)
     return config
+
+
+def check_quantization_config(config: Any) -> None:
+    """A checkpoint quantized by a method its model class does not load (the class's
+    `quantization_methods`, none by default) is refused by name before any weight is read:
+    its tensors would load as something else, or not at all."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return
+    method = (quant.get("quant_method") if isinstance(quant, dict)
+              else getattr(quant, "quant_method", None))
+    model_class = get_model_class(getattr(config, "architectures", None))
+    allowed = getattr(model_class, "quantization_methods", ())
+    if method not in allowed:
+        raise ValueError(f"quantization_config quant_method={method!r} is not supported for "
+                         f"{model_class.__name__}; supported: {list(allowed) or 'none'}")
 
 
 def _directory_config(model_path: str) -> Any:
@@ -259,6 +276,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
 
 __all__ = ["CPU_AUTO_DTYPE_ENV", "ModelNotFoundError", "UnsupportedModelError",
-           "checkpoint_weights", "cpu_auto_dtype", "iterate_safetensors",
-           "load_hf_config", "load_model", "resolve_dtype", "safetensors_files",
-           "split_cpu_dtype"]
+           "check_quantization_config", "checkpoint_weights", "cpu_auto_dtype",
+           "iterate_safetensors", "load_hf_config", "load_model", "resolve_dtype",
+           "safetensors_files", "split_cpu_dtype"]

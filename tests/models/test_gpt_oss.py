@@ -2,7 +2,10 @@
 shorter than the prompts on every other layer, YaRN, 4 experts top-2 with biases and a SwiGLU
 limit low enough to clamp), greedy tokens equal transformers' float32 ones and prompt
 logprobs are within 1e-4 of its log-softmax, prefilled in chunks (a token budget smaller than
-the prompt); under tensor parallelism 2 too."""
+the prompt). Its MXFP4 form (the experts quantized as the released checkpoints store them:
+tests/models/mxfp4_helpers.py) gives the tokens transformers gives on the dequantized
+weights, computed on the blocks as stored (CPU, one rank) and dequantized under tensor
+parallelism 2 (each rank its heads and sinks, every expert's half of the intermediate)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from tests.entrypoints.test_llm import hf_greedy
+from tests.models.mxfp4_helpers import mxfp4_checkpoints
 
 MAX_TOKENS = 6
 TINY_GPT_OSS = dict(num_layers=2, rope_scaling={
@@ -34,10 +38,20 @@ def expected(gpt_oss_dir) -> list[list[int]]:
     return hf_greedy(gpt_oss_dir, PROMPTS, MAX_TOKENS)
 
 
-def _generate(model_dir, prompt_logprobs: int | None = None, **llm_kwargs) -> list:
+@pytest.fixture(scope="module")
+def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
+    """(the MXFP4 checkpoint, its dequantized float twin), and transformers' tokens on it."""
+    quantized, twin = mxfp4_checkpoints(gpt_oss_dir, tmp_path_factory.mktemp("gpt-oss"))
+    return quantized, hf_greedy(twin, PROMPTS, MAX_TOKENS)
+
+
+def _generate(model_dir, prompt_logprobs: int | None = None, check=None, **llm_kwargs) -> list:
+    """The prompts' outputs; `check(model)` on the loaded model first (in process only)."""
     llm = LLM(str(model_dir), max_model_len=96, block_size=8, max_num_batched_tokens=16,
               **llm_kwargs)
     try:
+        if check is not None:
+            check(llm.llm_engine.engine_core.executor.worker.model)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                 prompt_logprobs=prompt_logprobs)
         return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
@@ -61,7 +75,21 @@ def test_greedy_and_prompt_logprobs_match_transformers(gpt_oss_dir, expected):
         assert max(abs(g - w) for g, w in zip(got, want.tolist())) < 1e-4
 
 
-def test_tensor_parallel_2_matches_transformers(gpt_oss_dir, expected):
-    """Each rank its heads (and their sinks) and every expert's half of the intermediate."""
-    outputs = _generate(gpt_oss_dir, tensor_parallel_size=2)
+def _experts_on_mxfp4_blocks(model) -> None:
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        assert experts.gate_up_proj.numel() == 0 and len(experts.packed) == 4
+        assert all(w.gguf_type == "MXFP4" for pair in experts.packed for w in pair)
+
+
+@pytest.mark.usefixtures("float_activations")  # x stays float32 in the GEMVs on the blocks
+def test_mxfp4_experts_on_their_blocks_match_transformers(mxfp4_dirs):
+    quantized, expected = mxfp4_dirs
+    outputs = _generate(quantized, check=_experts_on_mxfp4_blocks)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_mxfp4_dequantized_under_tensor_parallel_2_matches_transformers(mxfp4_dirs):
+    quantized, expected = mxfp4_dirs
+    outputs = _generate(quantized, tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in outputs] == expected

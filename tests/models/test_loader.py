@@ -81,6 +81,15 @@ def test_registry() -> None:
             get_model_class(bad)
 
 
+def test_quantization_the_model_does_not_load_is_refused_by_name(model_dir: Path) -> None:
+    """A checkpoint's quantization_config: refused before any weight is read unless its
+    model class loads the method (gpt-oss: mxfp4, tests/models/test_gpt_oss.py)."""
+    _edit_config(model_dir, quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(ValueError, match="quant_method='mxfp4' is not supported for "
+                                         "LlamaForCausalLM; supported: none"):
+        load_hf_config(str(model_dir))
+
+
 def test_missing_weights_file(model_dir: Path) -> None:
     mc = _model_config(model_dir)
     (model_dir / "model.safetensors").unlink()

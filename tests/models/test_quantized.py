@@ -36,9 +36,11 @@ def random_raw(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
                 else (values.view(np.uint32) >> 16).astype(np.uint16))
         return bits.view(np.uint8).reshape(n, -1)
     blocks = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
-    for off in F16_FIELDS[gguf_type]:
+    for off in F16_FIELDS.get(gguf_type, ()):
         f = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
         blocks[:, off:off + 2] = f.view(np.uint8).reshape(-1, 2)
+    if gguf_type == "MXFP4":  # the e8m0 byte: scales 2^-18 .. 2^2 (finite, float16-exact)
+        blocks[:, 0] = rng.integers(110, 131, size=blocks.shape[0])
     return blocks.reshape(n, -1)
 
 
@@ -88,7 +90,8 @@ def test_dequantize_is_bit_exact(gguf_type, n, k):
 def test_layouts_and_sizes():
     expect = {"Q4_0": ("u4", 32), "Q4_1": ("u4", 32), "Q4_K": ("u4", 32), "Q8_0": ("i8", 32),
               "Q5_0": ("i8", 32), "Q5_1": ("i8", 32), "Q5_K": ("i8", 32), "Q6_K": ("i8", 16),
-              "IQ4_NL": ("i8", 32), "F16": ("f16", 0), "BF16": ("bf16", 0)}
+              "IQ4_NL": ("i8", 32), "MXFP4": ("i8", 32), "F16": ("f16", 0),
+              "BF16": ("bf16", 0)}
     for i, t in enumerate(TYPES):  # fresh weights: no panels made by other tests
         w = PackedWeight.from_gguf(random_raw(t, 96, 1536, seed=i), t, (96, 1536))
         assert (w.layout, w.group_size) == expect[t]
@@ -97,10 +100,11 @@ def test_layouts_and_sizes():
             assert w.is_half and w.scales is None and w.mins is None and per_weight == 16
             continue
         assert w.scales.shape == (96, 1536 // w.group_size)
-        assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K", "IQ4_NL"))
+        assert (w.mins is None) == (t in ("Q8_0", "Q5_0", "Q6_K", "IQ4_NL", "MXFP4"))
         # The 32-input types' tables are their f16 fields, kept at 16 bits: Q4_1 costs the
-        # file's 5 bits a weight, Q8_0 8.5. A K-quant's scales are products: float32.
-        float16_tables = t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+        # file's 5 bits a weight, Q8_0 8.5 (MXFP4's powers of two here too). A K-quant's
+        # scales are products: float32.
+        float16_tables = t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")
         assert w.scales.dtype == (torch.int16 if float16_tables else torch.float32)
         table_bits = sum(32 * (tb is not None) for tb in (w.scales, w.mins)) / w.group_size
         bits = {"u4": 4, "i8": 8}[w.layout] + table_bits / (2 if float16_tables else 1)

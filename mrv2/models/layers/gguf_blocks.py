@@ -111,6 +111,23 @@ def iq4_nl(b: np.ndarray) -> Blocks:
     return _IQ4_NL_LEVELS[_nibbles(b[:, 2:], 16).reshape(b.shape[0], 32)], _f16(b, 0)[:, None], None
 
 
+# MXFP4's e2m1 values doubled (ggml's kvalues_mxfp4): integers, against the scale halved.
+_MXFP4_LEVELS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) as float32 (a subnormal for e < 2)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def mxfp4(b: np.ndarray) -> Blocks:
+    """The e8m0 byte, then the 32 codes as Q4_0's nibbles: doubled levels, scale halved."""
+    return (_MXFP4_LEVELS[_nibbles(b[:, 1:], 16).reshape(b.shape[0], 32)],
+            e8m0_half(b[:, 0])[:, None], None)
+
+
 def pack_u4(vals: np.ndarray) -> np.ndarray:
     """Values [N, K] in 0..15 -> the u4 layout [N, K // 2] (byte j of group g: inputs 32 g + j
     low, 32 g + 16 + j high)."""

@@ -5,10 +5,11 @@ kernels of each layout (quantized.py chooses among them once per weight) serve e
 that layout. Adding a type whose values fit a layout is adding one row.
 
 Layouts: "u4" (values 0..15, two to a byte, a scale and a min per 32 inputs), "i8" (int8
-values, a scale and optional min per 16 or 32 inputs), "f16" / "bf16" (16-bit floats, no
-groups). Exactness: a row's decoder gives values and tables whose `scale * q + min` is the
-type's dequantized value (tests/models/test_quantized.py checks every row against
-gguf.quants.dequantize bit for bit).
+values, a scale and optional min per 16 or 32 inputs; MXFP4's e2m1 levels doubled, its e8m0
+scale halved), "f16" / "bf16" (16-bit floats, no groups). Exactness: a row's decoder gives
+values and tables whose `scale * q + min` is the type's dequantized value
+(tests/models/test_quantized.py checks every row against gguf.quants.dequantize bit for
+bit).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
     QuantFormat("Q5_K", "i8", 256, 176, gguf_blocks.q5_k),
     QuantFormat("Q6_K", "i8", 256, 210, gguf_blocks.q6_k),
     QuantFormat("IQ4_NL", "i8", 32, 18, gguf_blocks.iq4_nl),
+    QuantFormat("MXFP4", "i8", 32, 17, gguf_blocks.mxfp4),
     QuantFormat("F16", "f16", 1, 2),
     QuantFormat("BF16", "bf16", 1, 2),
 )}

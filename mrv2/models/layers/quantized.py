@@ -8,7 +8,8 @@ into one of two kernel layouts that keep (about) the file's bits per weight:
   a scale and min per group of 32 inputs: w = scale * q + min. Q4_0 (scale d, min -8 d), Q4_1
   (d, m), Q4_K (per 32-wide sub-block: d * sc, -dmin * m).
 - "i8": int8 values (`q` int8 [N, K]), a scale (and optional min) per group of 32 (16 for Q6_K):
-  Q8_0, Q5_0 (q - 16), Q5_1 (q, min m), Q5_K, Q6_K; the 5- and 6-bit types widened to a byte
+  Q8_0, Q5_0 (q - 16), Q5_1 (q, min m), Q5_K, Q6_K, IQ4_NL and MXFP4 (its e2m1 levels
+  doubled, the e8m0 scale halved: a power of two); the 5- and 6-bit types widened to a byte
   (1.6x / 1.3x their file size) so that the kernels read whole bytes.
 - "f16", "bf16": F16 / BF16 tensors kept at 16 bits (`q` int16 [N, K], the bit patterns), no
   groups (`scales`, `mins` None, group size 0), widened to float32 in the kernels.
