@@ -5,7 +5,7 @@ keys and tensors equal llama.cpp's converter's on these architectures), for `mrv
   and proportional rope, per-layer inputs of 256, the last 6 layers reading earlier layers'
   caches with double-wide MLPs, a 512-token window, tied, vocabulary 2048 (Q8_0, Q4_0, F16);
 - qwen3-moe: ~175M parameters, hidden 1024, 8 layers, 16 / 4 heads of 64, 24 experts of 256,
-  top-4 renormalised, vocabulary 2048 (Q8_0).
+  top-4 renormalised, vocabulary 2048 (Q8_0, Q4_0).
 
     python bench/w2_models.py /tmp/w2models
 """
@@ -32,7 +32,7 @@ MODELS = {
                             "rope_parameters": _GEMMA4_ROPE}), ("Q8_0", "Q4_0", "F16")),
     "qwen3-moe": (dict(arch="qwen3_moe", num_layers=8, num_kv_heads=4, config={
         "num_experts": 24, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
-        "norm_topk_prob": True}), ("Q8_0",)),
+        "norm_topk_prob": True}), ("Q8_0", "Q4_0")),
 }
 
 
