@@ -19,11 +19,16 @@ one rank, in float32, the experts compute on them as stored (ggml's MXFP4 blocks
 rows de-interleaved: cpu/quantized_weights.pack_mxfp4_experts); elsewhere they are
 dequantized, exactly, into the float experts. Any other quantization method is refused by
 name (loader.py, `quantization_methods`).
+
+GGUF files ("gpt-oss", gguf/): the experts come one tensor per expert and projection
+(models/gguf/weights.py; MXFP4 blocks computed on as stored under quantization="gguf"), their
+biases one [E, out] tensor per projection, joined here into the checkpoint's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -43,6 +48,33 @@ def _parameter_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, 
         for old, new in _RENAMES:
             name = name.replace(old, new)
         yield name, tensor
+
+
+# A GGUF file's expert biases, one per projection ([E, out]).
+_GGUF_EXPERT_BIAS = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.bias$")
+
+
+def _joined_expert_biases(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """`weights` with GGUF per-projection expert biases as the checkpoint's: gate's and up's
+    interleaved into `gate_up_proj_bias` (its layout), down's as `down_proj_bias`."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = _GGUF_EXPERT_BIAS.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, projection = match.groups()
+        if projection == "down_proj":
+            yield f"{prefix}.down_proj_bias", tensor
+            continue
+        pair = halves.setdefault(prefix, {})
+        pair[projection] = materialize(tensor)
+        if len(pair) == 2:
+            del halves[prefix]
+            yield (f"{prefix}.gate_up_proj_bias",
+                   torch.stack([pair["gate_proj"], pair["up_proj"]], dim=-1).flatten(1))
+    if halves:
+        raise ValueError(f"expert biases without their gate / up pair: {sorted(halves)}")
 
 
 def _computes_as_stored(experts: nn.Module) -> bool:
@@ -72,7 +104,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         packed: set[str] = set()
-        loaded = super().load_weights(self._mxfp4_experts(_parameter_names(weights), packed))
+        weights = _joined_expert_biases(_parameter_names(weights))
+        loaded = super().load_weights(self._mxfp4_experts(weights, packed))
         return loaded | packed
 
     def _mxfp4_experts(self, weights: Iterable[tuple[str, Any]], packed: set[str]

@@ -1,7 +1,7 @@
 """The hyperparameter keys llama.cpp's converter writes (``set_gguf_parameters`` of its model
 classes), for gguf_writer.py: ``TextModel``'s generic keys with ``LlamaModel``'s,
 ``Gemma3Model``'s and ``Gemma4Model``'s additions, and ``Gemma2Model``'s and
-``Phi3MiniModel``'s own sets."""
+``Phi3MiniModel``'s own sets (and ``GptOssModel``'s two keys)."""
 
 from __future__ import annotations
 
@@ -144,6 +144,9 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
         writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch == gguf.MODEL_ARCH.GEMMA4:
         _add_gemma4_hparams(writer, hparams)
+    if arch == gguf.MODEL_ARCH.GPT_OSS:  # GptOssModel.set_gguf_parameters
+        writer.add_sliding_window(hparams["sliding_window"])
+        writer.add_expert_feed_forward_length(hparams["intermediate_size"])
     if arch in (gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE):  # Qwen2MoeModel's
         if (size := hparams.get("moe_intermediate_size")) is not None:
             writer.add_expert_feed_forward_length(size)

@@ -3,10 +3,11 @@
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
 mistral, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, smollm3, olmo2, mistral3, and the MoE
-ones qwen2moe, qwen3moe, olmoe and Mixtral as llama; converter classes ``LlamaModel``,
-``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``, ``Gemma4Model``,
-``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model``, ``Qwen2MoeModel``,
-``Qwen3MoeModel``, ``OlmoeModel`` in ``conversion/``;
+ones qwen2moe, qwen3moe, olmoe and Mixtral as llama, and gpt-oss; converter classes
+``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``,
+``Gemma4Model``, ``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model``,
+``Qwen2MoeModel``, ``Qwen3MoeModel``, ``OlmoeModel``, ``GptOssModel`` (gguf_gpt_oss.py) in
+``conversion/``;
 the vocabulary in gguf_vocab.py, the hyperparameter keys in gguf_hparams.py) and serialises
 with the ``gguf`` package's ``GGUFWriter``; nothing here encodes GGUF bytes itself.
 Reference: llama.cpp as vendored in llama-cpp-python 0.3.36 (gguf-py 0.19.0).
@@ -78,6 +79,7 @@ from mrv2.testing.gguf_hparams import (BLOCK_COUNT_KEYS, LLAMA_MODEL_ARCHS, add_
                                        find_hparam, gemma4_rope_freqs, phi3_rope_dims,
                                        rope_parameters)
 from mrv2.testing.gguf_vocab import add_vocab
+from mrv2.testing import gguf_gpt_oss
 
 # Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
 _GGML_TYPE_OF: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
@@ -109,6 +111,7 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "Qwen2MoeForCausalLM": (gguf.MODEL_ARCH.QWEN2MOE, False),
     "OlmoeForCausalLM": (gguf.MODEL_ARCH.OLMOE, False),
     "MixtralForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
+    "GptOssForCausalLM": (gguf.MODEL_ARCH.GPT_OSS, False),
 }
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 # Gemma3Model.modify_tensors' steps that Gemma4Model inherits (OOV embedding rows dropped).
@@ -221,7 +224,12 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                       gemma4_rope_freqs(hparams)))
     merger = ExpertMerger(hparams, arch)
-    for name, data_torch in _hf_tensors(model_dir):
+    out: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
+    source = _hf_tensors(model_dir)
+    if arch == gguf.MODEL_ARCH.GPT_OSS:  # its MXFP4 experts first, raw; then its renames
+        out = gguf_gpt_oss.mxfp4_experts(_hf_tensors(model_dir), tensor_map)
+        source = gguf_gpt_oss.modified_tensors(source)
+    for name, data_torch in source:
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
         if arch in _GEMMA and name == "lm_head.weight":
@@ -246,7 +254,6 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
             if new_name is None:
                 raise ValueError(f"Can not map tensor {merged_name!r}")
             named.append((new_name, merged_data))
-    out = []
     for new_name, data_torch in named:
         data = data_torch.numpy()
         qtype = _tensor_type(new_name, data.ndim, types)
@@ -330,6 +337,9 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, tensor_type: str = "
         raise ValueError(f"architecture {hf_arch!r} not supported; one of {list(_GGUF_ARCH_OF)}")
     arch, undo_permute = _GGUF_ARCH_OF[hf_arch]
     ftype = _GGML_TYPE_OF[tensor_type][1]
+    mxfp4 = (hparams.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    if mxfp4 and tensor_type in ("F32", "F16", "BF16"):  # ModelBase.prepare_metadata's
+        ftype = gguf.LlamaFileType.MOSTLY_MXFP4_MOE
     converted = _convert_tensors(model_dir, hparams, arch, undo_permute,
                                  {end: _GGML_TYPE_OF[t][0] for end, t in types.items()})
     starts = set(_shard_starts(len(converted), num_splits))  # before writing anything

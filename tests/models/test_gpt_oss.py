@@ -2,10 +2,13 @@
 shorter than the prompts on every other layer, YaRN, 4 experts top-2 with biases and a SwiGLU
 limit low enough to clamp), greedy tokens equal transformers' float32 ones and prompt
 logprobs are within 1e-4 of its log-softmax, prefilled in chunks (a token budget smaller than
-the prompt). Its MXFP4 form (the experts quantized as the released checkpoints store them:
-tests/models/mxfp4_helpers.py) gives the tokens transformers gives on the dequantized
-weights, computed on the blocks as stored (CPU, one rank) and dequantized under tensor
-parallelism 2 (each rank its heads and sinks, every expert's half of the intermediate)."""
+the prompt. With llama.cpp's SwiGLU limit (a GGUF file cannot hold another), its MXFP4 form
+(the experts quantized as the released checkpoints store them: tests/models/mxfp4_helpers.py)
+gives the tokens transformers gives on the dequantized weights: computed on the blocks as
+stored (CPU, one rank), dequantized under tensor parallelism 2 (each rank its heads and
+sinks, every expert's half of the intermediate), and from GGUF files written as llama.cpp's
+converter writes them (an F32 one of the dequantized weights; the MXFP4 experts' one,
+computed on its blocks under quantization="gguf")."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from mrv2 import LLM, SamplingParams
+from mrv2.testing.gguf_writer import write_gguf
 from tests.entrypoints.test_llm import hf_greedy
 from tests.models.mxfp4_helpers import mxfp4_checkpoints
 
@@ -25,6 +29,8 @@ TINY_GPT_OSS = dict(num_layers=2, rope_scaling={
     config={"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
             "swiglu_limit": 1.0, "layer_types": ["sliding_attention", "full_attention"]})
 _rng = random.Random(5)
+# The MXFP4 and GGUF forms' source: llama.cpp's (the config's default) SwiGLU limit.
+TINY_GPT_OSS_7 = {**TINY_GPT_OSS, "config": {**TINY_GPT_OSS["config"], "swiglu_limit": 7.0}}
 PROMPTS = [[_rng.randrange(3, 2000) for _ in range(n)] for n in (37, 5)]
 
 
@@ -39,10 +45,11 @@ def expected(gpt_oss_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
-    """(the MXFP4 checkpoint, its dequantized float twin), and transformers' tokens on it."""
-    quantized, twin = mxfp4_checkpoints(gpt_oss_dir, tmp_path_factory.mktemp("gpt-oss"))
-    return quantized, hf_greedy(twin, PROMPTS, MAX_TOKENS)
+def mxfp4_dirs(tiny_model_factory, tmp_path_factory):
+    """(the MXFP4 checkpoint, its dequantized float twin, transformers' tokens on the twin)."""
+    quantized, twin = mxfp4_checkpoints(tiny_model_factory("gpt_oss", **TINY_GPT_OSS_7),
+                                        tmp_path_factory.mktemp("gpt-oss"))
+    return quantized, twin, hf_greedy(twin, PROMPTS, MAX_TOKENS)
 
 
 def _generate(model_dir, prompt_logprobs: int | None = None, check=None, **llm_kwargs) -> list:
@@ -84,12 +91,25 @@ def _experts_on_mxfp4_blocks(model) -> None:
 
 @pytest.mark.usefixtures("float_activations")  # x stays float32 in the GEMVs on the blocks
 def test_mxfp4_experts_on_their_blocks_match_transformers(mxfp4_dirs):
-    quantized, expected = mxfp4_dirs
+    quantized, _, expected = mxfp4_dirs
     outputs = _generate(quantized, check=_experts_on_mxfp4_blocks)
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_mxfp4_dequantized_under_tensor_parallel_2_matches_transformers(mxfp4_dirs):
-    quantized, expected = mxfp4_dirs
+    quantized, _, expected = mxfp4_dirs
     outputs = _generate(quantized, tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.usefixtures("float_activations")
+def test_gguf_files_match_transformers(mxfp4_dirs, tmp_path):
+    """The F32 file (sinks, router and expert biases, the window, YaRN read back), and the
+    MXFP4 experts' file computed on its blocks."""
+    quantized, twin, expected = mxfp4_dirs
+    (f32,) = write_gguf(twin, tmp_path / "f32" / "tiny.gguf", "F32")
+    (mxfp4,) = write_gguf(quantized, tmp_path / "mxfp4" / "tiny.gguf", "F32")
+    for path, kwargs in ((f32, {}), (mxfp4, {"quantization": "gguf",
+                                             "check": _experts_on_mxfp4_blocks})):
+        outputs = _generate(path, **kwargs)
+        assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -10,6 +10,12 @@ reads the rest): Gemma 4's per-layer arrays and proportional rope, and the MoE f
   layer's experts as 3-D tensors (`ffn_gate_exps` ...); norm_topk_prob is not written (llama.cpp
   fixes it per architecture, `_MOE_RENORMALIZE`); every layer is routed (the converter writes no
   dense MLP for them).
+- gpt-oss: its experts' width is `expert_feed_forward_length`, its windowed layers follow
+  `attention.sliding_window_pattern` (flags, or every n-th layer global; llama.cpp's default
+  2: the even layers windowed), its SwiGLU's alpha and limit are llama.cpp's constants (the
+  config's defaults). Its YaRN is transformers' for gpt-oss, without truncating the
+  correction range (llama.cpp always truncates it: the source checkpoint's model is the one
+  reproduced, as for Phi-3's window).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _STOPPED_FREQUENCY_DIVISOR = 1e29
 # Whether llama.cpp rescales an architecture's top-k expert weights to sum to 1 (its graph
 # fixes it per architecture; an expert_weights_norm key overrides).
-_MOE_RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
+_MOE_RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True,
+                    "gpt-oss": True}  # gpt-oss: a softmax over the top k (the same numbers)
+_GPT_OSS_PATTERN = 2  # llama.cpp's default: every 2nd layer global
 
 
 def gemma4_rope(ckpt: GGUFCheckpoint, head_dim: int) -> dict[str, Any]:
@@ -122,10 +130,10 @@ def moe_fields(ckpt: GGUFCheckpoint, arch: str) -> dict[str, Any]:
     renormalize = bool(ckpt.arch_field(Keys.LLM.EXPERT_WEIGHTS_NORM, _MOE_RENORMALIZE[arch]))
     experts = int(ckpt.require(Keys.LLM.EXPERT_COUNT))
     used = int(ckpt.require(Keys.LLM.EXPERT_USED_COUNT))
-    if arch == "llama":  # Mixtral: every layer routed, always renormalised
+    if arch in ("llama", "gpt-oss"):  # Mixtral, gpt-oss: every layer routed, renormalised
         if not renormalize:
-            raise UnsupportedModelError(f"{ckpt.path}: Mixtral without renormalised expert "
-                                        f"weights is not supported")
+            raise UnsupportedModelError(f"{ckpt.path}: {arch!r} experts without renormalised "
+                                        f"weights are not supported")
         return {"num_local_experts": experts, "num_experts_per_tok": used}
     fields: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used,
                               "norm_topk_prob": renormalize}
@@ -138,3 +146,26 @@ def moe_fields(ckpt: GGUFCheckpoint, arch: str) -> dict[str, Any]:
         fields["shared_expert_intermediate_size"] = int(
             ckpt.arch_field(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0))
     return fields
+
+
+def gpt_oss_fields(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's config fields besides the experts' count (`moe_fields`): see the module
+    docstring."""
+    from gguf import Keys
+
+    layers = kwargs["num_hidden_layers"]
+    pattern = ckpt.arch_field(Keys.Attention.SLIDING_WINDOW_PATTERN, _GPT_OSS_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"{ckpt.path}: attention.sliding_window_pattern must hold one flag "
+                            f"per layer")
+        windowed = [bool(flag) for flag in pattern]
+    else:
+        n = int(pattern)
+        windowed = [n == 0 or i % n < n - 1 for i in range(layers)]
+    rope = dict(kwargs["rope_parameters"])
+    if rope.get("rope_type") == "yarn":
+        rope["truncate"] = False
+    return {"intermediate_size": int(ckpt.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+            "rope_parameters": rope}

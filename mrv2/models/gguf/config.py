@@ -21,14 +21,16 @@ What the converter changes on the way, and how it is undone:
   `attention.temperature_scale` and YaRN's mscale_all_dim as `rope.scaling.yarn_log_multiplier`.
 - SmolLM3's NoPE layers are not written: llama.cpp fixes every 4th layer NoPE, which is
   SmolLM3Config's default (`no_rope_layer_interval`).
-- Gemma 4's per-layer arrays and proportional rope, and the MoE files' experts: arch_fields.py.
+- Gemma 4's per-layer arrays and proportional rope, the MoE files' experts and gpt-oss's
+  layer pattern and YaRN: arch_fields.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mrv2.models.gguf.arch_fields import ROPE_FREQS_TENSOR, gemma4_fields, gemma4_rope, moe_fields
+from mrv2.models.gguf.arch_fields import (ROPE_FREQS_TENSOR, gemma4_fields, gemma4_rope,
+                                          gpt_oss_fields, moe_fields)
 from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError
 from mrv2.models.registry import UnsupportedModelError
 
@@ -47,6 +49,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 # Mixtral is written as "llama" with experts (an expert_count key).
 _MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
@@ -263,6 +266,8 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         kwargs.update(gemma4_fields(ckpt, kwargs, kv_heads, ffn))
     if ckpt.arch_field(Keys.LLM.EXPERT_COUNT):
         kwargs.update(moe_fields(ckpt, arch))
+    if arch == "gpt-oss":
+        kwargs.update(gpt_oss_fields(ckpt, kwargs))
     config = getattr(transformers, config_class)(**kwargs)
     factors = None if arch == "gemma4" else _rope_freq_factors(ckpt, head_dim)
     if factors is not None:

@@ -46,9 +46,11 @@ _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
                   # shared expert and its gate
                   "mlp.gate", *(f"mlp.experts.{p}" for p in _EXPERT_PROJECTIONS),
                   *(f"mlp.shared_expert.{p}" for p in _EXPERT_PROJECTIONS),
-                  "mlp.shared_expert_gate")
+                  "mlp.shared_expert_gate",
+                  # gpt-oss's attention sinks (its router, ffn_gate_inp, is "mlp.gate" too)
+                  "self_attn.sinks")
 # Hugging Face parameters named without a .weight suffix (the converter appends one).
-_SUFFIXLESS_MODULES = ("layer_scalar",)
+_SUFFIXLESS_MODULES = ("layer_scalar", "self_attn.sinks")
 # Architectures whose files store q/k/v and gate/up fused (Phi-3: attn_qkv, and ffn_up holding
 # gate and up), and those modules (their GGUF names are the unfused q and up ones' too).
 _FUSED_ARCHS = ("phi3",)
@@ -139,9 +141,10 @@ _WIDE_FLOAT_TYPES = ("F32", "F64")
 
 
 def has_compact_linears(ckpt: GGUFCheckpoint) -> bool:
-    """Whether some matrix of the file is stored below 32 bits a weight: block-quantized, or
-    F16 / BF16 (what quantization="gguf" computes on as stored)."""
-    return any(len(r.shape) == 2 and r.type_name not in _WIDE_FLOAT_TYPES
+    """Whether some matrix of the file (a layer's experts, 3-D, among them) is stored below 32
+    bits a weight: block-quantized, or F16 / BF16 (what quantization="gguf" computes on as
+    stored)."""
+    return any(len(r.shape) in (2, 3) and r.type_name not in _WIDE_FLOAT_TYPES
                for r in ckpt.tensors.values())
 
 

@@ -1,6 +1,7 @@
-"""mrv2.models.gguf.arch_fields: Gemma 4's rope read off its rope_freqs divisors and the MoE
-fields as llama.cpp fixes them per architecture. (Whole files against their source configs,
-and the refusals of keys mrv2 does not implement, are test_config.py's.)"""
+"""mrv2.models.gguf.arch_fields: Gemma 4's rope read off its rope_freqs divisors, the MoE
+fields as llama.cpp fixes them per architecture, gpt-oss's layer pattern and YaRN. (Whole
+files against their source configs, and the refusals of keys mrv2 does not implement, are
+test_config.py's.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from mrv2.models.gguf import open_gguf
-from mrv2.models.gguf.arch_fields import gemma4_rope, moe_fields
+from mrv2.models.gguf.arch_fields import gemma4_rope, gpt_oss_fields, moe_fields
 from mrv2.models.registry import UnsupportedModelError
 from tests.models.gguf.test_config import write_file
 
@@ -51,3 +52,20 @@ def test_moe_fields_per_architecture(tmp_path):
         moe_fields(sigmoid, "qwen3moe")
     with pytest.raises(UnsupportedModelError, match="experts in a 'phi3' file"):
         moe_fields(qwen3, "phi3")
+
+
+@pytest.mark.parametrize("pattern, windowed", [
+    (None, [True, False, True, False, True]),  # llama.cpp's default: every 2nd layer global
+    (3, [True, True, False, True, True]),
+    ([False, True, True, False, False], [False, True, True, False, False])])
+def test_gpt_oss_fields(tmp_path, pattern, windowed):
+    fields = {"gpt-oss.expert_feed_forward_length": 24}
+    if pattern is not None:
+        fields["gpt-oss.attention.sliding_window_pattern"] = pattern
+    ckpt = _file(tmp_path / "g.gguf", "gpt-oss", fields,
+                 {"token_embd.weight": np.zeros((4, 8), np.float32)})
+    yarn = {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}
+    got = gpt_oss_fields(ckpt, {"num_hidden_layers": 5, "rope_parameters": yarn})
+    assert got == {"intermediate_size": 24, "rope_parameters": {**yarn, "truncate": False},
+                   "layer_types": ["sliding_attention" if w else "full_attention"
+                                   for w in windowed]}
