@@ -82,17 +82,17 @@ def _model_kinds(model) -> set[str]:
 _STACK_ONLY_TRAITS = ("sandwich_norms", "norm_unit_offset", "embedding_scale", "local_rope",
                       "attention_softcap", "logit_softcap", "position_query_scale",
                       "norms_after", "qk_norm_over_projection", "value_norm",
-                      "per_layer_input_size", "kv_sources")
+                      "per_layer_input_size", "kv_sources", "attention_sinks")
 
 
 def supports(spec: DecoderSpec | None) -> bool:
     """Whether the stack computes a model that declares `spec`: Llama's, Gemma's or OLMo 2's
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
-    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers; routed experts
-    as stack_moe computes them."""
+    queries and Gemma 4's value norms, per-layer inputs and KV-shared layers, attention sinks
+    (gpt-oss); routed experts as stack_moe computes them."""
     return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and moe_supported(spec.moe))
+            and moe_supported(spec.moe, spec.activation))
 
 
 def _float32_or_packed(module) -> bool:
@@ -111,8 +111,10 @@ def _layer_qualifies(layer) -> bool:
     paired = len(norms) in (0, 2) or (kv_mode(attn) == KV_SHARED and attn.q_norm is not None)
     per_layer = [getattr(layer, name) for name in PER_LAYER_PROJECTIONS if hasattr(layer, name)]
     per_layer_norm = getattr(layer, "post_per_layer_input_norm", None)
+    sinks = attn.attn.sinks
     return (all(p.tp_size == 1 for p in projections)
-            and paired and all(n.eps == eps and float32_cpu(n.weight) for n in norms)
+            and paired and (sinks is None or float32_cpu(sinks))
+            and all(n.eps == eps and float32_cpu(n.weight) for n in norms)
             and all(p.bias is None or float32_cpu(p.bias) for p in projections + per_layer)
             and all(n.eps == eps and float32_cpu(n.weight) for n in layer_norms(layer))
             and all(_float32_or_packed(p) for p in projections + per_layer)

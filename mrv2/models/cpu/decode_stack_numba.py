@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import NO_SINKS, decode_kernel
+from mrv2.attention.decode_numba import decode_kernel
 from mrv2.models.layers.activation_numba import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.cpu.moe_numba import moe_block
@@ -69,8 +69,8 @@ KV_OWN, KV_FROM_KEYS, KV_SHARED = 0, 1, 2
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
-                  qk_norms, post_norms, traits, rope, window, cos, sin, q_scales, k_cache,
-                  v_cache, kv_mode, moe,
+                  qk_norms, post_norms, traits, rope, window, sinks, cos, sin, q_scales,
+                  k_cache, v_cache, kv_mode, moe, layer,
                   block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                   intermediate, scale, kv_per_item, splits, out, residual_out):
     rows, hidden_size = hidden.shape
@@ -119,7 +119,7 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
         kv_numba.write_kv_kernel(k, v, k_cache, v_cache, slots)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                   seq_lens, scale, attn, kv_per_item, splits, window, traits[1], NO_SINKS)
+                   seq_lens, scale, attn, kv_per_item, splits, window, traits[1], sinks)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     stack_linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)
@@ -145,14 +145,13 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
             silu_and_mul_kernel(gate_up, intermediate, act)
         stack_linear(act, w_down, out)
         _add_bias(out, b_down)
-    router, shared_gate, expert_gate_ups, expert_downs, top_k, renormalize, width = moe
-    if router.shape[0] > 0:  # routed experts (moe_numba.py)
+    if moe[0][layer].shape[0] > 0:  # routed experts (moe_numba.py)
         routed = np.empty((rows, hidden_size), dtype=np.float32)
-        moe_block(normed, router, expert_gate_ups, expert_downs, top_k, renormalize, width,
-                  traits[3], routed)
+        moe_block(normed, moe[0][layer], moe[1][layer], moe[3][layer], moe[4][layer],
+                  moe[5][layer], moe[6][layer], moe[7], moe[8], moe[9], moe[10], routed)
         if intermediate > 0:  # Qwen2-MoE: experts + sigmoid(shared_expert_gate(x)) * shared
             gate = np.empty((rows, 1), dtype=np.float32)
-            stack_linear(normed, shared_gate, gate)
+            stack_linear(normed, moe[2][layer], gate)
             for r in range(rows):
                 shared_scale = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate[r, 0]))
                 for i in range(hidden_size):
@@ -217,7 +216,8 @@ def _mix_per_layer(hidden, pl_rows, per_layer, layer, eps):
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
-                 local_cos_cache, local_sin_cache, windows, kv_groups, final_norm, final_eps,
+                 local_cos_cache, local_sin_cache, windows, sinks, kv_groups, final_norm,
+                 final_eps,
                  kv_caches, kv_modes, layer_scalars, per_layer, moe, block_tables, seq_lens,
                  slots, num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
                  out, w_head, logits):
@@ -230,7 +230,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     (`kv_modes`), kv heads, head size, MLP width and attention work split (arrays); Gemma 4's
     output scale (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
     `_per_layer_inputs`; a [0] projection norm for none); routed experts (`moe`,
-    stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too)."""
+    stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too);
+    gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none)."""
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     stack_embed(ids, w_embed, hidden)
@@ -264,10 +265,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
                       (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
-                      windows[i], cos, sin, q_scales,
-                      kv[0], kv[1], kv_modes[i],
-                      (moe[0][i], moe[1][i], moe[2][i], moe[3][i], moe[4], moe[5], moe[6]),
-                      block_tables[group], seq_lens, slots[group],
+                      windows[i], sinks[i], cos, sin, q_scales, kv[0], kv[1], kv_modes[i], moe,
+                      i, block_tables[group], seq_lens, slots[group],
                       num_heads, num_kv_heads[i], head_dim[i], intermediate[i], scale,
                       kv_per_item[i], splits[i], layer_out, residual_out)
         x, residual = layer_out, residual_out
@@ -293,7 +292,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 @njit(cache=True)
 def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
                      w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
-                     rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
+                     rope_layers, local_cos_cache, local_sin_cache, windows, sinks, kv_groups,
                      final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
                      block_tables, seq_lens, block_size, num_heads, num_kv_heads, head_dim,
                      intermediate, scale, kv_per_item, splits, out, w_head, logits, tokens,
@@ -323,7 +322,8 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
                 slots[g, r] = table[r, pos // block_size] * block_size + pos % block_size
         decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                      w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms,
-                     traits, rope_layers, local_cos_cache, local_sin_cache, windows, kv_groups,
+                     traits, rope_layers, local_cos_cache, local_sin_cache, windows, sinks,
+                     kv_groups,
                      final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
                      block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
                      intermediate, scale, kv_per_item, splits, out, w_head, logits)

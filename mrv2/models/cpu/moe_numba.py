@@ -2,11 +2,12 @@
 to its top-k experts and their gated MLPs summed, as layers/moe.py's torch path computes it,
 on the stack's weight views (stack_views_numba.py: float32, 16-bit or GGUF blocks, per expert).
 
-Same arithmetic and order as the torch path: the router's logits by the stack's linear,
-softmax in float32, the top-k (ties to the lowest expert id), renormalised where the model
-says so; then expert by expert in id order, the rows routed to it gathered, its gate/up and
-down linears run on those rows only, and each output row, times its routing weight, added to
-the block's output. At batch 1 only the chosen experts' weights are read.
+Same arithmetic and order as the torch path: the router's logits by the stack's linear (plus
+gpt-oss's bias), softmax in float32, the top-k (ties to the lowest expert id), renormalised
+where the model says so; then expert by expert in id order, the rows routed to it gathered,
+its gate/up and down linears run on those rows only (each plus its bias: gpt-oss), and each
+output row, times its routing weight, added to the block's output. At batch 1 only the chosen
+experts' weights are read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 from numba import njit
 
 from mrv2.models.cpu.stack_views_numba import stack_linear
-from mrv2.models.layers.activation_numba import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
+from mrv2.models.layers.activation_numba import (gelu_tanh_and_mul_kernel, silu_and_mul_kernel,
+                                                 swigluoai_and_mul_kernel)
 from mrv2.models.layers.numba_exp import exp32
 from mrv2.utils.kernel_flags import FASTMATH
 
@@ -52,16 +54,33 @@ def route_rows(logits, top_k, renormalize, weights, ids):
                 weights[r, j] /= chosen
 
 
+# The experts' gated activation (`moe_block`'s `activation[0]`).
+EXPERTS_SILU, EXPERTS_GELU_TANH, EXPERTS_SWIGLU_OAI = 0, 1, 2
+
+
+@njit(cache=True)
+def _add_row(out, r, bias, b):
+    """out[r] += bias[b] (a [0, 0] bias: none), after the product, as the torch path adds it."""
+    if bias.shape[0] > 0:
+        for i in range(out.shape[1]):
+            out[r, i] += bias[b, i]
+
+
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def moe_block(x, router, gate_ups, downs, top_k, renormalize, intermediate, gelu, out):
+def moe_block(x, router, router_bias, gate_ups, downs, gate_up_bias, down_bias, top_k,
+              renormalize, intermediate, activation, out):
     """out [rows, hidden] = the routed experts' weighted sum for the rows of `x` (overwritten):
-    `router` a float32 [experts, hidden] weight, `gate_ups` / `downs` each expert's weight
-    view (gate rows then up rows [2 * intermediate, hidden]; [hidden, intermediate]),
-    SiLU-gated (GeLU(tanh) with `gelu`)."""
+    `router` a float32 [experts, hidden] weight and `router_bias` [1, experts] ([0, 0]: none),
+    `gate_ups` / `downs` each expert's weight view (gate rows then up rows [2 * intermediate,
+    hidden]; [hidden, intermediate]) and their biases per expert ([experts, 2 * intermediate]
+    and [experts, hidden]; [0, 0]: none); `activation` (code, alpha, limit): EXPERTS_SILU,
+    EXPERTS_GELU_TANH or EXPERTS_SWIGLU_OAI (gpt-oss's clamped SwiGLU, its alpha and limit)."""
     rows, hidden = x.shape
     experts = router.shape[0]
     logits = np.empty((rows, experts), dtype=np.float32)
     stack_linear(x, router, logits)
+    for r in range(rows):
+        _add_row(logits, r, router_bias, 0)
     weights = np.empty((rows, top_k), dtype=np.float32)
     ids = np.empty((rows, top_k), dtype=np.int64)
     route_rows(logits, top_k, renormalize, weights, ids)
@@ -80,13 +99,20 @@ def moe_block(x, router, gate_ups, downs, top_k, renormalize, intermediate, gelu
             rows_in[c] = x[pairs[c] // top_k]
         gate_up = np.empty((count, 2 * intermediate), dtype=np.float32)
         stack_linear(rows_in, gate_ups[e], gate_up)
+        for c in range(count):
+            _add_row(gate_up, c, gate_up_bias, e)
         act = np.empty((count, intermediate), dtype=np.float32)
-        if gelu:
+        code, alpha, limit = activation
+        if code == EXPERTS_SWIGLU_OAI:
+            swigluoai_and_mul_kernel(gate_up, intermediate, alpha, limit, act)
+        elif code == EXPERTS_GELU_TANH:
             gelu_tanh_and_mul_kernel(gate_up, intermediate, act)
         else:
             silu_and_mul_kernel(gate_up, intermediate, act)
         expert_out = np.empty((count, hidden), dtype=np.float32)
         stack_linear(act, downs[e], expert_out)
+        for c in range(count):
+            _add_row(expert_out, c, down_bias, e)
         for c in range(count):
             row, weight = pairs[c] // top_k, weights[pairs[c] // top_k, pairs[c] % top_k]
             for i in range(hidden):

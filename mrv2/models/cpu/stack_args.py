@@ -109,7 +109,9 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
     for layer in model.layers:
         out += [norm.weight for norm in layer_norms(layer)]
         attn = layer.self_attn
-        out += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
+        out += [t for t in (getattr(attn.q_norm, "weight", None),
+                            getattr(attn.k_norm, "weight", None), attn.attn.sinks)
+                if t is not None]
         for module in filter(None, (layer_projection(layer, name) for name in PROJECTIONS)):
             out += _projection_parameters(module)
             out += [] if module.bias is None else [module.bias]
@@ -232,6 +234,7 @@ class StackArgs:
             *((no_table, no_table) if local is None
               else (local.cos_cache.numpy(), local.sin_cache.numpy())),
             np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
+            _views(_or_none(layer.self_attn.attn.sinks) for layer in layers),
             self.kv_groups, model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
             typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)),
             np.array([kv_mode(layer.self_attn) for layer in layers], np.int64),

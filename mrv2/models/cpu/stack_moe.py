@@ -16,7 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from numba import typed
+
 from mrv2.models.cpu.decode_logits import float32_cpu
+from mrv2.models.cpu.moe_numba import (EXPERTS_GELU_TANH, EXPERTS_SILU,
+                                      EXPERTS_SWIGLU_OAI)
 from mrv2.models.cpu.stack_views_numba import NO_MATRIX, no_rows, weight_view
 from mrv2.models.decoder_spec import DecoderSpec, MoESpec
 from mrv2.models.layers.moe import FusedMoE, SparseMoE
@@ -54,27 +58,42 @@ def expert_weights(experts: FusedMoE) -> list[tuple]:
 
 
 def _replicated_float32(linear: nn.Module | None) -> bool:
-    return linear is None or (linear.bias is None and linear.packed is None
-                              and float32_cpu(linear.weight))
+    """A router or shared-expert gate the kernel reads: float32 CPU, its bias too."""
+    return linear is None or (linear.packed is None and float32_cpu(linear.weight)
+                              and (linear.bias is None or float32_cpu(linear.bias)))
 
 
 def _experts_qualify(experts: FusedMoE) -> bool:
-    return experts.tp_size == 1 and (experts.packed is not None or (
-        float32_cpu(experts.gate_up_proj) and float32_cpu(experts.down_proj)))
+    biases = [b for b in (experts.gate_up_proj_bias, experts.down_proj_bias) if b is not None]
+    return experts.tp_size == 1 and all(float32_cpu(b) for b in biases) and (
+        experts.packed is not None or (float32_cpu(experts.gate_up_proj)
+                                       and float32_cpu(experts.down_proj)))
 
 
-# The MoESpec fields moe_numba computes (any value); every other field must hold its default.
+# The MoESpec fields moe_numba computes (any value; the activation checked apart); every other
+# field must hold its default. (`checkpoint_layout` says how weights load, not what computes.)
 _COMPUTED_FIELDS = frozenset({"num_experts", "top_k", "intermediate_size", "renormalize",
-                              "sparse_layers", "shared_intermediate_size"})
+                              "sparse_layers", "shared_intermediate_size", "router_bias",
+                              "expert_bias", "activation", "activation_kwargs",
+                              "checkpoint_layout"})
+# The experts' activations moe_numba computes -> its code; their keyword arguments.
+_ACTIVATIONS = {"silu": EXPERTS_SILU, "gelu_pytorch_tanh": EXPERTS_GELU_TANH,
+                "swigluoai": EXPERTS_SWIGLU_OAI}
+_ACTIVATION_ARGUMENTS = {"alpha": 1.702, "limit": 7.0}  # swigluoai's, and its defaults
 
 
-def moe_supported(moe: MoESpec | None) -> bool:
+def moe_supported(moe: MoESpec | None, activation: str = "silu") -> bool:
     """Whether the stack computes the routing and experts `moe` declares (None, no experts:
-    True): softmax-then-top-k routing, optionally renormalised, experts gated by the model's
-    activation, a shared expert behind a sigmoid gate; a field it does not know about set to
-    anything but its default refuses the model (it runs on the module path)."""
-    return moe is None or all(getattr(moe, f.name) == f.default for f in dataclasses.fields(moe)
-                              if f.name not in _COMPUTED_FIELDS)
+    True) in a model of `activation`: softmax-then-top-k routing, optionally renormalised,
+    with a router bias or not, experts with biases or not, SiLU-, GeLU(tanh)- or
+    clamped-SwiGLU-gated, a shared expert behind a sigmoid gate; a field it does not know
+    about set to anything but its default refuses the model (it runs on the module path)."""
+    if moe is None:
+        return True
+    return ((moe.activation or activation) in _ACTIVATIONS
+            and {name for name, _ in moe.activation_kwargs} <= set(_ACTIVATION_ARGUMENTS)
+            and all(getattr(moe, f.name) == f.default for f in dataclasses.fields(moe)
+                    if f.name not in _COMPUTED_FIELDS))
 
 
 def moe_qualifies(model: nn.Module) -> bool:
@@ -94,12 +113,30 @@ def moe_parameters(model: nn.Module) -> list[torch.Tensor]:
     shared-expert gates and float32 experts' parameters."""
     out = []
     for block in filter(None, map(sparse_block, model.layers)):
-        out.append(block.gate.weight)
+        experts = block.experts
+        out += [block.gate.weight, *_present(block.gate.bias, experts.gate_up_proj_bias,
+                                             experts.down_proj_bias)]
         if block.shared_expert_gate is not None:
             out.append(block.shared_expert_gate.weight)
-        if block.experts.packed is None:
-            out += [block.experts.gate_up_proj, block.experts.down_proj]
+        if experts.packed is None:
+            out += [experts.gate_up_proj, experts.down_proj]
     return out
+
+
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def _per_layer(matrices) -> typed.List:
+    return typed_list(tuple(matrices))
+
+
+def _matrix(tensor: torch.Tensor | None, rows: int | None = None) -> np.ndarray:
+    """A float32 tensor as the kernel reads it (`rows`: reshaped), [0, 0] for none."""
+    if tensor is None:
+        return NO_MATRIX
+    view = tensor.detach().numpy()
+    return view if rows is None else view.reshape(rows, -1)
 
 
 def _expert_views(blocks: list[SparseMoE], float32_tables: bool = False) -> list[tuple]:
@@ -119,11 +156,13 @@ def _uniform_expert_views(blocks: list[SparseMoE]) -> list[tuple] | None:
 
 
 def moe_args(model: nn.Module, spec: DecoderSpec, like) -> tuple:
-    """decode_stack's `moe`: per layer the router [experts, hidden] and shared-expert gate
-    [1, hidden] (float32; [0, 0]: none), each expert's gate/up and down views (a dense layer:
+    """decode_stack's `moe`: per layer the router [experts, hidden], its bias [1, experts] and
+    the shared-expert gate [1, hidden] (float32; [0, 0]: none), each expert's gate/up and down
+    views, their biases [experts, 2 * width] and [experts, hidden] (a dense layer:
     one placeholder each, of `like`'s type in a dense model: the view of another projection,
     so that a dense model and a MoE one of one weight kind share one compiled stack), then
-    top-k, whether renormalised, and the experts' width."""
+    top-k, whether renormalised, the experts' width and activation (moe_numba's code, alpha,
+    limit)."""
     layers = list(model.layers)
     blocks = [sparse_block(layer) for layer in layers]
     sparse = [b for b in blocks if b is not None]
@@ -135,11 +174,23 @@ def moe_args(model: nn.Module, spec: DecoderSpec, like) -> tuple:
         per_layer.append(views[start:start + count] or [placeholder])
         start += count
     moe = spec.moe
-    return (typed_list(tuple(NO_MATRIX if b is None else b.gate.weight.detach().numpy()
-                             for b in blocks)),
-            typed_list(tuple(NO_MATRIX if b is None or b.shared_expert_gate is None
-                             else b.shared_expert_gate.weight.detach().numpy() for b in blocks)),
+    kwargs = {**_ACTIVATION_ARGUMENTS, **dict(moe.activation_kwargs if moe else ())}
+    activation = _ACTIVATIONS[(moe and moe.activation) or spec.activation]
+    experts = [None if b is None else b.experts for b in blocks]
+
+    return (_per_layer(NO_MATRIX if b is None else _matrix(b.gate.weight)
+                               for b in blocks),
+            _per_layer(NO_MATRIX if b is None else _matrix(b.gate.bias, 1)
+                               for b in blocks),
+            _per_layer(NO_MATRIX if b is None else _matrix(
+                None if b.shared_expert_gate is None else b.shared_expert_gate.weight)
+                for b in blocks),
             *(typed_list(tuple(typed_list(tuple(pair[j] for pair in pairs))
                                for pairs in per_layer)) for j in (0, 1)),
+            _per_layer(NO_MATRIX if e is None else _matrix(e.gate_up_proj_bias)
+                               for e in experts),
+            _per_layer(NO_MATRIX if e is None else _matrix(e.down_proj_bias)
+                               for e in experts),
             np.int64(moe.top_k if moe else 1), bool(moe and moe.renormalize),
-            np.int64(moe.intermediate_size if moe else 0))
+            np.int64(moe.intermediate_size if moe else 0),
+            (np.int64(activation), np.float32(kwargs["alpha"]), np.float32(kwargs["limit"])))

@@ -203,14 +203,22 @@ ARCHS = {
     "qwen2_moe": {"num_layers": 3, "config": {
         "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2}},
+    # gpt-oss: attention sinks, a window every other layer, YaRN, a router bias, experts with
+    # biases and the clamped SwiGLU (its limit biting at 1.0).
+    "gpt_oss": {"num_layers": 2, "max_position_embeddings": 128, "rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}, "config": {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+        "swiglu_limit": 1.0, "layer_types": ["sliding_attention", "full_attention"]}},
 }
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
     """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (its head_dim not hidden / heads),
-    Phi-3's partial rotary, SmolLM3's NoPE layers, OLMo 2's norms, Ministral 3's query scaling
-    and Gemma's traits are computed inside the stack as the module path computes them."""
+    Phi-3's partial rotary, SmolLM3's NoPE layers, OLMo 2's norms, Ministral 3's query scaling,
+    Gemma's traits, routed experts and gpt-oss's sinks and experts are computed inside the
+    stack as the module path computes them."""
     path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None

@@ -11,8 +11,8 @@ import pytest
 import torch
 from numba import typed
 
-from mrv2.models.cpu.moe_numba import moe_block, route_rows
-from mrv2.models.cpu.stack_views_numba import weight_view
+from mrv2.models.cpu.moe_numba import EXPERTS_SILU, moe_block, route_rows
+from mrv2.models.cpu.stack_views_numba import NO_MATRIX, weight_view
 from mrv2.models.layers.moe import FusedMoE, route
 from mrv2.models.layers.quantized import PackedWeight
 
@@ -62,6 +62,7 @@ def test_block_is_fused_moes_forward(on_blocks, rows, top_k):
         gate_ups.append(weight_view(gate_up))
         downs.append(weight_view(down))
     out = np.empty((rows, HIDDEN), np.float32)
-    moe_block(x.numpy(), router.numpy(), gate_ups, downs, top_k, True, WIDTH, False, out)
+    moe_block(x.numpy(), router.numpy(), NO_MATRIX, gate_ups, downs, NO_MATRIX, NO_MATRIX,
+              top_k, True, WIDTH, (EXPERTS_SILU, np.float32(0.0), np.float32(0.0)), out)
     weights, ids = route(x @ router.T, top_k, True, torch.float32)
     np.testing.assert_allclose(out, moe(x, weights, ids).numpy(), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
-"""stack_moe.py: which MoE declarations and layers the fused decode stack takes (a MoESpec
-field it does not compute, a router with a bias, experts split over ranks: not), and the
-dense slot of each kind of layer."""
+"""stack_moe.py: which MoE declarations and layers the fused decode stack takes (gpt-oss's
+traits; not a MoESpec field it does not compute, an activation or argument it has no kernel
+for, a bfloat16 router bias, experts split over ranks), and the dense slot of each layer."""
 
 from __future__ import annotations
 
@@ -16,14 +16,18 @@ from mrv2.models.layers.linear import Linear
 
 @dataclasses.dataclass(frozen=True)
 class _Extended(MoESpec):
-    router_bias: bool = False  # a field the stack does not know
+    num_expert_groups: int = 0  # a field the stack does not know (DeepSeek's grouped top-k)
 
 
 def test_supported_declarations():
     spec = _Extended(num_experts=4, top_k=2, intermediate_size=8, renormalize=True,
                      sparse_layers=(True,), shared_intermediate_size=16)
     assert moe_supported(None) and moe_supported(spec)
-    assert not moe_supported(dataclasses.replace(spec, router_bias=True))
+    assert not moe_supported(dataclasses.replace(spec, num_expert_groups=2))
+    gpt_oss = dataclasses.replace(spec, router_bias=True, expert_bias=True,
+                                  activation="swigluoai", activation_kwargs=(("limit", 7.0),))
+    assert moe_supported(gpt_oss) and not moe_supported(spec, "gelu")
+    assert not moe_supported(dataclasses.replace(gpt_oss, activation_kwargs=(("beta", 1.0),)))
 
 
 def _model(shared: int = 0):
@@ -44,6 +48,8 @@ def test_layers_it_does_not_compute():
     assert moe_qualifies(_model()) and moe_qualifies(_model(shared=12))
     model = _model()
     model.layers[0].mlp.gate = Linear(16, 4, bias=True)
+    assert moe_qualifies(model)  # gpt-oss's router bias
+    model.layers[0].mlp.gate.bias.data = model.layers[0].mlp.gate.bias.data.bfloat16()
     assert not moe_qualifies(model)
     model = _model()
     model.layers[0].mlp.experts.tp_size = 2
