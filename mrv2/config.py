@@ -197,7 +197,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """`tensor_parallel_size` worker ranks, each holding 1/tp of the heads, of the MLP and of
-    the vocabulary (mrv2/distributed.py, mrv2/models/layers/linear.py).
+    the vocabulary (mrv2/distributed.py, mrv2/models/layers/linear.py), and of every expert's
+    intermediate; or, with `enable_expert_parallel` (vLLM's), 1/tp of the experts, whole
+    (mrv2/models/layers/moe.py; a no-op at tp 1 and for a model without experts).
 
     `distributed_executor_backend`: "uni" runs the worker in the engine core's process, "mp"
     runs one worker process per rank fed over shared memory (vLLM's names). None picks "uni"
@@ -206,21 +208,22 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
+        tp, ep = self.tensor_parallel_size, self.enable_expert_parallel
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor_parallel_size={tp!r} must be a positive integer")
+        if not isinstance(ep, bool):
+            raise ConfigError(f"enable_expert_parallel={ep!r} must be a boolean")
         backend = self.distributed_executor_backend
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "mp" if tp > 1 else "uni")
         elif backend not in ("uni", "mp"):
-            raise ConfigError(f"distributed_executor_backend={backend!r}: expected 'uni' or "
-                              f"'mp'")
+            raise ConfigError(f"distributed_executor_backend={backend!r}: expected 'uni' or 'mp'")
         elif backend == "uni" and tp > 1:
-            raise ConfigError(f"tensor_parallel_size={tp} needs one worker process per rank: "
-                              f"use distributed_executor_backend='mp' (or leave it unset), "
-                              f"not 'uni'")
+            raise ConfigError(f"tensor_parallel_size={tp} needs one worker process per rank: use "
+                              f"distributed_executor_backend='mp' (or leave it unset), not 'uni'")
 
     @property
     def world_size(self) -> int:
@@ -234,10 +237,9 @@ class ParallelConfig:
         heads, kv_heads = model_config.num_attention_heads, model_config.num_kv_heads
         for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
             if value % tp:
-                raise ConfigError(
-                    f"tensor_parallel_size={tp} does not divide the model's {what}={value} "
-                    f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}); choose a "
-                    f"tensor_parallel_size that divides both")
+                raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's {what}="
+                                  f"{value} (num_attention_heads={heads}, num_key_value_heads="
+                                  f"{kv_heads}); choose a tensor_parallel_size that divides both")
         intermediate = getattr(model_config.hf_config, "intermediate_size", None)
         if isinstance(intermediate, int) and intermediate % tp:
             raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's "

@@ -3,7 +3,10 @@
 One group per engine: every worker process is one tensor-parallel rank (`world_size ==
 tensor_parallel_size`). `init_distributed` is called once per worker before its model is built;
 the model's parallel layers read `get_tp_rank()` / `get_tp_size()` when constructed (or take an
-explicit rank/size, which the loader unit tests use without any process group).
+explicit rank/size, which the loader unit tests use without any process group). The same call
+records whether MoE layers split their experts over the group instead (`get_expert_parallel()`,
+ParallelConfig.enable_expert_parallel; models/layers/moe.py): one group serves both, since
+every rank still computes every token.
 
 Gloo on CPU, NCCL on CUDA. With a world of one no process group is created and the
 collectives return their input, so tp=1 runs exactly the single-process code path.
@@ -20,6 +23,7 @@ from executor.process import distributed_init_method, get_open_port
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_EXPERT_PARALLEL = False  # whole experts per rank (1/tp of them) rather than 1/tp of each
 _GROUP_OWNED = False  # whether init_distributed created the default group (and must destroy it)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -30,9 +34,11 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str | None,
-                     device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the tensor-parallel group as `rank` of `world_size` (no-op group for one rank)."""
-    global _TP_RANK, _TP_SIZE, _GROUP_OWNED
+                     device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                     expert_parallel: bool = False) -> None:
+    """Join the tensor-parallel group as `rank` of `world_size` (no-op group for one rank);
+    `expert_parallel`: the MoE layers built after this split their experts over it."""
+    global _TP_RANK, _TP_SIZE, _GROUP_OWNED, _EXPERT_PARALLEL
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     if world_size > 1:
@@ -48,15 +54,15 @@ def init_distributed(rank: int, world_size: int, init_method: str | None,
         dist.all_reduce(probe)
         if int(probe.item()) != world_size:
             raise RuntimeError(f"all_reduce probe gave {probe.item()}, expected {world_size}")
-    _TP_RANK, _TP_SIZE = rank, world_size
+    _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL = rank, world_size, expert_parallel
 
 
 def destroy_distributed() -> None:
-    global _TP_RANK, _TP_SIZE, _GROUP_OWNED
+    global _TP_RANK, _TP_SIZE, _GROUP_OWNED, _EXPERT_PARALLEL
     if _GROUP_OWNED and dist.is_initialized():
         dist.destroy_process_group()
     _GROUP_OWNED = False
-    _TP_RANK, _TP_SIZE = 0, 1
+    _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL = 0, 1, False
 
 
 def get_tp_rank() -> int:
@@ -65,6 +71,10 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
+
+
+def get_expert_parallel() -> bool:
+    return _EXPERT_PARALLEL
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -95,5 +105,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-__all__ = ["destroy_distributed", "distributed_init_method", "divide", "get_open_port",
-           "get_tp_rank", "get_tp_size", "init_distributed", "tp_all_gather", "tp_all_reduce"]
+__all__ = ["destroy_distributed", "distributed_init_method", "divide", "get_expert_parallel",
+           "get_open_port", "get_tp_rank", "get_tp_size", "init_distributed", "tp_all_gather",
+           "tp_all_reduce"]

@@ -61,8 +61,9 @@ class Worker:
                 self._free_cores = free_cores.FreeCoreThreads(numba.get_num_threads())
         elif self.device.index is not None:  # a CUDA rank: its own device
             torch.cuda.set_device(self.device)
-        distributed.init_distributed(self.rank, self.world_size, self.distributed_init_method,
-                                     self.device)
+        distributed.init_distributed(
+            self.rank, self.world_size, self.distributed_init_method, self.device,
+            expert_parallel=self.config.parallel_config.enable_expert_parallel)
         self._load_weights()
 
     def _load_weights(self) -> None:

@@ -59,6 +59,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     # None: "uni" for tensor_parallel_size=1, "mp" (one worker process per rank) above.
     distributed_executor_backend: str | None = None
+    # vLLM's: each tensor-parallel rank holds whole experts, 1/tp of them, instead of 1/tp of
+    # every expert (ParallelConfig; a no-op at tp 1 and for a model without experts).
+    enable_expert_parallel: bool = False
     # vLLM's spelling: a dict of CompilationConfig fields, a CompilationConfig, or (vLLM's older
     # form) an optimization level, as `optimization_level`.
     compilation_config: dict | CompilationConfig | int | None = None
@@ -128,8 +131,12 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # Cheap checks at once (the server's flags go through them before it binds its port).
         check_vllm_options(self)
-        ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                       distributed_executor_backend=self.distributed_executor_backend)
+        self._parallel_config()
+
+    def _parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              distributed_executor_backend=self.distributed_executor_backend,
+                              enable_expert_parallel=self.enable_expert_parallel)
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:
@@ -165,9 +172,7 @@ class EngineArgs:
                                    enable_prefix_caching=caching,
                                    gpu_memory_utilization=self._gpu_memory_utilization(device),
                                    cache_dtype=self.kv_cache_dtype)
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend)
+        parallel_config = self._parallel_config()
         model_path, tokenizer_path, hf_config_path = self._resolve_paths()
         hf_config = load_hf_config(model_path, hf_config_path)
         model_max_len = _derived_max_model_len(hf_config)

@@ -66,14 +66,30 @@ def _assert_sharded(executor, model_dir, tp: int) -> None:
     assert torch.equal(torch.cat(shards)[:table.shape[0]], table)
 
 
-def _run(model_dir, tp: int, prompts, params_list) -> list[list[list[int]]]:
-    """One LLM, one generate per SamplingParams; the token ids of each."""
-    llm = LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=128)
+def _assert_experts_split(executor, experts: list[int]) -> None:
+    """Under expert parallelism rank r holds experts[r] experts of layer 0, whole (2I rows of
+    gate/up: the intermediate is not split)."""
+    layer = "model.model.layers.0.mlp.experts"
+    counts = executor.collective_rpc(operator.attrgetter(f"{layer}.num_local_experts"))
+    shapes = executor.collective_rpc(operator.attrgetter(f"{layer}.gate_up_proj.shape"))
+    inter = executor.collective_rpc(operator.attrgetter(f"{layer}.intermediate_size"))
+    assert counts == experts
+    assert [list(s[:2]) for s in shapes] == [[n, 2 * inter[0]] for n in experts]
+
+
+def _run(model_dir, tp: int, prompts, params_list,
+         expert_split: list[int] | None = None) -> list[list[list[int]]]:
+    """One LLM, one generate per SamplingParams; the token ids of each. `expert_split`: with
+    enable_expert_parallel, rank r holding expert_split[r] experts."""
+    llm = LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=128,
+              enable_expert_parallel=expert_split is not None)
     try:
         if tp > 1:
             executor = llm.llm_engine.engine_core.executor
             assert len(executor_helpers.worker_pids(executor)) == tp
             _assert_sharded(executor, model_dir, tp)
+            if expert_split is not None:
+                _assert_experts_split(executor, expert_split)
         results = []
         for params in params_list:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -120,6 +136,17 @@ def test_tp2_matches_tp1_and_transformers(tiny_model_factory, arch, extra, seede
     if seeded:
         assert tp2[1] == tp1[1]
         assert tp2[1] != tp2[0]  # the sampled run really sampled
+
+
+def test_tp2_expert_parallel_matches_tp1(tiny_model_factory):
+    """enable_expert_parallel: each rank holds whole experts (5 over 2 ranks: 3 and 2) and
+    computes only their pairs, the block all-reduced; attention stays head-sharded."""
+    model_dir = tiny_model_factory("qwen3_moe", num_heads=4, num_kv_heads=2, num_layers=2,
+                                   config={"num_experts": 5, "num_experts_per_tok": 2,
+                                           "moe_intermediate_size": 24, "norm_topk_prob": True})
+    prompts = _prompts()
+    tp1 = _run(model_dir, 1, prompts, [GREEDY])
+    assert _run(model_dir, 2, prompts, [GREEDY], expert_split=[3, 2]) == tp1  # vLLM's split
 
 
 def test_tp2_logprobs_and_prompt_logprobs_match_tp1(tiny_model_factory):

@@ -1,6 +1,7 @@
 """mrv2.models.layers.moe: routing as transformers routes, the grouped experts against a
 token-by-token reference, per-expert and whole 3-D checkpoint tensors loading the same
-parameters, each tensor-parallel rank its slice of every expert, and the checkpoint names of
+parameters, each tensor-parallel rank its slice of every expert (or, under expert parallelism,
+its whole experts, the ranks' outputs summing to one rank's), and the checkpoint names of
 per-expert tensors."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrv2.models.layers.moe import FusedMoE, SparseMoE, expert_shard, route
+from mrv2.models.layers.moe import FusedMoE, SparseMoE, expert_range, expert_shard, route
 
 
 def _experts(num_experts: int, hidden: int, inter: int, seed: int = 0, **kwargs) -> FusedMoE:
@@ -132,7 +133,7 @@ def test_packed_experts_compute_what_their_rounded_weights_do():
         moe.set_packed(list(moe.packed[:2]))
 
 
-def _gpt_oss_block(tp_rank: int = 0, tp_size: int = 1, limit: float = 0.8):
+def _gpt_oss_block(tp_rank: int = 0, tp_size: int = 1, limit: float = 0.8, **options):
     """transformers' GptOssMLP (random weights, biases included) and a SparseMoE declared as
     gpt-oss's, the reference's tensors loaded as a checkpoint holds them."""
     from transformers import GptOssConfig
@@ -149,7 +150,7 @@ def _gpt_oss_block(tp_rank: int = 0, tp_size: int = 1, limit: float = 0.8):
                       expert_activation="swigluoai", bias=True,
                       activation_kwargs=(("alpha", 1.702), ("limit", limit)),
                       checkpoint_layout="interleaved_transposed", tp_rank=tp_rank,
-                      tp_size=tp_size)
+                      tp_size=tp_size, **options)
     params = dict(block.named_parameters())
     for name, tensor in ref.state_dict().items():
         param = params[name.replace("router.", "gate.")]
@@ -192,3 +193,82 @@ def test_gpt_oss_ranks_hold_their_slices_and_add_down_bias_once(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(sum(p.experts(x, weights, ids) for p in parts),
                                    whole.experts(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_range_is_vllms_linear_placement():
+    """Contiguous runs, the first E % tp ranks one expert more (determine_expert_map)."""
+    assert [expert_range(8, r, 2) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [expert_range(5, r, 2) for r in range(2)] == [(0, 3), (3, 2)]
+    assert [expert_range(3, r, 4) for r in range(4)] == [(0, 1), (1, 1), (2, 1), (3, 0)]
+    assert not FusedMoE(4, 8, 6, "silu", tp_rank=0, tp_size=1,
+                        expert_parallel=True).expert_parallel  # tp 1: a no-op
+
+
+def test_expert_parallel_ranks_load_their_whole_experts_from_each_layout(tmp_path):
+    """5 experts over 2 ranks (3 and 2): a rank's experts, whole, from per-expert tensors
+    (other ranks' skipped), from whole 3-D tensors and from a lazy safetensors slice."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    num_experts, hidden, inter = 5, 8, 6
+    gen = torch.Generator().manual_seed(11)
+    gate, up = (torch.randn(num_experts, inter, hidden, generator=gen) for _ in range(2))
+    down = torch.randn(num_experts, hidden, inter, generator=gen)
+    gate_up = torch.cat([gate, up], dim=1)
+    save_file({"gate_up": gate_up, "down": down}, str(tmp_path / "experts.safetensors"))
+    for rank, (start, count) in enumerate([(0, 3), (3, 2)]):
+        layers = [FusedMoE(num_experts, hidden, inter, "silu", tp_rank=rank, tp_size=2,
+                           expert_parallel=True) for _ in range(3)]
+        for e in range(num_experts):
+            layers[0].weight_loader(layers[0].gate_up_proj, gate[e], (e, 0))
+            layers[0].weight_loader(layers[0].gate_up_proj, up[e], (e, 1))
+            layers[0].weight_loader(layers[0].down_proj, down[e], (e, None))
+        layers[1].weight_loader(layers[1].gate_up_proj, gate_up)
+        layers[1].weight_loader(layers[1].down_proj, down)
+        with safe_open(str(tmp_path / "experts.safetensors"), framework="pt") as f:
+            layers[2].weight_loader(layers[2].gate_up_proj, f.get_slice("gate_up"))
+            layers[2].weight_loader(layers[2].down_proj, f.get_slice("down"))
+        for layer in layers:
+            assert (layer.expert_start, layer.num_local_experts) == (start, count)
+            assert torch.equal(layer.gate_up_proj, gate_up[start:start + count])
+            assert torch.equal(layer.down_proj, down[start:start + count])
+    with pytest.raises(ValueError, match="expected 5 experts"):
+        layers[1].weight_loader(layers[1].down_proj, down[:4])
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_expert_parallel_ranks_sum_to_the_whole_block(monkeypatch, tp):
+    """Each rank computes only its experts' pairs for every token (global ids mapped to its
+    own, the rest dropped); the ranks' outputs (all-reduced: summed here) are tp 1's."""
+    from mrv2 import distributed
+
+    monkeypatch.setattr(distributed, "tp_all_reduce", lambda t: t)
+    whole = _experts(5, 16, 12, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(9, 16, generator=gen)
+    weights, ids = route(torch.randn(9, 5, generator=gen), 2, True, torch.float32)
+    parts = []
+    for rank in range(tp):
+        part = FusedMoE(5, 16, 12, "silu", tp_rank=rank, tp_size=tp, expert_parallel=True)
+        part.weight_loader(part.gate_up_proj, whole.gate_up_proj.detach())
+        part.weight_loader(part.down_proj, whole.down_proj.detach())
+        parts.append(part(x, weights, ids))
+    assert all(bool(p.abs().sum() > 0) for p in parts)  # every rank's experts were routed to
+    torch.testing.assert_close(sum(parts), whole(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_expert_parallel_ranks_add_their_experts_down_bias(monkeypatch):
+    """gpt-oss under expert parallelism: each rank holds its experts' biases whole (gate/up's
+    de-interleaved) and adds down's bias for its own pairs, so the ranks' sum is tp 1's."""
+    from mrv2 import distributed
+
+    monkeypatch.setattr(distributed, "tp_all_reduce", lambda t: t)
+    _, whole = _gpt_oss_block()
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(14))
+    parts = [_gpt_oss_block(rank, 2, expert_parallel=True)[1] for rank in range(2)]
+    for part, experts in zip(parts, (slice(0, 3), slice(3, 5))):
+        assert torch.equal(part.experts.gate_up_proj_bias,
+                           whole.experts.gate_up_proj_bias[experts])
+        assert torch.equal(part.experts.down_proj_bias, whole.experts.down_proj_bias[experts])
+    with torch.no_grad():
+        torch.testing.assert_close(sum(p(x) for p in parts), whole(x), rtol=1e-5, atol=1e-5)

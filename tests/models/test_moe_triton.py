@@ -1,7 +1,8 @@
 """moe_triton (the fused MoE's Triton twin) interpreted on CPU tensors: the align step's
 invariants (every pair once, the padding sentinel, one expert per block) and fused_moe against
 FusedMoE's torch path on the same weights (experts with no tokens, an expert over several
-blocks, SiLU and GeLU(tanh)), and FusedMoE.forward dispatching to it."""
+blocks, SiLU and GeLU(tanh), a rank's experts under expert parallelism), and FusedMoE.forward
+dispatching to it."""
 
 from __future__ import annotations
 
@@ -135,3 +136,25 @@ def test_forward_dispatches_to_triton_on_forced_triton(monkeypatch) -> None:
             out = moe(x, weights, ids)
     assert calls == [1]
     torch.testing.assert_close(out, reference, **INTERPRETED_TOL[torch.float32])
+
+
+# Skipped pairs' gate/up rows are never written (torch.empty): the activation of whatever they
+# hold may overflow in the interpreter's numpy, and is never read.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_expert_parallel_rank_skips_other_ranks_pairs(monkeypatch) -> None:
+    """Rank 1 of 2 holding experts 3..5 of 6 (global ids in, the others' pairs to the
+    sentinel expert, never computed, counted 0): FusedMoE's dispatch gives its torch path."""
+    from mrv2 import distributed
+
+    monkeypatch.setattr(distributed, "tp_all_reduce", lambda t: t)
+    whole = _experts(6, seed=5)
+    part = FusedMoE(6, HIDDEN, INTER, "silu", tp_rank=1, tp_size=2, expert_parallel=True)
+    with torch.no_grad():
+        part.gate_up_proj.copy_(whole.gate_up_proj[3:])
+        part.down_proj.copy_(whole.down_proj[3:])
+        x, weights, ids = _routed(7, 6, 2, seed=6)
+        reference = part(x, weights, ids)
+        with platform.triton_interpreter():
+            out = part(x, weights, ids)
+    torch.testing.assert_close(out, reference, **INTERPRETED_TOL[torch.float32])
+    assert bool((ids < 3).any()) and bool(reference.abs().sum() > 0)

@@ -83,6 +83,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use; the first is the one responses carry")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction,
+                        default=False, help="MoE models: each tensor-parallel rank holds 1/tp of "
+                        "the experts, whole, instead of 1/tp of every expert")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="default on (off with --pooler-config MEAN pooling)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,

@@ -17,6 +17,17 @@ stacked layout at load, as are its expert biases (`gate_up_proj_bias` [E, 2I], `
 (gate's and up's rows and biases, down's columns), and the partial sums are all-reduced once
 per block; down's bias is added by rank 0 alone, so the sum holds it once.
 
+Expert parallelism (vLLM's `enable_expert_parallel`; distributed.get_expert_parallel, set once
+per worker from ParallelConfig): the same tp ranks hold whole experts instead, rank r the
+contiguous run `expert_range` gives (vLLM's linear placement: E // tp each, the first E % tp
+ranks one more), with their biases. Routing is replicated (every rank computes the same
+top-k for every token); each rank computes the pairs routed to its experts only (global ids
+made local, the other pairs dropped), and the block's output is all-reduced as under tensor
+parallelism. No all-to-all: every rank already holds every token, and the one all-reduce a
+block is the traffic tensor parallelism has. The loader slices a rank's experts from whole
+3-D tensors and skips other ranks' per-expert tensors. At tp 1 it is a no-op. Packed experts
+(below) are one rank's only, so under expert parallelism experts compute on float weights.
+
 Compute: the token-expert pairs sorted by expert (one stable argsort), each expert with tokens
 runs its two GEMMs on its rows only, scaled by their routing weights and summed into the token
 rows in expert order (an indexed add), as transformers sums them: only the chosen experts'
@@ -73,6 +84,14 @@ def _as_stacked(tensor: torch.Tensor, is_down: bool) -> torch.Tensor:
     return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
 
 
+def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
+    """(first expert, count) of `rank` under expert parallelism over `size` ranks: vLLM's
+    linear placement (determine_expert_map), contiguous runs, the remainder going one each to
+    the first ranks (a rank may get none when there are fewer experts than ranks)."""
+    base, extra = divmod(num_experts, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in `dtype`, expert ids [T, k]) of each token's top-k experts."""
@@ -90,7 +109,7 @@ class FusedMoE(nn.Module):
                  activation: str, *, bias: bool = False,
                  activation_kwargs: tuple[tuple[str, float], ...] = (),
                  checkpoint_layout: str = "stacked", tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None, expert_parallel: bool | None = None) -> None:
         super().__init__()
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"hidden_act={activation!r} is not supported for experts; "
@@ -100,25 +119,34 @@ class FusedMoE(nn.Module):
                              f"of {', '.join(EXPERT_LAYOUTS)}")
         self.checkpoint_layout = checkpoint_layout
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
+        if expert_parallel is None:  # the worker's setting, as the rank and size
+            expert_parallel = distributed.get_expert_parallel()
+        self.expert_parallel = expert_parallel and self.tp_size > 1
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size  # the checkpoint's, every rank's whole
-        self.local_intermediate = distributed.divide(intermediate_size, self.tp_size,
-                                                     "moe_intermediate_size")
+        # This rank's experts: global ids [expert_start, expert_start + num_local_experts).
+        self.expert_start, self.num_local_experts = (
+            expert_range(num_experts, self.tp_rank, self.tp_size) if self.expert_parallel
+            else (0, num_experts))
+        self.local_intermediate = intermediate_size if self.expert_parallel else (
+            distributed.divide(intermediate_size, self.tp_size, "moe_intermediate_size"))
         act, kwargs = GATED_ACTIVATIONS[activation], dict(activation_kwargs)
         self.act_and_mul = (lambda gate_up: act(gate_up, **kwargs)) if kwargs else act
-        local = self.local_intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size),
+        local, count = self.local_intermediate, self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * local, hidden_size),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local),
+        self.down_proj = nn.Parameter(torch.empty(count, hidden_size, local),
                                       requires_grad=False)
-        # Whole 3-D tensors (shard None), or per expert: (e, 0) gate, (e, 1) up, (e, None) down.
+        # Whole 3-D tensors (shard None), or per expert: (e, 0) gate, (e, 1) up, (e, None) down
+        # (every global expert: another rank's loads as skipped).
         set_weight_attrs(self.gate_up_proj, weight_loader=self.weight_loader,
                          shard_ids=tuple((e, h) for e in range(num_experts) for h in (0, 1)))
         set_weight_attrs(self.down_proj, weight_loader=self.weight_loader,
                          shard_ids=tuple((e, None) for e in range(num_experts)))
-        # Biases: gate/up's sharded as its rows, down's replicated (added by rank 0).
-        for name, shape in (("gate_up_proj_bias", (num_experts, 2 * local)),
-                            ("down_proj_bias", (num_experts, hidden_size))):
+        # Biases: gate/up's sharded as its rows, down's replicated (added by rank 0); under
+        # expert parallelism both whole, of the local experts.
+        for name, shape in (("gate_up_proj_bias", (count, 2 * local)),
+                            ("down_proj_bias", (count, hidden_size))):
             param = nn.Parameter(torch.empty(shape), requires_grad=False) if bias else None
             self.register_parameter(name, param)
             if param is not None:
@@ -138,32 +166,45 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """This rank's part of a whole 3-D tensor or bias (shard None) or of one expert's
-        projection (shard (expert, half))."""
-        if param is self.down_proj_bias:  # replicated
+        projection (shard (expert, half)): its experts, whole, under expert parallelism (other
+        ranks' per-expert tensors skipped); else its 1/tp of every expert's intermediate."""
+        if shard_id is not None:
+            self._load_expert(param, loaded, *shard_id)
+            return
+        if tensor_shape(loaded)[:1] != (self.num_experts,):
+            raise ValueError(f"experts: checkpoint tensor has shape {tensor_shape(loaded)}, "
+                             f"expected {self.num_experts} experts")
+        if self.expert_parallel:  # its experts: the one narrow (a lazy slice takes one)
+            loaded = narrow(loaded, 0, self.expert_start, self.num_local_experts)
+        if param is self.down_proj_bias:  # replicated over the intermediate
             default_weight_loader(param, loaded, shard_id)
             return
         local, rank = self.local_intermediate, self.tp_rank
         is_down = param is self.down_proj
         axis = 2 if is_down else 1  # the intermediate dim (of the 3-D parameter)
-        if shard_id is None:
-            if self.checkpoint_layout == "interleaved_transposed":  # whole tensors only
-                loaded = _as_stacked(materialize(loaded), is_down)
-            full = ((self.num_experts, self.hidden_size, self.intermediate_size) if is_down else
-                    (self.num_experts, 2 * self.intermediate_size, self.hidden_size))
-            full = full[:param.dim()]  # gate/up's bias: [E, 2I]
-            if tensor_shape(loaded) != full:
-                raise ValueError(f"experts: checkpoint tensor has shape "
-                                 f"{tensor_shape(loaded)}, expected {full}")
-            with torch.no_grad():
-                if is_down:
-                    param.copy_(materialize(narrow(loaded, axis, rank * local, local)))
-                    return
-                for half in (0, 1):  # gate rows, then up rows
-                    start = half * self.intermediate_size + rank * local
-                    param[:, half * local:(half + 1) * local].copy_(
-                        materialize(narrow(loaded, axis, start, local)))
-            return
-        expert, half = shard_id
+        if self.checkpoint_layout == "interleaved_transposed":  # whole tensors only
+            loaded = _as_stacked(materialize(loaded), is_down)
+        count = self.num_local_experts if self.expert_parallel else self.num_experts
+        full = ((count, self.hidden_size, self.intermediate_size) if is_down else
+                (count, 2 * self.intermediate_size, self.hidden_size))
+        full = full[:param.dim()]  # gate/up's bias: [E, 2I]
+        if tensor_shape(loaded) != full:
+            raise ValueError(f"experts: checkpoint tensor has shape "
+                             f"{tensor_shape(loaded)}, expected {full}")
+        with torch.no_grad():
+            if self.expert_parallel or is_down:  # whole experts, or down's columns
+                param.copy_(materialize(loaded if self.expert_parallel else
+                                        narrow(loaded, axis, rank * local, local)))
+                return
+            for half in (0, 1):  # gate rows, then up rows
+                start = half * self.intermediate_size + rank * local
+                param[:, half * local:(half + 1) * local].copy_(
+                    materialize(narrow(loaded, axis, start, local)))
+
+    def _load_expert(self, param: nn.Parameter, loaded: Any, expert: int,
+                     half: int | None) -> None:
+        """One expert's gate (half 0), up (1) or down (None) projection, [I, H] / [H, I]."""
+        is_down = param is self.down_proj
         full = ((self.hidden_size, self.intermediate_size) if is_down
                 else (self.intermediate_size, self.hidden_size))
         if not 0 <= expert < self.num_experts:
@@ -171,27 +212,37 @@ class FusedMoE(nn.Module):
         if tensor_shape(loaded) != full:
             raise ValueError(f"expert {expert}: checkpoint tensor has shape "
                              f"{tensor_shape(loaded)}, expected {full}")
-        rows = narrow(loaded, axis - 1, rank * local, local)
+        index, local = expert - self.expert_start, self.local_intermediate
+        if not 0 <= index < self.num_local_experts:
+            return  # another rank's expert (expert parallelism)
+        rows = loaded if self.expert_parallel else narrow(
+            loaded, 1 if is_down else 0, self.tp_rank * local, local)
         with torch.no_grad():
-            if is_down:
-                param[expert].copy_(materialize(rows))
-            else:
-                param[expert, half * local:(half + 1) * local].copy_(materialize(rows))
+            target = param[index] if is_down else param[index, half * local:(half + 1) * local]
+            target.copy_(materialize(rows))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
-        """x [T, H], routing weights and expert ids [T, k] -> [T, H] (all-reduced)."""
+        """x [T, H], routing weights and (global) expert ids [T, k] -> [T, H] (all-reduced)."""
         # The Triton twin has no expert biases (gpt-oss's run the torch ops below).
         if self.packed is None and self.gate_up_proj_bias is None and platform.kernel_impl(
                 x.device, portable_cpu_impl=True) == platform.TRITON:
             from mrv2.models.layers import moe_triton  # Triton is imported on first use only
 
-            out = moe_triton.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
-                                       self.act_and_mul)
+            out = moe_triton.fused_moe(
+                x, self.gate_up_proj, self.down_proj, weights, ids, self.act_and_mul,
+                expert_start=self.expert_start if self.expert_parallel else None)
             return distributed.tp_all_reduce(out) if self.tp_size > 1 else out
-        top_k = ids.shape[1]
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
+        top_k, flat = ids.shape[1], ids.reshape(-1)
+        mine = None  # the pairs this rank computes (None: all of them)
+        if self.expert_parallel:  # its experts' pairs, their ids made local; others dropped
+            flat = flat - self.expert_start
+            mine = ((flat >= 0) & (flat < self.num_local_experts)).nonzero().squeeze(1)
+            flat = flat[mine]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_local_experts).tolist()
+        if mine is not None:
+            order = mine[order]  # pair indices among all T * k
         tokens = order // top_k
         pair_weights = weights.reshape(-1)[order]
         out = torch.zeros_like(x)
@@ -216,15 +267,18 @@ class FusedMoE(nn.Module):
         return distributed.tp_all_reduce(out) if self.tp_size > 1 else out
 
     def expert_biases(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(gate/up's, down's) bias of `expert` on this rank: None without biases, and down's
-        None off rank 0 (the all-reduce adds rank 0's once)."""
+        """(gate/up's, down's) bias of local `expert` on this rank: None without biases, and
+        down's None off rank 0 under tensor parallelism (the all-reduce adds rank 0's once;
+        under expert parallelism one rank computes an expert's pairs, so it adds them)."""
         if self.gate_up_proj_bias is None:
             return None, None
-        return (self.gate_up_proj_bias[expert],
-                self.down_proj_bias[expert] if self.tp_rank == 0 else None)
+        return (self.gate_up_proj_bias[expert], self.down_proj_bias[expert]
+                if self.tp_rank == 0 or self.expert_parallel else None)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+        experts = (f"{self.num_local_experts} from {self.expert_start} (of {self.num_experts})"
+                   if self.expert_parallel else f"{self.num_experts}")
+        return (f"experts={experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.local_intermediate} (of {self.intermediate_size})")
 
 

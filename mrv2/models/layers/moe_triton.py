@@ -16,9 +16,11 @@ per N-block, so the outputs need no zeroing.
 
 `fused_moe`: gate/up GEMM [T * k, 2I] (x's dtype, as F.linear rounds) -> the gated activation
 (activation.py's, so its Triton twin) -> down GEMM scaled by the routing weights, kept in
-float32 [T * k, H] -> summed over each token's k pairs in float32 -> x's dtype. Kernels use
-only `tl` builtins (mrv2/platform.py), so the tests run them under the interpreter (float32
-there: the interpreter's bf16 `tl.dot` is wrong).
+float32 [T * k, H] -> summed over each token's k pairs in float32 -> x's dtype. Under expert
+parallelism (`expert_start`) the pairs routed to another rank's experts go to a sentinel
+expert E past the local ones, whose blocks no program computes, and their rows count 0 in the
+sum. Kernels use only `tl` builtins (mrv2/platform.py), so the tests run them under the
+interpreter (float32 there: the interpreter's bf16 `tl.dot` is wrong).
 """
 
 from __future__ import annotations
@@ -134,12 +136,15 @@ def default_blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor,
               act_and_mul: Callable[[torch.Tensor], torch.Tensor],
-              blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+              blocks: tuple[int, int, int] | None = None, *,
+              expert_start: int | None = None) -> torch.Tensor:
     """x [T, H], experts gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj
     [E, H, I], routing weights and expert ids [T, k] -> sum over each token's k experts of
     weight * down(act_and_mul(gate_up(x))), [T, H] in x's dtype (FusedMoE.forward's result
     before the all-reduce). One dtype for x and the experts; `blocks` (BLOCK_M, BLOCK_N,
-    BLOCK_K), each a power of two >= 16, default `default_blocks`."""
+    BLOCK_K), each a power of two >= 16, default `default_blocks`. `expert_start`: the experts
+    are global ids [expert_start, expert_start + E) and `ids` global (expert parallelism):
+    pairs routed elsewhere add nothing; None: every id is one of these experts."""
     if x.dtype != gate_up_proj.dtype or x.dtype != down_proj.dtype:
         raise ValueError(f"x is {x.dtype}, the experts {gate_up_proj.dtype} and "
                          f"{down_proj.dtype}: one dtype expected")
@@ -150,7 +155,15 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
                          f"do not fit x {tuple(x.shape)}")
     num_pairs = tokens * top_k
     blocks = blocks or default_blocks(num_pairs, num_experts)
-    sorted_pairs, block_experts, _ = align_pairs(ids, num_experts, blocks[0])
+    mine = None  # expert parallelism: which pairs are this rank's
+    if expert_start is not None:
+        local = ids - expert_start
+        mine = (local >= 0) & (local < num_experts)
+        ids = torch.where(mine, local, num_experts)  # the sentinel expert E: not here
+    sorted_pairs, block_experts, _ = align_pairs(ids, num_experts + (mine is not None),
+                                                 blocks[0])
+    if mine is not None:  # the sentinel's blocks: skipped by the kernel, as past the total
+        block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     gate_up = grouped_gemm(x, gate_up_proj, sorted_pairs, block_experts, top_k, num_pairs,
                            None, x.dtype, blocks)
     hidden_pairs = act_and_mul(gate_up)
@@ -159,4 +172,6 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         pair_weights = pair_weights.contiguous()
     down = grouped_gemm(hidden_pairs, down_proj, sorted_pairs, block_experts, 1, num_pairs,
                         pair_weights, torch.float32, blocks)
+    if mine is not None:  # skipped pairs' rows were never written
+        down = torch.where(mine.reshape(-1, 1), down, 0.0)
     return down.view(tokens, top_k, hidden).sum(1).to(x.dtype)
