@@ -132,17 +132,25 @@ def read_sweep_model(model: str) -> SweepModel:
 
 def _shapes(config: Any, tensors: dict[str, Any], layer_matrices: list[Any]) -> ModelShapes:
     """The checkpoint's decoder shapes and its weights' stored bytes: a GGUF's layer matrices
-    and LM head (output.weight, or the tied token_embd.weight) as blocks (`tensors`, empty for
-    a directory); a directory's at its dtype's width."""
+    and LM head (output.weight, or the tied token_embd.weight) as blocks, and top_k / E of its
+    3-D expert tensors (`tensors`, empty for a directory); a directory's at its dtype's width
+    (a MoE directory's MLP as its top-k experts' width)."""
     hf = config.hf_config
     heads = hf.num_attention_heads
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+    top_k = getattr(hf, "num_experts_per_tok", 0) if experts else 0
+    # A MoE model's rows multiply their top-k experts' weights only (one expert's width each)
+    width = (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size) * (top_k or 1)
     shapes = ModelShapes(config.num_layers, hf.hidden_size, heads * config.head_dim,
-                         config.num_kv_heads * config.head_dim, hf.intermediate_size,
-                         hf.vocab_size, weight_bytes=0)
+                         config.num_kv_heads * config.head_dim, width, hf.vocab_size,
+                         weight_bytes=0)
     if tensors:
         head = tensors.get("output.weight", tensors.get("token_embd.weight"))
         nbytes = sum(t.data.nbytes for t in layer_matrices)
         nbytes += 0 if head is None else head.data.nbytes
+        # the experts' 3-D tensors: a step reads at least the top-k of each layer's E
+        nbytes += sum(t.data.nbytes for name, t in tensors.items()
+                      if name.startswith("blk.") and len(t.shape) == 3) * top_k // max(experts, 1)
     else:
         stored = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "")
         width = 2 if stored.removeprefix("torch.") in ("bfloat16", "float16") else 4

@@ -10,8 +10,10 @@ attending to input_len + j positions, give the limit's decode time and tokens/s.
 measured here, right before the engines run, on the sweep's threads, each the best of its
 repeats (a ceiling, as a limit needs): the read bandwidth as a `torch.sum` streaming 256 MiB
 from DRAM, the GEMM rate as a large float32 `torch.mm`. Norms, rotary, sampling, scheduling and
-Python are left out: they only add time. An engine computing in int8, or in bfloat16 on matrix
-units, may pass the float32 compute ceiling at large batches: the limit is float32's.
+Python are left out: they only add time. A MoE model's step reads and multiplies its top-k
+experts of each layer (the least any batch reads: all rows may choose the same ones). An engine
+computing in int8, or in bfloat16 on matrix units, may pass the float32 compute ceiling at
+large batches: the limit is float32's.
 """
 
 from __future__ import annotations

@@ -55,6 +55,21 @@ def test_resolve_model_reads_the_gguf(tiny_gguf_factory, tiny_llama):
     assert directory.shapes.weight_bytes == 4 * directory.shapes.linear_params  # float32
 
 
+def test_a_moe_files_limit_reads_its_top_k_experts(tiny_gguf_factory):
+    """Each layer's 3-D expert tensors count top_k / E of their bytes, and a row multiplies
+    top_k experts' width."""
+    model = read_sweep_model(str(tiny_gguf_factory("qwen3_moe", "Q4_0", num_layers=2, config={
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True})))
+    from mrv2.models.gguf.checkpoint import open_gguf
+    tensors = open_gguf(model.path).tensors
+    blocks = [t for n, t in tensors.items() if n.startswith("blk.")]
+    experts = sum(t.data.nbytes for t in blocks if len(t.shape) == 3)
+    assert experts > 0 and model.shapes.intermediate == 2 * 64
+    assert model.shapes.weight_bytes == tensors["output.weight"].data.nbytes + sum(
+        t.data.nbytes for t in blocks if len(t.shape) == 2) + experts * 2 // 6
+
+
 def test_plan_on_an_avx2_machine_without_peers(no_peers):
     specs, skips = plan_engines(list(ENGINE_KEYS), _model(), "bf16 weights")
     assert [s.column for s in specs] == ["mrv2 float32", "mrv2 gguf Q4_1", "mrv2 bf16 weights",
