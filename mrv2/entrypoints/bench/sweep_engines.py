@@ -10,13 +10,11 @@ max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_to
 - llama.cpp on the same GGUF file, through llama-cpp-python's bindings of its C API: every
   prompt a sequence of one batch, one `llama_decode` per step (as llama.cpp's server batches);
 - vLLM (`vllm.LLM`, prefix caching off), float32 and bfloat16 (its CPU default; only where the
-  CPU computes bf16 natively: emulated, one batch-1 run took longer than 7 minutes on a Zen 3),
-  on the weights transformers runs, in a child interpreter (vllm_peer.py says why;
-  `MRV2_VLLM_PYTHON` may name another environment's).
-
+  CPU computes bf16 natively: emulated, a batch-1 run took over 7 minutes on a Zen 3), on the
+  weights transformers runs, in a child interpreter (vllm_peer.py says why; `MRV2_VLLM_PYTHON`
+  may name another environment's).
 The peers are optional (pyproject's `peers` extra): one that does not import is skipped, and
-the reason is printed.
-"""
+the reason is printed."""
 
 from __future__ import annotations
 
@@ -37,10 +35,8 @@ MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")
 VLLM_KEYS = ("vllm:float32", "vllm:bf16")
 ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp") + VLLM_KEYS
 PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python")}  # vLLM: vllm_peer.probe
-# Room above input + output in each engine's context (as bench/e2e_workload sizes mrv2's).
-CONTEXT_MARGIN = 16
-# Tokens per llama_decode call of llama.cpp's prefill (its n_batch and n_ubatch defaults).
-LLAMA_CPP_BATCH_TOKENS = 512
+CONTEXT_MARGIN = 16  # room above input + output in each engine's context (as e2e_workload's)
+LLAMA_CPP_BATCH_TOKENS = 512  # tokens per llama_decode of llama.cpp's prefill (n_batch, n_ubatch)
 
 
 @dataclass(frozen=True)
@@ -132,25 +128,22 @@ def read_sweep_model(model: str) -> SweepModel:
 
 def _shapes(config: Any, tensors: dict[str, Any], layer_matrices: list[Any]) -> ModelShapes:
     """The checkpoint's decoder shapes and its weights' stored bytes: a GGUF's layer matrices
-    and LM head (output.weight, or the tied token_embd.weight) as blocks, and top_k / E of its
-    3-D expert tensors (`tensors`, empty for a directory); a directory's at its dtype's width
-    (a MoE directory's MLP as its top-k experts' width)."""
+    and LM head (output.weight, or the tied token_embd.weight) as blocks and top_k / E of its
+    3-D expert tensors (`tensors`, empty for a directory); a directory's at its dtype's width."""
     hf = config.hf_config
     heads = hf.num_attention_heads
-    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
-    top_k = getattr(hf, "num_experts_per_tok", 0) if experts else 0
-    # A MoE model's rows multiply their top-k experts' weights only (one expert's width each)
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 1
+    top_k = getattr(hf, "num_experts_per_tok", 0) if experts > 1 else 0
+    # a MoE row multiplies its top-k experts only; a step reads at least those of each layer
     width = (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size) * (top_k or 1)
     shapes = ModelShapes(config.num_layers, hf.hidden_size, heads * config.head_dim,
-                         config.num_kv_heads * config.head_dim, width, hf.vocab_size,
-                         weight_bytes=0)
+                         config.num_kv_heads * config.head_dim, width, hf.vocab_size, 0)
     if tensors:
         head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-        nbytes = sum(t.data.nbytes for t in layer_matrices)
+        nbytes = sum(t.data.nbytes for t in layer_matrices) + sum(
+            t.data.nbytes for name, t in tensors.items()
+            if name.startswith("blk.") and len(t.shape) == 3) * top_k // experts
         nbytes += 0 if head is None else head.data.nbytes
-        # the experts' 3-D tensors: a step reads at least the top-k of each layer's E
-        nbytes += sum(t.data.nbytes for name, t in tensors.items()
-                      if name.startswith("blk.") and len(t.shape) == 3) * top_k // max(experts, 1)
     else:
         stored = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "")
         width = 2 if stored.removeprefix("torch.") in ("bfloat16", "float16") else 4
@@ -206,12 +199,11 @@ def plan_engines(keys: list[str], model: SweepModel,
 
 
 class _OfflineLLM:
-    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored.
-
-    Built with its kernel threads not fitted to the free cores (free_cores.py): the sweep runs
-    one engine at a time, so what the fitting would see as a neighbour is the sweep's other
-    engines loading and running while this one idles; its first step then ran on one thread,
-    and mrv2 measured ~30% slower for the rest of the sweep (bench/README.md)."""
+    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored. Its kernel
+    threads are not fitted to the free cores (free_cores.py): the sweep runs one engine at a
+    time, so the fitting's "neighbour" is the sweep's other engines loading and running while
+    this one idles; its first step then ran on one thread, and mrv2 measured ~30% slower for
+    the rest of the sweep (bench/README.md)."""
 
     def __init__(self, spec: EngineSpec, module: Any, **kwargs: Any) -> None:
         self.spec = spec

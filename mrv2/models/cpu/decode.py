@@ -37,8 +37,9 @@ from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
 from mrv2.models.cpu.decode_stack_numba import KV_SHARED
-from mrv2.models.cpu.stack_moe import (expert_weights, layer_projection, moe_qualifies,
-                                       moe_supported, sparse_block)
+from mrv2.models.cpu.stack_moe import (layer_projection, moe_qualifies, moe_supported,
+                                       sparse_block)
+from mrv2.models.cpu.moe_numba import expert_weights
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.cpu.stack_args import (PER_LAYER_PROJECTIONS, StackArgs, embedding_table,
                                         group_tables, has_per_layer_inputs, kv_mode,

@@ -19,8 +19,8 @@ from torch import nn
 from numba import typed
 
 from mrv2.models.cpu.decode_logits import float32_cpu
-from mrv2.models.cpu.moe_numba import (EXPERTS_GELU_TANH, EXPERTS_SILU,
-                                      EXPERTS_SWIGLU_OAI)
+from mrv2.models.cpu.moe_numba import (EXPERT_ACTIVATION_ARGUMENTS, EXPERT_ACTIVATIONS,
+                                          activation_args, expert_weights)
 from mrv2.models.cpu.stack_views_numba import NO_MATRIX, no_rows, weight_view
 from mrv2.models.decoder_spec import DecoderSpec, MoESpec
 from mrv2.models.layers.moe import FusedMoE, SparseMoE
@@ -49,14 +49,6 @@ def layer_projection(layer: nn.Module, name: str) -> nn.Module | None:
     return None if mlp is None else getattr(mlp, name.removeprefix("mlp."))
 
 
-def expert_weights(experts: FusedMoE) -> list[tuple]:
-    """Each expert's (gate/up, down) as the stack reads it: its packed weights, or views of
-    the float32 parameters' slices."""
-    if experts.packed is not None:
-        return list(experts.packed)
-    return [(experts.gate_up_proj[e], experts.down_proj[e]) for e in range(experts.num_experts)]
-
-
 def _replicated_float32(linear: nn.Module | None) -> bool:
     """A router or shared-expert gate the kernel reads: float32 CPU, its bias too."""
     return linear is None or (linear.packed is None and float32_cpu(linear.weight)
@@ -76,10 +68,6 @@ _COMPUTED_FIELDS = frozenset({"num_experts", "top_k", "intermediate_size", "reno
                               "sparse_layers", "shared_intermediate_size", "router_bias",
                               "expert_bias", "activation", "activation_kwargs",
                               "checkpoint_layout"})
-# The experts' activations moe_numba computes -> its code; their keyword arguments.
-_ACTIVATIONS = {"silu": EXPERTS_SILU, "gelu_pytorch_tanh": EXPERTS_GELU_TANH,
-                "swigluoai": EXPERTS_SWIGLU_OAI}
-_ACTIVATION_ARGUMENTS = {"alpha": 1.702, "limit": 7.0}  # swigluoai's, and its defaults
 
 
 def moe_supported(moe: MoESpec | None, activation: str = "silu") -> bool:
@@ -90,8 +78,8 @@ def moe_supported(moe: MoESpec | None, activation: str = "silu") -> bool:
     about set to anything but its default refuses the model (it runs on the module path)."""
     if moe is None:
         return True
-    return ((moe.activation or activation) in _ACTIVATIONS
-            and {name for name, _ in moe.activation_kwargs} <= set(_ACTIVATION_ARGUMENTS)
+    return ((moe.activation or activation) in EXPERT_ACTIVATIONS
+            and {name for name, _ in moe.activation_kwargs} <= set(EXPERT_ACTIVATION_ARGUMENTS)
             and all(getattr(moe, f.name) == f.default for f in dataclasses.fields(moe)
                     if f.name not in _COMPUTED_FIELDS))
 
@@ -174,8 +162,8 @@ def moe_args(model: nn.Module, spec: DecoderSpec, like) -> tuple:
         per_layer.append(views[start:start + count] or [placeholder])
         start += count
     moe = spec.moe
-    kwargs = {**_ACTIVATION_ARGUMENTS, **dict(moe.activation_kwargs if moe else ())}
-    activation = _ACTIVATIONS[(moe and moe.activation) or spec.activation]
+    activation = activation_args((moe and moe.activation) or spec.activation,
+                                 dict(moe.activation_kwargs if moe else ()))
     experts = [None if b is None else b.experts for b in blocks]
 
     return (_per_layer(NO_MATRIX if b is None else _matrix(b.gate.weight)
@@ -192,5 +180,4 @@ def moe_args(model: nn.Module, spec: DecoderSpec, like) -> tuple:
             _per_layer(NO_MATRIX if e is None else _matrix(e.down_proj_bias)
                                for e in experts),
             np.int64(moe.top_k if moe else 1), bool(moe and moe.renormalize),
-            np.int64(moe.intermediate_size if moe else 0),
-            (np.int64(activation), np.float32(kwargs["alpha"]), np.float32(kwargs["limit"])))
+            np.int64(moe.intermediate_size if moe else 0), activation)

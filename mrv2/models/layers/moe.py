@@ -132,6 +132,8 @@ class FusedMoE(nn.Module):
             distributed.divide(intermediate_size, self.tp_size, "moe_intermediate_size"))
         act, kwargs = GATED_ACTIVATIONS[activation], dict(activation_kwargs)
         self.act_and_mul = (lambda gate_up: act(gate_up, **kwargs)) if kwargs else act
+        self.activation, self.activation_kwargs = activation, kwargs
+        self._numba = None  # moe_numba.NumbaExperts, built on first use (`_numba_experts`)
         local, count = self.local_intermediate, self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * local, hidden_size),
                                          requires_grad=False)
@@ -233,6 +235,9 @@ class FusedMoE(nn.Module):
                 x, self.gate_up_proj, self.down_proj, weights, ids, self.act_and_mul,
                 expert_start=self.expert_start if self.expert_parallel else None)
             return distributed.tp_all_reduce(out) if self.tp_size > 1 else out
+        numba_experts = self._numba_experts(x)
+        if numba_experts is not None:
+            return numba_experts.forward(x, weights, ids)
         top_k, flat = ids.shape[1], ids.reshape(-1)
         mine = None  # the pairs this rank computes (None: all of them)
         if self.expert_parallel:  # its experts' pairs, their ids made local; others dropped
@@ -265,6 +270,25 @@ class FusedMoE(nn.Module):
             out[rows] += y * pair_weights[start:start + count, None]
             start += count
         return distributed.tp_all_reduce(out) if self.tp_size > 1 else out
+
+    def _numba_experts(self, x: torch.Tensor):
+        """The experts as moe_numba.NumbaExperts where it computes `x`'s rows (float32 CPU
+        rows, few enough for its GEMVs, one rank, float32 or packed experts), else None."""
+        from mrv2.models.cpu import moe_numba  # on the fused stack's weight views
+
+        if not (x.device.type == "cpu" and x.dtype == torch.float32 and self.tp_size == 1
+                and x.shape[0] <= moe_numba.MAX_NUMBA_EXPERT_ROWS
+                and not torch.is_grad_enabled()
+                and (self.packed is not None or self.gate_up_proj.dtype == torch.float32)):
+            return None
+        if self._numba is None or self._numba.key != self.storage_key():
+            self._numba = moe_numba.NumbaExperts(self)
+        return self._numba
+
+    def storage_key(self) -> tuple:
+        """What the experts' kernel views read: the parameters' storage, the packed weights."""
+        params = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
+        return (id(self.packed), *(0 if p is None else p.data_ptr() for p in params))
 
     def expert_biases(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(gate/up's, down's) bias of local `expert` on this rank: None without biases, and

@@ -1,7 +1,7 @@
-"""The fused decode stack's MoE block (moe_numba.py) against layers/moe.py's torch path:
-routing (the same experts, weights to float32 rounding), and the block on float32 experts and
-on Q8_0 blocks (one view per expert) against FusedMoE's forward on the same weights. The whole
-stack on MoE models against the module path is test_decode.py's."""
+"""moe_numba.py against moe.py's torch path: routing (the same experts, weights to float32
+rounding), the block on float32 experts and on Q8_0 blocks (one view per expert) against
+FusedMoE's forward on the same weights, and FusedMoE running its numba twin where it applies.
+The whole stack on MoE models against the module path is tests/models/cpu/test_decode.py's."""
 
 from __future__ import annotations
 
@@ -66,3 +66,27 @@ def test_block_is_fused_moes_forward(on_blocks, rows, top_k):
               top_k, True, WIDTH, (EXPERTS_SILU, np.float32(0.0), np.float32(0.0)), out)
     weights, ids = route(x @ router.T, top_k, True, torch.float32)
     np.testing.assert_allclose(out, moe(x, weights, ids).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_moe_runs_its_numba_twin_for_few_rows_in_inference(packed):
+    """FusedMoE's forward: NumbaExperts under no_grad for up to MAX_NUMBA_EXPERT_ROWS float32
+    rows (rebuilt when a parameter gets new storage), the torch ops otherwise; the same sums."""
+    moe = _experts(6)
+    if packed:
+        moe.set_packed([(_q8_0(moe.gate_up_proj[e]), _q8_0(moe.down_proj[e]))
+                        for e in range(6)])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, HIDDEN, generator=gen)
+    weights, ids = route(torch.randn(7, 6, generator=gen), 2, True, torch.float32)
+    torch_path = moe(x, weights, ids)
+    assert moe._numba is None
+    with torch.no_grad():
+        numba_path = moe(x, weights, ids)
+    assert moe._numba is not None
+    torch.testing.assert_close(numba_path, torch_path, rtol=1e-5, atol=1e-5)
+    if not packed:
+        moe.gate_up_proj.data = moe.gate_up_proj.data * 2
+        with torch.no_grad():
+            doubled = moe(x, weights, ids)
+        torch.testing.assert_close(doubled, moe(x, weights, ids), rtol=1e-5, atol=1e-5)
