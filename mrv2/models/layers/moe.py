@@ -34,8 +34,11 @@ rows in expert order (an indexed add), as transformers sums them: only the chose
 weights are read. On the CPU the experts may compute on packed weights instead (`packed`: per
 expert, its gate/up and its down as a GGUF file's blocks or 16-bit weights, given by
 models/cpu/quantized_weights.py at load), each through `quantized_linear`, whose plan was
-chosen once per weight. CUDA tensors on float experts run the Triton twin instead
-(moe_triton.py: the pairs aligned to blocks, one grouped GEMM launch per projection).
+chosen once per weight. On the CPU, a step of up to 32 float32 rows (and every decode step of
+the fused stack) runs the numba twin instead (models/cpu/moe_numba.py: one call for all
+experts, on the same views as the stack's). CUDA tensors on float experts run the Triton
+twin instead (moe_triton.py: the pairs aligned to blocks, one grouped GEMM launch per
+projection).
 """
 
 from __future__ import annotations
