@@ -281,6 +281,7 @@ ENGINE_FLAGS = {
     "disable_log_stats": ["--disable-log-stats"],
     "override_generation_config": ["--override-generation-config", '{"temperature": 0.5}'],
     "num_scheduler_steps": ["--num-scheduler-steps", "4"],
+    "enable_expert_parallel": ["--enable-expert-parallel"],
 }
 
 
