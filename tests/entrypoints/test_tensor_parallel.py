@@ -149,6 +149,33 @@ def test_tp2_expert_parallel_matches_tp1(tiny_model_factory):
     assert _run(model_dir, 2, prompts, [GREEDY], expert_split=[3, 2]) == tp1  # vLLM's split
 
 
+def test_tp2_expert_parallel_keeps_each_ranks_experts_on_the_gguf_blocks(tiny_gguf_factory,
+                                                                          monkeypatch):
+    """quantization="gguf" under expert parallelism: each rank packs its own experts whole
+    from the file's blocks (no float parameters left) and gives the dequantized model's tokens
+    (float32 x on the blocks: MRV2_GGUF_ACTIVATIONS, read by the spawned workers)."""
+    monkeypatch.setenv("MRV2_GGUF_ACTIVATIONS", "float32")
+    path = tiny_gguf_factory("qwen3_moe", "Q8_0", num_heads=4, num_kv_heads=2, num_layers=2,
+                             config={"num_experts": 5, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True})
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    llm = LLM(str(path), max_model_len=128)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    llm = LLM(str(path), max_model_len=128, tensor_parallel_size=2, quantization="gguf",
+              enable_expert_parallel=True)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        layer = "model.model.layers.0.mlp.experts"
+        assert executor.collective_rpc(operator.attrgetter(f"{layer}.num_local_experts")) == [3, 2]
+        shapes = executor.collective_rpc(operator.attrgetter(f"{layer}.gate_up_proj.shape"))
+        assert [list(s) for s in shapes] == [[0], [0]]  # released: the packed blocks compute
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
 def test_tp2_logprobs_and_prompt_logprobs_match_tp1(tiny_model_factory):
     """Every rank computes the prompt rows' logits too (the LM head all-gathers): a rank that
     skipped them would hang the others."""

@@ -215,10 +215,10 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
         prefix = f"model.layers.{i}.mlp.experts"
         names = [[f"{prefix}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
                  for e in range(experts.num_experts)]
-        if experts.tp_size != 1 or any(n not in stored for ns in names for n in ns):
+        if not _whole_experts(experts) or any(n not in stored for ns in names for n in ns):
             continue
         pairs = [(_stack([_stored(stored[gate]), _stored(stored[up])]), _stored(stored[down]))
-                 for gate, up, down in names]
+                 for gate, up, down in names[experts.expert_start:][:experts.num_local_experts]]
         if all(gate_up is not None and down is not None for gate_up, down in pairs):
             _pack_experts(experts, pairs, prefix, packed)
             packed.checkpoint_names.update(f"{n}.weight" for ns in names for n in ns)
@@ -259,11 +259,11 @@ def pack_16bit_weights(model: nn.Module, dtype: torch.dtype) -> PackedModules | 
         if getattr(module, "tp_size", 1) == 1 and module.weight.dtype == torch.float32:
             _pack_linear(module, PackedWeight.from_float(module.weight, dtype), name, packed)
     for i, experts in _expert_modules(inner):
-        if (experts.packed is None and experts.tp_size == 1
+        if (experts.packed is None and _whole_experts(experts)
                 and experts.gate_up_proj.dtype == torch.float32):  # MXFP4 ones: packed at load
             pairs = [(PackedWeight.from_float(experts.gate_up_proj[e], dtype),
                       PackedWeight.from_float(experts.down_proj[e], dtype))
-                     for e in range(experts.num_experts)]
+                     for e in range(experts.num_local_experts)]
             _pack_experts(experts, pairs, f"model.layers.{i}.mlp.experts", packed)
     for name in _LOOKUP_TABLES:
         table = getattr(inner, name, None)
@@ -299,9 +299,17 @@ def _expert_modules(inner: nn.Module) -> list[tuple[int, nn.Module]]:
             if hasattr(layer.mlp, "experts")]
 
 
+def _whole_experts(experts: nn.Module) -> bool:
+    """Whether the rank holds its experts whole (one rank, or expert parallelism: the
+    rank's own experts), so each packs as stored; tensor parallelism slices every expert's
+    intermediate, which would cut down's blocks apart."""
+    return experts.tp_size == 1 or experts.expert_parallel
+
+
 def _pack_experts(experts: nn.Module, pairs: list[tuple[PackedWeight, PackedWeight]],
                   name: str, packed: PackedModules) -> None:
-    """Each expert's (gate/up, down) held as their kernels compute on them."""
+    """Each of the rank's experts' (gate/up, down) held as their kernels compute on them (the
+    checkpoint names of every expert are listed by the caller: other ranks' are not loaded)."""
     held = [(_hold_as_computed(gate_up), _hold_as_computed(down)) for gate_up, down in pairs]
     experts.set_packed(held)
     packed.experts[name] = held

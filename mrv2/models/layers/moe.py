@@ -26,7 +26,8 @@ made local, the other pairs dropped), and the block's output is all-reduced as u
 parallelism. No all-to-all: every rank already holds every token, and the one all-reduce a
 block is the traffic tensor parallelism has. The loader slices a rank's experts from whole
 3-D tensors and skips other ranks' per-expert tensors. At tp 1 it is a no-op. Packed experts
-(below) are one rank's only, so under expert parallelism experts compute on float weights.
+(below) are whole experts: one rank's, or under expert parallelism each rank's own (a GGUF's
+blocks or 16-bit weights); tensor parallelism's intermediate slices compute on float weights.
 
 Compute: the token-expert pairs sorted by expert (one stable argsort), each expert with tokens
 runs its two GEMMs on its rows only, scaled by their routing weights and summed into the token
@@ -160,11 +161,13 @@ class FusedMoE(nn.Module):
         self.packed: tuple[tuple[PackedWeight, PackedWeight], ...] | None = None
 
     def set_packed(self, experts: list[tuple[PackedWeight, PackedWeight]]) -> None:
-        """Compute on `experts` (one rank only) from now on; the float parameters are released
-        (nothing reads them again)."""
-        if len(experts) != self.num_experts or self.tp_size != 1:
-            raise ValueError(f"packed experts: {len(experts)} for {self.num_experts} experts "
-                             f"on tp {self.tp_size} (one rank only)")
+        """Compute on `experts` (this rank's, whole: one rank, or expert parallelism) from now
+        on; the float parameters are released (nothing reads them again)."""
+        if len(experts) != self.num_local_experts or not (self.tp_size == 1
+                                                          or self.expert_parallel):
+            raise ValueError(f"packed experts: {len(experts)} for {self.num_local_experts} "
+                             f"experts on tp {self.tp_size} (whole experts only: one rank or "
+                             f"expert parallelism)")
         self.packed = tuple(experts)
         for name in ("gate_up_proj", "down_proj"):
             setattr(self, name, nn.Parameter(torch.empty(0), requires_grad=False))
