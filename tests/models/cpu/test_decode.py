@@ -39,15 +39,23 @@ def assert_same_outputs(fused, plain) -> None:
             assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
+def _assert_stack_is_the_module_path(llm: LLM, num_prompts: int, monkeypatch) -> None:
+    """Steps of `num_prompts` prompts run on the stack and give the module path's tokens and
+    logprobs; shuts `llm` down."""
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
+    try:
+        fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
+        plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    finally:
+        llm.shutdown()
+    assert fused_calls > 0 and plain_calls == 0
+    assert_same_outputs(fused, plain)
+
+
 @pytest.mark.parametrize("num_prompts", [1, 3, cpu_decode.MAX_DECODE_ROWS])
 def test_same_tokens_and_logprobs_as_the_module_path(tiny_llama, num_prompts, monkeypatch):
     llm = LLM(str(tiny_llama), max_model_len=128, enable_prefix_caching=False)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
-    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    assert fused_calls > 0 and plain_calls == 0
-    assert_same_outputs(fused, plain)
-    llm.shutdown()
+    _assert_stack_is_the_module_path(llm, num_prompts, monkeypatch)
 
 
 def test_bfloat16_cache_same_as_the_module_path(tiny_llama, monkeypatch):
@@ -57,12 +65,7 @@ def test_bfloat16_cache_same_as_the_module_path(tiny_llama, monkeypatch):
               kv_cache_dtype="bfloat16")
     runner = llm.llm_engine.engine_core.executor.worker.runner
     assert all(c.dtype == torch.bfloat16 for c in runner.kv_caches)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
-    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    assert fused_calls > 0 and plain_calls == 0
-    assert_same_outputs(fused, plain)
-    llm.shutdown()
+    _assert_stack_is_the_module_path(llm, 3, monkeypatch)
 
 
 # Float activations: x rounded to int8 (the default with AVX2) makes the output a step function
@@ -86,12 +89,7 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
     assert fused.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
     down = model.layers[0].mlp.down_proj
     assert down.packed is not None and down.weight.numel() == 0  # blocks only
-    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(num_prompts)]
-    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    llm.shutdown()
-    assert fused_calls > 0 and plain_calls == 0
-    assert_same_outputs(fused, plain)
+    _assert_stack_is_the_module_path(llm, num_prompts, monkeypatch)
 
 
 @pytest.mark.usefixtures("float_activations")
@@ -105,12 +103,7 @@ def test_experts_on_the_blocks_match_the_quantized_module_path(tiny_gguf_factory
     runner = llm.llm_engine.engine_core.executor.worker.runner
     assert runner.model.model.layers[1].mlp.experts.packed is not None
     assert runner.fused_decode.max_rows == cpu_decode.MAX_QUANTIZED_DECODE_ROWS
-    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(5)]
-    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    llm.shutdown()
-    assert fused_calls > 0 and plain_calls == 0
-    assert_same_outputs(fused, plain)
+    _assert_stack_is_the_module_path(llm, 5, monkeypatch)
 
 
 @pytest.mark.parametrize("tensor_type, native, rows", [
@@ -222,12 +215,7 @@ def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, mon
     path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
-    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
-    fused, fused_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    llm.shutdown()
-    assert fused_calls > 0 and plain_calls == 0
-    assert_same_outputs(fused, plain)
+    _assert_stack_is_the_module_path(llm, 3, monkeypatch)
 
 
 def test_no_fused_path_for_layers_it_does_not_compute(tiny_model_factory):
