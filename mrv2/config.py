@@ -32,6 +32,8 @@ QUANTIZATION_METHODS = (None, "gguf")
 # runner types); and the poolings mrv2 implements (vLLM's names).
 RUNNER_TYPES = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN")
+# Decode steps a scheduled step runs by default while no request streams (bench/README.md).
+AUTO_DECODE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,7 @@ class ModelConfig:
     # any processing), "processed_logprobs" (after bias, penalties, temperature and the
     # filters: the distribution the token was drawn from), or the "*_logits" variants.
     logprobs_mode: str = "raw_logprobs"
-    # "gguf": the linears compute on the GGUF file's quantized blocks (CPU); None: on
-    # weights of `dtype`.
+    # "gguf": the linears compute on the GGUF file's quantized blocks (CPU); None: `dtype`'s.
     quantization: str | None = None
     # CPU only: the linears, the embedding and the LM head keep their weights in this 16-bit
     # dtype and the rest computes in `dtype` (float32): a bfloat16 / float16 model on the CPU
@@ -81,8 +82,7 @@ class ModelConfig:
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None
-    # Batch-invariant mode (mrv2/batch_invariant.py): set in the worker before it loads.
-    batch_invariant: bool = False
+    batch_invariant: bool = False  # mrv2/batch_invariant.py: set in the worker before it loads
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)
@@ -140,10 +140,9 @@ class ModelConfig:
 
 # vLLM's kv_cache_dtype values that mrv2 stores, and their element type; "auto" stores the
 # model's dtype (a 16-bit model's on the CPU too, where it computes in float32: as vLLM's
-# "auto" would, and half the bytes each decode step reads from the cache). fp8 and int8
-# caches (vLLM's other values) are not implemented.
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto" would, half the bytes a decode step reads). fp8 and int8 caches are not implemented.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16,
+                                                  "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -180,18 +179,19 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs; tokens not sampled yet are placeholders.
     async_scheduling: bool = True
     # vLLM's multi-step scheduling: a step whose rows all decode by argmax runs up to this many
-    # decode steps in the runner before the scheduler sees them (core/decode_steps.py).
-    num_scheduler_steps: int = 1
+    # decode steps in the runner before the scheduler sees them (core/decode_steps.py). None
+    # (auto): AUTO_DECODE_STEPS while no running request streams its tokens, else 1.
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
-        if self.num_scheduler_steps < 1:
-            raise ConfigError(
-                f"num_scheduler_steps={self.num_scheduler_steps} must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")
+        for name in ("max_num_seqs", "num_scheduler_steps", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value} must be at least 1")
+
+    @property
+    def max_decode_steps(self) -> int:
+        return AUTO_DECODE_STEPS if self.num_scheduler_steps is None else self.num_scheduler_steps
 
 
 @dataclass(frozen=True)
@@ -386,7 +386,7 @@ class EngineConfig:
     def max_kv_tokens_per_step(self) -> int:
         """The most tokens whose KV one step writes for a request (a chunk, or decode steps)."""
         sched = self.scheduler_config
-        return sched.max_num_batched_tokens + sched.num_scheduler_steps - 1
+        return sched.max_num_batched_tokens + sched.max_decode_steps - 1
 
     @property
     def max_num_blocks_per_req(self) -> int:

@@ -12,29 +12,41 @@ argmax, no stop string to find in the text, no grammar) and nothing may be waiti
 request would wait for the whole run). The count never takes a row past its max_tokens or
 max_model_len; a stop token inside the run ends its request there, the later tokens of that
 row being dropped (Scheduler.update_from_output), as vLLM's multi-step did.
+
+By default (`num_scheduler_steps=None`) a run is AUTO_DECODE_STEPS long while every running
+request takes its output when it finishes (output_kind FINAL_ONLY: `LLM.generate`, an
+`LLMEngine` request without streaming): nobody sees its tokens arrive, so a run changes nothing
+a caller observes but the time. A row that streams (DELTA / CUMULATIVE: the server's, an
+`AsyncLLM` stream) keeps the batch at one step, its tokens arriving one at a time. An explicit
+count runs for streaming rows too (they then receive tokens that many at a time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mrv2.config import AUTO_DECODE_STEPS
 from mrv2.core.request import Request
+from mrv2.outputs import RequestOutputKind
 
 
-def decode_steps(running: Sequence[Request], num_waiting: int, num_scheduler_steps: int,
+def decode_steps(running: Sequence[Request], num_waiting: int, num_scheduler_steps: int | None,
                  max_model_len: int, num_free_blocks: int, block_size: int) -> int:
-    """The decode steps the next scheduled step runs: `num_scheduler_steps` or fewer, 1 where
-    the rule above does not hold. A row's known tokens include its placeholders (async
-    scheduling: tokens of a step in flight). The pool must hold the blocks every row may need
-    for the run (so that it never preempts for it)."""
-    steps = num_scheduler_steps
+    """The decode steps the next scheduled step runs: `num_scheduler_steps` (None: auto, see
+    above) or fewer, 1 where the rule above does not hold. A row's known tokens include its
+    placeholders (async scheduling: tokens of a step in flight). The pool must hold the blocks
+    every row may need for the run (so that it never preempts for it)."""
+    auto = num_scheduler_steps is None
+    steps = AUTO_DECODE_STEPS if auto else num_scheduler_steps
     if steps == 1 or num_waiting or not running:
         return 1
     for request in running:
         placeholders = request.num_output_placeholders
         known = len(request.all_token_ids) + placeholders
+        params = request.sampling_params
         if (known - request.num_computed_tokens != 1 or request.grammar is not None
-                or not request.sampling_params.decodes_by_argmax):
+                or not params.decodes_by_argmax
+                or (auto and params.output_kind != RequestOutputKind.FINAL_ONLY)):
             return 1
         steps = min(steps, request.max_tokens - len(request.output_token_ids) - placeholders,
                     max_model_len - known)

@@ -52,8 +52,9 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
-    # vLLM's --num-scheduler-steps: decode steps one scheduled step may run (SchedulerConfig).
-    num_scheduler_steps: int = 1
+    # vLLM's --num-scheduler-steps: decode steps one scheduled step may run (SchedulerConfig;
+    # None: the engine's choice, several while no request streams).
+    num_scheduler_steps: int | None = None
     # vLLM's: prompts longer than the step's token budget are prefilled in chunks. Off, a
     # prompt is scheduled whole, so the budget defaults to at least max_model_len (vLLM's rule).
     enable_chunked_prefill: bool = True

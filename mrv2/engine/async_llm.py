@@ -195,7 +195,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         sent: list[str] = []
         try:
-            for core_request in core_requests(request, core_ids, children):
+            for core_request in core_requests(request, core_ids, children, output_kind):
                 await self.engine_core.add_request_async(core_request)
                 sent.append(core_request.request_id)
         except BaseException:

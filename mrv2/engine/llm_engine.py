@@ -51,13 +51,18 @@ def child_sampling_params(params: SamplingParams) -> list[SamplingParams]:
 
 
 def core_requests(request: EngineCoreRequest, core_ids: list[str],
-                  children: list[SamplingParams] | None) -> list[EngineCoreRequest]:
+                  children: list[SamplingParams] | None,
+                  output_kind: RequestOutputKind) -> list[EngineCoreRequest]:
     """What the core receives for one user request: itself, or one request per sample of
-    n > 1 (ids `core_ids`, params `children`)."""
+    n > 1 (ids `core_ids`, params `children`), each with the `output_kind` the caller reads
+    (the scheduler runs several decode steps at once for FINAL_ONLY: core/decode_steps.py)."""
     if children is None:
-        return [request]
-    return [msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
-            for core_id, child in zip(core_ids, children)]
+        ids, params = [request.request_id], [request.sampling_params]
+    else:
+        ids, params = core_ids, children
+    return [msgspec.structs.replace(request, request_id=core_id, sampling_params=(
+                p if p.output_kind == output_kind else p.clone(output_kind=output_kind)))
+            for core_id, p in zip(ids, params)]
 
 
 def user_request_id(output_processor: OutputProcessor, core_request_id: str) -> str:
@@ -219,7 +224,7 @@ class LLMEngine:
             arrival_time=request.arrival_time, pooling=pooling)
         added: list[str] = []
         try:
-            for core_request in core_requests(request, core_ids, children):
+            for core_request in core_requests(request, core_ids, children, output_kind):
                 self.core_client.add_request(core_request)
                 added.append(core_request.request_id)
                 self.metrics.prompt_tokens += len(request.prompt_token_ids)

@@ -63,10 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="share of a GPU's memory the engine may use (default 0.9); "
                              "not used on the CPU")
-    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps one scheduled step may run while every running "
                              "request decodes greedily (vLLM's multi-step decoding; tokens "
-                             "then arrive this many at a time; default 1)")
+                             "then arrive this many at a time; default: 8 while no request "
+                             "streams, else 1)")
 
 
 class CommandParser(argparse.ArgumentParser):

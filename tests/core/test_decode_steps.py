@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 
 from mrv2 import LLM, SamplingParams
+from mrv2.config import AUTO_DECODE_STEPS
 from mrv2.core.decode_steps import decode_steps
 from mrv2.core.request import Request
 from mrv2.core.scheduler import Scheduler
+from mrv2.outputs import RequestOutputKind
 from mrv2.sampling_params import StructuredOutputsParams
 
 
@@ -44,6 +46,16 @@ def test_greedy_decoding_rows_run_the_configured_steps():
                                         choice=["a", "b"]))])
 def test_a_row_that_reads_more_than_the_argmax_runs_one_step(params):
     assert _steps([_decoding(), _decoding(**params)]) == 1
+
+
+def test_by_default_rows_that_take_their_output_at_the_end_run_the_auto_steps():
+    final = dict(output_kind=RequestOutputKind.FINAL_ONLY)
+    assert _steps([_decoding(**final), _decoding(**final)], k=None) == AUTO_DECODE_STEPS > 1
+    for streams in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        # one streaming row keeps the batch on single steps; an explicit count runs it too
+        assert _steps([_decoding(**final), _decoding(output_kind=streams)], k=None) == 1
+        assert _steps([_decoding(**final), _decoding(output_kind=streams)], k=8) == 8
+    assert _steps([_decoding(**final, temperature=0.8)], k=None) == 1
 
 
 def test_waiting_requests_and_prefill_rows_run_one_step():
@@ -92,7 +104,7 @@ def test_runs_of_decode_steps_give_the_one_step_tokens(tiny_llama, async_schedul
     # Lengths that are not multiples of the run; the third ends at a stop token mid-run.
     one = _generate(tiny_llama, prompts, [SamplingParams(temperature=0.0, max_tokens=n,
                                                          ignore_eos=True) for n in (3, 11, 20)],
-                    async_scheduling=async_scheduling)
+                    async_scheduling=async_scheduling, num_scheduler_steps=1)
     stop = one[0][2][9]  # the third request's tenth token (an earlier equal one stops first)
     first = one[0][2].index(stop)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
@@ -105,11 +117,29 @@ def test_runs_of_decode_steps_give_the_one_step_tokens(tiny_llama, async_schedul
     assert max(steps) == 4 and all(1 <= s <= 4 for s in steps)
 
 
+def test_defaults_run_steps_for_generate_and_single_steps_for_a_stream(tiny_llama):
+    """LLM.generate (FINAL_ONLY) runs the auto steps with the one-step tokens; a DELTA request
+    on the same defaults gets one token per step output."""
+    prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42]} for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True)
+    one, _, one_steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=1)
+    tokens, _, steps = _generate(tiny_llama, prompts, params)
+    assert tokens == one and set(one_steps) == {1} and max(steps) == AUTO_DECODE_STEPS
+    llm = LLM(str(tiny_llama), max_model_len=96, max_num_seqs=4)
+    engine = llm.llm_engine
+    engine.add_request("s", prompts[0], params, RequestOutputKind.DELTA)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [len(o.outputs[0].token_ids) for o in engine.step()]
+    assert set(deltas) == {1} and len(deltas) == 19
+    llm.shutdown()
+
+
 def test_a_sampling_row_keeps_the_batch_on_single_steps(tiny_llama):
     prompts = [{"prompt_token_ids": [5, 17, 300, 42]}, {"prompt_token_ids": [9, 8, 7]}]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)]
-    one, _, _ = _generate(tiny_llama, prompts, params)
+    one, _, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=1)
     tokens, _, steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=4)
     assert tokens == one
     # While the seeded row runs, every step is one decode step; then the greedy row runs on.
@@ -125,7 +155,7 @@ def test_the_fused_stack_runs_a_row_s_further_steps_in_one_call(tiny_llama, monk
     prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(3)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in (5, 23, 40)]
-    one, _, _ = _generate(tiny_llama, prompts, params)
+    one, _, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=1)
     stop = one[2][30]
     params[2] = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                                stop_token_ids=[stop])

@@ -56,10 +56,12 @@ def test_step_loop_to_completion(engine):
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert engine.has_unfinished_requests()
     steps = run(engine)
-    assert len(steps) == 6
-    # final_only: one RequestOutput per request, when it finishes.
-    assert [[o.request_id for o in s] for s in steps] == [[], [], [], ["text"], [], ["ids"]]
-    text_out, ids_out = steps[3][0], steps[5][0]
+    # final_only: one RequestOutput per request, when it finishes; with nobody streaming a
+    # step runs several decode steps (core/decode_steps.py), so fewer than the 6 tokens.
+    finished = [[o.request_id for o in s] for s in steps]
+    assert [i for s in finished for i in s] == ["text", "ids"] and finished[-1] == ["ids"]
+    assert len(steps) < 6
+    text_out, ids_out = (o for s in steps for o in s)
     assert text_out.prompt == "hello world"
     assert text_out.prompt_token_ids == engine.tokenizer("hello world").input_ids
     assert ids_out.prompt is None and ids_out.prompt_token_ids == [5, 17, 300]

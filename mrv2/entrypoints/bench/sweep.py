@@ -6,7 +6,8 @@ Every engine gets the same prompts (random token ids, seeded: dataset.random_tok
 greedy decoding with EOS ignored, so each writes exactly `--output-len` tokens per prompt, and
 the same threads (the cores this process may use). A run of `--output-len` tokens and a run
 of 1 token (the prefill and its first token) are timed back to back; the decode throughput is
-`batch * (output_len - 1) / (t_full - t_first)` output tokens/s. Each engine runs every batch
+`batch * (output_len - 1) / (t_full - t_first)` output tokens/s, and t_first is the first-token
+time (the prefill) of the second table. Each engine runs every batch
 once untimed first (first calls at those shapes), then `--repeats` rounds alternate the
 engines, so a change in the machine's load reaches them alike; the table gives the median.
 
@@ -53,8 +54,9 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads of every engine (default: the cores this process may use)")
-    parser.add_argument("--num-scheduler-steps", type=int, default=1,
-                        help="mrv2's decode steps per scheduled step (multi-step decoding)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="mrv2's decode steps per scheduled step (multi-step decoding; "
+                             "default: the engine's; not applied to the 'mrv2 defaults' column)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help=f"mrv2's KV cache: {', '.join(KV_CACHE_DTYPES)} (llama.cpp's "
                              f"default is float16)")
@@ -96,7 +98,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     for flag, value, low in (("--input-len", args.input_len, 1), ("--repeats", args.repeats, 1),
                              ("--output-len", args.output_len, 2),
                              ("--threads", 1 if args.threads is None else args.threads, 1),
-                             ("--num-scheduler-steps", args.num_scheduler_steps, 1)):
+                             ("--num-scheduler-steps", 1 if args.num_scheduler_steps is None
+                              else args.num_scheduler_steps, 1)):
         if value < low:
             why = " (the decode is the tokens after the first)" if flag == "--output-len" else ""
             raise ValueError(f"{flag} must be >= {low}{why}, got {value}")
@@ -257,6 +260,7 @@ def _summarise(cell: dict[str, Any]) -> None:
     ok = cell["status"] == "ok" and bool(rates)
     cell["decode_tok_s_median"] = statistics.median(rates) if ok else None
     cell["wall_s_median"] = statistics.median(cell["wall_s"]) if ok else None
+    cell["first_token_s_median"] = statistics.median(cell["first_token_s"]) if ok else None
 
 
 def set_threads(threads: int) -> None:

@@ -1,8 +1,9 @@
 """The chart of `mrv2 bench sweep` (`--output-png`): grouped bars, one group per batch size, one
 bar per (engine, precision), its median decode tokens/s written on it and the spread of the
 repeats as a whisker, and where the result has a roofline a dashed line across each group at
-the decode tokens/s no engine passes on this machine; titled with the model and the CPU. matplotlib is optional (the `bench`
-extra); it is drawn without pyplot, so no display or global backend is touched.
+the decode tokens/s no engine passes on this machine; titled with the model and the CPU.
+matplotlib is optional (the `bench` extra); it is drawn without pyplot, so no display or global
+backend is touched.
 """
 
 from __future__ import annotations

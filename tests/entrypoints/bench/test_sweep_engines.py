@@ -72,7 +72,8 @@ def test_a_moe_files_limit_reads_its_top_k_experts(tiny_gguf_factory):
 
 def test_plan_on_an_avx2_machine_without_peers(no_peers):
     specs, skips = plan_engines(list(ENGINE_KEYS), _model(), "bf16 weights")
-    assert [s.column for s in specs] == ["mrv2 float32", "mrv2 gguf Q4_1", "mrv2 bf16 weights",
+    assert [s.column for s in specs] == ["mrv2 defaults", "mrv2 float32", "mrv2 gguf Q4_1",
+                                         "mrv2 bf16 weights",
                                          "transformers float32"]
     assert [s.line() for s in skips] == [
         "skipped llama.cpp: llama-cpp-python is not installed (pip install 'mrv2[peers]')",
@@ -151,6 +152,9 @@ def test_mrv2_engines_get_the_setup_s_steps_and_cache_type(monkeypatch):
     assert len(seen) == 1 and seen[0]["model"] == "/m/x.gguf"
     assert (seen[0]["num_scheduler_steps"], seen[0]["kv_cache_dtype"],
             seen[0]["quantization"]) == (8, "float16", "gguf")
+    # the defaults column is LLM(model) as a user writes it: none of the sweep's tuning
+    sweep_engines.load_engine(EngineSpec("mrv2:default", "mrv2", "defaults"), _model(), setup)
+    assert not {"num_scheduler_steps", "kv_cache_dtype", "quantization", "dtype"} & set(seen[1])
 
 
 @pytest.mark.parametrize("amx", [False, True])

@@ -40,7 +40,7 @@ def test_rows_without_a_value_have_no_best():
     result = make_result()
     for m in result["measurements"]:
         if m["batch"] == 8 and m["status"] == "ok":
-            m["decode_tok_s_median"] = None  # every decode time lost in the noise
+            m["decode_tok_s"] = [None, None]  # every decode time lost in the noise
     _, rows = table_rows(result)
     assert rows[0][1] == 3 and rows[1] == (["SmolLM2-135M-Instruct.Q4_1", "8", "-", "error",
                                             "n/a"], None)
@@ -60,3 +60,19 @@ def test_roofline_column_and_line():
     assert ("Roofline: the decode tokens/s no engine passes reading the checkpoint's 98 MB of "
             "weights once a step, and the float32 KV cache, at 21.5 GB/s, computing at 95 "
             "GFLOP/s (float32; both measured here).") in lines
+
+
+def test_first_token_table_marks_the_smallest():
+    result = make_result()
+    firsts = {"mrv2 float32": [0.05, 0.04, 0.06], "mrv2 gguf Q4_1": [0.031, 0.03, 0.03],
+              "llama.cpp gguf Q4_1": [0.2, 0.3, 0.25]}
+    for m in result["measurements"]:
+        m["first_token_s"] = firsts[m["column"]] if m["status"] == "ok" else []
+    header, rows = table_rows(result, "first_token")
+    assert header == ["model", "batch", "mrv2 float32", "mrv2 gguf Q4_1", "llama.cpp gguf Q4_1"]
+    assert rows[0] == (["SmolLM2-135M-Instruct.Q4_1", "1", "50 ms", "30 ms", "250 ms"], 3)
+    assert rows[1] == (["SmolLM2-135M-Instruct.Q4_1", "8", "50 ms", "error", "n/a"], 2)
+    lines = format_table(result, "markdown").splitlines()
+    assert "| SmolLM2-135M-Instruct.Q4_1 | 1 | 50 ms | **30** ms | 250 ms |" in lines
+    assert lines.index("| SmolLM2-135M-Instruct.Q4_1 | 1 | 50 ms | **30** ms | 250 ms |") > (
+        lines.index("| SmolLM2-135M-Instruct.Q4_1 | 8 | **81.0** (1.00 s) | error | n/a |"))
