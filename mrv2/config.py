@@ -189,10 +189,6 @@ class SchedulerConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value} must be at least 1")
 
-    @property
-    def max_decode_steps(self) -> int:
-        return AUTO_DECODE_STEPS if self.num_scheduler_steps is None else self.num_scheduler_steps
-
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -384,9 +380,10 @@ class EngineConfig:
 
     @property
     def max_kv_tokens_per_step(self) -> int:
-        """The most tokens whose KV one step writes for a request (a chunk, or decode steps)."""
+        """The most tokens whose KV one step writes for a request (a chunk, or decode steps).
+        Auto runs are not counted: they run only while the pool has their blocks."""
         sched = self.scheduler_config
-        return sched.max_num_batched_tokens + sched.max_decode_steps - 1
+        return sched.max_num_batched_tokens + (sched.num_scheduler_steps or 1) - 1
 
     @property
     def max_num_blocks_per_req(self) -> int:

@@ -127,7 +127,8 @@ def test_the_sampler_samples_the_stacks_logits_not_compute_logits(tiny_llama, mo
     """A stack step's logits are what its tokens are sampled from: logits that favour one
     token, returned by the fused path, give that token at every decode step, and
     `compute_logits` is called only for the prefill."""
-    llm = LLM(str(tiny_llama), max_model_len=64, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama), max_model_len=64, enable_prefix_caching=False,
+              num_scheduler_steps=1)  # each decode step its own forward, no run of steps
     runner = _runner(llm)
     fused, model = runner.fused_decode, runner.model
     real_forward, real_logits = fused.forward, type(model).compute_logits
