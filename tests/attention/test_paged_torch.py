@@ -163,3 +163,52 @@ def test_write_kv_slot_past_the_cache_raises() -> None:
     kv_cache = torch.zeros(2, 2, 4, 1, 4)
     with pytest.raises(IndexError):
         write_kv(torch.ones(2, 1, 4), torch.ones(2, 1, 4), kv_cache, torch.tensor([1, 8]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_lens", [[1, 6, 6, 6], [1, 6, 9, 4, 7], [1, 2, 2, 30]])
+def test_whole_prompts_run_as_one_batch_equal_to_each_alone(query_lens, cache_dtype,
+                                                             monkeypatch) -> None:
+    """A step's whole prompts (equal lengths; different lengths, padded and masked) are one
+    SDPA call with the per-prompt results; beside them a chunk with a cached prefix runs
+    alone, and prompts whose padding would cost too much ([2, 2, 30]) run one by one. A 16-bit
+    cache: the step's own float32 k/v count as the cache holds them, rounded."""
+    from mrv2.attention import paged_torch
+
+    gen = torch.Generator().manual_seed(len(query_lens))
+    num_heads, num_kv_heads, head_dim, block_size, scale = 4, 2, 16, 4, 0.25
+    seq_lens = [9] + query_lens[1:] + [11]  # the last row: 3 new tokens after 8 cached
+    query_lens = query_lens + [3]
+    meta, prefix_slots = _build_step(seq_lens, query_lens, block_size, num_blocks=64, gen=gen)
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    qs = [torch.randn(n, num_heads, head_dim, generator=gen) for n in query_lens]
+    kv_cache = torch.full((2, 64, block_size, num_kv_heads, head_dim), float("nan"),
+                          dtype=cache_dtype)
+    write_kv(torch.cat([k[:s - n] for k, s, n in zip(ks, seq_lens, query_lens)]),
+             torch.cat([v[:s - n] for v, s, n in zip(vs, seq_lens, query_lens)]),
+             kv_cache, prefix_slots)
+    k_new = torch.cat([k[s - n:] for k, s, n in zip(ks, seq_lens, query_lens)])
+    v_new = torch.cat([v[s - n:] for v, s, n in zip(vs, seq_lens, query_lens)])
+    write_kv(k_new, v_new, kv_cache, meta.slot_mapping)
+    batched = []
+    real = paged_torch.F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        batched.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(paged_torch.F, "scaled_dot_product_attention", spy)
+    out = paged_attention(torch.cat(qs), kv_cache, meta, scale, k_new, v_new)
+    expected = torch.cat([_dense_reference(q, k.to(cache_dtype).float(),
+                                           v.to(cache_dtype).float(), scale)
+                          for q, k, v in zip(qs, ks, vs)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    whole = len(query_lens) - 2
+    # one call of every whole prompt, then the cached-prefix chunk alone; or all one by one
+    assert batched == ([1] * (whole + 1) if 30 in query_lens else [whole, 1])
+    monkeypatch.setattr(paged_torch, "MAX_PADDED_WORK", 0.0)  # the per-row loop: same values
+    batched.clear()
+    alone = paged_attention(torch.cat(qs), kv_cache, meta, scale, k_new, v_new)
+    assert batched == [1] * (whole + 1)
+    torch.testing.assert_close(alone, out, atol=1e-6, rtol=1e-6)
