@@ -76,7 +76,8 @@ class ModelConfig:
     quantization: str | None = None
     # CPU only: the linears, the embedding and the LM head keep their weights in this 16-bit
     # dtype and the rest computes in `dtype` (float32): a bfloat16 / float16 model on the CPU
-    # (loader.split_cpu_dtype). None: weights of `dtype`.
+    # (loader.split_cpu_dtype). None: weights of `dtype`. Under quantization="gguf" the
+    # weights stay as the file stores them; bfloat16 here runs their prefill in bfloat16.
     cpu_weight_dtype: torch.dtype | None = None
     # "pooling": every request is a prompt whose pooled hidden states are the result
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
@@ -393,5 +394,5 @@ class EngineConfig:
     def kv_cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: kv_cache_dtype's, or the model's for "auto"."""
         model = self.model_config
-        return (KV_CACHE_DTYPES[self.cache_config.cache_dtype] or model.cpu_weight_dtype
-                or model.dtype)
+        return (KV_CACHE_DTYPES[self.cache_config.cache_dtype]
+                or (None if model.quantization else model.cpu_weight_dtype) or model.dtype)

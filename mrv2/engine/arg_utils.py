@@ -186,8 +186,6 @@ class EngineArgs:
         quantization = self._quantization(model_path, device)
         dtype, cpu_weight_dtype = split_cpu_dtype(resolve_dtype(self.dtype, hf_config, device),
                                                   device)
-        if quantization is not None:  # the GGUF file's types decide how weights are kept
-            cpu_weight_dtype = None
         batch_invariant = (os.environ.get(BATCH_INVARIANT_ENV, "0") == "1"
                            if self.batch_invariant is None else self.batch_invariant)
         model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,

@@ -34,7 +34,9 @@ from mrv2.config import ModelConfig
 from mrv2.models.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
 from mrv2.models.layers.gguf_blocks import as_byte_groups
+from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.linear import set_packed
+from mrv2.models.layers.linear_plan import with_bf16_tiles
 from mrv2.models.layers.quant_formats import packs
 from mrv2.models.layers.quantized import PackedWeight
 
@@ -231,6 +233,9 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
             set_packed(table, weight)
             packed.weights[f"model.{name}"] = weight
             packed.checkpoint_names.add(f"model.{name}.weight")
+    if model_config.cpu_weight_dtype == torch.bfloat16 and computes_natively(torch.bfloat16):
+        for weight in packed.all_weights():  # a bfloat16 model's prefill: on the matrix units
+            weight.plan = with_bf16_tiles(weight.plan)
     return packed
 
 

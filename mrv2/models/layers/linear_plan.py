@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mrv2 import batch_invariant, cpu_caps
 from mrv2.models.layers import dot_linear, half_panel_linear, quantized_numba
@@ -27,6 +27,7 @@ class LinearKernel(enum.Enum):
     BLOCK_GEMV = "block_gemv"  # quantized_numba.gemv_groups: integer blocks as stored
     GROUP_PANELS = "group_panels"  # quantized_panel_numba: blocks on output panels, int16 x
     BLOCK_TILES = "block_tiles"  # quantized_tiles: float32 tiles of the blocks + torch.mm
+    BLOCK_TILES_BF16 = "block_tiles_bf16"  # quantized_tiles: the tiles in bfloat16, x too
 
 
 # The kernels numba code (the fused decode stack) calls as the module path does.
@@ -112,6 +113,15 @@ def _fastest_plan(layout: str, native_16bit: bool) -> LinearPlan:
     few = (LinearKernel.GROUP_PANELS if x_format == quantized_numba.X_INT16
            and quantized_panel_numba.GROUP_PANELS_RUN else LinearKernel.BLOCK_GEMV)
     return LinearPlan(few, MAX_QUANTIZED_GEMV_ROWS, LinearKernel.BLOCK_TILES, x_format)
+
+
+def with_bf16_tiles(plan: LinearPlan) -> LinearPlan:
+    """`plan` with its many-row float32 tiles of integer blocks in bfloat16 (a bfloat16 model
+    on a CPU that multiplies bfloat16 natively: quantized_weights.pack_gguf_weights)."""
+    if plan.many is not LinearKernel.BLOCK_TILES or plan.few not in (
+            LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS):
+        return plan
+    return replace(plan, many=LinearKernel.BLOCK_TILES_BF16)
 
 
 def panels_plan(plan: LinearPlan) -> LinearPlan:

@@ -301,8 +301,9 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight,
     elif kernel is LinearKernel.NATIVE_16BIT:
         out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(),
                                              weight.half_dtype, float32_sums)
-    elif kernel is LinearKernel.BLOCK_TILES:
-        out = quantized_tiles.tiled_linear(x.detach(), weight)
+    elif kernel in (LinearKernel.BLOCK_TILES, LinearKernel.BLOCK_TILES_BF16):
+        out = quantized_tiles.tiled_linear(x.detach(), weight, torch.bfloat16 if kernel is
+                                           LinearKernel.BLOCK_TILES_BF16 else torch.float32)
     else:
         out = torch.empty(t, n, dtype=torch.float32)
         x_np = x.detach().contiguous().numpy()
