@@ -3,8 +3,8 @@
 Decode rows (one query token) are batched. With float32 queries they run the numba kernel
 (`decode_numba`), which reads the cache (float32 or 16-bit) in place; otherwise their blocks
 are gathered into one padded `[rows, max_seq_len]` key/value tensor and masked by seq_len.
-Prefill chunks run one `scaled_dot_product_attention` each (the step's whole prompts, when
-several, one batched call: `_whole_prompts_at_once`), attending to the cached prefix
+Prefill chunks run one `scaled_dot_product_attention` each (the step's whole prompts of one
+length one batched call: `_whole_prompts_at_once`), attending to the cached prefix
 plus their own tokens causally: query i of a chunk of length q in a sequence of length L
 sits at position L - q + i and sees keys 0 .. L - q + i. A chunk with no cached prefix
 (q == L) attends to the step's own k/v when the caller passes them: the same values the
@@ -110,49 +110,35 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
-# A batch of whole prompts is padded to its longest: taken as one call while the padded
-# attention costs at most this many times the prompts' own (sum of lengths squared).
-MAX_PADDED_WORK = 2.0
-
-
 def _whole_prompts_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, scale: float,
                            window: int) -> np.ndarray:
-    """The step's whole prompts (no cached prefix; k/v the step's own) among `rows` as one
-    batched SDPA into `out` (views of the step's tokens where the prompts have one length;
-    else gathered, padded to the longest with a mask of each prompt's keys); returns the rows
-    left for the per-row loop. A padded query row sees its prompt's keys only, so it is
-    finite, and it is never written."""
+    """The step's whole prompts (no cached prefix; k/v the step's own) among `rows`, those of
+    one length as one batched SDPA each, into `out` (views of the step's tokens where they
+    sit side by side, else gathered); returns the rows left for the per-row loop. Not padded
+    to one length: a prompt's result is then bit for bit its own call's (each batch entry's
+    blocks are those of its length), whatever else the step holds."""
     lens = (qsl[rows + 1] - qsl[rows]).astype(np.int64)
     whole = lens == seq_lens[rows]
     if window > 0:
         whole &= lens <= window
-    batch, rest = rows[whole], rows[~whole]
-    lens = lens[whole]
-    longest = int(lens.max()) if batch.size else 0
-    if batch.size < 2 or batch.size * longest ** 2 > MAX_PADDED_WORK * float(np.sum(lens ** 2)):
-        return rows
-    first = int(qsl[batch[0]])
-    side_by_side = np.array_equal(qsl[batch] - first, np.arange(batch.size) * longest)
-    if lens.min() == longest and side_by_side:
-        # prompts of one length, side by side: views of the step's tokens, no mask
-        span = slice(first, first + batch.size * longest)
-        qb, kb, vb = (t[span].unflatten(0, (batch.size, longest)).transpose(1, 2).to(q.dtype)
+    lengths, counts = np.unique(lens[whole], return_counts=True)
+    done = np.zeros(rows.size, np.bool_)
+    for length in lengths[counts > 1].tolist():
+        members = whole & (lens == length)
+        batch = rows[members]
+        first = int(qsl[batch[0]])
+        if np.array_equal(qsl[batch] - first, np.arange(batch.size) * length):
+            idx = slice(first, first + batch.size * length)  # side by side: views
+        else:
+            idx = torch.from_numpy((qsl[batch][:, None] + np.arange(length)).reshape(-1))
+        qb, kb, vb = (t[idx].unflatten(0, (batch.size, length)).transpose(1, 2).to(q.dtype)
                       for t in (q, k, v))  # [B, heads, L, D]
         o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                            enable_gqa=True)
-        out[span] = o.transpose(1, 2).flatten(0, 1)
-        return rest
-    pos = np.arange(longest)
-    # token index of each (prompt, position); padding repeats the prompt's last token
-    idx = torch.from_numpy(qsl[batch][:, None] + np.minimum(pos[None, :], lens[:, None] - 1))
-    qb, kb, vb = (t[idx].permute(0, 2, 1, 3).to(q.dtype) for t in (q, k, v))  # [B, heads, L, D]
-    keys = torch.from_numpy(pos[None, :] < lens[:, None])  # causal and within the prompt
-    mask = keys[:, None, None, :] & torch.ones(longest, longest, dtype=torch.bool).tril()
-    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                       enable_gqa=True).permute(0, 2, 1, 3)
-    out[idx[keys]] = o[keys]
-    return rest
+        out[idx] = o.transpose(1, 2).flatten(0, 1)
+        done |= members
+    return rows[~done]
 
 
 def _window_mask(query_len: int, seq_len: int, window: int, device: torch.device,

@@ -166,13 +166,17 @@ def test_write_kv_slot_past_the_cache_raises() -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("query_lens", [[1, 6, 6, 6], [1, 6, 9, 4, 7], [1, 2, 2, 30]])
-def test_whole_prompts_run_as_one_batch_equal_to_each_alone(query_lens, cache_dtype,
-                                                             monkeypatch) -> None:
-    """A step's whole prompts (equal lengths; different lengths, padded and masked) are one
-    SDPA call with the per-prompt results; beside them a chunk with a cached prefix runs
-    alone, and prompts whose padding would cost too much ([2, 2, 30]) run one by one. A 16-bit
-    cache: the step's own float32 k/v count as the cache holds them, rounded."""
+@pytest.mark.parametrize("query_lens, calls", [
+    ([1, 6, 6, 6], [3, 1]),  # side by side: one call of views, then the cached chunk
+    ([1, 6, 9, 6, 9, 4], [2, 2, 1, 1]),  # two lengths gathered; the 4 and the chunk alone
+    ([1, 6, 9, 4], [1, 1, 1, 1])])  # no two of a length: one call each
+def test_whole_prompts_of_one_length_run_as_one_call_bit_for_bit(query_lens, calls,
+                                                                  cache_dtype,
+                                                                  monkeypatch) -> None:
+    """A step's whole prompts of one length run as one SDPA call with the results of one call
+    each, bit for bit (no padding: a prompt's values never depend on what else the step
+    holds); a chunk with a cached prefix runs alone. A 16-bit cache: the step's own float32
+    k/v count as the cache holds them, rounded."""
     from mrv2.attention import paged_torch
 
     gen = torch.Generator().manual_seed(len(query_lens))
@@ -204,11 +208,7 @@ def test_whole_prompts_run_as_one_batch_equal_to_each_alone(query_lens, cache_dt
                                            v.to(cache_dtype).float(), scale)
                           for q, k, v in zip(qs, ks, vs)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    whole = len(query_lens) - 2
-    # one call of every whole prompt, then the cached-prefix chunk alone; or all one by one
-    assert batched == ([1] * (whole + 1) if 30 in query_lens else [whole, 1])
-    monkeypatch.setattr(paged_torch, "MAX_PADDED_WORK", 0.0)  # the per-row loop: same values
-    batched.clear()
+    assert batched == calls
+    monkeypatch.setattr(paged_torch, "_whole_prompts_at_once", lambda *args: args[6])
     alone = paged_attention(torch.cat(qs), kv_cache, meta, scale, k_new, v_new)
-    assert batched == [1] * (whole + 1)
-    torch.testing.assert_close(alone, out, atol=1e-6, rtol=1e-6)
+    assert torch.equal(alone, out)
