@@ -59,8 +59,10 @@ def test_step_overhead_256_decodes(benchmark, model):
     output_len = 4 if benchmark.disabled else 32
     # The suite's untimed pass only checks that the case runs: a 32-request batch does.
     num_reqs = 32 if benchmark.disabled else NUM_REQS
+    # One decode step a scheduled step: the share measured is each step's (LLM.generate would
+    # otherwise run several decode steps a scheduled step, core/decode_steps.py).
     llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=num_reqs,
-              max_num_batched_tokens=4096, seed=0)
+              max_num_batched_tokens=4096, seed=0, num_scheduler_steps=1)
     torch.set_num_threads(2)
     core = llm.llm_engine.engine_core
     runner = core.executor.worker.runner
