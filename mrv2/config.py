@@ -394,5 +394,6 @@ class EngineConfig:
     def kv_cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: kv_cache_dtype's, or the model's for "auto"."""
         model = self.model_config
+        # a quantized model's cpu_weight_dtype is its prefill tiles' (not the cache's)
         return (KV_CACHE_DTYPES[self.cache_config.cache_dtype]
                 or (None if model.quantization else model.cpu_weight_dtype) or model.dtype)

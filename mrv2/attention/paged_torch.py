@@ -78,12 +78,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_np
+    rows = np.arange(meta.num_decodes, meta.num_reqs)  # the prefill chunks
     # The step's own k/v, rounded to the cache's dtype as the write rounded them: what the
-    # cache now holds.
-    own_kv = k is not None and v is not None
+    # cache now holds (cast only where a chunk reads them: not in a decode-only step).
+    own_kv = k is not None and v is not None and rows.size > 0
     if own_kv and k.dtype != kv_cache.dtype:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    rows = np.arange(meta.num_decodes, meta.num_reqs)
     if own_kv and softcap <= 0.0 and sinks is None and rows.size > 1:
         rows = _whole_prompts_at_once(q, k, v, out, qsl, meta.seq_lens_np, rows, scale, window)
     for row in rows.tolist():

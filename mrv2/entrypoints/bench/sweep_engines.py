@@ -2,10 +2,9 @@
 max_tokens)` -> the tokens of every prompt, greedy, EOS ignored, exactly `max_tokens` each.
 
 - mrv2 at its defaults (`LLM(model)`, as a new user runs it), and in each precision it has:
-  float32 weights (a GGUF file dequantized at load),
-  `quantization="gguf"` (a quantized GGUF file's blocks, as stored), dtype="bfloat16" (bf16
-  weights; linears of several rows in bf16 where the CPU computes it, else widened to float32:
-  sweep_machine.CpuInfo.bf16_precision);
+  float32 weights (a GGUF file dequantized at load), `quantization="gguf"` (a quantized GGUF
+  file's blocks, as stored), dtype="bfloat16" (bf16 weights; linears of several rows in bf16
+  where the CPU computes it, else widened to float32: sweep_machine.CpuInfo.bf16_precision);
 - transformers' `generate`, float32, on the same weights: for a GGUF file its safetensors twin
   (mrv2/testing/gguf_twin.py: transformers' own reading of the file, saved once);
 - llama.cpp on the same GGUF file, through llama-cpp-python's bindings of its C API: every
@@ -170,8 +169,10 @@ def plan_engines(keys: list[str], model: SweepModel,
     specs: list[EngineSpec] = []
     skips: list[Skip] = []
     for key in keys:
-        if key in ("mrv2:default", "mrv2:float32"):
-            specs.append(EngineSpec(key, "mrv2", {"mrv2:default": "defaults"}.get(key, "float32")))
+        if key == "mrv2:default":
+            specs.append(EngineSpec(key, "mrv2", "defaults"))
+        elif key == "mrv2:float32":
+            specs.append(EngineSpec(key, "mrv2", "float32"))
         elif key == "mrv2:gguf":
             if model.is_gguf:
                 specs.append(EngineSpec(key, "mrv2", gguf))
@@ -203,8 +204,7 @@ class _OfflineLLM:
     """mrv2's LLM (vLLM's offline API): token-id prompts, greedy, EOS ignored. Its threads are
     not fitted to the free cores (free_cores.py): the sweep runs one engine at a time, so the
     fitting's "neighbour" is the sweep's other engines loading and running while this one
-    idles; its first step then ran on one thread, and mrv2 measured ~30% slower for the rest
-    of the sweep (bench/README.md)."""
+    idles; its first step then ran on one thread, ~30% slower after (bench/README.md)."""
 
     def __init__(self, spec: EngineSpec, module: Any, **kwargs: Any) -> None:
         self.spec = spec

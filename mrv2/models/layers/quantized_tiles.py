@@ -10,6 +10,7 @@ are those of x @ dequantize().T, in torch.mm's summation order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,19 +34,45 @@ def tiled_linear(x: torch.Tensor, weight: PackedWeight,
     CPU that multiplies it on matrix units, a bfloat16 model: LinearKernel.BLOCK_TILES_BF16)
     multiplies x and each tile rounded to bfloat16, each output rounded once, as a bfloat16
     model's linears do, ~4x faster than float32 on AMX at 2048 rows (bench/README.md)."""
-    if tile_dtype == torch.bfloat16:
-        return _bf16_tiled_linear(x, weight)
-    if weight.panel_storage:
-        return _panel_tiled_linear(x, weight)
-    # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm writes
-    # them in place; one buffer of <= TILE_ELEMENTS floats (HALF_TILE_ELEMENTS for a 16-bit
-    # weight) is reused for every tile.
+    n, t = weight.out_features, x.shape[0]
+    if tile_dtype == torch.float32:
+        # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm
+        # writes them in place.
+        out_t = torch.empty(n, t, dtype=torch.float32)
+        xt = x.t()
+        for n0, tile in _tiles(weight, tile_dtype):
+            torch.mm(tile, xt, out=out_t[n0:n0 + tile.shape[0]])
+        return out_t.t().contiguous()
+    # bfloat16 into out [T, N]'s columns: the out^T form measured slower on AMX (its
+    # transposed bfloat16 output, then a transposing copy; bench/README.md).
+    out = torch.empty(t, n, dtype=tile_dtype)
+    xb = x.to(tile_dtype)
+    for n0, tile in _tiles(weight, tile_dtype):
+        torch.mm(xb, tile.t(), out=out[:, n0:n0 + tile.shape[0]])
+    return out.float()
+
+
+def _tiles(weight: PackedWeight, tile_dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first output, the weight's rows from it [rows, K] in `tile_dtype`), tile by tile, each
+    a view of one reused buffer (of <= TILE_ELEMENTS floats; HALF_TILE_ELEMENTS for a 16-bit
+    weight), dequantized in float32 and, for another dtype, rounded into a second buffer of
+    the same layout. A weight held as group panels gives whole panels, dequantized transposed
+    ([K, outputs]: a panel's outputs lie side by side in memory), as a transposed view."""
     n, k = weight.out_features, weight.in_features
-    tile_elements = HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS
-    tile = max(16, min(n, tile_elements // k))
-    buf = torch.empty(tile, k, dtype=torch.float32)
-    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
-    xt = x.t()
+    if weight.panel_storage:
+        width = quantized_panel_layout.GROUP_PANEL_OUTPUTS
+        panels = -(-n // width)
+        per_tile = max(1, min(panels, TILE_ELEMENTS // (k * width)))
+        buf_t, rounded_t = _tile_buffers((k, per_tile * width), tile_dtype)
+        for b0 in range(0, panels, per_tile):
+            count = min(per_tile, panels - b0)
+            quantized_panel_layout.panel_tile_t(*weight.group_panels(), weight.layout == "u4",
+                                               b0, count, buf_t.numpy())
+            rows = min(count * width, n - b0 * width)
+            yield b0 * width, _rounded(buf_t[:, :rows], rounded_t).t()
+        return
+    tile = max(16, min(n, (HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS) // k))
+    buf, rounded = _tile_buffers((tile, k), tile_dtype)
     for n0 in range(0, n, tile):
         rows = min(tile, n - n0)
         if weight.is_half:  # a slice, widened by torch (no gather of row ids)
@@ -53,58 +80,20 @@ def tiled_linear(x: torch.Tensor, weight: PackedWeight,
         else:
             ids = np.arange(n0, n0 + rows, dtype=np.int64)
             weight.dequantize_rows_into(ids, buf.numpy(), parallel=False)
-        torch.mm(buf[:rows], xt, out=out_t[n0:n0 + rows])
-    return out_t.t().contiguous()
+        yield n0, _rounded(buf[:rows], rounded)
 
 
-def _panel_tiled_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    # A weight held as group panels: a tile of whole panels dequantized transposed ([K,
-    # outputs]: a panel's outputs lie side by side in memory), torch.mm taking its transpose.
-    n, k = weight.out_features, weight.in_features
-    width = quantized_panel_layout.GROUP_PANEL_OUTPUTS
-    panels = -(-n // width)
-    per_tile = max(1, min(panels, TILE_ELEMENTS // (k * width)))
-    buf_t = torch.empty(k, per_tile * width, dtype=torch.float32)
-    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
-    xt = x.t()
-    for b0 in range(0, panels, per_tile):
-        count = min(per_tile, panels - b0)
-        quantized_panel_layout.panel_tile_t(*weight.group_panels(), weight.layout == "u4", b0,
-                                           count, buf_t.numpy())
-        n0 = b0 * width
-        rows = min(count * width, n - n0)
-        torch.mm(buf_t[:, :rows].t(), xt, out=out_t[n0:n0 + rows])
-    return out_t.t().contiguous()
+def _tile_buffers(shape: tuple[int, int], tile_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 buffer a tile is dequantized into, and the one it is rounded into for a
+    `tile_dtype` other than float32 (None for float32: torch.mm reads the first)."""
+    rounded = None if tile_dtype == torch.float32 else torch.empty(shape, dtype=tile_dtype)
+    return torch.empty(shape, dtype=torch.float32), rounded
 
 
-def _bf16_tiled_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    # Each float32 tile ([outputs, K] rows of the blocks, or [K, outputs] of whole panels)
-    # rounded into a bfloat16 buffer, multiplied by x in bfloat16 into out's columns.
-    n, k = weight.out_features, weight.in_features
-    xb = x.to(torch.bfloat16)
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    if weight.panel_storage:
-        width = quantized_panel_layout.GROUP_PANEL_OUTPUTS
-        panels = -(-n // width)
-        per_tile = max(1, min(panels, TILE_ELEMENTS // (k * width)))
-        buf_t = torch.empty(k, per_tile * width, dtype=torch.float32)
-        half_t = torch.empty(k, per_tile * width, dtype=torch.bfloat16)
-        for b0 in range(0, panels, per_tile):
-            count = min(per_tile, panels - b0)
-            quantized_panel_layout.panel_tile_t(*weight.group_panels(), weight.layout == "u4",
-                                               b0, count, buf_t.numpy())
-            n0 = b0 * width
-            rows = min(count * width, n - n0)
-            half_t[:, :rows].copy_(buf_t[:, :rows])
-            torch.mm(xb, half_t[:, :rows], out=out[:, n0:n0 + rows])
-        return out.float()
-    tile = max(16, min(n, TILE_ELEMENTS // k))
-    buf = torch.empty(tile, k, dtype=torch.float32)
-    half = torch.empty(tile, k, dtype=torch.bfloat16)
-    for n0 in range(0, n, tile):
-        rows = min(tile, n - n0)
-        weight.dequantize_rows_into(np.arange(n0, n0 + rows, dtype=np.int64), buf.numpy(),
-                                    parallel=False)
-        half[:rows].copy_(buf[:rows])
-        torch.mm(xb, half[:rows].t(), out=out[:, n0:n0 + rows])
-    return out.float()
+def _rounded(tile: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
+    """`tile` (a slice of the float32 buffer) itself, or rounded into the same slice of
+    `rounded`."""
+    if rounded is None:
+        return tile
+    return rounded[:tile.shape[0], :tile.shape[1]].copy_(tile)
