@@ -178,8 +178,11 @@ def block_scores(typingctx, qs, kb, kv, count, scores, t):
             block_heads = _clamp(builder, builder.sub(heads, h0), HEADS)
 
             def emit(n):
-                whole = builder.mul(builder.sdiv(count_, I64(passes)), I64(passes))
+                # Positions before `whole` go `passes` at a time, the rest one at a time
+                # (with one-position passes, every position).
+                whole = I64(0)
                 if passes > 1:
+                    whole = builder.mul(builder.sdiv(count_, I64(passes)), I64(passes))
                     with cgutils.for_range_slice(builder, I64(0), whole,
                                                  I64(passes)) as (first, _):
                         positions(h0, n, first, passes)

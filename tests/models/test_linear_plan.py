@@ -131,7 +131,8 @@ def test_native_rows_from_two_only_where_a_few_row_kernel_reads_the_weights():
     """From 2 rows (not 8) only where a few-row kernel takes a bfloat16 model's linears: on
     oneDNN's calls alone the fused stack's GEMV was faster below 8 rows."""
     w = torch.randn(128, 64).bfloat16()
-    has_kernel = (cpu_linear.available() and cpu_linear.few_rows_view(
+    has_kernel = (cpu_linear.available() and cpu_linear.computes_natively(torch.bfloat16)
+                  and cpu_linear.few_rows_view(
         torch.ops.mkldnn._reorder_linear_weight(w)) is not None)
     assert (linear_plan.MIN_NATIVE_HALF_ROWS == 2) is has_kernel
 

@@ -281,6 +281,7 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
                         lambda x, w, dtype, float32_sums=False:
                         calls.append(len(x)) or torch.zeros(len(x), 80))
+    monkeypatch.setattr(cpu_linear, "onednn_pack", lambda weight: weight)  # no bf16 oneDNN
     w = PackedWeight.from_float(torch.randn(80, 300), torch.bfloat16)
     low = linear_plan.MIN_NATIVE_HALF_ROWS
     for rows in (1, low - 1, low, 40):
@@ -303,6 +304,7 @@ def test_the_gemv_runs_up_to_the_plans_few_rows(gguf_type, native, monkeypatch):
         monkeypatch.setattr(module, name, lambda x, *args: calls.append(len(x)))
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
                         lambda x, w, dtype, float32_sums=False: torch.zeros(len(x), w.shape[0]))
+    monkeypatch.setattr(cpu_linear, "onednn_pack", lambda weight: weight)  # no bf16 oneDNN
     w = PackedWeight.from_gguf(random_raw(gguf_type, 96, 1536, seed=0), gguf_type, (96, 1536))
     limit, panels = w.plan.few_rows, w.plan.few is LinearKernel.HALF_PANELS
     for rows in (1, limit, limit + 1):

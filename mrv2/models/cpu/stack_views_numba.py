@@ -20,7 +20,7 @@ from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kerne
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
 from mrv2.models.layers.quantized_panel_layout import no_group_panels, panel_rows
-from mrv2.models.layers.quantized_panel_numba import group_panel_kernel
+from mrv2.models.layers.quantized_panel_numba import GROUP_PANELS_RUN, group_panel_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
 from mrv2.utils.kernel_flags import FASTMATH
 
@@ -113,7 +113,12 @@ def _stack_linear_overload(x, w, out):
             group_panel_kernel(x, w.panels[0], w.panels[1], w.panels[2], w.u4, out)
         else:
             gemv_groups(x, w.q, w.scales, w.mins, w.u4, w.group_size, w.x_format, out)
-    return blocks
+
+    def blocks_without_panels(x, w, out):
+        gemv_groups(x, w.q, w.scales, w.mins, w.u4, w.group_size, w.x_format, out)
+    # The panels' kernel is AVX-512 code: where it does not run, no view has panels, and it
+    # must not be compiled at all (LLVM cannot lower its 512-bit intrinsics for AVX2).
+    return blocks if GROUP_PANELS_RUN else blocks_without_panels
 
 
 def stack_embed(ids, w, out):
