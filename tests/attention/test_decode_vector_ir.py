@@ -80,3 +80,27 @@ def test_takes_head_dims_of_whole_vectors_only():
     assert width == (16 if cpu_caps.caps().avx512f else 8)
     assert takes_head_dim(width) and takes_head_dim(8 * width)
     assert not takes_head_dim(width + 4) and not takes_head_dim(12)
+
+
+# Each vector width's code on every x86 CPU (LLVM splits 16-float vectors for AVX2): the
+# host's width alone left AVX2's one-position passes untested on AVX-512 machines, where they
+# once scored nothing. numba caches an intrinsic's typing by its argument types, so each width
+# is typed with a count of its own integer type.
+@pytest.mark.parametrize("width, count_type", [(8, np.int32), (16, np.int16)])
+def test_each_vector_width_scores_and_accumulates(monkeypatch, width, count_type):
+    from mrv2.attention import decode_vector_ir
+    monkeypatch.setattr(decode_vector_ir, "vector_width", lambda: width)
+    scores_fn, values_fn = njit(_scores.py_func), njit(_values.py_func)
+    rng = np.random.default_rng(width)
+    for head_dim in (width, 5 * width):
+        kb, exact = _block(torch.float16, head_dim, seed=head_dim)
+        for heads, kv, count in ((1, 0, 16), (6, 2, 7), (3, 1, 1)):
+            qs = rng.standard_normal((heads, head_dim)).astype(np.float32)
+            scores = np.full((heads, 24), np.nan, np.float32)
+            scores_fn(qs, kb, kv, count_type(count), scores, 2)
+            np.testing.assert_allclose(scores[:, 2:2 + count], qs @ exact[:count, kv].T,
+                                       rtol=1e-5, atol=1e-5)
+            acc = np.zeros((heads, head_dim), np.float32)
+            values_fn(scores, 2, kb, kv, count_type(count), acc)
+            np.testing.assert_allclose(acc, scores[:, 2:2 + count] @ exact[:count, kv],
+                                       rtol=1e-4, atol=1e-4)
