@@ -79,3 +79,23 @@ def float_activations(monkeypatch):
     from mrv2.models.layers import linear_plan, quantized, quantized_numba
     monkeypatch.setattr(linear_plan, "GEMV_X_FORMAT", quantized_numba.X_FLOAT32)
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)
+
+
+@pytest.fixture
+def row_invariant_interpreter_dot(monkeypatch):
+    """The Triton interpreter's tl.dot with each output summed over k in one order, wherever
+    its row sits in the tile. The interpreter hands tl.dot to numpy's BLAS, whose kernels may
+    round a row by its place in the tile (OpenBLAS's AVX2 sgemm on Zen 3 does); a GPU's tl.dot
+    gives a row one result wherever it sits, the property batch-invariance tests check."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.dtype.is_floating() and a.dtype.primitive_bitwidth >= 16):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        out = np.einsum("mk,kn->mn", a.data.astype(acc), b.data.astype(acc), optimize=False)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    original = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

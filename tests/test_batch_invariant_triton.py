@@ -49,6 +49,7 @@ def _forward(model, num_layers: int, kv_heads: int, head_dim: int, caches: list 
     return list(logits.split(counts)), caches
 
 
+@pytest.mark.usefixtures("row_invariant_interpreter_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_requests_logits_do_not_depend_on_its_batch_on_triton(dtype, tiny_model_factory,
                                                                 monkeypatch):

@@ -27,6 +27,7 @@ def test_matches_torch(dtype, atol, bias):
     torch.testing.assert_close(logits, x[:3].float() @ w.float().T, atol=atol, rtol=1e-3)
 
 
+@pytest.mark.usefixtures("row_invariant_interpreter_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_row_does_not_depend_on_its_batch(dtype):
     gen = torch.Generator().manual_seed(1)
