@@ -22,7 +22,8 @@ from mrv2.engine.engine_args_flags import add_engine_args_flags
 from mrv2.models.gguf import (GGUFError, has_compact_linears, has_tokenizer, is_gguf_path,
                               open_gguf)
 from mrv2.models.hub import resolve_model_path
-from mrv2.models.loader import load_hf_config, resolve_dtype, split_cpu_dtype
+from mrv2.models.loader import (cpu_auto_runs_gguf_blocks, load_hf_config, resolve_dtype,
+                               split_cpu_dtype)
 from mrv2.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
@@ -88,8 +89,9 @@ class EngineArgs:
     # attention still computes in the model's dtype.
     kv_cache_dtype: str = "auto"
     # vLLM's `quantization`. "gguf": compute on a quantized GGUF file's blocks (CPU only;
-    # resident weights near the file size). None: dequantize to `dtype` at load, the faster
-    # choice on the machines measured so far (bench/test_quantized_linear.py).
+    # resident weights near the file size). None: the blocks too where the CPU picks float32
+    # for dtype="auto" (loader.cpu_auto_runs_gguf_blocks), else dequantized to `dtype` at
+    # load; a dtype given by name always dequantizes.
     quantization: str | None = None
     # vLLM's: a dict of StructuredOutputsConfig fields (or one), and --reasoning-parser, which
     # sets its reasoning_parser.
@@ -285,6 +287,12 @@ class EngineArgs:
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
                               f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
+        if self.quantization is None:
+            if (device == "cpu" and str(self.dtype).lower() == "auto"
+                    and is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))
+                    and cpu_auto_runs_gguf_blocks()):
+                return "gguf"
+            return None
         if self.quantization == "gguf":
             if not (is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))):
                 raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "

@@ -142,6 +142,17 @@ def cpu_auto_dtype() -> torch.dtype:
     return torch.bfloat16 if computes_natively(torch.bfloat16) else torch.float32
 
 
+def cpu_auto_runs_gguf_blocks() -> bool:
+    """Whether dtype="auto" on the CPU computes a GGUF file's quantized or 16-bit linears on
+    their blocks (quantization="gguf") instead of dequantizing them at load: where the machine
+    itself picks float32 (no 16-bit matrix instructions), the blocks, read at their own size,
+    beat float32 weights at every batch size measured (bench/README.md, Zen 3). Where it picks
+    bfloat16 they do not yet, and `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to."""
+    if os.environ.get(CPU_AUTO_DTYPE_ENV, "").strip():
+        return False
+    return cpu_auto_dtype() == torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) -> torch.dtype:
     """The dtype weights and activations run in.
 
@@ -277,5 +288,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
 __all__ = ["CPU_AUTO_DTYPE_ENV", "ModelNotFoundError", "UnsupportedModelError",
            "check_quantization_config", "checkpoint_weights", "cpu_auto_dtype",
+           "cpu_auto_runs_gguf_blocks",
            "iterate_safetensors", "load_hf_config", "load_model", "resolve_dtype",
            "safetensors_files", "split_cpu_dtype"]

@@ -176,6 +176,32 @@ def test_auto_dtype_is_decided_by_the_cpu(tiny_llama, native, monkeypatch):
     assert config.model_config.cpu_weight_dtype is None
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_runs_a_gguf_on_its_blocks_where_the_cpu_picks_float32(
+        tiny_gguf_factory, native, monkeypatch):
+    # Where dtype="auto" is float32 by the machine's choice, a GGUF of quantized or 16-bit
+    # linears runs on its blocks; a dtype by name, MRV2_CPU_AUTO_DTYPE, a float32 file or a
+    # bfloat16 machine dequantize at load.
+    from mrv2.models.layers import cpu_linear
+    from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
+
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
+    monkeypatch.setattr(cpu_linear, "computes_natively", lambda d: native)
+
+    def quantization(tensor_type: str = "Q8_0", **kwargs) -> str | None:
+        args = EngineArgs(model=str(tiny_gguf_factory("llama", tensor_type)), device="cpu",
+                          **kwargs)
+        return args.create_engine_config().model_config.quantization
+
+    assert quantization() == (None if native else "gguf")
+    assert quantization("F16") == (None if native else "gguf")
+    assert quantization("F32") is None
+    assert quantization(dtype="float32") is None
+    assert quantization(quantization="gguf") == "gguf"
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float32")
+    assert quantization() is None
+
+
 def test_bad_dtype(tiny_llama):
     with pytest.raises(ValueError, match="int8"):
         EngineArgs(model=str(tiny_llama), dtype="int8", device="cpu").create_engine_config()

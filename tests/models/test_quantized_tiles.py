@@ -31,7 +31,6 @@ def test_tiles_of_blocks_and_16_bit_weights(gguf_type, monkeypatch):
     n, k = 150, 256
     w = PackedWeight.from_gguf(random_raw(gguf_type, n, k, 5), gguf_type, (n, k))
     monkeypatch.setattr(quantized_tiles, "TILE_ELEMENTS", 40 * k)  # 40-row tiles, ragged last
-    monkeypatch.setattr(quantized_tiles, "HALF_TILE_ELEMENTS", 40 * k)
     _check(torch.randn(37, k, generator=torch.Generator().manual_seed(1)), w, dequantized(w))
 
 

@@ -21,11 +21,10 @@ from mrv2.models.layers import quantized_panel_layout
 if TYPE_CHECKING:
     from mrv2.models.layers.quantized import PackedWeight
 
-# Float32 elements of one dequantized tile (1 MiB): stays in L2/L3 while torch.mm reads it.
-TILE_ELEMENTS = 1 << 18
-# A 16-bit weight widens fast (torch's vectorised copy), so the per-tile cost of torch.mm
-# dominates instead: larger tiles (4 MiB) measured faster (bench/README.md).
-HALF_TILE_ELEMENTS = 1 << 20
+# Float32 elements of one dequantized tile (4 MiB): stays in L2/L3 while torch.mm reads it,
+# large enough that torch.mm's per-call cost is small (bench/README.md: Zen 3's float32 tiles
+# and the 16-bit ones).
+TILE_ELEMENTS = 1 << 20
 
 
 def tiled_linear(x: torch.Tensor, weight: PackedWeight,
@@ -35,29 +34,21 @@ def tiled_linear(x: torch.Tensor, weight: PackedWeight,
     multiplies x and each tile rounded to bfloat16, each output rounded once, as a bfloat16
     model's linears do, ~4x faster than float32 on AMX at 2048 rows (bench/README.md)."""
     n, t = weight.out_features, x.shape[0]
-    if tile_dtype == torch.float32:
-        # out^T [N, T] is filled tile by tile: its row slices are contiguous, so torch.mm
-        # writes them in place.
-        out_t = torch.empty(n, t, dtype=torch.float32)
-        xt = x.t()
-        for n0, tile in _tiles(weight, tile_dtype):
-            torch.mm(tile, xt, out=out_t[n0:n0 + tile.shape[0]])
-        return out_t.t().contiguous()
-    # bfloat16 into out [T, N]'s columns: the out^T form measured slower on AMX (its
-    # transposed bfloat16 output, then a transposing copy; bench/README.md).
+    # The products go into out [T, N]'s columns, tile by tile: filling out^T [N, T] (its row
+    # slices contiguous) and transposing once measured slower in both dtypes (bench/README.md).
     out = torch.empty(t, n, dtype=tile_dtype)
-    xb = x.to(tile_dtype)
+    x = x if tile_dtype == torch.float32 else x.to(tile_dtype)
     for n0, tile in _tiles(weight, tile_dtype):
-        torch.mm(xb, tile.t(), out=out[:, n0:n0 + tile.shape[0]])
-    return out.float()
+        torch.mm(x, tile.t(), out=out[:, n0:n0 + tile.shape[0]])
+    return out if tile_dtype == torch.float32 else out.float()
 
 
 def _tiles(weight: PackedWeight, tile_dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
     """(first output, the weight's rows from it [rows, K] in `tile_dtype`), tile by tile, each
-    a view of one reused buffer (of <= TILE_ELEMENTS floats; HALF_TILE_ELEMENTS for a 16-bit
-    weight), dequantized in float32 and, for another dtype, rounded into a second buffer of
-    the same layout. A weight held as group panels gives whole panels, dequantized transposed
-    ([K, outputs]: a panel's outputs lie side by side in memory), as a transposed view."""
+    a view of one reused buffer (of <= TILE_ELEMENTS floats), dequantized in float32 and, for
+    another dtype, rounded into a second buffer of the same layout. A weight held as group
+    panels gives whole panels, dequantized transposed ([K, outputs]: a panel's outputs lie side
+    by side in memory), as a transposed view."""
     n, k = weight.out_features, weight.in_features
     if weight.panel_storage:
         width = quantized_panel_layout.GROUP_PANEL_OUTPUTS
@@ -71,7 +62,7 @@ def _tiles(weight: PackedWeight, tile_dtype: torch.dtype) -> Iterator[tuple[int,
             rows = min(count * width, n - b0 * width)
             yield b0 * width, _rounded(buf_t[:, :rows], rounded_t).t()
         return
-    tile = max(16, min(n, (HALF_TILE_ELEMENTS if weight.is_half else TILE_ELEMENTS) // k))
+    tile = max(16, min(n, TILE_ELEMENTS // k))
     buf, rounded = _tile_buffers((tile, k), tile_dtype)
     for n0 in range(0, n, tile):
         rows = min(tile, n - n0)
