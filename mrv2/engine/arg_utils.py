@@ -287,19 +287,20 @@ class EngineArgs:
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
                               f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
+
+        def has_blocks() -> bool:
+            return is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))
+
         if self.quantization is None:
-            if (device == "cpu" and str(self.dtype).lower() == "auto"
-                    and is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))
-                    and cpu_auto_runs_gguf_blocks()):
-                return "gguf"
-            return None
-        if self.quantization == "gguf":
-            if not (is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))):
-                raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
-                                  f"stored quantized or in 16 bits; {model_path} is not one")
-            if device != "cpu":
-                raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
-                                  "dequantizes GGUF weights: leave quantization unset)")
+            auto_blocks = (device == "cpu" and str(self.dtype).lower() == "auto"
+                           and cpu_auto_runs_gguf_blocks() and has_blocks())
+            return "gguf" if auto_blocks else None
+        if not has_blocks():
+            raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
+                              f"stored quantized or in 16 bits; {model_path} is not one")
+        if device != "cpu":
+            raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
+                              "dequantizes GGUF weights: leave quantization unset)")
         return self.quantization
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:

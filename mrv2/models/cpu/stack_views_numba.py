@@ -108,17 +108,18 @@ def _stack_linear_overload(x, w, out):
     if _view_kind(w) is not BlockWeightView:
         raise TypeError(f"the decode stack has no linear for a {w} weight view")
 
+    if not GROUP_PANELS_RUN:
+        # The panels' kernel is AVX-512 code: where it does not run, no view has panels, and
+        # it must not be compiled at all (LLVM cannot lower its 512-bit intrinsics for AVX2).
+        return lambda x, w, out: gemv_groups(x, w.q, w.scales, w.mins, w.u4, w.group_size,
+                                             w.x_format, out)
+
     def blocks(x, w, out):
         if w.panels[0].shape[0] > 0:  # as quantized_linear, for every row count
             group_panel_kernel(x, w.panels[0], w.panels[1], w.panels[2], w.u4, out)
         else:
             gemv_groups(x, w.q, w.scales, w.mins, w.u4, w.group_size, w.x_format, out)
-
-    def blocks_without_panels(x, w, out):
-        gemv_groups(x, w.q, w.scales, w.mins, w.u4, w.group_size, w.x_format, out)
-    # The panels' kernel is AVX-512 code: where it does not run, no view has panels, and it
-    # must not be compiled at all (LLVM cannot lower its 512-bit intrinsics for AVX2).
-    return blocks if GROUP_PANELS_RUN else blocks_without_panels
+    return blocks
 
 
 def stack_embed(ids, w, out):

@@ -37,10 +37,10 @@ def tiled_linear(x: torch.Tensor, weight: PackedWeight,
     # The products go into out [T, N]'s columns, tile by tile: filling out^T [N, T] (its row
     # slices contiguous) and transposing once measured slower in both dtypes (bench/README.md).
     out = torch.empty(t, n, dtype=tile_dtype)
-    x = x if tile_dtype == torch.float32 else x.to(tile_dtype)
+    x = x.to(tile_dtype)  # itself for float32, as out.float() below
     for n0, tile in _tiles(weight, tile_dtype):
         torch.mm(x, tile.t(), out=out[:, n0:n0 + tile.shape[0]])
-    return out if tile_dtype == torch.float32 else out.float()
+    return out.float()
 
 
 def _tiles(weight: PackedWeight, tile_dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
