@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads (torch's and numba's) sleep while they wait instead of spinning. Two pytest
+# workers on two cores, each with two threads, and the engine processes they start: a spinning
+# waiter takes the core another process needs, so every parallel region's barrier waits out a
+# scheduler slice. The whole suite with every cache warm on 2-core Zen 3: 14:27 spinning, 9:29
+# sleeping. libgomp reads it once, when torch loads it: so before torch is imported.
+assert "torch" not in sys.modules, "OMP_WAIT_POLICY must be set before torch loads libgomp"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests measure correctness, not speed: keep them reproducible and off extra threads.
 torch.manual_seed(0)

@@ -100,7 +100,10 @@ def test_score_and_rerank_are_cosine_similarities(pooling_server, document):
         "ScoreResponse")
     scores = [d["score"] for d in body["data"]]
     assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
-    assert scores[0] == pytest.approx(1.0, abs=1e-5) and scores[2] == scores[0]
+    # The two "hello"s may share a step or not (requests arrive as the server reads them), and
+    # the default mode's sums follow the batch: equal to float32 rounding, not to the bit.
+    assert scores[0] == pytest.approx(1.0, abs=1e-5)
+    assert scores[2] == pytest.approx(scores[0], abs=1e-6)
     assert scores[1] < 0.99
     for sides in ({"queries": "hello", "documents": ["hello", "world", "hello"]},
                   {"data_1": ["hello"] * 3, "data_2": ["hello", "world", "hello"]}):
