@@ -58,7 +58,8 @@ def weights(gguf_type: str, shape_name: str) -> tuple[PackedWeight, torch.Tensor
 
 # The kernels other than the GEMVs, as extra_info's path names them.
 PATHS = {LinearKernel.NATIVE_16BIT: "native", LinearKernel.BLOCK_TILES: "tiled",
-         LinearKernel.HALF_PANELS: "panels", LinearKernel.GROUP_PANELS: "group_panels"}
+         LinearKernel.HALF_PANELS: "panels", LinearKernel.GROUP_PANELS: "group_panels",
+         LinearKernel.HALF_PAIRS: "pairs"}
 # impl -> (x format, its levels)
 INTEGER_X = {"quantized_linear_int16x": (quantized_numba.X_INT16, 32767),
              "quantized_linear_int8x": (quantized_numba.X_INT8, 127)}

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from mrv2 import cpu_caps
-from mrv2.models.layers import (cpu_linear, half_panel_linear, linear_plan, quantized,
-                               quantized_numba, quantized_panel_numba, quantized_tiles)
+from mrv2.models.layers import (cpu_linear, dense_gemv_numba, half_panel_linear, linear_plan,
+                               quantized, quantized_numba, quantized_panel_numba,
+                               quantized_tiles)
 from mrv2.models.layers.linear_plan import LinearKernel as K
 from mrv2.models.layers.linear_plan import LinearPlan, panels_plan, plan_for
 from mrv2.models.layers.quantized import PackedWeight, quantized_linear
@@ -24,6 +25,7 @@ from test_quantized import random_raw  # noqa: E402
 
 F32, I8, I16 = quantized_numba.X_FLOAT32, quantized_numba.X_INT8, quantized_numba.X_INT16
 MAX = linear_plan.MAX_QUANTIZED_GEMV_ROWS
+PAIRS = linear_plan.MIN_HALF_PAIRS_ROWS
 LAYOUTS = ("u4", "i8", "f16", "bf16")
 # CPU kind -> (16-bit panels run, group panels run, the GEMV's x format): AVX-512 (int16 x, the
 # default where AVX2 compiles), AVX-512 with int8 x (opt-in) or float32 x, AVX2 alone, neither.
@@ -47,7 +49,7 @@ def _expected(cpu: str, layout: str, native: bool, min_native_rows: int) -> Line
             return LinearPlan(K.HALF_GEMV, min(MAX, min_native_rows - 1), K.NATIVE_16BIT)
         if panels:
             return LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)
-        return LinearPlan(K.HALF_GEMV, MAX, K.BLOCK_TILES)
+        return LinearPlan(K.HALF_GEMV, PAIRS - 1, K.BLOCK_TILES, mid=K.HALF_PAIRS, mid_rows=MAX)
     few = K.GROUP_PANELS if group_panels and x_format == I16 else K.BLOCK_GEMV
     return LinearPlan(few, MAX, K.BLOCK_TILES, x_format)
 
@@ -74,7 +76,8 @@ def test_plans_spelled_out(monkeypatch):
     _on_cpu(monkeypatch, "avx2", min_native_rows=8)
     assert plan_for("i8", False) == LinearPlan(K.BLOCK_GEMV, 32, K.BLOCK_TILES, I16)
     assert plan_for("bf16", True) == LinearPlan(K.HALF_GEMV, 7, K.NATIVE_16BIT)
-    assert plan_for("bf16", False) == LinearPlan(K.HALF_GEMV, 32, K.BLOCK_TILES)
+    assert plan_for("bf16", False) == LinearPlan(K.HALF_GEMV, 7, K.BLOCK_TILES,
+                                                 mid=K.HALF_PAIRS, mid_rows=32)
 
 
 def test_plan_for_refuses_other_layouts():
@@ -91,6 +94,16 @@ def test_kernel_for_turns_at_few_rows(plan):
     if plan.few_rows:
         assert plan.kernel_for(1) is plan.kernel_for(plan.few_rows) is plan.few
     assert plan.kernel_for(plan.few_rows + 1) is plan.kernel_for(10_000) is plan.many
+    assert plan.pairs_from > 10_000
+
+
+def test_a_middle_band_runs_between_few_and_many():
+    plan = LinearPlan(K.HALF_GEMV, 7, K.BLOCK_TILES, mid=K.HALF_PAIRS, mid_rows=32)
+    assert [plan.kernel_for(rows) for rows in (1, 7, 8, 32, 33)] == [
+        K.HALF_GEMV, K.HALF_GEMV, K.HALF_PAIRS, K.HALF_PAIRS, K.BLOCK_TILES]
+    assert plan.numba_rows == 32 and plan.pairs_from == 8  # the fused stack runs both bands
+    assert LinearPlan(K.HALF_GEMV, 7, K.BLOCK_TILES, mid=K.BLOCK_TILES,
+                      mid_rows=32).numba_rows == 7
 
 
 @pytest.mark.parametrize("few, on_panels, numba", [
@@ -106,6 +119,8 @@ def test_on_panels_and_numba_rows(few, on_panels, numba):
 @pytest.mark.parametrize("plan, expect", [
     (LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT), LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
     (LinearPlan(K.HALF_GEMV, MAX, K.BLOCK_TILES), LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
+    (LinearPlan(K.HALF_GEMV, PAIRS - 1, K.BLOCK_TILES, mid=K.HALF_PAIRS, mid_rows=MAX),
+     LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
     (LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS), LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
     (LinearPlan(K.BLOCK_GEMV, MAX, K.BLOCK_TILES, I8),
      LinearPlan(K.GROUP_PANELS, MAX, K.BLOCK_TILES, I8)),
@@ -144,7 +159,7 @@ _MARKS = {kernel: float(i + 1) for i, kernel in enumerate(K)}
 
 @pytest.fixture
 def ran(monkeypatch) -> list:
-    """Stand-ins for the six kernels in the modules quantized_linear calls them from: each
+    """Stand-ins for the seven kernels in the modules quantized_linear calls them from: each
     appends (its LinearKernel, rows[, x format]) and answers its mark."""
     calls: list = []
 
@@ -165,7 +180,8 @@ def ran(monkeypatch) -> list:
     monkeypatch.setattr(half_panel_linear, "half_panel_linear", tensor_kernel(K.HALF_PANELS))
     monkeypatch.setattr(cpu_linear, "native_16bit_linear", tensor_kernel(K.NATIVE_16BIT))
     monkeypatch.setattr(quantized_tiles, "tiled_linear", tensor_kernel(K.BLOCK_TILES))
-    monkeypatch.setattr(quantized_numba, "gemv_half", numba_kernel(K.HALF_GEMV))
+    monkeypatch.setattr(dense_gemv_numba, "gemv_half", numba_kernel(K.HALF_GEMV))
+    monkeypatch.setattr(dense_gemv_numba, "gemv_half_pairs", numba_kernel(K.HALF_PAIRS))
     monkeypatch.setattr(quantized_numba, "gemv_groups", numba_kernel(K.BLOCK_GEMV))
     monkeypatch.setattr(quantized_panel_numba, "group_panel_kernel",
                         numba_kernel(K.GROUP_PANELS))
@@ -189,12 +205,12 @@ def _plans_of(monkeypatch, layout: str) -> list[LinearPlan]:
 def test_quantized_linear_runs_the_kernel_its_plan_names(monkeypatch, ran, gguf_type):
     w = PackedWeight.from_gguf(random_raw(gguf_type, 70, 256, seed=1), gguf_type, (70, 256))
     plans = _plans_of(monkeypatch, w.layout)
-    kernels = {kernel for plan in plans for kernel in (plan.few, plan.many)}
-    assert kernels == ({K.HALF_GEMV, K.HALF_PANELS, K.NATIVE_16BIT, K.BLOCK_TILES} if w.is_half
-                       else {K.BLOCK_GEMV, K.GROUP_PANELS, K.BLOCK_TILES})
+    kernels = {kernel for plan in plans for kernel in (plan.few, plan.mid, plan.many)} - {None}
+    assert kernels == ({K.HALF_GEMV, K.HALF_PAIRS, K.HALF_PANELS, K.NATIVE_16BIT, K.BLOCK_TILES}
+                       if w.is_half else {K.BLOCK_GEMV, K.GROUP_PANELS, K.BLOCK_TILES})
     for plan in [w.plan, *plans]:
         monkeypatch.setattr(w, "plan", plan)
-        for rows in sorted({1, plan.few_rows, plan.few_rows + 1, 40}):
+        for rows in sorted({1, plan.few_rows, plan.few_rows + 1, plan.mid_rows + 1, 40}):
             ran.clear()
             out = quantized_linear(torch.randn(rows, 256), w)
             kernel = plan.kernel_for(rows)

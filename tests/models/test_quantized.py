@@ -292,13 +292,14 @@ def test_16_bit_weights_run_on_matrix_units_from_min_native_rows(monkeypatch, na
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "BF16"])
 def test_the_gemv_runs_up_to_the_plans_few_rows(gguf_type, native, monkeypatch):
     """`quantized_linear` runs the GEMV kernels (or the group panels') up to the plan's
-    `few_rows` rows and none beyond (a 16-bit weight: the matrix units from there on, or the
-    panel kernel at every row count where it runs); the fused decode stack trusts it up to
-    `numba_rows`, which the panels' rows count in. The plan's own bands: test_linear_plan.py."""
+    `few_rows` rows and none beyond (a 16-bit weight: the matrix units or the GEMV's paired
+    rows from there on, or the panel kernel at every row count where it runs); the fused decode
+    stack trusts it up to `numba_rows`, which the panels' and the paired rows count in. The
+    plan's own bands: test_linear_plan.py."""
     calls = []
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: native)
     for module, name in ((quantized.quantized_numba, "gemv_groups"),
-                         (quantized.quantized_numba, "gemv_half"),
+                         (quantized.dense_gemv_numba, "gemv_half"),
                          (quantized.quantized_panel_numba, "group_panel_kernel")):
         monkeypatch.setattr(module, name, lambda x, *args: calls.append(len(x)))
     monkeypatch.setattr(cpu_linear, "native_16bit_linear",
@@ -310,9 +311,14 @@ def test_the_gemv_runs_up_to_the_plans_few_rows(gguf_type, native, monkeypatch):
         quantized_linear(torch.randn(rows, w.in_features), w)
     assert calls == ([] if panels else [1, limit])
     assert panels == (w.is_half and not native and half_panel_linear.panels_run_here())
+    # Where neither matrix units nor panels serve a 16-bit weight, the GEMV's paired rows
+    # (another numba kernel) take the rows after `few_rows`, up to the GEMV's most.
+    pairs = w.plan.mid is LinearKernel.HALF_PAIRS
+    assert pairs == (w.is_half and not native and not panels)
     assert limit == (linear_plan.MIN_NATIVE_HALF_ROWS - 1 if native and w.is_half
+                     else linear_plan.MIN_HALF_PAIRS_ROWS - 1 if pairs
                      else linear_plan.MAX_QUANTIZED_GEMV_ROWS)
-    assert w.plan.numba_rows == limit
+    assert w.plan.numba_rows == (linear_plan.MAX_QUANTIZED_GEMV_ROWS if pairs else limit)
 
 
 @pytest.mark.parametrize("gguf_type", HALF_TYPES)

@@ -36,8 +36,21 @@ def test_zeros_of_the_shape_asked_for(dtype):
 
 
 def _huge_kib(tensor: torch.Tensor) -> int:
-    """AnonHugePages of the mapping holding the tensor's first byte, in KiB (/proc)."""
-    return int(huge_pages.mapping_fields(tensor).get("AnonHugePages", "0 kB").split()[0])
+    """AnonHugePages of every mapping holding any of the tensor's bytes, in KiB (/proc). Every
+    one, not the first byte's alone: a tensor on the heap may span several mappings where
+    numpy advised huge pages on part of the heap (madvise splits a mapping by its flags)."""
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, _, rest = line.partition(" ")
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low < last and first < high
+            elif inside and head == "AnonHugePages:":
+                total += int(rest.split()[0])
+    return total
 
 
 def test_large_tensors_are_advised_onto_huge_pages_and_get_them():

@@ -4,7 +4,7 @@ stack does with one: `stack_linear` (out = x @ W^T) and `stack_embed` (rows of a
 picking its kernel at compile time from the view's class and at run time from whether the view
 has panels (and blocks), as quantized_linear does; and the rotary tables' rows at a step's
 positions. The same arithmetic as the module path's kernels (cpu_gemv, quantized_numba,
-half_panel_linear, quantized_panel_numba)."""
+dense_gemv_numba, half_panel_linear, quantized_panel_numba)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from numba.extending import overload
 from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
 from mrv2.models.layers.quantized import PackedWeight
-from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups, gemv_half
+from mrv2.models.layers.dense_gemv_numba import gemv_half, gemv_half_pairs
+from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups
 from mrv2.models.layers.quantized_panel_layout import no_group_panels, panel_rows
 from mrv2.models.layers.quantized_panel_numba import GROUP_PANELS_RUN, group_panel_kernel
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, f16_bits_to_float
@@ -30,6 +31,7 @@ class HalfWeightView(NamedTuple):
     q: np.ndarray  # int16 bit patterns [N, K]; [N, 0] where the weight is held as its panels
     bf16: bool  # else float16
     panels: np.ndarray  # half_panel_linear's, run at every row count; [0, K, 64]: none
+    pairs_from: int  # rows of x from which gemv_half_pairs runs (LinearPlan.pairs_from)
 
 
 class BlockWeightView(NamedTuple):
@@ -54,7 +56,8 @@ def weight_view(weight: PackedWeight | torch.Tensor, float32_tables: bool = Fals
     if weight.is_half:
         takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
         panels = weight.panels() if takes_panels else np.empty((0, 0, PANEL_OUTPUTS), np.int16)
-        return HalfWeightView(weight.q.numpy(), weight.layout == "bf16", panels)
+        return HalfWeightView(weight.q.numpy(), weight.layout == "bf16", panels,
+                              weight.plan.pairs_from)
     if float32_tables:
         weight = weight._with_float32_tables()
     takes_panels = weight.panel_storage or (linear and weight.plan.on_panels)
@@ -102,6 +105,8 @@ def _stack_linear_overload(x, w, out):
         def half(x, w, out):
             if w.panels.shape[0] > 0:  # as quantized_linear
                 half_panel_kernel(x, w.panels, w.bf16, out)
+            elif x.shape[0] >= w.pairs_from:
+                gemv_half_pairs(x, w.q, w.bf16, out)
             else:
                 gemv_half(x, w.q, w.bf16, out)
         return half

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from numba import njit, prange
 
-from mrv2.models.layers.quantized_numba import gemv_float32_rows
+from mrv2.models.layers.dense_gemv_numba import gemv_float32_rows
 from mrv2.utils.kernel_flags import FASTMATH
 
 # At most this many rows of x take the GEMV path (still faster than BLAS there: bench/README.md).
@@ -25,7 +25,7 @@ _CHUNK = 64  # weight rows per parallel task
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def gemv_kernel(x, w, out):
     """out [M, N] = x [M, K] @ w [N, K]^T, each weight row read once for up to 4 rows of x
-    (quantized_numba.gemv_float32_rows: the sums in vector IR, in a fixed order)."""
+    (dense_gemv_numba.gemv_float32_rows: the sums in vector IR, in a fixed order)."""
     n_dim = w.shape[0]
     num_chunks = (n_dim + _CHUNK - 1) // _CHUNK
     for c in prange(num_chunks):

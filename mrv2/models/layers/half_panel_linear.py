@@ -1,6 +1,6 @@
 """Linears on 16-bit GGUF weights (F16, BF16) in float32 arithmetic, the weight repacked into
 panels of outputs: each output's products exact in float32 and summed in float32, as the
-GEMV on the rows (quantized_numba.gemv_half) sums them, with no rounding of x.
+GEMV on the rows (dense_gemv_numba.gemv_half) sums them, with no rounding of x.
 
 Why: where the CPU has no matrix unit for the weight's dtype (float16 without AVX-512 FP16 or
 AMX-FP16), a batched step multiplied such a weight row by row (`gemv_half`: per row of x and 8

@@ -21,7 +21,8 @@ from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 
 class LinearKernel(enum.Enum):
-    HALF_GEMV = "half_gemv"  # quantized_numba.gemv_half: 16-bit values widened, float32 sums
+    HALF_GEMV = "half_gemv"  # dense_gemv_numba.gemv_half: 16-bit values widened, float32 sums
+    HALF_PAIRS = "half_pairs"  # dense_gemv_numba.gemv_half_pairs: the same, in register blocks
     HALF_PANELS = "half_panels"  # half_panel_linear: 16-bit output panels, any row count
     NATIVE_16BIT = "native_16bit"  # cpu_linear.native_16bit_linear: AMX / AVX-512 BF16 / oneDNN
     BLOCK_GEMV = "block_gemv"  # quantized_numba.gemv_groups: integer blocks as stored
@@ -31,8 +32,9 @@ class LinearKernel(enum.Enum):
 
 
 # The kernels numba code (the fused decode stack) calls as the module path does.
-NUMBA_KERNELS = frozenset({LinearKernel.HALF_GEMV, LinearKernel.HALF_PANELS,
-                           LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS})
+NUMBA_KERNELS = frozenset({LinearKernel.HALF_GEMV, LinearKernel.HALF_PAIRS,
+                           LinearKernel.HALF_PANELS, LinearKernel.BLOCK_GEMV,
+                           LinearKernel.GROUP_PANELS})
 
 
 def _gemv_x_format() -> int:
@@ -59,20 +61,29 @@ MAX_QUANTIZED_GEMV_ROWS = 32
 # decode step then runs onednn_decode.py as one call, faster than the fused stack's GEMV but
 # at 1 row), else from 8 (oneDNN's calls; bench/README.md has each CPU's figures).
 MIN_NATIVE_HALF_ROWS = 2 if cpu_caps.caps().matrix_tiles or dot_linear.runs_here() else 8
+# Rows of x from which a 16-bit weight's GEMV takes its weight rows in pairs (gemv_half_pairs),
+# where neither matrix units nor 16-bit panels run (AVX2): bound by arithmetic from here, by
+# reading the weights below (bench/README.md).
+MIN_HALF_PAIRS_ROWS = 8
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """`few` multiplies up to `few_rows` rows of x, `many` more; `x_format` is the GEMV's x
-    format on integer blocks (quantized_numba.X_*)."""
+    """`few` multiplies up to `few_rows` rows of x, `mid` (where set) the rows after it up to
+    `mid_rows`, `many` more; `x_format` is the GEMV's x format on integer blocks
+    (quantized_numba.X_*)."""
 
     few: LinearKernel
     few_rows: int
     many: LinearKernel
     x_format: int = quantized_numba.X_FLOAT32
+    mid: LinearKernel | None = None
+    mid_rows: int = 0
 
     def kernel_for(self, rows: int) -> LinearKernel:
-        return self.few if rows <= self.few_rows else self.many
+        if rows <= self.few_rows:
+            return self.few
+        return self.mid if self.mid is not None and rows <= self.mid_rows else self.many
 
     @property
     def on_panels(self) -> bool:
@@ -82,7 +93,15 @@ class LinearPlan:
     @property
     def numba_rows(self) -> int:
         """The most rows numba code computes as `quantized_linear` does (the fused stack)."""
-        return self.few_rows if self.few in NUMBA_KERNELS else 0
+        if self.few not in NUMBA_KERNELS:
+            return 0
+        return self.mid_rows if self.mid in NUMBA_KERNELS else self.few_rows
+
+    @property
+    def pairs_from(self) -> int:
+        """The first row count the GEMV on a 16-bit weight pairs its rows at (HALF_PAIRS), as
+        the fused stack reads it; never where the plan has no such band."""
+        return self.few_rows + 1 if self.mid is LinearKernel.HALF_PAIRS else sys.maxsize
 
 
 def plan_for(layout: str, native_16bit: bool) -> LinearPlan:
@@ -105,8 +124,9 @@ def _fastest_plan(layout: str, native_16bit: bool) -> LinearPlan:
         if half_panel_linear.panels_run_here():  # every row count: panels beat tiles here
             return LinearPlan(LinearKernel.HALF_PANELS, MAX_QUANTIZED_GEMV_ROWS,
                               LinearKernel.HALF_PANELS)
-        return LinearPlan(LinearKernel.HALF_GEMV, MAX_QUANTIZED_GEMV_ROWS,
-                          LinearKernel.BLOCK_TILES)
+        return LinearPlan(LinearKernel.HALF_GEMV, MIN_HALF_PAIRS_ROWS - 1,
+                          LinearKernel.BLOCK_TILES, mid=LinearKernel.HALF_PAIRS,
+                          mid_rows=MAX_QUANTIZED_GEMV_ROWS)
     if layout not in ("u4", "i8"):
         raise ValueError(f"no linear plan for layout {layout!r}")
     x_format = GEMV_X_FORMAT

@@ -32,8 +32,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.models.layers import (cpu_linear, half_panel_linear, quantized_numba,
-                                quantized_panel_layout, quantized_panel_numba, quantized_tiles)
+from mrv2.models.layers import (cpu_linear, dense_gemv_numba, half_panel_linear,
+                                quantized_numba, quantized_panel_layout, quantized_panel_numba,
+                                quantized_tiles)
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4
 from mrv2.models.layers.linear_plan import LinearKernel, panels_plan, plan_for
@@ -307,9 +308,10 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight,
     else:
         out = torch.empty(t, n, dtype=torch.float32)
         x_np = x.detach().contiguous().numpy()
-        if kernel is LinearKernel.HALF_GEMV:
-            quantized_numba.gemv_half(x_np, weight.q.numpy(), weight.layout == "bf16",
-                                      out.numpy())
+        if kernel in (LinearKernel.HALF_GEMV, LinearKernel.HALF_PAIRS):
+            gemv = (dense_gemv_numba.gemv_half if kernel is LinearKernel.HALF_GEMV
+                    else dense_gemv_numba.gemv_half_pairs)
+            gemv(x_np, weight.q.numpy(), weight.layout == "bf16", out.numpy())
         elif kernel is LinearKernel.GROUP_PANELS:
             quantized_panel_numba.group_panel_kernel(x_np, *weight.group_panels(),
                                                      weight.layout == "u4", out.numpy())

@@ -34,7 +34,6 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.models.layers.quantized_int8_numba import (INT8_BLOCK, gemv_rows_int8, group_sums,
@@ -42,10 +41,10 @@ from mrv2.models.layers.quantized_int8_numba import (INT8_BLOCK, gemv_rows_int8,
 from mrv2.models.layers.quantized_int16_numba import gemv_row_int16, gemv_rows_int16
 from mrv2.models.layers.quantized_vnni_numba import (VNNI_DOTS, gemv_row_vnni, gemv_rows_vnni,
                                                     offset_terms)
-from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, F32, I8, I16, V8B, V8F, V8H,
+from mrv2.models.layers.vector_ir import (DOT_ROWS, DOT_UNROLL, FAST, I8, V8B, V8F,
                                           V8I, for_each_unit, load_table, row_ptr, splat,
                                           sum_accumulators, table_elem, table_value, vload,
-                                          widen_half, x_rows_and_accumulators)
+                                          x_rows_and_accumulators)
 from mrv2.utils.kernel_flags import FASTMATH
 
 GEMV_CHUNK_ROWS = 16  # weight rows per parallel task of the GEMV
@@ -279,122 +278,3 @@ def _gemv_body(x, q, scales, mins, packed, gs, x_format, out):
                     for g in range(groups):
                         acc += table_value(mins, r, g) * xsum[m, g]
                     out[m, r] += acc
-
-
-# 16-bit float layouts ("f16", "bf16"): `q` int16 [N, K], each value the bit pattern of one
-# weight. The GEMV widens 8 weights at a time to <8 x float> (f16: fpext, vcvtph2ps with F16C;
-# bf16: the bits shifted into a float32's high half, exact) and accumulates in float32, so a
-# decode step reads 2 bytes per weight instead of 4 with no rounding beyond the stored weight's.
-_HALF_UNROLL = 4  # independent 8-wide accumulators per row of x (no scale multiply to hide)
-
-
-def _make_row_dots(nb, layout):
-    """An intrinsic (x, q, r, m0) -> UniTuple(float32, nb): sum_k x[m, k] * w(r, k) (in the IR's
-    fixed order) for rows m0..m0+nb-1 of x, w weight row r (any K) of `layout`: "f16" / "bf16"
-    (q int16 bit patterns, widened) or "f32" (cpu_gemv's float32 weight, read as it is)."""
-    wty, wvec, walign = (F32, V8F, 4) if (dense := layout == "f32") else (I16, V8H, 2)
-
-    def weights(builder, ptr, index, vector):
-        if vector:
-            loaded = vload(builder, ptr, index, wvec, walign)
-        else:
-            loaded = builder.load(builder.gep(ptr, [index]))
-        return loaded if dense else widen_half(builder, loaded, layout == "bf16")
-
-    @intrinsic
-    def dots(typingctx, x, q, r, m0):
-        ret = types.UniTuple(types.float32, nb)
-
-        def codegen(context, builder, signature, args):
-            xt, qt, rt, mt = signature.args
-            r_, m_ = (context.cast(builder, v, t, types.intp)
-                      for v, t in ((args[2], rt), (args[3], mt)))
-            ity = r_.type
-            qrow, _ = row_ptr(context, builder, qt, args[1], r_, wty)
-            xrows, k, accs = x_rows_and_accumulators(context, builder, xt, args[0], m_, nb,
-                                                     _HALF_UNROLL)
-
-            def unit(c, slot):
-                base = builder.mul(c, ity(8))
-                w = weights(builder, qrow, base, True)
-                for i in range(nb):
-                    xv = vload(builder, xrows[i][0], base, V8F, 4)
-                    acc = builder.load(accs[i][slot])
-                    builder.store(builder.fadd(acc, builder.fmul(w, xv, flags=FAST),
-                                               flags=FAST), accs[i][slot])
-
-            units = builder.sdiv(k, ity(8))
-            for_each_unit(builder, units, _HALF_UNROLL, unit)
-            tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(nb)]
-            tail_start = builder.mul(units, ity(8))
-            with cgutils.for_range(builder, builder.sub(k, tail_start)) as loop:
-                idx = builder.add(tail_start, loop.index)
-                w = weights(builder, qrow, idx, False)
-                for i in range(nb):
-                    xv = builder.load(builder.gep(xrows[i][0], [idx]))
-                    builder.store(builder.fadd(builder.load(tails[i]),
-                                               builder.fmul(w, xv, flags=FAST), flags=FAST),
-                                  tails[i])
-            sums = [builder.fadd(sum_accumulators(builder, row_accs), builder.load(tail),
-                                 flags=FAST) for row_accs, tail in zip(accs, tails)]
-            return context.make_tuple(builder, ret, sums)
-
-        return ret(x, q, r, m0), codegen
-
-    return dots
-
-
-_f16_dots4, _f16_dots2, _f16_dots1 = (_make_row_dots(n, "f16") for n in DOT_ROWS)
-_bf16_dots4, _bf16_dots2, _bf16_dots1 = (_make_row_dots(n, "bf16") for n in DOT_ROWS)
-_f32_dots4, _f32_dots2, _f32_dots1 = (_make_row_dots(n, "f32") for n in DOT_ROWS)
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True)
-def gemv_float32_rows(x, w, r, m0, out):
-    """Rows m0.. of x (4, 2 or 1, as many as are left) against float32 weight row r (the
-    float32 GEMV's step, cpu_gemv.py); returns how many."""
-    left = x.shape[0] - m0
-    if left >= 4:
-        out[m0, r], out[m0 + 1, r], out[m0 + 2, r], out[m0 + 3, r] = _f32_dots4(x, w, r, m0)
-        return 4
-    if left >= 2:
-        t2 = _f32_dots2(x, w, r, m0)
-        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-        return 2
-    out[m0, r] = _f32_dots1(x, w, r, m0)[0]
-    return 1
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True)
-def _gemv_half_rows(x, q, bf16, r, m0, out):
-    """Rows m0.. of x (4, 2 or 1, as many as are left) against 16-bit weight row r; returns
-    how many."""
-    left = x.shape[0] - m0
-    if left >= 4:
-        t4 = _bf16_dots4(x, q, r, m0) if bf16 else _f16_dots4(x, q, r, m0)
-        for i in range(4):
-            out[m0 + i, r] = t4[i]
-        return 4
-    if left >= 2:
-        t2 = _bf16_dots2(x, q, r, m0) if bf16 else _f16_dots2(x, q, r, m0)
-        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-        return 2
-    t1 = _bf16_dots1(x, q, r, m0) if bf16 else _f16_dots1(x, q, r, m0)
-    out[m0, r] = t1[0]
-    return 1
-
-
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
-def gemv_half(x, q, bf16, out):
-    """out[m, r] = sum_k x[m, k] * w[r, k] for a 16-bit weight (`q` int16 [N, K] bit patterns,
-    bfloat16 when `bf16` else IEEE half; x [M, K] contiguous rows), accumulated in float32."""
-    n_dim = q.shape[0]
-    num_chunks = (n_dim + GEMV_CHUNK_ROWS - 1) // GEMV_CHUNK_ROWS
-    for c in prange(num_chunks):
-        # Weight rows outer: a task's 16-bit rows (2 bytes a weight, 16 rows of K = 1536 are
-        # 48 KiB) would not stay in L1 across blocks of x, and x's rows outer measured slower
-        # at 8 rows (bench/README.md); the packed blocks of gemv_groups do.
-        for r in range(c * GEMV_CHUNK_ROWS, min(n_dim, (c + 1) * GEMV_CHUNK_ROWS)):
-            m0 = 0
-            while m0 < x.shape[0]:
-                m0 += _gemv_half_rows(x, q, bf16, r, m0, out)

@@ -73,10 +73,11 @@ def test_bfloat16_cache_same_as_the_module_path(tiny_llama, monkeypatch):
 # kernels' int8 bound is tested in tests/models/test_quantized.py.
 @pytest.mark.usefixtures("float_activations")
 # Each layout once with and once without a min table, tied and untied (Q4_0 is Q4_1's "u4"
-# with mins: test_quantized.py checks its blocks against the file's values).
+# with mins: test_quantized.py checks its blocks against the file's values); F16 at 8 rows: the
+# paired-rows GEMV where no matrix unit or panel takes a 16-bit weight (AVX2).
 @pytest.mark.parametrize("tensor_type, tied, num_prompts", [
     ("Q4_1", True, 1), ("Q4_1", False, 8), ("Q8_0", False, 3), ("Q5_1", True, 5),
-    ("BF16", True, 3), ("F16", False, 2)])
+    ("BF16", True, 3), ("F16", False, 8)])
 def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, tensor_type,
                                                            tied, num_prompts, monkeypatch):
     """quantization="gguf": the stack runs the projections on the attached blocks (u4 and i8
