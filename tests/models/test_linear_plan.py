@@ -25,7 +25,7 @@ from test_quantized import random_raw  # noqa: E402
 
 F32, I8, I16 = quantized_numba.X_FLOAT32, quantized_numba.X_INT8, quantized_numba.X_INT16
 MAX = linear_plan.MAX_QUANTIZED_GEMV_ROWS
-PAIRS = linear_plan.MIN_HALF_PAIRS_ROWS
+PAIRS, PAIRS_MAX = linear_plan.MIN_HALF_PAIRS_ROWS, linear_plan.MAX_HALF_PAIRS_ROWS
 LAYOUTS = ("u4", "i8", "f16", "bf16")
 # CPU kind -> (16-bit panels run, group panels run, the GEMV's x format): AVX-512 (int16 x, the
 # default where AVX2 compiles), AVX-512 with int8 x (opt-in) or float32 x, AVX2 alone, neither.
@@ -49,7 +49,8 @@ def _expected(cpu: str, layout: str, native: bool, min_native_rows: int) -> Line
             return LinearPlan(K.HALF_GEMV, min(MAX, min_native_rows - 1), K.NATIVE_16BIT)
         if panels:
             return LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)
-        return LinearPlan(K.HALF_GEMV, PAIRS - 1, K.BLOCK_TILES, mid=K.HALF_PAIRS, mid_rows=MAX)
+        return LinearPlan(K.HALF_GEMV, PAIRS - 1, K.BLOCK_TILES, mid=K.HALF_PAIRS,
+                          mid_rows=PAIRS_MAX)
     few = K.GROUP_PANELS if group_panels and x_format == I16 else K.BLOCK_GEMV
     return LinearPlan(few, MAX, K.BLOCK_TILES, x_format)
 
@@ -77,7 +78,7 @@ def test_plans_spelled_out(monkeypatch):
     assert plan_for("i8", False) == LinearPlan(K.BLOCK_GEMV, 32, K.BLOCK_TILES, I16)
     assert plan_for("bf16", True) == LinearPlan(K.HALF_GEMV, 7, K.NATIVE_16BIT)
     assert plan_for("bf16", False) == LinearPlan(K.HALF_GEMV, 7, K.BLOCK_TILES,
-                                                 mid=K.HALF_PAIRS, mid_rows=32)
+                                                 mid=K.HALF_PAIRS, mid_rows=128)
 
 
 def test_plan_for_refuses_other_layouts():
@@ -102,6 +103,9 @@ def test_a_middle_band_runs_between_few_and_many():
     assert [plan.kernel_for(rows) for rows in (1, 7, 8, 32, 33)] == [
         K.HALF_GEMV, K.HALF_GEMV, K.HALF_PAIRS, K.HALF_PAIRS, K.BLOCK_TILES]
     assert plan.numba_rows == 32 and plan.pairs_from == 8  # the fused stack runs both bands
+    # ... up to the GEMV's rows (MAX_QUANTIZED_GEMV_ROWS), where a band goes further.
+    assert LinearPlan(K.HALF_GEMV, 7, K.BLOCK_TILES, mid=K.HALF_PAIRS,
+                      mid_rows=128).numba_rows == MAX
     assert LinearPlan(K.HALF_GEMV, 7, K.BLOCK_TILES, mid=K.BLOCK_TILES,
                       mid_rows=32).numba_rows == 7
 
@@ -119,7 +123,7 @@ def test_on_panels_and_numba_rows(few, on_panels, numba):
 @pytest.mark.parametrize("plan, expect", [
     (LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT), LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
     (LinearPlan(K.HALF_GEMV, MAX, K.BLOCK_TILES), LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
-    (LinearPlan(K.HALF_GEMV, PAIRS - 1, K.BLOCK_TILES, mid=K.HALF_PAIRS, mid_rows=MAX),
+    (LinearPlan(K.HALF_GEMV, PAIRS - 1, K.BLOCK_TILES, mid=K.HALF_PAIRS, mid_rows=PAIRS_MAX),
      LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
     (LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS), LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)),
     (LinearPlan(K.BLOCK_GEMV, MAX, K.BLOCK_TILES, I8),

@@ -63,8 +63,10 @@ MAX_QUANTIZED_GEMV_ROWS = 32
 MIN_NATIVE_HALF_ROWS = 2 if cpu_caps.caps().matrix_tiles or dot_linear.runs_here() else 8
 # Rows of x from which a 16-bit weight's GEMV takes its weight rows in pairs (gemv_half_pairs),
 # where neither matrix units nor 16-bit panels run (AVX2): bound by arithmetic from here, by
-# reading the weights below (bench/README.md).
+# reading the weights below; up to MAX_HALF_PAIRS_ROWS, past which the float32 tiles and
+# torch.mm are faster (a prompt chunk; bench/README.md).
 MIN_HALF_PAIRS_ROWS = 8
+MAX_HALF_PAIRS_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,12 @@ class LinearPlan:
 
     @property
     def numba_rows(self) -> int:
-        """The most rows numba code computes as `quantized_linear` does (the fused stack)."""
+        """The most rows the fused decode stack computes as `quantized_linear` does: the
+        numba kernels' rows, at most the GEMV's (MAX_QUANTIZED_GEMV_ROWS)."""
         if self.few not in NUMBA_KERNELS:
             return 0
-        return self.mid_rows if self.mid in NUMBA_KERNELS else self.few_rows
+        rows = self.mid_rows if self.mid in NUMBA_KERNELS else self.few_rows
+        return min(rows, max(self.few_rows, MAX_QUANTIZED_GEMV_ROWS))
 
     @property
     def pairs_from(self) -> int:
@@ -126,7 +130,7 @@ def _fastest_plan(layout: str, native_16bit: bool) -> LinearPlan:
                               LinearKernel.HALF_PANELS)
         return LinearPlan(LinearKernel.HALF_GEMV, MIN_HALF_PAIRS_ROWS - 1,
                           LinearKernel.BLOCK_TILES, mid=LinearKernel.HALF_PAIRS,
-                          mid_rows=MAX_QUANTIZED_GEMV_ROWS)
+                          mid_rows=MAX_HALF_PAIRS_ROWS)
     if layout not in ("u4", "i8"):
         raise ValueError(f"no linear plan for layout {layout!r}")
     x_format = GEMV_X_FORMAT
