@@ -128,22 +128,35 @@ def gemv_float32_rows(x, w, r, m0, out):
     return 1
 
 
-@njit(inline="always", fastmath=FASTMATH, cache=True)
-def _half_row(x, q, bf16, r, m0, out):
-    """gemv_half's step: rows m0.. of x (4, 2 or 1, as many as are left) against 16-bit weight
-    row r; returns how many."""
-    left = x.shape[0] - m0
-    if left >= 4:
-        t4 = _BF16_1X4(x, q, r, m0) if bf16 else _F16_1X4(x, q, r, m0)
-        for i in range(4):
-            out[m0 + i, r] = t4[i]
-        return 4
-    if left >= 2:
-        t2 = _BF16_1X2(x, q, r, m0) if bf16 else _F16_1X2(x, q, r, m0)
-        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-        return 2
-    out[m0, r] = (_BF16_1X1(x, q, r, m0) if bf16 else _F16_1X1(x, q, r, m0))[0]
-    return 1
+def _make_half_step(f16_blocks: tuple, bf16_blocks: tuple):
+    """A 16-bit GEMV's step from its 1 x 4, 1 x 2 and 1 x 1 blocks (float16's, bfloat16's):
+    (x, q, bf16, r, m0, out) -> rows m0.. of x (4, 2 or 1, as many as are left) against
+    weight row r, written to out; returns how many. Inlined into its kernel, which is cached."""
+    f4, f2, f1 = f16_blocks
+    b4, b2, b1 = bf16_blocks
+
+    @njit(inline="always", fastmath=FASTMATH)
+    def step(x, q, bf16, r, m0, out):
+        left = x.shape[0] - m0
+        if left >= 4:
+            t4 = b4(x, q, r, m0) if bf16 else f4(x, q, r, m0)
+            for i in range(4):
+                out[m0 + i, r] = t4[i]
+            return 4
+        if left >= 2:
+            t2 = b2(x, q, r, m0) if bf16 else f2(x, q, r, m0)
+            out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
+            return 2
+        out[m0, r] = (b1(x, q, r, m0) if bf16 else f1(x, q, r, m0))[0]
+        return 1
+
+    return step
+
+
+# gemv_half's step, and gemv_half_pairs' for a weight row without a pair or the last rows of x.
+_half_row = _make_half_step((_F16_1X4, _F16_1X2, _F16_1X1), (_BF16_1X4, _BF16_1X2, _BF16_1X1))
+_pairs_row = _make_half_step((_F16_P1X4, _F16_P1X2, _F16_P1X1),
+                             (_BF16_P1X4, _BF16_P1X2, _BF16_P1X1))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -157,24 +170,6 @@ def gemv_half(x, q, bf16, out):
             m0 = 0
             while m0 < x.shape[0]:
                 m0 += _half_row(x, q, bf16, r, m0, out)
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True)
-def _pairs_row(x, q, bf16, r, m0, out):
-    """gemv_half_pairs' step for a weight row without a pair, or the last rows of x: rows m0..
-    of x (4, 2 or 1, as many as are left) against weight row r; returns how many."""
-    left = x.shape[0] - m0
-    if left >= 4:
-        t4 = _BF16_P1X4(x, q, r, m0) if bf16 else _F16_P1X4(x, q, r, m0)
-        for i in range(4):
-            out[m0 + i, r] = t4[i]
-        return 4
-    if left >= 2:
-        t2 = _BF16_P1X2(x, q, r, m0) if bf16 else _F16_P1X2(x, q, r, m0)
-        out[m0, r], out[m0 + 1, r] = t2[0], t2[1]
-        return 2
-    out[m0, r] = (_BF16_P1X1(x, q, r, m0) if bf16 else _F16_P1X1(x, q, r, m0))[0]
-    return 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)

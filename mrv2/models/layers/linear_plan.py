@@ -98,8 +98,9 @@ class LinearPlan:
         numba kernels' rows, at most the GEMV's (MAX_QUANTIZED_GEMV_ROWS)."""
         if self.few not in NUMBA_KERNELS:
             return 0
-        rows = self.mid_rows if self.mid in NUMBA_KERNELS else self.few_rows
-        return min(rows, max(self.few_rows, MAX_QUANTIZED_GEMV_ROWS))
+        if self.mid in NUMBA_KERNELS:
+            return min(self.mid_rows, MAX_QUANTIZED_GEMV_ROWS)
+        return self.few_rows
 
     @property
     def pairs_from(self) -> int:
