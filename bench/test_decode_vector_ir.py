@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.attention import decode_numba
+from mrv2.attention import decode_numba, decode_vector_ir
 from mrv2.attention.kv_numba import numpy_view
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # bench/conftest.py
@@ -73,4 +73,60 @@ def test_decode_attention_block_loops(benchmark, impl: str, shape: str) -> None:
             kernel(q, k_cache, v_cache, tables, lens, np.float32(0.125), outs[1], *split)
 
     benchmark.pedantic(step, rounds=1 if benchmark.disabled else 15,
+                       warmup_rounds=0 if benchmark.disabled else 2)
+
+
+# The block loops alone for one row's kv heads at 192 positions, by the query heads of a kv
+# head (GQA group): the register blocks chosen per head count (the defaults) against one
+# choice for every count (AVX2's former one position a scores pass and two vectors a value
+# block; AVX-512's former choice is the defaults' there).
+def _fixed_positions(heads: int) -> int:
+    return 4 if decode_vector_ir.vector_width() == 16 else 1
+
+
+def _fixed_vectors(heads: int) -> int:
+    return 4 if decode_vector_ir.vector_width() == 16 else 2
+
+
+@lru_cache(maxsize=2)
+def _block_loops_run(register_blocks: str):
+    scores_fn, values_fn = (decode_vector_ir.make_block_loops() if register_blocks == "per_heads"
+                            else decode_vector_ir.make_block_loops(_fixed_positions,
+                                                                   _fixed_vectors))
+
+    @numba.njit
+    def run(qs, k_blocks, v_blocks, scores, acc):
+        blocks, block_size, kv_heads = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[2]
+        for kv in range(kv_heads):
+            for b in range(blocks):
+                scores_fn(qs, k_blocks[b], kv, block_size, scores, b * block_size)
+            for b in range(blocks):
+                values_fn(scores, b * block_size, v_blocks[b], kv, block_size, acc)
+    return run
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("register_blocks", ["per_heads", "fixed"])
+def test_decode_attention_register_blocks(benchmark, register_blocks: str, group: int) -> None:
+    blocks, block_size, kv_heads, head_dim = 12, 16, 4, 64
+    benchmark.group = f"decode-attention-register-blocks-group{group}"
+    benchmark.extra_info.update(positions=blocks * block_size, kv_heads=kv_heads, group=group,
+                                head_dim=head_dim, cache_dtype="float32")
+    g = torch.Generator().manual_seed(group)
+    k_blocks, v_blocks = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=g)
+                          .numpy() for _ in range(2))
+    qs = torch.randn(group, head_dim, generator=g).numpy()
+    results = []
+    for choice in ("per_heads", "fixed"):
+        scores = np.zeros((group, blocks * block_size), np.float32)
+        acc = np.zeros((group, head_dim), np.float32)
+        _block_loops_run(choice)(qs, k_blocks, v_blocks, scores, acc)
+        results.append((scores, acc))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    run = _block_loops_run(register_blocks)
+    scores = np.zeros((group, blocks * block_size), np.float32)
+    acc = np.zeros((group, head_dim), np.float32)
+    benchmark.pedantic(lambda: [run(qs, k_blocks, v_blocks, scores, acc) for _ in range(100)],
+                       rounds=1 if benchmark.disabled else 15,
                        warmup_rounds=0 if benchmark.disabled else 2)
