@@ -33,8 +33,11 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  num_logprobs: np.ndarray | None = None,
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None,
                  nan_rows: torch.Tensor | None = None,
-                 pooled: torch.Tensor | None = None) -> None:
-        """``sampled``: [B] int64, or [B, steps] for a run of decode steps (runner.py).
+                 pooled: torch.Tensor | None = None, num_sampled: np.ndarray | None = None,
+                 num_draft_tokens: np.ndarray | None = None) -> None:
+        """``sampled``: [B] int64, or [B, steps] for a run of decode steps (runner.py), or
+        [B, width] of which row b's first ``num_sampled[b]`` are its tokens (speculative
+        decoding's verify steps, with ``num_draft_tokens`` [B]: each row's next drafts).
         ``prompt_logprobs``: req_id -> (first prompt position, rows), see
         sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
         (their requests are reported in ``nan_req_ids``). ``pooled``: [B, hidden] float32
@@ -42,6 +45,7 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         self.req_ids = req_ids
         self.is_sampling = is_sampling
         self.num_logprobs = num_logprobs
+        self.num_sampled, self.num_draft_tokens = num_sampled, num_draft_tokens
         self._event = None
         self._cuda_device = sampled.device  # the device a resolving thread must make current
         if nan_rows is None:
@@ -100,7 +104,11 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         tokens = host.reshape(-1).astype(np.int32)
         # One token per sampling row, or one per decode step of a run of them ([rows, steps]:
         # every row samples); a prefill chunk that did not finish its prompt has none.
-        if host.ndim == 2:
+        if self.num_sampled is not None:
+            counts = np.asarray(self.num_sampled, np.int32)
+            sampled = host[np.arange(host.shape[1]) < counts[:, None]].astype(np.int32)
+            num_sampled = int32_bytes(counts)
+        elif host.ndim == 2:
             sampled, num_sampled = tokens, int32_bytes(np.full(len(host), host.shape[1], np.int32))
         elif self.is_sampling.all():  # the common case: every row samples
             sampled, num_sampled = tokens, ones_int32_bytes(len(tokens))
@@ -133,4 +141,6 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         return ModelRunnerOutput(pack_ids(self.req_ids), len(self.req_ids), int32_bytes(sampled),
                                  num_sampled, logprobs=logprobs,
                                  prompt_logprobs=prompt, nan_req_ids=nan_req_ids,
-                                 pooled=pooled)
+                                 pooled=pooled, num_draft_tokens_i32=(
+                                     b"" if self.num_draft_tokens is None
+                                     else int32_bytes(self.num_draft_tokens)))

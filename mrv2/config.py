@@ -6,11 +6,14 @@ properties so that they never disagree with the fields they come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from mrv2.core.kv_cache_layout import KVCacheLayout
+
+if TYPE_CHECKING:  # spec_decode/config.py imports this module
+    from mrv2.spec_decode.config import SpeculativeConfig
 
 
 class ConfigError(ValueError):
@@ -99,10 +102,7 @@ class ModelConfig:
             raise ConfigError("pooler_config applies to a pooling model: pass runner='pooling' "
                               "(or convert='embed') with it")
 
-    @property
-    def hidden_size(self) -> int:
-        return self.hf_config.hidden_size
-
+    hidden_size = property(lambda self: self.hf_config.hidden_size)
     @property
     def tokenizer_path(self) -> str:
         return self.model if self.tokenizer is None else self.tokenizer
@@ -111,13 +111,8 @@ class ModelConfig:
     def architecture(self) -> str:
         return self.hf_config.architectures[0]
 
-    @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.hf_config.num_attention_heads
+    num_layers = property(lambda self: self.hf_config.num_hidden_layers)
+    num_attention_heads = property(lambda self: self.hf_config.num_attention_heads)
 
     @property
     def num_kv_heads(self) -> int:
@@ -363,6 +358,7 @@ class EngineConfig:
     compilation_config: CompilationConfig = CompilationConfig(cudagraph_mode="NONE")
     device: str = "cpu"
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         self.parallel_config.verify_model(self.model_config)
@@ -372,6 +368,9 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
                 f"max_model_len={max_model_len} and chunked prefill is disabled")
+        if self.speculative_config is not None and sched.num_scheduler_steps != 1:
+            raise ConfigError("speculative decoding verifies one step at a time: "
+                              "num_scheduler_steps must be 1")
         pooler = self.model_config.pooler_config
         if (pooler is not None and pooler.pooling_type == "MEAN"
                 and self.cache_config.enable_prefix_caching):

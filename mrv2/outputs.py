@@ -118,7 +118,8 @@ class Histogram(Metric):
 
 @dataclass
 class Vector(Metric):
-    """An ordered array of counters (vLLM's, for speculative decoding; mrv2 emits none)."""
+    """An ordered array of counters (vLLM's, for speculative decoding: accepted drafts per
+    position)."""
 
     values: list[int]
 

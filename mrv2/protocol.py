@@ -57,8 +57,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def build(cls, req_ids: Sequence[str], new_block_ids: Sequence[Sequence[Sequence[int]]],
               num_computed_tokens: Sequence[int] | np.ndarray) -> CachedRequestData:
-        """`new_block_ids[i][g]`: request i's new blocks in group g (every request has the
-        same number of groups)."""
+        """`new_block_ids[i][g]`: request i's new blocks in group g (as many groups each)."""
         if not len(req_ids) == len(new_block_ids) == len(num_computed_tokens):
             raise ValueError(f"{len(req_ids)} ids, {len(new_block_ids)} block-id lists and "
                              f"{len(num_computed_tokens)} computed counts")
@@ -230,6 +229,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # A pooling runner's requests that completed their prefill this step: their pooled hidden
     # states, float32 bytes (mrv2/state/pooling.py); None on a generate runner.
     pooled: dict[str, bytes] | None = None
+    # Per request, the drafts the runner holds for its next step (b"": none anywhere).
+    num_draft_tokens_i32: bytes = b""
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
@@ -244,10 +245,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
                    list(nan_req_ids), pooled)
 
     @property
-    def num_nans(self) -> int:
-        return len(self.nan_req_ids)
-
-    @property
     def req_ids(self) -> list[str]:
         """A new list on each access: split once and keep it."""
         return unpack_ids(self.req_ids_packed, self.num_reqs)
@@ -259,6 +256,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     @property
     def num_sampled(self) -> np.ndarray:
         return int32_view(self.num_sampled_i32)
+
+    @property
+    def num_draft_tokens(self) -> np.ndarray | None:
+        return int32_view(self.num_draft_tokens_i32) if self.num_draft_tokens_i32 else None
 
     @property
     def sampled_token_ids(self) -> list[list[int]]:
@@ -365,6 +366,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decode: list[int] = []  # SpecDecodeStats.totals ([]: no speculative decoding)
 
 
 # The one framing of core <-> client messages: two ZMQ frames, a one-byte message code and the

@@ -27,11 +27,11 @@ from mrv2.attention.backend import AttentionMetadata
 from mrv2.config import EngineConfig
 from mrv2.cudagraph import BatchDescriptor, CudaGraphManager
 from mrv2.inputs.batch import InputBatch
-from mrv2.inputs.buffers import InputBuffers
-from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.inputs.buffers import InputBuffers, max_step_rows
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs, verify_rows
 from mrv2.models.generation_config import eos_token_ids
-from mrv2.protocol import (NULL_BLOCK_ID, CachedRequestData, GrammarOutput, ModelRunnerOutput,
-                           NewRequestData, SchedulerOutput)
+from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mrv2.runner_dummy import run_dummy_requests
 from mrv2.sampler import Sampler, SamplingStates
 from mrv2.sampler.sampler import SamplerOutput
 from mrv2.sampler.grammar_bitmask import apply_grammar_bitmask_
@@ -40,6 +40,7 @@ from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
 from mrv2.state.block_table import BlockTables
 from mrv2.state.host_staging import upload_array
 from mrv2.state.pooling import PoolingState
+from mrv2.spec_decode.verify import RequestRows, Speculator
 from mrv2.state.requests import RequestState
 
 if TYPE_CHECKING:  # the CPU's fused paths (numba) load with the model on a CPU worker
@@ -58,10 +59,11 @@ class ExecuteState:
     # (the CPU's fused decode stack, for a step whose every row is sampled); None: phase 2
     # computes them from the hidden states.
     logits: torch.Tensor | None = None
-    # Scheduler row -> batch row, where _prepare_batch reordered the rows (decode first);
-    # None when they are the same.
+    # Scheduler row -> batch row, where _prepare_batch moved rows; None when they are the same.
     batch_rows: np.ndarray | None = None
     num_steps: int = 1  # the decode steps phase 2 completes (SchedulerOutput.num_decode_steps)
+    # Speculative decoding: the requests (verify rows split a row per token); output per request
+    request_rows: RequestRows | None = None
 
 
 class ModelRunner:
@@ -82,7 +84,7 @@ class ModelRunner:
                                        model_config.seed,
                                        eos_token_ids=eos_token_ids(model_config.hf_config,
                                                                    model_config.model))
-        self.buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
+        self.buffers = InputBuffers(sched.max_num_batched_tokens, max_step_rows(config),
                                     config.max_num_blocks_per_req, device, layout.num_groups)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
         self.prompt_logprobs = PromptLogprobsState(model_config.vocab_size, device)
@@ -91,6 +93,10 @@ class ModelRunner:
         if model_config.runner == "pooling":
             self.pooling = PoolingState(model_config.pooler_config, sched.max_num_seqs,
                                         model_config.hidden_size, device)
+        self.speculator = None  # speculative decoding (spec_decode/verify.py)
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, self.requests,
+                                         self.sampling)
         self.cudagraphs = CudaGraphManager(config.compilation_config,
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
@@ -111,14 +117,15 @@ class ModelRunner:
             # Finished and preempted requests were processed; phase 2 has nothing to sample.
             self._execute_state = ExecuteState(batch=None, hidden_states=None)
             return
-        batch, descriptor, batch_rows = self._prepare_batch(scheduler_output, cached_slots)
+        batch, descriptor, batch_rows, request_rows = self._prepare_batch(scheduler_output,
+                                                                         cached_slots)
         num_steps = scheduler_output.num_decode_steps
         if num_steps > 1 and batch.num_tokens != len(batch.req_ids):
             raise ValueError(f"a step of {num_steps} decode steps with prefill rows")
         hidden_states, logits = self._forward(batch, descriptor)
         self._execute_state = ExecuteState(batch=batch, hidden_states=hidden_states,
                                            logits=logits, batch_rows=batch_rows,
-                                           num_steps=num_steps)
+                                           num_steps=num_steps, request_rows=request_rows)
 
     def _forward(self, batch: InputBatch, descriptor: BatchDescriptor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -142,6 +149,8 @@ class ModelRunner:
             slot = requests.finish(req_id)
             if slot is not None:
                 tables.clear_row(slot)
+                if self.speculator is not None:
+                    self.speculator.finish(slot)
             if self.prompt_logprobs:
                 self.prompt_logprobs.finish(req_id)
         for new in out.scheduled_new_reqs:
@@ -157,6 +166,8 @@ class ModelRunner:
                                          new.sampling_params.prompt_logprobs)
             if self.pooling is not None:
                 self.pooling.add(slot)
+            if self.speculator is not None:
+                self.speculator.add(slot, new.sampling_params)
         cached = out.scheduled_cached_reqs
         slots = requests.slots_of(cached.req_ids)
         if cached.num_reqs:
@@ -170,7 +181,8 @@ class ModelRunner:
         return slots
 
     def _prepare_batch(self, out: SchedulerOutput, cached_slots: np.ndarray
-                       ) -> tuple[InputBatch, BatchDescriptor | None, np.ndarray | None]:
+                       ) -> tuple[InputBatch, BatchDescriptor | None, np.ndarray | None,
+                                  RequestRows | None]:
         req_ids = out.req_ids
         num_scheduled = out.num_scheduled.copy()  # the message's view is read-only
         num_cached = len(cached_slots)
@@ -180,27 +192,42 @@ class ModelRunner:
                                     self.requests.slots_of(req_ids[num_cached:])])
         else:
             slots = self.requests.slots_of(req_ids)
-        is_prefill = num_scheduled > 1
+        is_verify = (None if self.speculator is None  # verify rows: decode rows, first with them
+                     else self.speculator.is_verify(slots, num_scheduled))
+        is_prefill = num_scheduled > 1 if is_verify is None else (num_scheduled > 1) & ~is_verify
         batch_rows = None
         if (is_prefill[:-1] & ~is_prefill[1:]).any():  # not decode-first yet
-            order = decode_first_order(num_scheduled)
+            order = decode_first_order(is_prefill.astype(np.int32) + 1)
             req_ids = [req_ids[i] for i in order]
             slots, num_scheduled = slots[order], num_scheduled[order]
+            is_verify = None if is_verify is None else is_verify[order]
             batch_rows = np.empty_like(order)
             batch_rows[order] = np.arange(len(order))
-        batch, descriptor = self._inputs(req_ids, slots, num_scheduled,
-                                         out.total_num_scheduled_tokens)
-        return batch, descriptor, batch_rows
+        if is_verify is None:
+            batch, descriptor = self._inputs(req_ids, slots, num_scheduled,
+                                             out.total_num_scheduled_tokens)
+            return batch, descriptor, batch_rows, None
+        row_req_ids, row_slots, row_scheduled, offsets, first_row = verify_rows(
+            req_ids, slots, num_scheduled, is_verify)
+        rows = RequestRows(req_ids, slots, num_scheduled, is_verify, first_row)
+        # A scheduler row's grammar applies to its request's last batch row.
+        last_rows = rows.last_rows
+        batch_rows = last_rows if batch_rows is None else last_rows[batch_rows]
+        batch, descriptor = self._inputs(row_req_ids, row_slots, row_scheduled,
+                                         out.total_num_scheduled_tokens, offsets)
+        return batch, descriptor, batch_rows, rows
 
     def _inputs(self, req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,
-                num_tokens: int) -> tuple[InputBatch, BatchDescriptor | None]:
+                num_tokens: int, offsets: np.ndarray | None = None
+                ) -> tuple[InputBatch, BatchDescriptor | None]:
         """The step's inputs from the slots' state (rows in decode-first order), padded for
         its graph where one is captured."""
         tokens_padded, reqs_padded, descriptor = self.cudagraphs.padded_sizes(
             num_tokens, len(req_ids), uniform_decode=num_tokens == len(req_ids))
         batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
                                self.buffers, num_tokens_padded=tokens_padded,
-                               num_reqs_padded=reqs_padded, num_layers=len(self.kv_caches))
+                               num_reqs_padded=reqs_padded, num_layers=len(self.kv_caches),
+                               offsets=offsets)
         return batch, descriptor
 
     @torch.inference_mode()
@@ -243,7 +270,7 @@ class ModelRunner:
         params = ([featured] if self.config.scheduler_config.max_num_seqs == 1
                   else [SamplingParams(temperature=0.0), featured])
         # Two blocks and a bit: a prefill crossing block boundaries.
-        self._run_dummy_requests(params, 2 * self.block_tables.block_size + 1, decode=True)
+        run_dummy_requests(self, params, 2 * self.block_tables.block_size + 1, decode=True)
 
     def profile_run(self) -> None:
         """The largest step a batch can make, once: max_num_batched_tokens prompt tokens over
@@ -256,38 +283,8 @@ class ModelRunner:
         widest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0,
                                 repetition_penalty=1.1, frequency_penalty=0.1,
                                 logprobs=MAX_LOGPROBS)
-        self._run_dummy_requests([widest] * num_reqs,
+        run_dummy_requests(self, [widest] * num_reqs,
                                  sched.max_num_batched_tokens // num_reqs, decode=False)
-
-    def _run_dummy_requests(self, params: list[SamplingParams], prompt_len: int,
-                            decode: bool) -> None:
-        """Prefill one request per `params` (prompts of up to `prompt_len` tokens, within every
-        limit), decode one token each when `decode`, then finish them. Their KV goes to the
-        null block, zeroed again afterwards (a cache starts as zeros)."""
-        config, sched = self.config, self.config.scheduler_config
-        tables, vocab = self.block_tables, config.model_config.vocab_size
-        max_len = config.model_config.max_model_len
-        prompt_len = max(1, min(prompt_len, max_len - 1,
-                                sched.max_num_batched_tokens // len(params)))
-        prompt = [t % vocab for t in range(1, prompt_len + 1)]
-        blocks = [[NULL_BLOCK_ID] * min(config.max_num_blocks_per_req,
-                                        prompt_len // tables.block_size + 1)] * tables.num_groups
-        new = [NewRequestData(f"dummy-{i}", prompt, prompt, p, blocks, 0)
-               for i, p in enumerate(params)]
-        ids = [r.req_id for r in new]
-        steps = [SchedulerOutput.build(new, CachedRequestData(), dict.fromkeys(ids, prompt_len),
-                                       prompt_len * len(ids))]
-        if decode and prompt_len < max_len:  # room for one decoded token
-            steps.append(SchedulerOutput.build(
-                [], CachedRequestData.build(ids, [([],) * tables.num_groups] * len(ids),
-                                            [prompt_len] * len(ids)),
-                dict.fromkeys(ids, 1), len(ids)))
-        steps.append(SchedulerOutput.build([], CachedRequestData(), {}, 0, finished_req_ids=ids))
-        for step in steps:
-            self.execute_model(step)
-            self.sample_tokens()
-        for cache in self.kv_caches:
-            cache[:, NULL_BLOCK_ID].zero_()
 
     # ---- phase 2 -------------------------------------------------------------------------
     def _apply_grammar(self, logits: torch.Tensor, grammar_output: GrammarOutput,
@@ -338,6 +335,9 @@ class ModelRunner:
                 batch.req_ids, self.requests.num_computed_host[batch.idx_mapping_np],
                 batch.num_scheduled_np, batch.attn_metadata.query_start_loc_np,
                 state.hidden_states, self.model.compute_logits)
+        if state.request_rows is not None:  # speculative decoding: per request from here
+            return self.speculator.sample_output(batch, state.request_rows, out, positions,
+                                                 self._copy_stream, prompt_logprobs)
         pooled = None
         if self.pooling is not None:  # read by the output copy for the finishing rows
             pooled = self.pooling.pool(state.hidden_states, last_hidden, batch,

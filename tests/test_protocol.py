@@ -146,9 +146,9 @@ def test_model_runner_output() -> None:
     assert back.sampled_token_ids == [[5], []] and back.req_ids == ["a", "b"]
     assert back.sampled.tolist() == [5] and back.num_sampled.tolist() == [1, 0]
     assert back.logprobs == [lp, None]
-    assert back.nan_req_ids == ["b"] and back.num_nans == 1
+    assert back.nan_req_ids == ["b"]
     minimal = round_trip(ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[]))
-    assert minimal.logprobs is None and minimal.num_nans == 0
+    assert minimal.logprobs is None and minimal.nan_req_ids == []
     assert minimal.pooled is None
 
 

@@ -61,7 +61,8 @@ def core_stats(core: "EngineCore") -> CoreStats:
         has_unfinished=core.has_unfinished_requests(), kv_cache_usage=sched.kv_cache_usage,
         num_free_blocks=sched.kv_cache_manager.num_free_blocks,
         num_kv_blocks=core.executor.num_kv_blocks, num_preemptions=sched.num_preemptions,
-        prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
+        prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+        spec_decode=sched.spec_stats.totals if sched.speculative is not None else [])
 
 
 # Utility calls a client may make: name -> function(core, *args). Results must be msgpack-able.

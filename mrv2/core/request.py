@@ -13,6 +13,7 @@ learns about it through `NewRequestData` / `CachedRequestData`). Invariants:
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ from mrv2.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mrv2.core.structured_output import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,6 +87,10 @@ class Request:
         # Tokens a scheduled, still running step will sample (async scheduling); never part
         # of all_token_ids, so they are never hashed or cached.
         self.num_output_placeholders = 0
+        # Speculative decoding: drafts the runner holds for the request's next step (its last
+        # output says how many), and drafts the step in flight verifies.
+        self.num_draft_tokens = 0
+        self.num_scheduled_drafts = 0
         self.status = RequestStatus.WAITING
         # The stop token id that finished the request: a stop_token_id or one of
         # eos_stop_token_ids (None for the primary EOS, length or abort).
@@ -139,6 +146,40 @@ class Request:
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
             self._all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """vLLM's check_stop, after each appended token: sets the final status and returns
+        True when the request ends here. Length wins over a stop token."""
+        output_token_ids = self.output_token_ids
+        num_output = len(output_token_ids)
+        last = output_token_ids[-1]
+        grammar = self.grammar
+        if grammar is not None and not grammar.accept_token(last):
+            logger.error("request %s: its grammar rejected token %d; finished with an error",
+                         self.request_id, last)
+            self.status = RequestStatus.FINISHED_ERROR
+            return True
+        if (num_output >= self.max_tokens
+                or len(self.all_token_ids) >= max_model_len):
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        params = self.sampling_params
+        if num_output < params.min_tokens:
+            return False
+        if not params.ignore_eos:
+            if last == self.eos_token_id:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.eos_stop_token_ids:  # the model's other EOS ids (vLLM)
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if (params.stop_token_ids and last in params.stop_token_ids
+                or grammar is not None and grammar.is_terminated):  # its stop token, accepted
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        return False
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

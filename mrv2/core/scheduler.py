@@ -29,6 +29,7 @@ from mrv2.core.decode_steps import decode_steps
 from mrv2.core.block_pool import PrefixCacheStats
 from mrv2.core.kv_cache_manager import GroupBlockIds, KVCacheManager
 from mrv2.core.request import Request, RequestStatus
+from mrv2.core.spec_decode_stats import SpecDecodeStats
 from mrv2.core.structured_output import StructuredOutputManager
 from mrv2.protocol import (CachedRequestData, EngineCoreOutput, FinishReason, GrammarOutput,
                            ModelRunnerOutput, NewRequestData, SchedulerOutput)
@@ -48,6 +49,9 @@ class Scheduler:
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
         self.num_scheduler_steps = sched.num_scheduler_steps
+        self.speculative = config.speculative_config  # None: no drafts
+        self.spec_stats = SpecDecodeStats(
+            0 if self.speculative is None else self.speculative.num_speculative_tokens)
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -177,10 +181,14 @@ class Scheduler:
             # Nothing to run: its last step's output never arrived, or (async) the steps in
             # flight already produce every token it may still generate.
             if num_new <= 0 or (placeholders and (
-                    len(request.output_token_ids) + placeholders >= request.max_tokens
+                    self.speculative is not None  # its drafts come with the step in flight
+                    or len(request.output_token_ids) + placeholders >= request.max_tokens
                     or known >= max_model_len)):
                 idx += 1
                 continue
+            if request.num_draft_tokens and num_new == 1:  # a decode: verify its drafts too
+                request.num_scheduled_drafts = self._num_drafts(request, budget)
+                num_new += request.num_scheduled_drafts
             span = num_new + num_steps - 1  # tokens whose KV the step writes
             new_blocks = manager.allocate_slots(request, span)
             while new_blocks is None:
@@ -261,6 +269,17 @@ class Scheduler:
                 request.num_output_placeholders += num_steps
         return output
 
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """The drafts a decode verifies this step: all the runner holds, within the budget,
+        the request's max_tokens and max_model_len (a verify step yields up to one token
+        more than its drafts), none while more requests run than disable_by_batch_size."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return 0
+        return max(0, min(request.num_draft_tokens, budget - 1,
+                          request.max_tokens - len(request.output_token_ids) - 1,
+                          self.max_model_len - request.num_tokens - 1))
+
     def _grammar_ready(self, request: Request) -> bool:
         """Whether the request's grammar compiled; one that failed finishes the request
         (popped from `waiting`) with finish_reason "error"."""
@@ -290,6 +309,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         # Tokens of steps in flight are dropped when they arrive; resuming recomputes them.
         request.num_output_placeholders = 0
+        request.num_draft_tokens = request.num_scheduled_drafts = 0  # the runner's are gone
         request.num_preemptions += 1
         self.num_preemptions += 1
         # Victims are taken newest first, so pushing each to the front keeps arrival order.
@@ -314,6 +334,9 @@ class Scheduler:
         pooled = model_runner_output.pooled  # a pooling runner's finishing prompts
         # Rows whose logits held a NaN: the request ends with "error", its token unseen.
         failed = model_runner_output.nan_req_ids  # almost always empty
+        num_drafts = model_runner_output.num_draft_tokens  # None: no drafts proposed
+        if num_drafts is not None:
+            num_drafts = dict(zip(req_ids, num_drafts.tolist()))
         outputs, self._grammar_failures = self._grammar_failures, []
         finished: set[str] = set()
         requests, running_status = self.requests, RequestStatus.RUNNING
@@ -333,6 +356,13 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(token_ids))
+            if request.num_scheduled_drafts:  # a verify step: the KV of rejected drafts goes
+                accepted = len(token_ids) - 1
+                request.num_computed_tokens -= request.num_scheduled_drafts - accepted
+                self.spec_stats.record(request.num_scheduled_drafts, accepted)
+                request.num_scheduled_drafts = 0
+            if num_drafts is not None:
+                request.num_draft_tokens = num_drafts[req_id]
             if failed and req_id in failed:
                 logger.error("request %s: NaN in its logits; finished with an error", req_id)
                 request.status = RequestStatus.FINISHED_ERROR
@@ -345,7 +375,7 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token_ids(token_id)
                 kept += 1
-                if self._check_stop(request):
+                if request.check_stop(self.max_model_len):
                     break  # tokens past a stop are dropped
             # Usually every token is kept (one per step): the list itself, not a copy.
             new_token_ids = token_ids if kept == len(token_ids) else token_ids[:kept]
@@ -365,36 +395,3 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs
-
-    def _check_stop(self, request: Request) -> bool:
-        """vLLM's check_stop, after each appended token. Length wins over a stop token."""
-        output_token_ids = request.output_token_ids
-        num_output = len(output_token_ids)
-        last = output_token_ids[-1]
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(last):
-            logger.error("request %s: its grammar rejected token %d; finished with an error",
-                         request.request_id, last)
-            request.status = RequestStatus.FINISHED_ERROR
-            return True
-        if (num_output >= request.max_tokens
-                or len(request.all_token_ids) >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        params = request.sampling_params
-        if num_output < params.min_tokens:
-            return False
-        if not params.ignore_eos:
-            if last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in request.eos_stop_token_ids:  # the model's other EOS ids (vLLM)
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if (params.stop_token_ids and last in params.stop_token_ids
-                or grammar is not None and grammar.is_terminated):  # its stop token, accepted
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-        return False

@@ -25,6 +25,7 @@ from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import (cpu_auto_runs_gguf_blocks, load_hf_config, resolve_dtype,
                                split_cpu_dtype)
 from mrv2.sampling_params import MAX_LOGPROBS
+from mrv2.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 BATCH_INVARIANT_ENV = "MRV2_BATCH_INVARIANT"
@@ -52,7 +53,8 @@ class EngineArgs:
     # None: on, except with MEAN pooling (which must compute every prompt token).
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
-    async_scheduling: bool = True
+    # None: on, except with speculative decoding (a request's next step waits for its drafts).
+    async_scheduling: bool | None = None
     # vLLM's --num-scheduler-steps: decode steps one scheduled step may run (SchedulerConfig;
     # None: the engine's choice, several while no request streams).
     num_scheduler_steps: int | None = None
@@ -109,6 +111,8 @@ class EngineArgs:
     # Batch-invariant mode (mrv2/batch_invariant.py; vLLM's VLLM_BATCH_INVARIANT): a request's
     # tokens and logprobs do not depend on its batch. None: MRV2_BATCH_INVARIANT=1 turns it on.
     batch_invariant: bool | None = None
+    # vLLM's: a dict of SpeculativeConfig fields (mrv2/spec_decode/config.py); None: off.
+    speculative_config: dict | SpeculativeConfig | None = None
     # vLLM's options that mrv2 takes as permissions or no-ops, each checked (the values mrv2
     # refuses raise ConfigError): mrv2/engine/engine_args_checks.py.
     trust_remote_code: bool = False
@@ -200,17 +204,38 @@ class EngineArgs:
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,
                              0 if self.enable_chunked_prefill else max_model_len)
+        speculative_config = self._speculative_config(runner, device)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
-                                           async_scheduling=self.async_scheduling,
-                                           num_scheduler_steps=self.num_scheduler_steps)
+                                           async_scheduling=(speculative_config is None
+                                                             if self.async_scheduling is None
+                                                             else self.async_scheduling),
+                                           num_scheduler_steps=(
+                                               1 if speculative_config is not None
+                                               else self.num_scheduler_steps))
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
                             compilation_config=compilation_config, device=device,
-                            structured_outputs_config=self._structured_outputs_config())
+                            structured_outputs_config=self._structured_outputs_config(),
+                            speculative_config=speculative_config)
+
+    def _speculative_config(self, runner: str, device: str) -> SpeculativeConfig | None:
+        config = SpeculativeConfig.from_value(self.speculative_config)
+        if config is None:
+            return None
+        if device != "cpu":
+            raise ConfigError("speculative decoding runs on the CPU in mrv2 so far (its verify "
+                              "rows' input preparation has no Triton kernel yet)")
+        if runner == "pooling":
+            raise ConfigError("speculative_config applies to generation, not runner='pooling'")
+        if self.num_scheduler_steps not in (None, 1):
+            raise ConfigError(f"speculative_config with num_scheduler_steps="
+                              f"{self.num_scheduler_steps}: a verify step is one step; leave "
+                              f"num_scheduler_steps unset (or 1)")
+        return config
 
     def _resolve_paths(self) -> tuple[str, str | None, str | None]:
         """Local paths of the model, the tokenizer (None: the model's) and the config override

@@ -32,7 +32,7 @@ from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.output_processor import OutputProcessor
 from mrv2.models.tokenizer import load_tokenizer
 from mrv2.outputs import (Counter, Gauge, Histogram, Metric, RequestOutput, RequestOutputKind,
-                          RequestStateStats)
+                          RequestStateStats, Vector)
 from mrv2.pooling_params import PoolingParams
 from mrv2.protocol import CoreStats, EngineCoreRequest
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -146,6 +146,13 @@ class EngineMetrics:
         metrics += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, count)
                     for reason, count in self.finished.items()]
         metrics += [h.metric(name, labels) for name, h in self.histograms.items()]
+        if core.spec_decode:  # SpecDecodeStats.totals
+            drafts, draft_tokens, accepted, *per_pos = core.spec_decode
+            metrics += [Counter("vllm:spec_decode_num_drafts", dict(labels), drafts),
+                        Counter("vllm:spec_decode_num_draft_tokens", dict(labels), draft_tokens),
+                        Counter("vllm:spec_decode_num_accepted_tokens", dict(labels), accepted),
+                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+                               per_pos)]
         return metrics
 
 

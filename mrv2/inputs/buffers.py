@@ -1,17 +1,33 @@
 """Persistent per-step input buffers (DESIGN.md invariant 2).
 
 Allocated once with fixed addresses and fixed capacity (max_num_batched_tokens tokens,
-max_num_seqs rows); every step writes a prefix of them. A captured graph can therefore read the
+`max_step_rows` rows); every step writes a prefix of them. A captured graph can therefore read the
 same addresses on every replay. Entries past a step's padded sizes keep stale values, except
 slot_mapping, which is -1 past the real tokens (nothing there writes the KV cache).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from mrv2.state.host_staging import HostStaging
+
+if TYPE_CHECKING:
+    from mrv2.config import EngineConfig
+
+
+def max_step_rows(config: EngineConfig) -> int:
+    """The most rows a step holds: one per request, or with speculative decoding one per token
+    a request verifies (its sampled token and its drafts: inputs/prepare.verify_rows), within
+    the step's token budget."""
+    sched, spec = config.scheduler_config, config.speculative_config
+    if spec is None:
+        return sched.max_num_seqs
+    return max(sched.max_num_seqs, min(sched.max_num_batched_tokens,
+                                       sched.max_num_seqs * (1 + spec.num_speculative_tokens)))
 
 
 class InputBuffers:

@@ -35,17 +35,38 @@ def decode_first_order(num_scheduled: np.ndarray) -> np.ndarray:
     return np.argsort(num_scheduled > 1, kind="stable")
 
 
+def verify_rows(req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,
+                is_verify: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
+                                                np.ndarray]:
+    """A step's rows with each verify row (a request's sampled token and its drafts) split
+    into one row per token, in place: (req_ids, slots, num_scheduled, offsets of the rows;
+    each request's first row). One-token rows are decode rows, which every attention path
+    and the fused decode stack take; each attends to its request's keys up to itself."""
+    reps = np.where(is_verify, num_scheduled, 1)
+    first_row = np.zeros(len(reps), np.int64)
+    np.cumsum(reps[:-1], out=first_row[1:])
+    rows = int(reps.sum())
+    offsets = (np.arange(rows) - np.repeat(first_row, reps)).astype(np.int32)
+    row_scheduled = np.where(np.repeat(is_verify, reps), 1, np.repeat(num_scheduled, reps))
+    row_req_ids = np.repeat(np.array(req_ids, dtype=object), reps).tolist()
+    return (row_req_ids, np.repeat(slots, reps), row_scheduled.astype(np.int32), offsets,
+            first_row)
+
+
 def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray,
                    state: RequestState, block_tables: BlockTables, buffers: InputBuffers,
                    num_tokens_padded: int | None = None,
-                   num_reqs_padded: int | None = None, num_layers: int = 1) -> InputBatch:
+                   num_reqs_padded: int | None = None, num_layers: int = 1,
+                   offsets: np.ndarray | None = None) -> InputBatch:
     """Rows must already be in decode-first order. Returns views of `buffers`.
 
     input_ids, positions and slot_mapping span `num_tokens_padded` tokens; query_start_loc,
     seq_lens and block_tables span `num_reqs_padded` rows (the metadata's num_actual_tokens and
     num_reqs stay the real counts); idx_mapping, num_scheduled and logits_indices span the
     real rows. The metadata is KV cache group 0's, with the other groups' in `other_groups`;
-    `num_layers`: the model's (AttentionMetadata.num_layers).
+    `num_layers`: the model's (AttentionMetadata.num_layers). `offsets` (int32, CPU only):
+    where each row starts after its slot's computed tokens (speculative decoding's verify
+    rows, one per token: `verify_rows`); None: 0.
     """
     num_reqs = len(req_ids)
     idx_mapping_np = np.ascontiguousarray(idx_mapping_np, dtype=np.int64)
@@ -57,10 +78,11 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
     if not num_reqs <= num_reqs_padded <= buffers.max_num_reqs:
         raise ValueError(f"{num_reqs} rows padded to {num_reqs_padded}: the step holds at "
                          f"most {buffers.max_num_reqs}")
+    offsets = np.zeros(num_reqs, np.int32) if offsets is None else offsets
     # Host shapes in one pass (seq_lens from the host mirror of num_computed).
     query_start_loc_np, seq_lens_np, num_tokens, max_seq_len, num_decodes = (
-        prepare_numba.host_sizes(num_scheduled_np, idx_mapping_np, state.num_computed_host,
-                                 num_reqs_padded))
+        prepare_numba.host_sizes(num_scheduled_np, idx_mapping_np, offsets,
+                                 state.num_computed_host, num_reqs_padded))
     num_tokens_padded = num_tokens if num_tokens_padded is None else num_tokens_padded
     if not num_tokens <= num_tokens_padded <= buffers.max_num_tokens:
         raise ValueError(f"{num_tokens} tokens padded to {num_tokens_padded}: the step holds "
@@ -73,12 +95,15 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
     if platform.kernel_impl(buffers.input_ids.device) == platform.CPU:
         # One call, the block-table gather included.
         prepare_numba.prepare_inputs(
-            idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens_padded,
+            idx_mapping_np, num_scheduled_np, offsets, query_start_loc_np, num_tokens_padded,
             state.num_computed.numpy, state.prefill_len.numpy, state.last_sampled.numpy,
             state.token_ids.numpy, block_tables.table.numpy, block_tables.block_size,
             *buffers.numpy_outputs())
         tables = buffers.block_tables[:, :num_reqs_padded]
     else:
+        if offsets.any():
+            raise NotImplementedError("verify rows (speculative decoding) are prepared on the "
+                                      "CPU only")
         _prepare_triton(idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens,
                         num_tokens_padded, state, block_tables, buffers)
         tables = block_tables.gather_block_tables(idx_mapping, buffers.block_tables,

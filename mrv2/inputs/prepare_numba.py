@@ -2,9 +2,11 @@
 gather (block_table_triton), in one call, row by row.
 
 Inputs are host arrays (idx_mapping, num_scheduled, query_start_loc padded with num_tokens)
-and the persistent slot state; outputs are the step buffers. A token at position
-`pos >= prefill_len` of its slot is a sampled one: it comes from `last_sampled` (on the
-device, never through the host); prefill tokens come from the token history.
+and the persistent slot state; outputs are the step buffers. A row starts `offsets[row]`
+tokens after its slot's computed count (0, except the verify rows of speculative decoding:
+one row per token). The first token at or past `prefill_len` is the sampled one: it comes from
+`last_sampled` (on the device, never through the host); prefill tokens and the drafts after
+the sampled token come from the token history.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from numba import njit
 
 
 @njit(cache=True)
-def prepare_inputs(idx_mapping_host, num_scheduled_host, query_start_loc_host,
+def prepare_inputs(idx_mapping_host, num_scheduled_host, offsets, query_start_loc_host,
                    num_tokens_padded, num_computed, prefill_len, last_sampled, token_ids,
                    block_table, block_size, idx_mapping, num_scheduled, query_start_loc,
                    seq_lens, logits_indices, input_ids, positions, slot_mapping,
@@ -47,14 +49,14 @@ def prepare_inputs(idx_mapping_host, num_scheduled_host, query_start_loc_host,
         n = num_scheduled_host[row]
         idx_mapping[row] = slot
         num_scheduled[row] = n
-        computed = num_computed[slot]
+        computed = num_computed[slot] + offsets[row]
         seq_lens[row] = computed + n
         start = query_start_loc_host[row]
         for i in range(n):
             pos = computed + i
             token = start + i
             positions[token] = pos
-            if pos < prefill_len[slot]:
+            if pos < prefill_len[slot] or pos > num_computed[slot]:
                 input_ids[token] = token_ids[slot, pos]
             else:
                 input_ids[token] = last_sampled[slot]
@@ -71,7 +73,7 @@ def prepare_inputs(idx_mapping_host, num_scheduled_host, query_start_loc_host,
 
 
 @njit(cache=True)
-def host_sizes(num_scheduled, idx_mapping, num_computed_host, num_reqs_padded):
+def host_sizes(num_scheduled, idx_mapping, offsets, num_computed_host, num_reqs_padded):
     """Host-side shapes of a step in one pass: (query_start_loc [num_reqs_padded + 1], seq_lens
     [num_reqs_padded] from the host mirror of num_computed, num_tokens, max_seq_len,
     num_decodes). Padded entries: query_start_loc = num_tokens, seq_lens = 0."""
@@ -86,7 +88,7 @@ def host_sizes(num_scheduled, idx_mapping, num_computed_host, num_reqs_padded):
         n = num_scheduled[row]
         total += n
         query_start_loc[row + 1] = total
-        seq_len = num_computed_host[idx_mapping[row]] + n
+        seq_len = num_computed_host[idx_mapping[row]] + offsets[row] + n
         seq_lens[row] = seq_len
         max_seq_len = max(max_seq_len, seq_len)
         if n == 1:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
-from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs, verify_rows
 from mrv2 import platform as dispatch
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
@@ -528,3 +528,30 @@ def test_cuda_matches_cpu() -> None:
         results.append({name: getattr(w.buffers, name).cpu() for name in BUFFER_NAMES})
     for name in BUFFER_NAMES:
         assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_verify_rows_split_a_row_per_token() -> None:
+    """A verify row (the sampled token and its drafts) becomes one decode row per token: each
+    at its own position, attending to its request's keys up to itself; the drafts' ids come
+    from the token history, where the proposer wrote them."""
+    w = World()
+    a, b = w.add("a", [5, 6, 7]), w.add("b", [1, 2])
+    for req in (a, b):
+        w.ensure_blocks(req, 8)
+    w.apply()
+    w.sample([("a", 3, 42), ("b", 2, 9)])
+    w.state.token_ids.numpy[a.slot, 4:6] = [43, 44]  # a's drafts, after its history
+    row_ids, slots, scheduled, offsets, first_row = verify_rows(
+        ["a", "b"], np.array([a.slot, b.slot]), np.array([3, 1], np.int32),
+        np.array([True, False]))
+    assert row_ids == ["a", "a", "a", "b"] and first_row.tolist() == [0, 3]
+    assert scheduled.tolist() == [1, 1, 1, 1] and offsets.tolist() == [0, 1, 2, 0]
+    batch = prepare_inputs(row_ids, slots, scheduled, w.state, w.tables, w.buffers,
+                           offsets=offsets)
+    assert batch.input_ids.tolist() == [42, 43, 44, 9]
+    assert batch.positions.tolist() == [3, 4, 5, 2]
+    assert batch.attn_metadata.seq_lens.tolist() == [4, 5, 6, 3]
+    assert batch.attn_metadata.num_decodes == 4
+    table = a.block_ids
+    expected = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in (3, 4, 5)]
+    assert batch.attn_metadata.slot_mapping[:3].tolist() == expected

@@ -115,6 +115,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(/v1/embeddings, /score, /rerank) instead of generating")
     parser.add_argument("--convert", default="auto", choices=("auto", "none", "embed"),
                         help="embed: the model as an embedding model (as --runner pooling)")
+    parser.add_argument("--speculative-config", "-sc", type=json.loads, default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             "(methods: ngram, suffix)")
     parser.add_argument("--pooler-config", type=json.loads, default=None,
                         help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
                              "(default: LAST, normalized; MEAN turns prefix caching off)")

@@ -61,6 +61,26 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.spec_decode:  # SpecDecodeStats.totals
+            yield from _spec_decode_counters(stats.spec_decode, labels)
+
+
+def _spec_decode_counters(totals: list[int], labels: list[str]) -> Iterator:
+    """vLLM's speculative-decoding counters; accepted drafts per position labelled by it."""
+    drafts, draft_tokens, accepted, *per_pos = totals
+    for name, doc, value in (
+            ("num_drafts", "Verify steps of a request with drafts.", drafts),
+            ("num_draft_tokens", "Draft tokens verified.", draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", accepted)):
+        counter = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+        counter.add_metric(labels, value)
+        yield counter
+    counter = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each position.",
+                                  labels=["model_name", "position"])
+    for position, value in enumerate(per_pos):
+        counter.add_metric([*labels, str(position)], value)
+    yield counter
 
 
 class RequestTimer:

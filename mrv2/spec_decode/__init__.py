@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers (ngram, suffix) and their per-slot state."""

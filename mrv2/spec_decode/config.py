@@ -1,0 +1,119 @@
+"""SpeculativeConfig: vLLM's `speculative_config` (a dict of its fields), checked once.
+
+Methods mrv2 drafts with: "ngram" (prompt lookup: the tokens that followed the latest earlier
+occurrence of the context's last n-gram) and "suffix" (SuffixDecoding's suffix trees over the
+request and earlier requests' outputs). Every draft is verified by the target model in one
+forward and kept only where it equals the token the target samples at that position
+(sampler/rejection.py), so the output is the same token for token as without speculation.
+
+A key vLLM takes and mrv2 does not implement (a draft model, EAGLE / MTP heads, a draft's own
+tensor parallelism) is refused by name, as is any unknown key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mrv2.config import ConfigError
+
+METHODS = ("ngram", "suffix")
+# vLLM's methods that need weights of their own; mrv2 has not implemented them yet.
+UNIMPLEMENTED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
+                         "ngram_gpu")
+# vLLM's keys for those methods: refused by name rather than ignored.
+UNIMPLEMENTED_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len",
+                      "revision", "code_revision", "speculative_token_tree",
+                      "parallel_drafting", "disable_padded_drafter_batch", "draft_load_config")
+# vLLM's default n-gram length when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+# A request whose last ADAPTIVE_WINDOW verify steps accepted no draft stops drafting for
+# ADAPTIVE_BACKOFF steps, then tries again (text that does not repeat pays no verify cost).
+ADAPTIVE_WINDOW = 4
+ADAPTIVE_BACKOFF = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # suffix: vLLM's fields and defaults.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # vLLM's: no drafts in a step of more than this many running requests (None: always).
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"speculative_config.num_speculative_tokens={k!r} must be a "
+                              f"positive integer")
+        if self.method == "ngram":
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            if low is None and high is None:
+                low = high = DEFAULT_PROMPT_LOOKUP
+            low = high if low is None else low
+            high = low if high is None else high
+            for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ConfigError(f"speculative_config.{name}={value!r} must be a "
+                                      f"positive integer")
+            if low > high:
+                raise ConfigError(f"speculative_config.prompt_lookup_min={low} is larger than "
+                                  f"prompt_lookup_max={high}")
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ConfigError("speculative_config.suffix_decoding_max_tree_depth must be >= 1")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError("speculative_config.suffix_decoding_max_cached_requests must be "
+                              ">= 0")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ConfigError("speculative_config.suffix_decoding_max_spec_factor must be > 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ConfigError("speculative_config.suffix_decoding_min_token_prob must be in "
+                              "[0, 1]")
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 1):
+            raise ConfigError(f"speculative_config.disable_by_batch_size={limit!r} must be a "
+                              f"positive integer")
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any] | SpeculativeConfig | None
+                   ) -> SpeculativeConfig | None:
+        """The config of `speculative_config` as a user gives it (None: no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
+        value = dict(value)
+        method = value.pop("method", None)
+        for key in UNIMPLEMENTED_KEYS:
+            if value.get(key) is not None:
+                raise ConfigError(f"speculative_config.{key} is not implemented in mrv2: it "
+                                  f"drafts with {' or '.join(METHODS)}, which need no model")
+            value.pop(key, None)
+        if method in UNIMPLEMENTED_METHODS:
+            raise ConfigError(f"speculative_config.method={method!r} is not implemented in "
+                              f"mrv2; it implements {', '.join(map(repr, METHODS))}")
+        if method not in METHODS:
+            raise ConfigError(f"speculative_config.method={method!r}: expected one of "
+                              f"{', '.join(map(repr, METHODS))}")
+        known = {f.name for f in fields(cls)} - {"method"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; mrv2 "
+                              f"takes method, {', '.join(sorted(known))}")
+        if value.get("num_speculative_tokens") is None:
+            if method != "suffix":
+                raise ConfigError(f"speculative_config.num_speculative_tokens is required for "
+                                  f"method={method!r}")
+            # vLLM's: suffix drafts up to its tree depth
+            value["num_speculative_tokens"] = value.get("suffix_decoding_max_tree_depth",
+                                                      cls.suffix_decoding_max_tree_depth)
+        return cls(method=method, **value)

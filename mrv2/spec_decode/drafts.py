@@ -1,0 +1,113 @@
+"""DraftState: the runner's per-slot speculative-decoding state, and its proposers.
+
+After a step samples, `propose` drafts up to `num_speculative_tokens` tokens for each request
+that samples and may draft, and writes them into the request's token history right after its
+last token (RequestState.token_ids at total_len ..): the next step's input preparation reads
+them there as the inputs of its verify rows (inputs/prepare.py), and an accepted draft is
+already in place in the history. Only the count leaves the runner (ModelRunnerOutput.
+num_draft_tokens); the scheduler schedules that many more tokens for the request.
+
+Who drafts: a request whose tokens are each decided by its own position's logits alone
+(sampler/rejection.py). Penalties count earlier outputs (a draft's row would not count the
+drafts before it), logprobs and prompt logprobs, and structured outputs (the grammar's bitmask
+is the next token's only) keep such a request on one token a step.
+
+Adaptive: a request whose last ADAPTIVE_WINDOW verify steps accepted nothing stops drafting
+for ADAPTIVE_BACKOFF steps, so text that does not repeat costs almost nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mrv2.sampling_params import SamplingParams
+from mrv2.spec_decode import ngram_numba
+from mrv2.spec_decode.config import ADAPTIVE_BACKOFF, ADAPTIVE_WINDOW, SpeculativeConfig
+from mrv2.state.requests import RequestState
+
+
+def may_draft(params: SamplingParams) -> bool:
+    """Whether a request's tokens can be drafted and verified (see the module docstring)."""
+    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.logprobs is None
+            and params.prompt_logprobs is None and params.structured_outputs is None)
+
+
+class DraftState:
+    def __init__(self, config: SpeculativeConfig, requests: RequestState) -> None:
+        self.config = config
+        self.requests = requests
+        slots = requests.max_num_seqs
+        self.may_draft_host = np.zeros(slots, dtype=np.bool_)
+        self.misses_host = np.zeros(slots, dtype=np.int32)  # verify steps in a row without
+        self.backoff_host = np.zeros(slots, dtype=np.int32)  # steps left without drafts
+        k = config.num_speculative_tokens
+        self._drafts = np.zeros((slots, k), dtype=np.int32)
+        self._num_drafts = np.zeros(slots, dtype=np.int32)
+        self.suffix = None
+        if config.method == "suffix":
+            from mrv2.spec_decode.suffix import SuffixProposer
+
+            self.suffix = SuffixProposer(
+                slots, k, max_tree_depth=config.suffix_decoding_max_tree_depth,
+                max_cached_requests=config.suffix_decoding_max_cached_requests,
+                max_spec_factor=config.suffix_decoding_max_spec_factor,
+                min_token_prob=config.suffix_decoding_min_token_prob)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def add(self, slot: int, params: SamplingParams) -> None:
+        self.may_draft_host[slot] = may_draft(params)
+        self.misses_host[slot] = self.backoff_host[slot] = 0
+        if self.suffix is not None:
+            self.suffix.start(slot)
+
+    def finish(self, slot: int) -> None:
+        """The request in `slot` ended (finished or preempted): its outputs join the suffix
+        proposer's tree of earlier requests."""
+        if self.suffix is not None and self.may_draft_host[slot]:
+            requests = self.requests
+            total = int(requests.total_len.numpy[slot])
+            prompt = int(requests.prompt_len_host[slot])
+            self.suffix.finish(slot, requests.token_ids.numpy[slot, :total].copy(), prompt)
+        self.may_draft_host[slot] = False
+
+    def record_verified(self, slots: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Verify steps' results (slots of requests that verified drafts): adaptive backoff."""
+        missed = num_accepted == 0
+        misses = np.where(missed, self.misses_host[slots] + 1, 0)
+        stop = misses >= ADAPTIVE_WINDOW
+        self.misses_host[slots] = np.where(stop, 0, misses)
+        self.backoff_host[slots[stop]] = ADAPTIVE_BACKOFF
+
+    def propose(self, slots: np.ndarray) -> np.ndarray:
+        """Drafts for the requests in `slots` (int64; each has just sampled: its history ends
+        with its new token), written after their history; returns their counts (int32)."""
+        requests = self.requests
+        token_ids, total_len = requests.token_ids.numpy, requests.total_len.numpy
+        backoff = self.backoff_host[slots]
+        self.backoff_host[slots] = np.maximum(backoff - 1, 0)
+        drafting = self.may_draft_host[slots] & (backoff == 0)
+        room = requests.max_model_len - 1 - total_len[slots]  # drafts stay in the history
+        max_drafts = np.where(drafting, np.minimum(room, self.num_speculative_tokens),
+                              0).astype(np.int32)
+        rows = len(slots)
+        drafts, num_drafts = self._drafts[:rows], self._num_drafts[:rows]
+        if not max_drafts.any():
+            num_drafts[:] = 0
+            return num_drafts.copy()
+        if self.suffix is not None:
+            self.suffix.propose(slots, token_ids, total_len, max_drafts, drafts, num_drafts)
+        else:
+            ngram_numba.propose_ngram(token_ids, slots, total_len,
+                                      self.config.prompt_lookup_min,
+                                      self.config.prompt_lookup_max, max_drafts, drafts,
+                                      num_drafts)
+        # Each row's drafts after its history, in one scatter.
+        cols = np.arange(drafts.shape[1])
+        keep = cols[None, :] < num_drafts[:, None]
+        row_of = np.broadcast_to(slots[:, None], keep.shape)[keep]
+        token_ids[row_of, (total_len[slots][:, None] + cols[None, :])[keep]] = drafts[keep]
+        return num_drafts.copy()

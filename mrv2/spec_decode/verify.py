@@ -1,0 +1,116 @@
+"""Speculator: speculative decoding's part of a runner step (runner.py calls it).
+
+Phase 1: a request scheduled for more tokens than its last sampled one, past its prefill, is a
+verify row: its sampled token and its drafts (already in its token history: drafts.py). It is
+split into one decode row per token (inputs/prepare.verify_rows), so the model's decode
+paths (the CPU's fused stack included) verify every draft in the one forward and the sampler
+samples every row. Phase 2, per request: the drafts the sampled tokens confirm
+(sampler/rejection.py), the state advanced by the tokens kept (the sampled token plus the
+accepted drafts; rejected drafts' KV is written over later), new drafts proposed, and the
+request's tokens [accepted + 1] in the step's output with its count of new drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mrv2 import platform
+from mrv2.async_output import AsyncOutput
+from mrv2.inputs.batch import InputBatch
+from mrv2.sampler.logprobs import LogprobsTensors
+from mrv2.sampler.rejection import verify_drafts
+from mrv2.sampler.sampler import SamplerOutput
+from mrv2.sampler.states import SamplingStates
+from mrv2.sampling_params import SamplingParams
+from mrv2.spec_decode.config import SpeculativeConfig
+from mrv2.spec_decode.drafts import DraftState
+from mrv2.state.requests import RequestState
+
+
+@dataclass
+class RequestRows:
+    """A step's requests, batch order, where verify rows were split into a row per token."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # int64
+    num_scheduled: np.ndarray  # int32: 1 + drafts for a verify row
+    is_verify: np.ndarray  # bool
+    first_row: np.ndarray  # int64: the request's first batch row
+
+    @property
+    def num_rows(self) -> np.ndarray:
+        return np.where(self.is_verify, self.num_scheduled, 1)
+
+    @property
+    def last_rows(self) -> np.ndarray:
+        return self.first_row + self.num_rows - 1
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, requests: RequestState,
+                 sampling: SamplingStates) -> None:
+        self.requests = requests
+        self.sampling = sampling
+        self.drafts = DraftState(config, requests)
+
+    def add(self, slot: int, params: SamplingParams) -> None:
+        self.drafts.add(slot, params)
+
+    def finish(self, slot: int) -> None:
+        self.drafts.finish(slot)
+
+    def is_verify(self, slots: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
+        """Which rows verify drafts: more than one token, past the prefill."""
+        requests = self.requests
+        return (num_scheduled > 1) & (requests.num_computed_host[slots]
+                                      >= requests.prefill_len_host[slots])
+
+    def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
+                      positions: torch.Tensor, copy_stream: torch.cuda.Stream | None,
+                      prompt_logprobs: dict | None) -> AsyncOutput:
+        """After the sampler: advance each request by the tokens it keeps, propose its next
+        drafts, and return the step's output (per request, batch order)."""
+        num_rows = rows.num_rows
+        # Verify rows come first (decode first), one token each: their row is their token.
+        if platform.kernel_impl(out.sampled.device) == platform.CPU:
+            from mrv2.sampler import rejection_numba
+
+            num_accepted, final_rows, nan = rejection_numba.verify_drafts(
+                out.sampled.numpy(), batch.input_ids.numpy(), rows.first_row, num_rows,
+                out.nan_rows.numpy())
+        else:  # the host needs the counts for the output's shape: one sync here
+            accepted, final, nan_t = verify_drafts(
+                out.sampled, batch.input_ids, torch.from_numpy(rows.first_row).to(
+                    out.sampled.device), torch.from_numpy(num_rows).to(out.sampled.device),
+                out.nan_rows)
+            num_accepted, final_rows, nan = accepted.cpu().numpy(), final.cpu().numpy(), nan_t
+        device = out.sampled.device
+        final_index = torch.from_numpy(final_rows).to(device)
+        slots = torch.from_numpy(rows.slots).to(device)
+        kept = np.where(rows.is_verify, 1 + num_accepted, rows.num_scheduled).astype(np.int32)
+        final_tokens = out.sampled[final_index]
+        self.requests.post_update(slots, torch.from_numpy(kept).to(device), final_tokens)
+        self.sampling.post_update(slots, rows.slots, positions[final_index], final_tokens)
+        is_sampling = self.requests.advance_num_computed_host(rows.slots, kept)
+        self.drafts.record_verified(rows.slots[rows.is_verify], num_accepted[rows.is_verify])
+        num_drafts = np.zeros(len(rows.slots), np.int32)
+        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling])
+        # Each request's tokens: its rows' sampled tokens up to the last kept one.
+        width = self.drafts.num_speculative_tokens + 1
+        cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)
+        tokens = out.sampled[torch.from_numpy(cols).to(device)]
+        logprobs = out.logprobs
+        if logprobs is not None:  # rows that asked for them never draft: one row each
+            logprobs = LogprobsTensors(logprobs.token_ids[final_index],
+                                       logprobs.logprobs[final_index],
+                                       logprobs.ranks[final_index])
+        return AsyncOutput(rows.req_ids, tokens, is_sampling, copy_stream, logprobs=logprobs,
+                           num_logprobs=(None if logprobs is None
+                                         else self.sampling.num_logprobs(rows.slots)),
+                           prompt_logprobs=prompt_logprobs,
+                           nan_rows=torch.as_tensor(nan, device=device),
+                           num_sampled=np.where(is_sampling, num_accepted + 1, 0),
+                           num_draft_tokens=num_drafts)

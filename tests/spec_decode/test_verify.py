@@ -1,0 +1,110 @@
+"""Speculative decoding end to end (Speculator through LLM): the same tokens as without it.
+
+Drafts are verified against the token the target samples at each position (noise keyed by
+seed and position), so greedy and seeded requests give the same tokens with and without
+speculation, in any batch; the tests also check that drafts were made and accepted, so they
+cannot pass with speculation silently off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mrv2 import LLM, SamplingParams
+
+PROMPTS = [
+    {"prompt_token_ids": [(t % 7) + 10 for t in range(30)]},
+    {"prompt_token_ids": [(t * t) % 23 + 40 for t in range(90)]},
+    {"prompt_token_ids": [3, 9, 27, 81, 3, 9, 27]},
+    {"prompt_token_ids": [(t % 11) * 3 + 100 for t in range(150)]},
+]
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+}
+ENGINE = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+
+
+def greedy(max_tokens: int = 40, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+                             **kwargs})
+
+
+def tokens(llm: LLM, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def spec_counters(llm: LLM) -> dict[str, int]:
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec")
+            and hasattr(m, "value")}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama):
+    return LLM(str(tiny_llama), **ENGINE)
+
+
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def spec(request, tiny_llama):
+    return LLM(str(tiny_llama), speculative_config=METHODS[request.param], **ENGINE)
+
+
+def test_greedy_identical_and_drafts_accepted(base, spec):
+    before = spec_counters(spec)
+    assert tokens(spec, greedy()) == tokens(base, greedy())
+    after = spec_counters(spec)
+    assert after["vllm:spec_decode_num_drafts"] > before.get("vllm:spec_decode_num_drafts", 0)
+    assert (after["vllm:spec_decode_num_accepted_tokens"]
+            > before.get("vllm:spec_decode_num_accepted_tokens", 0))
+    per_pos = next(m for m in spec.get_metrics()
+                   if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos")
+    assert len(per_pos.values) == 4 and per_pos.values[0] >= per_pos.values[-1]
+
+
+def test_seeded_sampling_identical(base, spec):
+    params = [SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    assert tokens(spec, params) == tokens(base, params)
+
+
+def test_requests_that_do_not_draft_ride_along(base, spec):
+    """Penalties and logprobs keep a request on one token a step, in the same batches."""
+    params = [greedy(), greedy(repetition_penalty=1.3), greedy(logprobs=2), greedy()]
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    want = base.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [
+        list(o.outputs[0].token_ids) for o in want]
+    lp_got, lp_want = got[2].outputs[0].logprobs, want[2].outputs[0].logprobs
+    assert [sorted(d) for d in lp_got] == [sorted(d) for d in lp_want]
+
+
+def test_stop_token_inside_an_accepted_run(base, spec):
+    reference = tokens(base, greedy())
+    stop = reference[0][12]
+    first = reference[0].index(stop)
+    out = spec.generate(PROMPTS[:1], greedy(stop_token_ids=[stop], ignore_eos=False),
+                        use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == reference[0][:first + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_max_tokens_exact(spec, base):
+    for n in (1, 2, 5, 7):
+        assert tokens(spec, greedy(n)) == tokens(base, greedy(n))
+
+
+def test_async_scheduling_on_gives_the_same_tokens(base, tiny_llama):
+    llm = LLM(str(tiny_llama), speculative_config=METHODS["ngram"], async_scheduling=True,
+              **ENGINE)
+    assert tokens(llm, greedy()) == tokens(base, greedy())
+
+
+def test_refused_combinations(tiny_llama):
+    from mrv2.config import ConfigError
+
+    with pytest.raises(ConfigError, match="num_scheduler_steps"):
+        LLM(str(tiny_llama), speculative_config=METHODS["ngram"], num_scheduler_steps=4)
+    with pytest.raises(ConfigError, match="not implemented"):
+        LLM(str(tiny_llama), speculative_config={"method": "eagle", "model": "x",
+                                                 "num_speculative_tokens": 2})
