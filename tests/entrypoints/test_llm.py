@@ -278,6 +278,8 @@ ENGINE_FLAGS = {
     "pipeline_parallel_size": ["-pp", "1"], "data_parallel_size": ["-dp", "1"],
     "scheduling_policy": ["--scheduling-policy", "fcfs"], "runner": ["--runner", "pooling"],
     "convert": ["--convert", "embed"], "pooler_config": ["--pooler-config", '{"normalize": false}'],
+    "speculative_config": ["--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 2}'],
     "disable_log_stats": ["--disable-log-stats"],
     "override_generation_config": ["--override-generation-config", '{"temperature": 0.5}'],
     "num_scheduler_steps": ["--num-scheduler-steps", "4"],

@@ -91,7 +91,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                         default=False)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        default=True)
+                        default=None, help="default on (off with --speculative-config)")
     parser.add_argument("--chat-template", default=None,
                         help="a chat template file, or the template itself")
     parser.add_argument("--generation-config", default="auto",

@@ -54,6 +54,24 @@ def test_render_parses_and_carries_engine_and_request_metrics():
     assert without["vllm:prompt_tokens_total"] == 9
 
 
+def test_spec_decode_counters_as_vllm_names_them():
+    import msgspec
+
+    stats = msgspec.structs.replace(STATS, spec_decode=[4, 12, 7, 4, 2, 1])
+    families = {f.name: f for f in text_string_to_metric_families(
+        ServerMetrics("m").render(stats).decode())}
+    values = _samples(ServerMetrics("m").render(stats).decode())
+    assert values["vllm:spec_decode_num_drafts_total"] == 4
+    assert values["vllm:spec_decode_num_draft_tokens_total"] == 12
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == 7
+    per_pos = {s.labels["position"]: s.value
+               for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+               if s.name.endswith("_total")}
+    assert per_pos == {"0": 4, "1": 2, "2": 1}
+    assert "vllm:spec_decode_num_drafts_total" not in _samples(
+        ServerMetrics("m").render(STATS).decode())
+
+
 def test_server_metrics_count_a_request(server, client):
     before = server.metrics()
     out = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5,
