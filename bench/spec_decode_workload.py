@@ -122,8 +122,9 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for batch in map(int, args.batch_sizes.split(",")):
             prompts = chat_prompts(kind, batch)
-            prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True)
-                          for p in prompts]
+            prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template(
+                p, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+                for p in prompts]
             times: dict[str, list[float]] = {}
             counts: dict[str, int] = {}
             outputs: dict[str, list[list[int]]] = {}

@@ -101,11 +101,10 @@ class ModelRunner:
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
         self._execute_state: ExecuteState | None = None
-        # The CPU's fused decode paths (set by the worker: models/cpu/decode.FusedDecode), asked
-        # first for each step and for runs of argmax decode steps; None: the model runs all.
+        # Set by the worker (models/cpu/decode.FusedDecode): asked first each step; None: model.
         self.fused_decode: FusedDecode | None = None
-        # The step's one device-to-host copy runs here, off the compute stream.
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copy_stream = (torch.cuda.Stream(device)  # the output copy, off the compute stream
+                             if device.type == "cuda" else None)
 
     # ---- phase 1 -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -336,8 +335,9 @@ class ModelRunner:
                 batch.num_scheduled_np, batch.attn_metadata.query_start_loc_np,
                 state.hidden_states, self.model.compute_logits)
         if state.request_rows is not None:  # speculative decoding: per request from here
-            return self.speculator.sample_output(batch, state.request_rows, out, positions,
-                                                 self._copy_stream, prompt_logprobs)
+            return self.speculator.sample_output(
+                batch, state.request_rows, out, positions, self._copy_stream, prompt_logprobs,
+                None if self.fused_decode is None else self.fused_decode.verify_rows)
         pooled = None
         if self.pooling is not None:  # read by the output copy for the finishing rows
             pooled = self.pooling.pool(state.hidden_states, last_hidden, batch,

@@ -12,8 +12,12 @@ Who drafts: a request whose tokens are each decided by its own position's logits
 drafts before it), logprobs and prompt logprobs, and structured outputs (the grammar's bitmask
 is the next token's only) keep such a request on one token a step.
 
-Adaptive: a request whose last ADAPTIVE_WINDOW verify steps accepted nothing stops drafting
-for ADAPTIVE_BACKOFF steps, so text that does not repeat costs almost nothing.
+Adaptive, per request: its draft length grows by 2 after a verify step that accepted every
+draft and shrinks by 1 after one that did not (transformers' "heuristic" schedule for assisted
+generation), between 1 and num_speculative_tokens, since each verified token costs a row of the
+step; and a request whose last ADAPTIVE_WINDOW verify steps accepted nothing stops drafting
+for ADAPTIVE_BACKOFF steps, so text that does not repeat costs almost nothing. `max_rows`
+keeps a step's verify rows within what the decode path takes in one call.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class DraftState:
         self.misses_host = np.zeros(slots, dtype=np.int32)  # verify steps in a row without
         self.backoff_host = np.zeros(slots, dtype=np.int32)  # steps left without drafts
         k = config.num_speculative_tokens
+        self.length_host = np.full(slots, k, dtype=np.int32)  # its next drafts' most
         self._drafts = np.zeros((slots, k), dtype=np.int32)
         self._num_drafts = np.zeros(slots, dtype=np.int32)
         self.suffix = None
@@ -61,6 +66,7 @@ class DraftState:
     def add(self, slot: int, params: SamplingParams) -> None:
         self.may_draft_host[slot] = may_draft(params)
         self.misses_host[slot] = self.backoff_host[slot] = 0
+        self.length_host[slot] = self.num_speculative_tokens
         if self.suffix is not None:
             self.suffix.start(slot)
 
@@ -74,25 +80,33 @@ class DraftState:
             self.suffix.finish(slot, requests.token_ids.numpy[slot, :total].copy(), prompt)
         self.may_draft_host[slot] = False
 
-    def record_verified(self, slots: np.ndarray, num_accepted: np.ndarray) -> None:
-        """Verify steps' results (slots of requests that verified drafts): adaptive backoff."""
+    def record_verified(self, slots: np.ndarray, num_drafts: np.ndarray,
+                        num_accepted: np.ndarray) -> None:
+        """Verify steps' results (slots of requests that verified drafts): the adaptive draft
+        length and backoff."""
+        full = num_accepted == num_drafts
+        self.length_host[slots] = np.clip(self.length_host[slots] + np.where(full, 2, -1), 1,
+                                          self.num_speculative_tokens)
         missed = num_accepted == 0
         misses = np.where(missed, self.misses_host[slots] + 1, 0)
         stop = misses >= ADAPTIVE_WINDOW
         self.misses_host[slots] = np.where(stop, 0, misses)
         self.backoff_host[slots[stop]] = ADAPTIVE_BACKOFF
 
-    def propose(self, slots: np.ndarray) -> np.ndarray:
+    def propose(self, slots: np.ndarray, max_rows: int | None = None) -> np.ndarray:
         """Drafts for the requests in `slots` (int64; each has just sampled: its history ends
-        with its new token), written after their history; returns their counts (int32)."""
+        with its new token), written after their history; returns their counts (int32). With
+        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows."""
         requests = self.requests
         token_ids, total_len = requests.token_ids.numpy, requests.total_len.numpy
         backoff = self.backoff_host[slots]
         self.backoff_host[slots] = np.maximum(backoff - 1, 0)
         drafting = self.may_draft_host[slots] & (backoff == 0)
         room = requests.max_model_len - 1 - total_len[slots]  # drafts stay in the history
-        max_drafts = np.where(drafting, np.minimum(room, self.num_speculative_tokens),
-                              0).astype(np.int32)
+        cap = self.length_host[slots]
+        if max_rows is not None:
+            cap = np.minimum(cap, max(0, max_rows // max(1, len(slots)) - 1))
+        max_drafts = np.where(drafting, np.minimum(room, cap), 0).astype(np.int32)
         rows = len(slots)
         drafts, num_drafts = self._drafts[:rows], self._num_drafts[:rows]
         if not max_drafts.any():

@@ -70,9 +70,10 @@ class Speculator:
 
     def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
                       positions: torch.Tensor, copy_stream: torch.cuda.Stream | None,
-                      prompt_logprobs: dict | None) -> AsyncOutput:
+                      prompt_logprobs: dict | None, max_rows: int | None) -> AsyncOutput:
         """After the sampler: advance each request by the tokens it keeps, propose its next
-        drafts, and return the step's output (per request, batch order)."""
+        drafts (within `max_rows` rows a step: DraftState.propose), and return the step's
+        output (per request, batch order)."""
         num_rows = rows.num_rows
         # Verify rows come first (decode first), one token each: their row is their token.
         if platform.kernel_impl(out.sampled.device) == platform.CPU:
@@ -95,9 +96,11 @@ class Speculator:
         self.requests.post_update(slots, torch.from_numpy(kept).to(device), final_tokens)
         self.sampling.post_update(slots, rows.slots, positions[final_index], final_tokens)
         is_sampling = self.requests.advance_num_computed_host(rows.slots, kept)
-        self.drafts.record_verified(rows.slots[rows.is_verify], num_accepted[rows.is_verify])
+        verified = rows.is_verify
+        self.drafts.record_verified(rows.slots[verified], rows.num_scheduled[verified] - 1,
+                                    num_accepted[verified])
         num_drafts = np.zeros(len(rows.slots), np.int32)
-        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling])
+        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows)
         # Each request's tokens: its rows' sampled tokens up to the last kept one.
         width = self.drafts.num_speculative_tokens + 1
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)

@@ -64,16 +64,38 @@ def test_drafts_stay_within_max_model_len():
     assert drafts.propose(np.array([slot])).tolist() == [1]
 
 
+def test_draft_length_follows_acceptance():
+    requests, drafts = state(k=4)
+    slot = add(requests, drafts, PERIODIC)
+    slots = np.array([slot])
+    assert drafts.propose(slots).tolist() == [4]
+    drafts.record_verified(slots, np.array([4]), np.array([2]))  # not all: one fewer
+    assert drafts.propose(slots).tolist() == [3]
+    drafts.record_verified(slots, np.array([3]), np.array([1]))
+    drafts.record_verified(slots, np.array([2]), np.array([1]))
+    assert drafts.propose(slots).tolist() == [1]  # never below one
+    drafts.record_verified(slots, np.array([1]), np.array([1]))  # all: two more
+    assert drafts.propose(slots).tolist() == [3]
+
+
+def test_max_rows_shares_a_steps_rows():
+    requests, drafts = state(k=4)
+    slots = np.array([add(requests, drafts, PERIODIC) for _ in range(3)])
+    # 3 requests in 8 rows: 2 rows each, one for the sampled token and one draft
+    assert drafts.propose(slots, max_rows=8).tolist() == [1, 1, 1]
+    assert drafts.propose(slots, max_rows=3).tolist() == [0, 0, 0]
+
+
 def test_backoff_after_misses():
     requests, drafts = state()
     slot = add(requests, drafts, PERIODIC)
     slots = np.array([slot])
     for _ in range(ADAPTIVE_WINDOW - 1):
-        drafts.record_verified(slots, np.array([0]))
-    drafts.record_verified(slots, np.array([1]))  # an accepted draft resets the count
+        drafts.record_verified(slots, np.array([3]), np.array([0]))
+    drafts.record_verified(slots, np.array([1]), np.array([1]))  # an accepted draft resets
     assert drafts.propose(slots).tolist() == [3]
     for _ in range(ADAPTIVE_WINDOW):
-        drafts.record_verified(slots, np.array([0]))
+        drafts.record_verified(slots, np.array([1]), np.array([0]))
     for _ in range(ADAPTIVE_BACKOFF):
         assert drafts.propose(slots).tolist() == [0]
-    assert drafts.propose(slots).tolist() == [3]
+    assert drafts.propose(slots).tolist() == [1]

@@ -249,6 +249,12 @@ class FusedDecode:
             getattr(spec, trait) for trait in _STACK_ONLY_TRAITS)
         self.onednn = onednn_decode(model) if plain else None
 
+    @property
+    def verify_rows(self) -> int:
+        """The most rows one call takes with their logits (speculative decoding keeps a
+        step's verify rows within it)."""
+        return self.max_rows if self.head is None else min(self.max_rows, self.head.max_rows)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta
                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
