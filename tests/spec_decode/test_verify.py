@@ -79,6 +79,19 @@ def test_requests_that_do_not_draft_ride_along(base, spec):
     assert [sorted(d) for d in lp_got] == [sorted(d) for d in lp_want]
 
 
+def test_a_grammar_row_beside_verify_rows(base, spec):
+    """A structured-output request (no drafts) gets its bitmask on its own row while the
+    requests before it in the batch verify drafts."""
+    from mrv2.sampling_params import StructuredOutputsParams
+
+    constrained = greedy(16, structured_outputs=StructuredOutputsParams(regex="[0-9a-f]{12}"))
+    params = [greedy(), greedy(), constrained, greedy()]
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    want = base.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert len(got[2].outputs[0].text) == 12
+
+
 def test_stop_token_inside_an_accepted_run(base, spec):
     reference = tokens(base, greedy())
     stop = reference[0][12]
@@ -92,6 +105,16 @@ def test_stop_token_inside_an_accepted_run(base, spec):
 def test_max_tokens_exact(spec, base):
     for n in (1, 2, 5, 7):
         assert tokens(spec, greedy(n)) == tokens(base, greedy(n))
+
+
+def test_preemption_gives_the_same_tokens(base, tiny_llama):
+    """A pool of 24 blocks for four requests of up to 12 each: preempted requests recompute
+    their history and draft again."""
+    block_bytes = base.llm_engine.engine_core.executor.worker.kv_block_bytes
+    llm = LLM(str(tiny_llama), speculative_config=METHODS["ngram"],
+              **{**ENGINE, "kv_cache_memory_bytes": 24 * block_bytes})
+    assert tokens(llm, greedy()) == tokens(base, greedy())
+    assert next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
 
 
 def test_async_scheduling_on_gives_the_same_tokens(base, tiny_llama):
