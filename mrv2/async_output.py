@@ -37,7 +37,8 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  num_draft_tokens: np.ndarray | None = None) -> None:
         """``sampled``: [B] int64, or [B, steps] for a run of decode steps (runner.py), or
         [B, width] of which row b's first ``num_sampled[b]`` are its tokens (speculative
-        decoding's verify steps, with ``num_draft_tokens`` [B]: each row's next drafts).
+        decoding's verify steps, with ``num_draft_tokens`` [B]: each row's next drafts; the
+        ``logprobs`` then hold a row per token, request after request).
         ``prompt_logprobs``: req_id -> (first prompt position, rows), see
         sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
         (their requests are reported in ``nan_req_ids``). ``pooled``: [B, hidden] float32
@@ -120,8 +121,12 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
             assert self.num_logprobs is not None
             # Rows that sampled nothing (a prefill chunk) report no logprobs either.
             num = np.where(self.is_sampling, self.num_logprobs, -1)
-            logprobs = [None if row is None else SampledTokenLogprobs(*row)
-                        for row in self._logprobs.to_lists(num)]
+            if self.num_sampled is None:
+                logprobs = [None if row is None else [SampledTokenLogprobs(*row)]
+                            for row in self._logprobs.to_lists(num)]
+            else:  # the logprobs rows are the requests' tokens, request after request
+                logprobs = _grouped(self._logprobs.to_lists(np.repeat(num, self.num_sampled)),
+                                    self.num_sampled)
         prompt = None
         if self._prompt_starts is not None:
             hosts = self._prompt_hosts
@@ -144,3 +149,15 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                                  pooled=pooled, num_draft_tokens_i32=(
                                      b"" if self.num_draft_tokens is None
                                      else int32_bytes(self.num_draft_tokens)))
+
+
+def _grouped(rows: list, counts: np.ndarray) -> list[list[SampledTokenLogprobs] | None]:
+    """Per request, its `counts[r]` rows' logprobs (None for a request that asked for none)."""
+    out: list[list[SampledTokenLogprobs] | None] = []
+    start = 0
+    for count in counts.tolist():
+        group = rows[start:start + count]
+        start += count
+        out.append(None if not group or group[0] is None
+                   else [SampledTokenLogprobs(*row) for row in group])
+    return out

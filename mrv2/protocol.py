@@ -218,8 +218,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # Flat, request after request; a prefill chunk that did not finish its prompt has none.
     sampled_i32: bytes
     num_sampled_i32: bytes
-    # Per request: None unless it asked for logprobs (and sampled this step).
-    logprobs: list[SampledTokenLogprobs | None] | None = None
+    # Per request: None unless it asked for logprobs (and sampled this step); one per token.
+    logprobs: list[list[SampledTokenLogprobs] | None] | None = None
     # Requests that asked for prompt logprobs and computed prompt positions this step; None
     # when no request of the batch did.
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
@@ -234,7 +234,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
-              logprobs: list[SampledTokenLogprobs | None] | None = None,
+              logprobs: list[list[SampledTokenLogprobs] | None] | None = None,
               prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None,
               nan_req_ids: Sequence[str] = (),
               pooled: dict[str, bytes] | None = None) -> ModelRunnerOutput:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mrv2.async_output import AsyncOutput
+from mrv2.sampler.logprobs import LogprobsTensors
 
 
 def test_cpu_output_reads_the_sampled_tensor():
@@ -36,7 +37,7 @@ def test_logprobs_and_prompt_logprobs_ride_on_the_output():
     out = AsyncOutput(["a", "b"], torch.tensor([5, 7]), np.array([True, False]),
                       logprobs=sample, num_logprobs=np.array([1, 0]),
                       prompt_logprobs={"b": (6, prompt)}).get_output()
-    assert out.logprobs[0].token_ids == [5, 5] and out.logprobs[1] is None  # b mid-prefill
+    assert out.logprobs[0][0].token_ids == [5, 5] and out.logprobs[1] is None  # b mid-prefill
     chunk = out.prompt_logprobs["b"]
     assert (chunk.start, chunk.token_ids, chunk.ranks) == (6, [[3, 9], [4, 4]], [2, 1])
     assert chunk.logprobs == [[-1.0, -0.5], [pytest.approx(-0.1)] * 2]
@@ -71,3 +72,20 @@ def test_cuda_copy_on_side_stream_survives_reuse_of_the_device_tensor():
     garbage = torch.full((1000,), -1, device="cuda")
     assert [t for [t] in out.get_output().sampled_token_ids] == list(range(1000))
     assert int(garbage[0]) == -1
+
+
+def test_verify_rows_tokens_and_logprobs_per_request():
+    """Speculative decoding's output: a request's first num_sampled tokens of its row, and a
+    logprobs row per token, request after request."""
+    sampled = torch.tensor([[4, 5, 6], [7, 0, 0], [9, 9, 9]])
+    rows = LogprobsTensors(torch.tensor([[4, 1], [5, 1], [6, 2], [7, 3]]),
+                           torch.full((4, 2), -0.5), torch.tensor([1, 1, 2, 1]))
+    out = AsyncOutput(["a", "b", "c"], sampled, np.array([True, True, False]),
+                      logprobs=rows, num_logprobs=np.array([1, 0, -1]),
+                      num_sampled=np.array([3, 1, 0]),
+                      num_draft_tokens=np.array([2, 0, 0])).get_output()
+    assert out.sampled_token_ids == [[4, 5, 6], [7], []]
+    assert out.num_draft_tokens.tolist() == [2, 0, 0]
+    assert [[lp.token_ids for lp in group] for group in out.logprobs[:2]] == [
+        [[4, 1], [5, 1], [6, 2]], [[7]]]
+    assert out.logprobs[2] is None

@@ -141,11 +141,11 @@ def test_grammar_output() -> None:
 def test_model_runner_output() -> None:
     lp = SampledTokenLogprobs(token_ids=[5, 5, 9], logprobs=[-0.25, -0.25, -1.5], rank=1)
     out = ModelRunnerOutput.build(req_ids=["a", "b"], sampled_token_ids=[[5], []],
-                            logprobs=[lp, None], nan_req_ids=["b"])
+                            logprobs=[[lp], None], nan_req_ids=["b"])
     back = round_trip(out)
     assert back.sampled_token_ids == [[5], []] and back.req_ids == ["a", "b"]
     assert back.sampled.tolist() == [5] and back.num_sampled.tolist() == [1, 0]
-    assert back.logprobs == [lp, None]
+    assert back.logprobs == [[lp], None]
     assert back.nan_req_ids == ["b"]
     minimal = round_trip(ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[]))
     assert minimal.logprobs is None and minimal.nan_req_ids == []
@@ -198,8 +198,8 @@ def test_logprobs_fields_round_trip() -> None:
     prompt = PromptLogprobsChunk(start=4, token_ids=[[7, 1], [8, 8]],
                                  logprobs=[[-2.0, -0.1], [-0.3, -0.3]], ranks=[9, 1])
     assert prompt.num_rows == 2
-    back = round_trip(ModelRunnerOutput.build(req_ids=["a"], sampled_token_ids=[[5]], logprobs=[lp],
-                                        prompt_logprobs={"a": prompt}))
+    back = round_trip(ModelRunnerOutput.build(req_ids=["a"], sampled_token_ids=[[5]],
+                                              logprobs=[[lp]], prompt_logprobs={"a": prompt}))
     assert back.prompt_logprobs == {"a": prompt}
     out = round_trip(EngineCoreOutputs(outputs=[
         EngineCoreOutput("a", [5], new_logprobs=[lp], new_prompt_logprobs=prompt),

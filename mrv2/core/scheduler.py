@@ -384,8 +384,7 @@ class Scheduler:
                 self._free_finished(request)
             new_logprobs = None
             if logprobs is not None and (sample_logprobs := logprobs.get(req_id)) is not None:
-                # One sampled token per step (new_token_ids has exactly it): one entry.
-                new_logprobs = [sample_logprobs]
+                new_logprobs = sample_logprobs[:kept]  # one per token, as new_token_ids
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=new_token_ids,
                 finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,

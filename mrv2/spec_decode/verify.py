@@ -105,15 +105,16 @@ class Speculator:
         width = self.drafts.num_speculative_tokens + 1
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)
         tokens = out.sampled[torch.from_numpy(cols).to(device)]
+        num_sampled = np.where(is_sampling, num_accepted + 1, 0)
         logprobs = out.logprobs
-        if logprobs is not None:  # rows that asked for them never draft: one row each
-            logprobs = LogprobsTensors(logprobs.token_ids[final_index],
-                                       logprobs.logprobs[final_index],
-                                       logprobs.ranks[final_index])
+        if logprobs is not None:  # the kept rows', request after request
+            starts = np.repeat(rows.first_row - np.cumsum(num_sampled) + num_sampled, num_sampled)
+            kept_rows = torch.from_numpy(starts + np.arange(len(starts))).to(device)
+            logprobs = LogprobsTensors(logprobs.token_ids[kept_rows],
+                                       logprobs.logprobs[kept_rows], logprobs.ranks[kept_rows])
         return AsyncOutput(rows.req_ids, tokens, is_sampling, copy_stream, logprobs=logprobs,
                            num_logprobs=(None if logprobs is None
                                          else self.sampling.num_logprobs(rows.slots)),
                            prompt_logprobs=prompt_logprobs,
                            nan_rows=torch.as_tensor(nan, device=device),
-                           num_sampled=np.where(is_sampling, num_accepted + 1, 0),
-                           num_draft_tokens=num_drafts)
+                           num_sampled=num_sampled, num_draft_tokens=num_drafts)

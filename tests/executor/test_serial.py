@@ -85,7 +85,8 @@ prompt_chunks = st.integers(0, 4).flatmap(lambda n: st.builds(
 runner_outputs = st.integers(0, 6).flatmap(lambda n: st.builds(
     ModelRunnerOutput.build, req_ids=st.lists(ids, min_size=n, max_size=n),
     sampled_token_ids=st.lists(tokens, min_size=n, max_size=n),
-    logprobs=st.none() | st.lists(st.none() | sample_logprobs, max_size=4),
+    logprobs=st.none() | st.lists(st.none() | st.lists(sample_logprobs, min_size=1,
+                                                        max_size=2), max_size=4),
     nan_req_ids=st.lists(ids, max_size=3),
     prompt_logprobs=st.none() | st.dictionaries(ids, prompt_chunks, max_size=3)))
 core_requests = st.builds(EngineCoreRequest, request_id=ids, prompt_token_ids=tokens,

@@ -34,7 +34,7 @@ def add(requests, drafts, tokens, params=SamplingParams(temperature=0.0)) -> int
     (SamplingParams(temperature=0.7, top_k=5, seed=3, logit_bias={1: 1.0}), True),
     (SamplingParams(repetition_penalty=1.2), False),
     (SamplingParams(presence_penalty=0.5), False),
-    (SamplingParams(logprobs=2), False),
+    (SamplingParams(logprobs=2), True),
     (SamplingParams(prompt_logprobs=1), False),
 ])
 def test_may_draft(params, expected):
@@ -53,7 +53,7 @@ def test_drafts_follow_the_history(method):
 
 def test_no_drafts_for_a_request_that_may_not():
     requests, drafts = state()
-    slot = add(requests, drafts, PERIODIC, SamplingParams(logprobs=1))
+    slot = add(requests, drafts, PERIODIC, SamplingParams(repetition_penalty=1.1))
     assert drafts.propose(np.array([slot])).tolist() == [0]
 
 

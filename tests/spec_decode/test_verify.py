@@ -69,14 +69,18 @@ def test_seeded_sampling_identical(base, spec):
 
 
 def test_requests_that_do_not_draft_ride_along(base, spec):
-    """Penalties and logprobs keep a request on one token a step, in the same batches."""
+    """Penalties keep a request on one token a step, in the same batches; a request with
+    logprobs drafts, and gets each kept token's logprobs (its verify row's)."""
     params = [greedy(), greedy(repetition_penalty=1.3), greedy(logprobs=2), greedy()]
     got = spec.generate(PROMPTS, params, use_tqdm=False)
     want = base.generate(PROMPTS, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in got] == [
         list(o.outputs[0].token_ids) for o in want]
     lp_got, lp_want = got[2].outputs[0].logprobs, want[2].outputs[0].logprobs
+    assert len(lp_got) == len(got[2].outputs[0].token_ids)
     assert [sorted(d) for d in lp_got] == [sorted(d) for d in lp_want]
+    assert [d[t].logprob for d in lp_got for t in sorted(d)] == pytest.approx(
+        [d[t].logprob for d in lp_want for t in sorted(d)], abs=1e-5)
 
 
 def test_a_grammar_row_beside_verify_rows(base, spec):
