@@ -53,3 +53,27 @@ def test_random_twins_agree(seed):
     input_ids = rng.integers(0, 3, size=total)
     sampled = rng.integers(0, 3, size=total)
     both(sampled, input_ids, first_row, num_rows, rng.random(total) < 0.05)
+
+
+def test_verified_tokens_follow_the_target_distribution():
+    """Sampler + verify_drafts over many positions, one draft each: the first token follows
+    the first row's distribution (chi-square), the draft is accepted with its probability, and
+    a second token (after an accepted draft) follows the second row's distribution."""
+    from test_sampler import LOGITS, chi_square_pvalue, reference_probs, sample
+
+    n, draft = 10_000, 2
+    second = [v * 0.5 + (i % 3) for i, v in enumerate(LOGITS)]
+    logits = torch.tensor([LOGITS, second]).repeat(n, 1)
+    sampled = sample(logits, temperature=0.9, seeds=77, positions=torch.arange(2 * n))
+    input_ids = torch.tensor([0, draft]).repeat(n)
+    accepted, final, _ = verify_drafts(sampled, input_ids, torch.arange(0, 2 * n, 2),
+                                       torch.full((n,), 2), torch.zeros(2 * n, dtype=torch.bool))
+    first = sampled[0::2]
+    p0 = reference_probs(LOGITS, 0.9, 0, 1.0, 0.0)
+    assert chi_square_pvalue(torch.bincount(first, minlength=len(LOGITS)), p0) > 1e-3
+    rate, expected = accepted.float().mean().item(), p0[draft]
+    assert abs(rate - expected) < 4 * (expected * (1 - expected) / n) ** 0.5
+    kept_second = sampled[1::2][accepted.bool()]
+    p1 = reference_probs(second, 0.9, 0, 1.0, 0.0)
+    assert chi_square_pvalue(torch.bincount(kept_second, minlength=len(LOGITS)), p1) > 1e-3
+    assert torch.equal(final, torch.arange(0, 2 * n, 2) + accepted)
