@@ -77,7 +77,7 @@ class DecodeWorkload:
 def runner_host_step(runner: ModelRunner, out: SchedulerOutput, sampled: torch.Tensor) -> None:
     """The runner's host path of one step: state update, staged apply, inputs, post_update."""
     cached_slots = runner._update_states(out)
-    batch, _, _ = runner._prepare_batch(out, cached_slots)
+    batch = runner._prepare_batch(out, cached_slots)[0]
     runner.requests.post_update(batch.idx_mapping, batch.num_scheduled, sampled)
     is_sampling = runner.requests.advance_num_computed_host(batch.idx_mapping_np,
                                                             batch.num_scheduled_np)

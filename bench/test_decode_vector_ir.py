@@ -45,9 +45,13 @@ def _numba_loops_kernel():
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("impl", ["vector_ir", "numba_loops"])
 def test_decode_attention_block_loops(benchmark, impl: str, shape: str) -> None:
+    if benchmark.disabled and impl == "numba_loops":
+        # An uncached compile of the baseline (~35 s in CI) for a figure nobody reads there;
+        # tests/attention/ checks the kernel against its reference.
+        pytest.skip("the baseline kernel is compiled only where it is timed")
     rows, seq_len, heads, kv_heads, layers = SHAPES[shape]
     block_size, head_dim = 16, 64
-    if benchmark.disabled:  # the suite's check: one layer's cache, the two kernels agree
+    if benchmark.disabled:  # the suite's check: one layer's cache, the kernel runs
         layers = 1
     benchmark.group = f"decode-attention-loops-{shape}"
     benchmark.extra_info.update(rows=rows, seq_len=seq_len, heads=heads, kv_heads=kv_heads,

@@ -4,8 +4,8 @@ batch 1, ngram and suffix drafts against no drafts, in the same run, alternating
 
 Each round runs mrv2 without drafts in the untimed setup (timed by hand), then with drafts
 (timed by pytest-benchmark); `extra_info["speedup"]` is median(no drafts) / median(drafts),
-higher is better (target 1.8). Greedy outputs must be identical. Under --benchmark-disable
-(CI) a few tokens, one round: the case still runs both engines end to end.
+higher is better (target 1.8). Greedy outputs must be identical. Skipped under
+--benchmark-disable (CI): tests/spec_decode/ runs the methods end to end.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def test_copy_heavy_batch_1(benchmark, method):
     from mrv2 import LLM
     from mrv2.models.builtin import builtin_model_path
 
-    if benchmark.disabled and method != "ngram":  # CI's smoke run: one method does
-        pytest.skip("tests/spec_decode/ checks every method; the smoke run times one")
-    max_tokens = 8 if benchmark.disabled else 128
+    if benchmark.disabled:  # two SmolLM2 engines cost CI ~15 s for no figure
+        pytest.skip("timing only: tests/spec_decode/test_verify.py runs every method end to end")
+    max_tokens = 128
     model = str(builtin_model_path())
     engine = {"max_model_len": 1024, "kv_cache_memory_gb": 0.25}
     plain = LLM(model, **engine)
@@ -42,9 +42,7 @@ def test_copy_heavy_batch_1(benchmark, method):
 
     benchmark.group = "spec-decode-copy-b1"
     benchmark.pedantic(lambda: run_mrv2(spec, prompts, max_tokens), setup=setup,
-                       rounds=1 if benchmark.disabled else ROUNDS, warmup_rounds=0)
-    stats = getattr(benchmark, "stats", None)
-    if stats is not None:
-        benchmark.extra_info.update(
-            speedup=statistics.median(plain_seconds) / stats.stats.median,
-            plain_median_s=statistics.median(plain_seconds), rounds=ROUNDS)
+                       rounds=ROUNDS, warmup_rounds=0)
+    benchmark.extra_info.update(
+        speedup=statistics.median(plain_seconds) / benchmark.stats.stats.median,
+        plain_median_s=statistics.median(plain_seconds), rounds=ROUNDS)

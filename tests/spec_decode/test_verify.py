@@ -111,20 +111,15 @@ def test_max_tokens_exact(spec, base):
         assert tokens(spec, greedy(n)) == tokens(base, greedy(n))
 
 
-def test_preemption_gives_the_same_tokens(base, tiny_llama):
+def test_preemption_and_async_scheduling_give_the_same_tokens(base, tiny_llama):
     """A pool of 24 blocks for four requests of up to 12 each: preempted requests recompute
-    their history and draft again."""
+    their history and draft again; with async scheduling on, a request's next step waits for
+    the step in flight (its drafts)."""
     block_bytes = base.llm_engine.engine_core.executor.worker.kv_block_bytes
-    llm = LLM(str(tiny_llama), speculative_config=METHODS["ngram"],
+    llm = LLM(str(tiny_llama), speculative_config=METHODS["ngram"], async_scheduling=True,
               **{**ENGINE, "kv_cache_memory_bytes": 24 * block_bytes})
     assert tokens(llm, greedy()) == tokens(base, greedy())
     assert next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
-
-
-def test_async_scheduling_on_gives_the_same_tokens(base, tiny_llama):
-    llm = LLM(str(tiny_llama), speculative_config=METHODS["ngram"], async_scheduling=True,
-              **ENGINE)
-    assert tokens(llm, greedy()) == tokens(base, greedy())
 
 
 def test_refused_combinations(tiny_llama):

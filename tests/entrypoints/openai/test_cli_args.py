@@ -22,7 +22,8 @@ def test_defaults():
     assert config.generation_config == "auto" and config.chat_template is None
     engine = engine_args_from(args, "/m")
     # Prefix caching: None is "on, unless MEAN pooling" (EngineArgs decides).
-    assert engine.enable_prefix_caching is None and engine.async_scheduling
+    # async_scheduling: None is "on, unless speculative decoding" (EngineArgs decides).
+    assert engine.enable_prefix_caching is None and engine.async_scheduling is None
     assert (engine.runner, engine.convert, engine.pooler_config) == ("auto", "auto", None)
     assert not engine.enforce_eager and engine.tensor_parallel_size == 1
     # vLLM's defaults: context and batched tokens from the model / scheduler, 256 sequences,

@@ -100,6 +100,8 @@ HONOURED = [
     (["--convert", "embed"], "engine", "convert", "embed"),
     (["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'], "engine",
      "pooler_config", {"pooling_type": "MEAN", "normalize": False}),
+    (["-sc", '{"method": "ngram", "num_speculative_tokens": 3}'], "engine",
+     "speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
 ]
 # (argv after `serve /m`, the text the error must hold: the flag, and the value where one).
 # EngineArgs' refusals name the field, its value and the flag (mrv2/engine/engine_args_checks.py).
