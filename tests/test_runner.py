@@ -264,12 +264,13 @@ def test_logprobs_match_transformers_log_softmax(runner, tiny_llama):
                                     new_req("b", PROMPT_B, [2], greedy)]))
     assert first.logprobs[1] is None  # b is mid-prefill
     tokens = {"a": list(first.sampled_token_ids[0]), "b": []}
-    logprobs = {"a": [first.logprobs[0]], "b": []}
+    logprobs = {"a": list(first.logprobs[0]), "b": []}  # one entry per token
     step_out = step(runner, sched({"a": 1, "b": len(PROMPT_B) - 4},
                                   cached=[("a", [], len(PROMPT_A)), ("b", [], 4)]))
-    for req_id, toks, lp in zip(step_out.req_ids, step_out.sampled_token_ids, step_out.logprobs):
+    for req_id, toks, lps in zip(step_out.req_ids, step_out.sampled_token_ids,
+                                 step_out.logprobs):
         tokens[req_id] += toks
-        logprobs[req_id].append(lp)
+        logprobs[req_id] += lps
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for req_id, prompt, k in (("a", PROMPT_A, 5), ("b", PROMPT_B, 2)):
         seq = prompt + tokens[req_id]

@@ -141,13 +141,13 @@ def test_scheduler_carries_prompt_chunks_and_sample_logprobs():
     assert o.new_token_ids == [] and o.new_prompt_logprobs == c0 and o.new_logprobs is None
     out = sched.schedule()
     c1 = chunk(4, [15])
-    [o] = sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[7]], [lp(7, 8)],
+    [o] = sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[7]], [[lp(7, 8)]],
                                                           prompt_logprobs={"a": c1}))
     assert (o.new_token_ids, o.new_logprobs, o.new_prompt_logprobs) == ([7], [lp(7, 8)], c1)
     out = sched.schedule()
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     # Output of a request finished meanwhile is dropped, logprobs included.
-    assert sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[9]], [lp(9)])) == []
+    assert sched.update_from_output(out, ModelRunnerOutput.build(["a"], [[9]], [[lp(9)]])) == []
 
 
 def test_prompt_logprobs_skip_the_prefix_cache_until_the_request_sampled():
