@@ -196,7 +196,7 @@ class ModelRunner:
         is_prefill = num_scheduled > 1 if is_verify is None else (num_scheduled > 1) & ~is_verify
         batch_rows = None
         if (is_prefill[:-1] & ~is_prefill[1:]).any():  # not decode-first yet
-            order = decode_first_order(is_prefill.astype(np.int32) + 1)
+            order = decode_first_order(is_prefill)
             req_ids = [req_ids[i] for i in order]
             slots, num_scheduled = slots[order], num_scheduled[order]
             is_verify = None if is_verify is None else is_verify[order]

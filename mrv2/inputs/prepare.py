@@ -30,9 +30,10 @@ from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
 
-def decode_first_order(num_scheduled: np.ndarray) -> np.ndarray:
-    """Stable permutation that puts rows with one query token first."""
-    return np.argsort(num_scheduled > 1, kind="stable")
+def decode_first_order(is_prefill: np.ndarray) -> np.ndarray:
+    """Stable permutation that puts the decode rows (not `is_prefill`: one query token, or a
+    verify row, which becomes decode rows) first."""
+    return np.argsort(is_prefill, kind="stable")
 
 
 def verify_rows(req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,

@@ -119,7 +119,7 @@ class World:
         req_ids = list(scheduled)
         num_scheduled = np.array([scheduled[r] for r in req_ids], dtype=np.int32)
         slots = np.array([self.reqs[r].slot for r in req_ids], dtype=np.int64)
-        order = decode_first_order(num_scheduled)
+        order = decode_first_order(num_scheduled > 1)
         return prepare_inputs([req_ids[i] for i in order], slots[order], num_scheduled[order],
                               self.state, self.tables, buffers or self.buffers, **padding)
 
@@ -209,10 +209,10 @@ def mixed_world() -> tuple[World, dict[str, int]]:
 
 
 def test_decode_first_order_is_stable() -> None:
-    order = decode_first_order(np.array([5, 1, 3, 1, 1, 2], dtype=np.int32))
+    order = decode_first_order(np.array([5, 1, 3, 1, 1, 2]) > 1)
     assert order.tolist() == [1, 3, 4, 0, 2, 5]
-    assert decode_first_order(np.array([], dtype=np.int32)).tolist() == []
-    assert decode_first_order(np.array([4, 4], dtype=np.int32)).tolist() == [0, 1]
+    assert decode_first_order(np.array([], dtype=bool)).tolist() == []
+    assert decode_first_order(np.array([4, 4]) > 1).tolist() == [0, 1]
 
 
 def test_input_buffers_shapes_and_dtypes() -> None:
