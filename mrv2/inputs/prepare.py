@@ -43,6 +43,9 @@ def verify_rows(req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray
     into one row per token, in place: (req_ids, slots, num_scheduled, offsets of the rows;
     each request's first row). One-token rows are decode rows, which every attention path
     and the fused decode stack take; each attends to its request's keys up to itself."""
+    if not is_verify.any():  # nothing to split (most steps): the rows as they are
+        return (req_ids, slots, num_scheduled, np.zeros(len(slots), np.int32),
+                np.arange(len(slots), dtype=np.int64))
     reps = np.where(is_verify, num_scheduled, 1)
     first_row = np.zeros(len(reps), np.int64)
     np.cumsum(reps[:-1], out=first_row[1:])

@@ -75,13 +75,21 @@ def _find_slot(table, edges, parent, token):
 
 
 @njit(cache=True)
-def _new_edge(nodes, edges, table, meta, slot, parent, token, child):
-    e = meta[_M_FREE_EDGE]
-    if e >= 0:
-        meta[_M_FREE_EDGE] = edges[e, _E_NEXT]
+def _take(meta, free, count, links, link):
+    """A row off the free list threaded through links[:, link] (head meta[free]), else the
+    next new row (meta[count])."""
+    i = meta[free]
+    if i >= 0:
+        meta[free] = links[i, link]
     else:
-        e = meta[_M_EDGES]
-        meta[_M_EDGES] += 1
+        i = meta[count]
+        meta[count] += 1
+    return i
+
+
+@njit(cache=True)
+def _new_edge(nodes, edges, table, meta, slot, parent, token, child):
+    e = _take(meta, _M_FREE_EDGE, _M_EDGES, edges, _E_NEXT)
     head = nodes[parent, _N_FIRST]
     edges[e, _E_PARENT] = parent
     edges[e, _E_TOKEN] = token
@@ -129,12 +137,7 @@ def _drop_edge(nodes, edges, table, meta, slot, e):
 
 @njit(cache=True)
 def _new_node(nodes, meta, depth, count):
-    v = meta[_M_FREE_NODE]
-    if v >= 0:
-        meta[_M_FREE_NODE] = nodes[v, _N_FIRST]
-    else:
-        v = meta[_M_NODES]
-        meta[_M_NODES] += 1
+    v = _take(meta, _M_FREE_NODE, _M_NODES, nodes, _N_FIRST)
     nodes[v, _N_COUNT] = count
     nodes[v, _N_OUT] = 0
     nodes[v, _N_DEPTH] = depth
