@@ -45,6 +45,7 @@ from mrv2.state.requests import RequestState
 
 if TYPE_CHECKING:  # the CPU's fused paths (numba) load with the model on a CPU worker
     from mrv2.models.cpu.decode import FusedDecode
+    from mrv2.spec_decode.draft_model import DraftModel
 
 EMPTY_OUTPUT = ModelRunnerOutput.build(req_ids=[], sampled_token_ids=[])
 
@@ -62,13 +63,12 @@ class ExecuteState:
     # Scheduler row -> batch row, where _prepare_batch moved rows; None when they are the same.
     batch_rows: np.ndarray | None = None
     num_steps: int = 1  # the decode steps phase 2 completes (SchedulerOutput.num_decode_steps)
-    # Speculative decoding: the requests (verify rows split a row per token); output per request
-    request_rows: RequestRows | None = None
+    request_rows: RequestRows | None = None  # speculative decoding: the step's requests
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, kv_caches: list[torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, draft: DraftModel | None = None) -> None:
         self.config = config
         self.model = model
         self.kv_caches = kv_caches
@@ -93,10 +93,9 @@ class ModelRunner:
         if model_config.runner == "pooling":
             self.pooling = PoolingState(model_config.pooler_config, sched.max_num_seqs,
                                         model_config.hidden_size, device)
-        self.speculator = None  # speculative decoding (spec_decode/verify.py)
-        if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config, self.requests,
-                                         self.sampling)
+        self.speculator = (None if config.speculative_config is None  # spec_decode/verify.py
+                           else Speculator(config, self.requests, self.sampling,
+                                           self.block_tables, draft))
         self.cudagraphs = CudaGraphManager(config.compilation_config,
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)

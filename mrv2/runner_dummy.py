@@ -50,5 +50,6 @@ def run_dummy_requests(runner: ModelRunner, params: list[SamplingParams], prompt
     runner.execute_model(SchedulerOutput.build([], CachedRequestData(), {}, 0,
                                                finished_req_ids=ids))
     runner.sample_tokens()
-    for cache in runner.kv_caches:
+    draft_caches = [] if runner.speculator is None else runner.speculator.draft_kv_caches
+    for cache in (*runner.kv_caches, *draft_caches):
         cache[:, NULL_BLOCK_ID].zero_()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+from typing import TYPE_CHECKING
 
 import numba
 import torch
@@ -22,13 +23,18 @@ from executor.deferred import Deferred
 from mrv2 import batch_invariant, distributed, platform
 from mrv2.async_output import AsyncOutput
 from mrv2.attention.backend import attach_split_kv_scratch, kv_cache_shape
-from mrv2.config import ConfigError, EngineConfig
+from mrv2.config import ConfigError, EngineConfig, ModelConfig
 from mrv2.core.kv_cache_layout import layer_kv_shape
 from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner import ModelRunner
+from mrv2.spec_decode.draft_model import (DraftModel, draft_kv_block_bytes, draft_kv_caches,
+                                          load_draft_model)
 from mrv2.utils import free_cores, huge_pages
+
+if TYPE_CHECKING:
+    from mrv2.models.cpu.decode import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,8 @@ class Worker:
         self.num_kv_blocks = 0
         self._kv_asleep = False  # the KV caches' storage was given back (sleep mode)
         self._fast_paths: cpu_fast_paths.CpuFastPaths | None = None
+        # speculative method "draft_model": the draft and its fused decode paths
+        self._draft: tuple[torch.nn.Module, FusedDecode | None] | None = None
         self._free_cores: free_cores.FreeCoreThreads | None = None
 
     def load_model(self) -> None:
@@ -78,6 +86,14 @@ class Worker:
             # the partials' scratch is allocated once here, before warm-up and graph capture.
             attach_split_kv_scratch(self.model, self.config.scheduler_config.max_num_seqs,
                                     self.config.model_config.max_model_len, self.device)
+        draft_config = self._draft_config
+        if draft_config is not None and self._draft is None:  # sleep level 2 keeps it
+            self._draft = load_draft_model(draft_config, self.device)
+
+    @property
+    def _draft_config(self) -> ModelConfig | None:
+        spec = self.config.speculative_config
+        return None if spec is None else spec.draft_model_config
 
     def _layer_kv_shape(self, layer: int) -> tuple[int, int]:
         """(kv heads this rank caches, head dim) of a layer (its share under tensor
@@ -98,7 +114,10 @@ class Worker:
         mc, cc = self.config.model_config, self.config.cache_config
         elem = self.config.kv_cache_dtype.itemsize
         num_tensors = mc.kv_cache_layout.num_tensors
-        return 2 * num_tensors * cc.block_size * self._kv_width * elem
+        draft = (0 if self._draft_config is None  # a draft model's blocks share the ids
+                 else draft_kv_block_bytes(self._draft_config, cc.block_size,
+                                           self.config.kv_cache_dtype))
+        return 2 * num_tensors * cc.block_size * self._kv_width * elem + draft
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests use.
@@ -181,14 +200,27 @@ class Worker:
         return caches
 
     def _kv_tensors(self) -> list[torch.Tensor]:
-        """The runner's KV cache views, each once."""
-        return list({id(cache): cache for cache in self.runner.kv_caches}.values())
+        """The runner's KV cache views, each once (a draft model's included)."""
+        caches = [*self.runner.kv_caches, *self._draft_kv_caches()]
+        return list({id(cache): cache for cache in caches}.values())
+
+    def _draft_kv_caches(self) -> list[torch.Tensor]:
+        return [] if self.runner.speculator is None else self.runner.speculator.draft_kv_caches
+
+    def _new_draft(self, num_blocks: int) -> DraftModel | None:
+        """The runner's draft model (method "draft_model"), with new KV caches."""
+        if self._draft is None:
+            return None
+        caches = draft_kv_caches(self._draft_config, num_blocks,
+                                 self.config.cache_config.block_size, self.config.kv_cache_dtype)
+        return DraftModel(*self._draft, caches)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         cc = self.config.cache_config
         kv_caches = self._kv_caches(num_blocks)
         self.num_kv_blocks = num_blocks
-        self.runner = ModelRunner(self.config, self.model, kv_caches, self.device)
+        self.runner = ModelRunner(self.config, self.model, kv_caches, self.device,
+                                  draft=self._new_draft(num_blocks))
         self.runner.fused_decode = self._fused_decode()
         self.runner.capture_model()
         self.runner.warm_up()
@@ -207,6 +239,8 @@ class Worker:
         if not self._kv_asleep:
             if self._fast_paths is not None:
                 self._fast_paths.release_kv_views()
+            if self._draft is not None and self._draft[1] is not None:
+                self._draft[1].release_kv_views()
             self._kv_asleep = True
             for cache in self._kv_tensors():
                 cache.set_(cache.new_empty(0))  # the old storage goes with its last view
@@ -224,6 +258,10 @@ class Worker:
         if self._kv_asleep:
             # New tensors viewed as before; each layer's cache object takes its new view.
             for cache, fresh in zip(self.runner.kv_caches, self._kv_caches(self.num_kv_blocks)):
+                cache.set_(fresh)
+            draft = self._new_draft(self.num_kv_blocks)
+            for cache, fresh in zip(self._draft_kv_caches(), [] if draft is None
+                                    else draft.kv_caches):
                 cache.set_(fresh)
             self._kv_asleep = False
         if self.model is None:

@@ -1,8 +1,7 @@
 """vLLM v1 style scheduler: one token budget shared by decodes and (chunked) prefills.
 
-There are no separate prefill and decode phases. Every request has `num_tokens` (prompt +
-outputs) and `num_computed_tokens`; each step gives each request up to the difference, within
-`max_num_batched_tokens`. A decode is simply a request one token behind.
+No separate prefill and decode phases: each step gives each request up to `num_tokens` (prompt
++ outputs) - `num_computed_tokens`, within `max_num_batched_tokens`.
 
 Invariants:
 - `running` is in admission order; preemption takes the newest (the tail), so the oldest running
@@ -50,8 +49,10 @@ class Scheduler:
         self.async_scheduling = sched.async_scheduling
         self.num_scheduler_steps = sched.num_scheduler_steps
         self.speculative = config.speculative_config  # None: no drafts
-        self.spec_stats = SpecDecodeStats(
-            0 if self.speculative is None else self.speculative.num_speculative_tokens)
+        spec = self.speculative
+        self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
+        # KV slots past a step's tokens (a draft model's drafts: SpeculativeConfig)
+        self.num_lookahead = 0 if spec is None else spec.num_lookahead_tokens
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -189,7 +190,8 @@ class Scheduler:
             if request.num_draft_tokens and num_new == 1:  # a decode: verify its drafts too
                 request.num_scheduled_drafts = self._num_drafts(request, budget)
                 num_new += request.num_scheduled_drafts
-            span = num_new + num_steps - 1  # tokens whose KV the step writes
+            span = min(num_new + num_steps - 1 + self.num_lookahead,  # tokens whose KV the
+                       max_model_len - request.num_computed_tokens)  # step writes
             new_blocks = manager.allocate_slots(request, span)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -225,7 +227,8 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break  # whole prompts only; FIFO, so nothing behind it jumps the queue
             num_new = min(num_new, budget)
-            if manager.allocate_slots(request, num_new, hit_blocks) is None:
+            if manager.allocate_slots(request, min(num_new + self.num_lookahead,
+                                                   max_model_len - num_hit), hit_blocks) is None:
                 break
             if manager.enable_caching:
                 self.prefix_cache_stats.record(request.num_tokens, num_hit)

@@ -25,7 +25,7 @@ from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import (cpu_auto_runs_gguf_blocks, load_hf_config, resolve_dtype,
                                split_cpu_dtype)
 from mrv2.sampling_params import MAX_LOGPROBS
-from mrv2.spec_decode.config import SpeculativeConfig
+from mrv2.spec_decode.config import SpeculativeConfig, check_draft_model
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 BATCH_INVARIANT_ENV = "MRV2_BATCH_INVARIANT"
@@ -204,7 +204,7 @@ class EngineArgs:
         if max_tokens is None:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,
                              0 if self.enable_chunked_prefill else max_model_len)
-        speculative_config = self._speculative_config(runner, device)
+        speculative_config = self._speculative_config(runner, device, model_config)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
@@ -222,7 +222,8 @@ class EngineArgs:
                             structured_outputs_config=self._structured_outputs_config(),
                             speculative_config=speculative_config)
 
-    def _speculative_config(self, runner: str, device: str) -> SpeculativeConfig | None:
+    def _speculative_config(self, runner: str, device: str, target: ModelConfig
+                            ) -> SpeculativeConfig | None:
         config = SpeculativeConfig.from_value(self.speculative_config)
         if config is None:
             return None
@@ -235,7 +236,28 @@ class EngineArgs:
             raise ConfigError(f"speculative_config with num_scheduler_steps="
                               f"{self.num_scheduler_steps}: a verify step is one step; leave "
                               f"num_scheduler_steps unset (or 1)")
+        if config.method == "draft_model" and config.draft_model_config is None:
+            config = dataclasses.replace(config,
+                                         draft_model_config=self._draft_model_config(config,
+                                                                                     target))
         return config
+
+    def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+        """The draft model's config: its checkpoint resolved as the target's is, in the
+        target's dtype and max_model_len, with the target's tokenizer."""
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("speculative_config.method='draft_model' with "
+                              "tensor_parallel_size > 1 is not implemented in mrv2")
+        args = dataclasses.replace(
+            self, model=spec.model, revision=spec.revision, quantization=spec.quantization,
+            tokenizer=target.tokenizer_path, hf_config_path=None, hf_overrides=None,
+            max_model_len=target.max_model_len, speculative_config=None)
+        try:
+            draft = args.create_engine_config().model_config
+        except ConfigError as error:
+            raise ConfigError(f"speculative_config.model={spec.model!r}: {error}") from None
+        check_draft_model(draft, target)
+        return draft
 
     def _resolve_paths(self) -> tuple[str, str | None, str | None]:
         """Local paths of the model, the tokenizer (None: the model's) and the config override

@@ -4,9 +4,10 @@ gather (block_table_triton), in one call, row by row.
 Inputs are host arrays (idx_mapping, num_scheduled, query_start_loc padded with num_tokens)
 and the persistent slot state; outputs are the step buffers. A row starts `offsets[row]`
 tokens after its slot's computed count (0, except the verify rows of speculative decoding:
-one row per token). The first token at or past `prefill_len` is the sampled one: it comes from
-`last_sampled` (on the device, never through the host); prefill tokens and the drafts after
-the sampled token come from the token history.
+one row per token; a draft model's catch-up, from before it). The token at `num_computed`, once
+past `prefill_len`, is the sampled one: it comes from `last_sampled` (on the device, never
+through the host); every other token comes from the token history (prefill tokens, tokens
+sampled before, the drafts after the sampled one).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def prepare_inputs(idx_mapping_host, num_scheduled_host, offsets, query_start_lo
             pos = computed + i
             token = start + i
             positions[token] = pos
-            if pos < prefill_len[slot] or pos > num_computed[slot]:
+            if pos < prefill_len[slot] or pos != num_computed[slot]:
                 input_ids[token] = token_ids[slot, pos]
             else:
                 input_ids[token] = last_sampled[slot]

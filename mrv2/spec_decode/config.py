@@ -1,29 +1,32 @@
 """SpeculativeConfig: vLLM's `speculative_config` (a dict of its fields), checked once.
 
 Methods mrv2 drafts with: "ngram" (prompt lookup: the tokens that followed the latest earlier
-occurrence of the context's last n-gram) and "suffix" (SuffixDecoding's suffix trees over the
-request and earlier requests' outputs). Every draft is verified by the target model in one
-forward and kept only where it equals the token the target samples at that position
-(sampler/rejection.py), so the output is the same token for token as without speculation.
+occurrence of the context's last n-gram), "suffix" (SuffixDecoding's suffix trees over the
+request and earlier requests' outputs) and "draft_model" (`model`: a smaller model sharing the
+target's vocabulary, run greedily with its own KV cache: draft_model.py). Every draft is
+verified by the target model in one forward and kept only where it equals the token the target
+samples at that position (sampler/rejection.py), so the output is the same token for token as
+without speculation.
 
-A key vLLM takes and mrv2 does not implement (a draft model, EAGLE / MTP heads, a draft's own
-tensor parallelism) is refused by name, as is any unknown key.
+A key vLLM takes and mrv2 does not implement (EAGLE / MTP heads, a draft's own tensor
+parallelism) is refused by name, as is any unknown key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mrv2.config import ConfigError
+from mrv2.config import ConfigError, ModelConfig
+from mrv2.core.kv_cache_layout import KVCacheLayout
 
-METHODS = ("ngram", "suffix")
-# vLLM's methods that need weights of their own; mrv2 has not implemented them yet.
-UNIMPLEMENTED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
-                         "ngram_gpu")
-# vLLM's keys for those methods: refused by name rather than ignored.
-UNIMPLEMENTED_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len",
-                      "revision", "code_revision", "speculative_token_tree",
+METHODS = ("ngram", "suffix", "draft_model")
+# vLLM's methods that need heads mrv2 has not implemented yet.
+UNIMPLEMENTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+# vLLM's keys mrv2 does not implement: refused by name rather than ignored. (A draft model runs
+# unsharded beside the target, in the target's dtype and max_model_len; `quantization` and
+# `revision` are the draft's own.)
+UNIMPLEMENTED_KEYS = ("max_model_len", "code_revision", "speculative_token_tree",
                       "parallel_drafting", "disable_padded_drafter_batch", "draft_load_config")
 # vLLM's default n-gram length when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -46,6 +49,20 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # vLLM's: no drafts in a step of more than this many running requests (None: always).
     disable_by_batch_size: int | None = None
+    # draft_model: the draft's checkpoint (a directory, GGUF file or Hub id), its revision and
+    # quantization ("gguf" or None, as the target's), and its tensor parallelism (1 only).
+    model: str | None = None
+    revision: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    # The draft's ModelConfig, resolved by EngineArgs (None until then, and for other methods).
+    draft_model_config: ModelConfig | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its step's tokens: a draft model writes its drafts'
+        KV (all but the last) after the token it samples, in the request's blocks."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -82,6 +99,15 @@ class SpeculativeConfig:
                                   or limit < 1):
             raise ConfigError(f"speculative_config.disable_by_batch_size={limit!r} must be a "
                               f"positive integer")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_config.model names the draft model of "
+                              "method='draft_model', which needs it" if self.model is None
+                              else f"speculative_config.model is for method='draft_model', "
+                                   f"not {self.method!r}")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size="
+                              f"{self.draft_tensor_parallel_size!r}: mrv2 runs the draft model "
+                              f"unsharded (1)")
 
     @classmethod
     def from_value(cls, value: dict[str, Any] | SpeculativeConfig | None
@@ -95,16 +121,17 @@ class SpeculativeConfig:
         method = value.pop("method", None)
         for key in UNIMPLEMENTED_KEYS:
             if value.get(key) is not None:
-                raise ConfigError(f"speculative_config.{key} is not implemented in mrv2: it "
-                                  f"drafts with {' or '.join(METHODS)}, which need no model")
+                raise ConfigError(f"speculative_config.{key} is not implemented in mrv2")
             value.pop(key, None)
         if method in UNIMPLEMENTED_METHODS:
             raise ConfigError(f"speculative_config.method={method!r} is not implemented in "
                               f"mrv2; it implements {', '.join(map(repr, METHODS))}")
+        if method is None and value.get("model") is not None:
+            method = "draft_model"  # vLLM's default for a draft checkpoint
         if method not in METHODS:
             raise ConfigError(f"speculative_config.method={method!r}: expected one of "
                               f"{', '.join(map(repr, METHODS))}")
-        known = {f.name for f in fields(cls)} - {"method"}
+        known = {f.name for f in fields(cls)} - {"method", "draft_model_config"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; mrv2 "
@@ -117,3 +144,26 @@ class SpeculativeConfig:
             value["num_speculative_tokens"] = value.get("suffix_decoding_max_tree_depth",
                                                       cls.suffix_decoding_max_tree_depth)
         return cls(method=method, **value)
+
+
+def _plain_layout(layout: KVCacheLayout) -> bool:
+    """One full-attention block table for every layer, each layer with KV of its own."""
+    return (layout.num_groups == 1 and layout.groups[0].window == 0
+            and layout.groups[0].block_scale == 1
+            and layout.layer_source == tuple(range(len(layout.layer_source))))
+
+
+def check_draft_model(draft: ModelConfig, target: ModelConfig) -> None:
+    """A draft model mrv2 runs: the target's vocabulary, and both KV caches of plain layout
+    (the draft's blocks are addressed through the target's one block table)."""
+    draft_vocab, target_vocab = draft.hf_config.vocab_size, target.hf_config.vocab_size
+    if draft_vocab != target_vocab:
+        raise ConfigError(f"speculative_config.model={draft.model!r} has a vocabulary of "
+                          f"{draft_vocab} tokens, the target's has {target_vocab}: a draft "
+                          f"model must share the target's tokenizer")
+    for which, config in (("draft", draft), ("target", target)):
+        if not _plain_layout(config.kv_cache_layout):
+            raise ConfigError(f"speculative_config.method='draft_model': the {which} model "
+                              f"{config.model!r} has sliding-window, hybrid or shared KV "
+                              f"layers; mrv2 runs a draft model beside full-attention models "
+                              f"only")

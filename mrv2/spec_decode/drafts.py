@@ -28,6 +28,7 @@ import numpy as np
 from mrv2.sampling_params import SamplingParams
 from mrv2.spec_decode import ngram_numba
 from mrv2.spec_decode.config import ADAPTIVE_BACKOFF, ADAPTIVE_WINDOW, SpeculativeConfig
+from mrv2.spec_decode.draft_model import DraftModelProposer
 from mrv2.state.requests import RequestState
 
 
@@ -39,8 +40,10 @@ def may_draft(params: SamplingParams) -> bool:
 
 
 class DraftState:
-    def __init__(self, config: SpeculativeConfig, requests: RequestState) -> None:
+    def __init__(self, config: SpeculativeConfig, requests: RequestState,
+                 draft_model: DraftModelProposer | None = None) -> None:
         self.config = config
+        self.draft_model = draft_model  # method "draft_model": its proposer
         self.requests = requests
         slots = requests.max_num_seqs
         self.may_draft_host = np.zeros(slots, dtype=np.bool_)
@@ -70,6 +73,8 @@ class DraftState:
         self.length_host[slot] = self.num_speculative_tokens
         if self.suffix is not None:
             self.suffix.start(slot)
+        if self.draft_model is not None:
+            self.draft_model.start(slot)
 
     def finish(self, slot: int) -> None:
         """The request in `slot` ended (finished or preempted): its outputs join the suffix
@@ -94,10 +99,12 @@ class DraftState:
         self.misses_host[slots] = np.where(stop, 0, misses)
         self.backoff_host[slots[stop]] = ADAPTIVE_BACKOFF
 
-    def propose(self, slots: np.ndarray, max_rows: int | None = None) -> np.ndarray:
+    def propose(self, slots: np.ndarray, max_rows: int | None = None,
+                prefilling: np.ndarray | None = None) -> np.ndarray:
         """Drafts for the requests in `slots` (int64; each has just sampled: its history ends
         with its new token), written after their history; returns their counts (int32). With
-        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows."""
+        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows.
+        `prefilling`: the step's other requests (a draft model follows their prompts)."""
         requests = self.requests
         token_ids, total_len = requests.token_ids.numpy, requests.total_len.numpy
         backoff = self.backoff_host[slots]
@@ -110,6 +117,13 @@ class DraftState:
         max_drafts = np.where(drafting, np.minimum(room, cap), 0).astype(np.int32)
         rows = len(slots)
         drafts, num_drafts = self._drafts[:rows], self._num_drafts[:rows]
+        if self.draft_model is not None:  # it follows every request that may draft
+            follows = self.may_draft_host[slots]
+            prefilling = np.zeros(0, np.int64) if prefilling is None else prefilling
+            num_drafts[:] = 0
+            num_drafts[follows] = self.draft_model.propose(
+                slots[follows], prefilling[self.may_draft_host[prefilling]], max_drafts[follows])
+            return num_drafts.copy()
         if not max_drafts.any():
             num_drafts[:] = 0
             return num_drafts.copy()

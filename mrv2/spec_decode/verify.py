@@ -25,8 +25,11 @@ from mrv2.sampler.rejection import verify_drafts
 from mrv2.sampler.sampler import SamplerOutput
 from mrv2.sampler.states import SamplingStates
 from mrv2.sampling_params import SamplingParams
-from mrv2.spec_decode.config import SpeculativeConfig
+from mrv2.config import EngineConfig
+from mrv2.inputs.buffers import InputBuffers, max_step_rows
+from mrv2.spec_decode.draft_model import DraftModel, DraftModelProposer
 from mrv2.spec_decode.drafts import DraftState
+from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
 
@@ -50,11 +53,22 @@ class RequestRows:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, requests: RequestState,
-                 sampling: SamplingStates) -> None:
+    def __init__(self, config: EngineConfig, requests: RequestState, sampling: SamplingStates,
+                 block_tables: BlockTables, draft: DraftModel | None = None) -> None:
         self.requests = requests
         self.sampling = sampling
-        self.drafts = DraftState(config, requests)
+        spec = config.speculative_config
+        proposer = None
+        if spec.method == "draft_model":
+            if draft is None:
+                raise ValueError("speculative method 'draft_model' without its loaded model")
+            # Its own step buffers: the target's hold this step's batch until it is output.
+            buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens,
+                                   max_step_rows(config), config.max_num_blocks_per_req,
+                                   requests.device, block_tables.num_groups)
+            proposer = DraftModelProposer(draft, requests, block_tables, buffers)
+        self.draft_kv_caches = [] if draft is None else draft.kv_caches
+        self.drafts = DraftState(spec, requests, proposer)
 
     def add(self, slot: int, params: SamplingParams) -> None:
         self.drafts.add(slot, params)
@@ -100,7 +114,8 @@ class Speculator:
         self.drafts.record_verified(rows.slots[verified], rows.num_scheduled[verified] - 1,
                                     num_accepted[verified])
         num_drafts = np.zeros(len(rows.slots), np.int32)
-        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows)
+        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows,
+                                                      prefilling=rows.slots[~is_sampling])
         # Each request's tokens: its rows' sampled tokens up to the last kept one.
         width = self.drafts.num_speculative_tokens + 1
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)

@@ -31,10 +31,24 @@ def test_suffix_defaults_to_its_tree_depth():
     assert SpeculativeConfig.from_value({"method": "suffix"}).num_speculative_tokens == 24
 
 
+def test_a_model_alone_is_a_draft_model():
+    """vLLM's: `model` without a method drafts with that model; it needs more lookahead KV
+    (its drafts' KV) than the methods without a model."""
+    config = SpeculativeConfig.from_value({"model": "x", "num_speculative_tokens": 3})
+    assert config.method == "draft_model" and config.num_lookahead_tokens == 3
+    ngram = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3})
+    assert ngram.num_lookahead_tokens == 0
+
+
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "model is not implemented"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "eagle.*not implemented"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3.*not implemented"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "not implemented"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs it"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 3}, "not 'ngram'"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+     "unsharded"),
+    ({"model": "x", "num_speculative_tokens": 3, "max_model_len": 64},
+     "max_model_len is not implemented"),
     ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "unknown key.*bogus"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "nope", "num_speculative_tokens": 3}, "expected one of"),

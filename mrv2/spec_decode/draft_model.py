@@ -1,0 +1,170 @@
+"""Draft-model speculation: a smaller model sharing the target's vocabulary proposes each
+request's next tokens greedily, with a KV cache of its own (speculative_config method
+"draft_model").
+
+The draft's cache has the target's block count and block size and is indexed by the target's
+block tables: a request's draft KV lies in the same block ids as its target KV, so the
+scheduler's allocation (with `SpeculativeConfig.num_lookahead_tokens` slots past each step's
+tokens, for the drafts' KV) and the prefix cache serve both. A block shared through the prefix
+cache may hold draft KV another request never computed; so a request's draft KV counts as
+valid only up to what this request's own draft forwards wrote (`end_host`), from position 0.
+
+Per step (phase 2, after the target's tokens are kept), `DraftModelProposer.propose`:
+1. Catch-up: every followed request's draft runs over its tokens the draft has not seen (a
+   prompt chunk as the target prefills it; after a verify step, the token sampled at the first
+   rejected draft, or the last accepted draft and the bonus token), within the step buffers'
+   token budget (a request cut short drafts at a later step).
+2. The logits of each drafting request's last token give its first draft (argmax); each further
+   draft is one decode forward of the drafting requests, fed the draft before it.
+The drafts go into the request's token history after its last token (DraftState's place), from
+which each forward's inputs are read (inputs/prepare.py, with per-row offsets). A draft forward
+writes KV after the request's known tokens: `end_host` records how far it wrote, and the next
+step keeps only what the target confirmed (positions before its first unverified token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from mrv2.attention.backend import kv_cache_shape
+from mrv2.config import ModelConfig
+from mrv2.core.kv_cache_layout import layer_kv_shape
+from mrv2.inputs.buffers import InputBuffers
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.state.block_table import BlockTables
+from mrv2.state.requests import RequestState
+from mrv2.utils import huge_pages
+
+if TYPE_CHECKING:
+    from mrv2.models.cpu.decode import FusedDecode
+
+
+def draft_kv_block_bytes(draft: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block id in the draft's KV cache (every layer's K and V)."""
+    hf = draft.hf_config
+    return sum(2 * block_size * heads * dim * dtype.itemsize
+               for heads, dim in (layer_kv_shape(hf, i) for i in range(draft.num_layers)))
+
+
+def draft_kv_caches(draft: ModelConfig, num_blocks: int, block_size: int,
+                    dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each draft layer's KV cache [2, blocks, block_size, kv heads, head dim], zeroed."""
+    return [huge_pages.zeros(kv_cache_shape(num_blocks, block_size,
+                                            *layer_kv_shape(draft.hf_config, i)), dtype)
+            for i in range(draft.num_layers)]
+
+
+@dataclass
+class DraftModel:
+    """What the worker loads for method "draft_model": the model, its fused decode paths (the
+    CPU's, or None) and its KV caches."""
+
+    model: nn.Module
+    fused_decode: FusedDecode | None
+    kv_caches: list[torch.Tensor]
+
+
+class DraftModelProposer:
+    def __init__(self, draft: DraftModel, requests: RequestState, block_tables: BlockTables,
+                 buffers: InputBuffers) -> None:
+        self.draft = draft
+        self.requests = requests
+        self.block_tables = block_tables
+        self.buffers = buffers  # the draft's own step buffers (the target's hold its step)
+        # Per slot: positions 0 .. end - 1 hold KV the draft computed for this request (its
+        # known tokens, then its latest drafts).
+        self.end_host = np.zeros(requests.max_num_seqs, dtype=np.int32)
+
+    def start(self, slot: int) -> None:
+        self.end_host[slot] = 0
+
+    def propose(self, slots: np.ndarray, following: np.ndarray, max_drafts: np.ndarray
+                ) -> np.ndarray:
+        """Drafts for `slots` (requests that just sampled: up to `max_drafts` each), written
+        after their histories; returns their counts (int32). `following`: the step's requests
+        still prefilling, whose prompts the draft follows."""
+        requests = self.requests
+        total_len, computed = requests.total_len.numpy, requests.num_computed_host
+        num_drafts = np.zeros(len(slots), np.int32)
+        rows = np.concatenate([slots, following])
+        # What the draft keeps: its KV of tokens the target has confirmed since.
+        valid = np.minimum(self.end_host[rows], computed[rows])
+        known = np.concatenate([total_len[slots], computed[following]])
+        # Catch-up within the buffers' tokens, first rows first.
+        lag = known - valid
+        room = np.maximum(self.buffers.max_num_tokens - (np.cumsum(lag) - lag), 0)
+        run = np.minimum(lag, room).astype(np.int32)
+        self.end_host[rows] = valid + run
+        drafting = np.zeros(len(rows), np.bool_)
+        drafting[:len(slots)] = (run[:len(slots)] == lag[:len(slots)]) & (max_drafts > 0)
+        ran = run > 0
+        if not ran.any():
+            return num_drafts
+        tokens = self._forward(rows[ran], run[ran], (valid - computed[rows])[ran],
+                               drafting[ran])
+        first = np.flatnonzero(drafting)
+        draft_slots, starts = slots[first], total_len[slots[first]]
+        self._record(draft_slots, first, starts, 0, tokens, num_drafts)
+        for j in range(1, int(max_drafts[first].max(initial=0))):
+            more = max_drafts[first] > j
+            first, draft_slots, starts = first[more], draft_slots[more], starts[more]
+            # The draft before is fed at its position, nc + j (nc = total_len - 1).
+            tokens = self._forward(draft_slots, np.ones(len(first), np.int32),
+                                   np.full(len(first), j, np.int32),
+                                   np.ones(len(first), np.bool_))
+            self.end_host[draft_slots] = starts + j
+            self._record(draft_slots, first, starts, j, tokens, num_drafts)
+        return num_drafts
+
+    def _record(self, draft_slots: np.ndarray, rows: np.ndarray, starts: np.ndarray, j: int,
+                tokens: np.ndarray, num_drafts: np.ndarray) -> None:
+        """Draft j of these requests (`rows` of the proposal) after their history, where the
+        next draft forward and the verify step read it."""
+        self.requests.token_ids.numpy[draft_slots, starts + j] = tokens
+        num_drafts[rows] = j + 1
+
+    def _forward(self, slots: np.ndarray, num_tokens: np.ndarray, offsets: np.ndarray,
+                 wanted_rows: np.ndarray) -> np.ndarray:
+        """One draft forward of `num_tokens` tokens per request, from `offsets` past its
+        num_computed; returns the argmax token after each of `wanted_rows`' last token (int32,
+        in row order)."""
+        order = decode_first_order(num_tokens > 1)
+        slots, num_tokens, offsets = slots[order], num_tokens[order], offsets[order]
+        batch = prepare_inputs([""] * len(slots), slots, num_tokens, self.requests,
+                               self.block_tables, self.buffers,
+                               num_layers=len(self.draft.kv_caches), offsets=offsets)
+        n = batch.num_tokens
+        args = (batch.input_ids[:n], batch.positions[:n], self.draft.kv_caches,
+                batch.attn_metadata)
+        stepped = (None if self.draft.fused_decode is None
+                   else self.draft.fused_decode.forward(*args))
+        hidden, logits = stepped if stepped is not None else (self.draft.model(*args), None)
+        wanted = np.flatnonzero(wanted_rows[order])
+        if logits is None:
+            index = batch.logits_indices[torch.from_numpy(wanted)]
+            logits = self.draft.model.compute_logits(hidden[index])
+        else:
+            logits = logits[torch.from_numpy(wanted)]
+        tokens = torch.argmax(logits, dim=-1).numpy().astype(np.int32)
+        # Back to row order: wanted rows are `sampled` rows, in `order`.
+        out = np.empty(len(order), np.int32)
+        out[order[wanted]] = tokens
+        return out[wanted_rows]
+
+
+def load_draft_model(config: ModelConfig, device: torch.device
+                     ) -> tuple[nn.Module, FusedDecode | None]:
+    """The draft model loaded as the target is (its weights packed as its config asks) and,
+    on the CPU, its fused decode paths."""
+    from mrv2.models import cpu as cpu_fast_paths
+    from mrv2.models.loader import load_model
+
+    model = load_model(config, device)
+    if device.type != "cpu":
+        return model, None
+    return model, cpu_fast_paths.prepare(model, config).decode
