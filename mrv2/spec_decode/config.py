@@ -31,9 +31,12 @@ UNIMPLEMENTED_KEYS = ("max_model_len", "code_revision", "speculative_token_tree"
 # vLLM's default n-gram length when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 # A request whose last ADAPTIVE_WINDOW verify steps accepted no draft stops drafting for
-# ADAPTIVE_BACKOFF steps, then tries again (text that does not repeat pays no verify cost).
+# ADAPTIVE_BACKOFF steps, then tries again; each such stop in a row, with no draft accepted in
+# between, doubles the pause up to ADAPTIVE_MAX_BACKOFF (text that does not repeat, or a draft
+# model that does not agree, pays almost no verify cost).
 ADAPTIVE_WINDOW = 4
 ADAPTIVE_BACKOFF = 16
+ADAPTIVE_MAX_BACKOFF = 512
 
 
 @dataclass(frozen=True)

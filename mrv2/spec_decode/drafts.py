@@ -17,7 +17,8 @@ Adaptive, per request: its draft length grows by 2 after a verify step that acce
 draft and shrinks by 1 after one that did not (transformers' "heuristic" schedule for assisted
 generation), between 1 and num_speculative_tokens, since each verified token costs a row of the
 step; and a request whose last ADAPTIVE_WINDOW verify steps accepted nothing stops drafting
-for ADAPTIVE_BACKOFF steps, so text that does not repeat costs almost nothing. `max_rows`
+for ADAPTIVE_BACKOFF steps, twice as long at each stop in a row without an accepted draft (up
+to ADAPTIVE_MAX_BACKOFF), so text that does not repeat costs almost nothing. `max_rows`
 keeps a step's verify rows within what the decode path takes in one call.
 """
 
@@ -27,7 +28,8 @@ import numpy as np
 
 from mrv2.sampling_params import SamplingParams
 from mrv2.spec_decode import ngram_numba
-from mrv2.spec_decode.config import ADAPTIVE_BACKOFF, ADAPTIVE_WINDOW, SpeculativeConfig
+from mrv2.spec_decode.config import (ADAPTIVE_BACKOFF, ADAPTIVE_MAX_BACKOFF, ADAPTIVE_WINDOW,
+                                     SpeculativeConfig)
 from mrv2.spec_decode.draft_model import DraftModelProposer
 from mrv2.state.requests import RequestState
 
@@ -49,6 +51,7 @@ class DraftState:
         self.may_draft_host = np.zeros(slots, dtype=np.bool_)
         self.misses_host = np.zeros(slots, dtype=np.int32)  # verify steps in a row without
         self.backoff_host = np.zeros(slots, dtype=np.int32)  # steps left without drafts
+        self.next_backoff_host = np.full(slots, ADAPTIVE_BACKOFF, dtype=np.int32)
         k = config.num_speculative_tokens
         self.length_host = np.full(slots, k, dtype=np.int32)  # its next drafts' most
         self._drafts = np.zeros((slots, k), dtype=np.int32)
@@ -70,6 +73,7 @@ class DraftState:
     def add(self, slot: int, params: SamplingParams) -> None:
         self.may_draft_host[slot] = may_draft(params)
         self.misses_host[slot] = self.backoff_host[slot] = 0
+        self.next_backoff_host[slot] = ADAPTIVE_BACKOFF
         self.length_host[slot] = self.num_speculative_tokens
         if self.suffix is not None:
             self.suffix.start(slot)
@@ -97,14 +101,15 @@ class DraftState:
         misses = np.where(missed, self.misses_host[slots] + 1, 0)
         stop = misses >= ADAPTIVE_WINDOW
         self.misses_host[slots] = np.where(stop, 0, misses)
-        self.backoff_host[slots[stop]] = ADAPTIVE_BACKOFF
+        pause = np.where(missed, self.next_backoff_host[slots], ADAPTIVE_BACKOFF)
+        self.backoff_host[slots[stop]] = pause[stop]
+        self.next_backoff_host[slots] = np.where(
+            stop, np.minimum(2 * pause, ADAPTIVE_MAX_BACKOFF), pause)
 
-    def propose(self, slots: np.ndarray, max_rows: int | None = None,
-                prefilling: np.ndarray | None = None) -> np.ndarray:
+    def propose(self, slots: np.ndarray, max_rows: int | None = None) -> np.ndarray:
         """Drafts for the requests in `slots` (int64; each has just sampled: its history ends
         with its new token), written after their history; returns their counts (int32). With
-        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows.
-        `prefilling`: the step's other requests (a draft model follows their prompts)."""
+        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows."""
         requests = self.requests
         token_ids, total_len = requests.token_ids.numpy, requests.total_len.numpy
         backoff = self.backoff_host[slots]
@@ -117,13 +122,8 @@ class DraftState:
         max_drafts = np.where(drafting, np.minimum(room, cap), 0).astype(np.int32)
         rows = len(slots)
         drafts, num_drafts = self._drafts[:rows], self._num_drafts[:rows]
-        if self.draft_model is not None:  # it follows every request that may draft
-            follows = self.may_draft_host[slots]
-            prefilling = np.zeros(0, np.int64) if prefilling is None else prefilling
-            num_drafts[:] = 0
-            num_drafts[follows] = self.draft_model.propose(
-                slots[follows], prefilling[self.may_draft_host[prefilling]], max_drafts[follows])
-            return num_drafts.copy()
+        if self.draft_model is not None:  # it writes its drafts after the history itself
+            return self.draft_model.propose(slots, max_drafts)
         if not max_drafts.any():
             num_drafts[:] = 0
             return num_drafts.copy()

@@ -66,7 +66,8 @@ class Speculator:
             buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens,
                                    max_step_rows(config), config.max_num_blocks_per_req,
                                    requests.device, block_tables.num_groups)
-            proposer = DraftModelProposer(draft, requests, block_tables, buffers)
+            proposer = DraftModelProposer(draft, requests, block_tables, buffers,
+                                          split_tokens=spec.num_speculative_tokens + 1)
         self.draft_kv_caches = [] if draft is None else draft.kv_caches
         self.drafts = DraftState(spec, requests, proposer)
 
@@ -114,8 +115,7 @@ class Speculator:
         self.drafts.record_verified(rows.slots[verified], rows.num_scheduled[verified] - 1,
                                     num_accepted[verified])
         num_drafts = np.zeros(len(rows.slots), np.int32)
-        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows,
-                                                      prefilling=rows.slots[~is_sampling])
+        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows)
         # Each request's tokens: its rows' sampled tokens up to the last kept one.
         width = self.drafts.num_speculative_tokens + 1
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)

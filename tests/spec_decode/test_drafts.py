@@ -99,3 +99,10 @@ def test_backoff_after_misses():
     for _ in range(ADAPTIVE_BACKOFF):
         assert drafts.propose(slots).tolist() == [0]
     assert drafts.propose(slots).tolist() == [1]
+    # Stops in a row double the pause; an accepted draft brings it back.
+    for pause in (2 * ADAPTIVE_BACKOFF, 4 * ADAPTIVE_BACKOFF, ADAPTIVE_BACKOFF):
+        if pause == ADAPTIVE_BACKOFF:
+            drafts.record_verified(slots, np.array([1]), np.array([1]))
+        for _ in range(ADAPTIVE_WINDOW):
+            drafts.record_verified(slots, np.array([1]), np.array([0]))
+        assert sum(drafts.propose(slots)[0] == 0 for _ in range(pause + 1)) == pause
