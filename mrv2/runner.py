@@ -32,8 +32,7 @@ from mrv2.inputs.prepare import decode_first_order, prepare_inputs, verify_rows
 from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner_dummy import run_dummy_requests
-from mrv2.sampler import Sampler, SamplingStates
-from mrv2.sampler.sampler import SamplerOutput
+from mrv2.sampler import Sampler, SamplerOutput, SamplingStates
 from mrv2.sampler.grammar_bitmask import apply_grammar_bitmask_
 from mrv2.sampler.prompt_logprobs import PromptLogprobsState
 from mrv2.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -100,8 +99,7 @@ class ModelRunner:
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
         self._execute_state: ExecuteState | None = None
-        # Set by the worker (models/cpu/decode.FusedDecode): asked first each step; None: model.
-        self.fused_decode: FusedDecode | None = None
+        self.fused_decode: FusedDecode | None = None  # set by the worker: tried first each step
         self._copy_stream = (torch.cuda.Stream(device)  # the output copy, off the compute stream
                              if device.type == "cuda" else None)
 
@@ -325,7 +323,9 @@ class ModelRunner:
         # The position of the token being sampled keys its noise (invariant 7) and counts the
         # outputs so far (min_tokens): one past the row's last token, its sequence length.
         positions = batch.attn_metadata.seq_lens[:len(batch.req_ids)]
-        out = self.sampler(logits, idx, batch.idx_mapping_np, positions)
+        rows = state.request_rows  # speculative decoding: drafts count for penalties
+        out = self.sampler(logits, idx, batch.idx_mapping_np, positions,
+                           None if rows is None else self.speculator.drafts_before(batch, rows))
         prompt_logprobs = None
         if self.prompt_logprobs:  # only while some request still needs prompt rows
             # num_computed_host still holds each row's count before this step (the start).
@@ -333,9 +333,9 @@ class ModelRunner:
                 batch.req_ids, self.requests.num_computed_host[batch.idx_mapping_np],
                 batch.num_scheduled_np, batch.attn_metadata.query_start_loc_np,
                 state.hidden_states, self.model.compute_logits)
-        if state.request_rows is not None:  # speculative decoding: per request from here
+        if rows is not None:  # speculative decoding: per request from here
             return self.speculator.sample_output(
-                batch, state.request_rows, out, positions, self._copy_stream, prompt_logprobs,
+                batch, rows, out, positions, self._copy_stream, prompt_logprobs,
                 None if self.fused_decode is None else self.fused_decode.verify_rows)
         pooled = None
         if self.pooling is not None:  # read by the output copy for the finishing rows

@@ -70,9 +70,7 @@ class PenaltyState:
 
     def count_sampled(self, idx_mapping: Tensor, sampled: Tensor, did_sample: Tensor) -> None:
         """``counts[slot, sampled] += 1`` for the batch rows that produced a token; device only.
-
-        Rows of one batch hold distinct slots, so no two updates hit one element.
-        """
+        A slot may repeat (a verify step's kept tokens): the updates accumulate."""
         assert self.output_counts is not None
         self.output_counts.index_put_((idx_mapping.long(), sampled.long()),
                                       did_sample.to(torch.int32), accumulate=True)

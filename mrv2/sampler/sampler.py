@@ -57,7 +57,7 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray,
-                 positions: Tensor) -> SamplerOutput:
+                 positions: Tensor, drafts_before: Tensor | None = None) -> SamplerOutput:
         """Sample one token per batch row.
 
         Args:
@@ -65,6 +65,9 @@ class Sampler:
             idx_mapping: [B] batch row -> slot (device); ``idx_mapping_np`` its host copy.
             positions: [B] int32 or int64, the position of the token being sampled (it keys
                 the noise and counts the outputs so far for min_tokens).
+            drafts_before: [B, k] int64, -1 padded: the drafts fed by the rows before each
+                verify row of its request, outputs for the penalties (spec_decode/verify.py);
+                the CPU's pipeline only.
         """
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape[1] == self.states.vocab_size, (
@@ -74,8 +77,10 @@ class Sampler:
         if platform.kernel_impl(logits.device) == platform.CPU:
             sampled, nan_rows, logprobs = sample_torch(logits, idx_mapping, idx_mapping_np,
                                                        positions, self.states, flags,
-                                                       self.logprobs_mode)
+                                                       self.logprobs_mode, drafts_before)
         else:
+            if drafts_before is not None:
+                raise NotImplementedError("drafts counted for penalties: CPU sampler only")
             from mrv2.sampler.sampler_triton import sample_triton
 
             sampled, nan_rows, logprobs = sample_triton(logits, idx_mapping, positions,

@@ -52,6 +52,9 @@ class _RowParams:
     greedy_np: np.ndarray
     features_np: np.ndarray
     num_logprobs_np: np.ndarray
+    # Per row, the drafts its request's verify rows before it fed (speculative decoding: they
+    # count as outputs for the penalties), -1 padded; [rows, 0] when no row has any.
+    drafts_before: Tensor
 
     def __getitem__(self, rows: slice) -> "_RowParams":
         return _RowParams(**{name: getattr(self, name)[rows] for name in self.__dataclass_fields__})
@@ -79,7 +82,8 @@ def _on_rows(x: Tensor, rows: RowSelection, fn: Callable[[Tensor, RowSelection],
 
 def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray,
                  positions: Tensor, states: SamplingStates, flags: BatchFlags,
-                 mode: str) -> tuple[Tensor, Tensor, LogprobsTensors | None]:
+                 mode: str, drafts_before: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, LogprobsTensors | None]:
     """Sampled tokens [B] int64, the rows whose logits held a NaN ([B] bool; NaN is read as
     -inf) and the logprobs (None when no row asked for them)."""
     num_rows, vocab_size = logits.shape
@@ -127,7 +131,9 @@ def sample_torch(logits: Tensor, idx_mapping: Tensor, idx_mapping_np: np.ndarray
                   top_p=states.top_p.tensor[idx], min_p=states.min_p.tensor[idx],
                   seed=states.seed.tensor[idx], greedy_np=states.greedy_host[idx_mapping_np],
                   features_np=states.features_host[idx_mapping_np],
-                  num_logprobs_np=num_logprobs_np)
+                  num_logprobs_np=num_logprobs_np,
+                  drafts_before=(torch.empty(num_rows, 0, dtype=torch.int64, device=device)
+                                 if drafts_before is None else drafts_before))
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
     nan_rows = torch.zeros(num_rows, dtype=torch.bool, device=device)
     keep_processed = want_logprobs and processed
@@ -215,12 +221,22 @@ def _process_tile_(x: Tensor, rows: _RowParams, states: SamplingStates, flags: B
         pen = states.penalties
         assert pen.output_counts is not None and pen.prompt_mask.words is not None
         rep, freq_pres = flags.any_repetition, flags.any_freq_pres
-        stage(PENALTIES, lambda sub, slots: apply_penalties_(
-            sub, pen.output_counts[slots],
-            unpack_token_bits(pen.prompt_mask.words[slots], vocab_size) if rep else None,
-            states.repetition_penalty.tensor[slots] if rep else None,
-            states.presence_penalty.tensor[slots] if freq_pres else None,
-            states.frequency_penalty.tensor[slots] if freq_pres else None))
+
+        def penalise(sub: Tensor, r: RowSelection) -> None:
+            slots, drafts = idx[r], rows.drafts_before[r]
+            counts = pen.output_counts[slots]  # a gathered copy
+            if drafts.shape[1]:
+                counts.scatter_add_(1, drafts.clamp(min=0), (drafts >= 0).to(torch.int32))
+            apply_penalties_(
+                sub, counts,
+                unpack_token_bits(pen.prompt_mask.words[slots], vocab_size) if rep else None,
+                states.repetition_penalty.tensor[slots] if rep else None,
+                states.presence_penalty.tensor[slots] if freq_pres else None,
+                states.frequency_penalty.tensor[slots] if freq_pres else None)
+
+        sel = _select((feats & PENALTIES) != 0, device)
+        if sel is not None:
+            _on_rows(x, sel, penalise)
 
 
 def _sample_tile(x: Tensor, rows: _RowParams, flags: BatchFlags, *, keep_processed: bool) -> Tensor:

@@ -279,17 +279,21 @@ class SamplingStates:
         """Logprobs each batch row asked for (-1: none); for trimming the sampler's output."""
         return self.num_logprobs_host[idx_mapping_np]
 
+    def uses_penalties(self, slots: np.ndarray) -> bool:
+        """Whether a request in `slots` has a penalty."""
+        return self.penalties.allocated and bool(
+            np.bitwise_or.reduce(self.features_host[slots]) & PENALTIES)
+
     def post_update(self, idx_mapping: Tensor, idx_mapping_np: np.ndarray, positions: Tensor,
                     sampled: Tensor) -> None:
         """After sampling: count the sampled tokens for the penalties, on the device.
 
         ``positions`` are the positions of the sampled tokens (as passed to the sampler); a
-        row whose prefill is still incomplete (position < prefill_len) produced no token.
+        row whose prefill is still incomplete (position < prefill_len) produced no token. A
+        slot may come more than once (the kept tokens of a verify step).
         Nothing runs unless a row of the batch uses penalties.
         """
-        if not self.penalties.allocated:
-            return
-        if not np.bitwise_or.reduce(self.features_host[idx_mapping_np]) & PENALTIES:
+        if not self.uses_penalties(idx_mapping_np):
             return
         did_sample = positions >= self.requests.prefill_len.tensor[idx_mapping]
         self.penalties.count_sampled(idx_mapping, sampled, did_sample)

@@ -7,11 +7,11 @@ them there as the inputs of its verify rows (inputs/prepare.py), and an accepted
 already in place in the history. Only the count leaves the runner (ModelRunnerOutput.
 num_draft_tokens); the scheduler schedules that many more tokens for the request.
 
-Who drafts: a request whose tokens are each decided by its own position's logits alone
-(sampler/rejection.py). Penalties count earlier outputs (a draft's row would not count the
-drafts before it), prompt logprobs and structured outputs (the grammar's bitmask is the next
-token's only) keep such a request on one token a step. Logprobs come with every kept token
-(each verify row's own).
+Who drafts: a request whose tokens are each decided by its own position's logits and its
+earlier tokens (sampler/rejection.py); a verify row's penalties count the drafts before it
+(Speculator.drafts_before). Prompt logprobs and structured outputs (the grammar's bitmask is
+the next token's only) keep such a request on one token a step. Logprobs come with every kept
+token (each verify row's own).
 
 Adaptive, per request: its draft length grows by 2 after a verify step that accepted every
 draft and shrinks by 1 after one that did not (transformers' "heuristic" schedule for assisted
@@ -36,9 +36,7 @@ from mrv2.state.requests import RequestState
 
 def may_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens can be drafted and verified (see the module docstring)."""
-    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and params.prompt_logprobs is None
-            and params.structured_outputs is None)
+    return params.prompt_logprobs is None and params.structured_outputs is None
 
 
 class DraftState:

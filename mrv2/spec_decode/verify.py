@@ -83,6 +83,22 @@ class Speculator:
         return (num_scheduled > 1) & (requests.num_computed_host[slots]
                                       >= requests.prefill_len_host[slots])
 
+    def drafts_before(self, batch: InputBatch, rows: RequestRows) -> torch.Tensor | None:
+        """The sampler's `drafts_before` ([batch rows, k], -1 padded): for each verify row,
+        the drafts of its request fed by the rows before it, which count as outputs for its
+        penalties; None when no request verifying drafts uses penalties (most steps)."""
+        verifying = rows.slots[rows.is_verify]
+        if not len(verifying) or not self.sampling.uses_penalties(verifying):
+            return None
+        num_rows = rows.num_rows
+        first = np.repeat(rows.first_row, num_rows)
+        before = np.arange(len(first)) - first  # drafts before each row: its place in its run
+        cols = np.arange(self.drafts.num_speculative_tokens)
+        valid = cols[None, :] < before[:, None]
+        fed = batch.input_ids.numpy()[np.where(valid, first[:, None] + 1 + cols[None, :], 0)]
+        return torch.from_numpy(np.where(valid, fed, -1).astype(np.int64)).to(
+            batch.input_ids.device)
+
     def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
                       positions: torch.Tensor, copy_stream: torch.cuda.Stream | None,
                       prompt_logprobs: dict | None, max_rows: int | None) -> AsyncOutput:
@@ -109,7 +125,15 @@ class Speculator:
         kept = np.where(rows.is_verify, 1 + num_accepted, rows.num_scheduled).astype(np.int32)
         final_tokens = out.sampled[final_index]
         self.requests.post_update(slots, torch.from_numpy(kept).to(device), final_tokens)
-        self.sampling.post_update(slots, rows.slots, positions[final_index], final_tokens)
+        # Every kept token (the accepted drafts are each the token sampled at the row before
+        # them) counts for the penalties; a prefill row's one row samples nothing yet.
+        num_kept_rows = np.where(rows.is_verify, 1 + num_accepted, 1)
+        kept_rows = (np.repeat(final_rows - num_kept_rows + 1, num_kept_rows)
+                     + _ranges(num_kept_rows))
+        kept_index = torch.from_numpy(kept_rows).to(device)
+        kept_slots = np.repeat(rows.slots, num_kept_rows)
+        self.sampling.post_update(torch.from_numpy(kept_slots).to(device), kept_slots,
+                                  positions[kept_index], out.sampled[kept_index])
         is_sampling = self.requests.advance_num_computed_host(rows.slots, kept)
         verified = rows.is_verify
         self.drafts.record_verified(rows.slots[verified], rows.num_scheduled[verified] - 1,
@@ -123,13 +147,17 @@ class Speculator:
         num_sampled = np.where(is_sampling, num_accepted + 1, 0)
         logprobs = out.logprobs
         if logprobs is not None:  # the kept rows', request after request
-            starts = np.repeat(rows.first_row - np.cumsum(num_sampled) + num_sampled, num_sampled)
-            kept_rows = torch.from_numpy(starts + np.arange(len(starts))).to(device)
-            logprobs = LogprobsTensors(logprobs.token_ids[kept_rows],
-                                       logprobs.logprobs[kept_rows], logprobs.ranks[kept_rows])
+            index = kept_index[torch.from_numpy(np.repeat(is_sampling, num_kept_rows)).to(device)]
+            logprobs = LogprobsTensors(logprobs.token_ids[index], logprobs.logprobs[index],
+                                       logprobs.ranks[index])
         return AsyncOutput(rows.req_ids, tokens, is_sampling, copy_stream, logprobs=logprobs,
                            num_logprobs=(None if logprobs is None
                                          else self.sampling.num_logprobs(rows.slots)),
                            prompt_logprobs=prompt_logprobs,
                            nan_rows=torch.as_tensor(nan, device=device),
                            num_sampled=num_sampled, num_draft_tokens=num_drafts)
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """0 .. c - 1 for each count c, concatenated."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -74,6 +74,23 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(base, self_draft):
         assert drafted > 60 and accepted == drafted
 
 
+def test_penalties_count_the_drafts_before_each_verify_row(base, self_draft):
+    """Requests with penalties draft too (the draft proposes without them, so the penalties
+    reject some drafts): each verify row's penalties count the drafts before it and the kept
+    tokens are counted, so the tokens are those without drafts."""
+    params = [greedy(60, repetition_penalty=1.5), greedy(60, frequency_penalty=1.0),
+              greedy(60, presence_penalty=1.0),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=60, ignore_eos=True,
+                             frequency_penalty=0.5, repetition_penalty=1.2)]
+    plain = tokens(base, greedy(60), PROMPTS[:1])[0]
+    for p in params:
+        before = counters(self_draft)[1]
+        want = tokens(base, p, PROMPTS[:1])
+        assert want[0] != plain  # the penalty changes the answer
+        assert tokens(self_draft, p, PROMPTS[:1]) == want
+        assert counters(self_draft)[1] > before  # drafts accepted
+
+
 def test_a_smaller_draft_gives_the_targets_tokens(base, target, small_draft):
     llm = drafting(target, small_draft, k=3)
     assert tokens(llm, greedy()) == tokens(base, greedy())

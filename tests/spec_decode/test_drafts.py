@@ -32,8 +32,8 @@ def add(requests, drafts, tokens, params=SamplingParams(temperature=0.0)) -> int
 @pytest.mark.parametrize("params, expected", [
     (SamplingParams(temperature=0.0), True),
     (SamplingParams(temperature=0.7, top_k=5, seed=3, logit_bias={1: 1.0}), True),
-    (SamplingParams(repetition_penalty=1.2), False),
-    (SamplingParams(presence_penalty=0.5), False),
+    (SamplingParams(repetition_penalty=1.2), True),
+    (SamplingParams(presence_penalty=0.5), True),
     (SamplingParams(logprobs=2), True),
     (SamplingParams(prompt_logprobs=1), False),
 ])
@@ -53,7 +53,7 @@ def test_drafts_follow_the_history(method):
 
 def test_no_drafts_for_a_request_that_may_not():
     requests, drafts = state()
-    slot = add(requests, drafts, PERIODIC, SamplingParams(repetition_penalty=1.1))
+    slot = add(requests, drafts, PERIODIC, SamplingParams(prompt_logprobs=1))
     assert drafts.propose(np.array([slot])).tolist() == [0]
 
 

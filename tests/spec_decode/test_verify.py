@@ -31,8 +31,8 @@ def greedy(max_tokens: int = 40, **kwargs) -> SamplingParams:
                              **kwargs})
 
 
-def tokens(llm: LLM, params) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+def tokens(llm: LLM, params, prompts=PROMPTS) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def spec_counters(llm: LLM) -> dict[str, int]:
@@ -69,9 +69,9 @@ def test_seeded_sampling_identical(base, spec):
 
 
 def test_requests_that_do_not_draft_ride_along(base, spec):
-    """Penalties keep a request on one token a step, in the same batches; a request with
+    """Prompt logprobs keep a request on one token a step, in the same batches; a request with
     logprobs drafts, and gets each kept token's logprobs (its verify row's)."""
-    params = [greedy(), greedy(repetition_penalty=1.3), greedy(logprobs=2), greedy()]
+    params = [greedy(), greedy(prompt_logprobs=1), greedy(logprobs=2), greedy()]
     got = spec.generate(PROMPTS, params, use_tqdm=False)
     want = base.generate(PROMPTS, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in got] == [

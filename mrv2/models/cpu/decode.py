@@ -30,7 +30,6 @@ from mrv2 import platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
-from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, PROJECTIONS, onednn_decode
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
 from mrv2.models.decoder_spec import DecoderSpec
@@ -193,7 +192,7 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
     tables = group_tables(meta, rows)
     kv_per_item, splits = _work_split(args, tables[1])
-    decode_stack(
+    args.decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
         *args.layer_args, *tables, *args.shape_args, kv_per_item, splits, out.numpy(),
         args.w_head, logits.numpy())
@@ -220,7 +219,7 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     kv_per_item, splits = _work_split(args, seq_lens)
     tokens = torch.empty(rows, num_steps, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)
-    decode_stack_run(
+    args.decode_stack_run(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
         group_tables(meta, rows)[0], seq_lens, block_size, *args.shape_args,
         kv_per_item, splits,

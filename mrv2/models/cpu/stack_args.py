@@ -12,6 +12,7 @@ from numba import typed
 
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
+from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
 from mrv2.models.cpu.stack_moe import dense_mlp, layer_projection, moe_args, moe_parameters
 from mrv2.models.cpu.stack_views_numba import NO_MATRIX, no_rows, weight_view
 from mrv2.models.cpu.decode_stack_numba import KV_FROM_KEYS, KV_OWN, KV_SHARED
@@ -19,6 +20,7 @@ from mrv2.models.cpu.onednn_decode import PROJECTIONS
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.numba_rows import typed_list
 from mrv2.models.layers.quantized import PackedWeight
+from mrv2.utils.numba_call import TypedCall
 
 
 def packed_of(module) -> PackedWeight | None:
@@ -250,6 +252,9 @@ class StackArgs:
         self.vocab_rows = 0 if head is None else (
             head.weight.shape[0] if isinstance(head.weight, torch.Tensor)
             else head.weight.out_features)
+        # The kernels, typing the views above once rather than at every call.
+        self.decode_stack = TypedCall(decode_stack)
+        self.decode_stack_run = TypedCall(decode_stack_run)
 
     def current_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)

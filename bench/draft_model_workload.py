@@ -1,0 +1,94 @@
+"""Draft-model speculation (issue 52) on the built-in SmolLM2 GGUF, same run, alternating:
+
+- the file as mrv2 runs it by default, without drafts and with a draft made of its own first
+  `--draft-layers` layers (bench/truncated_gguf.py; untrained as a draft: it shows what a
+  draft that seldom agrees costs, and how the adaptive backoff bounds it);
+- the file dequantized to float32 (`dtype="float32"`), without drafts and with the file's own
+  Q4_1 blocks as the draft (`quantization="gguf"`): the same weights at a quarter of the bytes,
+  so nearly every draft is accepted.
+
+SmolLM2-135M is the smallest of its family: no smaller trained model shares its tokenizer.
+Reported per kind and batch size: median decode tok/s (generated tokens / wall time of the
+batch), accepted/drafted, whether each pair's greedy tokens are identical, and the ratios.
+
+    PYTHONPATH=. python bench/draft_model_workload.py --output-json bench/draft-....json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from spec_decode_workload import accepted, chat_prompts, run_mrv2
+from truncated_gguf import truncate_gguf
+
+
+def engines(model: str, draft_layers: int, k: int, workdir: Path) -> dict[str, Any]:
+    from mrv2 import LLM
+
+    truncated = truncate_gguf(model, workdir / f"first-{draft_layers}.gguf", draft_layers)
+    common = {"kv_cache_memory_gb": 1.0}
+    return {
+        "q4_1": LLM(model, **common),
+        f"q4_1+first{draft_layers}": LLM(model, speculative_config={
+            "model": str(truncated), "num_speculative_tokens": k}, **common),
+        "float32": LLM(model, dtype="float32", **common),
+        "float32+q4_1": LLM(model, dtype="float32", speculative_config={
+            "model": model, "quantization": "gguf", "num_speculative_tokens": k}, **common),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="GGUF file (default: built-in SmolLM2)")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--kinds", default="copy,fresh")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    from mrv2.models.builtin import builtin_model_path
+
+    model = args.model or str(builtin_model_path())
+    with tempfile.TemporaryDirectory() as workdir:
+        llms = engines(model, args.draft_layers, args.num_speculative_tokens, Path(workdir))
+        names = list(llms)
+        pairs = [(names[0], names[1]), (names[2], names[3])]  # (no drafts, drafts)
+        results: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens,
+                                   "num_speculative_tokens": args.num_speculative_tokens,
+                                   "rows": []}
+        for kind in args.kinds.split(","):
+            for batch in map(int, args.batch_sizes.split(",")):
+                prompts = chat_prompts(kind, batch)
+                times: dict[str, list[float]] = {}
+                counts: dict[str, int] = {}
+                outputs: dict[str, list[list[int]]] = {}
+                before = {n: accepted(llm) for n, llm in llms.items()}
+                for llm in llms.values():  # warm-up: first calls, page-in
+                    run_mrv2(llm, prompts, args.max_tokens)
+                for _ in range(args.repeats):
+                    for name, llm in llms.items():
+                        seconds, outputs[name] = run_mrv2(llm, prompts, args.max_tokens)
+                        times.setdefault(name, []).append(seconds)
+                        counts[name] = sum(map(len, outputs[name]))
+                tok_s = {n: counts[n] / statistics.median(t) for n, t in times.items()}
+                row = {"kind": kind, "batch": batch, "tok_s": tok_s,
+                       "accepted/drafted": {n: [a - b for a, b in zip(accepted(llm), before[n])]
+                                            for n, llm in llms.items()},
+                       "lossless": {d: outputs[d] == outputs[p] for p, d in pairs},
+                       "ratios": {f"{d}/{p}": tok_s[d] / tok_s[p] for p, d in pairs}}
+                results["rows"].append(row)
+                print(json.dumps(row))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
