@@ -16,14 +16,13 @@ batch), accepted/drafted, whether each pair's greedy tokens are identical, and t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from spec_decode_workload import accepted, chat_prompts, run_mrv2
+from spec_decode_workload import accepted, chat_prompts, time_engines, workload_parser
 from truncated_gguf import truncate_gguf
 
 
@@ -43,15 +42,9 @@ def engines(model: str, draft_layers: int, k: int, workdir: Path) -> dict[str, A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="GGUF file (default: built-in SmolLM2)")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--kinds", default="copy,fresh")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = workload_parser()
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     from mrv2.models.builtin import builtin_model_path
 
@@ -66,17 +59,9 @@ def main() -> None:
         for kind in args.kinds.split(","):
             for batch in map(int, args.batch_sizes.split(",")):
                 prompts = chat_prompts(kind, batch)
-                times: dict[str, list[float]] = {}
-                counts: dict[str, int] = {}
-                outputs: dict[str, list[list[int]]] = {}
                 before = {n: accepted(llm) for n, llm in llms.items()}
-                for llm in llms.values():  # warm-up: first calls, page-in
-                    run_mrv2(llm, prompts, args.max_tokens)
-                for _ in range(args.repeats):
-                    for name, llm in llms.items():
-                        seconds, outputs[name] = run_mrv2(llm, prompts, args.max_tokens)
-                        times.setdefault(name, []).append(seconds)
-                        counts[name] = sum(map(len, outputs[name]))
+                times, counts, outputs = time_engines(llms, prompts, args.max_tokens,
+                                                      args.repeats)
                 tok_s = {n: counts[n] / statistics.median(t) for n, t in times.items()}
                 row = {"kind": kind, "batch": batch, "tok_s": tok_s,
                        "accepted/drafted": {n: [a - b for a, b in zip(accepted(llm), before[n])]

@@ -100,15 +100,42 @@ def run_llama_cpp(llama, prompt_ids: list[list[int]], max_tokens: int) -> tuple[
     return time.perf_counter() - start, tokens
 
 
-def main() -> None:
+def workload_parser() -> argparse.ArgumentParser:
+    """The options every speculative-decoding workload takes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="GGUF file (default: built-in SmolLM2)")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--kinds", default="copy,fresh")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-json", default=None)
+    return parser
+
+
+def time_engines(engines: dict[str, Any], prompts, max_tokens: int, repeats: int,
+                 also=None) -> tuple[dict[str, list[float]], dict[str, int],
+                                     dict[str, list[list[int]]]]:
+    """Each engine on `prompts`, once untimed (first calls, page-in), then `repeats` rounds
+    alternating (`also()`, if given, at the end of each round): (seconds per round, tokens
+    generated, token ids) per engine."""
+    times: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for llm in engines.values():
+        run_mrv2(llm, prompts, max_tokens)
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            seconds, outputs[name] = run_mrv2(llm, prompts, max_tokens)
+            times.setdefault(name, []).append(seconds)
+            counts[name] = sum(map(len, outputs[name]))
+        if also is not None:
+            also(times, counts)
+    return times, counts, outputs
+
+
+def main() -> None:
+    parser = workload_parser()
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     from mrv2 import LLM
     from mrv2.models.builtin import builtin_model_path
@@ -125,21 +152,14 @@ def main() -> None:
             prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template(
                 p, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
                 for p in prompts]
-            times: dict[str, list[float]] = {}
-            counts: dict[str, int] = {}
-            outputs: dict[str, list[list[int]]] = {}
-            for name, llm in engines.items():  # warm-up: first calls, page-in
-                run_mrv2(llm, prompts, args.max_tokens)
-            for _ in range(args.repeats):
-                for name, llm in engines.items():
-                    seconds, outputs[name] = run_mrv2(llm, prompts, args.max_tokens)
+
+            def peer_round(times, counts, prompt_ids=prompt_ids, batch=batch):
+                for name, llama in (peers.items() if batch == 1 else ()):
+                    seconds, counts[name] = run_llama_cpp(llama, prompt_ids, args.max_tokens)
                     times.setdefault(name, []).append(seconds)
-                    counts[name] = sum(map(len, outputs[name]))
-                if batch == 1:
-                    for name, llama in peers.items():
-                        seconds, counts[name] = run_llama_cpp(llama, prompt_ids,
-                                                              args.max_tokens)
-                        times.setdefault(name, []).append(seconds)
+
+            times, counts, outputs = time_engines(engines, prompts, args.max_tokens,
+                                                  args.repeats, peer_round)
             lossless = all(o == outputs["none"] for o in outputs.values())
             row = {"kind": kind, "batch": batch, "lossless": lossless,
                    "tok_s": {n: counts[n] / statistics.median(t) for n, t in times.items()},
