@@ -210,11 +210,13 @@ class ModelRunner:
         last_rows = rows.last_rows
         batch_rows = last_rows if batch_rows is None else last_rows[batch_rows]
         batch, descriptor = self._inputs(row_req_ids, row_slots, row_scheduled,
-                                         out.total_num_scheduled_tokens, offsets)
+                                         out.total_num_scheduled_tokens, offsets,
+                                         int((~is_prefill).sum()))
         return batch, descriptor, batch_rows, rows
 
     def _inputs(self, req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,
-                num_tokens: int, offsets: np.ndarray | None = None
+                num_tokens: int, offsets: np.ndarray | None = None,
+                num_decode_sequences: int | None = None
                 ) -> tuple[InputBatch, BatchDescriptor | None]:
         """The step's inputs from the slots' state (rows in decode-first order), padded for
         its graph where one is captured."""
@@ -223,16 +225,14 @@ class ModelRunner:
         batch = prepare_inputs(req_ids, slots, num_scheduled, self.requests, self.block_tables,
                                self.buffers, num_tokens_padded=tokens_padded,
                                num_reqs_padded=reqs_padded, num_layers=len(self.kv_caches),
-                               offsets=offsets)
+                               offsets=offsets, num_decode_sequences=num_decode_sequences)
         return batch, descriptor
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture one graph per descriptor, reading only the persistent step buffers.
-
-        Host-side metadata is fixed per descriptor: a graph cannot depend on one batch's
-        shapes. Needs an attention backend that reads only device tensors.
-        """
+        """Capture one graph per descriptor, reading only the persistent step buffers. Host-side
+        metadata is fixed per descriptor: a graph cannot depend on one batch's shapes. Needs
+        an attention backend that reads only device tensors."""
         if not self.cudagraphs.descriptors:
             return
         buffers, max_len = self.buffers, self.config.model_config.max_model_len

@@ -49,6 +49,11 @@ class AttentionMetadata:
     # How many layers read K/V under this metadata (the model's): sizes a decode step's cache
     # reads for the CPU kernel's work split (decode_numba.work_split).
     num_layers: int = 1
+    # The requests of the decode rows: several verify rows of one request (speculative
+    # decoding) count once. The CPU decode attention's work split follows it rather than the
+    # rows, so a verify row's attention is summed as its request's one decode row would be.
+    # None: num_decodes.
+    num_decode_sequences: int | None = None
     # A hybrid KV layout (core/kv_cache_layout.py): the same step's metadata for KV cache
     # groups 1, 2, ... (their own block tables and slot mappings); block_tables and
     # slot_mapping above are group 0's. Empty for a model with one group.

@@ -18,9 +18,8 @@ size is whole vectors, else four positions per pass in numba (`_block_scores`,
 the numba loops, into L2 rather than L1 (`prefetch_to_l2_at`: with L1 as the target the K/V
 stream from DRAM barely overlapped the compute, measured in bench/README.md).
 
-Numerics: fp32 accumulation in a different order than torch (fastmath lets the compiler
-vectorise the head_dim reductions), and the softmax's exp is `numba_exp.exp32` (vectorised,
-2.5 ulp) instead of libm's scalar expf; results agree with the reference to ~1e-6 relative.
+Numerics: fp32 accumulation in another order than torch's, and the softmax's exp is
+`numba_exp.exp32` (vectorised, 2.5 ulp): results agree with the reference to ~1e-6 relative.
 """
 
 from __future__ import annotations
@@ -363,9 +362,8 @@ def decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out, kv_pe
                 out[row, h, d] *= inv
 
 
-# `sinks` without sink logits; (window, softcap, sinks) of plain attention.
-NO_SINKS = np.empty(0, dtype=np.float32)
-PLAIN_ATTENTION = (0, np.float32(0.0), NO_SINKS)
+NO_SINKS = np.empty(0, dtype=np.float32)  # `sinks` without sink logits
+PLAIN_ATTENTION = (0, np.float32(0.0), NO_SINKS)  # (window, softcap, sinks) of plain attention
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -376,13 +374,14 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: np.ndarray, scale: float, layers: int = 1,
-                     window: int = 0, softcap: float = 0.0,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                     sequences: int | None = None) -> torch.Tensor:
     """q [rows, H, D] (one query token per row, the last position of its sequence) ->
     [rows, H, D]; with `window` > 0 over the last `window` keys only; `softcap` > 0 caps
     the scores; `sinks` [H] float32: per-head sink logits (decode_kernel). A row with seq_len
     0 (padding) returns zeros. `layers`: how many layers' caches the step reads (this one's
-    among them), for the work split."""
+    among them), and `sequences` (the rows' requests: AttentionMetadata.num_decode_sequences;
+    None: the rows), for the work split."""
     rows = q.shape[0]
     out = torch.empty_like(q)
     if rows == 0:
@@ -393,7 +392,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     lens = np.ascontiguousarray(seq_lens[:rows], dtype=np.int32)
     kv_bytes = step_kv_bytes(lens, kv_cache.shape[3], kv_cache.shape[4], kv_cache.element_size(),
                              layers)
-    kv_per_item, splits = work_split(rows, kv_cache.shape[3], planned_threads(), kv_bytes)
+    kv_per_item, splits = work_split(rows if sequences is None else sequences,
+                                     kv_cache.shape[3], planned_threads(), kv_bytes)
     decode_kernel(q.contiguous().numpy(), k_np, v_np, tables, lens, np.float32(scale),
                   out.numpy(), kv_per_item, splits, window, np.float32(softcap),
                   NO_SINKS if sinks is None else sinks.detach().float().contiguous().numpy())

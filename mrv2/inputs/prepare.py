@@ -61,7 +61,8 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
                    state: RequestState, block_tables: BlockTables, buffers: InputBuffers,
                    num_tokens_padded: int | None = None,
                    num_reqs_padded: int | None = None, num_layers: int = 1,
-                   offsets: np.ndarray | None = None) -> InputBatch:
+                   offsets: np.ndarray | None = None,
+                   num_decode_sequences: int | None = None) -> InputBatch:
     """Rows must already be in decode-first order. Returns views of `buffers`.
 
     input_ids, positions and slot_mapping span `num_tokens_padded` tokens; query_start_loc,
@@ -70,7 +71,8 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
     real rows. The metadata is KV cache group 0's, with the other groups' in `other_groups`;
     `num_layers`: the model's (AttentionMetadata.num_layers). `offsets` (int32, CPU only):
     where each row starts after its slot's computed tokens (speculative decoding's verify
-    rows, one per token: `verify_rows`); None: 0.
+    rows, one per token: `verify_rows`); None: 0. `num_decode_sequences`: the metadata's
+    (the requests of the decode rows, when verify rows split some; None: one per row).
     """
     num_reqs = len(req_ids)
     idx_mapping_np = np.ascontiguousarray(idx_mapping_np, dtype=np.int64)
@@ -118,6 +120,7 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
         num_actual_tokens=num_tokens,
         num_reqs=num_reqs,
         num_decodes=num_decodes,
+        num_decode_sequences=num_decode_sequences,
         query_start_loc=buffers.query_start_loc[:num_reqs_padded + 1],
         seq_lens=buffers.seq_lens[:num_reqs_padded],
         block_tables=tables[0],

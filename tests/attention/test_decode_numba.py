@@ -180,3 +180,25 @@ def test_the_running_thread_count_does_not_change_the_output(cache_dtype):
     assert torch.equal(outs[0], outs[1])
     assert decode_numba.work_split(1, 3, decode_numba.planned_threads(), 0)[1] > 1 or (
         numba.config.NUMBA_NUM_THREADS == 1)
+
+
+def test_verify_rows_of_one_request_are_summed_as_its_one_decode_row():
+    """Speculative decoding splits a request's verify step into decode rows at consecutive
+    positions; with `sequences` (their one request) the work split is the request's, so each
+    row's output has the bits that row would have alone (a batch-1 step splits the context
+    over the threads, a 3-row step would not)."""
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, 40, 16, 3, 64, generator=g)
+    table = torch.randperm(40, generator=g).to(torch.int32).reshape(1, 40)
+    q = torch.randn(3, 9, 64, generator=g)
+    lens = np.array([500, 501, 502], np.int32)
+    together = decode_numba.decode_attention(q, kv, table.expand(3, 40), lens, 0.125,
+                                             sequences=1)
+    for row in range(3):
+        alone = decode_numba.decode_attention(q[row:row + 1], kv, table, lens[row:row + 1],
+                                              0.125)
+        assert torch.equal(together[row], alone[0])
+    threads = decode_numba.planned_threads()
+    if threads > 1:  # the rows alone would be split otherwise
+        assert decode_numba.work_split(3, 3, threads, 0) != decode_numba.work_split(
+            1, 3, threads, 0)
