@@ -368,9 +368,9 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
                 f"max_model_len={max_model_len} and chunked prefill is disabled")
-        if self.speculative_config is not None and sched.num_scheduler_steps != 1:
+        if self.speculative_config is not None and sched.num_scheduler_steps not in (None, 1):
             raise ConfigError("speculative decoding verifies one step at a time: "
-                              "num_scheduler_steps must be 1")
+                              "num_scheduler_steps must be 1 or None (auto)")
         pooler = self.model_config.pooler_config
         if (pooler is not None and pooler.pooling_type == "MEAN"
                 and self.cache_config.enable_prefix_caching):

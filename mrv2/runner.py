@@ -304,8 +304,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_tokens_async(self, grammar_output: GrammarOutput | None = None
                             ) -> AsyncOutput | ModelRunnerOutput:
-        """Phase 2 without waiting for the output copy: the worker hands the AsyncOutput to the
-        executor, which resolves it off the worker's main loop (executor/deferred.py)."""
+        """Phase 2, not waiting for the output copy (the executor resolves the AsyncOutput)."""
         state, self._execute_state = self._execute_state, None
         if state is None:
             raise RuntimeError("sample_tokens called without a pending execute_model")
@@ -333,10 +332,10 @@ class ModelRunner:
                 batch.req_ids, self.requests.num_computed_host[batch.idx_mapping_np],
                 batch.num_scheduled_np, batch.attn_metadata.query_start_loc_np,
                 state.hidden_states, self.model.compute_logits)
-        if rows is not None:  # speculative decoding: per request from here
-            return self.speculator.sample_output(
-                batch, rows, out, positions, self._copy_stream, prompt_logprobs,
-                None if self.fused_decode is None else self.fused_decode.verify_rows)
+        max_rows = None if self.fused_decode is None else self.fused_decode.verify_rows
+        if rows is not None and state.num_steps == 1:  # speculative decoding: per request
+            return self.speculator.sample_output(batch, rows, out, positions, self._copy_stream,
+                                                 prompt_logprobs, max_rows)
         pooled = None
         if self.pooling is not None:  # read by the output copy for the finishing rows
             pooled = self.pooling.pool(state.hidden_states, last_hidden, batch,
@@ -351,10 +350,12 @@ class ModelRunner:
             sampled, nan_rows = self._decode_steps(batch, out, state.num_steps)
         num_logprobs = (None if out.logprobs is None
                         else self.sampling.num_logprobs(batch.idx_mapping_np))
+        num_drafts = None if rows is None else self.speculator.propose_after_run(
+            batch.idx_mapping_np, state.num_steps, max_rows)
         return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
                            logprobs=out.logprobs, num_logprobs=num_logprobs,
                            prompt_logprobs=prompt_logprobs, nan_rows=nan_rows,
-                           pooled=pooled)
+                           pooled=pooled, num_draft_tokens=num_drafts)
 
     def _decode_steps(self, batch: InputBatch, first: SamplerOutput, num_steps: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,9 @@ steps per scheduled step pays the scheduler's and the engine's part once for all
 
 When: the runner samples each inner step's tokens itself, so every running row must decode
 one token by argmax (`SamplingParams.decodes_by_argmax`: no stage reads the logits beyond the
-argmax, no stop string to find in the text, no grammar) and nothing may be waiting (a new
-request would wait for the whole run). The count never takes a row past its max_tokens or
+argmax, no stop string to find in the text, no grammar) and hold no drafts to verify
+(speculative decoding runs such runs while its requests back off), and nothing may be waiting
+(a new request would wait for the whole run). The count never takes a row past its max_tokens or
 max_model_len; a stop token inside the run ends its request there, the later tokens of that
 row being dropped (Scheduler.update_from_output), as vLLM's multi-step did.
 
@@ -45,6 +46,7 @@ def decode_steps(running: Sequence[Request], num_waiting: int, num_scheduler_ste
         known = len(request.all_token_ids) + placeholders
         params = request.sampling_params
         if (known - request.num_computed_tokens != 1 or request.grammar is not None
+                or request.num_draft_tokens
                 or not params.decodes_by_argmax
                 or (auto and params.output_kind != RequestOutputKind.FINAL_ONLY)):
             return 1

@@ -104,14 +104,16 @@ class DraftState:
         self.next_backoff_host[slots] = np.where(
             stop, np.minimum(2 * pause, ADAPTIVE_MAX_BACKOFF), pause)
 
-    def propose(self, slots: np.ndarray, max_rows: int | None = None) -> np.ndarray:
+    def propose(self, slots: np.ndarray, max_rows: int | None = None, steps: int = 1
+                ) -> np.ndarray:
         """Drafts for the requests in `slots` (int64; each has just sampled: its history ends
         with its new token), written after their history; returns their counts (int32). With
-        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows."""
+        `max_rows`, the drafts of all and a row each for their tokens fit in that many rows.
+        `steps`: the decode steps since the last proposal (a multi-step run's), off a backoff."""
         requests = self.requests
         token_ids, total_len = requests.token_ids.numpy, requests.total_len.numpy
         backoff = self.backoff_host[slots]
-        self.backoff_host[slots] = np.maximum(backoff - 1, 0)
+        self.backoff_host[slots] = np.maximum(backoff - steps, 0)
         drafting = self.may_draft_host[slots] & (backoff == 0)
         room = requests.max_model_len - 1 - total_len[slots]  # drafts stay in the history
         cap = self.length_host[slots]

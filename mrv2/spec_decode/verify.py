@@ -99,6 +99,12 @@ class Speculator:
         return torch.from_numpy(np.where(valid, fed, -1).astype(np.int64)).to(
             batch.input_ids.device)
 
+    def propose_after_run(self, slots: np.ndarray, steps: int, max_rows: int | None
+                          ) -> np.ndarray:
+        """The drafts of a multi-step run's requests (none held drafts: core/decode_steps.py),
+        their histories advanced by the run: their counts, for the run's output."""
+        return self.drafts.propose(slots, max_rows, steps)
+
     def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
                       positions: torch.Tensor, copy_stream: torch.cuda.Stream | None,
                       prompt_logprobs: dict | None, max_rows: int | None) -> AsyncOutput:

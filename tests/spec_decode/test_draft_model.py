@@ -117,3 +117,22 @@ def test_a_draft_of_another_vocabulary_is_refused(target, tiny_model_factory):
     other = tiny_model_factory("llama", vocab_size=4096)
     with pytest.raises(ConfigError, match="vocabulary of 4096"):
         drafting(target, other)
+
+
+def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft, monkeypatch):
+    """A draft that keeps missing backs off; while no running request holds drafts the
+    scheduler runs several decode steps a call (core/decode_steps.py), and drafting resumes
+    after the backoff, proposed at the end of such a run."""
+    from mrv2.core import scheduler as scheduler_module
+    from mrv2.spec_decode.config import ADAPTIVE_WINDOW
+
+    runs: list[int] = []
+    real = scheduler_module.decode_steps
+    monkeypatch.setattr(scheduler_module, "decode_steps",
+                        lambda *args: runs.append(real(*args)) or runs[-1])
+    llm = drafting(target, small_draft, k=3)
+    assert tokens(llm, greedy(120), PROMPTS[:1]) == tokens(base, greedy(120), PROMPTS[:1])
+    assert max(runs) > 1
+    verify_steps = next(m.value for m in llm.get_metrics()
+                        if m.name == "vllm:spec_decode_num_drafts")
+    assert verify_steps > ADAPTIVE_WINDOW  # it drafted again after backing off

@@ -23,7 +23,10 @@ METHODS = {
               "prompt_lookup_max": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
 }
-ENGINE = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+# One decode step a call: every step may draft (by default a batch whose requests hold no
+# drafts runs several steps a call, test_draft_model.py's last test).
+ENGINE = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+          "num_scheduler_steps": 1}
 
 
 def greedy(max_tokens: int = 40, **kwargs) -> SamplingParams:
