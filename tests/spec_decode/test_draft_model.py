@@ -136,3 +136,17 @@ def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft,
     verify_steps = next(m.value for m in llm.get_metrics()
                         if m.name == "vllm:spec_decode_num_drafts")
     assert verify_steps > ADAPTIVE_WINDOW  # it drafted again after backing off
+
+
+def test_sleep_and_wake_up_keep_drafting(base, target):
+    """Sleep drops the draft's KV cache with the target's (level 2 the target's weights too);
+    after wake_up the draft follows and drafts again from zeroed caches."""
+    llm = drafting(target, target, k=3)
+    want = tokens(base, greedy(60), PROMPTS[:1])
+    for level in (1, 2):
+        llm.sleep(level)
+        llm.wake_up()
+        before = counters(llm)
+        assert tokens(llm, greedy(60), PROMPTS[:1]) == want
+        drafted, accepted = (a - b for a, b in zip(counters(llm), before))
+        assert accepted == drafted > 0
