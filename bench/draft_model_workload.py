@@ -16,13 +16,13 @@ batch), accepted/drafted, whether each pair's greedy tokens are identical, and t
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from spec_decode_workload import accepted, chat_prompts, time_engines, workload_parser
+from spec_decode_workload import (accepted, add_row, chat_prompts, save_results, time_engines,
+                                  workload_parser)
 from truncated_gguf import truncate_gguf
 
 
@@ -68,11 +68,8 @@ def main() -> None:
                                             for n, llm in llms.items()},
                        "lossless": {d: outputs[d] == outputs[p] for p, d in pairs},
                        "ratios": {f"{d}/{p}": tok_s[d] / tok_s[p] for p, d in pairs}}
-                results["rows"].append(row)
-                print(json.dumps(row))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=1)
+                add_row(results, row)
+    save_results(results, args.output_json)
 
 
 if __name__ == "__main__":

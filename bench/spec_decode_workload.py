@@ -133,6 +133,17 @@ def time_engines(engines: dict[str, Any], prompts, max_tokens: int, repeats: int
     return times, counts, outputs
 
 
+def add_row(results: dict[str, Any], row: dict[str, Any]) -> None:
+    results["rows"].append(row)
+    print(json.dumps(row))
+
+
+def save_results(results: dict[str, Any], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main() -> None:
     parser = workload_parser()
     parser.add_argument("--threads", type=int, default=2)
@@ -170,11 +181,8 @@ def main() -> None:
                 if "llama.cpp+lookup" in row["tok_s"]:
                     row["ratios"][f"{name}/llama.cpp+lookup"] = (
                         row["tok_s"][name] / row["tok_s"]["llama.cpp+lookup"])
-            results["rows"].append(row)
-            print(json.dumps(row))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=1)
+            add_row(results, row)
+    save_results(results, args.output_json)
 
 
 if __name__ == "__main__":

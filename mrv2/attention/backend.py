@@ -59,6 +59,12 @@ class AttentionMetadata:
     # slot_mapping above are group 0's. Empty for a model with one group.
     other_groups: tuple[AttentionMetadata, ...] = ()
 
+    @property
+    def decode_sequences(self) -> int:
+        """The requests of the decode rows (`num_decode_sequences`, else one per row)."""
+        return self.num_decodes if self.num_decode_sequences is None else (
+            self.num_decode_sequences)
+
     def for_group(self, group: int) -> AttentionMetadata:
         """This step's metadata for KV cache group `group`."""
         return self if group == 0 else self.other_groups[group - 1]

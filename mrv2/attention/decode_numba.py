@@ -380,7 +380,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     [rows, H, D]; with `window` > 0 over the last `window` keys only; `softcap` > 0 caps
     the scores; `sinks` [H] float32: per-head sink logits (decode_kernel). A row with seq_len
     0 (padding) returns zeros. `layers`: how many layers' caches the step reads (this one's
-    among them), and `sequences` (the rows' requests: AttentionMetadata.num_decode_sequences;
+    among them), and `sequences` (the rows' requests: AttentionMetadata.decode_sequences;
     None: the rows), for the work split."""
     rows = q.shape[0]
     out = torch.empty_like(q)

@@ -73,7 +73,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             out[:nd] = decode_numba.decode_attention(q[:nd], kv_cache, meta.block_tables,
                                                      meta.seq_lens_np, scale, meta.num_layers,
                                                      window, softcap, sinks,
-                                                     meta.num_decode_sequences)
+                                                     meta.decode_sequences)
         else:
             out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window, softcap, sinks)
     k_cache, v_cache = kv_cache[0], kv_cache[1]

@@ -36,6 +36,12 @@ def decode_first_order(is_prefill: np.ndarray) -> np.ndarray:
     return np.argsort(is_prefill, kind="stable")
 
 
+def run_offsets(counts: np.ndarray) -> np.ndarray:
+    """0 .. c - 1 for each count c, concatenated (int64): each row's place in its run when
+    rows are repeated `counts` times."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def verify_rows(req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,
                 is_verify: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
                                                 np.ndarray]:
@@ -49,8 +55,7 @@ def verify_rows(req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray
     reps = np.where(is_verify, num_scheduled, 1)
     first_row = np.zeros(len(reps), np.int64)
     np.cumsum(reps[:-1], out=first_row[1:])
-    rows = int(reps.sum())
-    offsets = (np.arange(rows) - np.repeat(first_row, reps)).astype(np.int32)
+    offsets = run_offsets(reps).astype(np.int32)
     row_scheduled = np.where(np.repeat(is_verify, reps), 1, np.repeat(num_scheduled, reps))
     row_req_ids = np.repeat(np.array(req_ids, dtype=object), reps).tolist()
     return (row_req_ids, np.repeat(slots, reps), row_scheduled.astype(np.int32), offsets,

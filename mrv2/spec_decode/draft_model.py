@@ -37,7 +37,7 @@ from mrv2.config import ModelConfig
 from mrv2.core.kv_cache_layout import layer_kv_shape
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers
-from mrv2.inputs.prepare import decode_first_order, prepare_inputs
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs, run_offsets
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 from mrv2.utils import huge_pages
@@ -167,7 +167,7 @@ class DraftModelProposer:
         split = num_tokens <= self.split_tokens
         reps = np.where(split, num_tokens, 1)
         row_of = np.repeat(np.arange(len(slots)), reps)
-        within = np.arange(len(row_of)) - (np.cumsum(reps) - reps)[row_of]
+        within = run_offsets(reps)
         slots, offsets = slots[row_of], offsets[row_of] + within
         num_tokens = np.where(split[row_of], 1, num_tokens[row_of]).astype(np.int32)
         wanted_rows = wanted_rows[row_of] & (within == reps[row_of] - 1)

@@ -27,6 +27,7 @@ from mrv2.sampler.states import SamplingStates
 from mrv2.sampling_params import SamplingParams
 from mrv2.config import EngineConfig
 from mrv2.inputs.buffers import InputBuffers, max_step_rows
+from mrv2.inputs.prepare import run_offsets
 from mrv2.spec_decode.draft_model import DraftModel, DraftModelProposer
 from mrv2.spec_decode.drafts import DraftState
 from mrv2.state.block_table import BlockTables
@@ -135,7 +136,7 @@ class Speculator:
         # them) counts for the penalties; a prefill row's one row samples nothing yet.
         num_kept_rows = np.where(rows.is_verify, 1 + num_accepted, 1)
         kept_rows = (np.repeat(final_rows - num_kept_rows + 1, num_kept_rows)
-                     + _ranges(num_kept_rows))
+                     + run_offsets(num_kept_rows))
         kept_index = torch.from_numpy(kept_rows).to(device)
         kept_slots = np.repeat(rows.slots, num_kept_rows)
         self.sampling.post_update(torch.from_numpy(kept_slots).to(device), kept_slots,
@@ -162,8 +163,3 @@ class Speculator:
                            prompt_logprobs=prompt_logprobs,
                            nan_rows=torch.as_tensor(nan, device=device),
                            num_sampled=num_sampled, num_draft_tokens=num_drafts)
-
-
-def _ranges(counts: np.ndarray) -> np.ndarray:
-    """0 .. c - 1 for each count c, concatenated."""
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -191,7 +191,7 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     with_logits = head is not None and rows <= head.max_rows
     logits = torch.empty(rows if with_logits else 0, args.vocab_rows, dtype=torch.float32)
     tables = group_tables(meta, rows)
-    kv_per_item, splits = _work_split(args, tables[1], meta.num_decode_sequences)
+    kv_per_item, splits = _work_split(args, tables[1], meta.decode_sequences)
     args.decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
         *args.layer_args, *tables, *args.shape_args, kv_per_item, splits, out.numpy(),
@@ -199,14 +199,12 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     return out, logits if with_logits else None
 
 
-def _work_split(args: StackArgs, seq_lens: np.ndarray, sequences: int | None = None
+def _work_split(args: StackArgs, seq_lens: np.ndarray, sequences: int
                 ) -> tuple[np.ndarray, np.ndarray]:
     """(kv heads per work item, context splits) of each layer's attention this step: one plan
     per kv head count (Gemma 4's global layers have their own), for the step's K/V bytes and
-    its `sequences` (the rows' requests: AttentionMetadata.num_decode_sequences; None: the
-    rows)."""
+    its `sequences` (the rows' requests: AttentionMetadata.decode_sequences)."""
     kv_bytes = step_kv_bytes(seq_lens, 1, args.kv_width_sum, args.kv_itemsize, 1)
-    sequences = len(seq_lens) if sequences is None else sequences
     plans = np.array([work_split(sequences, int(heads), planned_threads(), kv_bytes)
                       for heads in args.kv_head_counts], np.int64)[args.kv_head_count_of_layer]
     return np.ascontiguousarray(plans[:, 0]), np.ascontiguousarray(plans[:, 1])
@@ -220,7 +218,7 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     rows = input_ids.shape[0]
     seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
     step_positions = positions.numpy().copy()
-    kv_per_item, splits = _work_split(args, seq_lens)
+    kv_per_item, splits = _work_split(args, seq_lens, rows)
     tokens = torch.empty(rows, num_steps, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)
     args.decode_stack_run(

@@ -320,9 +320,8 @@ class OneDnnDecode:
         seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
         kv_bytes = step_kv_bytes(seq_lens, self.num_kv_heads, self.head_dim,
                                  kv_caches[0].element_size(), len(kv_caches))
-        sequences = rows if meta.num_decode_sequences is None else meta.num_decode_sequences
-        kv_per_item, splits = work_split(sequences, self.num_kv_heads, planned_threads(),
-                                         kv_bytes)
+        kv_per_item, splits = work_split(meta.decode_sequences, self.num_kv_heads,
+                                         planned_threads(), kv_bytes)
         tables, slots = meta.block_tables.numpy(), meta.slot_mapping[:rows].numpy()
         if self.one_call:
             out = torch.empty(rows, hidden_size, dtype=torch.float32)
