@@ -94,7 +94,7 @@ class ModelRunner:
                                         model_config.hidden_size, device)
         self.speculator = (None if config.speculative_config is None  # spec_decode/verify.py
                            else Speculator(config, self.requests, self.sampling,
-                                           self.block_tables, draft))
+                                           self.block_tables, draft, model))
         self.cudagraphs = CudaGraphManager(config.compilation_config,
                                            sched.max_num_batched_tokens, sched.max_num_seqs,
                                            device)
@@ -334,8 +334,8 @@ class ModelRunner:
                 state.hidden_states, self.model.compute_logits)
         max_rows = None if self.fused_decode is None else self.fused_decode.verify_rows
         if rows is not None and state.num_steps == 1:  # speculative decoding: per request
-            return self.speculator.sample_output(batch, rows, out, positions, self._copy_stream,
-                                                 prompt_logprobs, max_rows)
+            return self.speculator.sample_output(batch, rows, out, positions, state.hidden_states,
+                                                 self._copy_stream, prompt_logprobs, max_rows)
         pooled = None
         if self.pooling is not None:  # read by the output copy for the finishing rows
             pooled = self.pooling.pool(state.hidden_states, last_hidden, batch,

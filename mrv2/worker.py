@@ -88,7 +88,8 @@ class Worker:
                                     self.config.model_config.max_model_len, self.device)
         draft_config = self._draft_config
         if draft_config is not None and self._draft is None:  # sleep level 2 keeps it
-            self._draft = load_draft_model(draft_config, self.device)
+            self._draft = load_draft_model(draft_config, self.device,
+                                           self.config.speculative_config.method)
 
     @property
     def _draft_config(self) -> ModelConfig | None:

@@ -211,7 +211,10 @@ class EngineArgs:
                                            async_scheduling=(speculative_config is None
                                                              if self.async_scheduling is None
                                                              else self.async_scheduling),
-                                           num_scheduler_steps=self.num_scheduler_steps)
+                                           num_scheduler_steps=(
+                                               1 if speculative_config is not None
+                                               and speculative_config.reads_target_hidden_states
+                                               else self.num_scheduler_steps))
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
@@ -234,7 +237,7 @@ class EngineArgs:
             raise ConfigError(f"speculative_config with num_scheduler_steps="
                               f"{self.num_scheduler_steps}: a verify step is one step; leave "
                               f"num_scheduler_steps unset (or 1)")
-        if config.method == "draft_model" and config.draft_model_config is None:
+        if config.model is not None and config.draft_model_config is None:
             config = dataclasses.replace(config,
                                          draft_model_config=self._draft_model_config(config,
                                                                                      target))
@@ -244,8 +247,8 @@ class EngineArgs:
         """The draft model's config: its checkpoint resolved as the target's is, in the
         target's dtype and max_model_len, with the target's tokenizer."""
         if self.tensor_parallel_size > 1:
-            raise ConfigError("speculative_config.method='draft_model' with "
-                              "tensor_parallel_size > 1 is not implemented in mrv2")
+            raise ConfigError(f"speculative_config.method={spec.method!r} with "
+                              f"tensor_parallel_size > 1 is not implemented in mrv2")
         args = dataclasses.replace(
             self, model=spec.model, revision=spec.revision, quantization=spec.quantization,
             tokenizer=target.tokenizer_path, hf_config_path=None, hf_overrides=None,
@@ -254,7 +257,7 @@ class EngineArgs:
             draft = args.create_engine_config().model_config
         except ConfigError as error:
             raise ConfigError(f"speculative_config.model={spec.model!r}: {error}") from None
-        check_draft_model(draft, target)
+        check_draft_model(draft, target, spec.method)
         return draft
 
     def _resolve_paths(self) -> tuple[str, str | None, str | None]:

@@ -271,33 +271,41 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; returns the names of the parameters whose
-        every shard was loaded. Unknown checkpoint names raise (a silently ignored tensor
-        usually means a feature the model does not implement)."""
-        params = dict(self.named_parameters())
-        shards_seen: dict[str, set[Any]] = {}
-        for name, tensor in weights:
-            if name.endswith(_SKIPPED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the LM head is embed_tokens
-            param_name, shard_id = expert_shard(name) or (name, None)
-            for fused, ckpt, sid in _STACKED_PARAMS if param_name == name else ():
-                if f".{ckpt}." in name:
-                    param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
-                    break
-            param = params.get(param_name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                                 f"{type(self).__name__}")
-            try:
-                param.weight_loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            shards_seen.setdefault(param_name, set()).add(shard_id)
-        # shard None on a fused param = the checkpoint stored the fused tensor whole.
-        return {name for name, seen in shards_seen.items()
-                if None in seen or seen >= set(params[name].shard_ids)}
+        """Copy checkpoint tensors into parameters (`load_checkpoint_tensors`); a tied model
+        reads its LM head from embed_tokens."""
+        tied = self.lm_head is None
+        return load_checkpoint_tensors(self, ((name, tensor) for name, tensor in weights
+                                              if not (tied and name == "lm_head.weight")))
+
+
+def load_checkpoint_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                            ) -> set[str]:
+    """Copy checkpoint tensors into `module`'s parameters (q/k/v and gate/up into their fused
+    ones); returns the names of the parameters whose every shard was loaded. Unknown checkpoint
+    names raise (a silently ignored tensor usually means a feature the model does not
+    implement)."""
+    params = dict(module.named_parameters())
+    shards_seen: dict[str, set[Any]] = {}
+    for name, tensor in weights:
+        if name.endswith(_SKIPPED_SUFFIXES):
+            continue
+        param_name, shard_id = expert_shard(name) or (name, None)
+        for fused, ckpt, sid in _STACKED_PARAMS if param_name == name else ():
+            if f".{ckpt}." in name:
+                param_name, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                break
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                             f"{type(module).__name__}")
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        shards_seen.setdefault(param_name, set()).add(shard_id)
+    # shard None on a fused param = the checkpoint stored the fused tensor whole.
+    return {name for name, seen in shards_seen.items()
+            if None in seen or seen >= set(params[name].shard_ids)}
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -259,14 +259,18 @@ def _pack_gguf_blocks(model: nn.Module, model_config: ModelConfig,
     return pack_gguf_weights(model, model_config)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def load_model(model_config: ModelConfig, device: torch.device,
+               model_class: type[nn.Module] | None = None) -> nn.Module:
     """Build the model for `model_config` on `device` in `model_config.dtype`, fill every
     parameter from the checkpoint (or, quantization="gguf" on the CPU, give its module the
-    file's blocks in its place), and return it in eval mode."""
+    file's blocks in its place), and return it in eval mode. `model_class`: what to build
+    where the config's architecture does not say it (a speculative head); None: the
+    architecture's class."""
     if model_config.hf_config is None:
         model_config = dataclasses.replace(model_config,
                                            hf_config=load_hf_config(model_config.model))
-    model_class = get_model_class(getattr(model_config.hf_config, "architectures", None))
+    if model_class is None:
+        model_class = get_model_class(getattr(model_config.hf_config, "architectures", None))
     # Files are resolved (and a GGUF file parsed) before the model is allocated.
     weights = checkpoint_weights(model_config)
     with _default_dtype(model_config.dtype), torch.device(device):

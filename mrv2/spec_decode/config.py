@@ -2,13 +2,14 @@
 
 Methods mrv2 drafts with: "ngram" (prompt lookup: the tokens that followed the latest earlier
 occurrence of the context's last n-gram), "suffix" (SuffixDecoding's suffix trees over the
-request and earlier requests' outputs) and "draft_model" (`model`: a smaller model sharing the
-target's vocabulary, run greedily with its own KV cache: draft_model.py). Every draft is
+request and earlier requests' outputs), "draft_model" (`model`: a smaller model sharing the
+target's vocabulary, run greedily with its own KV cache: draft_model.py) and "eagle" (`model`:
+an EAGLE-1 head that drafts from the target's hidden states: eagle.py). Every draft is
 verified by the target model in one forward and kept only where it equals the token the target
 samples at that position (sampler/rejection.py), so the output is the same token for token as
 without speculation.
 
-A key vLLM takes and mrv2 does not implement (EAGLE / MTP heads, a draft's own tensor
+A key vLLM takes and mrv2 does not implement (EAGLE-3 / MTP heads, a draft's own tensor
 parallelism) is refused by name, as is any unknown key.
 """
 
@@ -19,10 +20,13 @@ from typing import Any
 
 from mrv2.config import ConfigError, ModelConfig
 from mrv2.core.kv_cache_layout import KVCacheLayout
+from mrv2.models.gguf import is_gguf_path
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle")
+# The methods that draft with a checkpoint of their own (`model`).
+CHECKPOINT_METHODS = ("draft_model", "eagle")
 # vLLM's methods that need heads mrv2 has not implemented yet.
-UNIMPLEMENTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+UNIMPLEMENTED_METHODS = ("eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
 # vLLM's keys mrv2 does not implement: refused by name rather than ignored. (A draft model runs
 # unsharded beside the target, in the target's dtype and max_model_len; `quantization` and
 # `revision` are the draft's own.)
@@ -52,8 +56,9 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # vLLM's: no drafts in a step of more than this many running requests (None: always).
     disable_by_batch_size: int | None = None
-    # draft_model: the draft's checkpoint (a directory, GGUF file or Hub id), its revision and
-    # quantization ("gguf" or None, as the target's), and its tensor parallelism (1 only).
+    # draft_model / eagle: the draft's checkpoint (a directory, GGUF file or Hub id; an EAGLE
+    # head's is a directory), its revision and quantization ("gguf" or None, as the
+    # target's), and its tensor parallelism (1 only).
     model: str | None = None
     revision: str | None = None
     quantization: str | None = None
@@ -63,9 +68,15 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots a request needs past its step's tokens: a draft model writes its drafts'
-        KV (all but the last) after the token it samples, in the request's blocks."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        """KV slots a request needs past its step's tokens: a draft model or head writes its
+        drafts' KV (all but the last) after the token it samples, in the request's blocks."""
+        return self.num_speculative_tokens if self.method in CHECKPOINT_METHODS else 0
+
+    @property
+    def reads_target_hidden_states(self) -> bool:
+        """An EAGLE head drafts from the hidden states of every step of the target: a
+        multi-step run (whose inner steps keep none) is never scheduled with it."""
+        return self.method == "eagle"
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -102,11 +113,11 @@ class SpeculativeConfig:
                                   or limit < 1):
             raise ConfigError(f"speculative_config.disable_by_batch_size={limit!r} must be a "
                               f"positive integer")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ConfigError("speculative_config.model names the draft model of "
-                              "method='draft_model', which needs it" if self.model is None
-                              else f"speculative_config.model is for method='draft_model', "
-                                   f"not {self.method!r}")
+        if (self.method in CHECKPOINT_METHODS) != (self.model is not None):
+            raise ConfigError(f"speculative_config.model names the draft model or head of "
+                              f"method={self.method!r}, which needs it" if self.model is None
+                              else f"speculative_config.model is for method='draft_model' or "
+                                   f"'eagle', not {self.method!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size="
                               f"{self.draft_tensor_parallel_size!r}: mrv2 runs the draft model "
@@ -156,9 +167,13 @@ def _plain_layout(layout: KVCacheLayout) -> bool:
             and layout.layer_source == tuple(range(len(layout.layer_source))))
 
 
-def check_draft_model(draft: ModelConfig, target: ModelConfig) -> None:
-    """A draft model mrv2 runs: the target's vocabulary, and both KV caches of plain layout
-    (the draft's blocks are addressed through the target's one block table)."""
+def check_draft_model(draft: ModelConfig, target: ModelConfig, method: str = "draft_model"
+                      ) -> None:
+    """A draft model or EAGLE head mrv2 runs: the target's vocabulary, and both KV caches of
+    plain layout (the draft's blocks are addressed through the target's one block table); a
+    head: a Llama-layer directory checkpoint of the target's hidden size."""
+    if method == "eagle":
+        check_eagle_head(draft, target)
     draft_vocab, target_vocab = draft.hf_config.vocab_size, target.hf_config.vocab_size
     if draft_vocab != target_vocab:
         raise ConfigError(f"speculative_config.model={draft.model!r} has a vocabulary of "
@@ -166,7 +181,25 @@ def check_draft_model(draft: ModelConfig, target: ModelConfig) -> None:
                           f"model must share the target's tokenizer")
     for which, config in (("draft", draft), ("target", target)):
         if not _plain_layout(config.kv_cache_layout):
-            raise ConfigError(f"speculative_config.method='draft_model': the {which} model "
+            raise ConfigError(f"speculative_config.method={method!r}: the {which} model "
                               f"{config.model!r} has sliding-window, hybrid or shared KV "
                               f"layers; mrv2 runs a draft model beside full-attention models "
                               f"only")
+
+
+def check_eagle_head(head: ModelConfig, target: ModelConfig) -> None:
+    """An EAGLE-1 head: a Hugging Face directory of Llama layers (models/eagle.py) whose
+    hidden size is the target's (its `fc` reads the target's hidden states)."""
+    if is_gguf_path(head.model) or head.quantization is not None:
+        raise ConfigError(f"speculative_config.model={head.model!r}: an EAGLE head is a Hugging "
+                          f"Face directory of its own weights, not quantization="
+                          f"{head.quantization!r}")
+    architectures = list(getattr(head.hf_config, "architectures", None) or [])
+    if architectures != ["LlamaForCausalLM"]:
+        raise ConfigError(f"speculative_config.model={head.model!r}: method='eagle' runs "
+                          f"EAGLE heads of Llama layers (config architectures "
+                          f"['LlamaForCausalLM']), not {architectures}")
+    head_hidden, target_hidden = head.hf_config.hidden_size, target.hf_config.hidden_size
+    if head_hidden != target_hidden:
+        raise ConfigError(f"speculative_config.model={head.model!r}: an EAGLE head of hidden "
+                          f"size {head_hidden} for a target of {target_hidden}")

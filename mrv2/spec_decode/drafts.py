@@ -31,6 +31,7 @@ from mrv2.spec_decode import ngram_numba
 from mrv2.spec_decode.config import (ADAPTIVE_BACKOFF, ADAPTIVE_MAX_BACKOFF, ADAPTIVE_WINDOW,
                                      SpeculativeConfig)
 from mrv2.spec_decode.draft_model import DraftModelProposer
+from mrv2.spec_decode.eagle import EagleProposer, TargetStep
 from mrv2.state.requests import RequestState
 
 
@@ -41,9 +42,11 @@ def may_draft(params: SamplingParams) -> bool:
 
 class DraftState:
     def __init__(self, config: SpeculativeConfig, requests: RequestState,
-                 draft_model: DraftModelProposer | None = None) -> None:
+                 draft_model: DraftModelProposer | None = None,
+                 eagle: EagleProposer | None = None) -> None:
         self.config = config
         self.draft_model = draft_model  # method "draft_model": its proposer
+        self.eagle = eagle  # method "eagle": its proposer
         self.requests = requests
         slots = requests.max_num_seqs
         self.may_draft_host = np.zeros(slots, dtype=np.bool_)
@@ -104,22 +107,41 @@ class DraftState:
         self.next_backoff_host[slots] = np.where(
             stop, np.minimum(2 * pause, ADAPTIVE_MAX_BACKOFF), pause)
 
+    def _limits(self, slots: np.ndarray, max_rows: int | None, steps: int, num_rows: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each request drafts now: it may and is not backing off; the most drafts
+        it may propose), its backoff advanced by `steps`. With `max_rows`, the drafts of
+        `num_rows` requests and a row each for their tokens fit in that many rows."""
+        requests = self.requests
+        backoff = self.backoff_host[slots]
+        self.backoff_host[slots] = np.maximum(backoff - steps, 0)
+        drafting = self.may_draft_host[slots] & (backoff == 0)
+        room = requests.max_model_len - 1 - requests.total_len.numpy[slots]  # in the history
+        cap = self.length_host[slots]
+        if max_rows is not None:
+            cap = np.minimum(cap, max(0, max_rows // max(1, num_rows) - 1))
+        return drafting, np.where(drafting, np.minimum(room, cap), 0).astype(np.int32)
+
+    def propose_from_hidden(self, slots: np.ndarray, is_sampling: np.ndarray,
+                            max_rows: int | None, step: TargetStep) -> np.ndarray:
+        """EAGLE: every request of the step (`slots`, batch order; those `is_sampling` just
+        sampled) catches up on `step`'s hidden states where it may draft and is not backing
+        off; those that sampled draft. Their counts (int32, 0 where not sampling)."""
+        drafting, max_drafts = self._limits(slots, max_rows, 1, int(is_sampling.sum()))
+        return self.eagle.propose(slots, drafting, np.where(is_sampling, max_drafts, 0), step)
+
     def propose(self, slots: np.ndarray, max_rows: int | None = None, steps: int = 1
                 ) -> np.ndarray:
         """Drafts for the requests in `slots` (int64; each has just sampled: its history ends
         with its new token), written after their history; returns their counts (int32). With
         `max_rows`, the drafts of all and a row each for their tokens fit in that many rows.
         `steps`: the decode steps since the last proposal (a multi-step run's), off a backoff."""
+        if self.eagle is not None:
+            raise RuntimeError("an EAGLE head drafts from the step's hidden states: "
+                               "propose_from_hidden")
         requests = self.requests
         token_ids, total_len = requests.token_ids.numpy, requests.total_len.numpy
-        backoff = self.backoff_host[slots]
-        self.backoff_host[slots] = np.maximum(backoff - steps, 0)
-        drafting = self.may_draft_host[slots] & (backoff == 0)
-        room = requests.max_model_len - 1 - total_len[slots]  # drafts stay in the history
-        cap = self.length_host[slots]
-        if max_rows is not None:
-            cap = np.minimum(cap, max(0, max_rows // max(1, len(slots)) - 1))
-        max_drafts = np.where(drafting, np.minimum(room, cap), 0).astype(np.int32)
+        max_drafts = self._limits(slots, max_rows, steps, len(slots))[1]
         rows = len(slots)
         drafts, num_drafts = self._drafts[:rows], self._num_drafts[:rows]
         if self.draft_model is not None:  # it writes its drafts after the history itself

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from mrv2 import platform
 from mrv2.async_output import AsyncOutput
@@ -30,6 +31,7 @@ from mrv2.inputs.buffers import InputBuffers, max_step_rows
 from mrv2.inputs.prepare import run_offsets
 from mrv2.spec_decode.draft_model import DraftModel, DraftModelProposer
 from mrv2.spec_decode.drafts import DraftState
+from mrv2.spec_decode.eagle import EagleProposer, TargetStep
 from mrv2.state.block_table import BlockTables
 from mrv2.state.requests import RequestState
 
@@ -55,22 +57,26 @@ class RequestRows:
 
 class Speculator:
     def __init__(self, config: EngineConfig, requests: RequestState, sampling: SamplingStates,
-                 block_tables: BlockTables, draft: DraftModel | None = None) -> None:
+                 block_tables: BlockTables, draft: DraftModel | None = None,
+                 target: nn.Module | None = None) -> None:
         self.requests = requests
         self.sampling = sampling
         spec = config.speculative_config
-        proposer = None
-        if spec.method == "draft_model":
+        proposer = eagle = None
+        if spec.model is not None:
             if draft is None:
-                raise ValueError("speculative method 'draft_model' without its loaded model")
+                raise ValueError(f"speculative method {spec.method!r} without its loaded model")
             # Its own step buffers: the target's hold this step's batch until it is output.
             buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens,
                                    max_step_rows(config), config.max_num_blocks_per_req,
                                    requests.device, block_tables.num_groups)
-            proposer = DraftModelProposer(draft, requests, block_tables, buffers,
-                                          split_tokens=spec.num_speculative_tokens + 1)
+            if spec.method == "eagle":
+                eagle = EagleProposer(draft, target, requests, block_tables, buffers)
+            else:
+                proposer = DraftModelProposer(draft, requests, block_tables, buffers,
+                                              split_tokens=spec.num_speculative_tokens + 1)
         self.draft_kv_caches = [] if draft is None else draft.kv_caches
-        self.drafts = DraftState(spec, requests, proposer)
+        self.drafts = DraftState(spec, requests, proposer, eagle)
 
     def add(self, slot: int, params: SamplingParams) -> None:
         self.drafts.add(slot, params)
@@ -107,11 +113,12 @@ class Speculator:
         return self.drafts.propose(slots, max_rows, steps)
 
     def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
-                      positions: torch.Tensor, copy_stream: torch.cuda.Stream | None,
-                      prompt_logprobs: dict | None, max_rows: int | None) -> AsyncOutput:
+                      positions: torch.Tensor, hidden_states: torch.Tensor,
+                      copy_stream: torch.cuda.Stream | None, prompt_logprobs: dict | None,
+                      max_rows: int | None) -> AsyncOutput:
         """After the sampler: advance each request by the tokens it keeps, propose its next
-        drafts (within `max_rows` rows a step: DraftState.propose), and return the step's
-        output (per request, batch order)."""
+        drafts (within `max_rows` rows a step: DraftState.propose; an EAGLE head reads the
+        step's `hidden_states`), and return the step's output (per request, batch order)."""
         num_rows = rows.num_rows
         # Verify rows come first (decode first), one token each: their row is their token.
         if platform.kernel_impl(out.sampled.device) == platform.CPU:
@@ -145,8 +152,13 @@ class Speculator:
         verified = rows.is_verify
         self.drafts.record_verified(rows.slots[verified], rows.num_scheduled[verified] - 1,
                                     num_accepted[verified])
-        num_drafts = np.zeros(len(rows.slots), np.int32)
-        num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows)
+        if self.drafts.eagle is not None:  # every request's kept tokens feed its head
+            num_drafts = self.drafts.propose_from_hidden(rows.slots, is_sampling, max_rows,
+                TargetStep(hidden_states, batch.attn_metadata.query_start_loc_np[rows.first_row],
+                           kept))
+        else:
+            num_drafts = np.zeros(len(rows.slots), np.int32)
+            num_drafts[is_sampling] = self.drafts.propose(rows.slots[is_sampling], max_rows)
         # Each request's tokens: its rows' sampled tokens up to the last kept one.
         width = self.drafts.num_speculative_tokens + 1
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)
