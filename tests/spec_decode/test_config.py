@@ -37,11 +37,15 @@ def test_a_model_alone_is_a_draft_model():
     config = SpeculativeConfig.from_value({"model": "x", "num_speculative_tokens": 3})
     assert config.method == "draft_model" and config.num_lookahead_tokens == 3
     ngram = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3})
-    assert ngram.num_lookahead_tokens == 0
+    assert ngram.num_lookahead_tokens == 0 and not ngram.reads_target_hidden_states
+    eagle = SpeculativeConfig.from_value({"method": "eagle", "model": "x",
+                                          "num_speculative_tokens": 2})
+    assert eagle.num_lookahead_tokens == 2 and eagle.reads_target_hidden_states
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "eagle.*not implemented"),
+    ({"method": "mtp", "num_speculative_tokens": 3}, "mtp.*not implemented"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle', which needs it"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3.*not implemented"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "needs it"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 3}, "not 'ngram'"),
