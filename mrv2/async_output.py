@@ -34,10 +34,11 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None,
                  nan_rows: torch.Tensor | None = None,
                  pooled: torch.Tensor | None = None, num_sampled: np.ndarray | None = None,
-                 num_draft_tokens: np.ndarray | None = None) -> None:
+                 drafts: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """``sampled``: [B] int64, or [B, steps] for a run of decode steps (runner.py), or
         [B, width] of which row b's first ``num_sampled[b]`` are its tokens (speculative
-        decoding's verify steps, with ``num_draft_tokens`` [B]: each row's next drafts; the
+        decoding's verify steps, with ``drafts``: (each row's count of next drafts [B], the
+        drafts, flat, row after row); the
         ``logprobs`` then hold a row per token, request after request).
         ``prompt_logprobs``: req_id -> (first prompt position, rows), see
         sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
@@ -46,7 +47,7 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         self.req_ids = req_ids
         self.is_sampling = is_sampling
         self.num_logprobs = num_logprobs
-        self.num_sampled, self.num_draft_tokens = num_sampled, num_draft_tokens
+        self.num_sampled, self.drafts = num_sampled, drafts
         self._event = None
         self._cuda_device = sampled.device  # the device a resolving thread must make current
         if nan_rows is None:
@@ -146,9 +147,9 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
         return ModelRunnerOutput(pack_ids(self.req_ids), len(self.req_ids), int32_bytes(sampled),
                                  num_sampled, logprobs=logprobs,
                                  prompt_logprobs=prompt, nan_req_ids=nan_req_ids,
-                                 pooled=pooled, num_draft_tokens_i32=(
-                                     b"" if self.num_draft_tokens is None
-                                     else int32_bytes(self.num_draft_tokens)))
+                                 pooled=pooled, **({} if self.drafts is None else dict(
+                                     num_draft_tokens_i32=int32_bytes(self.drafts[0]),
+                                     draft_token_ids_i32=int32_bytes(self.drafts[1]))))
 
 
 def _grouped(rows: list, counts: np.ndarray) -> list[list[SampledTokenLogprobs] | None]:

@@ -157,10 +157,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
 class GrammarOutput(msgspec.Struct, array_like=True, frozen=True):
     """The token masks of one step's grammar-constrained rows (core/structured_output.py).
 
-    `rows` are indices into the step's SchedulerOutput.req_ids (the scheduler's order, not the
-    runner's); `bitmask` is [num_rows, ceil(vocab / 32)] int32 in xgrammar's layout: token t
-    is allowed in row i iff bit t % 32 of word t // 32 is set. Empty when no row is
-    constrained. Build with `build`."""
+    `rows` index the step's SchedulerOutput.req_ids (the scheduler's order); a row repeated m
+    times in a run masks its request's first m verify rows. `bitmask`: [len(rows), ceil(vocab
+    / 32)] int32, xgrammar's layout (token t allowed in row i iff bit t % 32 of word t // 32)."""
 
     rows_i32: bytes = b""
     bitmask_i32: bytes = b""
@@ -229,8 +228,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # A pooling runner's requests that completed their prefill this step: their pooled hidden
     # states, float32 bytes (mrv2/state/pooling.py); None on a generate runner.
     pooled: dict[str, bytes] | None = None
-    # Per request, the drafts the runner holds for its next step (b"": none anywhere).
+    # Per request, the drafts the runner holds for its next step (b"": none), then the drafts.
     num_draft_tokens_i32: bytes = b""
+    draft_token_ids_i32: bytes = b""
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
@@ -258,8 +258,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
         return int32_view(self.num_sampled_i32)
 
     @property
-    def num_draft_tokens(self) -> np.ndarray | None:
-        return int32_view(self.num_draft_tokens_i32) if self.num_draft_tokens_i32 else None
+    def draft_token_ids(self) -> list[list[int]] | None:
+        """Per request, the drafts the runner holds (None when no request has any)."""
+        return None if not self.num_draft_tokens_i32 else unpack_ragged(
+            int32_view(self.draft_token_ids_i32), int32_view(self.num_draft_tokens_i32))
 
     @property
     def sampled_token_ids(self) -> list[list[int]]:
@@ -395,6 +397,4 @@ class CoreFraming:
 
     def decode(self, code: bytes, body: Any) -> Any:
         """The message of one received `(code, body)` pair; KeyError for an unknown code."""
-        if CORE_MESSAGES[code] is None:
-            return None
-        return self._decoders[code].decode(body)
+        return None if CORE_MESSAGES[code] is None else self._decoders[code].decode(body)

@@ -28,7 +28,7 @@ from mrv2.config import EngineConfig
 from mrv2.cudagraph import BatchDescriptor, CudaGraphManager
 from mrv2.inputs.batch import InputBatch
 from mrv2.inputs.buffers import InputBuffers, max_step_rows
-from mrv2.inputs.prepare import decode_first_order, prepare_inputs, verify_rows
+from mrv2.inputs.prepare import decode_first_order, prepare_inputs, repeat_offsets, verify_rows
 from mrv2.models.generation_config import eos_token_ids
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner_dummy import run_dummy_requests
@@ -206,9 +206,9 @@ class ModelRunner:
         row_req_ids, row_slots, row_scheduled, offsets, first_row = verify_rows(
             req_ids, slots, num_scheduled, is_verify)
         rows = RequestRows(req_ids, slots, num_scheduled, is_verify, first_row)
-        # A scheduler row's grammar applies to its request's last batch row.
-        last_rows = rows.last_rows
-        batch_rows = last_rows if batch_rows is None else last_rows[batch_rows]
+        # A scheduler row's grammar masks apply from its request's first batch row on.
+        first_rows = rows.first_row
+        batch_rows = first_rows if batch_rows is None else first_rows[batch_rows]
         batch, descriptor = self._inputs(row_req_ids, row_slots, row_scheduled,
                                          out.total_num_scheduled_tokens, offsets,
                                          int((~is_prefill).sum()))
@@ -288,8 +288,8 @@ class ModelRunner:
         """-inf on every token a row's grammar forbids next (float32 logits, masked in place:
         the sampler copies them anyway)."""
         rows = grammar_output.rows.astype(np.int64)
-        if batch_rows is not None:
-            rows = batch_rows[rows]
+        if batch_rows is not None:  # a row repeated in a run: its verify rows, in order
+            rows = batch_rows[rows] + repeat_offsets(rows)
         logits = logits.float()
         # The message's buffer is read-only; torch wants a writable array.
         apply_grammar_bitmask_(logits, upload_array(rows, self.device),
@@ -350,12 +350,12 @@ class ModelRunner:
             sampled, nan_rows = self._decode_steps(batch, out, state.num_steps)
         num_logprobs = (None if out.logprobs is None
                         else self.sampling.num_logprobs(batch.idx_mapping_np))
-        num_drafts = None if rows is None else self.speculator.propose_after_run(
+        drafts = None if rows is None else self.speculator.propose_after_run(
             batch.idx_mapping_np, state.num_steps, max_rows)
         return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
                            logprobs=out.logprobs, num_logprobs=num_logprobs,
                            prompt_logprobs=prompt_logprobs, nan_rows=nan_rows,
-                           pooled=pooled, num_draft_tokens=num_drafts)
+                           pooled=pooled, drafts=drafts)
 
     def _decode_steps(self, batch: InputBatch, first: SamplerOutput, num_steps: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,12 +36,12 @@ def run_dummy_requests(runner: ModelRunner, params: list[SamplingParams], prompt
     runner.execute_model(SchedulerOutput.build(new, CachedRequestData(),
                                                dict.fromkeys(ids, prompt_len),
                                                prompt_len * len(ids)))
-    drafts = runner.sample_tokens().num_draft_tokens
+    drafts = runner.sample_tokens().draft_token_ids
     if decode and prompt_len < max_len:  # room for one decoded token (and drafts)
         # A request that drafted verifies its drafts in this step (the decode step it is).
         room = min(max_len - prompt_len - 1, sched.max_num_batched_tokens // len(ids) - 1)
         num_new = ([1] * len(ids) if drafts is None
-                   else [1 + max(0, min(int(d), room)) for d in drafts])
+                   else [1 + max(0, min(len(d), room)) for d in drafts])
         runner.execute_model(SchedulerOutput.build(
             [], CachedRequestData.build(ids, [([],) * tables.num_groups] * len(ids),
                                         [prompt_len] * len(ids)),

@@ -91,6 +91,7 @@ class Request:
         # output says how many), and drafts the step in flight verifies.
         self.num_draft_tokens = 0
         self.num_scheduled_drafts = 0
+        self.draft_token_ids: list[int] = []  # the runner's drafts (take_drafts)
         self.status = RequestStatus.WAITING
         # The stop token id that finished the request: a stop_token_id or one of
         # eos_stop_token_ids (None for the primary EOS, length or abort).
@@ -146,6 +147,14 @@ class Request:
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
             self._all_token_ids.append(token_id)
+
+    def take_drafts(self, drafts: list[int]) -> None:
+        """The drafts the runner holds for the request's next step, after its last token; a
+        grammar keeps the run of them it accepts (the rest are not verified)."""
+        if self.grammar is not None and drafts and not self.is_finished:
+            drafts = drafts[:self.grammar.num_valid(drafts)]
+        self.draft_token_ids = drafts
+        self.num_draft_tokens = len(drafts)
 
     def check_stop(self, max_model_len: int) -> bool:
         """vLLM's check_stop, after each appended token: sets the final status and returns

@@ -337,9 +337,9 @@ class Scheduler:
         pooled = model_runner_output.pooled  # a pooling runner's finishing prompts
         # Rows whose logits held a NaN: the request ends with "error", its token unseen.
         failed = model_runner_output.nan_req_ids  # almost always empty
-        num_drafts = model_runner_output.num_draft_tokens  # None: no drafts proposed
-        if num_drafts is not None:
-            num_drafts = dict(zip(req_ids, num_drafts.tolist()))
+        drafts = model_runner_output.draft_token_ids  # None: no drafts proposed
+        if drafts is not None:
+            drafts = dict(zip(req_ids, drafts))
         outputs, self._grammar_failures = self._grammar_failures, []
         finished: set[str] = set()
         requests, running_status = self.requests, RequestStatus.RUNNING
@@ -364,8 +364,6 @@ class Scheduler:
                 request.num_computed_tokens -= request.num_scheduled_drafts - accepted
                 self.spec_stats.record(request.num_scheduled_drafts, accepted)
                 request.num_scheduled_drafts = 0
-            if num_drafts is not None:
-                request.num_draft_tokens = num_drafts[req_id]
             if failed and req_id in failed:
                 logger.error("request %s: NaN in its logits; finished with an error", req_id)
                 request.status = RequestStatus.FINISHED_ERROR
@@ -380,6 +378,8 @@ class Scheduler:
                 kept += 1
                 if request.check_stop(self.max_model_len):
                     break  # tokens past a stop are dropped
+            if drafts is not None:  # after its tokens, which its grammar has accepted
+                request.take_drafts(drafts[req_id])
             # Usually every token is kept (one per step): the list itself, not a copy.
             new_token_ids = token_ids if kept == len(token_ids) else token_ids[:kept]
             if request.status != running_status:

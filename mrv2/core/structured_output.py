@@ -95,8 +95,41 @@ class RequestGrammar:
         """The grammar accepted its stop token: the request is complete."""
         return self._matcher is not None and self._matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+    def num_valid(self, drafts: list[int]) -> int:
+        """How many of `drafts` (the tokens after the accepted ones) the grammar takes in a
+        row: up to the first it rejects or the one that completes it; during reasoning, up to
+        its end token (the grammar then starts, and it decides the rows after that token)."""
+        if not self.reasoning_ended:
+            end = self.reasoning_end_id
+            return drafts.index(end) if end in drafts else len(drafts)
+        matcher, count = self._matcher, 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            count += 1
+        if count:
+            matcher.rollback(count)
+        return count
+
+    def fill_bitmasks(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> int:
+        """The masks of the request's rows of this step from `row` on: the next token's, then
+        the one after each draft (`num_valid` ones: the matcher advances through them, then
+        rolls back), none after a draft that completes the grammar (the request ends there,
+        dropping what follows); returns how many rows were filled."""
+        matcher = self._matcher
+        matcher.fill_next_token_bitmask(bitmask, row)
+        filled = accepted = 1
+        for token_id in drafts:
+            if not matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, row + filled)
+            filled += 1
+        if accepted > 1:
+            matcher.rollback(accepted - 1)
+        return filled
 
 
 # vLLM's variable and default. Unbounded (xgrammar's default), a stream of distinct schemas
@@ -157,8 +190,10 @@ class StructuredOutputManager:
         if self._bitmask is None:
             import xgrammar as xgr
 
-            shape = xgr.get_bitmask_shape(self.config.scheduler_config.max_num_seqs,
-                                          self.config.model_config.vocab_size)
+            spec = self.config.speculative_config  # a verify step's rows: one per draft more
+            rows = self.config.scheduler_config.max_num_seqs * (
+                1 + (0 if spec is None else spec.num_speculative_tokens))
+            shape = xgr.get_bitmask_shape(rows, self.config.model_config.vocab_size)
             self._bitmask = np.empty(shape, dtype=np.int32)
         rows: list[int] = []
         bitmask = self._bitmask
@@ -166,8 +201,8 @@ class StructuredOutputManager:
             request = requests.get(req_id)
             grammar = None if request is None else request.grammar
             if grammar is not None and not request.is_finished and grammar.constrains_next:
-                grammar.fill_bitmask(bitmask, len(rows))
-                rows.append(row)
+                drafts = request.draft_token_ids[:request.num_scheduled_drafts]
+                rows += [row] * grammar.fill_bitmasks(bitmask, len(rows), drafts)
         if not rows:
             return GrammarOutput()
         return GrammarOutput.build(rows, bitmask[:len(rows)])

@@ -42,6 +42,12 @@ def run_offsets(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
+def repeat_offsets(values: np.ndarray) -> np.ndarray:
+    """Each value's place in its run of equal consecutive values (0 for one not repeated)."""
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+    return run_offsets(np.diff(np.r_[starts, len(values)]))
+
+
 def verify_rows(req_ids: list[str], slots: np.ndarray, num_scheduled: np.ndarray,
                 is_verify: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
                                                 np.ndarray]:

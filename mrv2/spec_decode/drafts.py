@@ -9,9 +9,9 @@ num_draft_tokens); the scheduler schedules that many more tokens for the request
 
 Who drafts: a request whose tokens are each decided by its own position's logits and its
 earlier tokens (sampler/rejection.py); a verify row's penalties count the drafts before it
-(Speculator.drafts_before). Prompt logprobs and structured outputs (the grammar's bitmask is
-the next token's only) keep such a request on one token a step. Logprobs come with every kept
-token (each verify row's own).
+(Speculator.drafts_before), and a grammar masks each verify row as of the drafts before it
+(the scheduler keeps the drafts it accepts: core/structured_output.py). Prompt logprobs keep a
+request on one token a step. Logprobs come with every kept token (each verify row's own).
 
 Adaptive, per request: its draft length grows by 2 after a verify step that accepted every
 draft and shrinks by 1 after one that did not (transformers' "heuristic" schedule for assisted
@@ -37,7 +37,7 @@ from mrv2.state.requests import RequestState
 
 def may_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens can be drafted and verified (see the module docstring)."""
-    return params.prompt_logprobs is None and params.structured_outputs is None
+    return params.prompt_logprobs is None
 
 
 class DraftState:
@@ -129,6 +129,16 @@ class DraftState:
         off; those that sampled draft. Their counts (int32, 0 where not sampling)."""
         drafting, max_drafts = self._limits(slots, max_rows, 1, int(is_sampling.sum()))
         return self.eagle.propose(slots, drafting, np.where(is_sampling, max_drafts, 0), step)
+
+    def written(self, slots: np.ndarray, num_drafts: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(`num_drafts`, the drafts themselves: each request's, flat, in order), read where
+        the proposers wrote them, after each history (the step's output carries both)."""
+        cols = np.arange(int(num_drafts.max(initial=0)))
+        keep = cols[None, :] < num_drafts[:, None]
+        starts = self.requests.total_len.numpy[slots]
+        return num_drafts, self.requests.token_ids.numpy[
+            np.broadcast_to(slots[:, None], keep.shape)[keep], (starts[:, None] + cols)[keep]]
 
     def propose(self, slots: np.ndarray, max_rows: int | None = None, steps: int = 1
                 ) -> np.ndarray:

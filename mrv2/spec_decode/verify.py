@@ -50,10 +50,6 @@ class RequestRows:
     def num_rows(self) -> np.ndarray:
         return np.where(self.is_verify, self.num_scheduled, 1)
 
-    @property
-    def last_rows(self) -> np.ndarray:
-        return self.first_row + self.num_rows - 1
-
 
 class Speculator:
     def __init__(self, config: EngineConfig, requests: RequestState, sampling: SamplingStates,
@@ -107,10 +103,10 @@ class Speculator:
             batch.input_ids.device)
 
     def propose_after_run(self, slots: np.ndarray, steps: int, max_rows: int | None
-                          ) -> np.ndarray:
+                          ) -> tuple[np.ndarray, np.ndarray]:
         """The drafts of a multi-step run's requests (none held drafts: core/decode_steps.py),
-        their histories advanced by the run: their counts, for the run's output."""
-        return self.drafts.propose(slots, max_rows, steps)
+        their histories advanced by the run, for the run's output (DraftState.written)."""
+        return self.drafts.written(slots, self.drafts.propose(slots, max_rows, steps))
 
     def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
                       positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -174,4 +170,5 @@ class Speculator:
                                          else self.sampling.num_logprobs(rows.slots)),
                            prompt_logprobs=prompt_logprobs,
                            nan_rows=torch.as_tensor(nan, device=device),
-                           num_sampled=num_sampled, num_draft_tokens=num_drafts)
+                           num_sampled=num_sampled,
+                           drafts=self.drafts.written(rows.slots, num_drafts))

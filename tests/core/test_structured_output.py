@@ -37,7 +37,7 @@ def grammar_compiler(tokenizer):
 
 
 def make_scheduler(monkeypatch, grammar_compiler, compile_gate=None, fail=False,
-                   reasoning=(None, None)) -> Scheduler:
+                   reasoning=(None, None), speculative_config=None) -> Scheduler:
     def fake_compile(self, params):
         if compile_gate is not None:
             compile_gate.wait(10)
@@ -51,7 +51,8 @@ def make_scheduler(monkeypatch, grammar_compiler, compile_gate=None, fail=False,
                                  hf_config=SimpleNamespace(vocab_size=VOCAB)),
         cache_config=CacheConfig(block_size=4),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
-                                         async_scheduling=False))
+                                         async_scheduling=False),
+        speculative_config=speculative_config)
     return Scheduler(config, 64)
 
 
@@ -143,6 +144,72 @@ def test_reasoning_is_not_constrained(monkeypatch, grammar_compiler, tokenizer, 
         _, grammar, outputs = run(scheduler, {"r": [token]})
         assert grammar.num_rows == 1 and outputs[0].finish_reason is None
     _, _, outputs = run(scheduler, {"r": [EOS]})
+    assert outputs[0].finish_reason == FinishReason.STOP
+
+
+def test_drafts_are_cut_where_the_grammar_stops_and_masked_one_row_each(
+        monkeypatch, grammar_compiler, tokenizer):
+    """A grammar keeps the run of drafts it accepts (up to one that completes it), and the
+    verify step gets a mask per row: the next token's, then the one after each draft, none
+    after the completing draft. Its matcher is rolled back: only kept tokens advance it."""
+    import msgspec
+
+    from executor.packed import int32_bytes
+    from mrv2.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3})
+    scheduler = make_scheduler(monkeypatch, grammar_compiler, speculative_config=spec)
+    scheduler.add_request(request("d", regex="[0-9]{3}"))
+    scheduler.structured_outputs._threads.shutdown(wait=True)
+    one, two, letter = (tokens_of(tokenizer, t)[-1] for t in ("1", "2", "a"))
+
+    def step(sampled: list[int], drafts: list[int]):
+        out = scheduler.schedule()
+        grammar = scheduler.get_grammar_output(out)
+        result = msgspec.structs.replace(
+            ModelRunnerOutput.build(out.req_ids, [sampled]),
+            num_draft_tokens_i32=int32_bytes([len(drafts)]),
+            draft_token_ids_i32=int32_bytes(drafts))
+        scheduler.update_from_output(out, result)
+        return out, grammar
+
+    step([one], [two, letter, two])  # the prefill samples "1"; "a" cuts the drafts to one
+    request_ = scheduler.requests["d"]
+    assert request_.num_draft_tokens == 1
+    out, grammar = step([two, one], [two, EOS, two])  # verifies "2": kept, then "1"
+    assert out.num_scheduled.tolist() == [2] and grammar.rows.tolist() == [0, 0]
+    bits = np.unpackbits(grammar.bitmask.view(np.uint8), bitorder="little").reshape(2, -1)
+    assert bits[0, two] and bits[1, two] and not bits[0, EOS] and not bits[0, letter]
+    # "1", "2", "1" so far: the grammar's three digits are done, only EOS may follow, so of
+    # the drafts [2, EOS, 2] none is valid.
+    assert request_.num_draft_tokens == 0 and request_.output_token_ids == [one, two, one]
+
+
+def test_verify_rows_after_a_completing_draft_are_not_masked(monkeypatch, grammar_compiler,
+                                                             tokenizer):
+    import msgspec
+
+    from executor.packed import int32_bytes
+    from mrv2.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3})
+    scheduler = make_scheduler(monkeypatch, grammar_compiler, speculative_config=spec)
+    scheduler.add_request(request("d", regex="[0-9]{2}"))
+    scheduler.structured_outputs._threads.shutdown(wait=True)
+    one = tokens_of(tokenizer, "1")[-1]
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, msgspec.structs.replace(
+        ModelRunnerOutput.build(out.req_ids, [[one]]), num_draft_tokens_i32=int32_bytes([3]),
+        draft_token_ids_i32=int32_bytes([one, EOS, one])))
+    assert scheduler.requests["d"].num_draft_tokens == 2  # "1", then EOS completes it
+    out = scheduler.schedule()
+    grammar = scheduler.get_grammar_output(out)
+    assert out.num_scheduled.tolist() == [3] and grammar.rows.tolist() == [0, 0]
+    bits = np.unpackbits(grammar.bitmask.view(np.uint8), bitorder="little").reshape(2, -1)
+    assert bits[0, one] and not bits[0, EOS] and bits[1, EOS] and not bits[1, one]
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput.build(out.req_ids,
+                                                                        [[one, EOS, 7]]))
+    assert outputs[0].new_token_ids == [one, EOS]
     assert outputs[0].finish_reason == FinishReason.STOP
 
 

@@ -86,9 +86,10 @@ def test_requests_that_do_not_draft_ride_along(base, spec):
         [d[t].logprob for d in lp_want for t in sorted(d)], abs=1e-5)
 
 
-def test_a_grammar_row_beside_verify_rows(base, spec):
-    """A structured-output request (no drafts) gets its bitmask on its own row while the
-    requests before it in the batch verify drafts."""
+def test_grammar_rows_beside_verify_rows(base, spec):
+    """A structured-output request gets its bitmasks on its own rows while the requests
+    before it in the batch verify drafts; alone, its own drafts (those its grammar accepts)
+    are verified under a mask per row and accepted."""
     from mrv2.sampling_params import StructuredOutputsParams
 
     constrained = greedy(16, structured_outputs=StructuredOutputsParams(regex="[0-9a-f]{12}"))
@@ -97,6 +98,12 @@ def test_a_grammar_row_beside_verify_rows(base, spec):
     want = base.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert len(got[2].outputs[0].text) == 12
+    repeating = greedy(40, structured_outputs=StructuredOutputsParams(regex="(abc ){12}"))
+    before = spec_counters(spec).get("vllm:spec_decode_num_accepted_tokens", 0)
+    got = spec.generate(PROMPTS[:1], repeating, use_tqdm=False)[0].outputs[0]
+    assert got.text == base.generate(PROMPTS[:1], repeating, use_tqdm=False)[0].outputs[0].text
+    assert got.text == "abc " * 12
+    assert spec_counters(spec)["vllm:spec_decode_num_accepted_tokens"] > before
 
 
 def test_stop_token_inside_an_accepted_run(base, spec):
