@@ -34,11 +34,15 @@ UNIMPLEMENTED_KEYS = ("max_model_len", "code_revision", "speculative_token_tree"
                       "parallel_drafting", "disable_padded_drafter_batch", "draft_load_config")
 # vLLM's default n-gram length when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
-# A request whose last ADAPTIVE_WINDOW verify steps accepted no draft stops drafting for
-# ADAPTIVE_BACKOFF steps, then tries again; each such stop in a row, with no draft accepted in
-# between, doubles the pause up to ADAPTIVE_MAX_BACKOFF (text that does not repeat, or a draft
-# model that does not agree, pays almost no verify cost).
-ADAPTIVE_WINDOW = 4
+# Each request's chance that a draft is kept (given the drafts before it were) is estimated
+# from its verify steps: counts of kept drafts and of rejections, each decayed by ACCEPT_DECAY
+# a verify step, plus ACCEPT_PRIOR (kept, rejected): a new request drafts as if 4 of 5 drafts
+# were kept. It drafts as many as pay for their rows (step_cost.py); one whose chance pays for
+# none stops drafting for ADAPTIVE_BACKOFF steps, then verifies one draft as a probe; each stop
+# in a row without a kept draft in between doubles the pause, up to ADAPTIVE_MAX_BACKOFF (text
+# that does not repeat, or a draft model that does not agree, costs almost no verify rows).
+ACCEPT_DECAY = 0.9
+ACCEPT_PRIOR = (2.0, 0.5)
 ADAPTIVE_BACKOFF = 16
 ADAPTIVE_MAX_BACKOFF = 512
 

@@ -13,13 +13,13 @@ earlier tokens (sampler/rejection.py); a verify row's penalties count the drafts
 (the scheduler keeps the drafts it accepts: core/structured_output.py). Prompt logprobs keep a
 request on one token a step. Logprobs come with every kept token (each verify row's own).
 
-Adaptive, per request: its draft length grows by 2 after a verify step that accepted every
-draft and shrinks by 1 after one that did not (transformers' "heuristic" schedule for assisted
-generation), between 1 and num_speculative_tokens, since each verified token costs a row of the
-step; and a request whose last ADAPTIVE_WINDOW verify steps accepted nothing stops drafting
-for ADAPTIVE_BACKOFF steps, twice as long at each stop in a row without an accepted draft (up
-to ADAPTIVE_MAX_BACKOFF), so text that does not repeat costs almost nothing. `max_rows`
-keeps a step's verify rows within what the decode path takes in one call.
+Adaptive, per request (config.py's constants): its chance that a draft is kept is estimated
+from its verify steps, and it drafts the longest run whose last draft still pays for its row:
+chance ** d at least the step's threshold (step_cost.py: a row's measured time over a token's),
+between 0 and num_speculative_tokens. One whose chance pays for no draft stops drafting for a
+while (a backoff, doubled at each stop in a row), then verifies one draft as a probe, so text
+that does not repeat costs almost nothing. `max_rows` keeps a step's verify rows within what
+the decode path takes in one call.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import numpy as np
 
 from mrv2.sampling_params import SamplingParams
 from mrv2.spec_decode import ngram_numba
-from mrv2.spec_decode.config import (ADAPTIVE_BACKOFF, ADAPTIVE_MAX_BACKOFF, ADAPTIVE_WINDOW,
-                                     SpeculativeConfig)
+from mrv2.spec_decode.config import (ACCEPT_DECAY, ACCEPT_PRIOR, ADAPTIVE_BACKOFF,
+                                     ADAPTIVE_MAX_BACKOFF, SpeculativeConfig)
 from mrv2.spec_decode.draft_model import DraftModelProposer
 from mrv2.spec_decode.eagle import EagleProposer, TargetStep
+from mrv2.spec_decode.step_cost import StepCost
 from mrv2.state.requests import RequestState
 
 
@@ -50,11 +51,14 @@ class DraftState:
         self.requests = requests
         slots = requests.max_num_seqs
         self.may_draft_host = np.zeros(slots, dtype=np.bool_)
-        self.misses_host = np.zeros(slots, dtype=np.int32)  # verify steps in a row without
+        # Decayed counts of kept drafts and of rejections (ACCEPT_DECAY).
+        self.kept_host = np.zeros(slots, dtype=np.float32)
+        self.rejected_host = np.zeros(slots, dtype=np.float32)
         self.backoff_host = np.zeros(slots, dtype=np.int32)  # steps left without drafts
         self.next_backoff_host = np.full(slots, ADAPTIVE_BACKOFF, dtype=np.int32)
+        self.probe_host = np.zeros(slots, dtype=np.bool_)  # one draft after its backoff
         k = config.num_speculative_tokens
-        self.length_host = np.full(slots, k, dtype=np.int32)  # its next drafts' most
+        self.cost = StepCost(slots * (1 + k))  # timed by the Speculator
         self._drafts = np.zeros((slots, k), dtype=np.int32)
         self._num_drafts = np.zeros(slots, dtype=np.int32)
         self.suffix = None
@@ -73,9 +77,9 @@ class DraftState:
 
     def add(self, slot: int, params: SamplingParams) -> None:
         self.may_draft_host[slot] = may_draft(params)
-        self.misses_host[slot] = self.backoff_host[slot] = 0
+        self.kept_host[slot] = self.rejected_host[slot] = self.backoff_host[slot] = 0
         self.next_backoff_host[slot] = ADAPTIVE_BACKOFF
-        self.length_host[slot] = self.num_speculative_tokens
+        self.probe_host[slot] = False
         if self.suffix is not None:
             self.suffix.start(slot)
         if self.draft_model is not None:
@@ -93,34 +97,43 @@ class DraftState:
 
     def record_verified(self, slots: np.ndarray, num_drafts: np.ndarray,
                         num_accepted: np.ndarray) -> None:
-        """Verify steps' results (slots of requests that verified drafts): the adaptive draft
-        length and backoff."""
-        full = num_accepted == num_drafts
-        self.length_host[slots] = np.clip(self.length_host[slots] + np.where(full, 2, -1), 1,
-                                          self.num_speculative_tokens)
-        missed = num_accepted == 0
-        misses = np.where(missed, self.misses_host[slots] + 1, 0)
-        stop = misses >= ADAPTIVE_WINDOW
-        self.misses_host[slots] = np.where(stop, 0, misses)
-        pause = np.where(missed, self.next_backoff_host[slots], ADAPTIVE_BACKOFF)
-        self.backoff_host[slots[stop]] = pause[stop]
-        self.next_backoff_host[slots] = np.where(
-            stop, np.minimum(2 * pause, ADAPTIVE_MAX_BACKOFF), pause)
+        """Verify steps' results (slots of requests that verified drafts): their chance
+        estimates; a kept draft brings the next backoff back to its shortest."""
+        self.kept_host[slots] = ACCEPT_DECAY * self.kept_host[slots] + num_accepted
+        self.rejected_host[slots] = (ACCEPT_DECAY * self.rejected_host[slots]
+                                     + (num_accepted < num_drafts))
+        self.next_backoff_host[slots[num_accepted > 0]] = ADAPTIVE_BACKOFF
 
     def _limits(self, slots: np.ndarray, max_rows: int | None, steps: int, num_rows: int
                 ) -> tuple[np.ndarray, np.ndarray]:
-        """(whether each request drafts now: it may and is not backing off; the most drafts
-        it may propose), its backoff advanced by `steps`. With `max_rows`, the drafts of
-        `num_rows` requests and a row each for their tokens fit in that many rows."""
+        """(whether each request drafts now; the most drafts it may propose), its backoff
+        advanced by `steps` (a request that stops drafting here starts one). With `max_rows`,
+        the drafts of `num_rows` requests and a row each for their tokens fit in that many."""
         requests = self.requests
         backoff = self.backoff_host[slots]
         self.backoff_host[slots] = np.maximum(backoff - steps, 0)
-        drafting = self.may_draft_host[slots] & (backoff == 0)
+        kept = self.kept_host[slots] + ACCEPT_PRIOR[0]
+        chance = np.minimum(kept / (kept + self.rejected_host[slots] + ACCEPT_PRIOR[1]),
+                            1 - 1e-6)
+        threshold = self.cost.threshold(num_rows)
+        # The longest run whose last draft still pays: chance ** d >= threshold.
+        length = np.where(chance > threshold, np.minimum(
+            np.floor(np.log(threshold) / np.log(chance)), self.num_speculative_tokens), 0)
+        active = self.may_draft_host[slots] & (backoff == 0)
+        probe = active & self.probe_host[slots]
+        length = np.where(probe, np.maximum(length, 1), length).astype(np.int32)
+        self.probe_host[slots[probe]] = False
+        stop = slots[active & (length == 0)]
+        if len(stop):
+            pause = self.next_backoff_host[stop]
+            self.backoff_host[stop] = pause - 1  # this step is the pause's first
+            self.next_backoff_host[stop] = np.minimum(2 * pause, ADAPTIVE_MAX_BACKOFF)
+            self.probe_host[stop] = True
+        drafting = active & (length > 0)
         room = requests.max_model_len - 1 - requests.total_len.numpy[slots]  # in the history
-        cap = self.length_host[slots]
         if max_rows is not None:
-            cap = np.minimum(cap, max(0, max_rows // max(1, num_rows) - 1))
-        return drafting, np.where(drafting, np.minimum(room, cap), 0).astype(np.int32)
+            length = np.minimum(length, max(0, max_rows // max(1, num_rows) - 1))
+        return drafting, np.where(drafting, np.minimum(room, length), 0).astype(np.int32)
 
     def propose_from_hidden(self, slots: np.ndarray, is_sampling: np.ndarray,
                             max_rows: int | None, step: TargetStep) -> np.ndarray:

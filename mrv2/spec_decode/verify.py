@@ -80,8 +80,10 @@ class Speculator:
     def finish(self, slot: int) -> None:
         self.drafts.finish(slot)
 
-    def is_verify(self, slots: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
-        """Which rows verify drafts: more than one token, past the prefill."""
+    def begin_step(self, slots: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
+        """Phase 1 of a step begins (timed for DraftState.cost): which of its rows verify
+        drafts (more than one token, past the prefill)."""
+        self.drafts.cost.start()
         requests = self.requests
         return (num_scheduled > 1) & (requests.num_computed_host[slots]
                                       >= requests.prefill_len_host[slots])
@@ -160,6 +162,8 @@ class Speculator:
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)
         tokens = out.sampled[torch.from_numpy(cols).to(device)]
         num_sampled = np.where(is_sampling, num_accepted + 1, 0)
+        if not (rows.num_scheduled > rows.num_rows).any():  # decode and verify rows only
+            self.drafts.cost.record(len(batch.req_ids))
         logprobs = out.logprobs
         if logprobs is not None:  # the kept rows', request after request
             index = kept_index[torch.from_numpy(np.repeat(is_sampling, num_kept_rows)).to(device)]

@@ -124,7 +124,6 @@ def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft,
     scheduler runs several decode steps a call (core/decode_steps.py), and drafting resumes
     after the backoff, proposed at the end of such a run."""
     from mrv2.core import scheduler as scheduler_module
-    from mrv2.spec_decode.config import ADAPTIVE_WINDOW
 
     runs: list[int] = []
     real = scheduler_module.decode_steps
@@ -135,7 +134,7 @@ def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft,
     assert max(runs) > 1
     verify_steps = next(m.value for m in llm.get_metrics()
                         if m.name == "vllm:spec_decode_num_drafts")
-    assert verify_steps > ADAPTIVE_WINDOW  # it drafted again after backing off
+    assert verify_steps > 4  # it drafted again after backing off
 
 
 def test_sleep_and_wake_up_keep_drafting(base, target):

@@ -1,4 +1,5 @@
-"""DraftState: who drafts, drafts written after the history, adaptive backoff."""
+"""DraftState: who drafts, drafts written after the history, draft lengths from each
+request's acceptance and the measured cost of a row (StepCost), backoff and probes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from mrv2.sampling_params import SamplingParams
-from mrv2.spec_decode.config import ADAPTIVE_BACKOFF, ADAPTIVE_WINDOW, SpeculativeConfig
+from mrv2.spec_decode import step_cost
+from mrv2.spec_decode.config import ADAPTIVE_BACKOFF, SpeculativeConfig
 from mrv2.spec_decode.drafts import DraftState, may_draft
 from mrv2.state.requests import RequestState
 
@@ -65,17 +67,46 @@ def test_drafts_stay_within_max_model_len():
 
 
 def test_draft_length_follows_acceptance():
+    """A new request drafts as if 4 of 5 drafts were kept (3 at the default threshold of
+    0.5: 0.8 ** 3 >= 0.5); kept drafts lengthen its runs, rejections shorten them."""
     requests, drafts = state(k=4)
-    slot = add(requests, drafts, PERIODIC)
-    slots = np.array([slot])
+    slots = np.array([add(requests, drafts, PERIODIC)])
+    assert drafts.propose(slots).tolist() == [3]
+    for _ in range(3):
+        drafts.record_verified(slots, np.array([3]), np.array([3]))
+    assert drafts.propose(slots).tolist() == [4]  # at most num_speculative_tokens
+    lengths = []
+    for _ in range(15):
+        drafts.record_verified(slots, np.array([2]), np.array([0]))
+        lengths.append(int(drafts.propose(slots)[0]))
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] >= 2 and lengths[-1] == 0
+
+
+def test_threshold_is_a_rows_time_over_a_tokens(monkeypatch):
+    """Steps of 1 row take 10 ms and of 3 rows 20 ms: a row costs 5 ms, so at one request a
+    draft needs a chance of 5 / 10, at four requests 4 * 5 / 25."""
+    clock = iter([0.0, 0.010, 1.0, 1.020])
+    monkeypatch.setattr(step_cost.time, "perf_counter", lambda: next(clock))
+    cost = step_cost.StepCost(8)
+    assert cost.threshold(1) == step_cost.DEFAULT_THRESHOLD
+    for rows in (1, 3):
+        cost.start()
+        cost.record(rows)
+    assert cost.threshold(1) == pytest.approx(0.5)
+    assert cost.threshold(4) == pytest.approx(0.8)
+    cost.record(2)  # no step started: nothing recorded
+    assert not cost.measured[2]
+
+
+def test_cheap_rows_lengthen_the_drafts(monkeypatch):
+    """Where a row costs little (matrix units) a request drafts more at the same chance."""
+    requests, drafts = state(k=8, max_model_len=64)
+    slots = np.array([add(requests, drafts, PERIODIC * 3)])
+    assert drafts.propose(slots).tolist() == [3]
+    monkeypatch.setattr(drafts.cost, "threshold", lambda num_rows: 0.1)
+    # 0.8 ** 8 = 0.17: all 8 pay (the n-gram match holds 4 of them)
+    assert drafts._limits(slots, None, 1, 1)[1].tolist() == [8]
     assert drafts.propose(slots).tolist() == [4]
-    drafts.record_verified(slots, np.array([4]), np.array([2]))  # not all: one fewer
-    assert drafts.propose(slots).tolist() == [3]
-    drafts.record_verified(slots, np.array([3]), np.array([1]))
-    drafts.record_verified(slots, np.array([2]), np.array([1]))
-    assert drafts.propose(slots).tolist() == [1]  # never below one
-    drafts.record_verified(slots, np.array([1]), np.array([1]))  # all: two more
-    assert drafts.propose(slots).tolist() == [3]
 
 
 def test_max_rows_shares_a_steps_rows():
@@ -86,23 +117,24 @@ def test_max_rows_shares_a_steps_rows():
     assert drafts.propose(slots, max_rows=3).tolist() == [0, 0, 0]
 
 
-def test_backoff_after_misses():
-    requests, drafts = state()
-    slot = add(requests, drafts, PERIODIC)
-    slots = np.array([slot])
-    for _ in range(ADAPTIVE_WINDOW - 1):
-        drafts.record_verified(slots, np.array([3]), np.array([0]))
-    drafts.record_verified(slots, np.array([1]), np.array([1]))  # an accepted draft resets
-    assert drafts.propose(slots).tolist() == [3]
-    for _ in range(ADAPTIVE_WINDOW):
+def stop_paying(drafts, slots):
+    """Rejections until a draft no longer pays at the default threshold."""
+    for _ in range(20):
         drafts.record_verified(slots, np.array([1]), np.array([0]))
-    for _ in range(ADAPTIVE_BACKOFF):
-        assert drafts.propose(slots).tolist() == [0]
-    assert drafts.propose(slots).tolist() == [1]
-    # Stops in a row double the pause; an accepted draft brings it back.
-    for pause in (2 * ADAPTIVE_BACKOFF, 4 * ADAPTIVE_BACKOFF, ADAPTIVE_BACKOFF):
-        if pause == ADAPTIVE_BACKOFF:
-            drafts.record_verified(slots, np.array([1]), np.array([1]))
-        for _ in range(ADAPTIVE_WINDOW):
-            drafts.record_verified(slots, np.array([1]), np.array([0]))
-        assert sum(drafts.propose(slots)[0] == 0 for _ in range(pause + 1)) == pause
+
+
+def test_backoff_and_probes():
+    """A request whose drafts do not pay stops drafting for ADAPTIVE_BACKOFF steps, then
+    verifies one draft as a probe; a rejected probe doubles the pause, a kept draft brings it
+    back to ADAPTIVE_BACKOFF."""
+    requests, drafts = state()
+    slots = np.array([add(requests, drafts, PERIODIC)])
+    stop_paying(drafts, slots)
+    for pause in (ADAPTIVE_BACKOFF, 2 * ADAPTIVE_BACKOFF, 4 * ADAPTIVE_BACKOFF):
+        counts = [int(drafts.propose(slots)[0]) for _ in range(pause + 1)]
+        assert counts == [0] * pause + [1]  # the probe
+        drafts.record_verified(slots, np.array([1]), np.array([0]))
+    drafts.record_verified(slots, np.array([1]), np.array([1]))  # a kept draft
+    stop_paying(drafts, slots)
+    counts = [int(drafts.propose(slots)[0]) for _ in range(ADAPTIVE_BACKOFF + 1)]
+    assert counts == [0] * ADAPTIVE_BACKOFF + [1]
