@@ -3,11 +3,12 @@
 `run_engine_core` is the target of a spawned process (mrv2/engine/client.py starts it). The
 client binds two ipc sockets; the core connects a PULL socket to the input address and a PUSH
 socket to the output address. Every message is two frames, a one-byte code and a msgpack body
-(msgspec; nothing is pickled); the codes, the types and their framing (`CoreFraming`) are in
-mrv2/protocol.py:
+(msgspec; nothing is pickled); the codes and their framing (`CoreFraming`) are in
+mrv2/core_framing.py, the types in mrv2/protocol.py:
 
     client -> core   ADD EngineCoreRequest | ABORT list[str] | UTILITY UtilityCall | SHUTDOWN
-    core -> client   OUTPUTS EngineCoreOutputs | UTILITY_RESULT UtilityResult | REJECTED RequestRejected
+    core -> client   OUTPUTS EngineCoreOutputs | UTILITY_RESULT UtilityResult
+                     | REJECTED RequestRejected
                      | DEAD CoreDead (the core failed; the traceback, sent before it exits)
 
 Threads in the core process:
@@ -36,9 +37,9 @@ import zmq
 
 from executor.process import (pipe, report_ready, spawn, stop_processes, wait_ready,
                               watch_parent)
-from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
-                           UTILITY_RESULT, CoreDead, CoreFraming, CoreReady, CoreStats,
-                           RequestRejected, UtilityResult)
+from mrv2.core_framing import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
+                               UTILITY_RESULT, CoreFraming)
+from mrv2.protocol import CoreDead, CoreReady, CoreStats, RequestRejected, UtilityResult
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

@@ -15,8 +15,8 @@ import zmq
 from mrv2.config import EngineConfig
 from mrv2.engine.client import (CLIENT_DEAD, DEFAULT_STARTUP_TIMEOUT_S, SEND_POLL_MS,
                                 MPClientBase, utility_value)
-from mrv2.protocol import (ABORT, ADD, UTILITY, CoreStats, EngineCoreOutputs, EngineCoreRequest,
-                           UtilityCall)
+from mrv2.core_framing import ABORT, ADD, UTILITY
+from mrv2.protocol import CoreStats, EngineCoreOutputs, EngineCoreRequest, UtilityCall
 
 
 class AsyncMPClient(MPClientBase):

@@ -41,9 +41,10 @@ from executor.process import pipe, settle, watch_processes
 from mrv2.config import EngineConfig
 from mrv2.core.core_proc import CoreProcess, call_utility, core_stats
 from mrv2.errors import EngineDeadError, WorkerError
-from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
-                           UTILITY_RESULT, CoreFraming, CoreStats, EngineCoreOutputs,
-                           EngineCoreRequest, UtilityCall, UtilityResult)
+from mrv2.core_framing import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
+                               UTILITY_RESULT, CoreFraming)
+from mrv2.protocol import (CoreStats, EngineCoreOutputs, EngineCoreRequest, UtilityCall,
+                           UtilityResult)
 
 logger = logging.getLogger(__name__)
 

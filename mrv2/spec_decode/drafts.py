@@ -4,8 +4,9 @@ After a step samples, `propose` drafts up to `num_speculative_tokens` tokens for
 that samples and may draft, and writes them into the request's token history right after its
 last token (RequestState.token_ids at total_len ..): the next step's input preparation reads
 them there as the inputs of its verify rows (inputs/prepare.py), and an accepted draft is
-already in place in the history. Only the count leaves the runner (ModelRunnerOutput.
-num_draft_tokens); the scheduler schedules that many more tokens for the request.
+already in place in the history. The counts and the drafts leave the runner
+(ModelRunnerOutput.draft_token_ids, `written`); the scheduler schedules as many more tokens for
+the request (fewer where its grammar rejects one).
 
 Who drafts: a request whose tokens are each decided by its own position's logits and its
 earlier tokens (sampler/rejection.py); a verify row's penalties count the drafts before it

@@ -5,7 +5,8 @@ A verify row is a decode row: on a CPU whose GEMVs are bound by arithmetic past 
 (AVX2's integer multiply-adds), each costs a large share of a one-row step; on matrix units
 almost nothing. So it is measured, not assumed: the wall time of each step of decode and
 verify rows only (phase 1's start to phase 2's end: `start` / `record`), averaged per row
-count, fitted as t(n) = a + b n. A draft in a step of T requests' rows then pays for itself
+count (the first step of each count left out: warm-up's, which compiles kernels), fitted as
+t(n) = a + b n. A draft in a step of T requests' rows then pays for itself
 when its chance of acceptance exceeds the time of its row over the time of a token,
 b / (t(T) / T) (`threshold`). Until two row counts are measured, DEFAULT_THRESHOLD.
 
@@ -31,7 +32,7 @@ STEP_WEIGHT = 0.1
 class StepCost:
     def __init__(self, max_rows: int) -> None:
         self.seconds = np.zeros(max_rows + 1)  # average step time per row count
-        self.measured = np.zeros(max_rows + 1, dtype=np.bool_)
+        self.steps = np.zeros(max_rows + 1, dtype=np.int64)  # steps timed per row count
         self._start: float | None = None
 
     def start(self) -> None:
@@ -43,10 +44,15 @@ class StepCost:
         if self._start is None or rows >= len(self.seconds):
             return
         elapsed, self._start = time.perf_counter() - self._start, None
+        self.steps[rows] += 1
         old = self.seconds[rows]
-        self.seconds[rows] = elapsed if not self.measured[rows] else (
+        self.seconds[rows] = elapsed if self.steps[rows] == 2 else (
             old + STEP_WEIGHT * (elapsed - old))
-        self.measured[rows] = True
+
+    @property
+    def measured(self) -> np.ndarray:
+        """The row counts with a time (a step past their first)."""
+        return self.steps > 1
 
     def threshold(self, num_requests: int) -> float:
         """The chance of acceptance a draft needs in a step of `num_requests` requests' rows:

@@ -17,9 +17,9 @@ import zmq
 from mrv2.core.core_proc import run_engine_core
 from mrv2.core.engine_core import EngineCore
 from mrv2.engine.arg_utils import EngineArgs
-from mrv2.protocol import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, UTILITY, UTILITY_RESULT, CoreDead,
-                           CoreReady, EngineCoreOutputs, EngineCoreRequest, RequestRejected,
-                           UtilityCall, UtilityResult)
+from mrv2.core_framing import ABORT, ADD, DEAD, OUTPUTS, REJECTED, UTILITY, UTILITY_RESULT
+from mrv2.protocol import (CoreDead, CoreReady, EngineCoreOutputs, EngineCoreRequest,
+                           RequestRejected, UtilityCall, UtilityResult)
 from mrv2.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

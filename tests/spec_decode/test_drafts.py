@@ -85,11 +85,11 @@ def test_draft_length_follows_acceptance():
 def test_threshold_is_a_rows_time_over_a_tokens(monkeypatch):
     """Steps of 1 row take 10 ms and of 3 rows 20 ms: a row costs 5 ms, so at one request a
     draft needs a chance of 5 / 10, at four requests 4 * 5 / 25."""
-    clock = iter([0.0, 0.010, 1.0, 1.020])
+    clock = iter([0.0, 5.0, 6.0, 7.0, 10.0, 10.010, 11.0, 11.020])  # first steps: warm-up
     monkeypatch.setattr(step_cost.time, "perf_counter", lambda: next(clock))
     cost = step_cost.StepCost(8)
     assert cost.threshold(1) == step_cost.DEFAULT_THRESHOLD
-    for rows in (1, 3):
+    for rows in (1, 3, 1, 3):
         cost.start()
         cost.record(rows)
     assert cost.threshold(1) == pytest.approx(0.5)
