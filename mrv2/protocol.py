@@ -112,6 +112,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
     # > 1: every row decodes (one token each) by argmax, and the runner runs this many decode
     # steps, sampling as many tokens per row (core/decode_steps.py).
     num_decode_steps: int = 1
+    # Speculative decoding: the chance of acceptance a draft needs to pay for its row
+    # (core/draft_policy.py); every rank's drafts follow it.
+    draft_threshold: float = 0.0
 
     @classmethod
     def build(cls, scheduled_new_reqs: list[NewRequestData],
@@ -119,13 +122,13 @@ class SchedulerOutput(msgspec.Struct, array_like=True, frozen=True):
               num_scheduled_tokens: Mapping[str, int], total_num_scheduled_tokens: int,
               finished_req_ids: list[str] | None = None,
               preempted_req_ids: list[str] | None = None,
-              num_decode_steps: int = 1) -> SchedulerOutput:
+              num_decode_steps: int = 1, draft_threshold: float = 0.0) -> SchedulerOutput:
         """`num_scheduled_tokens`: req_id -> tokens, in batch order (insertion order)."""
         return cls(scheduled_new_reqs, scheduled_cached_reqs,
                    pack_ids(list(num_scheduled_tokens)), len(num_scheduled_tokens),
                    int32_bytes(list(num_scheduled_tokens.values())),
                    total_num_scheduled_tokens, finished_req_ids or [], preempted_req_ids or [],
-                   num_decode_steps)
+                   num_decode_steps, draft_threshold)
 
     @property
     def req_ids(self) -> list[str]:

@@ -189,7 +189,7 @@ class ModelRunner:
         else:
             slots = self.requests.slots_of(req_ids)
         is_verify = (None if self.speculator is None  # verify rows: decode rows, first with them
-                     else self.speculator.begin_step(slots, num_scheduled))
+                     else self.speculator.begin_step(slots, num_scheduled, out.draft_threshold))
         is_prefill = num_scheduled > 1 if is_verify is None else (num_scheduled > 1) & ~is_verify
         batch_rows = None
         if (is_prefill[:-1] & ~is_prefill[1:]).any():  # not decode-first yet

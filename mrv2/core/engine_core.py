@@ -55,8 +55,9 @@ class EngineCore:
         self.executor = executor_class(config)
         num_blocks = self.executor.initialize()
         self.scheduler = Scheduler(config, num_blocks)
-        # Steps submitted to the executor and not yet folded back into the scheduler.
-        self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
+        # Steps submitted to the executor and not yet folded back into the scheduler, with
+        # when each was scheduled.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
         self.sleep_level = 0  # 0 awake; 1 or 2 as given to sleep()
 
@@ -112,6 +113,7 @@ class EngineCore:
         submitted = False
         outputs = None
         if len(self.batch_queue) < self.max_steps_in_flight:
+            started = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             if not (scheduler_output.is_empty and not scheduler_output.finished_req_ids
                     and not scheduler_output.preempted_req_ids):
@@ -122,7 +124,7 @@ class EngineCore:
                     outputs = self._fold_oldest_step()
                 grammar_output = self.scheduler.get_grammar_output(scheduler_output)
                 future = self.executor.sample_tokens(grammar_output, non_block=True)
-                self.batch_queue.append((scheduler_output, future))
+                self.batch_queue.append((scheduler_output, future, started))
                 submitted = not scheduler_output.is_empty
         if outputs is None and self.batch_queue and not (
                 submitted and len(self.batch_queue) < self.max_steps_in_flight):
@@ -130,8 +132,12 @@ class EngineCore:
         return EngineCoreOutputs(outputs=outputs or [], timestamp=time.monotonic())
 
     def _fold_oldest_step(self) -> list[EngineCoreOutput]:
-        scheduler_output, future = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        scheduler_output, future, started = self.batch_queue.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        policy = self.scheduler.draft_policy  # speculative decoding: what a row costs
+        if policy is not None:
+            policy.record_step(scheduler_output, time.perf_counter() - started)
+        return outputs
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from executor.packed import check_id
 from mrv2.core.decode_steps import decode_steps
+from mrv2.core.draft_policy import DraftPolicy
 from mrv2.core.block_pool import PrefixCacheStats
 from mrv2.core.kv_cache_manager import GroupBlockIds, KVCacheManager
 from mrv2.core.request import Request, RequestStatus
@@ -51,6 +52,8 @@ class Scheduler:
         self.speculative = config.speculative_config  # None: no drafts
         spec = self.speculative
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
+        self.draft_policy = (None if spec is None else DraftPolicy(  # drafts, a row's cost
+            spec, self.max_num_seqs, config.model_config.max_model_len))
         # KV slots past a step's tokens (a draft model's drafts: SpeculativeConfig)
         self.num_lookahead = 0 if spec is None else spec.num_lookahead_tokens
         self.max_model_len = config.model_config.max_model_len
@@ -188,7 +191,8 @@ class Scheduler:
                 idx += 1
                 continue
             if request.num_draft_tokens and num_new == 1:  # a decode: verify its drafts too
-                request.num_scheduled_drafts = self._num_drafts(request, budget)
+                request.num_scheduled_drafts = self.draft_policy.num_drafts(request, budget,
+                                                                            len(running))
                 num_new += request.num_scheduled_drafts
             span = min(num_new + num_steps - 1 + self.num_lookahead,  # tokens whose KV the
                        max_model_len - request.num_computed_tokens)  # step writes
@@ -261,7 +265,9 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=preempted_ids, num_decode_steps=num_steps)
+            preempted_req_ids=preempted_ids, num_decode_steps=num_steps,
+            draft_threshold=(0.0 if self.draft_policy is None
+                             else self.draft_policy.threshold(len(scheduled))))
         self._finished_req_ids = []  # a fresh list: the output keeps the old one
         async_scheduling = self.async_scheduling
         for request in scheduled:
@@ -271,17 +277,6 @@ class Scheduler:
                 # This step reaches the end of the known tokens: it samples one a decode step.
                 request.num_output_placeholders += num_steps
         return output
-
-    def _num_drafts(self, request: Request, budget: int) -> int:
-        """The drafts a decode verifies this step: all the runner holds, within the budget,
-        the request's max_tokens and max_model_len (a verify step yields up to one token
-        more than its drafts), none while more requests run than disable_by_batch_size."""
-        limit = self.speculative.disable_by_batch_size
-        if limit is not None and len(self.running) > limit:
-            return 0
-        return max(0, min(request.num_draft_tokens, budget - 1,
-                          request.max_tokens - len(request.output_token_ids) - 1,
-                          self.max_model_len - request.num_tokens - 1))
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether the request's grammar compiled; one that failed finishes the request

@@ -16,7 +16,8 @@ request on one token a step. Logprobs come with every kept token (each verify ro
 
 Adaptive, per request (config.py's constants): its chance that a draft is kept is estimated
 from its verify steps, and it drafts the longest run whose last draft still pays for its row:
-chance ** d at least the step's threshold (step_cost.py: a row's measured time over a token's),
+chance ** d at least the step's threshold (a row's measured time over a token's: the
+scheduler's, core/draft_policy.py and step_cost.py),
 between 0 and num_speculative_tokens. One whose chance pays for no draft stops drafting for a
 while (a backoff, doubled at each stop in a row), then verifies one draft as a probe, so text
 that does not repeat costs almost nothing. `max_rows` keeps a step's verify rows within what
@@ -33,7 +34,7 @@ from mrv2.spec_decode.config import (ACCEPT_DECAY, ACCEPT_PRIOR, ADAPTIVE_BACKOF
                                      ADAPTIVE_MAX_BACKOFF, SpeculativeConfig)
 from mrv2.spec_decode.draft_model import DraftModelProposer
 from mrv2.spec_decode.eagle import EagleProposer, TargetStep
-from mrv2.spec_decode.step_cost import StepCost
+from mrv2.spec_decode.step_cost import DEFAULT_THRESHOLD, MAX_THRESHOLD, MIN_THRESHOLD
 from mrv2.state.requests import RequestState
 
 
@@ -59,7 +60,9 @@ class DraftState:
         self.next_backoff_host = np.full(slots, ADAPTIVE_BACKOFF, dtype=np.int32)
         self.probe_host = np.zeros(slots, dtype=np.bool_)  # one draft after its backoff
         k = config.num_speculative_tokens
-        self.cost = StepCost(slots * (1 + k))  # timed by the Speculator
+        # The chance a draft needs to pay for its row, the scheduler's for this step
+        # (core/draft_policy.py, Speculator.begin_step).
+        self.threshold = DEFAULT_THRESHOLD
         self._drafts = np.zeros((slots, k), dtype=np.int32)
         self._num_drafts = np.zeros(slots, dtype=np.int32)
         self.suffix = None
@@ -116,7 +119,7 @@ class DraftState:
         kept = self.kept_host[slots] + ACCEPT_PRIOR[0]
         chance = np.minimum(kept / (kept + self.rejected_host[slots] + ACCEPT_PRIOR[1]),
                             1 - 1e-6)
-        threshold = self.cost.threshold(num_rows)
+        threshold = min(max(self.threshold, MIN_THRESHOLD), MAX_THRESHOLD)
         # The longest run whose last draft still pays: chance ** d >= threshold.
         length = np.where(chance > threshold, np.minimum(
             np.floor(np.log(threshold) / np.log(chance)), self.num_speculative_tokens), 0)

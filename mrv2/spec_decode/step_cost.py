@@ -1,21 +1,19 @@
-"""StepCost: what one more row costs a decode step, measured on the runner's own steps, so a
+"""StepCost: what one more row costs a decode step, measured on the engine's own steps, so a
 draft is proposed only where its chance of acceptance pays for its row (drafts.py).
 
 A verify row is a decode row: on a CPU whose GEMVs are bound by arithmetic past one row of x
 (AVX2's integer multiply-adds), each costs a large share of a one-row step; on matrix units
 almost nothing. So it is measured, not assumed: the wall time of each step of decode and
-verify rows only (phase 1's start to phase 2's end: `start` / `record`), averaged per row
-count (the first step of each count left out: warm-up's, which compiles kernels), fitted as
-t(n) = a + b n. A draft in a step of T requests' rows then pays for itself
-when its chance of acceptance exceeds the time of its row over the time of a token,
-b / (t(T) / T) (`threshold`). Until two row counts are measured, DEFAULT_THRESHOLD.
+verify rows only (core/draft_policy.py times them, a multi-step run's per step), averaged per
+row count (the first step of each count left out: warm-up's, which compiles kernels), fitted
+as t(n) = a + b n. A draft in a step of T requests' rows then pays for itself when its chance
+of acceptance exceeds the time of its row over the time of a token, b / (t(T) / T)
+(`threshold`). Until two row counts are measured, DEFAULT_THRESHOLD.
 
 Only the draft lengths depend on these timings, never a token: every draft is verified.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -33,17 +31,13 @@ class StepCost:
     def __init__(self, max_rows: int) -> None:
         self.seconds = np.zeros(max_rows + 1)  # average step time per row count
         self.steps = np.zeros(max_rows + 1, dtype=np.int64)  # steps timed per row count
-        self._start: float | None = None
 
-    def start(self) -> None:
-        """A step starts (phase 1)."""
-        self._start = time.perf_counter()
-
-    def record(self, rows: int) -> None:
-        """The step started last ended (phase 2), with `rows` decode and verify rows."""
-        if self._start is None or rows >= len(self.seconds):
+    def record(self, rows: int, steps: int, seconds: float) -> None:
+        """A call of `steps` decode steps (a multi-step run's, or one) of `rows` decode and
+        verify rows each took `seconds`."""
+        if rows >= len(self.seconds):
             return
-        elapsed, self._start = time.perf_counter() - self._start, None
+        elapsed = seconds / steps
         self.steps[rows] += 1
         old = self.seconds[rows]
         self.seconds[rows] = elapsed if self.steps[rows] == 2 else (

@@ -80,10 +80,12 @@ class Speculator:
     def finish(self, slot: int) -> None:
         self.drafts.finish(slot)
 
-    def begin_step(self, slots: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
-        """Phase 1 of a step begins (timed for DraftState.cost): which of its rows verify
-        drafts (more than one token, past the prefill)."""
-        self.drafts.cost.start()
+    def begin_step(self, slots: np.ndarray, num_scheduled: np.ndarray,
+                   draft_threshold: float) -> np.ndarray:
+        """Phase 1 of a step begins, with the scheduler's draft threshold for the step's
+        proposals (SchedulerOutput.draft_threshold): which of its rows verify drafts (more
+        than one token, past the prefill)."""
+        self.drafts.threshold = draft_threshold
         requests = self.requests
         return (num_scheduled > 1) & (requests.num_computed_host[slots]
                                       >= requests.prefill_len_host[slots])
@@ -162,8 +164,6 @@ class Speculator:
         cols = np.minimum(rows.first_row[:, None] + np.arange(width), len(batch.req_ids) - 1)
         tokens = out.sampled[torch.from_numpy(cols).to(device)]
         num_sampled = np.where(is_sampling, num_accepted + 1, 0)
-        if not (rows.num_scheduled > rows.num_rows).any():  # decode and verify rows only
-            self.drafts.cost.record(len(batch.req_ids))
         logprobs = out.logprobs
         if logprobs is not None:  # the kept rows', request after request
             index = kept_index[torch.from_numpy(np.repeat(is_sampling, num_kept_rows)).to(device)]

@@ -60,7 +60,8 @@ def self_draft(target):
     return drafting(target, target)
 
 
-def test_the_target_as_its_own_draft_has_every_draft_accepted(base, self_draft):
+def test_the_target_as_its_own_draft_has_every_draft_accepted(base, self_draft,
+                                                              rows_cost_little):
     """One request at a time (the most drafts: a step's verify rows stay within the fused
     stack's rows), then the three together; prompts in chunks, drafts across block
     boundaries (lookahead blocks); the second round hits the prefix cache, which the draft
@@ -125,16 +126,18 @@ def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft,
     after the backoff, proposed at the end of such a run."""
     from mrv2.core import scheduler as scheduler_module
 
-    runs: list[int] = []
+    runs: list[tuple[int, bool]] = []  # per step: decode steps, whether it verifies drafts
     real = scheduler_module.decode_steps
-    monkeypatch.setattr(scheduler_module, "decode_steps",
-                        lambda *args: runs.append(real(*args)) or runs[-1])
+
+    def counted(running, *args):
+        runs.append((real(running, *args), any(r.num_draft_tokens for r in running)))
+        return runs[-1][0]
+
+    monkeypatch.setattr(scheduler_module, "decode_steps", counted)
     llm = drafting(target, small_draft, k=3)
     assert tokens(llm, greedy(120), PROMPTS[:1]) == tokens(base, greedy(120), PROMPTS[:1])
-    assert max(runs) > 1
-    verify_steps = next(m.value for m in llm.get_metrics()
-                        if m.name == "vllm:spec_decode_num_drafts")
-    assert verify_steps > 4  # it drafted again after backing off
+    first_run = next(i for i, (steps, _) in enumerate(runs) if steps > 1)
+    assert any(verifies for _, verifies in runs[first_run:])  # drafting resumed after it
 
 
 def test_sleep_and_wake_up_keep_drafting(base, target):

@@ -82,28 +82,26 @@ def test_draft_length_follows_acceptance():
     assert lengths == sorted(lengths, reverse=True) and lengths[0] >= 2 and lengths[-1] == 0
 
 
-def test_threshold_is_a_rows_time_over_a_tokens(monkeypatch):
+def test_threshold_is_a_rows_time_over_a_tokens():
     """Steps of 1 row take 10 ms and of 3 rows 20 ms: a row costs 5 ms, so at one request a
-    draft needs a chance of 5 / 10, at four requests 4 * 5 / 25."""
-    clock = iter([0.0, 5.0, 6.0, 7.0, 10.0, 10.010, 11.0, 11.020])  # first steps: warm-up
-    monkeypatch.setattr(step_cost.time, "perf_counter", lambda: next(clock))
+    draft needs a chance of 5 / 10, at four requests 4 * 5 / 25. Each count's first step
+    (warm-up's) is left out; a multi-step run counts per step."""
     cost = step_cost.StepCost(8)
     assert cost.threshold(1) == step_cost.DEFAULT_THRESHOLD
-    for rows in (1, 3, 1, 3):
-        cost.start()
-        cost.record(rows)
+    for rows, steps, seconds in ((1, 1, 5.0), (3, 1, 7.0), (1, 4, 0.040), (3, 1, 0.020)):
+        cost.record(rows, steps, seconds)
     assert cost.threshold(1) == pytest.approx(0.5)
     assert cost.threshold(4) == pytest.approx(0.8)
-    cost.record(2)  # no step started: nothing recorded
-    assert not cost.measured[2]
+    cost.record(99, 1, 1.0)  # past the rows it keeps: ignored
+    assert cost.measured.tolist() == [False, True, False, True] + [False] * 5
 
 
-def test_cheap_rows_lengthen_the_drafts(monkeypatch):
+def test_cheap_rows_lengthen_the_drafts():
     """Where a row costs little (matrix units) a request drafts more at the same chance."""
     requests, drafts = state(k=8, max_model_len=64)
     slots = np.array([add(requests, drafts, PERIODIC * 3)])
     assert drafts.propose(slots).tolist() == [3]
-    monkeypatch.setattr(drafts.cost, "threshold", lambda num_rows: 0.1)
+    drafts.threshold = 0.1  # the scheduler's, for a step (Speculator.begin_step)
     # 0.8 ** 8 = 0.17: all 8 pay (the n-gram match holds 4 of them)
     assert drafts._limits(slots, None, 1, 1)[1].tolist() == [8]
     assert drafts.propose(slots).tolist() == [4]

@@ -34,7 +34,7 @@ def random_pair(tiny_model_factory, tmp_path_factory):
                                    num_layers=2)
 
 
-def test_a_mirror_head_drafts_the_targets_tokens(mirror_pair):
+def test_a_mirror_head_drafts_the_targets_tokens(mirror_pair, rows_cost_little):
     """One request at a time, then together; prompts in chunks (the head follows each
     chunk's hidden states), drafts across block boundaries; the second round hits the prefix
     cache, whose blocks hold the head's KV from the first."""
@@ -67,7 +67,7 @@ def test_a_random_head_gives_the_targets_tokens(random_pair):
     assert counters(llm)[0] > 0
 
 
-def test_preemption_recomputes_the_heads_kv(mirror_pair):
+def test_preemption_recomputes_the_heads_kv(mirror_pair, rows_cost_little):
     """Too few blocks for the three requests (the head's bytes counted per block): preempted
     requests come back and the head follows their recomputed prefill."""
     target, head = mirror_pair
