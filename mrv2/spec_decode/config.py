@@ -34,10 +34,10 @@ UNIMPLEMENTED_KEYS = ("max_model_len", "code_revision", "speculative_token_tree"
                       "parallel_drafting", "disable_padded_drafter_batch", "draft_load_config")
 # vLLM's default n-gram length when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
-# Each request's chance that a draft is kept (given the drafts before it were) is estimated
-# from its verify steps: counts of kept drafts and of rejections, each decayed by ACCEPT_DECAY
-# a verify step, plus ACCEPT_PRIOR (kept, rejected): a new request drafts as if 4 of 5 drafts
-# were kept. It drafts as many as pay for their rows (step_cost.py); one whose chance pays for
+# Each request's chance that its draft at a position is kept (given the drafts before it
+# were) is estimated from its verify steps: counts of kept drafts and of rejections there, each
+# decayed by ACCEPT_DECAY a verify step that reached it, plus ACCEPT_PRIOR (kept, rejected): a
+# new request drafts as if 4 of 5 drafts at each position were kept. It drafts as many as pay for their rows (step_cost.py); one whose chance pays for
 # none stops drafting for ADAPTIVE_BACKOFF steps, then verifies one draft as a probe; each stop
 # in a row without a kept draft in between doubles the pause, up to ADAPTIVE_MAX_BACKOFF (text
 # that does not repeat, or a draft model that does not agree, costs almost no verify rows).

@@ -14,9 +14,10 @@ earlier tokens (sampler/rejection.py); a verify row's penalties count the drafts
 (the scheduler keeps the drafts it accepts: core/structured_output.py). Prompt logprobs keep a
 request on one token a step. Logprobs come with every kept token (each verify row's own).
 
-Adaptive, per request (config.py's constants): its chance that a draft is kept is estimated
-from its verify steps, and it drafts the longest run whose last draft still pays for its row:
-chance ** d at least the step's threshold (a row's measured time over a token's: the
+Adaptive, per request (config.py's constants): the chance that its draft at each position is
+kept (given the ones before it were) is estimated from its verify steps, and it drafts the
+longest run whose last draft still pays for its row: the product of the chances up to it at
+least the step's threshold (a row's measured time over a token's: the
 scheduler's, core/draft_policy.py and step_cost.py),
 between 0 and num_speculative_tokens. One whose chance pays for no draft stops drafting for a
 while (a backoff, doubled at each stop in a row), then verifies one draft as a probe, so text
@@ -53,13 +54,14 @@ class DraftState:
         self.requests = requests
         slots = requests.max_num_seqs
         self.may_draft_host = np.zeros(slots, dtype=np.bool_)
-        # Decayed counts of kept drafts and of rejections (ACCEPT_DECAY).
-        self.kept_host = np.zeros(slots, dtype=np.float32)
-        self.rejected_host = np.zeros(slots, dtype=np.float32)
+        k = config.num_speculative_tokens
+        # Per draft position, decayed counts (ACCEPT_DECAY) of drafts kept and rejected there,
+        # each given that the drafts before it were kept.
+        self.kept_host = np.zeros((slots, k), dtype=np.float32)
+        self.rejected_host = np.zeros((slots, k), dtype=np.float32)
         self.backoff_host = np.zeros(slots, dtype=np.int32)  # steps left without drafts
         self.next_backoff_host = np.full(slots, ADAPTIVE_BACKOFF, dtype=np.int32)
         self.probe_host = np.zeros(slots, dtype=np.bool_)  # one draft after its backoff
-        k = config.num_speculative_tokens
         # The chance a draft needs to pay for its row, the scheduler's for this step
         # (core/draft_policy.py, Speculator.begin_step).
         self.threshold = DEFAULT_THRESHOLD
@@ -101,11 +103,15 @@ class DraftState:
 
     def record_verified(self, slots: np.ndarray, num_drafts: np.ndarray,
                         num_accepted: np.ndarray) -> None:
-        """Verify steps' results (slots of requests that verified drafts): their chance
-        estimates; a kept draft brings the next backoff back to its shortest."""
-        self.kept_host[slots] = ACCEPT_DECAY * self.kept_host[slots] + num_accepted
-        self.rejected_host[slots] = (ACCEPT_DECAY * self.rejected_host[slots]
-                                     + (num_accepted < num_drafts))
+        """Verify steps' results (slots of requests that verified drafts): the counts of the
+        positions each tried (its kept drafts and the first rejected one); a kept draft brings
+        the next backoff back to its shortest."""
+        cols = np.arange(self.num_speculative_tokens)[None, :]
+        tried = cols < np.minimum(num_accepted + 1, num_drafts)[:, None]
+        kept = cols < num_accepted[:, None]
+        for counts, hit in ((self.kept_host, kept), (self.rejected_host, tried & ~kept)):
+            old = counts[slots]
+            counts[slots] = np.where(tried, ACCEPT_DECAY * old + hit, old)
         self.next_backoff_host[slots[num_accepted > 0]] = ADAPTIVE_BACKOFF
 
     def _limits(self, slots: np.ndarray, max_rows: int | None, steps: int, num_rows: int
@@ -117,12 +123,11 @@ class DraftState:
         backoff = self.backoff_host[slots]
         self.backoff_host[slots] = np.maximum(backoff - steps, 0)
         kept = self.kept_host[slots] + ACCEPT_PRIOR[0]
-        chance = np.minimum(kept / (kept + self.rejected_host[slots] + ACCEPT_PRIOR[1]),
-                            1 - 1e-6)
+        chance = kept / (kept + self.rejected_host[slots] + ACCEPT_PRIOR[1])  # [n, k]
         threshold = min(max(self.threshold, MIN_THRESHOLD), MAX_THRESHOLD)
-        # The longest run whose last draft still pays: chance ** d >= threshold.
-        length = np.where(chance > threshold, np.minimum(
-            np.floor(np.log(threshold) / np.log(chance)), self.num_speculative_tokens), 0)
+        # The longest run whose last draft still pays: the chance that it and every draft
+        # before it are kept, at least the threshold (a product falling with the length).
+        length = (np.cumprod(chance, axis=1) >= threshold).sum(axis=1)
         active = self.may_draft_host[slots] & (backoff == 0)
         probe = active & self.probe_host[slots]
         length = np.where(probe, np.maximum(length, 1), length).astype(np.int32)
