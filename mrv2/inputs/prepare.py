@@ -80,7 +80,7 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
     seq_lens and block_tables span `num_reqs_padded` rows (the metadata's num_actual_tokens and
     num_reqs stay the real counts); idx_mapping, num_scheduled and logits_indices span the
     real rows. The metadata is KV cache group 0's, with the other groups' in `other_groups`;
-    `num_layers`: the model's (AttentionMetadata.num_layers). `offsets` (int32, CPU only):
+    `num_layers`: the model's (AttentionMetadata.num_layers). `offsets` (int32):
     where each row starts after its slot's computed tokens (speculative decoding's verify
     rows, one per token: `verify_rows`); None: 0. `num_decode_sequences`: the metadata's
     (the requests of the decode rows, when verify rows split some; None: one per row).
@@ -118,11 +118,8 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
             *buffers.numpy_outputs())
         tables = buffers.block_tables[:, :num_reqs_padded]
     else:
-        if offsets.any():
-            raise NotImplementedError("verify rows (speculative decoding) are prepared on the "
-                                      "CPU only")
-        _prepare_triton(idx_mapping_np, num_scheduled_np, query_start_loc_np, num_tokens,
-                        num_tokens_padded, state, block_tables, buffers)
+        _prepare_triton(idx_mapping_np, num_scheduled_np, offsets, query_start_loc_np,
+                        num_tokens, num_tokens_padded, state, block_tables, buffers)
         tables = block_tables.gather_block_tables(idx_mapping, buffers.block_tables,
                                                   num_reqs_padded)
 
@@ -154,18 +151,19 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
 
 
 def _prepare_triton(idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray,
-                    query_start_loc_np: np.ndarray, num_tokens: int, num_tokens_padded: int,
-                    state: RequestState, block_tables: BlockTables,
+                    offsets: np.ndarray, query_start_loc_np: np.ndarray, num_tokens: int,
+                    num_tokens_padded: int, state: RequestState, block_tables: BlockTables,
                     buffers: InputBuffers) -> None:
     from mrv2.inputs import prepare_triton
 
     num_reqs, num_reqs_padded = len(idx_mapping_np), len(query_start_loc_np) - 1
-    # One int64 upload: idx_mapping, num_scheduled, query_start_loc.
-    size = 2 * num_reqs + num_reqs_padded + 1
+    # One int64 upload: idx_mapping, num_scheduled, offsets, query_start_loc.
+    size = 3 * num_reqs + num_reqs_padded + 1
     host = buffers.staging.host_buffer(8 * size)[:8 * size].view(np.int64)
     host[:num_reqs] = idx_mapping_np
     host[num_reqs:2 * num_reqs] = num_scheduled_np
-    host[2 * num_reqs:] = query_start_loc_np
+    host[2 * num_reqs:3 * num_reqs] = offsets
+    host[3 * num_reqs:] = query_start_loc_np
     packed = buffers.staging.upload(8 * size).view(torch.int64)
     prepare_triton.prepare_inputs(
         packed, num_reqs, num_reqs_padded, num_tokens, num_tokens_padded,

@@ -2,14 +2,17 @@
 token tail.
 
 `packed` is the step's host data in one int64 upload: idx_mapping [num_reqs], num_scheduled
-[num_reqs], query_start_loc [num_reqs_padded + 1] (padded entries = num_tokens). A row program
-writes its entries of idx_mapping, num_scheduled, query_start_loc, seq_lens and logits_indices
-and, for each of its tokens, input_ids, positions and slot_mapping. A token at position
-`pos >= prefill_len` of its slot is a sampled one and comes from `last_sampled`; prefill tokens
-come from the token history. Padded rows get seq_len 0; the last program writes
-query_start_loc[0] and pads the token tail (ids and positions 0 up to num_tokens_padded,
-slot_mapping -1 up to the buffer's end). `block_table` stacks the KV cache groups' tables
-(num_slots rows each); slot_mapping is [groups, max_num_tokens], one row per group.
+[num_reqs], offsets [num_reqs], query_start_loc [num_reqs_padded + 1] (padded entries =
+num_tokens). A row program writes its entries of idx_mapping, num_scheduled, query_start_loc,
+seq_lens and logits_indices and, for each of its tokens, input_ids, positions and slot_mapping.
+A row starts `offset` tokens past its slot's num_computed (speculative decoding's verify rows,
+one per token, and a draft's catch-up before it). The token at position num_computed, past
+the prefill, is the last sampled one and comes from `last_sampled`; every other token (the
+prefill's, the drafts written after the history) comes from the token history. Padded rows
+get seq_len 0; the last program writes query_start_loc[0] and pads the token tail (ids and
+positions 0 up to num_tokens_padded, slot_mapping -1 up to the buffer's end). `block_table`
+stacks the KV cache groups' tables (num_slots rows each); slot_mapping is [groups,
+max_num_tokens], one row per group.
 
 The four counts of the batch are not specialised (one compiled variant for every batch); the
 other integers (buffer and table widths, block size) come from the configuration.
@@ -34,7 +37,7 @@ def _prepare_inputs_kernel(
         logits_indices_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr,
         NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    qsl_ptr = packed_ptr + 2 * num_reqs
+    qsl_ptr = packed_ptr + 3 * num_reqs
     if row < num_reqs_padded:
         end = tl.load(qsl_ptr + row + 1)
         tl.store(query_start_loc_ptr + row + 1, end.to(tl.int32))
@@ -45,7 +48,8 @@ def _prepare_inputs_kernel(
             start = tl.load(qsl_ptr + row)
             tl.store(idx_mapping_ptr + row, slot)
             tl.store(num_scheduled_ptr + row, n)
-            computed = tl.load(num_computed_ptr + slot)
+            num_computed = tl.load(num_computed_ptr + slot)
+            computed = num_computed + tl.load(packed_ptr + 2 * num_reqs + row).to(tl.int32)
             prefill_len = tl.load(prefill_len_ptr + slot)
             last = tl.load(last_sampled_ptr + slot).to(tl.int32)
             tl.store(seq_lens_ptr + row, computed + n)
@@ -53,7 +57,7 @@ def _prepare_inputs_kernel(
                 offs = i + tl.arange(0, BLOCK)
                 mask = offs < n
                 pos = computed + offs
-                from_history = pos < prefill_len
+                from_history = (pos < prefill_len) | (pos != num_computed)
                 history = tl.load(token_ids_ptr + slot * max_model_len + pos,
                                   mask=mask & from_history, other=0)
                 out = start + offs

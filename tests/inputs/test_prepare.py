@@ -530,7 +530,7 @@ def test_cuda_matches_cpu() -> None:
         assert torch.equal(results[0][name], results[1][name]), name
 
 
-def test_verify_rows_split_a_row_per_token() -> None:
+def test_verify_rows_split_a_row_per_token(impl) -> None:
     """A verify row (the sampled token and its drafts) becomes one decode row per token: each
     at its own position, attending to its request's keys up to itself; the drafts' ids come
     from the token history, where the proposer wrote them."""
@@ -555,3 +555,8 @@ def test_verify_rows_split_a_row_per_token() -> None:
     table = a.block_ids
     expected = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in (3, 4, 5)]
     assert batch.attn_metadata.slot_mapping[:3].tolist() == expected
+    # A catch-up before num_computed (a draft model's, an EAGLE head's): history tokens.
+    batch = prepare_inputs(["a"], np.array([a.slot]), np.array([3], np.int32), w.state,
+                           w.tables, w.buffers, offsets=np.array([-2], np.int32))
+    assert batch.input_ids[:3].tolist() == [6, 7, 42]
+    assert batch.positions[:3].tolist() == [1, 2, 3]
