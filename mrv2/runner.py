@@ -345,24 +345,24 @@ class ModelRunner:
         # A row samples once its prefill is complete; the host knows this from its mirrors.
         is_sampling = self.requests.advance_num_computed_host(batch.idx_mapping_np,
                                                               batch.num_scheduled_np)
-        sampled, nan_rows = out.sampled, out.nan_rows
+        sampled, nan_rows, run_hidden = out.sampled, out.nan_rows, None
         if state.num_steps > 1:
-            sampled, nan_rows = self._decode_steps(batch, out, state.num_steps)
+            sampled, nan_rows, run_hidden = self._decode_steps(batch, out, state.num_steps)
         num_logprobs = (None if out.logprobs is None
                         else self.sampling.num_logprobs(batch.idx_mapping_np))
         drafts = None if rows is None else self.speculator.propose_after_run(
-            batch.idx_mapping_np, state.num_steps, max_rows)
+            batch.idx_mapping_np, state.num_steps, max_rows, run_hidden)
         return AsyncOutput(batch.req_ids, sampled, is_sampling, self._copy_stream,
                            logprobs=out.logprobs, num_logprobs=num_logprobs,
                            prompt_logprobs=prompt_logprobs, nan_rows=nan_rows,
                            pooled=pooled, drafts=drafts)
 
     def _decode_steps(self, batch: InputBatch, first: SamplerOutput, num_steps: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After a decode step's sampling and post_update: `num_steps` - 1 more decode steps of
         the same rows, each fed the token the last one sampled. Returns the tokens [rows,
-        num_steps] and the rows whose logits held a NaN at any of the steps. Every row must
-        decode by argmax (the scheduler's rule): no grammar, logprobs or logits processing."""
+        num_steps], the rows whose logits held a NaN at any step and the last step's hidden
+        states. Every row decodes by argmax (the scheduler's rule): no grammar, no logprobs."""
         flags = self.sampling.batch_flags(batch.idx_mapping_np)
         if not flags.all_greedy or flags.any_processing or flags.max_num_logprobs >= 0:
             raise ValueError(f"{num_steps} decode steps for rows that do not decode by argmax")
@@ -381,7 +381,7 @@ class ModelRunner:
             self.requests.post_update_steps(step.idx_mapping, run[0][:, 1:])
             self.requests.advance_num_computed_host(step.idx_mapping_np,
                                                     step.num_scheduled_np * (num_steps - 1))
-            return run[0], run[1] | first.nan_rows
+            return run[0], run[1] | first.nan_rows, run[2]
         columns, nans = [first.sampled], [first.nan_rows]
         while True:
             hidden, logits = self._forward(step, descriptor)
@@ -396,5 +396,5 @@ class ModelRunner:
             columns.append(out.sampled)
             nans.append(out.nan_rows)
             if len(columns) == num_steps:
-                return torch.stack(columns, dim=1), torch.stack(nans, dim=1).any(dim=1)
+                return torch.stack(columns, dim=1), torch.stack(nans, dim=1).any(dim=1), hidden
             step, descriptor = next_inputs()

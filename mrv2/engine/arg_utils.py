@@ -211,10 +211,7 @@ class EngineArgs:
                                            async_scheduling=(speculative_config is None
                                                              if self.async_scheduling is None
                                                              else self.async_scheduling),
-                                           num_scheduler_steps=(
-                                               1 if speculative_config is not None
-                                               and speculative_config.reads_target_hidden_states
-                                               else self.num_scheduler_steps))
+                                           num_scheduler_steps=self.num_scheduler_steps)
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
         return EngineConfig(model_config=model_config, cache_config=cache_config,

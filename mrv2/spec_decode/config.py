@@ -37,10 +37,11 @@ DEFAULT_PROMPT_LOOKUP = 5
 # Each request's chance that its draft at a position is kept (given the drafts before it
 # were) is estimated from its verify steps: counts of kept drafts and of rejections there, each
 # decayed by ACCEPT_DECAY a verify step that reached it, plus ACCEPT_PRIOR (kept, rejected): a
-# new request drafts as if 4 of 5 drafts at each position were kept. It drafts as many as pay for their rows (step_cost.py); one whose chance pays for
-# none stops drafting for ADAPTIVE_BACKOFF steps, then verifies one draft as a probe; each stop
-# in a row without a kept draft in between doubles the pause, up to ADAPTIVE_MAX_BACKOFF (text
-# that does not repeat, or a draft model that does not agree, costs almost no verify rows).
+# new request drafts as if 4 of 5 drafts at each position were kept. It drafts as many as pay
+# for their rows (step_cost.py); one whose chances pay for none stops drafting for
+# ADAPTIVE_BACKOFF steps, then verifies one draft as a probe; each stop in a row without a kept
+# draft in between doubles the pause, up to ADAPTIVE_MAX_BACKOFF (text that does not repeat,
+# or a draft model that does not agree, costs almost no verify rows).
 ACCEPT_DECAY = 0.9
 ACCEPT_PRIOR = (2.0, 0.5)
 ADAPTIVE_BACKOFF = 16
@@ -75,12 +76,6 @@ class SpeculativeConfig:
         """KV slots a request needs past its step's tokens: a draft model or head writes its
         drafts' KV (all but the last) after the token it samples, in the request's blocks."""
         return self.num_speculative_tokens if self.method in CHECKPOINT_METHODS else 0
-
-    @property
-    def reads_target_hidden_states(self) -> bool:
-        """An EAGLE head drafts from the hidden states of every step of the target: a
-        multi-step run (whose inner steps keep none) is never scheduled with it."""
-        return self.method == "eagle"
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens

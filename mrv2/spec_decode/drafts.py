@@ -145,11 +145,13 @@ class DraftState:
         return drafting, np.where(drafting, np.minimum(room, length), 0).astype(np.int32)
 
     def propose_from_hidden(self, slots: np.ndarray, is_sampling: np.ndarray,
-                            max_rows: int | None, step: TargetStep) -> np.ndarray:
+                            max_rows: int | None, step: TargetStep, steps: int = 1
+                            ) -> np.ndarray:
         """EAGLE: every request of the step (`slots`, batch order; those `is_sampling` just
         sampled) catches up on `step`'s hidden states where it may draft and is not backing
-        off; those that sampled draft. Their counts (int32, 0 where not sampling)."""
-        drafting, max_drafts = self._limits(slots, max_rows, 1, int(is_sampling.sum()))
+        off; those that sampled draft. Their counts (int32, 0 where not sampling). `steps`:
+        as `propose`'s (a multi-step run's: the head catches up on its last position only)."""
+        drafting, max_drafts = self._limits(slots, max_rows, steps, int(is_sampling.sum()))
         return self.eagle.propose(slots, drafting, np.where(is_sampling, max_drafts, 0), step)
 
     def written(self, slots: np.ndarray, num_drafts: np.ndarray

@@ -11,7 +11,8 @@ Per step (phase 2, after the target's tokens are kept), `EagleProposer.propose`:
    chunks included: the head runs over the positions the target kept this step (a prefill
    chunk's, a decode row's one, a verify row's sampled token and accepted drafts), fed the
    step's hidden states at those positions, which replaces the KV its drafts wrote there.
-   Positions of steps it skipped (a backoff) keep what was there, as do prefix-cache blocks
+   Positions of steps it skipped (a backoff; a multi-step run's steps but its last, whose
+   hidden states the run returns) keep what was there, as do prefix-cache blocks
    another request's head wrote (vLLM's choice too): only its drafts' acceptance can suffer,
    never the output, which the target verifies.
 2. The head's output at each drafting request's last kept position gives its first draft

@@ -106,11 +106,18 @@ class Speculator:
         return torch.from_numpy(np.where(valid, fed, -1).astype(np.int64)).to(
             batch.input_ids.device)
 
-    def propose_after_run(self, slots: np.ndarray, steps: int, max_rows: int | None
-                          ) -> tuple[np.ndarray, np.ndarray]:
+    def propose_after_run(self, slots: np.ndarray, steps: int, max_rows: int | None,
+                          hidden_states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The drafts of a multi-step run's requests (none held drafts: core/decode_steps.py),
-        their histories advanced by the run, for the run's output (DraftState.written)."""
-        return self.drafts.written(slots, self.drafts.propose(slots, max_rows, steps))
+        their histories advanced by the run, for the run's output (DraftState.written); an
+        EAGLE head catches up on the run's last position (`hidden_states`: the last step's,
+        a row each)."""
+        if self.drafts.eagle is None:
+            return self.drafts.written(slots, self.drafts.propose(slots, max_rows, steps))
+        rows = len(slots)
+        step = TargetStep(hidden_states, np.arange(rows), np.ones(rows, np.int32))
+        return self.drafts.written(slots, self.drafts.propose_from_hidden(
+            slots, np.ones(rows, np.bool_), max_rows, step, steps))
 
     def sample_output(self, batch: InputBatch, rows: RequestRows, out: SamplerOutput,
                       positions: torch.Tensor, hidden_states: torch.Tensor,

@@ -37,10 +37,10 @@ def test_a_model_alone_is_a_draft_model():
     config = SpeculativeConfig.from_value({"model": "x", "num_speculative_tokens": 3})
     assert config.method == "draft_model" and config.num_lookahead_tokens == 3
     ngram = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3})
-    assert ngram.num_lookahead_tokens == 0 and not ngram.reads_target_hidden_states
+    assert ngram.num_lookahead_tokens == 0
     eagle = SpeculativeConfig.from_value({"method": "eagle", "model": "x",
                                           "num_speculative_tokens": 2})
-    assert eagle.num_lookahead_tokens == 2 and eagle.reads_target_hidden_states
+    assert eagle.num_lookahead_tokens == 2
 
 
 @pytest.mark.parametrize("value, match", [

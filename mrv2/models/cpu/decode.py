@@ -211,23 +211,25 @@ def _work_split(args: StackArgs, seq_lens: np.ndarray, sequences: int
 
 
 def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                     num_steps: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_steps: int, block_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [rows, num_steps]: `input_ids`, the step before's, then num_steps - 1 decode
-    steps' argmax from `decode_model`'s inputs; nan_rows [rows]) in one call (`args` with an LM
-    head for the rows; `meta`'s tables hold every block written): decode_stack_run."""
+    steps' argmax from `decode_model`'s inputs; nan_rows [rows]; the last step's final hidden
+    states [rows, hidden]) in one call (`args` with an LM head for the rows; `meta`'s tables
+    hold every block written): decode_stack_run."""
     rows = input_ids.shape[0]
     seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
     step_positions = positions.numpy().copy()
     kv_per_item, splits = _work_split(args, seq_lens, rows)
     tokens = torch.empty(rows, num_steps, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)
+    hidden = torch.empty(rows, args.hidden_size, dtype=torch.float32)
     args.decode_stack_run(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
         group_tables(meta, rows)[0], seq_lens, block_size, *args.shape_args,
-        kv_per_item, splits,
-        np.empty((rows, args.hidden_size), np.float32), args.w_head,
+        kv_per_item, splits, hidden.numpy(), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())
-    return tokens, nan_rows
+    return tokens, nan_rows, hidden
 
 
 class FusedDecode:
@@ -275,7 +277,7 @@ class FusedDecode:
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   kv_caches: list[torch.Tensor], meta, num_steps: int, block_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """`decode_model_run` for rows that decode by argmax, from this step's inputs; None
         where the stack with its LM head does not take them (the caller steps one by one)."""
         rows = input_ids.shape[0]
