@@ -21,8 +21,7 @@ class DraftPolicy:
                  ) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.max_rows = max_num_seqs * (1 + config.num_speculative_tokens)
-        self.cost = StepCost(self.max_rows)
+        self.cost = StepCost(max_num_seqs * (1 + config.num_speculative_tokens))  # rows a step
 
     def num_drafts(self, request: Request, budget: int, num_running: int) -> int:
         """The drafts a decode verifies this step: all the runner holds, within the budget,

@@ -17,12 +17,11 @@ request on one token a step. Logprobs come with every kept token (each verify ro
 Adaptive, per request (config.py's constants): the chance that its draft at each position is
 kept (given the ones before it were) is estimated from its verify steps, and it drafts the
 longest run whose last draft still pays for its row: the product of the chances up to it at
-least the step's threshold (a row's measured time over a token's: the
-scheduler's, core/draft_policy.py and step_cost.py),
-between 0 and num_speculative_tokens. One whose chance pays for no draft stops drafting for a
-while (a backoff, doubled at each stop in a row), then verifies one draft as a probe, so text
-that does not repeat costs almost nothing. `max_rows` keeps a step's verify rows within what
-the decode path takes in one call.
+least the step's threshold (a row's measured time over a token's: the scheduler's,
+core/draft_policy.py and step_cost.py), between 0 and num_speculative_tokens. One whose
+chances pay for no draft stops drafting for a while (a backoff, doubled at each stop in a
+row), then verifies one draft as a probe, so text that does not repeat costs almost nothing.
+`max_rows` keeps a step's verify rows within what the decode path takes in one call.
 """
 
 from __future__ import annotations

@@ -52,12 +52,13 @@ def make_eagle_head(path: str | os.PathLike[str], target: str | os.PathLike[str]
     from mrv2.models.loader import load_hf_config
 
     out = Path(path)
-    config = {key: value for key, value in load_hf_config(str(target)).to_dict().items()
+    target_config = load_hf_config(str(target))
+    config = {key: value for key, value in target_config.to_dict().items()
               if key in ("hidden_size", "intermediate_size", "num_attention_heads",
                          "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
                          "max_position_embeddings", "rope_parameters", "rope_theta",
                          "rope_scaling", "hidden_act", "attention_bias", "mlp_bias")}
-    hidden, target_layers = config["hidden_size"], load_hf_config(str(target)).num_hidden_layers
+    hidden, target_layers = config["hidden_size"], target_config.num_hidden_layers
     config.update(architectures=["LlamaForCausalLM"], model_type="llama",
                   num_hidden_layers=num_layers)
     generator = torch.Generator().manual_seed(seed)

@@ -120,24 +120,14 @@ def test_a_draft_of_another_vocabulary_is_refused(target, tiny_model_factory):
         drafting(target, other)
 
 
-def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft, monkeypatch):
+def test_runs_of_decode_steps_while_no_request_drafts(base, target, small_draft,
+                                                      drafted_again_after_a_run):
     """A draft that keeps missing backs off; while no running request holds drafts the
     scheduler runs several decode steps a call (core/decode_steps.py), and drafting resumes
     after the backoff, proposed at the end of such a run."""
-    from mrv2.core import scheduler as scheduler_module
-
-    runs: list[tuple[int, bool]] = []  # per step: decode steps, whether it verifies drafts
-    real = scheduler_module.decode_steps
-
-    def counted(running, *args):
-        runs.append((real(running, *args), any(r.num_draft_tokens for r in running)))
-        return runs[-1][0]
-
-    monkeypatch.setattr(scheduler_module, "decode_steps", counted)
     llm = drafting(target, small_draft, k=3)
     assert tokens(llm, greedy(120), PROMPTS[:1]) == tokens(base, greedy(120), PROMPTS[:1])
-    first_run = next(i for i, (steps, _) in enumerate(runs) if steps > 1)
-    assert any(verifies for _, verifies in runs[first_run:])  # drafting resumed after it
+    assert drafted_again_after_a_run()
 
 
 def test_sleep_and_wake_up_keep_drafting(base, target):

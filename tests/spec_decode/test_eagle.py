@@ -66,25 +66,14 @@ def test_a_random_head_gives_the_targets_tokens(random_pair):
     assert counters(llm)[0] > 0
 
 
-def test_runs_of_decode_steps_between_drafts(random_pair, monkeypatch):
+def test_runs_of_decode_steps_between_drafts(random_pair, drafted_again_after_a_run):
     """A random head's drafts are rejected and it backs off; meanwhile the scheduler runs
     several decode steps a call, after which the head catches up on the run's last position
     (its hidden states from the run) and drafts again: the tokens stay the target's."""
-    from mrv2.core import scheduler as scheduler_module
-
-    runs: list[tuple[int, bool]] = []  # per step: decode steps, whether it verifies drafts
-    real = scheduler_module.decode_steps
-
-    def counted(running, *args):
-        runs.append((real(running, *args), any(r.num_draft_tokens for r in running)))
-        return runs[-1][0]
-
-    monkeypatch.setattr(scheduler_module, "decode_steps", counted)
     target, head = random_pair
     base, llm = LLM(str(target), **ENGINE), eagle(target, head, k=2)
     assert tokens(llm, greedy(120), PROMPTS[:1]) == tokens(base, greedy(120), PROMPTS[:1])
-    first_run = next(i for i, (steps, _) in enumerate(runs) if steps > 1)
-    assert any(verifies for _, verifies in runs[first_run:])  # drafting resumed after it
+    assert drafted_again_after_a_run()
 
 
 def test_preemption_recomputes_the_heads_kv(mirror_pair, rows_cost_little):
