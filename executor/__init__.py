@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from executor.base import Executor
     from executor.multiproc import MultiprocExecutor
+    from executor.ray_executor import RayExecutor
     from executor.uniproc import UniProcExecutor
 
 _EXPORTS = {"Executor": "executor.base", "UniProcExecutor": "executor.uniproc",
-            "MultiprocExecutor": "executor.multiproc"}
+            "MultiprocExecutor": "executor.multiproc", "RayExecutor": "executor.ray_executor"}
 
 __all__ = list(_EXPORTS)
 

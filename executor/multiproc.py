@@ -100,9 +100,9 @@ class MultiprocExecutor(Executor):
                  startup_timeout_s: float = 300.0) -> None:
         super().__init__(config)
         self.world_size = config.parallel_config.tensor_parallel_size
-        # Where the tensor-parallel ranks meet (torch.distributed rendezvous); one rank needs none.
-        self.distributed_init_method = (distributed_init_method() if self.world_size > 1
-                                        else None)
+        # Where the tensor-parallel ranks meet (torch.distributed rendezvous); set by
+        # _start_workers, None for one rank.
+        self.distributed_init_method: str | None = None
         self.output_rank = OUTPUT_RANK
         self._types = MethodTypes(import_object(worker_cls))
         self._encoder = MsgpackEncoder()
@@ -113,32 +113,40 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._closing = False
         self._procs: list = []
+        self._death_w = None
         self._responses: list[ShmQueueReader] = []
         self._response_names: list[str] = []
         self._monitor: threading.Thread | None = None
         self._wake_r, self._wake_w = pipe()
-        death_r, self._death_w = pipe()
         self._requests = ShmQueueWriter(self.world_size, num_chunks, chunk_bytes)
         ref = weakref.ref(self)
         atexit.register(lambda: (ex := ref()) is not None and ex.shutdown())
         try:
-            conns = []
-            for rank in range(self.world_size):
-                ready_r, ready_w = pipe()
-                self._procs.append(spawn(
-                    worker_main, (rank, config, worker_cls, self._requests.handle,
-                                  (num_chunks, chunk_bytes), ready_w, death_r,
-                                  self.distributed_init_method),
-                    name=f"mrv2-worker-{rank}", daemon=True, child_ends=(ready_w,)))
-                conns.append(ready_r)
-            death_r.close()
-            self._wait_ready(conns, startup_timeout_s)
+            self._start_workers(worker_cls, (num_chunks, chunk_bytes), startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self._monitor = self._watch_workers()
 
-    # -- start-up and failure ------------------------------------------------------------------
+    # -- start-up and failure: the hooks an executor of other processes (executor/ray.py)
+    # overrides are _start_workers, _watch_workers, _exit_text, _exited_rank, _stop_workers.
+
+    def _start_workers(self, worker_cls: str, queue_shape: tuple[int, int],
+                       timeout: float) -> None:
+        """Start one process per rank, reading the broadcast queue; fills `_responses`."""
+        if self.world_size > 1:
+            self.distributed_init_method = distributed_init_method()
+        death_r, self._death_w = pipe()
+        conns = []
+        for rank in range(self.world_size):
+            ready_r, ready_w = pipe()
+            self._procs.append(spawn(
+                worker_main, (rank, self.config, worker_cls, self._requests.handle,
+                              queue_shape, ready_w, death_r, self.distributed_init_method),
+                name=f"mrv2-worker-{rank}", daemon=True, child_ends=(ready_w,)))
+            conns.append(ready_r)
+        death_r.close()
+        self._wait_ready(conns, timeout)
 
     def _wait_ready(self, conns: list, timeout: float) -> None:
         readies = wait_ready(
@@ -155,11 +163,15 @@ class MultiprocExecutor(Executor):
 
         return watch_processes(self._procs, self._wake_r, on_exit, name="mrv2-worker-monitor")
 
-    def _fail_rank_died(self, rank: int) -> None:
+    def _exit_text(self, rank: int, wait_s: float) -> str:
+        """Names rank `rank`'s worker and how it ended (waiting up to `wait_s` to learn it)."""
         proc = self._procs[rank]
-        proc.join(0.1)
-        self._fail(f"worker rank {rank} (pid {proc.pid}) died unexpectedly (exit code "
-                   f"{proc.exitcode}); the engine cannot continue")
+        proc.join(wait_s)
+        return f"worker rank {rank} (pid {proc.pid}) exited (exit code {proc.exitcode})"
+
+    def _fail_rank_died(self, rank: int) -> None:
+        self._fail(f"{self._exit_text(rank, 0.1)}: it died unexpectedly; the engine cannot "
+                   f"continue")
 
     def _fail(self, reason: str) -> None:
         with self._state_lock:
@@ -230,10 +242,8 @@ class MultiprocExecutor(Executor):
                         raise TimeoutError(f"RPC {call.method!r} (call {call.call_id}): no reply "
                                            f"from worker rank {rank} within {timeout} s") from None
                     except ShmQueueClosed:  # the worker left its loop: it is exiting
-                        proc = self._procs[rank]
-                        proc.join(1.0)
-                        self._fail(f"worker rank {rank} (pid {proc.pid}) exited (exit code "
-                                   f"{proc.exitcode}) with call {call.call_id} unanswered")
+                        self._fail(f"{self._exit_text(rank, 1.0)} with call {call.call_id} "
+                                   f"unanswered")
                         self._abort()
                     reply, value = self._types.decode_reply(frames, call.method)
                     if reply.call_id != call.call_id:
@@ -250,7 +260,7 @@ class MultiprocExecutor(Executor):
                     # A rank that died mid-collective makes the others' collectives fail (the
                     # peer reset the connection); their error may arrive before the monitor
                     # sees the death. The death is the cause: report it.
-                    dead = None if self._closing else self._dead_rank(
+                    dead = None if self._closing else self._exited_rank(
                         _DEATH_GRACE_S if self.world_size > 1 else 0.0)
                     if dead is not None:
                         self._fail_rank_died(dead)
@@ -267,7 +277,7 @@ class MultiprocExecutor(Executor):
         finally:
             self._reply_lock.release()
 
-    def _dead_rank(self, grace: float) -> int | None:
+    def _exited_rank(self, grace: float) -> int | None:
         """The lowest rank whose process has exited, waiting up to `grace` seconds for one to
         show; None if every rank is still alive then."""
         deadline = time.monotonic() + grace
@@ -322,7 +332,8 @@ class MultiprocExecutor(Executor):
                 pass
             finally:
                 self._send_lock.release()
-        self._death_w.close()
+        if self._death_w is not None:
+            self._death_w.close()
         self._wake_w.close()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(5.0)

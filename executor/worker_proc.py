@@ -64,28 +64,28 @@ def make_worker(worker_cls: str, config: EngineConfig, rank: int,
     return cls(config, **kwargs)
 
 
-def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
-                 queue_shape: tuple[int, int], ready_conn: multiprocessing.connection.Connection,
-                 death_conn: multiprocessing.connection.Connection,
-                 distributed_init_method: str | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    parent_gone = threading.Event()
-    watch_parent(death_conn, parent_gone.set, _PARENT_GONE_GRACE_S, name="mrv2-death-pipe")
+def open_worker(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
+                queue_shape: tuple[int, int], distributed_init_method: str | None = None
+                ) -> tuple[Any, ShmQueueReader, ShmQueueWriter]:
+    """The worker of `rank`, attached to the broadcast queue `rpc` as its reader `rank`, and its
+    own reply queue; on failure nothing is left open."""
     requests = responses = None
     try:
         worker = make_worker(worker_cls, config, rank, distributed_init_method)
         requests = ShmQueueReader(rpc, rank)
         responses = ShmQueueWriter(1, *queue_shape)
-        report_ready(ready_conn, Ready(rank, os.getpid(), response=responses.handle))
     except BaseException:
-        error = traceback.format_exc()
-        report_ready(ready_conn, Ready(rank, os.getpid(), error=error), error)
         for queue in (requests, responses):
             if queue is not None:
                 queue.close()
-        sys.exit(1)
-    finally:
-        ready_conn.close()
+        raise
+    return worker, requests, responses
+
+
+def serve_worker(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueueWriter,
+                 parent_gone: threading.Event) -> None:
+    """Run calls in order until a shutdown message, a closed queue or `parent_gone`; then close
+    the queues and the worker (which leaves the process group)."""
     try:
         _serve(rank, worker, requests, responses, parent_gone)
     finally:
@@ -97,6 +97,26 @@ def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueH
                 close()
             except Exception:  # exiting anyway
                 traceback.print_exc()
+
+
+def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
+                queue_shape: tuple[int, int], ready_conn: multiprocessing.connection.Connection,
+                death_conn: multiprocessing.connection.Connection,
+                distributed_init_method: str | None = None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    parent_gone = threading.Event()
+    watch_parent(death_conn, parent_gone.set, _PARENT_GONE_GRACE_S, name="mrv2-death-pipe")
+    try:
+        worker, requests, responses = open_worker(rank, config, worker_cls, rpc, queue_shape,
+                                                  distributed_init_method)
+        report_ready(ready_conn, Ready(rank, os.getpid(), response=responses.handle))
+    except BaseException:
+        error = traceback.format_exc()
+        report_ready(ready_conn, Ready(rank, os.getpid(), error=error), error)
+        sys.exit(1)
+    finally:
+        ready_conn.close()
+    serve_worker(rank, worker, requests, responses, parent_gone)
 
 
 def _serve(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueueWriter,

@@ -26,10 +26,15 @@ if TYPE_CHECKING:
 def executor_class_for(config: EngineConfig) -> "type[Executor]":
     # Imported on demand: a process loads only the executor it runs (the multiprocess one
     # brings ZMQ and the shared-memory queue).
-    if config.parallel_config.distributed_executor_backend == "mp":
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "mp":
         from executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor
+    if backend == "ray":
+        from executor.ray_executor import RayExecutor
+
+        return RayExecutor
     from executor.uniproc import UniProcExecutor
 
     return UniProcExecutor
