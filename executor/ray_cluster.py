@@ -2,9 +2,12 @@
 
 - `import_ray()`: Ray is an optional extra; without it the error says how to install it.
 - `join_or_start()`: join the running cluster (`RAY_ADDRESS`, or the one `ray start` left on
-  this machine), else start a one-node cluster for this process, on 127.0.0.1 only
-  (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps Ray from picking the machine's other address).
-  Returns whether this process started it, so that it also stops it.
+  this machine), else start a one-node cluster for this process, on 127.0.0.1 only. Returns
+  whether this process started it, so that it also stops it. Ray maps 127.0.0.1 to the
+  machine's other address unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which it reads when it
+  is imported: when no cluster is running and Ray is not imported yet, that variable is set
+  first. (Not when joining: a driver that calls itself 127.0.0.1 cannot find its node among a
+  real cluster's.)
 - `place_ranks()`: a placement group of one bundle per rank, packed onto as few nodes as
   possible (vLLM's default); a group the cluster cannot place within the timeout fails naming
   what it asked for and what the cluster has.
@@ -15,6 +18,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -35,8 +40,17 @@ def import_ray() -> Any:
     return ray
 
 
+def _cluster_running() -> bool:
+    """A cluster to join: RAY_ADDRESS, or the address file `ray start` leaves in Ray's temp dir."""
+    temp = os.environ.get("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "ray"))
+    return bool(os.environ.get("RAY_ADDRESS")) or os.path.exists(
+        os.path.join(temp, "ray_current_cluster"))
+
+
 def join_or_start() -> bool:
     """Connect this process to a Ray cluster; True when it started a local one (its to stop)."""
+    if "ray" not in sys.modules and not _cluster_running():
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
     if ray.is_initialized():
         return False
@@ -45,7 +59,6 @@ def join_or_start() -> bool:
         return False
     except ConnectionError:  # no cluster is running: start one for this process
         pass
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=True)
     return True

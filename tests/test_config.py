@@ -74,29 +74,6 @@ def test_without_chunked_prefill_a_whole_prompt_must_fit() -> None:
     config(512, chunked=True)
 
 
-@pytest.mark.parametrize("tp", [0, -1])
-def test_tensor_parallel_size_below_one_refused(tp: int) -> None:
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        ParallelConfig(tensor_parallel_size=tp)
-    assert ParallelConfig().tensor_parallel_size == 1
-    # More ranks run one worker process each (tests/test_distributed.py).
-    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
-
-
-def test_enable_expert_parallel_is_a_boolean_engine_args_pass_on() -> None:
-    from mrv2.engine.arg_utils import EngineArgs
-
-    assert not ParallelConfig().enable_expert_parallel
-    with pytest.raises(ConfigError, match="enable_expert_parallel='yes' must be a boolean"):
-        ParallelConfig(enable_expert_parallel="yes")
-    with pytest.raises(ConfigError, match="enable_expert_parallel=1"):
-        EngineArgs(model="/m", enable_expert_parallel=1)  # checked when built, as tp
-    # The worker's ParallelConfig carries it (end to end: tests/entrypoints/
-    # test_tensor_parallel.py); at tp 1 and on a dense model it is accepted, a no-op.
-    assert EngineArgs(model="/m", tensor_parallel_size=2, enable_expert_parallel=True
-                      )._parallel_config().enable_expert_parallel
-
-
 def make_engine_config(max_model_len: int, block_size: int) -> EngineConfig:
     return EngineConfig(
         model_config=ModelConfig(model="tiny", dtype=torch.float32, max_model_len=max_model_len),

@@ -1,4 +1,5 @@
-"""Tensor-parallel building blocks without an engine: ParallelConfig checks, the sharded
+"""Tensor-parallel building blocks without an engine (ParallelConfig's checks are in
+tests/test_parallel_config.py): the sharded
 loaders (which rows/columns each rank reads, from tensors and from lazy safetensors slices),
 per-rank partial results that combine into the unsharded layer's output, a whole model loaded
 as rank 0 and rank 1, and the gloo collectives across two real processes."""
@@ -13,7 +14,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mrv2 import distributed
-from mrv2.config import ConfigError, ParallelConfig
 from mrv2.models.layers.linear import (ColumnParallelLinear, Linear, MergedLinear, QKVLinear,
                                        RowParallelLinear)
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
@@ -27,19 +27,6 @@ def no_collectives(monkeypatch):
     """Collectives as identity: each rank's forward returns its partial result."""
     monkeypatch.setattr(distributed, "tp_all_reduce", lambda x: x)
     monkeypatch.setattr(distributed, "tp_all_gather", lambda x, dim=-1: x)
-
-
-# -- config ----------------------------------------------------------------------------------------
-
-def test_parallel_config_backend_follows_tp():
-    assert ParallelConfig().distributed_executor_backend == "uni"
-    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
-    assert ParallelConfig(1, "mp").distributed_executor_backend == "mp"
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 needs one worker process"):
-        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ConfigError, match="tensor_parallel_size"):
-            ParallelConfig(tensor_parallel_size=bad)
 
 
 # -- sharded layers --------------------------------------------------------------------------------

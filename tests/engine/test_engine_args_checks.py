@@ -41,7 +41,8 @@ REFUSED = [
     ({"data_parallel_size": 2}, "data_parallel_size=2 (--data-parallel-size)"),
     ({"scheduling_policy": "priority"}, "scheduling_policy='priority' (--scheduling-policy)"),
     ({"override_generation_config": {"do_sample": True}}, "override_generation_config="),
-    ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
+    ({"distributed_executor_backend": "external_launcher"},
+     "distributed_executor_backend='external_launcher'"),
 ]
 
 

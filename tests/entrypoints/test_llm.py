@@ -360,7 +360,7 @@ def test_llm_defaults_are_the_servers_but_for_the_stats_log(monkeypatch):
     ("pipeline_parallel_size", ["-pp", "2"]),
     ("data_parallel_size", ["-dp", "2"]),
     ("scheduling_policy", ["--scheduling-policy", "priority"]),
-    ("distributed_executor_backend", ["--distributed-executor-backend", "ray"]),
+    ("distributed_executor_backend", ["--distributed-executor-backend", "external_launcher"]),
     ("generation_config", ["--generation-config", "bogus"]),
     ("override_generation_config", ["--override-generation-config", '{"do_sample": true}']),
 ])

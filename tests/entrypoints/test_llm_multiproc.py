@@ -64,4 +64,4 @@ def test_mp_backend_matches_in_process_and_dies_loudly(tiny_llama):
 
 def test_unknown_executor_backend(tiny_llama):
     with pytest.raises(ConfigError, match="distributed_executor_backend"):
-        LLM(str(tiny_llama), distributed_executor_backend="ray")
+        LLM(str(tiny_llama), distributed_executor_backend="external_launcher")

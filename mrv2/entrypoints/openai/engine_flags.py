@@ -14,8 +14,8 @@ honour it or refuse it with a ConfigError naming it (mrv2/engine/engine_args_che
   `--scheduling-policy` fcfs: what engine_args_checks.py takes; other values are refused.
 - `--enable-chunked-prefill` / `--no-enable-chunked-prefill`: EngineArgs.enable_chunked_prefill
   (off: a prompt is prefilled in one step, and the step budget is at least max_model_len).
-- `--distributed-executor-backend` uni | mp: EngineArgs' (ray and external_launcher are refused:
-  mrv2's ranks are local processes).
+- `--distributed-executor-backend` uni | mp | ray: EngineArgs' (ray: the ranks as actors on a
+  Ray cluster, the `ray` extra; external_launcher is refused).
 - `--logprobs-mode`: EngineArgs.logprobs_mode (vLLM's four modes).
 - `--batch-invariant`: EngineArgs.batch_invariant (mrv2/batch_invariant.py; vLLM has it as the
   VLLM_BATCH_INVARIANT environment variable).
@@ -99,8 +99,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True, help="prefill long prompts in chunks (default on)")
     parser.add_argument("--distributed-executor-backend", default=None,
-                        help="uni (one process) or mp (a process per tensor-parallel rank; "
-                             "the default above -tp 1)")
+                        help="uni (one process), mp (a process per tensor-parallel rank; "
+                             "the default above -tp 1) or ray (a Ray actor per rank)")
     parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                         default=None, help="a request's tokens and logprobs the same bits "

@@ -127,7 +127,8 @@ REFUSED = [
     (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 (--pipeline-parallel-size)"),
     (["-dp", "2"], "data_parallel_size=2 (--data-parallel-size)"),
     (["--scheduling-policy", "priority"], "scheduling_policy='priority' (--scheduling-policy)"),
-    (["--distributed-executor-backend", "ray"], "distributed_executor_backend='ray'"),
+    (["--distributed-executor-backend", "external_launcher"],
+     "distributed_executor_backend='external_launcher'"),
     (["--logprobs-mode", "sampled"], "--logprobs-mode"),
 ]
 
