@@ -3,7 +3,8 @@
 Parent -> workers: every RPC is encoded once (executor/serial.py) and written to one
 `ShmQueueWriter` that every worker reads. Workers -> parent: each worker writes its replies to
 its own one-reader queue. Workers run calls in order and replies are matched to calls in order;
-`execute_model` / `sample_tokens` are answered by the output rank only.
+`execute_model` / `sample_tokens` are answered by the output rank only (the first rank of the
+last pipeline stage, which samples; rank 0 without stages).
 
 Futures are completed by the thread that asks for them (`result()`, `exception()`, `done()`
 read replies on the caller's thread): no reply thread competes with the scheduler for the GIL.
@@ -45,7 +46,6 @@ if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_RANK = 0
 _STOP_GRACE_S = 3.0
 # How long an error reply from a rank waits for another rank's death to show (tensor parallel
 # only): a rank killed mid-collective resets its peers' connections while it exits, before
@@ -99,11 +99,13 @@ class MultiprocExecutor(Executor):
                  num_chunks: int = DEFAULT_NUM_CHUNKS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  startup_timeout_s: float = 300.0) -> None:
         super().__init__(config)
-        self.world_size = config.parallel_config.tensor_parallel_size
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
         # Where the tensor-parallel ranks meet (torch.distributed rendezvous); set by
         # _start_workers, None for one rank.
         self.distributed_init_method: str | None = None
-        self.output_rank = OUTPUT_RANK
+        # The first rank of the last pipeline stage, which samples (rank 0 without stages).
+        self.output_rank = self.world_size - parallel.tensor_parallel_size
         self._types = MethodTypes(import_object(worker_cls))
         self._encoder = MsgpackEncoder()
         self._ids = itertools.count()

@@ -307,6 +307,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.parallel_config.verify_model(self.model_config)
+        self.parallel_config.verify_pipeline(self)
         # max_model_len lives in model_config only; the scheduler's budget is checked here.
         sched, max_model_len = self.scheduler_config, self.model_config.max_model_len
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:

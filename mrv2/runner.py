@@ -1,16 +1,13 @@
 """ModelRunner: the two phases of a step (DESIGN.md section 2).
 
 Phase 1, `execute_model(scheduler_output)`: free finished slots, add new requests, stage
-block-table deltas of running ones, apply all staged writes, prepare inputs, run the forward.
-It returns nothing; what phase 2 needs is kept in an `ExecuteState`.
-Phase 2, `sample_tokens(grammar_output)`: logits of each row's last token, sampling, the
+block-table deltas of running ones, apply all staged writes, prepare inputs, run the forward;
+what phase 2 needs is kept in an `ExecuteState`. Phase 2, `sample_tokens(grammar_output)`:
+logits of each row's last token (and of prompt positions for prompt logprobs), sampling, the
 on-device post_update, then the one device-to-host copy of the sampled tokens. A step of
-`num_decode_steps` > 1 (core/decode_steps.py: every row decodes by argmax) runs the further
-decode steps here, each from the state the last one left, and copies all their tokens at
-once. Phase 2 computes the logits of prompt positions only for requests that asked for prompt
-logprobs (sampler/prompt_logprobs.py); otherwise only the rows' last tokens'.
-On a pooling engine (ModelConfig.runner) phase 2 also pools each row's final hidden states
-(state/pooling.py); the rows that complete their prefill ship them with the same copy.
+`num_decode_steps` > 1 (core/decode_steps.py) runs the further decode steps here. A pooling
+engine also pools each row's final hidden states (state/pooling.py). Under pipeline stages
+only the last samples; the others take its tokens (mrv2/pipeline.py).
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mrv2 import distributed, pipeline
 from mrv2.async_output import AsyncOutput
 from mrv2.attention.backend import AttentionMetadata
 from mrv2.config import EngineConfig
@@ -254,11 +252,9 @@ class ModelRunner:
         self.cudagraphs.capture(run)
 
     def warm_up(self) -> None:
-        """Run every kernel family once before the first request: two dummy requests prefill
-        and decode through both phases, one greedy, one with each lazily-free sampling feature
-        (filters, logit bias, allowed ids, min_tokens, logprobs, prompt logprobs), so no
-        kernel compiles (numba, Triton) while a user waits. Penalties are left out: their
-        [max_num_seqs, vocab] count table is allocated only when a request uses them."""
+        """Run every kernel family once (no numba / Triton compile while a user waits): two
+        dummy requests through both phases, one greedy, one with each lazily-free sampling
+        feature. Not penalties: their count table is allocated only when a request uses them."""
         featured = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.01, seed=0,
                                   logit_bias={0: 0.5}, allowed_token_ids=[0, 1, 2],
                                   min_tokens=2, stop_token_ids=[0], logprobs=2,
@@ -269,10 +265,9 @@ class ModelRunner:
         run_dummy_requests(self, params, 2 * self.block_tables.block_size + 1, decode=True)
 
     def profile_run(self) -> None:
-        """The largest step a batch can make, once: max_num_batched_tokens prompt tokens over
-        as few requests as max_model_len allows, every one with penalties and MAX_LOGPROBS
-        logprobs (the largest sampler tables), so the worker can measure the peak memory a
-        step takes before it sizes the KV cache."""
+        """The largest step a batch can make, once (max_num_batched_tokens prompt tokens over
+        as few requests as fit, with penalties and MAX_LOGPROBS logprobs), so the worker can
+        measure a step's peak memory before it sizes the KV cache."""
         sched = self.config.scheduler_config
         max_len = self.config.model_config.max_model_len
         num_reqs = min(sched.max_num_seqs, -(-sched.max_num_batched_tokens // max(1, max_len - 1)))
@@ -311,6 +306,12 @@ class ModelRunner:
         if state.batch is None:
             return EMPTY_OUTPUT
         batch = state.batch
+        # The position of the token being sampled keys its noise (invariant 7) and counts the
+        # outputs so far (min_tokens): one past the row's last token, its sequence length.
+        positions = batch.attn_metadata.seq_lens[:len(batch.req_ids)]
+        if not distributed.is_last_stage():  # the last samples (mrv2/pipeline.py)
+            pipeline.follow_sampled(self.requests, self.sampling, batch, positions)
+            return EMPTY_OUTPUT
         # A step of one token per row samples every row: its hidden states go on whole.
         last_hidden = (state.hidden_states if batch.num_tokens == len(batch.req_ids)
                        else state.hidden_states[batch.logits_indices])
@@ -319,12 +320,10 @@ class ModelRunner:
         if grammar_output is not None and grammar_output.num_rows:
             logits = self._apply_grammar(logits, grammar_output, state.batch_rows)
         idx = batch.idx_mapping
-        # The position of the token being sampled keys its noise (invariant 7) and counts the
-        # outputs so far (min_tokens): one past the row's last token, its sequence length.
-        positions = batch.attn_metadata.seq_lens[:len(batch.req_ids)]
         rows = state.request_rows  # speculative decoding: drafts count for penalties
         out = self.sampler(logits, idx, batch.idx_mapping_np, positions,
                            None if rows is None else self.speculator.drafts_before(batch, rows))
+        pipeline.share_sampled(out.sampled)
         prompt_logprobs = None
         if self.prompt_logprobs:  # only while some request still needs prompt rows
             # num_computed_host still holds each row's count before this step (the start).

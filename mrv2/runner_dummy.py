@@ -52,4 +52,5 @@ def run_dummy_requests(runner: ModelRunner, params: list[SamplingParams], prompt
     runner.sample_tokens()
     draft_caches = [] if runner.speculator is None else runner.speculator.draft_kv_caches
     for cache in (*runner.kv_caches, *draft_caches):
-        cache[:, NULL_BLOCK_ID].zero_()
+        if cache.numel():  # empty: a layer of another pipeline stage
+            cache[:, NULL_BLOCK_ID].zero_()

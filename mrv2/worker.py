@@ -27,6 +27,7 @@ from mrv2.config import ConfigError, EngineConfig, ModelConfig
 from mrv2.core.kv_cache_layout import layer_kv_shape
 from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
+from mrv2.pipeline import stage_layers
 from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mrv2.runner import ModelRunner
 from mrv2.spec_decode.draft_model import (DraftModel, draft_kv_block_bytes, draft_kv_caches,
@@ -45,7 +46,12 @@ class Worker:
         self.config = config
         self.rank = rank
         self.local_rank = rank if local_rank is None else local_rank
-        self.world_size = config.parallel_config.world_size
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
+        self.tp_size = parallel.tensor_parallel_size
+        # This rank's pipeline stage's layers (all of them without stages).
+        self.held_layers = stage_layers(config.model_config.num_layers, rank // self.tp_size,
+                                        parallel.pipeline_parallel_size)
         self.distributed_init_method = distributed_init_method
         if not 0 <= rank < self.world_size:
             raise ValueError(f"worker rank {rank} is outside a world of {self.world_size}")
@@ -71,7 +77,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         distributed.init_distributed(
             self.rank, self.world_size, self.distributed_init_method, self.device,
-            expert_parallel=self.config.parallel_config.enable_expert_parallel)
+            expert_parallel=self.config.parallel_config.enable_expert_parallel,
+            pipeline_parallel_size=self.config.parallel_config.pipeline_parallel_size)
         self._load_weights()
 
     def _load_weights(self) -> None:
@@ -100,7 +107,7 @@ class Worker:
         """(kv heads this rank caches, head dim) of a layer (its share under tensor
         parallelism)."""
         kv_heads, head_dim = layer_kv_shape(self.config.model_config.hf_config, layer)
-        return kv_heads // self.world_size, head_dim
+        return kv_heads // self.tp_size, head_dim
 
     @property
     def _kv_width(self) -> int:
@@ -112,9 +119,9 @@ class Worker:
     def kv_block_bytes(self) -> int:
         """Bytes of one block id: a block of each KV tensor (one per layer, or per position in
         a group of a hybrid layout: core/kv_cache_layout.py)."""
-        mc, cc = self.config.model_config, self.config.cache_config
+        cc = self.config.cache_config
         elem = self.config.kv_cache_dtype.itemsize
-        num_tensors = mc.kv_cache_layout.num_tensors
+        num_tensors = len(self._held_kv_tensors)
         draft = (0 if self._draft_config is None  # a draft model's blocks share the ids
                  else draft_kv_block_bytes(self._draft_config, cc.block_size,
                                            self.config.kv_cache_dtype))
@@ -181,11 +188,15 @@ class Worker:
         and shape share one view object; a KV-shared layer gets its source's."""
         mc, cc = self.config.model_config, self.config.cache_config
         layout = mc.kv_cache_layout
-        tensors = [self._kv_cache_zeros((2, num_blocks, cc.block_size * self._kv_width))
-                   for _ in range(layout.num_tensors)]
+        tensors = {i: self._kv_cache_zeros((2, num_blocks, cc.block_size * self._kv_width))
+                   for i in self._held_kv_tensors}
         views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         caches = []
         for layer in range(mc.num_layers):
+            if layer not in self.held_layers:  # another pipeline stage's: no cache here
+                caches.append(torch.empty(0, dtype=self.config.kv_cache_dtype,
+                                          device=self.device))
+                continue
             source = layout.layer_source[layer]
             kv_heads, head_dim = self._layer_kv_shape(source)
             scale = layout.groups[layout.layer_group[source]].block_scale
@@ -199,6 +210,13 @@ class Worker:
                     kv_cache_shape(num_blocks * scale, cc.block_size, kv_heads, head_dim))
             caches.append(views[key])
         return caches
+
+    @property
+    def _held_kv_tensors(self) -> list[int]:
+        """The layout's KV tensors this rank's layers use (all of them without stages)."""
+        layout = self.config.model_config.kv_cache_layout
+        return sorted({layout.layer_tensor[layout.layer_source[layer]]
+                       for layer in self.held_layers})
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         """The runner's KV cache views, each once (a draft model's included)."""

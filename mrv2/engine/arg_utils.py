@@ -143,7 +143,8 @@ class EngineArgs:
     def _parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               distributed_executor_backend=self.distributed_executor_backend,
-                              enable_expert_parallel=self.enable_expert_parallel)
+                              enable_expert_parallel=self.enable_expert_parallel,
+                              pipeline_parallel_size=self.pipeline_parallel_size)
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:
@@ -211,14 +212,22 @@ class EngineArgs:
                                            async_scheduling=(speculative_config is None
                                                              if self.async_scheduling is None
                                                              else self.async_scheduling),
-                                           num_scheduler_steps=self.num_scheduler_steps)
+                                           num_scheduler_steps=self._num_scheduler_steps())
+        # Pipeline stages hand their hidden states over between layers: no graph holds that.
         compilation_config = self._compilation_config().resolve(
-            device, max_tokens, self.max_num_seqs, enforce_eager=self.enforce_eager)
+            device, max_tokens, self.max_num_seqs,
+            enforce_eager=self.enforce_eager or self.pipeline_parallel_size > 1)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
                             compilation_config=compilation_config, device=device,
                             structured_outputs_config=self._structured_outputs_config(),
                             speculative_config=speculative_config)
+
+    def _num_scheduler_steps(self) -> int | None:
+        """As given; under pipeline stages None (auto: runs of several) is one step."""
+        if self.num_scheduler_steps is None and self.pipeline_parallel_size > 1:
+            return 1
+        return self.num_scheduler_steps
 
     def _speculative_config(self, runner: str, device: str, target: ModelConfig
                             ) -> SpeculativeConfig | None:

@@ -168,6 +168,9 @@ class Gemma4Model(LlamaModel):
 class Gemma4ForCausalLM(LlamaForCausalLM):
     layer_class = Gemma4DecoderLayer
     model_class = Gemma4Model
+    # KV-shared layers read earlier layers' caches, and per-layer inputs come from the
+    # embedding: its stages would need more than the stream.
+    supports_pipeline_parallel = False
 
     def declare(self, hf: Any) -> DecoderSpec:
         for field in ("enable_moe_block", "use_bidirectional_attention"):

@@ -46,6 +46,7 @@ from mrv2.models.layers.moe import expert_shard, feed_forward
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
 from mrv2.models.layers.norm import RMSNorm
+from mrv2.pipeline import MissingLayer, held_by_stage, receive_stream, send_stream, stage_layers
 from mrv2.models.layers.rotary import (RotaryEmbedding, RotaryInputs, apply_rotary_qk,
                                        normalize_heads, position_query_scale,
                                        rope_parameters_from_config)
@@ -166,10 +167,17 @@ class LlamaModel(nn.Module):
                  layer_class: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__()
         hf = model_config.hf_config
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
-        self.layers = nn.ModuleList(layer_class(model_config, spec, i)
-                                    for i in range(model_config.num_layers))
+        # Under pipeline stages: this stage's layers; the embedding on the first stage (and on
+        # the last, whose LM head it is when tied), the final norm on the last.
+        self.stage_layers = stage_layers(model_config.num_layers)
+        first, last = distributed.is_first_stage(), distributed.is_last_stage()
+        self.embed_tokens = (VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+                             if first or (last and spec.tied_embeddings) else None)
+        self.layers = nn.ModuleList(
+            layer_class(model_config, spec, i) if i in self.stage_layers else MissingLayer()
+            for i in range(model_config.num_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps, spec.norm_unit_offset)
+        self.stream_dtype = model_config.dtype  # what passes between stages
         self.embedding_scale = spec.embedding_scale
         self.position_query_scale = spec.position_query_scale
         # One table for all layers: positions can reach max_model_len even when it exceeds
@@ -189,7 +197,28 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        if distributed.get_pp_size() > 1:
+            return self.forward_stage(input_ids, positions, kv_caches, meta)
         return self.forward_layers(*self.embed(input_ids, positions), kv_caches, meta)
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """This pipeline stage's part of `forward` (mrv2/pipeline.py): the first embeds, the
+        others receive the stream; each runs its layers; all but the last send the stream on
+        (and return its hidden states, which nothing reads)."""
+        residual: torch.Tensor | None = None
+        if distributed.is_first_stage():
+            rope, hidden = self.embed(input_ids, positions)
+        else:
+            rope = self.rotary_inputs(positions, self.stream_dtype)
+            hidden, residual = receive_stream(input_ids.shape[0], self.norm.weight.shape[0],
+                                              self.stream_dtype, input_ids.device)
+        for i in self.stage_layers:
+            hidden, residual = self.layers[i](rope, hidden, residual, kv_caches[i], meta)
+        if not distributed.is_last_stage():
+            send_stream(hidden.to(self.stream_dtype), residual)
+            return hidden
+        return self.final_norm(hidden, residual)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[RotaryInputs, torch.Tensor]:
@@ -198,12 +227,15 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:  # rounded to the activation dtype, as Gemma's
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        cos, sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        return self.rotary_inputs(positions, hidden.dtype), hidden
+
+    def rotary_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryInputs:
+        cos, sin = self.rotary_emb.get_cos_sin(positions, dtype)
         local = (None if self.local_rotary_emb is None
-                 else self.local_rotary_emb.get_cos_sin(positions, hidden.dtype))
+                 else self.local_rotary_emb.get_cos_sin(positions, dtype))
         scale = (None if self.position_query_scale is None
                  else position_query_scale(positions, *self.position_query_scale))
-        return RotaryInputs(cos, sin, local, scale), hidden
+        return RotaryInputs(cos, sin, local, scale)
 
     def forward_layers(self, rope: RotaryInputs, hidden: torch.Tensor,
                        kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -211,6 +243,9 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta)
+        return self.final_norm(hidden, residual)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # layers that add their outputs into the stream themselves
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
@@ -224,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False  # Qwen3: per-head RMSNorm on q and k
     layer_class: type[nn.Module] = LlamaDecoderLayer
     model_class: type[LlamaModel] = LlamaModel
+    supports_pipeline_parallel = True  # LlamaModel.forward_stage runs its layers
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -233,7 +269,8 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_spec = self.declare(hf)
         self.model = self.model_class(model_config, self.decoder_spec, self.layer_class)
         self.lm_head: ParallelLMHead | None = (
-            None if self.tie_word_embeddings else ParallelLMHead(hf.vocab_size, hf.hidden_size))
+            None if self.tie_word_embeddings or not distributed.is_last_stage()
+            else ParallelLMHead(hf.vocab_size, hf.hidden_size))
 
     def declare(self, hf: Any) -> DecoderSpec:
         """What this architecture is, read from its config (subclasses add their traits)."""
@@ -273,9 +310,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters (`load_checkpoint_tensors`); a tied model
         reads its LM head from embed_tokens."""
-        tied = self.lm_head is None
+        tied = self.tie_word_embeddings
         return load_checkpoint_tensors(self, ((name, tensor) for name, tensor in weights
-                                              if not (tied and name == "lm_head.weight")))
+                                              if not (tied and name == "lm_head.weight")
+                                              and held_by_stage(self, name)))
 
 
 def load_checkpoint_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]

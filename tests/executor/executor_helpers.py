@@ -42,3 +42,10 @@ def fail_on_rank_0_then_die_on_rank_1(worker: object, delay_s: float) -> None:
         raise RuntimeError("a collective's peer reset the connection")
     time.sleep(delay_s)
     os._exit(1)
+
+
+def stage_of(worker: object) -> tuple[int, int, int]:
+    """A worker RPC: (first layer, end layer) of its pipeline stage, and how many of its
+    runner's layer KV caches have storage."""
+    held = worker.held_layers
+    return held.start, held.stop, sum(1 for c in worker.runner.kv_caches if c.numel())

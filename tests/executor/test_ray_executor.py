@@ -1,6 +1,7 @@
 """RayExecutor on a one-node Ray cluster on 127.0.0.1: started for the engine when none runs
-(and stopped with it), or joined; tensor-parallel ranks as actors give the single-process
-engine's greedy tokens; a killed actor fails every caller with EngineDeadError within 5 s;
+(and stopped with it), or joined (from another process too); tensor-parallel ranks and
+pipeline stages as actors give the single-process engine's greedy tokens; a killed actor
+fails every caller with EngineDeadError within 5 s;
 start-up failures (a worker's error, a placement the cluster cannot give) name what failed;
 nothing of the engine is left on the cluster after shutdown.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import operator
 import os
 import subprocess
@@ -87,56 +89,6 @@ def reference(tiny_dir) -> list[list[int]]:
         llm.shutdown()
 
 
-def test_starts_a_local_cluster_when_none_runs_and_stops_it(config, reference):
-    assert not ray.is_initialized()
-    core = EngineCore(config)  # the backend picks RayExecutor
-    try:
-        assert isinstance(core.executor, RayExecutor) and ray.is_initialized()
-        assert ray.util.get_node_ip_address() == "127.0.0.1"
-        assert core.executor.collective_rpc("determine_num_kv_blocks", timeout=30) == \
-            [core.executor.num_kv_blocks]
-    finally:
-        core.shutdown()
-    assert not ray.is_initialized()  # the executor stopped the cluster it started
-    _assert_nothing_left(core.executor)
-
-
-def test_tp2_actors_give_the_single_process_tokens(cluster, tiny_dir, reference):
-    llm = LLM(str(tiny_dir), max_model_len=128, tensor_parallel_size=2,
-              distributed_executor_backend="ray")
-    executor = llm.llm_engine.engine_core.executor
-    try:
-        assert isinstance(executor, RayExecutor)
-        assert len(set(_pids(executor))) == 2 and os.getpid() not in _pids(executor)
-        assert executor.distributed_init_method.startswith("tcp://127.0.0.1:")
-        heads = executor.collective_rpc(
-            operator.attrgetter("model.model.layers.0.self_attn.num_heads"))
-        assert heads == [2, 2]  # each rank holds half of the 4 heads
-        assert _generate(llm) == reference
-    finally:
-        llm.shutdown()
-    assert ray.is_initialized()  # a joined cluster outlives the engine
-    _assert_nothing_left(executor)
-
-
-def test_an_engine_core_process_joins_the_running_cluster(cluster, tiny_dir, tmp_path):
-    """An engine in another process (as `mrv2 serve`'s engine core) finds the running cluster
-    (as one `ray start` leaves) and places its worker there."""
-    script = tmp_path / "join.py"
-    script.write_text(
-        "import sys\nimport ray\nfrom mrv2 import LLM, SamplingParams\n"
-        "if __name__ == '__main__':\n"
-        f"    llm = LLM({str(tiny_dir)!r}, max_model_len=128, distributed_executor_backend='ray')\n"
-        "    out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=3))\n"
-        "    cpus = ray.cluster_resources()['CPU']\n"
-        "    print('cluster CPUs', cpus, len(out[0].outputs[0].token_ids))\n"
-        "    llm.shutdown()\n")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "cluster CPUs 4.0 3" in result.stdout  # this module's cluster (4 CPUs), not a new one
-
-
 def _add_requests(core: EngineCore, batch: int) -> None:
     for i, prompt in enumerate(PROMPTS):
         core.add_request(EngineCoreRequest(
@@ -144,10 +96,16 @@ def _add_requests(core: EngineCore, batch: int) -> None:
             sampling_params=GREEDY, arrival_time=0.0))
 
 
-def test_a_killed_actor_fails_every_caller_within_5_s(cluster, config):
-    core = EngineCore(config)
+def test_starts_a_local_cluster_and_a_killed_actor_fails_every_caller_within_5_s(config):
+    """With no cluster running, the executor starts one on 127.0.0.1 (and stops it at
+    shutdown); killing its worker actor mid-generation fails the stepping thread, and every
+    later call, with EngineDeadError within 5 s."""
+    assert not ray.is_initialized()
+    core = EngineCore(config)  # the backend picks RayExecutor
     executor = core.executor
     try:
+        assert isinstance(executor, RayExecutor) and ray.is_initialized()
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
         errors: list[BaseException] = []
         stop = time.monotonic() + 20
 
@@ -177,7 +135,50 @@ def test_a_killed_actor_fails_every_caller_within_5_s(cluster, config):
         assert time.monotonic() - start < 1
     finally:
         core.shutdown()
+    assert not ray.is_initialized()  # the executor stopped the cluster it started
     _assert_nothing_left(executor)
+
+
+def test_tp2_actors_give_the_single_process_tokens(cluster, tiny_dir, reference):
+    llm = LLM(str(tiny_dir), max_model_len=128, tensor_parallel_size=2,
+              distributed_executor_backend="ray")
+    executor = llm.llm_engine.engine_core.executor
+    try:
+        assert isinstance(executor, RayExecutor)
+        assert len(set(_pids(executor))) == 2 and os.getpid() not in _pids(executor)
+        assert executor.distributed_init_method.startswith("tcp://127.0.0.1:")
+        heads = executor.collective_rpc(
+            operator.attrgetter("model.model.layers.0.self_attn.num_heads"))
+        assert heads == [2, 2]  # each rank holds half of the 4 heads
+        assert _generate(llm) == reference
+    finally:
+        llm.shutdown()
+    assert ray.is_initialized()  # a joined cluster outlives the engine
+    _assert_nothing_left(executor)
+
+
+def test_another_process_joins_the_running_cluster_with_two_stages(cluster, tiny_dir,
+                                                                     reference, tmp_path):
+    """An engine in another process (as `mrv2 serve`'s engine core) finds the running cluster
+    (as one `ray start` leaves) and places its two pipeline stages there."""
+    script = tmp_path / "join.py"
+    script.write_text(
+        "import json, sys\nimport ray\nfrom mrv2 import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_dir)!r}, max_model_len=128, pipeline_parallel_size=2,\n"
+        "              distributed_executor_backend='ray')\n"
+        f"    prompts = [{{'prompt_token_ids': p}} for p in {PROMPTS!r}]\n"
+        "    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)\n"
+        "    out = llm.generate(prompts, params, use_tqdm=False)\n"
+        "    print(json.dumps([ray.cluster_resources()['CPU'],\n"
+        "                      [list(o.outputs[0].token_ids) for o in out]]))\n"
+        "    llm.shutdown()\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cpus, tokens = json.loads(result.stdout.strip().splitlines()[-1])
+    assert cpus == 4  # this module's cluster, not one of its own
+    assert tokens == reference
 
 
 def test_a_workers_start_up_error_carries_its_traceback(cluster, config):

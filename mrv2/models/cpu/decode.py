@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2 import platform
+from mrv2 import distributed, platform
 from mrv2.attention.backend import attention_backend
 from mrv2.attention import kv_numba
 from mrv2.attention.decode_numba import planned_threads, step_kv_bytes, work_split
@@ -301,8 +301,9 @@ def fused_decode(model) -> FusedDecode | None:
     """The fused paths of `model` (a causal LM whose `decoder_spec` the stack `supports`, its
     weights loaded and packed) when its inner model `qualifies` (checked once, on the loaded
     weights), with its LM head in the stack where `decode_logits.lm_head` takes it; else
-    None."""
+    None. A model split into pipeline stages has none: its stages hand over between layers."""
     inner, spec = getattr(model, "model", None), getattr(model, "decoder_spec", None)
-    if not supports(spec) or inner is None or not qualifies(inner):
+    if distributed.get_pp_size() > 1 or not supports(spec) or inner is None \
+            or not qualifies(inner):
         return None
     return FusedDecode(inner, lm_head(model), spec)

@@ -124,7 +124,6 @@ REFUSED = [
     (["--runner", "draft"], "--runner"),
     (["--convert", "classify"], "--convert"),
     (["--pooler-config", "MEAN"], "--pooler-config"),
-    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 (--pipeline-parallel-size)"),
     (["-dp", "2"], "data_parallel_size=2 (--data-parallel-size)"),
     (["--scheduling-policy", "priority"], "scheduling_policy='priority' (--scheduling-policy)"),
     (["--distributed-executor-backend", "external_launcher"],
