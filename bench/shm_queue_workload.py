@@ -63,6 +63,20 @@ class EchoWorker:
         return runner_output(scheduler_output)
 
 
+class TwoPhaseEchoWorker:
+    """A worker without a model for an executor (bench/test_executor_round_trip.py): phase 1
+    keeps the step, phase 2 answers it as the runner would."""
+
+    def __init__(self, config: object) -> None:
+        self._step: SchedulerOutput | None = None
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self._step = scheduler_output
+
+    def sample_tokens(self, grammar_output: object) -> ModelRunnerOutput:
+        return runner_output(self._step)
+
+
 RAW = b"RAW"
 
 

@@ -41,6 +41,7 @@ from executor.shm_segment import unlink_segment
 from executor.worker_proc import import_object, worker_main
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
+    from executor.rank_broadcast import RankBroadcast
     from mrv2.config import EngineConfig
     from mrv2.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -120,7 +121,8 @@ class MultiprocExecutor(Executor):
         self._response_names: list[str] = []
         self._monitor: threading.Thread | None = None
         self._wake_r, self._wake_w = pipe()
-        self._requests = ShmQueueWriter(self.world_size, num_chunks, chunk_bytes)
+        # The broadcast to every rank (set by _start_workers; rank_broadcast.py across nodes).
+        self._requests: ShmQueueWriter | RankBroadcast | None = None
         ref = weakref.ref(self)
         atexit.register(lambda: (ex := ref()) is not None and ex.shutdown())
         try:
@@ -136,6 +138,7 @@ class MultiprocExecutor(Executor):
     def _start_workers(self, worker_cls: str, queue_shape: tuple[int, int],
                        timeout: float) -> None:
         """Start one process per rank, reading the broadcast queue; fills `_responses`."""
+        self._requests = ShmQueueWriter(self.world_size, *queue_shape)
         if self.world_size > 1:
             self.distributed_init_method = distributed_init_method()
         death_r, self._death_w = pipe()
@@ -182,7 +185,8 @@ class MultiprocExecutor(Executor):
             self._dead = reason
         logger.error("MultiprocExecutor failed: %s", reason)
         self._fail_pending()
-        self._requests.unlink()  # marks the queue closed: idle workers exit on their own
+        if self._requests is not None:  # marks the queue closed: idle workers exit on their own
+            self._requests.unlink()
         self._stop_workers(grace=0.5)
         for name in self._response_names:
             unlink_segment(name)
@@ -326,7 +330,7 @@ class MultiprocExecutor(Executor):
             healthy = self._dead is None
             if healthy:
                 self._dead = "the executor was shut down"
-        if healthy and self._send_lock.acquire(timeout=1.0):
+        if healthy and self._requests is not None and self._send_lock.acquire(timeout=1.0):
             try:
                 self._requests.enqueue(self._encoder.encode(
                     RPCCall(-1, SHUTDOWN_METHOD, (), NO_REPLY)), timeout=0.5)
@@ -343,7 +347,8 @@ class MultiprocExecutor(Executor):
         self._fail_pending()
         for queue in self._responses:
             queue.close()
-        self._requests.close()
+        if self._requests is not None:
+            self._requests.close()
         for name in self._response_names:
             unlink_segment(name)
         self._wake_r.close()

@@ -42,7 +42,7 @@ def import_ray() -> Any:
 
 def _cluster_running() -> bool:
     """A cluster to join: RAY_ADDRESS, or the address file `ray start` leaves in Ray's temp dir."""
-    temp = os.environ.get("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "ray"))
+    temp = os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray")
     return bool(os.environ.get("RAY_ADDRESS")) or os.path.exists(
         os.path.join(temp, "ray_current_cluster"))
 

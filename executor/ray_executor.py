@@ -2,9 +2,11 @@
 
 As vLLM's Ray executor now does, Ray only places and supervises the workers; the step's
 messages take the multiprocess executor's path (executor/multiproc.py: one msgspec-encoded
-broadcast over the shared-memory queue, replies on one queue per rank, the two-phase
-`execute_model` / `sample_tokens` contract), and the ranks form their torch.distributed group
-(gloo on CPU, NCCL on CUDA) at rank 0's node address.
+broadcast, replies on one queue per rank, the two-phase `execute_model` / `sample_tokens`
+contract), and the ranks form their torch.distributed groups (gloo on CPU, NCCL on CUDA) at
+rank 0's node address. Ranks on the engine core's node read the broadcast from shared memory;
+a rank on another node gets the same frames over a ZMQ channel each way
+(executor/rank_broadcast.py, executor/zmq_channel.py).
 
 Start-up: join the cluster, or start a local one on 127.0.0.1 (executor/ray_cluster.py); a
 placement group of one bundle per rank; one `RayWorkerActor` per bundle
@@ -17,9 +19,6 @@ process does: every pending and later call raises `EngineDeadError`.
 
 Shutdown: the shutdown message, then every actor is killed and the placement group removed,
 so nothing of the engine stays on the cluster; a cluster this executor started is stopped.
-
-Every rank must share a node with the engine core: the queue is shared memory. A rank placed
-on another node is refused at start-up, by name.
 """
 
 from __future__ import annotations
@@ -33,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 from executor.errors import WorkerStartupError
 from executor.multiproc import MultiprocExecutor
 from executor.ray_cluster import carried_env, import_ray, join_or_start, place_ranks
-from executor.ray_worker import RayWorkerActor
+from executor.rank_broadcast import RankBroadcast
+from executor.ray_worker import RankChannel, RayWorkerActor
 from executor.serial import Ready
 from executor.shm_queue import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_CHUNKS, ShmQueueReader
+from executor.zmq_channel import ZmqReceiver, ZmqSender
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
     from mrv2.config import EngineConfig
@@ -81,28 +82,48 @@ class RayExecutor(MultiprocExecutor):
                 runtime_env={"env_vars": carried_env()}).remote(list(sys.path)))
         deadline = time.monotonic() + timeout
         self._where = self._gather([a.where.remote() for a in self._actors], deadline, "where")
-        here = ray.get_runtime_context().get_node_id()
-        for rank, (node, address, _, _) in enumerate(self._where):
-            if node != here:
-                raise WorkerStartupError(
-                    f"worker rank {rank} was placed on node {address} ({node}), not on the "
-                    f"engine core's node: the executor's message queue is shared memory, so "
-                    f"every rank must run on the engine core's node", rank=rank)
         if self.world_size > 1:
             _, address, _, port = self._where[0]
             self.distributed_init_method = f"tcp://{address}:{port}"
+        channels, replies = self._open_channels(queue_shape)
+        self._responses = list(replies.values())  # closed at shutdown, if start-up fails
         readies: list[Ready] = self._gather(
-            [actor.start.remote(rank, self.config, worker_cls, self._requests.handle,
-                                queue_shape, self.distributed_init_method)
+            [actor.start.remote(rank, self.config, worker_cls, channels[rank], queue_shape,
+                                self.distributed_init_method)
              for rank, actor in enumerate(self._actors)], deadline, "start")
         for ready in readies:
             if ready.error is not None:
                 raise WorkerStartupError(
                     f"worker rank {ready.rank} ({self._name(ready.rank)}) failed to start:\n"
                     f"{ready.error}", rank=ready.rank, remote_traceback=ready.error)
-        self._response_names = [ready.response.name for ready in readies]
-        self._responses = [ShmQueueReader(ready.response, 0) for ready in readies]
+        self._response_names = [r.response.name for r in readies if r.response is not None]
+        self._responses = [replies[rank] if ready.response is None
+                           else ShmQueueReader(ready.response, 0)
+                           for rank, ready in enumerate(readies)]
         self._serving = [actor.serve.remote() for actor in self._actors]
+
+    def _is_local(self, rank: int) -> bool:
+        """Whether rank `rank` runs on the engine core's node (and so reads shared memory)."""
+        return self._where[rank][0] == self._ray.get_runtime_context().get_node_id()
+
+    def _open_channels(self, queue_shape: tuple[int, int]
+                       ) -> tuple[list[RankChannel], dict[int, ZmqReceiver]]:
+        """Each rank's channel, the broadcast behind them (`_requests`), and the reply ends of
+        the ranks on other nodes (bound here, on this node's address)."""
+        local = [rank for rank in range(self.world_size) if self._is_local(rank)]
+        host = self._ray.util.get_node_ip_address()
+        senders = {rank: ZmqSender(bind_host=host) for rank in range(self.world_size)
+                   if rank not in local}
+        replies = {rank: ZmqReceiver(bind_host=host) for rank in senders}
+        self._requests = RankBroadcast(len(local), list(senders.values()), *queue_shape)
+        channels = [RankChannel(shm=self._requests.handle, reader=local.index(rank))
+                    if rank in local else
+                    RankChannel(requests=senders[rank].address, replies=replies[rank].address)
+                    for rank in range(self.world_size)]
+        if senders:
+            logger.info("worker rank(s) %s run on other nodes: their calls go over ZMQ",
+                        sorted(senders))
+        return channels, replies
 
     def _gather(self, refs: list[Any], deadline: float, what: str) -> list[Any]:
         """Every call's result by `deadline`; a rank that died or stays silent fails start-up."""

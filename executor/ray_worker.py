@@ -4,11 +4,13 @@ The actor is a plain class, made remote by the executor (executor/ray_executor.p
 importing this module does not import Ray. Its calls, in order:
 - `where()`: its node id, node address, process id and a free port on its node (rank 0's is
   where the tensor-parallel group meets);
-- `start(...)`: build the worker and attach to the engine's broadcast queue, as a spawned
-  worker process does (executor/worker_proc.py); returns `Ready` (the reply queue's handle, or
-  the start-up traceback);
-- `serve()`: run calls until the shutdown message or a closed queue. It blocks the actor; its
-  result (or error, when the actor dies) is how the executor learns that the rank is gone.
+- `start(...)`: build the worker and open its `RankChannel`: on the engine core's node the
+  broadcast queue (shared memory, as a spawned worker process reads it:
+  executor/worker_proc.py) and a reply queue of its own; on another node a ZMQ channel each
+  way (executor/zmq_channel.py). Returns `Ready` (the reply queue's handle, or the start-up
+  traceback);
+- `serve()`: run calls until the shutdown message or a closed channel. It blocks the actor;
+  its result (or error, when the actor dies) is how the executor learns that the rank is gone.
 
 Ray fate-shares a non-detached actor with the process that created it, so the actor does not
 need the death pipe a spawned worker watches.
@@ -20,15 +22,34 @@ import os
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from executor.process import get_open_port
 from executor.serial import Ready
-from executor.shm_queue import ShmQueueHandle
-from executor.worker_proc import open_worker, serve_worker
+from executor.shm_queue import ShmQueueHandle, ShmQueueReader, ShmQueueWriter
+from executor.worker_proc import make_worker, serve_worker
+from executor.zmq_channel import ZmqReceiver, ZmqSender
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
     from mrv2.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RankChannel:
+    """How a rank hears the engine core: `shm` (the broadcast queue) as reader `reader`, or,
+    on another node, ZMQ addresses to connect to: `requests` (calls in), `replies` (out)."""
+
+    shm: ShmQueueHandle | None = None
+    reader: int = 0
+    requests: str | None = None
+    replies: str | None = None
+
+    def open(self, queue_shape: tuple[int, int]) -> tuple[Any, Any]:
+        """(the calls' reader, the replies' writer)."""
+        if self.shm is not None:
+            return ShmQueueReader(self.shm, self.reader), ShmQueueWriter(1, *queue_shape)
+        return ZmqReceiver(address=self.requests), ZmqSender(address=self.replies)
 
 
 class RayWorkerActor:
@@ -46,7 +67,7 @@ class RayWorkerActor:
         return (ray.get_runtime_context().get_node_id(), address, os.getpid(),
                 get_open_port(address))
 
-    def start(self, rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
+    def start(self, rank: int, config: EngineConfig, worker_cls: str, channel: RankChannel,
               queue_shape: tuple[int, int], distributed_init_method: str | None) -> Ready:
         self._rank = rank
         # Ray sets this process's intra-op threads to its bundle's CPU count (1); a spawned
@@ -54,12 +75,17 @@ class RayWorkerActor:
         import torch
 
         torch.set_num_threads(len(os.sched_getaffinity(0)))
+        requests = responses = None
         try:
-            self._opened = open_worker(rank, config, worker_cls, rpc, queue_shape,
-                                       distributed_init_method)
+            worker = make_worker(worker_cls, config, rank, distributed_init_method)
+            requests, responses = channel.open(queue_shape)
         except BaseException:
+            for queue in (requests, responses):
+                if queue is not None:
+                    queue.close()
             return Ready(rank, os.getpid(), error=traceback.format_exc())
-        return Ready(rank, os.getpid(), response=self._opened[2].handle)
+        self._opened = (worker, requests, responses)
+        return Ready(rank, os.getpid(), response=getattr(responses, "handle", None))
 
     def serve(self) -> None:
         if self._opened is None:

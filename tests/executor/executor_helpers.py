@@ -19,8 +19,11 @@ def worker_pids(executor: MultiprocExecutor) -> list[int]:
 
 
 def shm_names(executor: MultiprocExecutor) -> list[str]:
-    """The shared-memory segments the executor's queues use (/dev/shm/<name> on Linux)."""
-    return [executor._requests.name, *executor._response_names]
+    """The shared-memory segments the executor's queues use (/dev/shm/<name> on Linux): the
+    broadcast's (a RankBroadcast's local queue, when it has one) and the replies'."""
+    requests = executor._requests
+    shm = getattr(requests, "local", requests)
+    return [*([] if shm is None else [shm.name]), *executor._response_names]
 
 
 def frozen_object_count(_worker: object = None) -> int:

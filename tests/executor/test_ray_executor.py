@@ -157,6 +157,33 @@ def test_tp2_actors_give_the_single_process_tokens(cluster, tiny_dir, reference)
     _assert_nothing_left(executor)
 
 
+class RanksAsIfOnTwoNodes(RayExecutor):
+    """Rank 0 on the engine core's node, every other rank as if on a second node: their calls
+    and replies travel over ZMQ channels instead of shared memory (one node cannot hold a
+    second Ray node on 127.0.0.1)."""
+
+    def _is_local(self, rank: int) -> bool:
+        return rank == 0
+
+
+def test_a_rank_on_another_node_hears_the_engine_over_zmq(cluster, config, reference):
+    two = dataclasses.replace(config, parallel_config=ParallelConfig(
+        tensor_parallel_size=2, distributed_executor_backend="ray"))
+    core = EngineCore(two, executor_class=RanksAsIfOnTwoNodes)
+    executor = core.executor
+    try:
+        assert len(executor._requests.remote) == 1 and len(executor._response_names) == 1
+        _add_requests(core, 0)
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert [tokens[f"0-{i}"] for i in range(len(PROMPTS))] == reference
+    finally:
+        core.shutdown()
+    _assert_nothing_left(executor)
+
+
 def test_another_process_joins_the_running_cluster_with_two_stages(cluster, tiny_dir,
                                                                      reference, tmp_path):
     """An engine in another process (as `mrv2 serve`'s engine core) finds the running cluster
