@@ -26,7 +26,7 @@ import numpy as np
 from executor.packed import int32_bytes, ones_int32_bytes
 from executor.serial import MethodTypes, MsgpackEncoder, RPCCall, RPCReply
 from executor.shm_queue import DEFAULT_SPIN_S, ShmQueueReader, ShmQueueWriter
-from mrv2.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from mrv2.protocol import CachedRequestData, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 def decode_step(num_reqs: int, step: int = 0) -> SchedulerOutput:
@@ -73,7 +73,7 @@ class TwoPhaseEchoWorker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._step = scheduler_output
 
-    def sample_tokens(self, grammar_output: object) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return runner_output(self._step)
 
 
