@@ -1,5 +1,5 @@
-"""How the engine spreads over processes: tensor-parallel ranks, pipeline stages, and the
-executor that runs them."""
+"""How the engine spreads over processes: tensor-parallel ranks, pipeline stages, the executor
+that runs them, and data-parallel engine cores."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ class ParallelConfig:
     their KV cache), each stage `tensor_parallel_size` ranks (mrv2/pipeline.py). Global rank
     r is stage r // tp, tensor-parallel rank r % tp (vLLM's order).
 
+    `data_parallel_size` engine cores, each with the whole model (and its own world of ranks),
+    behind one front end that spreads requests over them (mrv2/engine/dp_client.py; the
+    server's AsyncLLM).
+
     `distributed_executor_backend`: "uni" runs the worker in the engine core's process, "mp"
     runs one worker process per rank fed over shared memory, "ray" the same workers as Ray
     actors placed on a Ray cluster (vLLM's names; Ray is the `ray` extra). None picks "uni"
@@ -34,10 +38,11 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         tp, ep = self.tensor_parallel_size, self.enable_expert_parallel
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ConfigError(f"{name}={size!r} must be a positive integer")

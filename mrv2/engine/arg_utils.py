@@ -144,7 +144,8 @@ class EngineArgs:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               distributed_executor_backend=self.distributed_executor_backend,
                               enable_expert_parallel=self.enable_expert_parallel,
-                              pipeline_parallel_size=self.pipeline_parallel_size)
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              data_parallel_size=self.data_parallel_size)
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:

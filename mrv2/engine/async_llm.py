@@ -26,6 +26,7 @@ from mrv2.config import EngineConfig
 from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.async_client import AsyncMPClient
 from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, RequestRejectedError
+from mrv2.engine.dp_client import DPAsyncClient
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.llm_engine import child_sampling_params, core_requests, user_request_id
 from mrv2.engine.output_processor import OutputProcessor
@@ -127,8 +128,11 @@ class AsyncLLM:
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
         self.config = config
         # Start the core first: the tokenizer loads here while the core process starts.
-        self.engine_core = AsyncMPClient(config, executor_class=executor_class,
-                                         startup_timeout_s=startup_timeout_s)
+        # Data parallelism: several cores behind one client (mrv2/engine/dp_client.py).
+        client = (DPAsyncClient if config.parallel_config.data_parallel_size > 1
+                  else AsyncMPClient)
+        self.engine_core: AsyncMPClient | DPAsyncClient = client(
+            config, executor_class=executor_class, startup_timeout_s=startup_timeout_s)
         try:
             self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
             self.input_processor = InputProcessor(config, self.tokenizer)
@@ -313,9 +317,17 @@ class AsyncLLM:
     # -- utilities and shutdown --------------------------------------------------------------
 
     async def get_stats(self) -> CoreStats:
-        """The core's scheduler stats: running / waiting requests, KV usage, prefix cache."""
+        """The core's scheduler stats: running / waiting requests, KV usage, prefix cache
+        (under data parallelism, the cores' together)."""
         self._check_running()
         return await self.engine_core.get_stats_async()
+
+    async def get_engine_stats(self) -> list[CoreStats]:
+        """Each engine core's stats, by data-parallel index (one without data parallelism)."""
+        self._check_running()
+        if isinstance(self.engine_core, DPAsyncClient):
+            return await self.engine_core.get_engine_stats_async()
+        return [await self.engine_core.get_stats_async()]
 
     async def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (EngineCore.sleep): level 1 frees the KV cache, 2 the weights too."""

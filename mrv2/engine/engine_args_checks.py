@@ -16,8 +16,8 @@ refuse the others with the same error.
 - `optimization_level` 0-3 (vLLM's -O; `compilation_config` as an int is the same level): mrv2
   has no torch.compile, only CUDA graphs. 0 turns them off; 1-3 keep mrv2's default mode;
   explicit `compilation_config` fields win over the level, as in vLLM.
-- `data_parallel_size`: 1, what mrv2 runs (one engine); `pipeline_parallel_size` is
-  ParallelConfig's.
+- `pipeline_parallel_size`, `data_parallel_size`: ParallelConfig's (the offline LLM runs one
+  engine: data parallelism is the server's).
 - `scheduling_policy`: fcfs, mrv2's scheduler; priority is refused.
 - `generation_config`, `override_generation_config`: which generation_config.json gives the
   default sampling parameters, and fields over it (mrv2/entrypoints/openai/generation_config.py).
@@ -118,9 +118,6 @@ def check_vllm_options(args: EngineArgs) -> None:
     check_optimization_level("optimization_level", args.optimization_level)
     if isinstance(args.compilation_config, int) and not isinstance(args.compilation_config, bool):
         check_optimization_level("compilation_config", args.compilation_config)  # a level
-    if args.data_parallel_size != 1:
-        raise refuse("data_parallel_size", args.data_parallel_size, "mrv2 runs one engine "
-                     "(use tensor_parallel_size or pipeline_parallel_size to split a model)")
     if args.scheduling_policy != "fcfs":
         raise refuse("scheduling_policy", args.scheduling_policy,
                      "mrv2 schedules first come, first served ('fcfs')")

@@ -30,6 +30,7 @@ from mrv2.engine.arg_utils import EngineArgs
 from mrv2.engine.client import InprocClient, MPClient, RequestRejectedError
 from mrv2.engine.input_processor import InputProcessor, PromptType
 from mrv2.engine.output_processor import OutputProcessor
+from mrv2.errors import ConfigError
 from mrv2.models.tokenizer import load_tokenizer
 from mrv2.outputs import (Counter, Gauge, Histogram, Metric, RequestOutput, RequestOutputKind,
                           RequestStateStats, Vector)
@@ -160,6 +161,11 @@ class LLMEngine:
     def __init__(self, engine_args: EngineArgs, multiprocess_core: bool = False) -> None:
         self.config = engine_args.create_engine_config()
         self.max_logprobs = engine_args.max_logprobs
+        dp = self.config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ConfigError(f"data_parallel_size={dp}: the offline LLM / LLMEngine runs one "
+                              f"engine core; data parallelism is the server's (mrv2 serve -dp, "
+                              f"AsyncLLM)")
         if multiprocess_core:
             # Started first: the tokenizer loads while the core process starts.
             self.core_client = MPClient(self.config)

@@ -37,7 +37,6 @@ REFUSED = [
     ({"optimization_level": 4}, "optimization_level=4 (--optimization-level)"),
     ({"optimization_level": True}, "optimization_level=True"),
     ({"compilation_config": 7}, "compilation_config=7 (--compilation-config)"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2 (--data-parallel-size)"),
     ({"scheduling_policy": "priority"}, "scheduling_policy='priority' (--scheduling-policy)"),
     ({"override_generation_config": {"do_sample": True}}, "override_generation_config="),
     ({"distributed_executor_backend": "external_launcher"},

@@ -357,7 +357,6 @@ def test_llm_defaults_are_the_servers_but_for_the_stats_log(monkeypatch):
     ("hf_overrides", ["--hf-overrides", '{"rope_theta": 1}']),
     ("optimization_level", ["-O", "7"]),
     ("compilation_config", ["-cc", "9"]),
-    ("data_parallel_size", ["-dp", "2"]),
     ("scheduling_policy", ["--scheduling-policy", "priority"]),
     ("distributed_executor_backend", ["--distributed-executor-backend", "external_launcher"]),
     ("generation_config", ["--generation-config", "bogus"]),

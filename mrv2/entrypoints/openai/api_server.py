@@ -192,7 +192,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         CONTENT_TYPE, "Prometheus metrics (text exposition format)"))
     async def metrics_endpoint() -> Response:
         try:
-            stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
+            stats = await asyncio.wait_for(engine.get_engine_stats(), STATS_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - a dead engine still has API metrics
             logger.debug("no engine stats for /metrics: %r", error)
             stats = None

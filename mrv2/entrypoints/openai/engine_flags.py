@@ -10,8 +10,8 @@ honour it or refuse it with a ConfigError naming it (mrv2/engine/engine_args_che
 - `--max-logprobs`: EngineArgs.max_logprobs (the server checks requests against it too).
 - `--trust-remote-code` (a permission: no Hub code ever runs in mrv2), `--tokenizer-mode` auto |
   hf, `--load-format` auto | safetensors | gguf, `--swap-space` 0 | 4, `--hf-overrides` (none),
-  `-dp` / `--data-parallel-size` 1, `--scheduling-policy` fcfs: what engine_args_checks.py
-  takes; other values are refused. `-pp` / `--pipeline-parallel-size`: ParallelConfig's.
+  `--scheduling-policy` fcfs: what engine_args_checks.py takes; other values are refused.
+  `-pp` / `--pipeline-parallel-size`, `-dp` / `--data-parallel-size`: ParallelConfig's.
 - `--enable-chunked-prefill` / `--no-enable-chunked-prefill`: EngineArgs.enable_chunked_prefill
   (off: a prompt is prefilled in one step, and the step budget is at least max_model_len).
 - `--distributed-executor-backend` uni | mp | ray: EngineArgs' (ray: the ranks as actors on a
@@ -108,7 +108,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="pipeline stages, each a run of the layers (times -tp ranks)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="only 1: mrv2 runs one engine")
+                        help="engine cores behind the server, each with the whole model; "
+                             "requests go to the least loaded")
     parser.add_argument("--scheduling-policy", default="fcfs",
                         help="fcfs (mrv2's scheduler); priority is not supported")
     parser.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),

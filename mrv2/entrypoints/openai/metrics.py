@@ -27,59 +27,69 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 
 
 class _EngineCollector(Collector):
-    """The latest CoreStats snapshot as gauges and counters (nothing before the first)."""
+    """The latest CoreStats snapshot of each engine core as gauges and counters, labelled by
+    the core's data-parallel index (`engine`, as vLLM labels them); nothing before the first."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats: CoreStats | None = None
+        self.stats: list[CoreStats] | None = None
 
     def describe(self) -> list:
         return []
 
     def collect(self) -> Iterator:
-        stats, labels = self.stats, [self.model_name]
-        if stats is None:
+        if not self.stats:
             return
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries \
-            if stats.prefix_cache_queries else 0.0
-        for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", stats.num_running),
-                ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-                 stats.kv_cache_usage),
-                ("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.", hit_rate)):
-            prefix = "mrv2:" if name == "prefix_cache_hit_rate" else "vllm:"
-            gauge = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
-            gauge.add_metric(labels, value)
+        names = ["model_name", "engine"]
+        engines = [([self.model_name, str(i)], stats) for i, stats in enumerate(self.stats)]
+        gauges = (
+            ("vllm:num_requests_running", "Requests in the running batch.",
+             lambda s: s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+             lambda s: s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+             lambda s: s.kv_cache_usage),
+            ("mrv2:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.",
+             lambda s: s.prefix_cache_hits / s.prefix_cache_queries
+             if s.prefix_cache_queries else 0.0))
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            for labels, stats in engines:
+                gauge.add_metric(labels, value(stats))
             yield gauge
         for name, doc, value in (
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 stats.prefix_cache_queries),
+                 lambda s: s.prefix_cache_queries),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 stats.prefix_cache_hits),
-                ("num_preemptions", "Requests preempted.", stats.num_preemptions)):
-            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
-            counter.add_metric(labels, value)
+                 lambda s: s.prefix_cache_hits),
+                ("num_preemptions", "Requests preempted.", lambda s: s.num_preemptions)):
+            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=names)
+            for labels, stats in engines:
+                counter.add_metric(labels, value(stats))
             yield counter
-        if stats.spec_decode:  # SpecDecodeStats.totals
-            yield from _spec_decode_counters(stats.spec_decode, labels)
+        spec = [(labels, stats.spec_decode) for labels, stats in engines if stats.spec_decode]
+        if spec:  # SpecDecodeStats.totals
+            yield from _spec_decode_counters(spec, names)
 
 
-def _spec_decode_counters(totals: list[int], labels: list[str]) -> Iterator:
-    """vLLM's speculative-decoding counters; accepted drafts per position labelled by it."""
-    drafts, draft_tokens, accepted, *per_pos = totals
-    for name, doc, value in (
-            ("num_drafts", "Verify steps of a request with drafts.", drafts),
-            ("num_draft_tokens", "Draft tokens verified.", draft_tokens),
-            ("num_accepted_tokens", "Draft tokens accepted.", accepted)):
-        counter = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
-        counter.add_metric(labels, value)
+def _spec_decode_counters(engines: list[tuple[list[str], list[int]]], names: list[str]
+                          ) -> Iterator:
+    """vLLM's speculative-decoding counters (each engine's SpecDecodeStats.totals); accepted
+    drafts per position labelled by it."""
+    for column, (name, doc) in enumerate((
+            ("num_drafts", "Verify steps of a request with drafts."),
+            ("num_draft_tokens", "Draft tokens verified."),
+            ("num_accepted_tokens", "Draft tokens accepted."))):
+        counter = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=names)
+        for labels, totals in engines:
+            counter.add_metric(labels, totals[column])
         yield counter
     counter = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted at each position.",
-                                  labels=["model_name", "position"])
-    for position, value in enumerate(per_pos):
-        counter.add_metric([*labels, str(position)], value)
+                                  labels=[*names, "position"])
+    for labels, totals in engines:
+        for position, value in enumerate(totals[3:]):
+            counter.add_metric([*labels, str(position)], value)
     yield counter
 
 
@@ -145,8 +155,8 @@ class ServerMetrics:
     def request_timer(self, num_prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, num_prompt_tokens)
 
-    def render(self, stats: CoreStats | None) -> bytes:
-        """The exposition text; `stats` None (the engine did not answer) leaves the engine's
-        metrics out."""
+    def render(self, stats: list[CoreStats] | None) -> bytes:
+        """The exposition text, with each engine core's `stats` (by data-parallel index); None
+        (the engine did not answer) leaves the engines' metrics out."""
         self._engine.stats = stats
         return generate_latest(self.registry)

@@ -42,7 +42,8 @@ class RemoteServer(ServerProcess):
                                   **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        """Sample name (labels dropped; one model) -> value, parsed with prometheus_client."""
+        """Sample name (labels dropped; one model, one engine) -> value, parsed with
+        prometheus_client."""
         from prometheus_client.parser import text_string_to_metric_families
 
         response = httpx.get(f"{self.url}/metrics", timeout=10)
@@ -50,7 +51,7 @@ class RemoteServer(ServerProcess):
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
-                if set(sample.labels) <= {"model_name"}:
+                if set(sample.labels) <= {"model_name", "engine"}:
                     values[sample.name] = sample.value
         return values
 

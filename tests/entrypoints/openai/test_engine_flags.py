@@ -124,7 +124,6 @@ REFUSED = [
     (["--runner", "draft"], "--runner"),
     (["--convert", "classify"], "--convert"),
     (["--pooler-config", "MEAN"], "--pooler-config"),
-    (["-dp", "2"], "data_parallel_size=2 (--data-parallel-size)"),
     (["--scheduling-policy", "priority"], "scheduling_policy='priority' (--scheduling-policy)"),
     (["--distributed-executor-backend", "external_launcher"],
      "distributed_executor_backend='external_launcher'"),

@@ -35,7 +35,7 @@ def test_render_parses_and_carries_engine_and_request_metrics():
     timer.on_request_finished(aborted=False)
     aborted = metrics.request_timer(num_prompt_tokens=2)
     aborted.on_request_finished(aborted=True)
-    values = _samples(metrics.render(STATS).decode())
+    values = _samples(metrics.render([STATS]).decode())
     assert values["vllm:num_requests_running"] == 3
     assert values["vllm:num_requests_waiting"] == 2
     assert values["vllm:kv_cache_usage_perc"] == 0.25
@@ -59,8 +59,8 @@ def test_spec_decode_counters_as_vllm_names_them():
 
     stats = msgspec.structs.replace(STATS, spec_decode=[4, 12, 7, 4, 2, 1])
     families = {f.name: f for f in text_string_to_metric_families(
-        ServerMetrics("m").render(stats).decode())}
-    values = _samples(ServerMetrics("m").render(stats).decode())
+        ServerMetrics("m").render([stats]).decode())}
+    values = _samples(ServerMetrics("m").render([stats]).decode())
     assert values["vllm:spec_decode_num_drafts_total"] == 4
     assert values["vllm:spec_decode_num_draft_tokens_total"] == 12
     assert values["vllm:spec_decode_num_accepted_tokens_total"] == 7
@@ -69,7 +69,26 @@ def test_spec_decode_counters_as_vllm_names_them():
                if s.name.endswith("_total")}
     assert per_pos == {"0": 4, "1": 2, "2": 1}
     assert "vllm:spec_decode_num_drafts_total" not in _samples(
-        ServerMetrics("m").render(STATS).decode())
+        ServerMetrics("m").render([STATS]).decode())
+
+
+def test_each_engine_core_has_its_own_series_labelled_by_its_index():
+    import msgspec
+
+    other = msgspec.structs.replace(STATS, num_running=1, kv_cache_usage=0.5,
+                                    spec_decode=[1, 2, 1, 1])
+    families = {f.name: f for f in text_string_to_metric_families(
+        ServerMetrics("m").render([STATS, other]).decode())}
+    running = {s.labels["engine"]: s.value
+               for s in families["vllm:num_requests_running"].samples}
+    assert running == {"0": 3, "1": 1}
+    assert {s.labels["engine"]: s.value for s in families["vllm:kv_cache_usage_perc"].samples} \
+        == {"0": 0.25, "1": 0.5}
+    assert all(s.labels["model_name"] == "m" for s in families["vllm:num_requests_running"]
+               .samples)
+    drafts = [s for s in families["vllm:spec_decode_num_drafts"].samples
+              if s.name.endswith("_total")]
+    assert [(s.labels["engine"], s.value) for s in drafts] == [("1", 1)]  # only it drafts
 
 
 def test_server_metrics_count_a_request(server, client):
