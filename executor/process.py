@@ -3,7 +3,7 @@ the multiprocess executor (executor/multiproc.py, worker_proc.py).
 
 Parent side:
 - `pipe()` / `spawn()`: spawn-context pipes and processes; the pipe ends handed to the child
-  are closed in the parent once it started.
+  are closed in the parent once it started; the child may start with extra variables.
 - `wait_ready()`: the start-up handshake. Each child sends one msgpack message over its ready
   pipe (a struct with an `error` field: None, or the start-up traceback text); a child that
   reports an error, exits or stays silent past the timeout raises `WorkerStartupError`.
@@ -54,12 +54,14 @@ def pipe() -> tuple[multiprocessing.connection.Connection, multiprocessing.conne
 
 
 def spawn(target: Callable, args: tuple, *, name: str, daemon: bool = False,
-          child_ends: Sequence[multiprocessing.connection.Connection] = ()
-          ) -> mp.process.BaseProcess:
-    """Start `target(*args)` in a spawned process; close `child_ends` here once it started."""
+          child_ends: Sequence[multiprocessing.connection.Connection] = (),
+          env: dict[str, str] | None = None) -> mp.process.BaseProcess:
+    """Start `target(*args)` in a spawned process; close `child_ends` here once it started.
+    `env`: variables the child starts with on top of this process's (read by libraries as
+    they load, before any of the child's code runs: thread pools' sizes)."""
     proc = SPAWN.Process(target=target, name=name, daemon=daemon, args=args)
     try:
-        with _main_importable_by_children():
+        with _main_importable_by_children(), _child_environment(env or {}):
             proc.start()
     finally:
         for conn in child_ends:
@@ -68,6 +70,27 @@ def spawn(target: Callable, args: tuple, *, name: str, daemon: bool = False,
 
 
 _MAIN_LOCK = threading.Lock()
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _child_environment(env: dict[str, str]):
+    """This process's environment with `env` on top while a child starts (a spawned child
+    copies it then), restored after."""
+    if not env:
+        yield
+        return
+    with _ENV_LOCK:
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 @contextlib.contextmanager

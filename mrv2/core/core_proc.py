@@ -40,6 +40,7 @@ from executor.process import (pipe, report_ready, spawn, stop_processes, wait_re
 from mrv2.core_framing import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
                                UTILITY_RESULT, CoreFraming)
 from mrv2.protocol import CoreDead, CoreReady, CoreStats, RequestRejected, UtilityResult
+from mrv2.utils import free_cores
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -253,7 +254,9 @@ class CoreProcess:
         death_r, self._death_w = pipe()
         self.proc = spawn(run_engine_core, (config, input_addr, output_addr, ready_w, death_r,
                                             executor_class),
-                          name="mrv2-engine-core", child_ends=(ready_w, death_r))
+                          name="mrv2-engine-core", child_ends=(ready_w, death_r),
+                          env=free_cores.engine_core_env(
+                              config.parallel_config.data_parallel_size))
 
     def wait_ready(self, timeout: float) -> CoreReady:
         """The core's CoreReady; raises WorkerStartupError (with the core's traceback text)

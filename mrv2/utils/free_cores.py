@@ -122,6 +122,18 @@ def fit_kernel_threads(free: FreeCoreThreads) -> None:
         numba.set_num_threads(threads)
 
 
+def engine_core_env(data_parallel_size: int) -> dict[str, str]:
+    """The thread-pool sizes an engine-core process starts with when `data_parallel_size` of
+    them share this machine: its share of the cores for numba's and OpenMP's pools (sized when
+    they load, so set before; a pool larger than its share spins on cores the other engines
+    compute on). Variables the user set are left alone; nothing for one engine."""
+    if data_parallel_size <= 1:
+        return {}
+    share = str(max(1, len(os.sched_getaffinity(0)) // data_parallel_size))
+    return {name: share for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")
+            if name not in os.environ}
+
+
 def share_cores_among_ranks(world_size: int) -> int:
     """Give each of `world_size` tensor-parallel ranks on this machine its share of the cores in
     both of the kernels' pools (torch's intra-op threads and, for the calling thread, numba's):

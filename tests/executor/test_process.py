@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,3 +51,39 @@ def test_unguarded_main_script_gets_the_hint(tmp_path):
     assert result.returncode != 0
     assert "WorkerStartupError" in result.stderr
     assert 'if __name__ == "__main__":' in result.stderr
+
+
+SPAWN_WITH_ENV = textwrap.dedent("""
+    import os
+    from executor.process import spawn
+    if __name__ == "__main__":
+        os.environ["KEPT"] = "parent"
+        proc = spawn(os._exit, (0,), name="child", env={"MRV2_TEST_CHILD_ONLY": "7"})
+        proc.join(60)
+        # The variable was the child's alone: this process's environment is as it was.
+        print("exit", proc.exitcode, os.environ.get("MRV2_TEST_CHILD_ONLY"), os.environ["KEPT"])
+""")
+CHILD_SEES = textwrap.dedent("""
+    import os, sys
+    from executor.process import spawn
+
+
+    def report(path):
+        open(path, "w").write(os.environ.get("MRV2_TEST_CHILD_ONLY", "unset"))
+
+
+    if __name__ == "__main__":
+        proc = spawn(report, (sys.argv[1],), name="child", env={"MRV2_TEST_CHILD_ONLY": "7"})
+        proc.join(60)
+""")
+
+
+def test_a_child_starts_with_extra_variables_the_parent_does_not_keep(tmp_path):
+    result = run_python(["-c", SPAWN_WITH_ENV])
+    assert result.stdout.strip() == "exit 0 None parent", result.stderr
+    script, seen = tmp_path / "child_sees.py", tmp_path / "seen.txt"
+    script.write_text(CHILD_SEES)
+    result = subprocess.run([sys.executable, str(script), str(seen)], capture_output=True,
+                            text=True, cwd=ROOT, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert seen.read_text() == "7", result.stderr

@@ -103,3 +103,14 @@ def test_ranks_share_the_cores_in_both_pools(world_size):
     finally:
         numba.set_num_threads(before[0])
         torch.set_num_threads(before[1])
+
+
+def test_data_parallel_engine_cores_start_with_their_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr(free_cores.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert free_cores.engine_core_env(1) == {}
+    assert free_cores.engine_core_env(2) == {"NUMBA_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    assert free_cores.engine_core_env(16) == {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    assert free_cores.engine_core_env(2) == {"NUMBA_NUM_THREADS": "4"}
