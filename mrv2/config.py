@@ -325,6 +325,15 @@ class EngineConfig:
                               "turn prefix caching off (it is off by default with MEAN)")
 
     @property
+    def max_steps_in_flight(self) -> int:
+        """Steps the engine core submits before it folds the oldest one's output: with async
+        scheduling 2 (step N+1 scheduled while N runs), or one per pipeline stage (micro-batches
+        of disjoint requests, every stage busy: mrv2/pipeline.py); else 1."""
+        if not self.scheduler_config.async_scheduling:
+            return 1
+        return max(2, self.parallel_config.pipeline_parallel_size)
+
+    @property
     def max_kv_tokens_per_step(self) -> int:
         """The most tokens whose KV one step writes for a request (a chunk, or decode steps).
         Auto runs are not counted: they run only while the pool has their blocks."""

@@ -20,6 +20,7 @@ collectives return their input, so tp=1 runs exactly the single-process code pat
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,9 +129,10 @@ def pp_recv(tensors: list[torch.Tensor]) -> None:
         dist.recv(x, src)
 
 
-def broadcast_from_last_stage(x: torch.Tensor) -> None:
-    """`x` of the last stage's first rank, in place on every rank of the world."""
-    dist.broadcast(x, src=(_PP_SIZE - 1) * _TP_SIZE)
+def broadcast_from_last_stage(x: torch.Tensor, async_op: bool = False) -> Any:
+    """`x` of the last stage's first rank, in place on every rank of the world; with
+    `async_op` the receipt to `wait()` on (x is filled once it returns)."""
+    return dist.broadcast(x, src=(_PP_SIZE - 1) * _TP_SIZE, async_op=async_op)
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

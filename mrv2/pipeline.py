@@ -12,9 +12,13 @@ step):
   tensor-parallel rank); each stage runs its layers; every stage but the last sends its stream
   on (`send_stream`);
 - phase 2: the last stage samples and broadcasts the sampled tokens to the world
-  (`share_sampled`); the other stages take them (`follow_sampled`) into their token history,
-  as a step's own sample would, and answer nothing (the executor reads the last stage's
-  output).
+  (`share_sampled`); the other stages take them into their token history (`StageTokens`),
+  without waiting for them, and answer nothing (the executor reads the last stage's output).
+
+Micro-batches: with async scheduling the engine core keeps one step in flight per stage
+(EngineConfig.max_steps_in_flight), each with its share of the requests, and gives a request
+no new step while one of its steps is in flight (core/scheduler.py). So while the last stage
+computes step N the first computes step N+1, whose requests do not need step N's tokens.
 
 Layers that add their outputs into the stream themselves keep no residual; their stage sends
 zeros in its place, which the next stage's first layer adds exactly (x + 0 = x).
@@ -23,8 +27,10 @@ zeros in its place, which the next stage's first layer adds exactly (x + 0 = x).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,7 +38,7 @@ from mrv2 import distributed
 
 if TYPE_CHECKING:  # the runner's state, which imports this module
     from mrv2.inputs.batch import InputBatch
-    from mrv2.sampler import SamplingStates
+    from mrv2.protocol import SchedulerOutput
     from mrv2.state.requests import RequestState
 
 
@@ -76,15 +82,53 @@ def share_sampled(sampled: torch.Tensor) -> None:
         distributed.broadcast_from_last_stage(sampled)
 
 
-def follow_sampled(requests: RequestState, sampling: SamplingStates, batch: InputBatch,
-                   positions: torch.Tensor) -> None:
+class StageTokens:
     """On a stage before the last: the last stage's sampled tokens, taken into this stage's
-    per-slot state as its own sample would be (state/requests.py, sampler/states.py)."""
-    sampled = torch.empty(len(batch.req_ids), dtype=torch.int64, device=positions.device)
-    distributed.broadcast_from_last_stage(sampled)
-    requests.post_update(batch.idx_mapping, batch.num_scheduled, sampled)
-    sampling.post_update(batch.idx_mapping, batch.idx_mapping_np, positions, sampled)
-    requests.advance_num_computed_host(batch.idx_mapping_np, batch.num_scheduled_np)
+    per-slot state (state/requests.py) without waiting for them in the step that sampled them.
+
+    `follow` (phase 2): the stage advances its counters at once, as its own sample would
+    (num_computed, total_len; a 0 where the token goes), and posts the receipt of the last
+    stage's broadcast. `settle` (before each phase 1): writes the tokens of every receipt but
+    the newest `keep` into the history (token_ids, last_sampled). `keep` is the engine's steps
+    in flight less one: under stages the scheduler gives a request no step while one of its
+    steps is in flight, so a request's next step comes at least that many steps later. A
+    request that leaves its slot (finished, aborted, preempted: the slot may be reused in
+    this very step) settles every receipt first. SamplingStates are not followed: only the
+    last stage samples.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        # (receipt, tokens [rows], rows that sampled, their slots, their token positions)
+        self.pending: deque[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]] = deque()
+
+    def follow(self, requests: RequestState, batch: InputBatch) -> None:
+        rows, device = len(batch.req_ids), batch.idx_mapping.device
+        requests.post_update(batch.idx_mapping, batch.num_scheduled,
+                             torch.zeros(rows, dtype=torch.int64, device=device))
+        sampling = requests.advance_num_computed_host(batch.idx_mapping_np,
+                                                      batch.num_scheduled_np)
+        slots = batch.idx_mapping_np[sampling]
+        columns = np.minimum(requests.num_computed_host[slots], requests.max_model_len - 1)
+        tokens = torch.empty(rows, dtype=torch.int64, device=device)
+        receipt = distributed.broadcast_from_last_stage(tokens, async_op=True)
+        self.pending.append((receipt, tokens, *(torch.from_numpy(np.asarray(a, np.int64)).to(
+            device) for a in (np.flatnonzero(sampling), slots, columns))))
+
+    def settle(self, requests: RequestState, step: SchedulerOutput) -> None:
+        keep, leaving = self.keep, [*step.finished_req_ids, *step.preempted_req_ids]
+        if leaving and self.pending:
+            gone = {requests.req_id_to_slot.get(req_id) for req_id in leaving}
+            if any(not gone.isdisjoint(p[3].tolist()) for p in self.pending):
+                keep = 0
+        while len(self.pending) > keep:
+            receipt, tokens, rows, slots, columns = self.pending.popleft()
+            receipt.wait()
+            sampled = tokens[rows]
+            requests.token_ids.tensor[slots, columns] = sampled.to(
+                requests.token_ids.tensor.dtype)
+            requests.last_sampled.tensor[slots] = sampled
 
 
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -53,9 +53,8 @@ class ExecuteState:
 
     batch: InputBatch | None
     hidden_states: torch.Tensor | None  # [num_tokens, hidden]
-    # The sampled rows' float32 logits where the model computed them with the hidden states
-    # (the CPU's fused decode stack, for a step whose every row is sampled); None: phase 2
-    # computes them from the hidden states.
+    # The sampled rows' float32 logits where the CPU's fused decode stack computed them with
+    # the hidden states (every row sampled); None: phase 2 computes them.
     logits: torch.Tensor | None = None
     # Scheduler row -> batch row, where _prepare_batch moved rows; None when they are the same.
     batch_rows: np.ndarray | None = None
@@ -77,10 +76,9 @@ class ModelRunner:
         self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
                                         config.cache_config.block_size, device,
                                         layout.num_groups, layout.group_block_scales)
+        eos = eos_token_ids(model_config.hf_config, model_config.model)
         self.sampling = SamplingStates(self.requests, model_config.vocab_size,
-                                       model_config.seed,
-                                       eos_token_ids=eos_token_ids(model_config.hf_config,
-                                                                   model_config.model))
+                                       model_config.seed, eos_token_ids=eos)
         self.buffers = InputBuffers(sched.max_num_batched_tokens, max_step_rows(config),
                                     config.max_num_blocks_per_req, device, layout.num_groups)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
@@ -93,10 +91,11 @@ class ModelRunner:
         self.speculator = (None if config.speculative_config is None  # spec_decode/verify.py
                            else Speculator(config, self.requests, self.sampling,
                                            self.block_tables, draft, model))
-        self.cudagraphs = CudaGraphManager(config.compilation_config,
-                                           sched.max_num_batched_tokens, sched.max_num_seqs,
-                                           device)
+        self.cudagraphs = CudaGraphManager(config.compilation_config, sched.max_num_batched_tokens,
+                                           sched.max_num_seqs, device)
         self._execute_state: ExecuteState | None = None
+        self.stage_tokens = None if distributed.is_last_stage() else pipeline.StageTokens(
+            config.max_steps_in_flight - 1)
         self.fused_decode: FusedDecode | None = None  # set by the worker: tried first each step
         self._copy_stream = (torch.cuda.Stream(device)  # the output copy, off the compute stream
                              if device.type == "cuda" else None)
@@ -106,6 +105,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self._execute_state is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
+        if self.stage_tokens is not None:  # a stage before the last (mrv2/pipeline.py)
+            self.stage_tokens.settle(self.requests, scheduler_output)
         cached_slots = self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Finished and preempted requests were processed; phase 2 has nothing to sample.
@@ -306,11 +307,8 @@ class ModelRunner:
         if state.batch is None:
             return EMPTY_OUTPUT
         batch = state.batch
-        # The position of the token being sampled keys its noise (invariant 7) and counts the
-        # outputs so far (min_tokens): one past the row's last token, its sequence length.
-        positions = batch.attn_metadata.seq_lens[:len(batch.req_ids)]
-        if not distributed.is_last_stage():  # the last samples (mrv2/pipeline.py)
-            pipeline.follow_sampled(self.requests, self.sampling, batch, positions)
+        if self.stage_tokens is not None:  # the last stage samples (mrv2/pipeline.py)
+            self.stage_tokens.follow(self.requests, batch)
             return EMPTY_OUTPUT
         # A step of one token per row samples every row: its hidden states go on whole.
         last_hidden = (state.hidden_states if batch.num_tokens == len(batch.req_ids)
@@ -320,6 +318,9 @@ class ModelRunner:
         if grammar_output is not None and grammar_output.num_rows:
             logits = self._apply_grammar(logits, grammar_output, state.batch_rows)
         idx = batch.idx_mapping
+        # The position of the token being sampled keys its noise (invariant 7) and counts the
+        # outputs so far (min_tokens): one past the row's last token, its sequence length.
+        positions = batch.attn_metadata.seq_lens[:len(batch.req_ids)]
         rows = state.request_rows  # speculative decoding: drafts count for penalties
         out = self.sampler(logits, idx, batch.idx_mapping_np, positions,
                            None if rows is None else self.speculator.drafts_before(batch, rows))

@@ -45,3 +45,19 @@ def test_enable_expert_parallel_is_a_boolean_engine_args_pass_on() -> None:
     # test_tensor_parallel.py); at tp 1 and on a dense model it is accepted, a no-op.
     assert EngineArgs(model="/m", tensor_parallel_size=2, enable_expert_parallel=True
                       )._parallel_config().enable_expert_parallel
+
+
+def test_a_model_that_cannot_be_staged_is_refused_by_name():
+    """Gemma 4's KV-shared layers and per-layer inputs cross stages (the config alone: no
+    model is built)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(
+            architectures=["Gemma4ForCausalLM"]), num_layers=4, runner="generate"),
+        speculative_config=None, scheduler_config=SimpleNamespace(num_scheduler_steps=1))
+    with pytest.raises(ConfigError, match="Gemma4ForCausalLM cannot be split into pipeline"):
+        ParallelConfig(pipeline_parallel_size=2).verify_pipeline(config)
+    config.model_config.hf_config.architectures = ["LlamaForCausalLM"]
+    ParallelConfig(pipeline_parallel_size=2).verify_pipeline(config)  # accepted
+    ParallelConfig().verify_pipeline(config)  # one stage: nothing to check

@@ -63,7 +63,7 @@ class EngineCore:
         # Steps submitted to the executor and not yet folded back into the scheduler, with
         # when each was scheduled.
         self.batch_queue: deque[tuple[SchedulerOutput, Future, float]] = deque()
-        self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
+        self.max_steps_in_flight = config.max_steps_in_flight
         self.sleep_level = 0  # 0 awake; 1 or 2 as given to sleep()
 
     def add_request(self, request: EngineCoreRequest) -> None:

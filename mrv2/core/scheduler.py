@@ -49,6 +49,9 @@ class Scheduler:
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
         self.num_scheduler_steps = sched.num_scheduler_steps
+        # Under pipeline stages a step takes 1/micro_batches of the requests (mrv2/pipeline.py)
+        self.micro_batches = (config.max_steps_in_flight
+                              if config.parallel_config.pipeline_parallel_size > 1 else 1)
         self.speculative = config.speculative_config  # None: no drafts
         spec = self.speculative
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
@@ -177,7 +180,9 @@ class Scheduler:
         num_steps = decode_steps(running, len(self.waiting), self.num_scheduler_steps,
                                  max_model_len, manager.num_free_blocks // manager.num_groups,
                                  self.block_size)  # > 1: every running row decodes
-        while idx < len(running) and budget > 0:
+        row_cap = (-(-(len(running) + len(self.waiting)) // self.micro_batches)
+                   if self.micro_batches > 1 else self.max_num_seqs)
+        while idx < len(running) and budget > 0 and len(scheduled) < row_cap:
             request = running[idx]
             placeholders = request.num_output_placeholders
             known = len(request.all_token_ids) + placeholders
@@ -186,6 +191,7 @@ class Scheduler:
             # flight already produce every token it may still generate.
             if num_new <= 0 or (placeholders and (
                     self.speculative is not None  # its drafts come with the step in flight
+                    or self.micro_batches > 1  # stages before the last need its token first
                     or len(request.output_token_ids) + placeholders >= request.max_tokens
                     or known >= max_model_len)):
                 idx += 1
@@ -218,7 +224,7 @@ class Scheduler:
         # short, and admitting now would only preempt again next step.
         compiling: list[Request] = []  # their grammar is not ready: they keep their place
         while (not preempted_ids and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs and len(scheduled) < row_cap):
             request = self.waiting[0]
             if request.grammar is not None and not self._grammar_ready(request):
                 if not request.is_finished:

@@ -1,7 +1,7 @@
 """Data parallelism: AsyncLLM over two engine cores (DPAsyncClient) gives each request the
-single engine's tokens, spreads concurrent requests over both cores (each core's own stats
-show its share), aborts at the right core, answers utilities from both, and fails as a whole,
-within 5 s, when one core dies. The routing rule and the merged stats without processes."""
+single engine's tokens, spreads concurrent requests over both cores, aborts at the right core,
+answers utilities from both, and fails as a whole, within 5 s, when one core dies. The
+routing rule and the merged stats without processes."""
 
 from __future__ import annotations
 
@@ -37,7 +37,10 @@ async def _tokens(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id
     return last.outputs[0].token_ids
 
 
-def test_two_cores_serve_concurrent_requests_with_one_engines_tokens(tiny_llama):
+def test_two_cores_serve_concurrent_requests_and_fail_together(tiny_llama):
+    """Two cores (one AsyncLLM, to spare a second start-up): the single engine's tokens, half
+    of the requests on each, aborts at the holder, utilities on both; then one core killed
+    mid-generation fails every caller within 5 s."""
     local = LLM(str(tiny_llama), **ARGS)
     want = [o.outputs[0].token_ids for o in local.generate(PROMPTS, greedy(), use_tqdm=False)]
     local.shutdown()
@@ -45,21 +48,20 @@ def test_two_cores_serve_concurrent_requests_with_one_engines_tokens(tiny_llama)
     async def run():
         llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama), data_parallel_size=2,
                                                    **ARGS))
+        client = llm.engine_core
         try:
-            client = llm.engine_core
             assert isinstance(client, DPAsyncClient) and len(client.clients) == 2
-            pids = {c.proc.pid for c in client.clients}
-            assert len(pids) == 2
-            # Both cores busy: each takes half of the concurrent requests (stats mid-flight).
-            os.kill(client.clients[0].proc.pid, signal.SIGSTOP)
-            os.kill(client.clients[1].proc.pid, signal.SIGSTOP)
+            assert len({c.proc.pid for c in client.clients}) == 2
+            # Both cores busy: each takes half of the concurrent requests (seen mid-flight).
+            for c in client.clients:
+                os.kill(c.proc.pid, signal.SIGSTOP)
             tasks = [asyncio.create_task(_tokens(llm, p, greedy(), f"r{i}"))
                      for i, p in enumerate(PROMPTS)]
             await asyncio.sleep(0.3)
             assert client._load == [4, 4]
             for c in client.clients:
                 os.kill(c.proc.pid, signal.SIGCONT)
-            got = await asyncio.gather(*tasks)
+            assert await asyncio.gather(*tasks) == want
             per_engine = await llm.get_engine_stats()
             assert len(per_engine) == 2 and all(s.num_kv_blocks for s in per_engine)
             assert (await llm.get_stats()).num_kv_blocks == sum(s.num_kv_blocks
@@ -71,24 +73,14 @@ def test_two_cores_serve_concurrent_requests_with_one_engines_tokens(tiny_llama)
             await llm.abort("long")
             assert client._load == [0, 0]
             assert await llm.reset_prefix_cache() is True
-            return got
-        finally:
-            llm.shutdown()
-
-    assert asyncio.run(run()) == want
-
-
-def test_one_dead_core_fails_every_caller_within_5_s(tiny_llama):
-    async def run():
-        llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama), data_parallel_size=2,
-                                                   **ARGS))
-        client = llm.engine_core
-        try:
+            # One core dies with requests on both (stopped: every one unfinished): every
+            # caller fails, within 5 s.
+            for c in client.clients:
+                os.kill(c.proc.pid, signal.SIGSTOP)
             tasks = [asyncio.create_task(_tokens(llm, p, greedy(200), f"k{i}"))
                      for i, p in enumerate(PROMPTS[:4])]
-            await asyncio.sleep(0.5)
-            for c in client.clients:
-                os.kill(c.proc.pid, signal.SIGSTOP)  # every request still unfinished
+            await asyncio.sleep(0.3)
+            assert client._load == [2, 2]
             killed = time.monotonic()
             os.kill(client.clients[1].proc.pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),

@@ -41,21 +41,54 @@ def _run(model_dir, **parallel) -> tuple[list[list[list[int]]], list]:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch, extra, parallel, held", [
-    # three layers on two stages: the first holds two (vLLM's split), the last the LM head
-    ("llama", {}, {"pipeline_parallel_size": 2}, [(0, 2, 2), (2, 3, 1)]),
-    # tied embeddings: the last stage holds the embedding too, as its LM head; four processes
-    ("qwen3", {"tie_word_embeddings": True},
-     {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-     [(0, 2, 2)] * 2 + [(2, 3, 1)] * 2),
-])
-def test_stages_give_the_single_process_tokens(tiny_model_factory, arch, extra, parallel, held):
-    model_dir = tiny_model_factory(arch, num_heads=4, num_kv_heads=2, num_layers=3, **extra)
+def test_two_stages_of_two_ranks_give_the_single_process_tokens(tiny_model_factory):
+    """Four processes, one step at a time (async scheduling off: no micro-batches). Three
+    layers on two stages: the first holds two (vLLM's split), the last one and the LM head;
+    with tied embeddings the last stage holds the embedding too, as its LM head."""
+    model_dir = tiny_model_factory("qwen3", num_heads=4, num_kv_heads=2, num_layers=3,
+                                   tie_word_embeddings=True)
     single, _ = _run(model_dir)
-    staged, ranks = _run(model_dir, **parallel)
+    staged, ranks = _run(model_dir, pipeline_parallel_size=2, tensor_parallel_size=2,
+                         async_scheduling=False)
     assert staged[0] == single[0]
     assert staged[1] == single[1] and staged[1] != staged[0]  # the seeded run sampled
-    assert [tuple(r) for r in ranks] == held
+    assert [tuple(r) for r in ranks] == [(0, 2, 2)] * 2 + [(2, 3, 1)] * 2
+
+
+def test_micro_batches_keep_disjoint_requests_in_both_stages(tiny_model_factory):
+    """With async scheduling (the default) the engine keeps a step in flight per stage, each
+    with its share of the requests and none in both: the first stage computes one while the
+    last computes the other. The tokens stay the single-process engine's."""
+    from mrv2.core.engine_core import EngineCore
+    from mrv2.protocol import EngineCoreRequest
+
+    model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2, num_layers=3)
+    single, _ = _run(model_dir)
+    config = EngineArgs(model=str(model_dir), max_model_len=128, max_num_batched_tokens=32,
+                        pipeline_parallel_size=2).create_engine_config()
+    assert config.max_steps_in_flight == 2
+    core = EngineCore(config)
+    in_flight_at_submit: list[tuple[set[str], list[set[str]]]] = []
+    submit = core.executor.execute_model
+
+    def watched_submit(step, non_block=False):  # what is in flight as a step goes in
+        in_flight_at_submit.append((set(step.req_ids),
+                                    [set(s.req_ids) for s, _, _ in core.batch_queue]))
+        return submit(step, non_block)
+
+    core.executor.execute_model = watched_submit
+    try:
+        for i, prompt in enumerate(_prompts()):
+            core.add_request(EngineCoreRequest(f"{i}", prompt, GREEDY, None, 0.0))
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    finally:
+        core.shutdown()
+    assert [tokens[str(i)] for i in range(4)] == single[0]
+    overlapped = [(new, old) for new, old in in_flight_at_submit if old]
+    assert overlapped and all(not new & prior for new, old in overlapped for prior in old)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -71,14 +104,6 @@ def test_what_stages_cannot_run_is_refused_by_name(tiny_model_factory, kwargs, m
     model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2, num_layers=3)
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model=str(model_dir), max_model_len=128, **kwargs).create_engine_config()
-
-
-def test_a_model_that_cannot_be_staged_is_refused_by_name(tiny_model_factory):
-    model_dir = tiny_model_factory("gemma4", num_layers=2, config={
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5})
-    with pytest.raises(ConfigError, match="Gemma4ForCausalLM cannot be split into pipeline"):
-        EngineArgs(model=str(model_dir), max_model_len=128,
-                   pipeline_parallel_size=2).create_engine_config()
 
 
 def test_stages_run_one_decode_step_per_scheduled_step(tiny_model_factory):

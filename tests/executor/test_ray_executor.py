@@ -139,24 +139,6 @@ def test_starts_a_local_cluster_and_a_killed_actor_fails_every_caller_within_5_s
     _assert_nothing_left(executor)
 
 
-def test_tp2_actors_give_the_single_process_tokens(cluster, tiny_dir, reference):
-    llm = LLM(str(tiny_dir), max_model_len=128, tensor_parallel_size=2,
-              distributed_executor_backend="ray")
-    executor = llm.llm_engine.engine_core.executor
-    try:
-        assert isinstance(executor, RayExecutor)
-        assert len(set(_pids(executor))) == 2 and os.getpid() not in _pids(executor)
-        assert executor.distributed_init_method.startswith("tcp://127.0.0.1:")
-        heads = executor.collective_rpc(
-            operator.attrgetter("model.model.layers.0.self_attn.num_heads"))
-        assert heads == [2, 2]  # each rank holds half of the 4 heads
-        assert _generate(llm) == reference
-    finally:
-        llm.shutdown()
-    assert ray.is_initialized()  # a joined cluster outlives the engine
-    _assert_nothing_left(executor)
-
-
 class RanksAsIfOnTwoNodes(RayExecutor):
     """Rank 0 on the engine core's node, every other rank as if on a second node: their calls
     and replies travel over ZMQ channels instead of shared memory (one node cannot hold a
@@ -167,12 +149,19 @@ class RanksAsIfOnTwoNodes(RayExecutor):
 
 
 def test_a_rank_on_another_node_hears_the_engine_over_zmq(cluster, config, reference):
+    """Two tensor-parallel ranks as actors, rank 1 as if on a second node: the single-process
+    engine's tokens, each rank with half of the heads."""
     two = dataclasses.replace(config, parallel_config=ParallelConfig(
         tensor_parallel_size=2, distributed_executor_backend="ray"))
     core = EngineCore(two, executor_class=RanksAsIfOnTwoNodes)
     executor = core.executor
     try:
         assert len(executor._requests.remote) == 1 and len(executor._response_names) == 1
+        assert len(set(_pids(executor))) == 2 and os.getpid() not in _pids(executor)
+        assert executor.distributed_init_method.startswith("tcp://127.0.0.1:")
+        heads = executor.collective_rpc(
+            operator.attrgetter("model.model.layers.0.self_attn.num_heads"))
+        assert heads == [2, 2]  # each rank holds half of the 4 heads
         _add_requests(core, 0)
         tokens: dict[str, list[int]] = {}
         while core.has_unfinished_requests():
@@ -181,6 +170,7 @@ def test_a_rank_on_another_node_hears_the_engine_over_zmq(cluster, config, refer
         assert [tokens[f"0-{i}"] for i in range(len(PROMPTS))] == reference
     finally:
         core.shutdown()
+    assert ray.is_initialized()  # a joined cluster outlives the engine
     _assert_nothing_left(executor)
 
 
