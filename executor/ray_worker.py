@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from executor.process import get_open_port
 from executor.serial import Ready
-from executor.shm_queue import ShmQueueHandle, ShmQueueReader, ShmQueueWriter
-from executor.worker_proc import make_worker, serve_worker
+from executor.shm_queue import ShmQueueHandle
+from executor.worker_proc import open_worker, serve_worker, shm_queues
 from executor.zmq_channel import ZmqReceiver, ZmqSender
 
 if TYPE_CHECKING:  # names for type checkers only: executor imports nothing from mrv2
@@ -48,8 +48,13 @@ class RankChannel:
     def open(self, queue_shape: tuple[int, int]) -> tuple[Any, Any]:
         """(the calls' reader, the replies' writer)."""
         if self.shm is not None:
-            return ShmQueueReader(self.shm, self.reader), ShmQueueWriter(1, *queue_shape)
-        return ZmqReceiver(address=self.requests), ZmqSender(address=self.replies)
+            return shm_queues(self.shm, self.reader, queue_shape)
+        requests = ZmqReceiver(address=self.requests)
+        try:
+            return requests, ZmqSender(address=self.replies)
+        except BaseException:
+            requests.close()
+            raise
 
 
 class RayWorkerActor:
@@ -75,17 +80,12 @@ class RayWorkerActor:
         import torch
 
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-        requests = responses = None
         try:
-            worker = make_worker(worker_cls, config, rank, distributed_init_method)
-            requests, responses = channel.open(queue_shape)
+            self._opened = open_worker(rank, config, worker_cls, lambda: channel.open(queue_shape),
+                                       distributed_init_method)
         except BaseException:
-            for queue in (requests, responses):
-                if queue is not None:
-                    queue.close()
             return Ready(rank, os.getpid(), error=traceback.format_exc())
-        self._opened = (worker, requests, responses)
-        return Ready(rank, os.getpid(), response=getattr(responses, "handle", None))
+        return Ready(rank, os.getpid(), response=getattr(self._opened[2], "handle", None))
 
     def serve(self) -> None:
         if self._opened is None:

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from executor.deferred import OrderedReplies
 from executor.process import report_ready, watch_parent
@@ -64,22 +64,24 @@ def make_worker(worker_cls: str, config: EngineConfig, rank: int,
     return cls(config, **kwargs)
 
 
-def open_worker(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueHandle,
-                queue_shape: tuple[int, int], distributed_init_method: str | None = None
-                ) -> tuple[Any, ShmQueueReader, ShmQueueWriter]:
-    """The worker of `rank`, attached to the broadcast queue `rpc` as its reader `rank`, and its
-    own reply queue; on failure nothing is left open."""
-    requests = responses = None
+def shm_queues(rpc: ShmQueueHandle, reader: int, queue_shape: tuple[int, int]
+               ) -> tuple[ShmQueueReader, ShmQueueWriter]:
+    """Reader `reader` of the broadcast queue `rpc`, and a reply queue of its own; on failure
+    nothing is left open."""
+    requests = ShmQueueReader(rpc, reader)
     try:
-        worker = make_worker(worker_cls, config, rank, distributed_init_method)
-        requests = ShmQueueReader(rpc, rank)
-        responses = ShmQueueWriter(1, *queue_shape)
+        return requests, ShmQueueWriter(1, *queue_shape)
     except BaseException:
-        for queue in (requests, responses):
-            if queue is not None:
-                queue.close()
+        requests.close()
         raise
-    return worker, requests, responses
+
+
+def open_worker(rank: int, config: EngineConfig, worker_cls: str,
+                open_queues: Callable[[], tuple[Any, Any]],
+                distributed_init_method: str | None = None) -> tuple[Any, Any, Any]:
+    """The worker of `rank`, then its (calls' reader, replies' writer) from `open_queues`."""
+    worker = make_worker(worker_cls, config, rank, distributed_init_method)
+    return (worker, *open_queues())
 
 
 def serve_worker(rank: int, worker: Any, requests: ShmQueueReader, responses: ShmQueueWriter,
@@ -107,8 +109,9 @@ def worker_main(rank: int, config: EngineConfig, worker_cls: str, rpc: ShmQueueH
     parent_gone = threading.Event()
     watch_parent(death_conn, parent_gone.set, _PARENT_GONE_GRACE_S, name="mrv2-death-pipe")
     try:
-        worker, requests, responses = open_worker(rank, config, worker_cls, rpc, queue_shape,
-                                                  distributed_init_method)
+        worker, requests, responses = open_worker(
+            rank, config, worker_cls, lambda: shm_queues(rpc, rank, queue_shape),
+            distributed_init_method)
         report_ready(ready_conn, Ready(rank, os.getpid(), response=responses.handle))
     except BaseException:
         error = traceback.format_exc()
