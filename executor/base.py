@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,11 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Release workers; idempotent."""
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` (from any thread) once the executor fails on its own, e.g. a
+        worker died while nothing was asked of it; at once if it already has. An executor whose
+        worker runs in the caller's process cannot fail so: the default never calls it."""
 
     def initialize(self) -> int:
         """Load weights and size and allocate the KV cache; returns the number of blocks."""

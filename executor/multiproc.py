@@ -107,13 +107,15 @@ class MultiprocExecutor(Executor):
         self.distributed_init_method: str | None = None
         # The first rank of the last pipeline stage, which samples (rank 0 without stages).
         self.output_rank = self.world_size - parallel.tensor_parallel_size
-        self._types = MethodTypes(import_object(worker_cls))
+        self._worker_type = import_object(worker_cls)
+        self._types = MethodTypes(self._worker_type)
         self._encoder = MsgpackEncoder()
         self._ids = itertools.count()
         self._pending: deque[_Call] = deque()
         self._send_lock, self._reply_lock = threading.Lock(), threading.Lock()
         self._pending_lock, self._state_lock = threading.Lock(), threading.Lock()
         self._dead: str | None = None
+        self._failure_callback: Callable[[str], None] | None = None
         self._closing = False
         self._procs: list = []
         self._death_w = None
@@ -143,15 +145,23 @@ class MultiprocExecutor(Executor):
             self.distributed_init_method = distributed_init_method()
         death_r, self._death_w = pipe()
         conns = []
+        env = self._rank_env(self.world_size)
         for rank in range(self.world_size):
             ready_r, ready_w = pipe()
             self._procs.append(spawn(
                 worker_main, (rank, self.config, worker_cls, self._requests.handle,
                               queue_shape, ready_w, death_r, self.distributed_init_method),
-                name=f"mrv2-worker-{rank}", daemon=True, child_ends=(ready_w,)))
+                name=f"mrv2-worker-{rank}", daemon=True, child_ends=(ready_w,), env=env))
             conns.append(ready_r)
         death_r.close()
         self._wait_ready(conns, timeout)
+
+    def _rank_env(self, ranks_on_node: int, node_cores: int | None = None) -> dict[str, str]:
+        """What a rank's process starts with, as the worker class declares it
+        (`process_env(ranks_on_node, node_cores)`, e.g. its thread pools' sizes); nothing for
+        a worker class that declares none."""
+        process_env = getattr(self._worker_type, "process_env", None)
+        return {} if process_env is None else process_env(ranks_on_node, node_cores)
 
     def _wait_ready(self, conns: list, timeout: float) -> None:
         readies = wait_ready(
@@ -190,6 +200,15 @@ class MultiprocExecutor(Executor):
         self._stop_workers(grace=0.5)
         for name in self._response_names:
             unlink_segment(name)
+        if self._failure_callback is not None:
+            self._failure_callback(reason)
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        with self._state_lock:
+            failed = self._dead if not self._closing else None
+            self._failure_callback = callback
+        if failed is not None:
+            callback(failed)
 
     def _fail_pending(self) -> None:
         with self._pending_lock:

@@ -64,29 +64,42 @@ def join_or_start() -> bool:
     return True
 
 
-def bundle_for(device_type: str) -> dict[str, float]:
-    """What one rank asks of its node: a GPU on CUDA, a CPU otherwise."""
-    return {"GPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
+def bundle_for(device_type: str, units: int = 1) -> dict[str, float]:
+    """What one rank (or `units` ranks) asks of its node: GPUs on CUDA, CPUs otherwise."""
+    return {"GPU" if device_type == "cuda" else "CPU": float(units)}
 
 
-def place_ranks(world_size: int, device_type: str, timeout_s: float) -> Any:
-    """A ready placement group of `world_size` bundles; on timeout the group is removed and
-    `WorkerStartupError` names the request and the cluster's free resources."""
+def place_ranks(world_size: int, device_type: str, timeout_s: float, *, units: int = 1,
+                what: str = "worker rank(s)") -> Any:
+    """A ready placement group of `world_size` bundles (of `units` devices each); on timeout
+    the group is removed and `WorkerStartupError` names the request and the cluster's free
+    resources."""
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundles = [bundle_for(device_type) for _ in range(world_size)]
+    bundles = [bundle_for(device_type, units) for _ in range(world_size)]
     group = placement_group(bundles, strategy="PACK", name=f"mrv2-{os.getpid()}-{time.time_ns()}")
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         raise WorkerStartupError(
-            f"the Ray cluster could not place the {world_size} worker rank(s) within "
+            f"the Ray cluster could not place the {world_size} {what} within "
             f"{timeout_s:.0f} s: they asked for a placement group of bundles {bundles} "
             f"(strategy PACK); the cluster has {ray.available_resources()} free of "
             f"{ray.cluster_resources()}") from None
     return group
+
+
+def bundle_nodes(group: Any) -> tuple[list[str], dict[str, int]]:
+    """The node id of each bundle of a ready placement group (rank order), and the CPUs of
+    every live node of the cluster."""
+    ray = import_ray()
+    from ray.util.placement_group import placement_group_table
+
+    where = placement_group_table(group)["bundles_to_node_id"]
+    cpus = {n["NodeID"]: int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]}
+    return [where[i] for i in range(len(where))], cpus
 
 
 def carried_env() -> dict[str, str]:

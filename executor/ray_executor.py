@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from executor.errors import WorkerStartupError
 from executor.multiproc import MultiprocExecutor
-from executor.ray_cluster import carried_env, import_ray, join_or_start, place_ranks
+from executor.ray_cluster import (bundle_nodes, carried_env, import_ray, join_or_start,
+                                  place_ranks)
 from executor.rank_broadcast import RankBroadcast
 from executor.ray_worker import RankChannel, RayWorkerActor
 from executor.serial import Ready
@@ -74,12 +75,19 @@ class RayExecutor(MultiprocExecutor):
                                   self._placement_timeout_s)
         actor_class = ray.remote(RayWorkerActor)
         device_key = "num_gpus" if self.config.device == "cuda" else "num_cpus"
+        nodes, node_cpus = bundle_nodes(self._group)
+        here = ray.get_runtime_context().get_node_id()
         for rank in range(self.world_size):
+            # The ranks placed on one node share its cores (this node's budget is this
+            # process's own, which may be a data-parallel engine core's share).
+            node = nodes[rank]
+            env = carried_env() | self._rank_env(
+                nodes.count(node), None if node == here else node_cpus.get(node) or None)
             self._actors.append(actor_class.options(
                 name=f"mrv2-worker-{rank}-{id(self):x}", **{device_key: 1},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._group, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": carried_env()}).remote(list(sys.path)))
+                runtime_env={"env_vars": env}).remote(list(sys.path)))
         deadline = time.monotonic() + timeout
         self._where = self._gather([a.where.remote() for a in self._actors], deadline, "where")
         if self.world_size > 1:

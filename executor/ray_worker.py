@@ -75,11 +75,13 @@ class RayWorkerActor:
     def start(self, rank: int, config: EngineConfig, worker_cls: str, channel: RankChannel,
               queue_shape: tuple[int, int], distributed_init_method: str | None) -> Ready:
         self._rank = rank
-        # Ray sets this process's intra-op threads to its bundle's CPU count (1); a spawned
-        # worker starts with the machine's cores, which the worker then shares among the ranks.
+        # Ray sets OMP_NUM_THREADS to the bundle's CPU count (1) when the environment has none;
+        # torch's pool takes numba's size instead: the share of the cores the executor gave
+        # this rank (process_env), else the machine's cores, as a spawned worker would.
         import torch
 
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(int(os.environ.get("NUMBA_NUM_THREADS")
+                                  or len(os.sched_getaffinity(0))))
         try:
             self._opened = open_worker(rank, config, worker_cls, lambda: channel.open(queue_shape),
                                        distributed_init_method)

@@ -26,7 +26,9 @@ class ParallelConfig:
 
     `data_parallel_size` engine cores, each with the whole model (and its own world of ranks),
     behind one front end that spreads requests over them (mrv2/engine/dp_client.py; the
-    server's AsyncLLM).
+    server's AsyncLLM). `data_parallel_backend`: "mp" starts each core as a process of this
+    machine, "ray" as a Ray actor placed on the cluster (mrv2/engine/ray_core.py), its ranks
+    on its node with the "mp" or "uni" executor.
 
     `distributed_executor_backend`: "uni" runs the worker in the engine core's process, "mp"
     runs one worker process per rank fed over shared memory, "ray" the same workers as Ray
@@ -39,6 +41,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
 
     def __post_init__(self) -> None:
         tp, ep = self.tensor_parallel_size, self.enable_expert_parallel
@@ -47,6 +50,12 @@ class ParallelConfig:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ConfigError(f"{name}={size!r} must be a positive integer")
         world = self.world_size
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ConfigError(f"data_parallel_backend={self.data_parallel_backend!r}: expected "
+                              f"'mp' or 'ray'")
+        if self.data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ConfigError("data_parallel_backend='ray' needs Ray, an optional extra: "
+                              "pip install 'mrv2[ray]'")
         if not isinstance(ep, bool):
             raise ConfigError(f"enable_expert_parallel={ep!r} must be a boolean")
         backend = self.distributed_executor_backend
@@ -59,6 +68,10 @@ class ParallelConfig:
         elif backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ConfigError("distributed_executor_backend='ray' needs Ray, an optional extra: "
                               "pip install 'mrv2[ray]'")
+        elif backend == "ray" and self.data_parallel_backend == "ray":
+            raise ConfigError("data_parallel_backend='ray' places each engine core as a Ray "
+                              "actor with its ranks on its node: use distributed_executor_"
+                              "backend='mp' (or leave it unset), not 'ray'")
         elif backend == "uni" and world > 1:
             what = (f"tensor_parallel_size={tp}" if self.pipeline_parallel_size == 1 else
                     f"tensor_parallel_size={tp} x pipeline_parallel_size="

@@ -67,11 +67,19 @@ class Worker:
         self._draft: tuple[torch.nn.Module, FusedDecode | None] | None = None
         self._free_cores: free_cores.FreeCoreThreads | None = None
 
+    @staticmethod
+    def process_env(ranks_on_node: int, node_cores: int | None = None) -> dict[str, str]:
+        """The environment a rank's process starts with when `ranks_on_node` ranks share its
+        machine (`node_cores`: that machine's cores, when it is not this one): each its share
+        of the cores in numba's and OpenMP's pools, sized as they load. Executors call it
+        (they start the processes and know where ranks land)."""
+        return free_cores.pool_env(ranks_on_node, node_cores)
+
     def load_model(self) -> None:
         if self.device.type == "cpu":
-            if self.world_size > 1:  # ranks on one machine share its cores
-                free_cores.share_cores_among_ranks(self.world_size)
-            elif free_cores.enabled():
+            # Ranks of several (world_size > 1) started with their share of the cores
+            # (process_env); one rank alone fits its threads to the cores others leave free.
+            if self.world_size == 1 and free_cores.enabled():
                 self._free_cores = free_cores.FreeCoreThreads(numba.get_num_threads())
         elif self.device.index is not None:  # a CUDA rank: its own device
             torch.cuda.set_device(self.device)

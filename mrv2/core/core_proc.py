@@ -31,14 +31,16 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from executor.process import (pipe, report_ready, spawn, stop_processes, wait_ready,
-                              watch_parent)
+                              watch_parent, watch_processes)
 from mrv2.core_framing import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
                                UTILITY_RESULT, CoreFraming)
+from mrv2.errors import EngineDeadError
 from mrv2.protocol import CoreDead, CoreReady, CoreStats, RequestRejected, UtilityResult
 from mrv2.utils import free_cores
 
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
     from mrv2.core.engine_core import EngineCore
 
 # Internal to the core process: put on the input queue, never sent.
-_PARENT_GONE, _BAD_INPUT = b"parent-gone", b"bad-input"
+_PARENT_GONE, _BAD_INPUT, _EXECUTOR_FAILED = b"parent-gone", b"bad-input", b"executor-failed"
 
 PARENT_GONE_GRACE_S = 5.0
 OUTPUT_FLUSH_S = 3.0
@@ -109,6 +111,9 @@ class EngineCoreProc:
         self.input_thread = threading.Thread(target=self._input_loop, args=(input_socket,),
                                              name="mrv2-core-input", daemon=True)
         self.input_thread.start()
+        # A worker that dies while the core is idle (blocked on this queue) fails it at once.
+        core.executor.register_failure_callback(
+            lambda reason: input_queue.put((_EXECUTOR_FAILED, reason)))
 
     def _input_loop(self, sock: zmq.Socket) -> None:
         """Receive and decode client messages into the input queue (overlapping the step)."""
@@ -170,6 +175,8 @@ class EngineCoreProc:
             self.send(UTILITY_RESULT, reply)
         elif kind in (SHUTDOWN, _PARENT_GONE):
             self.stopping = True
+        elif kind == _EXECUTOR_FAILED:
+            raise EngineDeadError(message)
         elif kind == _BAD_INPUT:
             raise RuntimeError(f"undecodable message from the client:\n{message}")
         else:
@@ -192,33 +199,22 @@ def _raise_system_exit(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Connection",
-                    death_conn: "Connection", executor_class: type | None = None) -> None:
-    """Entry point of the engine-core process (spawn context)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    signal.signal(signal.SIGTERM, _raise_system_exit)  # terminate(): unwind, shut the executor
-    input_queue: queue.Queue = queue.Queue()
-    watch_parent(death_conn, lambda: input_queue.put((_PARENT_GONE, None)),
-                 PARENT_GONE_GRACE_S, name="mrv2-core-death-pipe")
-    core = proc = None
-    try:
-        from executor.heap import freeze_startup_objects
-        from mrv2.core.engine_core import EngineCore
+def start_core(config, input_addr: str, output_addr: str, input_queue: queue.Queue,
+               executor_class: type | None = None) -> tuple["EngineCore", EngineCoreProc]:
+    """The engine core and its loop's sockets, connected to the client's addresses."""
+    from mrv2.core.engine_core import EngineCore
 
-        core = EngineCore(config, executor_class)
-        proc = EngineCoreProc(core, input_queue, input_addr, output_addr)
-        report_ready(ready_conn, CoreReady(os.getpid(),
-                                           num_kv_blocks=core.executor.num_kv_blocks))
-        freeze_startup_objects()  # this process holds one engine for its life (executor/heap.py)
-    except BaseException as error:
-        text = traceback.format_exc()
-        report_ready(ready_conn, CoreReady(os.getpid(), error=text,
-                                           exc_type=type(error).__name__), text)
-        if core is not None:
-            core.shutdown()
-        sys.exit(1)
-    finally:
-        ready_conn.close()
+    core = EngineCore(config, executor_class)
+    try:
+        return core, EngineCoreProc(core, input_queue, input_addr, output_addr)
+    except BaseException:
+        core.shutdown()
+        raise
+
+
+def serve_core(core: "EngineCore", proc: EngineCoreProc) -> int:
+    """Run the busy loop until SHUTDOWN, the parent's loss or a failure (sent to the client as
+    DEAD first); then shut the core and the sockets. The exit code."""
     exit_code = 0
     try:
         proc.run_busy_loop()
@@ -234,6 +230,32 @@ def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Conn
             core.shutdown()
         finally:
             proc.close()
+    return exit_code
+
+
+def run_engine_core(config, input_addr: str, output_addr: str, ready_conn: "Connection",
+                    death_conn: "Connection", executor_class: type | None = None) -> None:
+    """Entry point of the engine-core process (spawn context)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, _raise_system_exit)  # terminate(): unwind, shut the executor
+    input_queue: queue.Queue = queue.Queue()
+    watch_parent(death_conn, lambda: input_queue.put((_PARENT_GONE, None)),
+                 PARENT_GONE_GRACE_S, name="mrv2-core-death-pipe")
+    try:
+        from executor.heap import freeze_startup_objects
+
+        core, proc = start_core(config, input_addr, output_addr, input_queue, executor_class)
+        report_ready(ready_conn, CoreReady(os.getpid(),
+                                           num_kv_blocks=core.executor.num_kv_blocks))
+        freeze_startup_objects()  # this process holds one engine for its life (executor/heap.py)
+    except BaseException as error:
+        text = traceback.format_exc()
+        report_ready(ready_conn, CoreReady(os.getpid(), error=text,
+                                           exc_type=type(error).__name__), text)
+        sys.exit(1)
+    finally:
+        ready_conn.close()
+    exit_code = serve_core(core, proc)
     # Everything this process owns is released; skip the interpreter's teardown (about a
     # second of library finalizers) so that shutdown is quick.
     sys.stdout.flush()
@@ -255,7 +277,7 @@ class CoreProcess:
         self.proc = spawn(run_engine_core, (config, input_addr, output_addr, ready_w, death_r,
                                             executor_class),
                           name="mrv2-engine-core", child_ends=(ready_w, death_r),
-                          env=free_cores.engine_core_env(
+                          env=free_cores.pool_env(
                               config.parallel_config.data_parallel_size))
 
     def wait_ready(self, timeout: float) -> CoreReady:
@@ -265,6 +287,19 @@ class CoreProcess:
         return wait_ready([self.proc], [self._ready_conn], CoreReady, timeout, names=[name],
                           timeout_message=lambda _: f"{name} (pid {self.proc.pid})",
                           join_s=2.0)[0]
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def watch(self, wake: "Connection", on_exit: Callable[[], None]) -> threading.Thread:
+        """A thread that calls `on_exit()` when the process exits, unless `wake` closes
+        first."""
+        return watch_processes([self.proc], wake, lambda _: on_exit(), name="mrv2-core-monitor")
+
+    def exit_text(self) -> str:
+        self.proc.join(0.1)
+        return (f"the engine core process (pid {self.proc.pid}) died unexpectedly (exit code "
+                f"{self.proc.exitcode})")
 
     def stop(self, grace_s: float) -> None:
         """Wait up to `grace_s` for the process to leave; then terminate, then kill it."""

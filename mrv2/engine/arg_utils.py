@@ -122,6 +122,7 @@ class EngineArgs:
     hf_overrides: dict | None = None
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
     scheduling_policy: str = "fcfs"
     # vLLM's -O: 0 turns CUDA graphs off, 1-3 keep mrv2's default graphs (mrv2 has no
     # torch.compile); compilation_config's explicit fields win over it.
@@ -141,11 +142,9 @@ class EngineArgs:
         self._parallel_config()
 
     def _parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              distributed_executor_backend=self.distributed_executor_backend,
-                              enable_expert_parallel=self.enable_expert_parallel,
-                              pipeline_parallel_size=self.pipeline_parallel_size,
-                              data_parallel_size=self.data_parallel_size)
+        # Every ParallelConfig field is an EngineArgs field of the same name.
+        return ParallelConfig(**{f.name: getattr(self, f.name)
+                                 for f in dataclasses.fields(ParallelConfig)})
 
     @classmethod
     def add_cli_args(cls, parser: _Parser) -> _Parser:

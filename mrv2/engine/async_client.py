@@ -16,6 +16,7 @@ from mrv2.config import EngineConfig
 from mrv2.engine.client import (CLIENT_DEAD, DEFAULT_STARTUP_TIMEOUT_S, SEND_POLL_MS,
                                 MPClientBase, utility_value)
 from mrv2.core_framing import ABORT, ADD, UTILITY
+from mrv2.engine.core_handle import CoreLauncher
 from mrv2.protocol import CoreStats, EngineCoreOutputs, EngineCoreRequest, UtilityCall
 
 
@@ -24,9 +25,10 @@ class AsyncMPClient(MPClientBase):
     starts on the loop that first awaits it."""
 
     def __init__(self, config: EngineConfig, *, executor_class: type | None = None,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 core_launcher: CoreLauncher | None = None) -> None:
         super().__init__(config, asyncio_mode=True, executor_class=executor_class,
-                         startup_timeout_s=startup_timeout_s)
+                         startup_timeout_s=startup_timeout_s, core_launcher=core_launcher)
 
     def _init_io(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -37,12 +37,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from executor.process import pipe, settle, watch_processes
+from executor.process import pipe, settle
 from mrv2.config import EngineConfig
 from mrv2.core.core_proc import CoreProcess, call_utility, core_stats
 from mrv2.errors import EngineDeadError, WorkerError
 from mrv2.core_framing import (ABORT, ADD, DEAD, OUTPUTS, REJECTED, SHUTDOWN, UTILITY,
                                UTILITY_RESULT, CoreFraming)
+from mrv2.engine.core_handle import CoreHandle, CoreLauncher, bind_core_socket
 from mrv2.protocol import (CoreStats, EngineCoreOutputs, EngineCoreRequest, UtilityCall,
                            UtilityResult)
 
@@ -142,7 +143,8 @@ class MPClientBase(EngineCoreClient):
 
     def __init__(self, config: EngineConfig, *, asyncio_mode: bool,
                  executor_class: type | None = None,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 core_launcher: CoreLauncher | None = None) -> None:
         self._dead: str | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -150,45 +152,43 @@ class MPClientBase(EngineCoreClient):
         self._ids = itertools.count()
         self._utility: dict[int, Any] = {}  # call id -> future of its UtilityResult
         self._framing = CoreFraming()
-        self.process: CoreProcess | None = None
+        self.process: CoreHandle | None = None
         self._monitor: threading.Thread | None = None
         self.ipc_dir = tempfile.mkdtemp(prefix="mrv2-core-")
-        input_addr, output_addr = (f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output")
+        bind_host = None if core_launcher is None else core_launcher.bind_host
         self.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(input_addr)
+        input_addr = bind_core_socket(self.input_socket, bind_host, f"{self.ipc_dir}/input")
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(output_addr)
+        output_addr = bind_core_socket(self.output_socket, bind_host, f"{self.ipc_dir}/output")
         self._wake_r, self._wake_w = pipe()
         self._init_io()
         _LIVE_CLIENTS.add(self)
         try:
-            self.process = CoreProcess(config, input_addr, output_addr, executor_class)
+            self.process = (CoreProcess if core_launcher is None else core_launcher)(
+                config, input_addr, output_addr, executor_class)
             self.ready = self.process.wait_ready(startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
-        self._monitor = watch_processes([self.proc], self._wake_r, self._on_exit,
-                                        name="mrv2-core-monitor")
+        self._monitor = self.process.watch(self._wake_r, self._on_exit)
 
     @property
     def proc(self) -> mp.process.BaseProcess | None:
-        return None if self.process is None else self.process.proc
+        """The core's process, when it is a process of this one (not a Ray actor)."""
+        return getattr(self.process, "proc", None)
 
     # -- failure -----------------------------------------------------------------------------
 
-    def _on_exit(self, _index: int) -> None:
-        proc = self.proc
+    def _on_exit(self) -> None:
         if self._closed:
             return
         self._dead_event.wait(DEAD_REPORT_GRACE_S)
-        proc.join(0.1)
-        self._fail(f"the engine core process (pid {proc.pid}) died unexpectedly (exit code "
-                   f"{proc.exitcode})")
+        self._fail(self.process.exit_text())
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -262,7 +262,7 @@ class MPClientBase(EngineCoreClient):
                 self._dead = "the engine core client was shut down"
         self._dead_event.set()
         if self.process is not None:
-            if self.process.proc.is_alive():
+            if self.process.is_alive():
                 try:
                     self._send_shutdown()
                 except Exception:  # the death pipe and signals remain

@@ -2,7 +2,8 @@
 parallelism with its internal load balancer), with AsyncMPClient's interface, for AsyncLLM.
 
 Each engine core is its own process with the whole model (and, under tensor or pipeline
-parallelism, its own workers); requests are spread over them:
+parallelism, its own workers), or with `data_parallel_backend="ray"` a Ray actor placed on the
+cluster (mrv2/engine/ray_core.py); requests are spread over them:
 - **Routing.** A new request goes to the core with the fewest unfinished requests this client
   sent it (its running plus waiting queues, as the client knows them exactly: a request counts
   from its add until its finishing output, rejection or abort), ties to the lower KV cache
@@ -21,7 +22,7 @@ parallelism, its own workers); requests are spread over them:
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mrv2.config import EngineConfig
 from mrv2.engine.async_client import AsyncMPClient
@@ -29,25 +30,35 @@ from mrv2.engine.client import DEFAULT_STARTUP_TIMEOUT_S, RequestRejectedError
 from mrv2.errors import EngineDeadError
 from mrv2.protocol import CoreStats, EngineCoreOutputs, EngineCoreRequest
 
+if TYPE_CHECKING:
+    from mrv2.engine.ray_core import RayCorePlacement
+
 
 class DPAsyncClient:
     def __init__(self, config: EngineConfig, *, executor_class: type | None = None,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
         size = config.parallel_config.data_parallel_size
         self.clients: list[AsyncMPClient] = []
+        self.placement: RayCorePlacement | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers: list[asyncio.Task] = []
         try:
-            for _ in range(size):
-                self.clients.append(AsyncMPClient(config, executor_class=executor_class,
-                                                  startup_timeout_s=startup_timeout_s))
+            if config.parallel_config.data_parallel_backend == "ray":
+                from mrv2.engine.ray_core import RayCorePlacement
+
+                self.placement = RayCorePlacement(config)
+            for index in range(size):
+                self.clients.append(AsyncMPClient(
+                    config, executor_class=executor_class, startup_timeout_s=startup_timeout_s,
+                    core_launcher=None if self.placement is None
+                    else self.placement.launcher(index)))
         except BaseException:
             self.shutdown()
             raise
         self._owner: dict[str, int] = {}  # request id -> the core that holds it
         self._load = [0] * size  # unfinished requests sent to each core
         self._kv_usage = [0.0] * size  # from the cores' last stats
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._merged: asyncio.Queue | None = None
-        self._readers: list[asyncio.Task] = []
 
     # -- state -------------------------------------------------------------------------------
 
@@ -165,6 +176,8 @@ class DPAsyncClient:
                 self._loop.call_soon_threadsafe(task.cancel)
         for client in self.clients:
             client.shutdown()
+        if self.placement is not None:
+            self.placement.close()
 
 
 def merged_stats(stats: list[CoreStats]) -> CoreStats:

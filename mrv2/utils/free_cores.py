@@ -122,24 +122,23 @@ def fit_kernel_threads(free: FreeCoreThreads) -> None:
         numba.set_num_threads(threads)
 
 
-def engine_core_env(data_parallel_size: int) -> dict[str, str]:
-    """The thread-pool sizes an engine-core process starts with when `data_parallel_size` of
-    them share this machine: its share of the cores for numba's and OpenMP's pools (sized when
-    they load, so set before; a pool larger than its share spins on cores the other engines
-    compute on). Variables the user set are left alone; nothing for one engine."""
-    if data_parallel_size <= 1:
+POOL_SIZE_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def pool_env(processes: int, cores: int | None = None) -> dict[str, str]:
+    """The thread-pool sizes each of `processes` processes that share cores starts with:
+    its share of the budget in numba's and OpenMP's pools (sized when they load, so they must
+    be in the environment the process starts with; a pool larger than its share spins on cores
+    the other processes compute on). Used for data-parallel engine cores and for the ranks of
+    one engine on one machine, nested: a rank's budget is its engine core's share.
+
+    The budget of each pool: `cores` (another machine's, for a Ray rank placed there), else the
+    pool size set in this process's environment (the user's, or this process's own share),
+    else the cores this process may run on. Nothing for one process."""
+    if processes <= 1:
         return {}
-    share = str(max(1, len(os.sched_getaffinity(0)) // data_parallel_size))
-    return {name: share for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")
-            if name not in os.environ}
-
-
-def share_cores_among_ranks(world_size: int) -> int:
-    """Give each of `world_size` tensor-parallel ranks on this machine its share of the cores in
-    both of the kernels' pools (torch's intra-op threads and, for the calling thread, numba's):
-    ranks that each ran a thread per core would oversubscribe the cores, and every barrier would
-    wait on a thread another rank's had preempted. Returns numba's count."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    threads = max(1, numba.config.NUMBA_NUM_THREADS // world_size)
-    numba.set_num_threads(threads)
-    return threads
+    env = {}
+    for name in POOL_SIZE_VARS:
+        budget = cores or int(os.environ.get(name) or len(os.sched_getaffinity(0)))
+        env[name] = str(max(1, budget // processes))
+    return env

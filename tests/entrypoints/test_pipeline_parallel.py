@@ -13,6 +13,7 @@ import pytest
 from mrv2 import LLM, SamplingParams
 from mrv2.config import ConfigError
 from mrv2.engine.arg_utils import EngineArgs
+from mrv2.utils import free_cores
 
 import executor_helpers
 
@@ -33,6 +34,10 @@ def _run(model_dir, **parallel) -> tuple[list[list[list[int]]], list]:
         if parallel:
             executor = llm.llm_engine.engine_core.executor
             held = executor.collective_rpc(executor_helpers.stage_of)
+            # Each of the ranks on this machine started with its share of the cores.
+            share = int(free_cores.pool_env(executor.world_size)["NUMBA_NUM_THREADS"])
+            pools = executor.collective_rpc(executor_helpers.pool_sizes)
+            assert pools == [[share, share]] * executor.world_size  # msgspec: lists
         tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)]
             for params in (GREEDY, SEEDED)]

@@ -52,3 +52,11 @@ def stage_of(worker: object) -> tuple[int, int, int]:
     runner's layer KV caches have storage."""
     held = worker.held_layers
     return held.start, held.stop, sum(1 for c in worker.runner.kv_caches if c.numel())
+
+
+def pool_sizes(_worker: object = None) -> tuple[int, int]:
+    """A worker RPC: the size numba's pool was made with and torch's intra-op thread count."""
+    import numba
+    import torch
+
+    return numba.config.NUMBA_NUM_THREADS, torch.get_num_threads()

@@ -16,8 +16,10 @@ import itertools
 import json
 import operator
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -35,8 +37,9 @@ from mrv2.errors import EngineDeadError, WorkerStartupError
 from mrv2.parallel_config import ParallelConfig
 from mrv2.protocol import EngineCoreRequest
 from mrv2.testing.leftovers import process_alive
+from mrv2.utils import free_cores
 
-from executor_helpers import is_failed, shm_names
+from executor_helpers import is_failed, pool_sizes, shm_names
 
 PROMPTS = [[5, 17, 300, 42, 1000, 7, 8], [900, 33, 12, 1500, 64], list(range(100, 140))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -51,6 +54,19 @@ def tiny_dir(tiny_model_factory):
 def config(tiny_dir):
     return EngineArgs(model=str(tiny_dir), max_model_len=128,
                       distributed_executor_backend="ray").create_engine_config()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ray_tmpdir():
+    """A Ray temp dir of this module's own (short: Ray's socket paths must fit 107 bytes): its
+    engines find no cluster another test file left running, and its joining process finds
+    this module's."""
+    path = tempfile.mkdtemp(prefix="mrv2-ray-")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TMPDIR", path)
+        patch.delenv("RAY_ADDRESS", raising=False)
+        yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +178,9 @@ def test_a_rank_on_another_node_hears_the_engine_over_zmq(cluster, config, refer
         heads = executor.collective_rpc(
             operator.attrgetter("model.model.layers.0.self_attn.num_heads"))
         assert heads == [2, 2]  # each rank holds half of the 4 heads
+        # Both actors are on this node: each started with half of its cores in both pools.
+        share = int(free_cores.pool_env(2)["NUMBA_NUM_THREADS"])
+        assert executor.collective_rpc(pool_sizes) == [[share, share]] * 2  # msgspec: lists
         _add_requests(core, 0)
         tokens: dict[str, list[int]] = {}
         while core.has_unfinished_requests():

@@ -92,25 +92,17 @@ def test_reads_this_machine():
     assert 1 <= fitter.update() <= 2
 
 
-@pytest.mark.parametrize("world_size", [2, 64])
-def test_ranks_share_the_cores_in_both_pools(world_size):
-    before = numba.get_num_threads(), torch.get_num_threads()
-    try:
-        threads = free_cores.share_cores_among_ranks(world_size)
-        assert threads == max(1, numba.config.NUMBA_NUM_THREADS // world_size)
-        assert numba.get_num_threads() == threads
-        assert torch.get_num_threads() == max(1, before[1] // world_size)
-    finally:
-        numba.set_num_threads(before[0])
-        torch.set_num_threads(before[1])
-
-
-def test_data_parallel_engine_cores_start_with_their_share_of_the_cores(monkeypatch):
+def test_processes_that_share_the_cores_start_with_their_share(monkeypatch):
     monkeypatch.setattr(free_cores.os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert free_cores.engine_core_env(1) == {}
-    assert free_cores.engine_core_env(2) == {"NUMBA_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
-    assert free_cores.engine_core_env(16) == {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-    assert free_cores.engine_core_env(2) == {"NUMBA_NUM_THREADS": "4"}
+    assert free_cores.pool_env(1) == {}
+    assert free_cores.pool_env(2) == {"NUMBA_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    assert free_cores.pool_env(16) == {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    # A size in the environment (the user's, or a data-parallel core's share) is the budget
+    # its processes split: the ranks of a core nest inside its share.
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert free_cores.pool_env(2) == {"NUMBA_NUM_THREADS": "4", "OMP_NUM_THREADS": "3"}
+    # Another machine's cores (a Ray rank placed there) are its own budget.
+    assert free_cores.pool_env(2, cores=32) == {"NUMBA_NUM_THREADS": "16",
+                                                "OMP_NUM_THREADS": "16"}

@@ -110,6 +110,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine cores behind the server, each with the whole model; "
                              "requests go to the least loaded")
+    parser.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=("mp", "ray"),
+                        help="mp (each engine core a process of this machine) or ray (a Ray "
+                             "actor on the cluster)")
     parser.add_argument("--scheduling-policy", default="fcfs",
                         help="fcfs (mrv2's scheduler); priority is not supported")
     parser.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),

@@ -89,6 +89,7 @@ HONOURED = [
     (["--distributed-executor-backend", "mp"], "engine", "distributed_executor_backend", "mp"),
     (["--logprobs-mode", "processed_logits"], "engine", "logprobs_mode", "processed_logits"),
     (["-pp", "1", "--data-parallel-size", "1"], "engine", "pipeline_parallel_size", 1),
+    (["-dpb", "ray"], "engine", "data_parallel_backend", "ray"),
     (["--scheduling-policy", "fcfs"], "engine", "scheduling_policy", "fcfs"),  # what mrv2 does
     (["--device-memory-utilization", "0.5"], "engine", "gpu_memory_utilization", 0.5),
     (["--no-enforce-eager"], "engine", "enforce_eager", False),
