@@ -317,12 +317,28 @@ class EngineConfig:
         if self.speculative_config is not None and sched.num_scheduler_steps not in (None, 1):
             raise ConfigError("speculative decoding verifies one step at a time: "
                               "num_scheduler_steps must be 1 or None (auto)")
+        if self.model_config.kv_cache_layout.recurrent:
+            self._verify_recurrent_layers()
         pooler = self.model_config.pooler_config
         if (pooler is not None and pooler.pooling_type == "MEAN"
                 and self.cache_config.enable_prefix_caching):
             raise ConfigError("pooling_type='MEAN' averages the hidden states of every prompt "
                               "token, and a prefix-cache hit skips computing the cached ones: "
                               "turn prefix caching off (it is off by default with MEAN)")
+
+    def _verify_recurrent_layers(self) -> None:
+        """Refuse, by name, what a hybrid model's recurrent layers (Qwen3-Next, Qwen3.5) do
+        not run: a state exists only after the last computed token of a request."""
+        name = self.model_config.architecture
+        if self.cache_config.enable_prefix_caching:
+            raise ConfigError(f"enable_prefix_caching=True: {name} has recurrent layers, whose "
+                              f"state a cached prefix does not hold (it is off by default)")
+        if self.speculative_config is not None:
+            raise ConfigError(f"speculative decoding is not supported for {name}: rejected "
+                              f"drafts would have to be rolled out of its recurrent state")
+        if self.model_config.batch_invariant:
+            raise ConfigError(f"batch_invariant=True is not supported for {name} (its "
+                              f"recurrent layers' kernels are not verified batch-invariant)")
 
     @property
     def max_steps_in_flight(self) -> int:

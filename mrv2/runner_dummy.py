@@ -52,5 +52,7 @@ def run_dummy_requests(runner: ModelRunner, params: list[SamplingParams], prompt
     runner.sample_tokens()
     draft_caches = [] if runner.speculator is None else runner.speculator.draft_kv_caches
     for cache in (*runner.kv_caches, *draft_caches):
-        if cache.numel():  # empty: a layer of another pipeline stage
+        # Empty: a layer of another pipeline stage; flat: a recurrent layer's state, which a
+        # request's first step never reads.
+        if cache.numel() and cache.dim() > 1:
             cache[:, NULL_BLOCK_ID].zero_()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import numba
@@ -24,7 +25,7 @@ from mrv2 import batch_invariant, distributed, platform
 from mrv2.async_output import AsyncOutput
 from mrv2.attention.backend import attach_split_kv_scratch, kv_cache_shape
 from mrv2.config import ConfigError, EngineConfig, ModelConfig
-from mrv2.core.kv_cache_layout import layer_kv_shape
+from mrv2.core.kv_cache_layout import layer_kv_shape, recurrent_state_shapes
 from mrv2.models import cpu as cpu_fast_paths
 from mrv2.models.loader import load_model
 from mrv2.pipeline import stage_layers
@@ -149,7 +150,8 @@ class Worker:
             peak = self.profile_run() if self.device.type == "cuda" else 0
             budget = platform.default_kv_cache_bytes(self.device,
                                                      cc.gpu_memory_utilization) - peak
-        fit = budget // self.kv_block_bytes
+        budget -= self.recurrent_state_bytes
+        fit = max(budget, 0) // self.kv_block_bytes
         per_request = self.config.model_config.kv_cache_layout.max_blocks_per_request(
             self.config.model_config.max_model_len, cc.block_size,
             self.config.max_kv_tokens_per_step)
@@ -162,6 +164,20 @@ class Worker:
                 f"max_model_len={self.config.model_config.max_model_len} needs {min_blocks - 1}; "
                 f"raise kv_cache_memory_gb or lower max_model_len")
         return int(num_blocks)
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of the recurrent states of this rank's recurrent layers (a hybrid model's
+        linear-attention layers), each slot's, float32: taken from the KV budget first."""
+        mc = self.config.model_config
+        layers = [layer for layer in mc.kv_cache_layout.recurrent if layer in self.held_layers]
+        return (4 * len(layers) * self.config.scheduler_config.max_num_seqs
+                * self._state_floats_per_slot) if layers else 0
+
+    @property
+    def _state_floats_per_slot(self) -> int:
+        conv, delta = recurrent_state_shapes(self.config.model_config.hf_config, self.tp_size)
+        return math.prod(conv) + math.prod(delta)
 
     def profile_run(self) -> int:
         """Bytes the largest step takes beyond what is allocated now (CUDA): a throwaway runner
@@ -205,6 +221,11 @@ class Worker:
                 caches.append(torch.empty(0, dtype=self.config.kv_cache_dtype,
                                           device=self.device))
                 continue
+            if layer in layout.recurrent:  # every slot's state, flat (the layer views it)
+                caches.append(torch.zeros(self.config.scheduler_config.max_num_seqs
+                                          * self._state_floats_per_slot, dtype=torch.float32,
+                                          device=self.device))
+                continue
             source = layout.layer_source[layer]
             kv_heads, head_dim = self._layer_kv_shape(source)
             scale = layout.groups[layout.layer_group[source]].block_scale
@@ -224,7 +245,7 @@ class Worker:
         """The layout's KV tensors this rank's layers use (all of them without stages)."""
         layout = self.config.model_config.kv_cache_layout
         return sorted({layout.layer_tensor[layout.layer_source[layer]]
-                       for layer in self.held_layers})
+                       for layer in self.held_layers if layer not in layout.recurrent})
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         """The runner's KV cache views, each once (a draft model's included)."""

@@ -58,6 +58,10 @@ class AttentionMetadata:
     # groups 1, 2, ... (their own block tables and slot mappings); block_tables and
     # slot_mapping above are group 0's. Empty for a model with one group.
     other_groups: tuple[AttentionMetadata, ...] = ()
+    # Each row's persistent slot [num_reqs] (int64, and its host copy): where a recurrent
+    # layer keeps the row's state (models/layers/gated_delta_rule.py). None: not given.
+    slots: torch.Tensor | None = None
+    slots_np: np.ndarray | None = None
 
     @property
     def decode_sequences(self) -> int:

@@ -40,7 +40,9 @@ from typing import Any
 
 MAX_KV_CACHE_GROUPS = 8
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# "linear_attention": Qwen3-Next's / Qwen3.5's gated delta rule layers, which keep a
+# fixed-size recurrent state per request instead of a KV cache (`recurrent_layers`).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def layer_windows(hf: Any) -> tuple[int, ...] | None:
@@ -63,6 +65,24 @@ def layer_windows(hf: Any) -> tuple[int, ...] | None:
     else:
         windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     return windows if any(windows) else None
+
+
+def recurrent_layers(hf: Any) -> tuple[bool, ...] | None:
+    """Which layers keep a recurrent state in place of a KV cache (`layer_types`
+    "linear_attention"); None: none does."""
+    flags = tuple(kind == "linear_attention" for kind in getattr(hf, "layer_types", None) or ())
+    return flags if any(flags) else None
+
+
+def recurrent_state_shapes(hf: Any, tp_size: int = 1
+                           ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One request's state in a recurrent layer on one of `tp_size` ranks: the convolution's
+    window [conv channels, kernel - 1] (q, k and v of this rank's heads) and the delta rule's
+    memory [value heads, key head dim, value head dim] (models/layers/gated_delta_rule.py)."""
+    k_heads, v_heads = hf.linear_num_key_heads // tp_size, hf.linear_num_value_heads // tp_size
+    k_dim, v_dim = hf.linear_key_head_dim, hf.linear_value_head_dim
+    return ((2 * k_heads * k_dim + v_heads * v_dim, hf.linear_conv_kernel_dim - 1),
+            (v_heads, k_dim, v_dim))
 
 
 def layer_kv_shape(hf: Any, layer: int) -> tuple[int, int]:
@@ -139,21 +159,28 @@ class KVCacheLayout:
     layer_tensor: tuple[int, ...]
     # Per layer: the layer whose keys and values it reads (itself unless KV-shared).
     layer_source: tuple[int, ...]
+    # The layers with a recurrent state and no KV cache: in no group (group and tensor -1).
+    recurrent: tuple[int, ...] = ()
 
     @classmethod
     def for_windows(cls, windows: Sequence[int] | None, num_layers: int, *,
                     widths: Sequence[int] | None = None,
-                    sources: Sequence[int] | None = None) -> KVCacheLayout:
+                    sources: Sequence[int] | None = None,
+                    recurrent: Sequence[bool] | None = None) -> KVCacheLayout:
         """Group `num_layers` layers by their windows (None: no layer has one) and KV widths
         (None: all equal); a layer whose `sources` entry names another layer joins that
-        layer's group and tensor."""
+        layer's group and tensor; a `recurrent` layer joins none."""
         windows = tuple(windows) if windows is not None else (0,) * num_layers
         widths = tuple(widths) if widths is not None else (1,) * num_layers
         sources = tuple(sources) if sources is not None else tuple(range(num_layers))
         if not len(windows) == len(widths) == len(sources) == num_layers:
             raise ValueError(f"{len(windows)} windows, {len(widths)} widths and "
                              f"{len(sources)} KV sources for {num_layers} layers")
-        owners = [layer for layer in range(num_layers) if sources[layer] == layer]
+        stateful = tuple(recurrent) if recurrent is not None else (False,) * num_layers
+        owners = [layer for layer in range(num_layers)
+                  if sources[layer] == layer and not stateful[layer]]
+        if not owners:
+            raise ValueError("no layer keeps a KV cache")
         if any(sources[sources[layer]] != sources[layer] for layer in range(num_layers)):
             raise ValueError(f"KV sources {sources}: a layer must read a layer that owns its "
                              f"cache")
@@ -187,9 +214,10 @@ class KVCacheLayout:
                     layer_tensor[layer] = position
                 groups.append(KVCacheGroup(window, members, widest // width))
         for layer in range(num_layers):
-            layer_group[layer] = layer_group[sources[layer]]
-            layer_tensor[layer] = layer_tensor[sources[layer]]
-        return cls(tuple(groups), tuple(layer_group), tuple(layer_tensor), sources)
+            layer_group[layer] = -1 if stateful[layer] else layer_group[sources[layer]]
+            layer_tensor[layer] = -1 if stateful[layer] else layer_tensor[sources[layer]]
+        return cls(tuple(groups), tuple(layer_group), tuple(layer_tensor), sources,
+                   tuple(layer for layer in range(num_layers) if stateful[layer]))
 
     @classmethod
     def for_model(cls, hf: Any) -> KVCacheLayout:
@@ -198,7 +226,8 @@ class KVCacheLayout:
         if getattr(hf, "num_hidden_layers", None) is None:
             return cls.for_windows(None, 1)
         return cls.for_windows(layer_windows(hf), hf.num_hidden_layers,
-                               widths=layer_kv_widths(hf), sources=layer_kv_sources(hf))
+                               widths=layer_kv_widths(hf), sources=layer_kv_sources(hf),
+                               recurrent=recurrent_layers(hf))
 
     @property
     def num_groups(self) -> int:

@@ -17,6 +17,7 @@ from mrv2 import platform
 from mrv2.config import (RUNNER_TYPES, CacheConfig, CompilationConfig, ConfigError, EngineConfig,
                          ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                          StructuredOutputsConfig, check_logprobs_mode)
+from mrv2.core.kv_cache_layout import recurrent_layers
 from mrv2.engine.engine_args_checks import check_vllm_options, refusing_unimplemented
 from mrv2.engine.engine_args_flags import add_engine_args_flags
 from mrv2.models.gguf import (GGUFError, has_compact_linears, has_tokenizer, is_gguf_path,
@@ -172,17 +173,18 @@ class EngineArgs:
                               f"{MAX_LOGPROBS} logprobs per position (its sampler's cap); give "
                               f"a value in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not "
                               f"supported)")
+        parallel_config = self._parallel_config()
+        model_path, tokenizer_path, hf_config_path = self._resolve_paths()
+        hf_config = load_hf_config(model_path, hf_config_path)
+        hybrid = recurrent_layers(hf_config) is not None  # no state for a cached prefix
         caching = self.enable_prefix_caching
         if caching is None:
-            caching = pooler_config is None or pooler_config.pooling_type != "MEAN"
+            caching = not hybrid and getattr(pooler_config, "pooling_type", None) != "MEAN"
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self._kv_cache_memory_gb(),
                                    enable_prefix_caching=caching,
                                    gpu_memory_utilization=self._gpu_memory_utilization(device),
                                    cache_dtype=self.kv_cache_dtype)
-        parallel_config = self._parallel_config()
-        model_path, tokenizer_path, hf_config_path = self._resolve_paths()
-        hf_config = load_hf_config(model_path, hf_config_path)
         model_max_len = _derived_max_model_len(hf_config)
         max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len < 1:
@@ -213,10 +215,10 @@ class EngineArgs:
                                                              if self.async_scheduling is None
                                                              else self.async_scheduling),
                                            num_scheduler_steps=self._num_scheduler_steps())
-        # Pipeline stages hand their hidden states over between layers: no graph holds that.
+        # No graph holds stages' hand-overs or (yet) a hybrid model's recurrent layers.
         compilation_config = self._compilation_config().resolve(
             device, max_tokens, self.max_num_seqs,
-            enforce_eager=self.enforce_eager or self.pipeline_parallel_size > 1)
+            enforce_eager=self.enforce_eager or self.pipeline_parallel_size > 1 or hybrid)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
                             compilation_config=compilation_config, device=device,

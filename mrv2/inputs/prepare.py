@@ -137,6 +137,8 @@ def prepare_inputs(req_ids: list[str], idx_mapping_np: np.ndarray, num_scheduled
         seq_lens_np=seq_lens_np,
         max_seq_len=max_seq_len,
         num_layers=num_layers,
+        slots=idx_mapping,
+        slots_np=idx_mapping_np,
     )
     if len(tables) > 1:
         metadata.other_groups = tuple(

@@ -83,6 +83,15 @@ class DecoderSpec:
     # gpt-oss: each attention head's learned sink logit (attention/backend.Attention's
     # `sinks`), one more logit in its softmax with no value.
     attention_sinks: bool = False
+    # Qwen3-Next / Qwen3.5 (qwen3_next.py): the layers whose token mixer is a gated delta rule
+    # with a per-slot recurrent state instead of attention (None: none), and full attention
+    # whose output is gated per head by sigmoid of a second half of the q projection. The fused
+    # decode stack runs neither (cpu/decode.supports).
+    linear_attention: tuple[bool, ...] | None = None
+    attention_output_gate: bool = False
+
+    def is_linear_attention(self, layer: int) -> bool:
+        return self.linear_attention is not None and self.linear_attention[layer]
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward routes to experts."""

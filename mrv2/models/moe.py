@@ -35,7 +35,7 @@ def _qwen_sparse_layers(hf: Any) -> tuple[bool, ...]:
                  for i in range(hf.num_hidden_layers))
 
 
-def _qwen_moe(hf: Any, shared: int = 0) -> MoESpec:
+def qwen_moe(hf: Any, shared: int = 0) -> MoESpec:
     return MoESpec(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok,
                    intermediate_size=hf.moe_intermediate_size,
                    renormalize=bool(getattr(hf, "norm_topk_prob", False)),
@@ -44,12 +44,12 @@ def _qwen_moe(hf: Any, shared: int = 0) -> MoESpec:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def declare(self, hf: Any) -> DecoderSpec:
-        return dataclasses.replace(super().declare(hf), moe=_qwen_moe(hf))
+        return dataclasses.replace(super().declare(hf), moe=qwen_moe(hf))
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     def declare(self, hf: Any) -> DecoderSpec:
-        return dataclasses.replace(super().declare(hf), moe=_qwen_moe(
+        return dataclasses.replace(super().declare(hf), moe=qwen_moe(
             hf, int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)))
 
 

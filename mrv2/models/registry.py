@@ -13,6 +13,8 @@ from mrv2.models.gpt_oss import GptOssForCausalLM
 from mrv2.models.moe import (MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM,
                              Qwen3MoeForCausalLM)
 from mrv2.models.olmo2 import Olmo2ForCausalLM
+from mrv2.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                                    Qwen3NextForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -31,6 +33,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -50,7 +50,16 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+# The hybrid archs' recurrent layers at a tiny model's scale (`config` overrides each), and
+# their released pattern of three linear-attention layers to one of full attention.
+_HYBRID_FIELDS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32)
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(_ARCHS)
 
 MANIFEST = "mrv2_tiny.json"
@@ -89,6 +98,8 @@ def _init_weights(model: torch.nn.Module, seed: int, init_scale: float, tied: bo
                 value = BIAS_STD * noise
             elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits, as the scores'
                 value = noise
+            elif name.endswith(".A_log"):  # a delta rule's decay rates, A in [1, 4)
+                value = torch.log(1.0 + 1.5 * (noise.clamp(-1, 1) + 1.0))
             elif name.endswith("embed_tokens.weight"):
                 value = embed_std * noise
             elif name == "lm_head.weight":
@@ -198,6 +209,13 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
         fields["sliding_window"] = None
     if p["arch"] == "gemma4":  # per layer type: transformers' defaults unless `config` gives
         del fields["rope_parameters"]
+    if p["arch"] in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        hybrid = {k: v for k, v in _HYBRID_FIELDS.items()  # the dense one has no experts
+                  if p["arch"] != "qwen3_5" or not ("expert" in k or k.startswith("moe"))}
+        fields.update(hybrid, layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+            for i in range(p["num_layers"])])
+        fields["rope_parameters"].setdefault("partial_rotary_factor", 0.25)
     fields.update(p.get("config") or {})
     config = config_cls(**fields)
     # fork_rng: the caller's global RNG state is left as it was.

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numba
-import torch
 
 ENV = "MRV2_FIT_THREADS_TO_FREE_CORES"
 SAMPLE_SECONDS = 0.5

@@ -90,9 +90,11 @@ def supports(spec: DecoderSpec | None) -> bool:
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
     queries and Gemma 4's value norms, per-layer inputs and KV-shared layers, attention sinks
-    (gpt-oss); routed experts as stack_moe computes them."""
+    (gpt-oss); routed experts as stack_moe computes them. Not hybrid models' linear-attention
+    layers or gated attention (Qwen3-Next, Qwen3.5)."""
     return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and moe_supported(spec.moe, spec.activation))
+            and moe_supported(spec.moe, spec.activation)
+            and spec.linear_attention is None and not spec.attention_output_gate)
 
 
 def _float32_or_packed(module) -> bool:

@@ -41,12 +41,15 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longr
 DEFAULT_ROPE_THETA = 10000.0
 # The rope parameters mrv2 reads (transformers' names; "type" is the legacy rope_type, and
 # llama_4_scaling_beta is read by the model that scales its queries: Ministral 3). A config
-# with any other key is refused by name.
+# with any other key is refused by name. Multimodal rope (Qwen3.5's `mrope_section`,
+# `mrope_interleaved`) splits the frequencies among a token's time, height and width
+# positions; a text token's three are equal, so for text it is this rope.
 ROPE_PARAMETER_KEYS = frozenset((
     "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
     "max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
     "mscale", "mscale_all_dim", "attention_factor", "truncate", "long_factor", "short_factor",
-    "partial_rotary_factor", "freq_factors", "llama_4_scaling_beta"))
+    "partial_rotary_factor", "freq_factors", "llama_4_scaling_beta", "mrope_section",
+    "mrope_interleaved"))
 
 
 def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None
