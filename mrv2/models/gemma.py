@@ -23,7 +23,7 @@ from mrv2.attention import AttentionMetadata
 from mrv2.config import ModelConfig
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.mlp import GatedMLP
-from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.norm import RMSNorm, pre_norm
 from mrv2.models.layers.rotary import RotaryInputs, per_layer_type_rope
 from mrv2.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -42,11 +42,7 @@ class GemmaDecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's normalised MLP output, the residual stream before adding it)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

@@ -38,14 +38,14 @@ from torch import nn
 from mrv2 import distributed
 from mrv2.attention import Attention, AttentionMetadata
 from mrv2.config import ModelConfig
-from mrv2.core.kv_cache_layout import layer_kv_shape, layer_windows
+from mrv2.core.kv_cache_layout import layer_kv_shape, layer_windows, recurrent_layers
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.linear import (QKVLinear, RowParallelLinear, default_weight_loader,
                                        narrow, set_weight_attrs)
 from mrv2.models.layers.moe import expert_shard, feed_forward
 from mrv2.models.layers.vocab_embedding import (ParallelLMHead, VocabParallelEmbedding,
                                                 parallel_logits)
-from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.norm import RMSNorm, pre_norm
 from mrv2.pipeline import MissingLayer, held_by_stage, receive_stream, send_stream, stage_layers
 from mrv2.models.layers.rotary import (RotaryEmbedding, RotaryInputs, apply_rotary_qk,
                                        normalize_heads, position_query_scale,
@@ -152,11 +152,7 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -260,6 +256,7 @@ class LlamaForCausalLM(nn.Module):
     layer_class: type[nn.Module] = LlamaDecoderLayer
     model_class: type[LlamaModel] = LlamaModel
     supports_pipeline_parallel = True  # LlamaModel.forward_stage runs its layers
+    has_linear_attention = False  # Qwen3-Next / Qwen3.5: layers with a recurrent state
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -275,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
     def declare(self, hf: Any) -> DecoderSpec:
         """What this architecture is, read from its config (subclasses add their traits)."""
         attention_bias = bool(getattr(hf, "attention_bias", False))
+        if recurrent_layers(hf) is not None and not self.has_linear_attention:
+            raise ValueError(f"layer_types ['linear_attention'] are not supported for "
+                             f"{type(self).__name__}")
         return DecoderSpec(
             qkv_bias=self.qkv_bias_always or attention_bias,
             o_bias=self.o_proj_bias_allowed and attention_bias, qk_norm=self.qk_norm,

@@ -40,7 +40,7 @@ from mrv2.models.layers.linear import (ColumnParallelLinear, MergedLinear, QKVLi
                                        RowParallelLinear, default_weight_loader, materialize,
                                        narrow, set_weight_attrs)
 from mrv2.models.layers.moe import feed_forward
-from mrv2.models.layers.norm import RMSNorm
+from mrv2.models.layers.norm import RMSNorm, pre_norm
 from mrv2.models.layers.rotary import RotaryInputs, apply_rotary_qk
 from mrv2.models.llama import LlamaForCausalLM
 from mrv2.models.moe import qwen_moe
@@ -222,11 +222,7 @@ class Qwen3NextDecoderLayer(nn.Module):
                 cache: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         if hasattr(self, "linear_attn"):
             hidden = self.linear_attn(hidden, cache, meta)
         else:
@@ -243,6 +239,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     layer_class: type[nn.Module] = Qwen3NextDecoderLayer
     qk_norm = True
     supports_pipeline_parallel = False  # the states are not split by stage yet
+    has_linear_attention = True
 
     def declare(self, hf: Any) -> DecoderSpec:
         moe = qwen_moe(hf, int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)) \

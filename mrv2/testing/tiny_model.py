@@ -55,7 +55,8 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 # The hybrid archs' recurrent layers at a tiny model's scale (`config` overrides each), and
-# their released pattern of three linear-attention layers to one of full attention.
+# their released pattern of three linear-attention layers to one of full attention (the last
+# layer always full: transformers' cache needs one attention layer).
 _HYBRID_FIELDS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32,
@@ -191,7 +192,7 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
     config_cls, model_cls = (getattr(transformers, n) for n in _ARCHS[p["arch"]])
     tok = copy_tokenizer(dst, p["tokenizer_vocab_size"],
                          model_max_length=p["max_position_embeddings"],
-                         qwen2_pipeline=p["arch"] == "qwen2")
+                         qwen2_pipeline=p["arch"] in ("qwen2", "qwen3_5_moe"))
     if tok.get_vocab_size() > p["vocab_size"]:
         raise ValueError(f"vocab_size {p['vocab_size']} < tokenizer vocab {tok.get_vocab_size()}")
     ids = {k: tok.token_to_id(t) for k, t in
@@ -213,8 +214,8 @@ def _build(dst: Path, p: dict[str, Any]) -> None:
         hybrid = {k: v for k, v in _HYBRID_FIELDS.items()  # the dense one has no experts
                   if p["arch"] != "qwen3_5" or not ("expert" in k or k.startswith("moe"))}
         fields.update(hybrid, layer_types=[
-            "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-            for i in range(p["num_layers"])])
+            "full_attention" if (i + 1) % 4 == 0 or i == p["num_layers"] - 1
+            else "linear_attention" for i in range(p["num_layers"])])  # one at least
         fields["rope_parameters"].setdefault("partial_rotary_factor", 0.25)
     fields.update(p.get("config") or {})
     config = config_cls(**fields)

@@ -71,7 +71,8 @@ def test_registry() -> None:
         "LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "Qwen2ForCausalLM",
         "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Qwen3MoeForCausalLM",
-        "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM")
+        "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM",
+        "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
     assert issubclass(UnsupportedModelError, ValueError)

@@ -71,6 +71,15 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.eps}, unit_offset={self.unit_offset}"
 
 
+def pre_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm: (norm(hidden + residual), hidden + residual), where the
+    first layer (`residual` None) starts the residual stream with its input."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 def _unit_offset_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
     """A Gemma norm's checkpoint w stored as 1 + w in float32 (GemmaRMSNorm's
     `1.0 + self.weight.float()`)."""
