@@ -1,15 +1,15 @@
-"""The language model inside a multimodal checkpoint, served as text: Gemma 3's and Gemma 4's
-released checkpoints are `*ForConditionalGeneration` (a vision tower, Gemma 4's an audio tower
-too, around a causal LM). mrv2 runs their language model on text prompts, as vLLM does with
-no image or audio in the request; it has no vision or audio encoder, so the towers' weights
-are not loaded (a request carrying an image or audio part is refused where requests are read).
+"""The language model inside a multimodal checkpoint, served as text: Gemma 3's, Gemma 4's and
+Qwen3.5's released checkpoints are `*ForConditionalGeneration` (a vision tower, Gemma 4's an
+audio tower too, around a causal LM). mrv2 runs their language model on text prompts, as vLLM
+does with no image or audio in the request; it has no vision or audio encoder, so the towers'
+weights are not loaded (a request carrying an image or audio part is refused where requests are
+read).
 
 The composite config becomes its `text_config` (the causal LM's architecture, the token ids and
-dtype the composite carries where the text config has none; `multimodal_architecture` names
-the checkpoint's own), and `text_weights` renames the language model's tensors to the causal
-LM's names (both transformers 5's `model.language_model.` layout and 4.x's `language_model.`
-one still on the Hub) and leaves the towers' out.
-"""
+dtype the composite carries where the text config has none; `multimodal_architecture` names the
+checkpoint's own), and `text_weights` renames the language model's tensors to the causal LM's
+names (both transformers 5's `model.language_model.` layout and 4.x's `language_model.` one
+still on the Hub) and leaves the towers' out."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from typing import Any, Iterable, Iterator
 TEXT_MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 # The language model's tensors in those checkpoints -> the causal LM's names.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -26,7 +28,7 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 # The vision and audio towers and their projections into the text stream: not loaded.
 _TOWER_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "model.embed_vision.",
                    "model.audio_tower.", "model.embed_audio.", "vision_tower.",
-                   "multi_modal_projector.")
+                   "multi_modal_projector.", "model.visual.", "visual.")
 # Fields of the composite config the text config takes where it has none of its own.
 _INHERITED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype",
                      "tie_word_embeddings")

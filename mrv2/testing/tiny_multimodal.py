@@ -1,7 +1,8 @@
 """A tiny random-weight multimodal checkpoint around a tiny text model (make_tiny_model's), as
 Gemma 3's and Gemma 4's are released: `*ForConditionalGeneration` with a small vision tower
-(Gemma 4: its vision config; Gemma 3: SigLIP), the language model's weights those of the text
-model. `layout="v4"` writes the tensor names transformers 4.x saved (`language_model.model.`,
+(Gemma 4: its vision config; Gemma 3: SigLIP; Qwen3.5: its own), the language model's weights
+those of the text model (its `out_hidden_size` must be the text model's hidden size).
+`layout="v4"` writes the tensor names transformers 4.x saved (`language_model.model.`,
 `vision_tower.`), which checkpoints on the Hub still carry."""
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from safetensors.torch import load_file, save_file
 
 # Text architecture -> (composite config class, multimodal model class).
 _MULTIMODAL = {"Gemma3ForCausalLM": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
-               "Gemma4ForCausalLM": ("Gemma4Config", "Gemma4ForConditionalGeneration")}
+               "Gemma4ForCausalLM": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+               "Qwen3_5ForCausalLM": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+               "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeConfig",
+                                         "Qwen3_5MoeForConditionalGeneration")}
+_QWEN3_5_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                   "patch_size": 4, "out_hidden_size": 64, "num_position_embeddings": 64}
 _VISION = {
     "Gemma3Config": {"model_type": "siglip_vision_model", "hidden_size": 16,
                      "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -22,6 +28,8 @@ _VISION = {
     "Gemma4Config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                      "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
                      "patch_size": 4, "position_embedding_size": 64},
+    "Qwen3_5Config": _QWEN3_5_VISION,
+    "Qwen3_5MoeConfig": _QWEN3_5_VISION,
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")

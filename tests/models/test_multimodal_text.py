@@ -76,6 +76,7 @@ def _mrv2_greedy(model_dir, **kwargs) -> list[list[int]]:
 @pytest.mark.parametrize("arch, kwargs, layout, tp", [
     ("gemma3", GEMMA3, "v4", 1),  # the layout transformers writes for Gemma 3 and 4.x wrote
     ("gemma4", GEMMA4, "v5", 2),  # transformers 5's, under tensor parallelism
+    ("qwen3_5", {"num_layers": 4}, "v5", 1),  # a hybrid model's (Qwen3.5's `model.visual.`)
 ])
 def test_multimodal_checkpoint_serves_its_language_model(tiny_model_factory, tmp_path, arch,
                                                          kwargs, layout, tp):
