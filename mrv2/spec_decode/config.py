@@ -160,8 +160,9 @@ class SpeculativeConfig:
 
 
 def _plain_layout(layout: KVCacheLayout) -> bool:
-    """One full-attention block table for every layer, each layer with KV of its own."""
-    return (layout.num_groups == 1 and layout.groups[0].window == 0
+    """One full-attention block table for every layer, each layer with KV of its own (none
+    with a recurrent state instead)."""
+    return (layout.num_groups == 1 and layout.groups[0].window == 0 and not layout.recurrent
             and layout.groups[0].block_scale == 1
             and layout.layer_source == tuple(range(len(layout.layer_source))))
 

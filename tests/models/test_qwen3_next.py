@@ -133,3 +133,11 @@ def test_what_hybrid_models_do_not_run_is_refused_by_name(tiny_model_factory, se
     model_dir = tiny_model_factory("qwen3_5", num_layers=4)
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model=str(model_dir), max_model_len=64, **setting).create_engine_config()
+
+
+def test_a_hybrid_draft_model_is_refused(tiny_model_factory, tiny_llama):
+    draft = tiny_model_factory("qwen3_5", num_layers=4)
+    with pytest.raises(ConfigError, match="hybrid"):
+        EngineArgs(model=str(tiny_llama), max_model_len=64, speculative_config={
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        ).create_engine_config()
