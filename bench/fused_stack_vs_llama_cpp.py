@@ -55,6 +55,12 @@ ARCH_PARAMS: dict[str, dict[str, Any]] = {
                             "sliding_attention": {"rope_type": "default",
                                                   "rope_theta": 10000.0}}}},
 }
+# Qwen3.5 (a hybrid: three gated delta rule layers to one of gated full attention) on W2's
+# width: 16 layers, the linear-attention heads at W2's scale (8 key heads, 16 value heads of 64),
+# partial rotary 0.25, the tokenizer's vocabulary.
+ARCH_PARAMS["qwen3_5"] = {"vocab_size": 2048, "config": {
+    "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64}}
 TYPES = ("q8_0", "q4_0")
 DEFAULT_DIR = Path("/tmp/w2models")
 

@@ -11,6 +11,9 @@ from typing import Any
 import gguf
 import torch
 
+from mrv2.testing.gguf_qwen3_next import (QWEN3_NEXT_ARCHS, add_qwen3_next_hparams,
+                                          rope_dimension_sections)
+
 
 # Architectures the converter writes with its LlamaModel class (vocab size and rope dimension
 # keys, permuted q/k, add_space_prefix).
@@ -109,6 +112,8 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
         writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     # "default" (an unknown type to the converter, it only warns), "dynamic": no keys;
     # "llama3": the rope_freqs tensor instead.
+    if (sections := rope_dimension_sections(hparams)) is not None:
+        writer.add_rope_dimension_sections(sections)
     if (theta := rope.get("rope_theta")) is not None:
         writer.add_rope_freq_base(theta)
     per_type = hparams.get("rope_parameters") or {}
@@ -147,11 +152,14 @@ def add_hparams(writer: gguf.GGUFWriter, hparams: dict[str, Any], arch: gguf.MOD
     if arch == gguf.MODEL_ARCH.GPT_OSS:  # GptOssModel.set_gguf_parameters
         writer.add_sliding_window(hparams["sliding_window"])
         writer.add_expert_feed_forward_length(hparams["intermediate_size"])
-    if arch in (gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE):  # Qwen2MoeModel's
+    if arch in (gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE,  # Qwen2MoeModel's
+                *QWEN3_NEXT_ARCHS.values()):
         if (size := hparams.get("moe_intermediate_size")) is not None:
             writer.add_expert_feed_forward_length(size)
         if (shared := hparams.get("shared_expert_intermediate_size")) is not None:
             writer.add_expert_shared_feed_forward_length(shared)
+    if arch in QWEN3_NEXT_ARCHS.values():
+        add_qwen3_next_hparams(writer, hparams, arch)
 
 
 def gemma4_global_shape(hparams: dict[str, Any]) -> tuple[int, int | None]:

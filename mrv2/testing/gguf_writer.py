@@ -3,10 +3,12 @@
 The GGUF loader is tested against these files, so they must carry every change the converter
 makes to a checkpoint. This module ports the converter's steps for the archs mrv2 builds (llama,
 mistral, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, smollm3, olmo2, mistral3, and the MoE
-ones qwen2moe, qwen3moe, olmoe and Mixtral as llama, and gpt-oss; converter classes
+ones qwen2moe, qwen3moe, olmoe and Mixtral as llama, gpt-oss, and the hybrid qwen3next,
+qwen35 and qwen35moe; converter classes
 ``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``, ``Gemma2Model``, ``Gemma3Model``,
 ``Gemma4Model``, ``Phi3MiniModel``, ``SmolLM3Model``, ``Olmo2Model``, ``Mistral3Model``,
-``Qwen2MoeModel``, ``Qwen3MoeModel``, ``OlmoeModel``, ``GptOssModel`` (gguf_gpt_oss.py) in
+``Qwen2MoeModel``, ``Qwen3MoeModel``, ``OlmoeModel``, ``GptOssModel`` (gguf_gpt_oss.py),
+``Qwen3NextModel``, ``Qwen3_5TextModel``, ``Qwen3_5MoeTextModel`` (gguf_qwen3_next.py) in
 ``conversion/``;
 the vocabulary in gguf_vocab.py, the hyperparameter keys in gguf_hparams.py) and serialises
 with the ``gguf`` package's ``GGUFWriter``; nothing here encodes GGUF bytes itself.
@@ -79,7 +81,7 @@ from mrv2.testing.gguf_hparams import (BLOCK_COUNT_KEYS, LLAMA_MODEL_ARCHS, add_
                                        find_hparam, gemma4_rope_freqs, phi3_rope_dims,
                                        rope_parameters)
 from mrv2.testing.gguf_vocab import add_vocab
-from mrv2.testing import gguf_gpt_oss
+from mrv2.testing import gguf_gpt_oss, gguf_qwen3_next
 
 # Requested type -> (tensor type, general.file_type). Only types gguf.quants.quantize implements.
 _GGML_TYPE_OF: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
@@ -112,6 +114,7 @@ _GGUF_ARCH_OF: dict[str, tuple[gguf.MODEL_ARCH, bool]] = {
     "OlmoeForCausalLM": (gguf.MODEL_ARCH.OLMOE, False),
     "MixtralForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
     "GptOssForCausalLM": (gguf.MODEL_ARCH.GPT_OSS, False),
+    **{hf: (arch, False) for hf, arch in gguf_qwen3_next.QWEN3_NEXT_ARCHS.items()},
 }
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 # Gemma3Model.modify_tensors' steps that Gemma4Model inherits (OOV embedding rows dropped).
@@ -195,8 +198,8 @@ def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
-# Matrices prepare_tensors keeps in F32 (the MoE routers).
-_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+# Matrices prepare_tensors keeps in F32 (the MoE routers, the delta rule's convolution).
+_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 def _tensor_type(new_name: str, n_dims: int, types: dict[str, gguf.GGMLQuantizationType]
@@ -229,6 +232,8 @@ def _convert_tensors(model_dir: Path, hparams: dict[str, Any], arch: gguf.MODEL_
     if arch == gguf.MODEL_ARCH.GPT_OSS:  # its MXFP4 experts first, raw; then its renames
         out = gguf_gpt_oss.mxfp4_experts(_hf_tensors(model_dir), tensor_map)
         source = gguf_gpt_oss.modified_tensors(source)
+    if arch in gguf_qwen3_next.QWEN3_NEXT_ARCHS.values():
+        source = gguf_qwen3_next.qwen3_next_tensors(source, hparams, arch)
     for name, data_torch in source:
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue

@@ -51,7 +51,12 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           # Qwen2-MoE's shared expert (layers/moe.py: a gated MLP beside the routed experts)
           "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj",
                                              "mlp.shared_expert.up_proj"),
-          "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",)}
+          "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",),
+          # Qwen3-Next's / Qwen3.5's linear-attention projections (models/qwen3_next.py), each
+          # one checkpoint module (the GGUF reader rebuilds Qwen3-Next's in_proj_qkvz)
+          **{f"linear_attn.{name}": (f"linear_attn.{name}",) for name in (
+              "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+              "in_proj_a", "out_proj")}}
 # Linears a layer or the model may have besides (Gemma 4's per-layer inputs), and lookup-only
 # tables (Gemma 4's per-layer embedding: for E2B the largest tensor of the file).
 _OPTIONAL_LAYER_LINEARS = ("per_layer_input_gate", "per_layer_projection")

@@ -16,6 +16,15 @@ reads the rest): Gemma 4's per-layer arrays and proportional rope, and the MoE f
   config's defaults). Its YaRN is transformers' for gpt-oss, without truncating the
   correction range (llama.cpp always truncates it: the source checkpoint's model is the one
   reproduced, as for Phi-3's window).
+- Qwen3-Next / Qwen3.5 (qwen3next, qwen35, qwen35moe): the gated delta rule's shape as `ssm.*`
+  keys (key heads = group_count, value heads = time_step_rank, key head size = state_size,
+  value head size = inner_size / value heads, conv_kernel), the recurrent layers as a flag per
+  block (`attention.recurrent_layers`; files without it: every `full_attention_interval`-th
+  layer full, llama.cpp's rule), the multi-token-prediction blocks appended after the trunk's
+  (`block_count` counts them, `nextn_predict_layers` says how many), and Qwen3.5's interleaved
+  multimodal rope sections (`rope.dimension_sections`, padded to 4 by the converter, which
+  writes [11, 11, 10] when the checkpoint has none; a text token's rope is the same either
+  way). Every layer of the MoE ones is routed, its top k renormalised.
 """
 
 from __future__ import annotations
@@ -31,7 +40,12 @@ _STOPPED_FREQUENCY_DIVISOR = 1e29
 # Whether llama.cpp rescales an architecture's top-k expert weights to sum to 1 (its graph
 # fixes it per architecture; an expert_weights_norm key overrides).
 _MOE_RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True,
-                    "gpt-oss": True}  # gpt-oss: a softmax over the top k (the same numbers)
+                    "gpt-oss": True,  # gpt-oss: a softmax over the top k (the same numbers)
+                    "qwen3next": True, "qwen35moe": True}
+# MoE architectures with a sigmoid-gated shared expert (its width a key of its own).
+_SHARED_EXPERT_ARCHS = ("qwen2moe", "qwen3next", "qwen35moe")
+# Architectures whose model renormalises the top k whatever the file says (Qwen3.5-MoE).
+_ALWAYS_RENORMALIZED = ("qwen35moe",)
 _GPT_OSS_PATTERN = 2  # llama.cpp's default: every 2nd layer global
 
 
@@ -128,6 +142,9 @@ def moe_fields(ckpt: GGUFCheckpoint, arch: str) -> dict[str, Any]:
         raise UnsupportedModelError(f"{ckpt.path}: expert_gating_func {gating} is not "
                                     f"supported (softmax only)")
     renormalize = bool(ckpt.arch_field(Keys.LLM.EXPERT_WEIGHTS_NORM, _MOE_RENORMALIZE[arch]))
+    if arch in _ALWAYS_RENORMALIZED and not renormalize:
+        raise UnsupportedModelError(f"{ckpt.path}: expert_weights_norm=false is not supported "
+                                    f"for {arch!r} (its top k is always renormalised)")
     experts = int(ckpt.require(Keys.LLM.EXPERT_COUNT))
     used = int(ckpt.require(Keys.LLM.EXPERT_USED_COUNT))
     if arch in ("llama", "gpt-oss"):  # Mixtral, gpt-oss: every layer routed, renormalised
@@ -142,7 +159,7 @@ def moe_fields(ckpt: GGUFCheckpoint, arch: str) -> dict[str, Any]:
     # llama.cpp's qwen MoE files have no dense layers (its tensor map has none for them).
     fields.update(moe_intermediate_size=int(ckpt.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
                   decoder_sparse_step=1, mlp_only_layers=[])
-    if arch == "qwen2moe":
+    if arch in _SHARED_EXPERT_ARCHS:
         fields["shared_expert_intermediate_size"] = int(
             ckpt.arch_field(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0))
     return fields
@@ -169,3 +186,67 @@ def gpt_oss_fields(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> dict[str, An
     return {"intermediate_size": int(ckpt.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
             "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
             "rope_parameters": rope}
+
+
+# The recurrent layers' flags (llama.cpp's LLM_KV_ATTENTION_RECURRENT_LAYERS; the gguf package
+# this venv pins predates its Keys entry).
+RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
+_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default where a file has neither key
+# Qwen3.5's rope sections are interleaved (llama.cpp always rotates qwen35 files so).
+_INTERLEAVED_MROPE_ARCHS = ("qwen35", "qwen35moe")
+
+
+def trunk_block_count(ckpt: GGUFCheckpoint) -> int:
+    """The decoder's layers: block_count less the multi-token-prediction blocks the converter
+    appends after them (`nextn_predict_layers`)."""
+    from gguf import Keys
+
+    blocks = int(ckpt.require(Keys.LLM.BLOCK_COUNT))
+    nextn = int(ckpt.arch_field(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+    if not 0 <= nextn < blocks:
+        raise GGUFError(f"{ckpt.path}: nextn_predict_layers={nextn} of {blocks} blocks")
+    return blocks - nextn
+
+
+def delta_net_fields(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5's config fields of the gated delta rule layers, the layer pattern,
+    the MTP block count and the multimodal rope sections (see the module docstring)."""
+    from gguf import Keys
+
+    layers, path = kwargs["num_hidden_layers"], ckpt.path
+    value_heads = int(ckpt.require(Keys.SSM.TIME_STEP_RANK))
+    inner = int(ckpt.require(Keys.SSM.INNER_SIZE))
+    if inner % value_heads:
+        raise GGUFError(f"{path}: ssm.inner_size {inner} is not a multiple of "
+                        f"ssm.time_step_rank {value_heads}")
+    flags = ckpt.arch_field(RECURRENT_LAYERS_KEY)
+    if flags is None:
+        interval = int(ckpt.arch_field(Keys.LLM.FULL_ATTENTION_INTERVAL,
+                                       _FULL_ATTENTION_INTERVAL))
+        flags = [(i + 1) % interval != 0 for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) < layers or any(flags[layers:]):
+        raise GGUFError(f"{path}: attention.recurrent_layers must hold a flag per block, the "
+                        f"MTP blocks' false")
+    fields: dict[str, Any] = {
+        "linear_conv_kernel_dim": int(ckpt.require(Keys.SSM.CONV_KERNEL)),
+        "linear_key_head_dim": int(ckpt.require(Keys.SSM.STATE_SIZE)),
+        "linear_num_key_heads": int(ckpt.require(Keys.SSM.GROUP_COUNT)),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+        "layer_types": ["linear_attention" if flag else "full_attention"
+                        for flag in flags[:layers]],
+    }
+    if (nextn := int(ckpt.arch_field(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))):
+        fields["mtp_num_hidden_layers"] = nextn
+    sections = ckpt.arch_field(Keys.Rope.DIMENSION_SECTIONS)
+    if sections is not None:
+        if ckpt.architecture not in _INTERLEAVED_MROPE_ARCHS:
+            raise UnsupportedModelError(f"{path}: rope.dimension_sections is not supported for "
+                                        f"{ckpt.architecture!r} (only for "
+                                        f"{', '.join(_INTERLEAVED_MROPE_ARCHS)})")
+        sections = [int(s) for s in sections]
+        while len(sections) > 3 and sections[-1] == 0:  # the converter's padding to 4
+            sections.pop()
+        fields["rope_parameters"] = {**kwargs["rope_parameters"], "mrope_section": sections,
+                                     "mrope_interleaved": True}
+    return fields

@@ -21,16 +21,19 @@ What the converter changes on the way, and how it is undone:
   `attention.temperature_scale` and YaRN's mscale_all_dim as `rope.scaling.yarn_log_multiplier`.
 - SmolLM3's NoPE layers are not written: llama.cpp fixes every 4th layer NoPE, which is
   SmolLM3Config's default (`no_rope_layer_interval`).
-- Gemma 4's per-layer arrays and proportional rope, the MoE files' experts and gpt-oss's
-  layer pattern and YaRN: arch_fields.py.
+- Gemma 4's per-layer arrays and proportional rope, the MoE files' experts, gpt-oss's
+  layer pattern and YaRN, Qwen3-Next / Qwen3.5's delta rule layers (`ssm.*`), recurrent
+  layer flags, MTP blocks and rope sections: arch_fields.py. Their partial rotary is
+  `rope.dimension_count` below the head size, as Phi-3's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mrv2.models.gguf.arch_fields import (ROPE_FREQS_TENSOR, gemma4_fields, gemma4_rope,
-                                          gpt_oss_fields, moe_fields)
+from mrv2.models.gguf.arch_fields import (ROPE_FREQS_TENSOR, delta_net_fields, gemma4_fields,
+                                          gemma4_rope, gpt_oss_fields, moe_fields,
+                                          trunk_block_count)
 from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError
 from mrv2.models.registry import UnsupportedModelError
 
@@ -50,7 +53,14 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "qwen3next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+# Hybrid decoders with gated delta rule layers (Qwen3-Next, Qwen3.5 dense and MoE).
+DELTA_NET_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+# Architectures whose files may lack feed_forward_length (every layer routed to experts).
+_OPTIONAL_FFN_ARCHS = ("qwen3next", "qwen35moe")
 # Mixtral is written as "llama" with experts (an expert_count key).
 _MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
 
@@ -58,7 +68,7 @@ _MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
 _PER_LAYER_ARRAY_ARCHS = ("gemma4",)
 
 # Architectures whose rotary may cover part of each head (`rope.dimension_count` < head size).
-_PARTIAL_ROTARY_ARCHS = ("phi3",)
+_PARTIAL_ROTARY_ARCHS = ("phi3", *DELTA_NET_ARCHS)
 # llama.cpp's Gemma conventions the file does not write: every n-th layer global (the others
 # windowed), and which size counts as "27B" (its attention scale from hidden / heads).
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -209,9 +219,11 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         config_class, architecture = _MIXTRAL
     hidden = int(ckpt.require(Keys.LLM.EMBEDDING_LENGTH))
     heads = int(ckpt.require(Keys.Attention.HEAD_COUNT))
-    layers = int(ckpt.require(Keys.LLM.BLOCK_COUNT))
+    layers = (trunk_block_count(ckpt) if arch in DELTA_NET_ARCHS
+              else int(ckpt.require(Keys.LLM.BLOCK_COUNT)))
     kv_heads = _per_layer_ints(ckpt, Keys.Attention.HEAD_COUNT_KV, layers, heads)
-    ffn = _per_layer_ints(ckpt, Keys.LLM.FEED_FORWARD_LENGTH, layers)
+    ffn = _per_layer_ints(ckpt, Keys.LLM.FEED_FORWARD_LENGTH, layers,
+                          0 if arch in _OPTIONAL_FFN_ARCHS else None)
     if arch not in _PER_LAYER_ARRAY_ARCHS and (len(set(kv_heads)) > 1 or len(set(ffn)) > 1):
         raise UnsupportedModelError(
             f"{ckpt.path}: per-layer head_count_kv / feed_forward_length are not supported for "
@@ -268,6 +280,10 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> Any:
         kwargs.update(moe_fields(ckpt, arch))
     if arch == "gpt-oss":
         kwargs.update(gpt_oss_fields(ckpt, kwargs))
+    if arch in DELTA_NET_ARCHS:
+        kwargs.update(delta_net_fields(ckpt, kwargs))
+        if not kwargs["intermediate_size"]:  # no feed_forward_length: the config's default
+            del kwargs["intermediate_size"]
     config = getattr(transformers, config_class)(**kwargs)
     factors = None if arch == "gemma4" else _rope_freq_factors(ckpt, head_dim)
     if factors is not None:

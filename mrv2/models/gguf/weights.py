@@ -15,7 +15,10 @@ process's resident memory (the loader has copied it by then; reader.MappedBytes.
 The llama converter permutes the rows of q_proj and k_proj (weights and biases) so that
 llama.cpp's rotary, which rotates adjacent pairs, sees them in its order; `GGUFWeight` undoes the
 permutation when it dequantizes (Qwen2/Qwen3/Gemma are written unpermuted). The Gemma converters
-store every norm weight as 1 + w; `GGUFWeight` subtracts the 1 again.
+store every norm weight as 1 + w; `GGUFWeight` subtracts the 1 again. Qwen3-Next and
+Qwen3.5's files change more (norms, A_log, split or reordered projections, MTP blocks):
+delta_net.py undoes it, tensor by tensor, rebuilding what moved as `DerivedWeight`s
+(weight_views.py).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import dataclasses
 import functools
 from typing import Any, Iterator
 
-import numpy as np
-import torch
-
 from mrv2.models.gguf.checkpoint import GGUFCheckpoint, GGUFError, GGUFTensorRecord
-from mrv2.models.gguf.arch_fields import ROPE_FREQS_TENSOR
-from mrv2.models.gguf.config import LONGROPE_TENSORS
+from mrv2.models.gguf.arch_fields import ROPE_FREQS_TENSOR, trunk_block_count
+from mrv2.models.gguf.config import DELTA_NET_ARCHS, LONGROPE_TENSORS
+from mrv2.models.gguf.delta_net import DeltaNetTensors
+# GGUFWeight and unpermute_rows are imported from here by the CPU packer and the tests.
+from mrv2.models.gguf.weight_views import GGUFWeight, expert_record, unpermute_rows  # noqa: F401
 
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Tensors the config consumed (they are not parameters).
@@ -81,62 +84,6 @@ def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
     return mapping
 
 
-def expert_record(record: GGUFTensorRecord, expert: int) -> GGUFTensorRecord:
-    """One expert's 2-D tensor of a 3-D experts tensor: its rows of blocks."""
-    return dataclasses.replace(record, name=f"{record.name}[{expert}]", shape=record.shape[1:],
-                               data=record.data[expert])
-
-
-def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
-    """The inverse of the llama converter's q/k permutation, per head: its rows
-    (h, 2, D/2) -> (h, D/2, 2) order becomes Hugging Face's (h, 2, D/2) again."""
-    shape = rows.shape
-    per_head = shape[0] // num_heads
-    return (rows.reshape(num_heads, per_head // 2, 2, *shape[1:]).swapaxes(1, 2)
-            .reshape(shape))
-
-
-class GGUFWeight:
-    """One checkpoint tensor, dequantized to float32 on indexing (rows only, when possible)."""
-
-    def __init__(self, record: GGUFTensorRecord, permuted_heads: int | None = None,
-                 offset: float = 0.0) -> None:
-        self.record = record
-        # Set for a permuted q/k tensor: the number of heads its rows are grouped in.
-        self.permuted_heads = permuted_heads
-        # Added to every value read: -1 for a Gemma norm, which the converter stored as 1 + w
-        # (the model's norm adds the 1 back: exactly, for the values norms hold).
-        self.offset = offset
-
-    def get_shape(self) -> list[int]:
-        return list(self.record.shape)
-
-    def _rows(self, rows: slice) -> np.ndarray:
-        from gguf.quants import dequantize
-
-        record = self.record
-        data = record.data if len(record.shape) == 1 else record.data[rows]
-        values = dequantize(data, record.tensor_type)
-        return values.reshape(-1) if len(record.shape) == 1 else values
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
-        rows_only = (self.permuted_heads is None and len(self.record.shape) == 2
-                     and isinstance(index[0], slice)
-                     and all(i == slice(None) for i in index[1:]))
-        if rows_only:
-            values = self._rows(index[0])
-        else:
-            values = self._rows(slice(None))
-            if self.permuted_heads is not None:
-                values = unpermute_rows(values, self.permuted_heads)
-            values = values[index]
-        # dequantize returns views of the read-only memory map for F32; torch needs its own
-        # writable array (the loader copies it into the parameter right away).
-        out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-        return out + self.offset if self.offset else out
-
-
 _WIDE_FLOAT_TYPES = ("F32", "F64")
 
 
@@ -148,34 +95,58 @@ def has_compact_linears(ckpt: GGUFCheckpoint) -> bool:
                for r in ckpt.tensors.values())
 
 
+def _mapped_weights(name: str, record: GGUFTensorRecord, arch: str, names: dict[str, str],
+                    heads: dict[str, int], architecture: str) -> list[tuple[str, GGUFWeight]]:
+    """The Hugging Face tensor(s) one file tensor is, by the name map: a layer's 3-D experts as
+    one 2-D tensor each (as on the Hub), llama's permuted q/k and Gemma's shifted norms
+    marked for undoing."""
+    module, _, suffix = name.rpartition(".")
+    hf_module = names.get(module)
+    if hf_module is None or suffix not in ("weight", "bias"):
+        raise GGUFError(f"{record.file}: tensor {name!r} has no counterpart in a "
+                        f"{architecture} model")
+    if len(record.shape) == 3:
+        experts, projection = hf_module.rsplit(".", 1)
+        return [(f"{experts}.{expert}.{projection}.{suffix}",
+                 GGUFWeight(expert_record(record, expert)))
+                for expert in range(record.shape[0])]
+    if hf_module.endswith(".shared_expert_gate") and len(record.shape) == 1:
+        # llama-quantize rewrites the converter's [1, hidden] as the vector llama.cpp reads.
+        record = dataclasses.replace(record, shape=(1, *record.shape),
+                                     data=record.data.reshape(1, -1))
+    permuted = heads.get(hf_module.split(".", 3)[-1]) if arch in _PERMUTED_ARCHS else None
+    shifted = arch in _SHIFTED_NORM_ARCHS and hf_module.endswith("norm")
+    hf_name = hf_module if hf_module.endswith(_SUFFIXLESS_MODULES) else f"{hf_module}.{suffix}"
+    return [(hf_name, GGUFWeight(record, permuted, -1.0 if shifted else 0.0))]
+
+
 def iterate_gguf_weights(ckpt: GGUFCheckpoint, hf_config: Any) -> Iterator[tuple[str, GGUFWeight]]:
     """(Hugging Face name, GGUFWeight) for every tensor of the checkpoint."""
+    from gguf import Keys
+
     arch = ckpt.architecture
-    names = gguf_to_hf_names(arch, hf_config.num_hidden_layers)
+    # Qwen3-Next / Qwen3.5 files may append MTP blocks after the decoder's: named too.
+    blocks = (int(ckpt.require(Keys.LLM.BLOCK_COUNT)) if arch in DELTA_NET_ARCHS
+              else hf_config.num_hidden_layers)
+    names = gguf_to_hf_names(arch, blocks)
     heads = {"self_attn.q_proj": hf_config.num_attention_heads,
              "self_attn.k_proj": getattr(hf_config, "num_key_value_heads", None)
              or hf_config.num_attention_heads}
+
+    def mapped(name: str, record: GGUFTensorRecord) -> list[tuple[str, GGUFWeight]]:
+        return _mapped_weights(name, record, arch, names, heads, hf_config.architectures[0])
+
+    delta_net = (DeltaNetTensors(ckpt, hf_config, trunk_block_count(ckpt), mapped)
+                 if arch in DELTA_NET_ARCHS else None)
     for name, record in ckpt.tensors.items():
         if name in _CONFIG_TENSORS:
             continue
-        module, _, suffix = name.rpartition(".")
-        hf_module = names.get(module)
-        if hf_module is None or suffix not in ("weight", "bias"):
-            raise GGUFError(f"{record.file}: tensor {name!r} has no counterpart in a "
-                            f"{hf_config.architectures[0]} model")
-        permuted = None
-        if arch in _PERMUTED_ARCHS:
-            permuted = heads.get(hf_module.split(".", 3)[-1])
-        shifted = arch in _SHIFTED_NORM_ARCHS and hf_module.endswith("norm")
-        hf_name = (hf_module if hf_module.endswith(_SUFFIXLESS_MODULES)
-                   else f"{hf_module}.{suffix}")
-        if len(record.shape) == 3:  # a layer's experts: one 2-D tensor each, as on the Hub
-            experts, projection = hf_module.rsplit(".", 1)
-            for expert in range(record.shape[0]):
-                yield (f"{experts}.{expert}.{projection}.{suffix}",
-                       GGUFWeight(expert_record(record, expert)))
-        else:
-            yield hf_name, GGUFWeight(record, permuted, -1.0 if shifted else 0.0)
-        # The consumer is done with it (the loader copied its values into a parameter): its
-        # pages need not stay resident (a later read faults them back in).
-        record.release_pages()
+        weights = (mapped(name, record) if delta_net is None
+                   else delta_net.weights(name, record))
+        yield from weights
+        # The consumer is done with them (the loader copied their values into parameters):
+        # their file pages need not stay resident (a later read faults them back in).
+        for source in {id(r.mapped): r for _, w in weights for r in w.source_records()}.values():
+            source.release_pages()
+    if delta_net is not None:
+        delta_net.check_done()
