@@ -57,10 +57,14 @@ ARCH_PARAMS: dict[str, dict[str, Any]] = {
 }
 # Qwen3.5 (a hybrid: three gated delta rule layers to one of gated full attention) on W2's
 # width: 16 layers, the linear-attention heads at W2's scale (8 key heads, 16 value heads of 64),
-# partial rotary 0.25, the tokenizer's vocabulary.
-ARCH_PARAMS["qwen3_5"] = {"vocab_size": 2048, "config": {
-    "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64}}
+# partial rotary 0.25 with multimodal rope sections that fit its 16 rotary dims (llama.cpp
+# asserts they do; text tokens rotate alike whatever the sections), the tokenizer's vocabulary.
+# The converter needs --no-mtp for a checkpoint without the MTP head.
+ARCH_PARAMS["qwen3_5"] = {"vocab_size": 2048, "rope_scaling": {
+    "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    "config": {"linear_num_key_heads": 8, "linear_num_value_heads": 16,
+               "linear_key_head_dim": 64, "linear_value_head_dim": 64}}
+CONVERT_ARGS = {"qwen3_5": ("--no-mtp",)}
 TYPES = ("q8_0", "q4_0")
 DEFAULT_DIR = Path("/tmp/w2models")
 
@@ -108,19 +112,21 @@ def build(models_dir: Path, llama_cpp_src: Path, archs: list[str], types: list[s
             out = gguf_path(models_dir, arch, qtype)
             if out.exists():
                 continue
+            extra = CONVERT_ARGS.get(arch, ())
             if qtype == "q8_0":
-                _convert(llama_cpp_src, hf_dir, out, "q8_0")
+                _convert(llama_cpp_src, hf_dir, out, "q8_0", extra)
                 continue
             f32 = models_dir / f"{arch}-f32.gguf"
             if not f32.exists():
-                _convert(llama_cpp_src, hf_dir, f32, "f32")
+                _convert(llama_cpp_src, hf_dir, f32, "f32", extra)
             _quantize(f32, out, qtype)
             print(f"[qwen-fused] wrote {out}", file=sys.stderr, flush=True)
 
 
-def _convert(src: Path, hf_dir: Path, out: Path, outtype: str) -> None:
+def _convert(src: Path, hf_dir: Path, out: Path, outtype: str, extra: tuple[str, ...] = ()
+             ) -> None:
     subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(hf_dir), "--outfile", str(out),
-                    "--outtype", outtype], check=True)
+                    "--outtype", outtype, *extra], check=True)
 
 
 def _quantize(src: Path, dst: Path, qtype: str) -> None:
