@@ -51,7 +51,7 @@ class EngineArgs:
     seed: int = 0
     kv_cache_memory_gb: float | None = None
     tensor_parallel_size: int = 1
-    # None: on, except with MEAN pooling (which must compute every prompt token).
+    # None: on, except with MEAN pooling (it computes every prompt token) or recurrent layers.
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     # None: on, except with speculative decoding (a request's next step waits for its drafts).
@@ -96,8 +96,7 @@ class EngineArgs:
     # for dtype="auto" (loader.cpu_auto_runs_gguf_blocks), else dequantized to `dtype` at
     # load; a dtype given by name always dequantizes.
     quantization: str | None = None
-    # vLLM's: a dict of StructuredOutputsConfig fields (or one), and --reasoning-parser, which
-    # sets its reasoning_parser.
+    # vLLM's: StructuredOutputsConfig fields (or one), and --reasoning-parser (its parser).
     structured_outputs_config: dict | StructuredOutputsConfig | None = None
     reasoning_parser: str | None = None
     # vLLM's: the most (prompt) logprobs a request may ask for. mrv2's sampler returns at most
@@ -173,18 +172,19 @@ class EngineArgs:
                               f"{MAX_LOGPROBS} logprobs per position (its sampler's cap); give "
                               f"a value in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not "
                               f"supported)")
-        parallel_config = self._parallel_config()
-        model_path, tokenizer_path, hf_config_path = self._resolve_paths()
-        hf_config = load_hf_config(model_path, hf_config_path)
-        hybrid = recurrent_layers(hf_config) is not None  # no state for a cached prefix
-        caching = self.enable_prefix_caching
-        if caching is None:
-            caching = not hybrid and getattr(pooler_config, "pooling_type", None) != "MEAN"
+        caching = (getattr(pooler_config, "pooling_type", None) != "MEAN"
+                   if self.enable_prefix_caching is None else self.enable_prefix_caching)
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory_gb=self._kv_cache_memory_gb(),
                                    enable_prefix_caching=caching,
                                    gpu_memory_utilization=self._gpu_memory_utilization(device),
                                    cache_dtype=self.kv_cache_dtype)
+        parallel_config = self._parallel_config()
+        model_path, tokenizer_path, hf_config_path = self._resolve_paths()
+        hf_config = load_hf_config(model_path, hf_config_path)
+        hybrid = recurrent_layers(hf_config) is not None
+        if hybrid and self.enable_prefix_caching is None:
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         model_max_len = _derived_max_model_len(hf_config)
         max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len < 1:

@@ -208,7 +208,9 @@ class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, model_config: ModelConfig, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
         hf = model_config.hf_config
-        if spec.is_linear_attention(layer):
+        # One token mixer per layer, under its checkpoint name.
+        self.is_linear_attention = spec.is_linear_attention(layer)
+        if self.is_linear_attention:
             self.linear_attn = GatedDeltaNet(model_config, layer, self.fused_qkvz)
         else:
             self.self_attn = GatedAttention(model_config, spec, layer)
@@ -223,7 +225,7 @@ class Qwen3NextDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
         hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        if hasattr(self, "linear_attn"):
+        if self.is_linear_attention:
             hidden = self.linear_attn(hidden, cache, meta)
         else:
             hidden = self.self_attn(rope, hidden, cache, meta)

@@ -276,6 +276,7 @@ ENGINE_FLAGS = {
     "logprobs_mode": ["--logprobs-mode", "processed_logits"],
     "batch_invariant": ["--batch-invariant"],
     "pipeline_parallel_size": ["-pp", "1"], "data_parallel_size": ["-dp", "1"],
+    "data_parallel_backend": ["-dpb", "mp"],
     "scheduling_policy": ["--scheduling-policy", "fcfs"], "runner": ["--runner", "pooling"],
     "convert": ["--convert", "embed"], "pooler_config": ["--pooler-config", '{"normalize": false}'],
     "speculative_config": ["--speculative-config",
