@@ -23,6 +23,7 @@ row count the scratch does not hold, they run `paged_triton` as mixed steps do.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,13 @@ class AttentionMetadata:
     # layer keeps the row's state (models/layers/gated_delta_rule.py). None: not given.
     slots: torch.Tensor | None = None
     slots_np: np.ndarray | None = None
+
+    @functools.cached_property
+    def rows_with_context(self) -> torch.Tensor:
+        """[num_reqs] bool: the rows whose request computed tokens before this step (a
+        recurrent layer continues their stored state). Computed once a step, not per layer."""
+        starts = self.query_start_loc[:self.num_reqs + 1]
+        return (self.seq_lens[:self.num_reqs] - (starts[1:] - starts[:-1])) > 0
 
     @property
     def decode_sequences(self) -> int:

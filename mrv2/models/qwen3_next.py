@@ -185,8 +185,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(hidden[:actual])
         conv_state, memory = self.states(cache)
         starts, starts_np = meta.query_start_loc[:n + 1], meta.query_start_loc_np[:n + 1]
-        # A row continues a stored state when its request computed tokens before this step.
-        continues = (meta.seq_lens[:n] - (starts[1:] - starts[:-1])) > 0
+        continues = meta.rows_with_context
         slots = meta.slots[:n]
         mixed = gdr.causal_conv1d(mixed, self.conv_weight, None, conv_state, starts, slots,
                                   continues, query_start_loc_np=starts_np)
