@@ -19,18 +19,53 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def semaphore_holders(name: str) -> set[int]:
+    """The live processes that have the named semaphore `/dev/shm/<name>` mapped (an open
+    POSIX semaphore is a mapping of its file; glibc creates it under a temporary name and
+    links it, so the mapping is found by inode, not by name). Semaphore names carry no pid,
+    so this is how a semaphore another test worker holds open (the suite runs in parallel)
+    is told apart from one this engine left."""
+    try:
+        inode = str(os.stat(f"/dev/shm/{name}").st_ino)
+    except FileNotFoundError:
+        return set()
+    holders = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[4] == inode and \
+                            fields[5].startswith("/dev/shm/"):
+                        holders.add(int(entry))
+                        break
+        except OSError:  # gone, or not ours to read
+            continue
+    return holders
+
+
+def foreign_semaphore(name: str, own_pids: Collection[int]) -> bool:
+    """A semaphore held open by a live process outside `own_pids` (another test's)."""
+    return bool(semaphore_holders(name) - set(own_pids))
+
+
 def engine_leftovers(worker_pids: Collection[int], shm_names: Collection[str],
                      shm_before: Collection[str] | None = None) -> list[str]:
     """Worker processes still running, and /dev/shm entries of this engine still there: its
     queues' segments (`shm_names`) and any segment named after this process or a worker
     (`mrv2_<pid>_...`). With `shm_before` (the entries before the engine started), only
-    entries created since count, and new semaphores count too."""
-    owners = tuple(f"mrv2_{pid}_" for pid in (os.getpid(), *worker_pids))
+    entries created since count, and new semaphores count too, except those another process
+    holds open."""
+    own_pids = (os.getpid(), *worker_pids)
+    owners = tuple(f"mrv2_{pid}_" for pid in own_pids)
     entries = set(os.listdir("/dev/shm"))
     if shm_before is not None:
         entries -= set(shm_before) - set(shm_names)
     ours = sorted(n for n in entries if n in shm_names or n.startswith(owners)
-                  or (shm_before is not None and n.startswith("sem.")))
+                  or (shm_before is not None and n.startswith("sem.")
+                      and not foreign_semaphore(n, own_pids)))
     return ([f"process {pid}" for pid in worker_pids if process_alive(pid)]
             + [f"process {p.pid} ({p.name})" for p in mp.active_children()
                if p.pid in worker_pids] + [f"/dev/shm/{n}" for n in ours])

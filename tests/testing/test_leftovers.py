@@ -1,14 +1,18 @@
 """engine_leftovers: a live child process and an engine-named /dev/shm segment are reported,
-entries that existed before are not, and nothing is once they are gone."""
+entries that existed before are not, nor a semaphore another process holds, and nothing is once
+they are gone."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from multiprocessing import shared_memory
 
-from mrv2.testing.leftovers import engine_leftovers, process_alive, wait_for_no_leftovers
+from mrv2.testing.leftovers import (engine_leftovers, process_alive, semaphore_holders,
+                                    wait_for_no_leftovers)
 
 
 def test_reports_a_live_worker_and_an_engine_segment_until_they_are_gone():
@@ -30,3 +34,25 @@ def test_reports_a_live_worker_and_an_engine_segment_until_they_are_gone():
         shm.unlink()
     assert not process_alive(worker.pid)
     wait_for_no_leftovers([worker.pid], [shm.name], before, within_s=1.0)
+
+
+def test_a_semaphore_another_process_holds_open_is_not_this_engines():
+    """Semaphore names carry no pid: one this process holds counts as new, one a process
+    outside the engine holds open (another test worker's) does not."""
+    before = set(os.listdir("/dev/shm"))
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import multiprocessing as mp, time\n"
+         "lock = mp.get_context('spawn').Lock()\nprint(lock._semlock.name, flush=True)\n"
+         "time.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+    own = mp.get_context("spawn").Lock()
+    try:
+        theirs = "sem." + other.stdout.readline().strip().lstrip("/")
+        mine = "sem." + own._semlock.name.lstrip("/")
+        assert theirs in os.listdir("/dev/shm")
+        assert semaphore_holders(theirs) == {other.pid}
+        left = engine_leftovers([], [], before)
+        assert f"/dev/shm/{mine}" in left and f"/dev/shm/{theirs}" not in left
+    finally:
+        other.kill()
+        other.wait()
+        del own
