@@ -54,11 +54,15 @@ def join_or_start() -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
-    try:
-        ray.init(address="auto", log_to_driver=True)
-        return False
-    except ConnectionError:  # no cluster is running: start one for this process
-        pass
+    # Only a cluster announced as `ray start` does (RAY_ADDRESS, or the address file in this
+    # temp dir): address="auto" alone also joins any head process it finds running on the
+    # machine, such as another program's (a test worker's) private local cluster.
+    if _cluster_running():
+        try:
+            ray.init(address="auto", log_to_driver=True)
+            return False
+        except ConnectionError:  # a stale address file: start one for this process
+            pass
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=True)
     return True

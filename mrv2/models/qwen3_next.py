@@ -50,6 +50,9 @@ class GatedAttention(nn.Module):
     """Full attention with a per-head output gate: q_proj gives each head's query and gate
     side by side ([T, H, 2 * D]); out = o_proj(attention * sigmoid(gate))."""
 
+    use_rope = True  # every layer rotates, by the model's one table (the fused stack reads it)
+    rope_table = None
+
     def __init__(self, model_config: ModelConfig, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
         hf = model_config.hf_config

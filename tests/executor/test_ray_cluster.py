@@ -49,3 +49,34 @@ def test_a_running_cluster_is_found_by_its_address_file(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     (tmp_path / "ray" / "ray_current_cluster").unlink()
     assert ray_cluster._cluster_running()
+
+
+class _FakeRay:
+    def __init__(self, fail_auto: bool = False) -> None:
+        self.addresses: list[str] = []
+        self.fail_auto = fail_auto
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, address: str, **kwargs) -> None:
+        self.addresses.append(address)
+        if address == "auto" and self.fail_auto:
+            raise ConnectionError("no cluster")
+
+
+def test_only_an_announced_cluster_is_joined(monkeypatch, tmp_path):
+    """Without RAY_ADDRESS or an address file, a local cluster is started, never one found by
+    address="auto" (which also finds another program's head process running on the machine:
+    a CI run joined another test worker's); a stale address file starts one too."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_cluster, "import_ray", lambda: fake)
+    assert ray_cluster.join_or_start() is True and fake.addresses == ["local"]
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")
+    fake.addresses = []
+    assert ray_cluster.join_or_start() is False and fake.addresses == ["auto"]
+    fake = _FakeRay(fail_auto=True)
+    assert ray_cluster.join_or_start() is True and fake.addresses == ["auto", "local"]

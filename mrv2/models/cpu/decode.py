@@ -36,13 +36,16 @@ from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
 from mrv2.models.cpu.decode_stack_numba import KV_SHARED
+from mrv2.models.cpu.stack_delta_net import (LINEAR_PROJECTIONS, attention_stand_in,
+                                             mixers_qualify, token_mixer)
 from mrv2.models.cpu.stack_moe import (layer_projection, moe_qualifies, moe_supported,
                                        sparse_block)
 from mrv2.models.cpu.moe_numba import expert_weights
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.cpu.stack_args import (PER_LAYER_PROJECTIONS, StackArgs, embedding_table,
                                         group_tables, has_per_layer_inputs, kv_mode,
-                                        layer_norms, packed_of, rotary_tables)
+                                        layer_norms, packed_of, request_slots,
+                                        rotary_tables)
 
 
 # Rows up to which the stack runs a step: float32 weights take the GEMV up to MAX_GEMV_ROWS
@@ -70,9 +73,20 @@ def _kinds(layer) -> tuple[str | None, ...]:
     return tuple(_kind(layer_projection(layer, name)) for name in PROJECTIONS)
 
 
+def _mixer_kinds(layer) -> tuple[str | None, ...]:
+    """Per linear-attention projection of `layer`: its `_kind` (Nones: an attention layer, or
+    Qwen3-Next's grouped projections, which stack_delta_net.mixers_qualify refuses)."""
+    mixer = token_mixer(layer)
+    if mixer is None or mixer.fused_qkvz:
+        return (None,) * len(LINEAR_PROJECTIONS)
+    return tuple(_kind(getattr(mixer, name)) for name in LINEAR_PROJECTIONS)
+
+
 def _model_kinds(model) -> set[str]:
-    """Every kind of weight the stack's linears read in `model`, its experts' included."""
-    kinds = {kind for layer in model.layers for kind in _kinds(layer) if kind is not None}
+    """Every kind of weight the stack's linears read in `model`, its experts' and its
+    linear-attention layers' included."""
+    kinds = {kind for layer in model.layers for kind in _kinds(layer) + _mixer_kinds(layer)
+             if kind is not None}
     return kinds | {_weight_kind(w) for block in filter(None, map(sparse_block, model.layers))
                     for pair in expert_weights(block.experts) for w in pair}
 
@@ -82,7 +96,8 @@ def _model_kinds(model) -> set[str]:
 _STACK_ONLY_TRAITS = ("sandwich_norms", "norm_unit_offset", "embedding_scale", "local_rope",
                       "attention_softcap", "logit_softcap", "position_query_scale",
                       "norms_after", "qk_norm_over_projection", "value_norm",
-                      "per_layer_input_size", "kv_sources", "attention_sinks")
+                      "per_layer_input_size", "kv_sources", "attention_sinks",
+                      "linear_attention", "attention_output_gate")
 
 
 def supports(spec: DecoderSpec | None) -> bool:
@@ -90,11 +105,10 @@ def supports(spec: DecoderSpec | None) -> bool:
     layers, SiLU- or GeLU(tanh)-gated, with any biases, q/k norms per head or over the
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
     queries and Gemma 4's value norms, per-layer inputs and KV-shared layers, attention sinks
-    (gpt-oss); routed experts as stack_moe computes them. Not hybrid models' linear-attention
-    layers or gated attention (Qwen3-Next, Qwen3.5)."""
+    (gpt-oss); routed experts as stack_moe computes them; gated attention and linear-attention
+    layers (Qwen3.5: stack_delta_net takes the layers it computes)."""
     return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and moe_supported(spec.moe, spec.activation)
-            and spec.linear_attention is None and not spec.attention_output_gate)
+            and moe_supported(spec.moe, spec.activation))
 
 
 def _float32_or_packed(module) -> bool:
@@ -104,16 +118,17 @@ def _float32_or_packed(module) -> bool:
 def _layer_qualifies(layer) -> bool:
     """The parts that never change: float32 CPU norms of one eps (q/k norms: both or none; a
     layer that reads another's keys and values, q alone), each projection packed or float32
-    CPU with a float32 CPU bias or none, tp 1; Gemma 4's per-layer modules likewise."""
-    attn = layer.self_attn
+    CPU with a float32 CPU bias or none, tp 1; Gemma 4's per-layer modules likewise (a
+    linear-attention layer's own parts: stack_delta_net.mixers_qualify)."""
+    attn = getattr(layer, "self_attn", None)
     projections = [p for p in (layer_projection(layer, name) for name in PROJECTIONS)
                    if p is not None]
     eps = layer.post_attention_layernorm.eps
-    norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    norms = [] if attn is None else [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     paired = len(norms) in (0, 2) or (kv_mode(attn) == KV_SHARED and attn.q_norm is not None)
     per_layer = [getattr(layer, name) for name in PER_LAYER_PROJECTIONS if hasattr(layer, name)]
     per_layer_norm = getattr(layer, "post_per_layer_input_norm", None)
-    sinks = attn.attn.sinks
+    sinks = None if attn is None else attn.attn.sinks
     return (all(p.tp_size == 1 for p in projections)
             and paired and (sinks is None or float32_cpu(sinks))
             and all(n.eps == eps and float32_cpu(n.weight) for n in norms)
@@ -148,10 +163,11 @@ def qualifies(model) -> bool:
     layers = list(model.layers)
     tables = rotary_tables(model)
     eps = {layer.post_attention_layernorm.eps for layer in layers}
-    kinds = [_kinds(layer) for layer in layers]
+    kinds = [_kinds(layer) + _mixer_kinds(layer) for layer in layers]
     return (len(layers) > 0 and all(_layer_qualifies(layer) for layer in layers)
             and len(eps) == 1 and _per_layer_inputs_qualify(model, eps.pop())
-            and all(len({k[j] for k in kinds} - {None}) <= 1 for j in range(len(PROJECTIONS)))
+            and mixers_qualify(model)
+            and all(len({k[j] for k in kinds} - {None}) <= 1 for j in range(len(kinds[0])))
             and moe_qualifies(model) and float32_cpu(model.norm.weight)
             and embedding_table(model.embed_tokens) is not None
             and all(float32_cpu(t) for t in tables))
@@ -162,7 +178,8 @@ def max_rows(model) -> int:
     projections, its plan's `numba_rows` (as the layer path's linears compute)."""
     kinds = _model_kinds(model)
     if kinds == {"half"}:
-        return packed_of(model.layers[0].self_attn.qkv_proj).plan.numba_rows
+        attn = model.layers[attention_stand_in(model)].self_attn
+        return packed_of(attn.qkv_proj).plan.numba_rows
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 
 
@@ -196,8 +213,8 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     kv_per_item, splits = _work_split(args, tables[1], meta.decode_sequences)
     args.decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
-        *args.layer_args, *tables, *args.shape_args, kv_per_item, splits, out.numpy(),
-        args.w_head, logits.numpy())
+        *args.layer_args, *tables, request_slots(meta, rows), *args.shape_args, kv_per_item,
+        splits, out.numpy(), args.w_head, logits.numpy())
     return out, logits if with_logits else None
 
 
@@ -228,8 +245,8 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     hidden = torch.empty(rows, args.hidden_size, dtype=torch.float32)
     args.decode_stack_run(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
-        group_tables(meta, rows)[0], seq_lens, block_size, *args.shape_args,
-        kv_per_item, splits, hidden.numpy(), args.w_head,
+        group_tables(meta, rows)[0], seq_lens, request_slots(meta, rows), block_size,
+        *args.shape_args, kv_per_item, splits, hidden.numpy(), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())
     return tokens, nan_rows, hidden
 

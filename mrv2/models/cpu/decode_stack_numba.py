@@ -26,6 +26,7 @@ from mrv2.attention.decode_numba import decode_kernel
 from mrv2.models.layers.activation_numba import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
 from mrv2.models.cpu.moe_numba import moe_block
+from mrv2.models.cpu.stack_delta_net_numba import delta_net_mixer, gate_output, split_gated_query
 from mrv2.models.cpu.stack_views_numba import rotary_rows, stack_embed, stack_linear
 from mrv2.models.layers.rotary_numba import rotary_kernel
 from mrv2.sampler.greedy_numba import (MAX_SERIAL_ROWS, greedy_argmax_kernel,
@@ -68,30 +69,24 @@ KV_OWN, KV_FROM_KEYS, KV_SHARED = 0, 1, 2
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
-                  qk_norms, post_norms, traits, rope, window, sinks, cos, sin, q_scales,
-                  k_cache, v_cache, kv_mode, moe, layer,
-                  block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
-                  intermediate, scale, kv_per_item, splits, out, residual_out):
-    rows, hidden_size = hidden.shape
+def _attention(normed, eps, w_qkv, w_o, b_qkv, b_o, q_norm, k_norm, traits, rope, window, sinks,
+               cos, sin, q_scales, k_cache, v_cache, kv_mode, block_tables, seq_lens, slots,
+               num_heads, num_kv_heads, head_dim, scale, kv_per_item, splits):
+    """The attention sublayer's output [rows, hidden] (before any norm after it)."""
+    rows, hidden_size = normed.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    b_qkv, b_o, b_gate_up, b_down = biases
-    q_norm, k_norm = qk_norms
-    projected = q_size + kv_size * (2 if kv_mode == KV_OWN else 1 if kv_mode == KV_FROM_KEYS
-                                    else 0)
-    normed = np.empty((rows, hidden_size), dtype=np.float32)
-    if ln1.shape[0] > 0:
-        add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
-        if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
-            residual_out[:] = hidden
-    else:  # OLMo 2: no norm before the sublayer, whose input is the stream itself
-        _add_streams(hidden, residual, residual_out)
-        normed[:] = residual_out
+    gated = traits[8]  # Qwen3.5: each head's query then its output gate
+    q_width = 2 * q_size if gated else q_size
+    projected = q_width + kv_size * (2 if kv_mode == KV_OWN else 1 if kv_mode == KV_FROM_KEYS
+                                     else 0)
     qkv = np.empty((rows, projected), dtype=np.float32)
     stack_linear(normed, w_qkv, qkv)
     _add_bias(qkv, b_qkv)
     own_kv = kv_mode != KV_SHARED
-    q_in, k_in = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+    q_in, k_in = qkv[:, :q_width], qkv[:, q_width:q_width + kv_size]
+    gate = np.empty((0, 0), dtype=np.float32)
+    if gated:
+        q_in, gate = split_gated_query(q_in, num_heads, head_dim)
     if q_norm.shape[0] > 0 and traits[6]:  # OLMo 2: q/k norms over the whole projections
         q_in = _head_norm(q_in, q_norm, eps, rows, 1, q_size)
         k_in = _head_norm(k_in, k_norm, eps, rows, 1, kv_size)
@@ -120,9 +115,43 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
                    seq_lens, scale, attn, kv_per_item, splits, window, traits[1], sinks)
+    if gated:
+        gate_output(attn.reshape(rows, q_size), gate)
     o = np.empty((rows, hidden_size), dtype=np.float32)
     stack_linear(attn.reshape(rows, q_size), w_o, o)
     _add_bias(o, b_o)
+    return o
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down, biases,
+                  qk_norms, post_norms, traits, rope, window, sinks, cos, sin, q_scales,
+                  k_cache, v_cache, kv_mode, moe, recurrent, layer,
+                  block_tables, seq_lens, slots, req_slots, num_heads, num_kv_heads, head_dim,
+                  intermediate, scale, kv_per_item, splits, out, residual_out):
+    rows, hidden_size = hidden.shape
+    b_qkv, b_o, b_gate_up, b_down = biases
+    q_norm, k_norm = qk_norms
+    normed = np.empty((rows, hidden_size), dtype=np.float32)
+    if ln1.shape[0] > 0:
+        add_rms_norm_kernel(hidden, residual, ln1, eps, normed, residual_out)
+        if residual.shape[0] == 0:  # first layer: the residual stream starts as the input
+            residual_out[:] = hidden
+    else:  # OLMo 2: no norm before the sublayer, whose input is the stream itself
+        _add_streams(hidden, residual, residual_out)
+        normed[:] = residual_out
+    if recurrent[0][layer]:  # a linear-attention layer (stack_delta_net_numba.py)
+        o = np.empty((rows, hidden_size), dtype=np.float32)
+        delta_net_mixer(normed, recurrent[1][layer], recurrent[2][layer], recurrent[3][layer],
+                        recurrent[4][layer], recurrent[5][layer], recurrent[6][layer],
+                        recurrent[7][layer], recurrent[8][layer], recurrent[9][layer], eps,
+                        recurrent[10][layer], recurrent[11][layer], recurrent[12], req_slots,
+                        seq_lens, o)
+    else:
+        o = _attention(normed, eps, w_qkv, w_o, b_qkv, b_o, q_norm, k_norm, traits, rope,
+                       window, sinks, cos, sin, q_scales, k_cache, v_cache, kv_mode,
+                       block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim, scale,
+                       kv_per_item, splits)
     post_attn, post_ff = post_norms
     if post_attn.shape[0] > 0:  # Gemma, OLMo 2: the attention output normalised before it joins
         o_in = o.copy()
@@ -218,9 +247,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                  w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
                  local_cos_cache, local_sin_cache, windows, sinks, kv_groups, final_norm,
                  final_eps,
-                 kv_caches, kv_modes, layer_scalars, per_layer, moe, block_tables, seq_lens,
-                 slots, num_heads, num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits,
-                 out, w_head, logits):
+                 kv_caches, kv_modes, layer_scalars, per_layer, moe, recurrent, block_tables,
+                 seq_lens, slots, req_slots, num_heads, num_kv_heads, head_dim, intermediate,
+                 scale, kv_per_item, splits, out, w_head, logits):
     """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
     their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
     `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
@@ -231,7 +260,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     output scale (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
     `_per_layer_inputs`; a [0] projection norm for none); routed experts (`moe`,
     stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too);
-    gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none)."""
+    gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none); linear-attention
+    layers (`recurrent`, stack_args.recurrent_args: a flag per layer, then their views; rows
+    find their state in them at `req_slots`, their requests' slots)."""
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     stack_embed(ids, w_embed, hidden)
@@ -266,7 +297,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                       w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
                       (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
                       windows[i], sinks[i], cos, sin, q_scales, kv[0], kv[1], kv_modes[i], moe,
-                      i, block_tables[group], seq_lens, slots[group],
+                      recurrent, i, block_tables[group], seq_lens, slots[group], req_slots,
                       num_heads, num_kv_heads[i], head_dim[i], intermediate[i], scale,
                       kv_per_item[i], splits[i], layer_out, residual_out)
         x, residual = layer_out, residual_out
@@ -294,9 +325,9 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
                      w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
                      rope_layers, local_cos_cache, local_sin_cache, windows, sinks, kv_groups,
                      final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
-                     block_tables, seq_lens, block_size, num_heads, num_kv_heads, head_dim,
-                     intermediate, scale, kv_per_item, splits, out, w_head, logits, tokens,
-                     nan_rows):
+                     recurrent, block_tables, seq_lens, req_slots, block_size, num_heads,
+                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
+                     w_head, logits, tokens, nan_rows):
     """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
     before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
     `decode_stack` with the LM head and the argmax of its logits (greedy_numba's: NaN read as
@@ -325,8 +356,9 @@ def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, 
                      traits, rope_layers, local_cos_cache, local_sin_cache, windows, sinks,
                      kv_groups,
                      final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
-                     block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim,
-                     intermediate, scale, kv_per_item, splits, out, w_head, logits)
+                     recurrent, block_tables, seq_lens, slots, req_slots, num_heads,
+                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
+                     w_head, logits)
         if rows <= MAX_SERIAL_ROWS:
             greedy_argmax_serial(bits, sampled, nans)
         else:

@@ -5,7 +5,6 @@ and the per-step block tables of each KV cache group. decode.py decides when the
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from numba import typed
@@ -13,8 +12,11 @@ from numba import typed
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
 from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
+from mrv2.models.cpu.stack_delta_net import (attention_of, attention_stand_in, mixer_parameters,
+                                             recurrent_args, token_mixer)
 from mrv2.models.cpu.stack_moe import dense_mlp, layer_projection, moe_args, moe_parameters
-from mrv2.models.cpu.stack_views_numba import NO_MATRIX, no_rows, weight_view
+from mrv2.models.cpu.stack_views_numba import (NO_MATRIX, projection_view, projection_views,
+                                                weight_view)
 from mrv2.models.cpu.decode_stack_numba import KV_FROM_KEYS, KV_OWN, KV_SHARED
 from mrv2.models.cpu.onednn_decode import PROJECTIONS
 from mrv2.models.decoder_spec import DecoderSpec
@@ -72,29 +74,6 @@ def _projection_parameters(module) -> list[torch.Tensor]:
     return [module.weight] if packed_of(module) is None else []
 
 
-def _projection_view(module, float32_tables: bool = False):
-    """The kernel's view of one projection (`weight_view`): the GGUF blocks or 16-bit weight
-    it is packed as, else its float32 weight."""
-    weight = packed_of(module)
-    return weight_view(module.weight if weight is None else weight, float32_tables)
-
-
-def projection_views(modules, like=None) -> typed.List:
-    """One projection of every layer as a typed list: its items must share one numba type, so
-    where the layers' table dtypes differ (a file mixing K-quants and 32-input types) every
-    one gets float32 tables; a layer without it (None: a MoE layer's MLP) a placeholder
-    (`like`: a view whose type it takes when no layer has one)."""
-    views = [None if m is None else _projection_view(m) for m in modules]
-    if len({numba.typeof(v) for v in views if v is not None}) > 1:
-        views = [None if m is None else _projection_view(m, float32_tables=True)
-                 for m in modules]
-    present = [v for v in views if v is not None]
-    # A layer without one: a placeholder of the others' type, else of `like`'s (a view of
-    # another projection: the same compiled stack as a model with those weights everywhere).
-    placeholder = no_rows(present[0] if present else like)
-    return typed_list(tuple(placeholder if v is None else v for v in views))
-
-
 def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
                    ) -> list[torch.Tensor]:
     """Every tensor the kernel reads through a standing view that may be given new storage:
@@ -108,9 +87,10 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
         out += _projection_parameters(model.per_layer_model_projection)
         out.append(model.per_layer_projection_norm.weight)
     out += [w for w in tables if isinstance(w, torch.Tensor)] + moe_parameters(model)
+    out += mixer_parameters(model)
     for layer in model.layers:
         out += [norm.weight for norm in layer_norms(layer)]
-        attn = layer.self_attn
+        attn = attention_of(model, layer)
         out += [t for t in (getattr(attn.q_norm, "weight", None),
                             getattr(attn.k_norm, "weight", None), attn.attn.sinks)
                 if t is not None]
@@ -142,7 +122,7 @@ def _per_layer_args(model) -> tuple:
                 typed_list((NO_MATRIX,)), typed_list((_NONE.numpy(),)))
     layers = list(model.layers)
     return (weight_view(embedding_table(model.embed_tokens_per_layer), linear=False),
-            _projection_view(model.per_layer_model_projection),
+            projection_view(model.per_layer_model_projection),
             model.per_layer_projection_norm.weight.detach().numpy(),
             *(projection_views([getattr(layer, name) for layer in layers])
               for name in PER_LAYER_PROJECTIONS),
@@ -184,15 +164,19 @@ class StackArgs:
         self.tensors = _stack_tensors(model, kv_caches, head)
         self.key = self.current_key()
         layers = list(model.layers)
-        attn = layers[0].self_attn
+        # Each layer's attention (a linear-attention layer's: the stand-in's, stack_delta_net).
+        attns = [attention_of(model, layer) for layer in layers]
+        attn = attns[0]
+        stand_in = attention_stand_in(model)
+        attention_caches = [kv_caches[stand_in if token_mixer(layer) is not None else i]
+                            for i, layer in enumerate(layers)]
         # Each layer's KV cache group (core/kv_cache_layout.py): whose tables it reads.
-        self.kv_groups = np.array([layer.self_attn.attn.kv_cache_group for layer in layers],
-                                  np.int64)
-        self.kv_itemsize = kv_caches[0].element_size()  # a typed list's item costs us to read
+        self.kv_groups = np.array([a.attn.kv_cache_group for a in attns], np.int64)
+        # (A typed list's item costs us to read.)
+        self.kv_itemsize = kv_caches[stand_in].element_size()
         # Per layer (Gemma 4's differ): kv heads, head size, MLP width.
-        self.num_kv_heads = np.array([layer.self_attn.num_kv_heads for layer in layers],
-                                     np.int64)
-        self.head_dim = np.array([layer.self_attn.head_dim for layer in layers], np.int64)
+        self.num_kv_heads = np.array([a.num_kv_heads for a in attns], np.int64)
+        self.head_dim = np.array([a.head_dim for a in attns], np.int64)
         # The distinct kv head counts (one attention work split each) and each layer's.
         self.kv_head_counts, self.kv_head_count_of_layer = np.unique(self.num_kv_heads,
                                                                      return_inverse=True)
@@ -207,8 +191,9 @@ class StackArgs:
         before_mlp = ("pre_feedforward_layernorm" if sandwich
                       else None if after else "post_attention_layernorm")
         local = model.local_rotary_emb
-        projections = [projection_views([layer.get_submodule(name) for layer in layers])
-                       for name in PROJECTIONS[:2]]  # attention's: every layer has them
+        # Attention's: every layer but a linear-attention one has them.
+        projections = [projection_views([layer_projection(layer, name) for layer in layers])
+                       for name in PROJECTIONS[:2]]
         like = projections[1][0]
         projections += [projection_views([layer_projection(layer, name) for layer in layers],
                                          like) for name in PROJECTIONS[2:]]
@@ -222,7 +207,7 @@ class StackArgs:
             *projections,
             tuple(_views(_or_none(_bias(layer_projection(layer, name))) for layer in layers)
                   for name in PROJECTIONS),
-            tuple(_views(_or_none(getattr(layer.self_attn, norm)) for layer in layers)
+            tuple(_views(_or_none(getattr(a, norm)) for a in attns)
                   for norm in ("q_norm", "k_norm")),
             tuple(_views(_or_none(getattr(layer, norm) if sandwich or after else None)
                          for layer in layers)
@@ -230,18 +215,19 @@ class StackArgs:
             (np.float32(spec.embedding_scale or 1.0), np.float32(spec.attention_softcap or 0.0),
              np.float32(spec.logit_softcap or 0.0), spec.activation == "gelu_pytorch_tanh",
              np.float32(query_scale[0]), np.int64(query_scale[1]),
-             spec.qk_norm_over_projection, spec.value_norm),
-            np.array([0 if not layer.self_attn.use_rope else 1 + (layer.self_attn.rope_table or 0)
-                      for layer in layers], np.int64),
+             spec.qk_norm_over_projection, spec.value_norm, spec.attention_output_gate),
+            np.array([0 if not a.use_rope else 1 + (a.rope_table or 0) for a in attns],
+                     np.int64),
             *((no_table, no_table) if local is None
               else (local.cos_cache.numpy(), local.sin_cache.numpy())),
-            np.array([layer.self_attn.attn.sliding_window for layer in layers], np.int64),
-            _views(_or_none(layer.self_attn.attn.sinks) for layer in layers),
+            np.array([a.attn.sliding_window for a in attns], np.int64),
+            _views(_or_none(a.attn.sinks) for a in attns),
             self.kv_groups, model.norm.weight.detach().numpy(), np.float32(model.norm.eps),
-            typed_list(tuple(kv_numba.numpy_view(c) for c in kv_caches)),
-            np.array([kv_mode(layer.self_attn) for layer in layers], np.int64),
+            typed_list(tuple(kv_numba.numpy_view(c) for c in attention_caches)),
+            np.array([kv_mode(a) for a in attns], np.int64),
             _views(getattr(layer, "layer_scalar", _NONE) for layer in layers),
-            _per_layer_args(model), moe_args(model, spec, like))
+            _per_layer_args(model), moe_args(model, spec, like),
+            recurrent_args(model, kv_caches, like))
         # and the shapes: heads, kv heads, head size, MLP width (per layer), attention's scale.
         self.shape_args = (attn.num_heads, self.num_kv_heads, self.head_dim,
                            np.array([_mlp_width(layer) for layer in layers], np.int64),
@@ -272,3 +258,12 @@ def group_tables(meta, rows: int) -> tuple[tuple, np.ndarray, np.ndarray]:
              np.stack([group.slot_mapping[:rows].numpy() for group in groups]))
     seq_lens = np.ascontiguousarray(meta.seq_lens_np[:rows], dtype=np.int32)
     return tuple(group.block_tables.numpy() for group in groups), seq_lens, slots
+
+
+def request_slots(meta, rows: int) -> np.ndarray:
+    """The rows' request slots [rows] int32 (`AttentionMetadata.slots_np`), where a
+    linear-attention layer keeps each row's state; zeros where the metadata has none (a
+    model without such layers never reads them)."""
+    if meta.slots_np is None:
+        return np.zeros(rows, np.int32)
+    return np.ascontiguousarray(meta.slots_np[:rows], dtype=np.int32)

@@ -42,7 +42,11 @@ def dense_mlp(layer: nn.Module) -> nn.Module | None:
 
 def layer_projection(layer: nn.Module, name: str) -> nn.Module | None:
     """One of onednn_decode.PROJECTIONS of `layer` ("self_attn.qkv_proj", ..., "mlp.down_proj"),
-    the MLP's taken from the dense slot (None: the layer has none)."""
+    the MLP's taken from the dense slot (None: the layer has none; a linear-attention layer
+    has no attention projections)."""
+    if name.startswith("self_attn."):  # none in a linear-attention layer (Qwen3.5)
+        attn = getattr(layer, "self_attn", None)
+        return None if attn is None else getattr(attn, name.removeprefix("self_attn."))
     if not name.startswith("mlp."):
         return layer.get_submodule(name)
     mlp = dense_mlp(layer)

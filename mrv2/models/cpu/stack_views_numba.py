@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
-from numba import njit, types
+from numba import njit, typed, types
 from numba.extending import overload
 
 from mrv2.models.layers.cpu_gemv import gemv_kernel
 from mrv2.models.layers.half_panel_linear import PANEL_OUTPUTS, half_panel_kernel
+from mrv2.models.layers.numba_rows import typed_list
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.dense_gemv_numba import gemv_half, gemv_half_pairs
 from mrv2.models.layers.quantized_numba import dequant_rows_serial, gemv_groups
@@ -82,6 +84,29 @@ def no_rows(view):
         return view._replace(q=view.q[:0], panels=view.panels[:0])
     return view._replace(q=view.q[:0], scales=view.scales[:0], mins=view.mins[:0],
                          panels=tuple(p[:0] for p in view.panels))
+
+
+def projection_view(module, float32_tables: bool = False):
+    """The kernel's view of one projection (`weight_view`): the GGUF blocks or 16-bit weight
+    it is packed as, else its float32 weight."""
+    weight = module.packed
+    return weight_view(module.weight if weight is None else weight, float32_tables)
+
+
+def projection_views(modules, like=None) -> typed.List:
+    """One projection of every layer as a typed list: its items must share one numba type, so
+    where the layers' table dtypes differ (a file mixing K-quants and 32-input types) every
+    one gets float32 tables; a layer without it (None: a MoE layer's MLP) a placeholder
+    (`like`: a view whose type it takes when no layer has one)."""
+    views = [None if m is None else projection_view(m) for m in modules]
+    if len({numba.typeof(v) for v in views if v is not None}) > 1:
+        views = [None if m is None else projection_view(m, float32_tables=True)
+                 for m in modules]
+    present = [v for v in views if v is not None]
+    # A layer without one: a placeholder of the others' type, else of `like`'s (a view of
+    # another projection: the same compiled stack as a model with those weights everywhere).
+    placeholder = no_rows(present[0] if present else like)
+    return typed_list(tuple(placeholder if v is None else v for v in views))
 
 
 def stack_linear(x, w, out):

@@ -51,7 +51,7 @@ def _flags(t: torch.Tensor) -> np.ndarray:
 
 
 @njit(**NUMBA_OPTIONS)
-def _gating_kernel(a, b, A_log, dt_bias, g, beta):
+def gating_kernel(a, b, A_log, dt_bias, g, beta):
     tokens, heads = a.shape
     for h in range(heads):
         rate = -np.exp(A_log[h])
@@ -67,7 +67,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
     """a, b [T, Hv] -> (g, beta) float32 [T, Hv] (gated_delta_rule.gdn_gating)."""
     g = torch.empty(a.shape, dtype=torch.float32)
     beta = torch.empty(a.shape, dtype=torch.float32)
-    _gating_kernel(_f32(a), _f32(b), _f32(A_log), _f32(dt_bias), g.numpy(), beta.numpy())
+    gating_kernel(_f32(a), _f32(b), _f32(A_log), _f32(dt_bias), g.numpy(), beta.numpy())
     return g, beta
 
 
@@ -75,7 +75,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
 
 
 @njit(parallel=True, **NUMBA_OPTIONS)
-def _conv_kernel(x, weight_t, bias, conv_state, starts, state_index, has_initial_state, silu,
+def conv_kernel(x, weight_t, bias, conv_state, starts, state_index, has_initial_state, silu,
                  out):
     """weight_t [K, C] (the weight transposed: every loop runs over contiguous channels);
     a [0] `bias` means none. Outputs in parallel over tokens, then the new windows (serial:
@@ -128,7 +128,7 @@ def _conv_kernel(x, weight_t, bias, conv_state, starts, state_index, has_initial
                         window[c, e] = np.float32(0.0)
 
 
-_NO_BIAS = np.empty(0, dtype=np.float32)
+NO_BIAS = np.empty(0, dtype=np.float32)  # a [0] bias: none
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -140,7 +140,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not conv_state.is_contiguous():
         raise ValueError("the numba convolution updates a C-contiguous conv_state only")
     out = torch.empty(x.shape, dtype=torch.float32)
-    _conv_kernel(_f32(x), _f32(weight.t()), _NO_BIAS if bias is None else _f32(bias),
+    conv_kernel(_f32(x), _f32(weight.t()), NO_BIAS if bias is None else _f32(bias),
                  conv_state.detach().numpy(), _i32(query_start_loc_np), _i32(state_index),
                  _flags(has_initial_state), bool(activation_silu), out.numpy())
     return out
@@ -150,7 +150,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @njit(**NUMBA_OPTIONS)
-def _normalise_qk(q, k, use_l2norm, scale, q_out, k_out):
+def normalise_qk_kernel(q, k, use_l2norm, scale, q_out, k_out):
     """q_out = scale * l2norm(q), k_out = l2norm(k) (or without the norms), per token and key
     head. Serial: one pass over q and k, next to the delta rule's Dv passes per token."""
     tokens, heads, dim = q.shape
@@ -205,7 +205,7 @@ def _token_pass(s, k_t, q_t, k_next, delta, decay, acc, read):
 
 
 @njit(parallel=True, **NUMBA_OPTIONS)
-def _delta_rule_kernel(q, k, v, g, beta, state, starts, state_index, has_initial_state, out):
+def delta_rule_kernel(q, k, v, g, beta, state, starts, state_index, has_initial_state, out):
     """q, k: normalised [T, Hk, Dk]; one task per (row, value head)."""
     key_heads, head_k_dim = q.shape[1], q.shape[2]
     value_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -251,12 +251,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     head_k_dim = q.shape[-1]
     qn = np.empty(q.shape, dtype=np.float32)
     kn = np.empty(k.shape, dtype=np.float32)
-    _normalise_qk(_f32(q), _f32(k), bool(use_qk_l2norm),
+    normalise_qk_kernel(_f32(q), _f32(k), bool(use_qk_l2norm),
                   np.float32(head_k_dim ** -0.5 if scale is None else scale), qn, kn)
     out = torch.empty(v.shape, dtype=torch.float32)
     if not state.is_contiguous():
         raise ValueError("the numba delta rule updates a C-contiguous state only")
-    _delta_rule_kernel(qn, kn, _f32(v), _f32(g), _f32(beta), state.detach().numpy(),
+    delta_rule_kernel(qn, kn, _f32(v), _f32(g), _f32(beta), state.detach().numpy(),
                        _i32(query_start_loc_np), _i32(state_index), _flags(has_initial_state),
                        out.numpy())
     return out

@@ -10,7 +10,7 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.cpu import decode as cpu_decode
-from mrv2.models.cpu import stack_args
+from mrv2.models.cpu import stack_views_numba
 
 
 def _generate(llm: LLM, prompts, fused: bool, monkeypatch) -> list:
@@ -96,6 +96,24 @@ def test_quantized_stack_matches_the_quantized_module_path(tiny_gguf_factory, te
 
 
 @pytest.mark.usefixtures("float_activations")
+def test_hybrid_model_on_its_blocks_matches_the_module_path_and_runs_steps(tiny_gguf_factory,
+                                                                         monkeypatch):
+    """Qwen3.5-MoE from a Q8_0 file: its Gated DeltaNet projections, gated attention and
+    experts on their blocks in the stack, the module path's tokens at 3 rows (its float32
+    out_proj bounds the stack's rows to MAX_DECODE_ROWS); then runs of 8
+    decode steps a call (FusedDecode.run_steps carrying each row's state from step to step)
+    give the step-by-step tokens."""
+    path = tiny_gguf_factory("qwen3_5_moe", "Q8_0", num_layers=4)
+    llm = LLM(str(path), max_model_len=128, quantization="gguf", max_num_seqs=8)
+    mixer = llm.llm_engine.engine_core.executor.worker.model.model.layers[0].linear_attn
+    # (out_proj is float32 here: its columns regrouped by value head, 16 wide, are not whole
+    # blocks; tests/models/gguf/test_qwen3_next_gguf.py)
+    assert mixer.in_proj_qkv.packed is not None and mixer.in_proj_z.packed is not None
+    _assert_stack_is_the_module_path(llm, 3, monkeypatch)
+    _assert_runs_give_step_by_step_tokens(path, monkeypatch)
+
+
+@pytest.mark.usefixtures("float_activations")
 def test_experts_on_the_blocks_match_the_quantized_module_path(tiny_gguf_factory, monkeypatch):
     """Qwen3-MoE's experts as Q4_0 blocks (one view each) in the stack: the module path's
     tokens and logprobs at 5 rows."""
@@ -139,10 +157,10 @@ def test_layers_with_float16_and_float32_scale_tables_share_one_typed_list(tiny_
     model = llm.llm_engine.engine_core.executor.worker.runner.model.model
     downs = [layer.mlp.down_proj for layer in model.layers]
     assert {m.packed.scales.dtype for m in downs} == {torch.int16}
-    uniform = stack_args.projection_views(downs)
+    uniform = stack_views_numba.projection_views(downs)
     assert {v[1].dtype for v in uniform} == {np.dtype(np.int16)}
     downs[0].packed = downs[0].packed._with_float32_tables()
-    mixed = stack_args.projection_views(downs)
+    mixed = stack_views_numba.projection_views(downs)
     llm.shutdown()
     assert {v[1].dtype for v in mixed} == {v[2].dtype for v in mixed} == {np.dtype(np.float32)}
     for view, module in zip(mixed[1:], downs[1:]):
@@ -209,6 +227,10 @@ ARCHS = {
         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}, "config": {
         "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
         "swiglu_limit": 1.0, "layer_types": ["sliding_attention", "full_attention"]}},
+    # Qwen3.5: three Gated DeltaNet layers (their state per request slot), then one of gated
+    # attention with partial rotary and (1 + w) q/k norms; its MoE with the gated shared expert.
+    "qwen3_5": {"num_layers": 4},
+    "qwen3_5_moe": {"num_layers": 4},
 }
 
 
@@ -216,8 +238,9 @@ ARCHS = {
 def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
     """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (its head_dim not hidden / heads),
     Phi-3's partial rotary, SmolLM3's NoPE layers, OLMo 2's norms, Ministral 3's query scaling,
-    Gemma's traits, routed experts and gpt-oss's sinks and experts are computed inside the
-    stack as the module path computes them."""
+    Gemma's traits, routed experts, gpt-oss's sinks and experts and Qwen3.5's linear-attention
+    layers and gated attention are computed inside the stack as the module path computes
+    them."""
     path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
@@ -294,12 +317,9 @@ def test_views_follow_new_weight_storage(tiny_llama, monkeypatch):
     assert fused[0].outputs[0].token_ids != before[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
-def test_runs_of_decode_steps_give_the_step_by_step_tokens(tiny_gguf_factory, tensor_type,
-                                                          monkeypatch):
-    """num_scheduler_steps: a run's further steps go through FusedDecode.run_steps (the stack
-    and its argmax in one call, on the blocks' panels) and give one step's tokens at a time."""
-    path = tiny_gguf_factory("llama", tensor_type)
+def _assert_runs_give_step_by_step_tokens(path, monkeypatch) -> None:
+    """A GGUF model's greedy tokens on its blocks with num_scheduler_steps 8, through runs of
+    the stack (FusedDecode.run_steps), are one step's at a time."""
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     runs: list[tuple[int, int]] = []
@@ -310,12 +330,21 @@ def test_runs_of_decode_steps_give_the_step_by_step_tokens(tiny_gguf_factory, te
         runs.append(None if out is None else tuple(out[0].shape))
         return out
 
-    monkeypatch.setattr(cpu_decode.FusedDecode, "run_steps", spy)
     tokens = {}
-    for steps in (1, 8):
-        llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False,
-                  quantization="gguf", max_num_seqs=4, num_scheduler_steps=steps)
-        tokens[steps] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                       use_tqdm=False)]
-        llm.shutdown()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_decode.FusedDecode, "run_steps", spy)
+        for steps in (1, 8):
+            llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False,
+                      quantization="gguf", max_num_seqs=4, num_scheduler_steps=steps)
+            tokens[steps] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                           use_tqdm=False)]
+            llm.shutdown()
     assert tokens[8] == tokens[1] and (3, 8) in runs and None not in runs
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
+def test_runs_of_decode_steps_give_the_step_by_step_tokens(tiny_gguf_factory, tensor_type,
+                                                          monkeypatch):
+    """num_scheduler_steps: a run's further steps go through FusedDecode.run_steps (the stack
+    and its argmax in one call, on the blocks' panels) and give one step's tokens at a time."""
+    _assert_runs_give_step_by_step_tokens(tiny_gguf_factory("llama", tensor_type), monkeypatch)
