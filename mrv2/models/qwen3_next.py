@@ -11,8 +11,10 @@ The state (`kv_caches[i]` of a linear-attention layer) is one flat float32 tenso
 holding every slot's convolution window, then every slot's memory (the worker sizes it from
 core/kv_cache_layout.recurrent_state_shapes); a row's slot is `meta.slots`, and a row whose
 request starts from scratch (no computed tokens before this step) reads zeros, so a reused slot
-needs no reset. Prefix caching is off for these models (a cached prefix has KV blocks but no
-state: mrv2/engine/arg_utils.py); preemption recomputes, which restarts the state.
+needs no reset. On the CPU, their decode steps run on the fused decode stack
+(models/cpu/stack_delta_net*.py: the same kernels on the same state). Prefix caching is off
+for these models (a cached prefix has KV blocks but no state: mrv2/engine/arg_utils.py);
+preemption recomputes, which restarts the state.
 
 Projections: Qwen3-Next fuses q, k, v and z into `in_proj_qkvz` (and b, a into `in_proj_ba`),
 grouped per key head; Qwen3.5 has `in_proj_qkv` (q, k, v of every head, in that order),

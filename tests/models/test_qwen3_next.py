@@ -116,8 +116,7 @@ def test_declares_its_layers_and_keeps_no_kv_blocks_for_the_recurrent_ones(tiny_
     spec = model.decoder_spec
     assert spec.linear_attention == (True, True, True, False) and spec.attention_output_gate
     assert spec.norm_unit_offset and spec.moe is not None and spec.moe.shared_intermediate_size
-    # The fused decode stack computes Qwen3.5's separate projections, not these grouped ones.
-    assert decode.supports(spec) and decode.fused_decode(model) is None
+    assert decode.fused_decode(model) is not None  # its decode steps on the fused stack
     layout = KVCacheLayout.for_model(AutoConfig.from_pretrained(model_dir))
     assert layout.recurrent == (0, 1, 2) and layout.groups[0].layers == (3,)
     assert layout.layer_group[:3] == (-1, -1, -1) and layout.num_tensors == 1

@@ -37,7 +37,7 @@ from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
 from mrv2.models.cpu.decode_stack_numba import KV_SHARED
 from mrv2.models.cpu.stack_delta_net import (LINEAR_PROJECTIONS, attention_stand_in,
-                                             mixers_qualify, token_mixer)
+                                             mixer_projections, mixers_qualify, token_mixer)
 from mrv2.models.cpu.stack_moe import (layer_projection, moe_qualifies, moe_supported,
                                        sparse_block)
 from mrv2.models.cpu.moe_numba import expert_weights
@@ -74,12 +74,12 @@ def _kinds(layer) -> tuple[str | None, ...]:
 
 
 def _mixer_kinds(layer) -> tuple[str | None, ...]:
-    """Per linear-attention projection of `layer`: its `_kind` (Nones: an attention layer, or
-    Qwen3-Next's grouped projections, which stack_delta_net.mixers_qualify refuses)."""
+    """Per linear-attention projection slot of `layer`: its `_kind` (Nones: an attention
+    layer)."""
     mixer = token_mixer(layer)
-    if mixer is None or mixer.fused_qkvz:
+    if mixer is None:
         return (None,) * len(LINEAR_PROJECTIONS)
-    return tuple(_kind(getattr(mixer, name)) for name in LINEAR_PROJECTIONS)
+    return tuple(map(_kind, mixer_projections(mixer)))
 
 
 def _model_kinds(model) -> set[str]:

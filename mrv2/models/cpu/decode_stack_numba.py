@@ -1,7 +1,7 @@
 """The fused decode stack's kernel: a decode step of a few rows through a whole Llama-,
-Gemma- (2, 3, 4) or OLMo 2-layout model, token ids to final hidden states (and the LM head's
-logits), as one numba call (CPU, float32 activations). decode.py decides when it runs and
-builds the views it reads.
+Gemma- (2, 3, 4), OLMo 2- or Qwen3.5-layout model, token ids to final hidden states (and the
+LM head's logits), as one numba call (CPU, float32 activations). decode.py decides when it
+runs and builds the views it reads.
 
 The arithmetic is the same as the module path's (norm_numba, rotary_numba, activation_numba,
 cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or
@@ -12,8 +12,10 @@ step's K/V are written (windows, soft caps), Gemma's and OLMo 2's norms after th
 (OLMo 2: none before them, q/k norms over the whole projections), Ministral 3's queries scaled
 by position, Gemma's capped logits; Gemma 4's per-layer shapes (kv heads, head size, MLP
 width), values that are the keys (k = v) and RMS-normalised, layers reading an earlier layer's
-cache (no K/V written), per-layer inputs and output scale. Each weight is a view of
-stack_views_numba.py, whose `stack_linear` and `stack_embed` compute on it.
+cache (no K/V written), per-layer inputs and output scale; Qwen3.5's gated attention (the
+output times sigmoid of each head's gate) and its linear-attention layers
+(stack_delta_net_numba.py). Each weight is a view of stack_views_numba.py, whose
+`stack_linear` and `stack_embed` compute on it.
 """
 
 from __future__ import annotations

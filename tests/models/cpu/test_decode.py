@@ -231,6 +231,7 @@ ARCHS = {
     # attention with partial rotary and (1 + w) q/k norms; its MoE with the gated shared expert.
     "qwen3_5": {"num_layers": 4},
     "qwen3_5_moe": {"num_layers": 4},
+    "qwen3_next": {"num_layers": 4},  # its projections grouped per key head
 }
 
 
@@ -238,9 +239,9 @@ ARCHS = {
 def test_each_architecture_same_as_the_module_path(tiny_model_factory, arch, monkeypatch):
     """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (its head_dim not hidden / heads),
     Phi-3's partial rotary, SmolLM3's NoPE layers, OLMo 2's norms, Ministral 3's query scaling,
-    Gemma's traits, routed experts, gpt-oss's sinks and experts and Qwen3.5's linear-attention
-    layers and gated attention are computed inside the stack as the module path computes
-    them."""
+    Gemma's traits, routed experts, gpt-oss's sinks and experts and Qwen3.5's and Qwen3-Next's
+    linear-attention layers and gated attention are computed inside the stack as the module
+    path computes them."""
     path = tiny_model_factory(arch, **ARCHS[arch])
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.executor.worker.runner.fused_decode is not None
