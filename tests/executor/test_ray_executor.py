@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,9 +71,15 @@ def own_ray_tmpdir():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(own_ray_tmpdir):
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=4, include_dashboard=False)
+    # Announced as `ray start --head` announces one (its address file in the temp dir), so
+    # another process finds it (an unannounced cluster is never joined: ray_cluster.py).
+    announced = Path(own_ray_tmpdir) / "ray" / "ray_current_cluster"
+    announced.parent.mkdir(exist_ok=True)
+    announced.write_text(ray.get_runtime_context().gcs_address)
     yield
+    announced.unlink(missing_ok=True)
     ray.shutdown()
 
 

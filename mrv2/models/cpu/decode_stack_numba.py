@@ -142,14 +142,20 @@ def _decode_layer(hidden, residual, ln1, ln2, eps, w_qkv, w_o, w_gate_up, w_down
     else:  # OLMo 2: no norm before the sublayer, whose input is the stream itself
         _add_streams(hidden, residual, residual_out)
         normed[:] = residual_out
-    if recurrent[0][layer]:  # a linear-attention layer (stack_delta_net_numba.py)
-        o = np.empty((rows, hidden_size), dtype=np.float32)
-        delta_net_mixer(normed, recurrent[1][layer], recurrent[2][layer], recurrent[3][layer],
-                        recurrent[4][layer], recurrent[5][layer], recurrent[6][layer],
-                        recurrent[7][layer], recurrent[8][layer], recurrent[9][layer], eps,
-                        recurrent[10][layer], recurrent[11][layer], recurrent[12], req_slots,
-                        seq_lens, o)
-    else:
+    o = np.empty((0, 0), dtype=np.float32)
+    mixes = False
+    # None (a model without linear-attention layers): numba prunes the branch at compile
+    # time, so such a model's stack does not compile the delta rule in.
+    if recurrent is not None:
+        if recurrent[0][layer]:  # a linear-attention layer (stack_delta_net_numba.py)
+            mixes = True
+            o = np.empty((rows, hidden_size), dtype=np.float32)
+            delta_net_mixer(normed, recurrent[1][layer], recurrent[2][layer],
+                            recurrent[3][layer], recurrent[4][layer], recurrent[5][layer],
+                            recurrent[6][layer], recurrent[7][layer], recurrent[8][layer],
+                            recurrent[9][layer], eps, recurrent[10][layer],
+                            recurrent[11][layer], recurrent[12], req_slots, seq_lens, o)
+    if not mixes:
         o = _attention(normed, eps, w_qkv, w_o, b_qkv, b_o, q_norm, k_norm, traits, rope,
                        window, sinks, cos, sin, q_scales, k_cache, v_cache, kv_mode,
                        block_tables, seq_lens, slots, num_heads, num_kv_heads, head_dim, scale,
@@ -263,8 +269,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     `_per_layer_inputs`; a [0] projection norm for none); routed experts (`moe`,
     stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too);
     gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none); linear-attention
-    layers (`recurrent`, stack_args.recurrent_args: a flag per layer, then their views; rows
-    find their state in them at `req_slots`, their requests' slots)."""
+    layers (`recurrent`, stack_delta_net.recurrent_args: a flag per layer, then their views;
+    None for a model without them; rows find their state at `req_slots`, their requests'
+    slots)."""
     rows, hidden_size = out.shape
     hidden = np.empty((rows, hidden_size), dtype=np.float32)
     stack_embed(ids, w_embed, hidden)

@@ -89,14 +89,17 @@ def mixer_parameters(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def recurrent_args(model: nn.Module, kv_caches: list[torch.Tensor], like) -> tuple:
-    """decode_stack's `recurrent`: per layer whether it is a linear-attention layer, its five
-    projections' views (placeholders of `like`'s type in a model without such layers), its
+def recurrent_args(model: nn.Module, kv_caches: list[torch.Tensor], like) -> tuple | None:
+    """decode_stack's `recurrent` (None for a model without linear-attention layers: the
+    kernel's branch for them is then compiled out): per layer whether it is a linear-attention
+    layer, its five projections' views (placeholders of `like`'s type), its
     convolution weight [C, K], A_log, dt_bias, norm weight, and its state as (windows [slots,
     C, K - 1], memories [slots, Hv, Dk, Dv]); then the heads and whether the projections are
     grouped (stack_delta_net_numba's `dims`)."""
     mixers = [token_mixer(layer) for layer in model.layers]
     present = [m for m in mixers if m is not None]
+    if not present:
+        return None
     states = [None if m is None else m.states(kv_caches[i]) for i, m in enumerate(mixers)]
 
     def per_layer(part, empty):
@@ -106,9 +109,8 @@ def recurrent_args(model: nn.Module, kv_caches: list[torch.Tensor], like) -> tup
     def state(j, empty):
         return typed_list(tuple(empty if s is None else s[j].numpy() for s in states))
 
-    first = present[0] if present else None
-    dims = ([first.k_heads, first.v_heads, first.k_dim, first.v_dim, int(first.fused_qkvz)]
-            if first else [0] * 5)
+    first = present[0]
+    dims = [first.k_heads, first.v_heads, first.k_dim, first.v_dim, int(first.fused_qkvz)]
     projections = [(None,) * 5 if m is None else mixer_projections(m) for m in mixers]
     return (np.array([m is not None for m in mixers], np.bool_),
             *(projection_views([p[j] for p in projections], like) for j in range(5)),
