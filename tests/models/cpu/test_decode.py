@@ -228,10 +228,10 @@ ARCHS = {
         "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
         "swiglu_limit": 1.0, "layer_types": ["sliding_attention", "full_attention"]}},
     # Qwen3.5: three Gated DeltaNet layers (their state per request slot), then one of gated
-    # attention with partial rotary and (1 + w) q/k norms; its MoE with the gated shared expert.
+    # attention with partial rotary and (1 + w) q/k norms; Qwen3-Next: its projections grouped
+    # per key head, MoE with the gated shared expert (Qwen3.5-MoE: on its blocks, below).
     "qwen3_5": {"num_layers": 4},
-    "qwen3_5_moe": {"num_layers": 4},
-    "qwen3_next": {"num_layers": 4},  # its projections grouped per key head
+    "qwen3_next": {"num_layers": 4},
 }
 
 
