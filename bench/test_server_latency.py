@@ -63,7 +63,7 @@ from mrv2.entrypoints.openai.protocol import CompletionRequest
 from mrv2.outputs import RequestOutputKind
 from mrv2.sampling_params import SamplingParams
 from mrv2.testing import ServerProcess, default_demo_model_path
-from mrv2.testing.leftovers import process_alive
+from mrv2.testing.leftovers import lasting_engine_entries
 
 ROUNDS = 5
 WARMUP_ROUNDS = 2
@@ -151,25 +151,6 @@ def _checked_metrics(results: list[RequestResult], duration: float,
     return metrics
 
 
-def _mrv2_shm() -> set[str]:
-    """This project's segments (executor/shm_queue.py names them mrv2_<pid>_...; others share
-    the machine) of this process or of one no longer alive: a live process's other than this
-    one is another test worker's engine (the suite runs in parallel; a CI run failed on two)."""
-    def ours(name: str) -> bool:
-        pid = name.split("_")[1]
-        return not pid.isdigit() or int(pid) == os.getpid() or not process_alive(int(pid))
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mrv2") and ours(name)}
-
-
-def _lasting_new_shm(before: set[str], within_s: float = 3.0) -> set[str]:
-    """`_mrv2_shm()` entries not in `before` still there after up to `within_s` (a process
-    another test killed is dead until its parent unlinks its segments a moment later)."""
-    deadline = time.monotonic() + within_s
-    while (left := _mrv2_shm() - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
 def test_server_latency(benchmark) -> None:
     workload = ServingWorkload()
     if benchmark.disabled:
@@ -178,7 +159,7 @@ def test_server_latency(benchmark) -> None:
     model = str(default_demo_model_path())
     engine_args, server_config = serve_config(model, SERVER_ARGS)
     params = route_sampling_params(server_config, workload.output_len)
-    shm_before = _mrv2_shm()
+    shm_before = set(os.listdir("/dev/shm"))
     engine_runs: list[tuple[list[RequestResult], float]] = []
     server_runs: list[tuple[list[RequestResult], float]] = []
     # One event loop for the AsyncLLM: its client's reader task lives on the loop it first
@@ -226,7 +207,7 @@ def test_server_latency(benchmark) -> None:
     assert not engine_core.is_alive() and not os.path.exists(ipc_dir)
     assert server.proc.poll() is not None and server.leftovers == []
     assert not os.path.exists(f"/proc/{server_core}")
-    assert not _lasting_new_shm(shm_before)
+    assert not lasting_engine_entries(shm_before, semaphores=False)
     benchmark.extra_info.update(_latency_info(workload, server_runs, engine_runs))
 
 

@@ -71,6 +71,32 @@ def engine_leftovers(worker_pids: Collection[int], shm_names: Collection[str],
                if p.pid in worker_pids] + [f"/dev/shm/{n}" for n in ours])
 
 
+def new_engine_entries(before: Collection[str], semaphores: bool = True) -> list[str]:
+    """The /dev/shm entries created since `before` that this process's engines may have left:
+    their segments (`mrv2_<pid>_`: this process's, or a process no longer alive, its
+    workers') and, with `semaphores`, semaphores no other process holds open. A live
+    process's other than this one is another test worker's engine (the suite runs in
+    parallel), not a leftover here (CI runs failed on another worker's semaphores and
+    segments)."""
+    def ours(name: str) -> bool:
+        if name.startswith("sem."):
+            return semaphores and not foreign_semaphore(name, (os.getpid(),))
+        pid = name.split("_")[1] if name.startswith("mrv2_") else ""
+        return pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid)))
+    return sorted(n for n in set(os.listdir("/dev/shm")) - set(before) if ours(n))
+
+
+def lasting_engine_entries(before: Collection[str], within_s: float = 3.0,
+                           semaphores: bool = True) -> list[str]:
+    """`new_engine_entries` still there after up to `within_s`: a process another test
+    worker killed is dead, so its segments look like this process's until its parent
+    unlinks them a moment later; a leak of this process's lasts."""
+    deadline = time.monotonic() + within_s
+    while (left := new_engine_entries(before, semaphores)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def wait_for_no_leftovers(worker_pids: Collection[int], shm_names: Collection[str],
                           shm_before: Collection[str] | None = None,
                           within_s: float = 5.0) -> None:

@@ -26,7 +26,8 @@ from mrv2.core.engine_core import EngineCore
 from mrv2.errors import EngineDeadError, WorkerError, WorkerStartupError
 from mrv2.protocol import EngineCoreOutputs, EngineCoreRequest, GrammarOutput, ModelRunnerOutput
 from mrv2.sampling_params import SamplingParams
-from mrv2.testing.leftovers import engine_leftovers, foreign_semaphore, process_alive
+from mrv2.testing.leftovers import (engine_leftovers, lasting_engine_entries,
+                                    new_engine_entries, process_alive)
 
 from executor_helpers import is_failed, shm_names, worker_pids
 
@@ -44,31 +45,6 @@ def config(tiny_llama):
 
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
-
-
-def new_engine_segments(before: set[str]) -> list[str]:
-    """The /dev/shm entries created since `before` that this test's engine may have left: its
-    segments (`mrv2_<pid>_`: this process's, or a process no longer alive, its workers') and
-    semaphores. A live process's other than this one is another test worker's engine (the
-    suite runs in parallel), not a leftover of this test; so is a semaphore another process
-    holds open (a CI run failed on three of another test's once)."""
-    def ours(name: str) -> bool:
-        if name.startswith("sem."):
-            return not foreign_semaphore(name, (os.getpid(),))
-        pid = name.split("_")[1] if name.startswith("mrv2_") else ""
-        return pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid)))
-    return sorted(n for n in shm_entries() - before if ours(n))
-
-
-def lasting_engine_segments(before: set[str], within_s: float = 3.0) -> list[str]:
-    """`new_engine_segments` that are still there after up to `within_s`: a process another
-    test worker killed (the suite runs in parallel) is dead, so its segments look like this
-    test's, until its parent unlinks them a moment later (a CI run failed so once); a leak of
-    this test's lasts."""
-    deadline = time.monotonic() + within_s
-    while (left := new_engine_segments(before)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
 
 
 def assert_nothing_left(executor: MultiprocExecutor, shm_before: set[str]) -> None:
@@ -253,7 +229,7 @@ def test_killed_worker_fails_pending_and_later_calls_fast(engines):
         assert time.monotonic() - start < 1
         # The shared memory is unlinked even before shutdown.
         deadline = time.monotonic() + 5
-        while [n for n in new_engine_segments(before) if n.startswith("mrv2_")]:
+        while [n for n in new_engine_entries(before) if n.startswith("mrv2_")]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
@@ -292,7 +268,7 @@ def test_startup_error_in_load_model_raises_the_workers_error(tiny_llama, tmp_pa
     assert "Traceback" in error.remote_traceback and "load_model" in error.remote_traceback
     assert not isinstance(error, EngineDeadError)
     assert set(mp.active_children()) <= children
-    assert not lasting_engine_segments(before)
+    assert not lasting_engine_entries(before)
 
 
 def test_startup_error_before_ready_carries_the_traceback(config):
@@ -303,7 +279,7 @@ def test_startup_error_before_ready_carries_the_traceback(config):
     assert isinstance(info.value, WorkerError)
     assert "nonsense" in info.value.remote_traceback and "Traceback" in str(info.value)
     assert set(mp.active_children()) <= children
-    assert not lasting_engine_segments(before)
+    assert not lasting_engine_entries(before)
 
 
 def test_startup_timeout_names_the_silent_rank_and_stops_it(config, tmp_path, monkeypatch):
@@ -319,4 +295,4 @@ def test_startup_timeout_names_the_silent_rank_and_stops_it(config, tmp_path, mo
         MultiprocExecutor(config, worker_cls="stuck_worker:StuckWorker", startup_timeout_s=3.0)
     assert time.monotonic() - start < 3.0 + _STOP_BUDGET_S
     assert set(mp.active_children()) <= children
-    assert not lasting_engine_segments(before)
+    assert not lasting_engine_entries(before)

@@ -11,8 +11,8 @@ import sys
 import time
 from multiprocessing import shared_memory
 
-from mrv2.testing.leftovers import (engine_leftovers, process_alive, semaphore_holders,
-                                    wait_for_no_leftovers)
+from mrv2.testing.leftovers import (engine_leftovers, new_engine_entries, process_alive,
+                                    semaphore_holders, wait_for_no_leftovers)
 
 
 def test_reports_a_live_worker_and_an_engine_segment_until_they_are_gone():
@@ -52,6 +52,8 @@ def test_a_semaphore_another_process_holds_open_is_not_this_engines():
         assert semaphore_holders(theirs) == {other.pid}
         left = engine_leftovers([], [], before)
         assert f"/dev/shm/{mine}" in left and f"/dev/shm/{theirs}" not in left
+        assert mine in new_engine_entries(before) and theirs not in new_engine_entries(before)
+        assert mine not in new_engine_entries(before, semaphores=False)
     finally:
         other.kill()
         other.wait()

@@ -36,7 +36,7 @@ from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
 from mrv2.models.cpu.decode_stack_numba import KV_SHARED
-from mrv2.models.cpu.stack_delta_net import (LINEAR_PROJECTIONS, attention_stand_in,
+from mrv2.models.cpu.stack_delta_net import (LINEAR_PROJECTIONS, attention_sources,
                                              mixer_projections, mixers_qualify, token_mixer)
 from mrv2.models.cpu.stack_moe import (layer_projection, moe_qualifies, moe_supported,
                                        sparse_block)
@@ -178,7 +178,7 @@ def max_rows(model) -> int:
     projections, its plan's `numba_rows` (as the layer path's linears compute)."""
     kinds = _model_kinds(model)
     if kinds == {"half"}:
-        attn = model.layers[attention_stand_in(model)].self_attn
+        attn = model.layers[attention_sources(model)[0]].self_attn
         return packed_of(attn.qkv_proj).plan.numba_rows
     return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
 

@@ -12,8 +12,7 @@ from numba import typed
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
 from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
-from mrv2.models.cpu.stack_delta_net import (attention_of, attention_stand_in, mixer_parameters,
-                                             recurrent_args, token_mixer)
+from mrv2.models.cpu.stack_delta_net import attention_sources, mixer_parameters, recurrent_args
 from mrv2.models.cpu.stack_moe import dense_mlp, layer_projection, moe_args, moe_parameters
 from mrv2.models.cpu.stack_views_numba import (NO_MATRIX, projection_view, projection_views,
                                                 weight_view)
@@ -88,9 +87,10 @@ def _stack_tensors(model, kv_caches: list[torch.Tensor], head: LmHead | None
         out.append(model.per_layer_projection_norm.weight)
     out += [w for w in tables if isinstance(w, torch.Tensor)] + moe_parameters(model)
     out += mixer_parameters(model)
-    for layer in model.layers:
+    layers = list(model.layers)
+    for layer, source in zip(layers, attention_sources(model)):
         out += [norm.weight for norm in layer_norms(layer)]
-        attn = attention_of(model, layer)
+        attn = layers[source].self_attn
         out += [t for t in (getattr(attn.q_norm, "weight", None),
                             getattr(attn.k_norm, "weight", None), attn.attn.sinks)
                 if t is not None]
@@ -164,16 +164,16 @@ class StackArgs:
         self.tensors = _stack_tensors(model, kv_caches, head)
         self.key = self.current_key()
         layers = list(model.layers)
-        # Each layer's attention (a linear-attention layer's: the stand-in's, stack_delta_net).
-        attns = [attention_of(model, layer) for layer in layers]
+        # Each layer's attention and KV cache (a linear-attention layer's: another layer's,
+        # never computed for it: stack_delta_net.attention_sources).
+        sources = attention_sources(model)
+        attns = [layers[j].self_attn for j in sources]
+        attention_caches = [kv_caches[j] for j in sources]
         attn = attns[0]
-        stand_in = attention_stand_in(model)
-        attention_caches = [kv_caches[stand_in if token_mixer(layer) is not None else i]
-                            for i, layer in enumerate(layers)]
         # Each layer's KV cache group (core/kv_cache_layout.py): whose tables it reads.
         self.kv_groups = np.array([a.attn.kv_cache_group for a in attns], np.int64)
         # (A typed list's item costs us to read.)
-        self.kv_itemsize = kv_caches[stand_in].element_size()
+        self.kv_itemsize = attention_caches[0].element_size()
         # Per layer (Gemma 4's differ): kv heads, head size, MLP width.
         self.num_kv_heads = np.array([a.num_kv_heads for a in attns], np.int64)
         self.head_dim = np.array([a.head_dim for a in attns], np.int64)

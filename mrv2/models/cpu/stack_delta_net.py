@@ -42,18 +42,14 @@ def mixer_projections(mixer: nn.Module) -> tuple[nn.Module | None, ...]:
     return tuple(None if name is None else getattr(mixer, name) for name in names)
 
 
-def attention_stand_in(model: nn.Module) -> int:
-    """The index of the model's first attention layer, whose attention fills a
-    linear-attention layer's attention slots."""
-    return next(i for i, layer in enumerate(model.layers) if token_mixer(layer) is None)
-
-
-def attention_of(model: nn.Module, layer: nn.Module) -> nn.Module:
-    """The attention module whose fields fill `layer`'s attention slots: its own, or for a
-    linear-attention layer the stand-in's (never computed for it)."""
-    if token_mixer(layer) is None:
-        return layer.self_attn
-    return model.layers[attention_stand_in(model)].self_attn
+def attention_sources(model: nn.Module) -> list[int]:
+    """Per layer, the layer whose attention module and KV cache fill its attention slots: its
+    own, or for a linear-attention layer the model's first attention layer (never computed
+    for it)."""
+    layers = list(model.layers)
+    stand_in = next(i for i, layer in enumerate(layers) if token_mixer(layer) is None)
+    return [stand_in if token_mixer(layer) is not None else i
+            for i, layer in enumerate(layers)]
 
 
 def mixers_qualify(model: nn.Module) -> bool:
@@ -111,9 +107,10 @@ def recurrent_args(model: nn.Module, kv_caches: list[torch.Tensor], like) -> tup
 
     first = present[0]
     dims = [first.k_heads, first.v_heads, first.k_dim, first.v_dim, int(first.fused_qkvz)]
-    projections = [(None,) * 5 if m is None else mixer_projections(m) for m in mixers]
+    slots = len(LINEAR_PROJECTIONS)
+    projections = [(None,) * slots if m is None else mixer_projections(m) for m in mixers]
     return (np.array([m is not None for m in mixers], np.bool_),
-            *(projection_views([p[j] for p in projections], like) for j in range(5)),
+            *(projection_views([p[j] for p in projections], like) for j in range(slots)),
             per_layer(lambda m: m.conv_weight, NO_MATRIX),
             per_layer(lambda m: m.A_log, _NO_VECTOR), per_layer(lambda m: m.dt_bias, _NO_VECTOR),
             per_layer(lambda m: m.norm.weight, _NO_VECTOR),

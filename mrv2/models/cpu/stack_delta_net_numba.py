@@ -106,7 +106,7 @@ def delta_net_mixer(normed, w_qkv, w_z, w_b, w_a, w_out, conv_weight, A_log, dt_
         stack_linear(normed, w_b, b)
         stack_linear(normed, w_a, a)
     starts = np.arange(rows + 1).astype(np.int32)
-    state_index = req_slots[:rows].astype(np.int32)
+    state_index = req_slots  # int32, one per row (stack_args.request_slots)
     continues = np.empty(rows, dtype=np.bool_)
     for r in range(rows):
         continues[r] = seq_lens[r] > 1

@@ -76,7 +76,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
 
 @njit(parallel=True, **NUMBA_OPTIONS)
 def conv_kernel(x, weight_t, bias, conv_state, starts, state_index, has_initial_state, silu,
-                 out):
+                out):
     """weight_t [K, C] (the weight transposed: every loop runs over contiguous channels);
     a [0] `bias` means none. Outputs in parallel over tokens, then the new windows (serial:
     K - 1 entries a row, and one parallel region compiles faster than two), once every
@@ -141,8 +141,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError("the numba convolution updates a C-contiguous conv_state only")
     out = torch.empty(x.shape, dtype=torch.float32)
     conv_kernel(_f32(x), _f32(weight.t()), NO_BIAS if bias is None else _f32(bias),
-                 conv_state.detach().numpy(), _i32(query_start_loc_np), _i32(state_index),
-                 _flags(has_initial_state), bool(activation_silu), out.numpy())
+                conv_state.detach().numpy(), _i32(query_start_loc_np), _i32(state_index),
+                _flags(has_initial_state), bool(activation_silu), out.numpy())
     return out
 
 
@@ -252,11 +252,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     qn = np.empty(q.shape, dtype=np.float32)
     kn = np.empty(k.shape, dtype=np.float32)
     normalise_qk_kernel(_f32(q), _f32(k), bool(use_qk_l2norm),
-                  np.float32(head_k_dim ** -0.5 if scale is None else scale), qn, kn)
+                        np.float32(head_k_dim ** -0.5 if scale is None else scale), qn, kn)
     out = torch.empty(v.shape, dtype=torch.float32)
     if not state.is_contiguous():
         raise ValueError("the numba delta rule updates a C-contiguous state only")
     delta_rule_kernel(qn, kn, _f32(v), _f32(g), _f32(beta), state.detach().numpy(),
-                       _i32(query_start_loc_np), _i32(state_index), _flags(has_initial_state),
-                       out.numpy())
+                      _i32(query_start_loc_np), _i32(state_index), _flags(has_initial_state),
+                      out.numpy())
     return out
