@@ -80,6 +80,11 @@ class ModelConfig:
     # (loader.split_cpu_dtype). None: weights of `dtype`. Under quantization="gguf" the
     # weights stay as the file stores them; bfloat16 here runs their prefill in bfloat16.
     cpu_weight_dtype: torch.dtype | None = None
+    # Under quantization="gguf" with cpu_weight_dtype bfloat16: each linear of integer blocks
+    # also holds its weight dequantized to bfloat16, which its plan runs from a few rows on
+    # (linear_plan.with_bf16_copy). EngineArgs sets it for a GGUF file at the defaults on a
+    # CPU that multiplies bfloat16 natively (arg_utils.holds_bf16_copies).
+    gguf_bf16_copies: bool = False
     # "pooling": every request is a prompt whose pooled hidden states are the result
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
     runner: str = "generate"
@@ -91,6 +96,10 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization={self.quantization!r}: expected one of "
                               f"{', '.join(map(repr, QUANTIZATION_METHODS))}")
+        if self.gguf_bf16_copies and (self.quantization != "gguf"
+                                      or self.cpu_weight_dtype != torch.bfloat16):
+            raise ConfigError("gguf_bf16_copies: bfloat16 copies serve a GGUF file's blocks "
+                              "(quantization='gguf') in a bfloat16 model on the CPU")
         if self.runner not in RUNNER_TYPES:
             raise ConfigError(f"runner={self.runner!r}: expected one of "
                               f"{', '.join(RUNNER_TYPES)}")
@@ -364,6 +373,8 @@ class EngineConfig:
     def kv_cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: kv_cache_dtype's, or the model's for "auto"."""
         model = self.model_config
-        # a quantized model's cpu_weight_dtype is its prefill tiles' (not the cache's)
+        # a quantized model's cpu_weight_dtype is its prefill tiles' (not the cache's); with
+        # bfloat16 copies it is a bfloat16 model's from a few rows on, bfloat16 cache included
+        blocks_alone = model.quantization and not model.gguf_bf16_copies
         return (KV_CACHE_DTYPES[self.cache_config.cache_dtype]
-                or (None if model.quantization else model.cpu_weight_dtype) or model.dtype)
+                or (None if blocks_alone else model.cpu_weight_dtype) or model.dtype)

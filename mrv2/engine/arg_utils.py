@@ -23,8 +23,7 @@ from mrv2.engine.engine_args_flags import add_engine_args_flags
 from mrv2.models.gguf import (GGUFError, has_compact_linears, has_tokenizer, is_gguf_path,
                               open_gguf)
 from mrv2.models.hub import resolve_model_path
-from mrv2.models.loader import (cpu_auto_runs_gguf_blocks, load_hf_config, resolve_dtype,
-                               split_cpu_dtype)
+from mrv2.models.loader import cpu_auto_gguf, load_hf_config, resolve_dtype, split_cpu_dtype
 from mrv2.sampling_params import MAX_LOGPROBS
 from mrv2.spec_decode.config import SpeculativeConfig, check_draft_model
 
@@ -87,14 +86,13 @@ class EngineArgs:
     # says so) and the budget is `kv_cache_memory_bytes` / `kv_cache_memory_gb`, or 4 GiB.
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
-    # vLLM's: the KV cache's element type, "auto" (the model's dtype), "bfloat16" or
-    # "float16". A 16-bit cache halves the cache's memory and the bytes attention reads;
-    # attention still computes in the model's dtype.
+    # vLLM's: the KV cache's element type, "auto" (the model's dtype), "bfloat16" or "float16"
+    # (half the memory and bytes attention reads; attention computes in the model's dtype).
     kv_cache_dtype: str = "auto"
     # vLLM's `quantization`. "gguf": compute on a quantized GGUF file's blocks (CPU only;
-    # resident weights near the file size). None: the blocks too where the CPU picks float32
-    # for dtype="auto" (loader.cpu_auto_runs_gguf_blocks), else dequantized to `dtype` at
-    # load; a dtype given by name always dequantizes.
+    # resident weights near the file size). None: with dtype="auto" on the CPU, as
+    # loader.cpu_auto_gguf decides (the blocks, with bfloat16 copies for many rows where the
+    # CPU picks bfloat16), else dequantized to `dtype`; a dtype given by name dequantizes.
     quantization: str | None = None
     # vLLM's: StructuredOutputsConfig fields (or one), and --reasoning-parser (its parser).
     structured_outputs_config: dict | StructuredOutputsConfig | None = None
@@ -192,13 +190,14 @@ class EngineArgs:
         if max_model_len > model_max_len:
             raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
                               f"maximum context of {model_max_len} tokens")
-        quantization = self._quantization(model_path, device)
         dtype, cpu_weight_dtype = split_cpu_dtype(resolve_dtype(self.dtype, hf_config, device),
                                                   device)
         batch_invariant = (os.environ.get(BATCH_INVARIANT_ENV, "0") == "1"
                            if self.batch_invariant is None else self.batch_invariant)
+        quantization, bf16_copies = self._quantization(model_path, device, batch_invariant)
         model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
                                    dtype=dtype, cpu_weight_dtype=cpu_weight_dtype,
+                                   gguf_bf16_copies=bf16_copies,
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config, logprobs_mode=self.logprobs_mode,
                                    quantization=quantization, runner=runner,
@@ -339,7 +338,8 @@ class EngineArgs:
                            platform.DEFAULT_CPU_KV_CACHE_GB)
         return value
 
-    def _quantization(self, model_path: str, device: str) -> str | None:
+    def _quantization(self, model_path: str, device: str, batch_invariant: bool
+                      ) -> tuple[str | None, bool]:  # (it, ModelConfig.gguf_bf16_copies)
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
                               f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
@@ -348,16 +348,16 @@ class EngineArgs:
             return is_gguf_path(model_path) and has_compact_linears(open_gguf(model_path))
 
         if self.quantization is None:
-            auto_blocks = (device == "cpu" and str(self.dtype).lower() == "auto"
-                           and cpu_auto_runs_gguf_blocks() and has_blocks())
-            return "gguf" if auto_blocks else None
+            auto = device == "cpu" and str(self.dtype).lower() == "auto" and has_blocks()
+            blocks, copies = cpu_auto_gguf(model_path, batch_invariant) if auto else (0, 0)
+            return ("gguf" if blocks else None), bool(copies)
         if not has_blocks():
             raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
                               f"stored quantized or in 16 bits; {model_path} is not one")
         if device != "cpu":
             raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
                               "dequantizes GGUF weights: leave quantization unset)")
-        return self.quantization
+        return self.quantization, False
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         value = self.structured_outputs_config

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from mrv2.config import ModelConfig
-from mrv2.models.gguf import gguf_hf_config, is_gguf_path, iterate_gguf_weights, open_gguf
+from mrv2.models.gguf import (block_matrix_elements, gguf_hf_config, is_gguf_path,
+                              iterate_gguf_weights, open_gguf)
 from mrv2.models.multimodal_text import TEXT_MODELS, text_config, text_weights
 from mrv2.models.registry import UnsupportedModelError, get_model_class
 
@@ -142,15 +143,36 @@ def cpu_auto_dtype() -> torch.dtype:
     return torch.bfloat16 if computes_natively(torch.bfloat16) else torch.float32
 
 
-def cpu_auto_runs_gguf_blocks() -> bool:
-    """Whether dtype="auto" on the CPU computes a GGUF file's quantized or 16-bit linears on
-    their blocks (quantization="gguf") instead of dequantizing them at load: where the machine
-    itself picks float32 (no 16-bit matrix instructions), the blocks, read at their own size,
-    beat float32 weights at every batch size measured (bench/README.md, Zen 3). Where it picks
-    bfloat16 they do not yet, and `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to."""
+def cpu_auto_gguf(model_path: str, batch_invariant: bool) -> tuple[bool, bool]:
+    """For dtype="auto" on the CPU and a GGUF file whose linears are stored quantized or in 16
+    bits: (compute on its blocks, i.e. quantization="gguf"; each linear of integer blocks also
+    holds a bfloat16 copy, ModelConfig.gguf_bf16_copies).
+
+    Where the machine picks float32 (no 16-bit matrix instructions), the blocks alone: read
+    at their own size they beat float32 weights at every batch size measured (Zen 3). Where it
+    picks bfloat16, neither wins alone (bench/README.md, Zen 4 and the AMX Xeon: the blocks
+    at 1-2 rows, bfloat16 on the matrix units from 8), so a file of integer blocks keeps them
+    for a few rows and a bfloat16 copy for more; the blocks alone (memory near the file's
+    size) where the copies and the file would take more than half the available memory; a
+    16-bit file, or batch-invariant mode, dequantized to bfloat16 as a bfloat16 model.
+    `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to."""
     if os.environ.get(CPU_AUTO_DTYPE_ENV, "").strip():
-        return False
-    return cpu_auto_dtype() == torch.float32
+        return False, False
+    if cpu_auto_dtype() == torch.float32:
+        return True, False
+    copies = 2 * block_matrix_elements(open_gguf(model_path))
+    if not copies or batch_invariant:
+        return False, False
+    return True, copies + os.path.getsize(model_path) <= available_memory_bytes() // 2
+
+
+def available_memory_bytes() -> int:
+    """The kernel's estimate of the memory available to a new allocation (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) -> torch.dtype:
@@ -292,6 +314,6 @@ def load_model(model_config: ModelConfig, device: torch.device,
 
 __all__ = ["CPU_AUTO_DTYPE_ENV", "ModelNotFoundError", "UnsupportedModelError",
            "check_quantization_config", "checkpoint_weights", "cpu_auto_dtype",
-           "cpu_auto_runs_gguf_blocks",
+           "available_memory_bytes", "cpu_auto_gguf",
            "iterate_safetensors", "load_hf_config", "load_model", "resolve_dtype",
            "safetensors_files", "split_cpu_dtype"]

@@ -177,29 +177,50 @@ def test_auto_dtype_is_decided_by_the_cpu(tiny_llama, native, monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_dtype_runs_a_gguf_on_its_blocks_where_the_cpu_picks_float32(
+def test_auto_dtype_runs_a_gguf_on_its_blocks_and_bfloat16_copies_where_the_cpu_picks_it(
         tiny_gguf_factory, native, monkeypatch):
-    # Where dtype="auto" is float32 by the machine's choice, a GGUF of quantized or 16-bit
-    # linears runs on its blocks; a dtype by name, MRV2_CPU_AUTO_DTYPE, a float32 file or a
-    # bfloat16 machine dequantize at load.
+    """dtype="auto" on the CPU: a GGUF of quantized linears runs on its blocks; where the
+    machine picks bfloat16 each also holds a bfloat16 copy for many rows (loader.cpu_auto_gguf),
+    unless the copies and the file would take more than half the available memory (blocks
+    alone) or batch invariance is asked for (dequantized). A 16-bit file runs on its blocks
+    where the machine picks float32 and is dequantized to bfloat16 where it picks bfloat16; a
+    dtype by name, MRV2_CPU_AUTO_DTYPE or a float32 file dequantize at load; quantization="gguf"
+    by name: the blocks alone."""
+    from mrv2.models import loader
     from mrv2.models.layers import cpu_linear
     from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
 
     monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
     monkeypatch.setattr(cpu_linear, "computes_natively", lambda d: native)
 
-    def quantization(tensor_type: str = "Q8_0", **kwargs) -> str | None:
+    def quantization(tensor_type: str = "Q8_0", **kwargs) -> tuple[str | None, bool]:
         args = EngineArgs(model=str(tiny_gguf_factory("llama", tensor_type)), device="cpu",
                           **kwargs)
-        return args.create_engine_config().model_config.quantization
+        config = args.create_engine_config().model_config
+        return config.quantization, config.gguf_bf16_copies
 
-    assert quantization() == (None if native else "gguf")
-    assert quantization("F16") == (None if native else "gguf")
-    assert quantization("F32") is None
-    assert quantization(dtype="float32") is None
-    assert quantization(quantization="gguf") == "gguf"
+    assert quantization() == ("gguf", native)
+    assert quantization("Q4_0", batch_invariant=True) == ((None, False) if native
+                                                          else ("gguf", False))
+    assert quantization("F16") == ((None, False) if native else ("gguf", False))
+    assert quantization("F32") == (None, False)
+    assert quantization(dtype="float32") == (None, False)
+    assert quantization(dtype="bfloat16") == (None, False)
+    assert quantization(quantization="gguf") == ("gguf", False)
+    monkeypatch.setattr(loader, "available_memory_bytes", lambda: 1 << 16)
+    assert quantization() == ("gguf", False)
     monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float32")
-    assert quantization() is None
+    assert quantization() == (None, False)
+
+
+def test_bfloat16_copies_serve_gguf_blocks_in_a_bfloat16_model_only():
+    from mrv2.config import ModelConfig
+
+    for fields in ({"quantization": None, "cpu_weight_dtype": torch.bfloat16},
+                   {"quantization": "gguf", "cpu_weight_dtype": None}):
+        with pytest.raises(ConfigError, match="gguf_bf16_copies"):
+            ModelConfig(model="m.gguf", dtype=torch.float32, max_model_len=8,
+                        gguf_bf16_copies=True, **fields)
 
 
 def test_bad_dtype(tiny_llama):

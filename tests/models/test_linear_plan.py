@@ -135,6 +135,23 @@ def test_panels_plan(plan, expect):
     assert panels_plan(expect) == expect and expect.on_panels
 
 
+@pytest.mark.parametrize("plan", [LinearPlan(K.BLOCK_GEMV, MAX, K.BLOCK_TILES, I8),
+                                  LinearPlan(K.GROUP_PANELS, MAX, K.BLOCK_TILES_BF16, I16)])
+def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
+    """Integer blocks beside their bfloat16 copy: the blocks' kernel and x format up to
+    MAX_BLOCK_ROWS_BESIDE_COPY rows, the matrix units from the next row (`native_from`, where
+    onednn_decode takes over from the fused stack, which runs the rows before)."""
+    few = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
+    copy = linear_plan.with_bf16_copy(plan)
+    assert copy == LinearPlan(plan.few, few, K.NATIVE_16BIT, plan.x_format)
+    assert copy.kernel_for(few) is plan.few and copy.kernel_for(few + 1) is K.NATIVE_16BIT
+    assert copy.native_from == few + 1 and copy.numba_rows == few
+    assert plan.native_from > 10_000  # no matrix units in a plan of blocks alone
+    assert LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT).native_from == 2
+    with pytest.raises(ValueError, match="integer blocks"):
+        linear_plan.with_bf16_copy(LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT))
+
+
 @pytest.mark.parametrize("int8_dots", [False, True])
 @pytest.mark.parametrize("choice, want", [("", I16), ("float32", F32), ("int16", I16),
                                           ("int8", I8)])

@@ -358,3 +358,39 @@ def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, uni
     assert (error / bound).max().item() > 1e-3
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         PackedWeight.from_float(w, torch.int8)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("panels", [False, True])
+def test_blocks_with_a_bfloat16_copy_run_it_from_the_plans_many_rows(gguf_type, panels,
+                                                                     monkeypatch):
+    """hold_bf16_copy: the blocks' kernel up to MAX_BLOCK_ROWS_BESIDE_COPY rows, unchanged;
+    from there the copy on the matrix units: the weight dequantized and rounded to bfloat16
+    once, dequantized a few rows at a time (COPY_ROWS) from blocks or panels alike."""
+    raw = random_raw(gguf_type, 130, 256, seed=11)
+    w = PackedWeight.from_gguf(raw, gguf_type, (130, 256))
+    if panels:
+        if w.plan.few is not LinearKernel.GROUP_PANELS:
+            pytest.skip("the group panel kernel does not take this weight here")
+        w.store_as_panels()
+    few = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
+    g = torch.Generator().manual_seed(12)
+    x_few, x_many = torch.randn(few, 256, generator=g), torch.randn(few + 3, 256, generator=g)
+    before, blocks_bytes = quantized_linear(x_few, w), w.nbytes
+    if not cpu_linear.computes_natively(torch.bfloat16):  # bfloat16 oneDNN may not pack here
+        monkeypatch.setattr(cpu_linear, "onednn_pack", lambda weight: weight)
+    monkeypatch.setattr(quantized, "COPY_ROWS", 48)  # three chunks, the last ragged
+    w.hold_bf16_copy()
+    assert w.plan == linear_plan.with_bf16_copy(PackedWeight.from_gguf(
+        raw, gguf_type, (130, 256)).plan) and w.plan.native_from == few + 1
+    assert w.bf16_copy.q.shape == (130, 0)  # the oneDNN form alone holds the copy
+    assert w.nbytes == blocks_bytes + w.bf16_copy.onednn_packed().nbytes
+    assert torch.equal(quantized_linear(x_few, w), before)
+    copy = dequantized(w).bfloat16()
+    assert torch.equal(w.bf16_copy.onednn_packed().to_dense(), copy)
+    if cpu_linear.computes_natively(torch.bfloat16):
+        expect = cpu_linear.native_16bit_linear(
+            x_many, cpu_linear.onednn_pack(copy), torch.bfloat16)
+        assert torch.equal(quantized_linear(x_many, w), expect)
+    with pytest.raises(ValueError, match="16-bit already"):
+        PackedWeight.from_float(torch.randn(8, 64), torch.bfloat16).hold_bf16_copy()

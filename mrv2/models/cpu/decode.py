@@ -175,12 +175,18 @@ def qualifies(model) -> bool:
 
 def max_rows(model) -> int:
     """The most decode rows the stack runs for `model` (one that `qualifies`): with 16-bit
-    projections, its plan's `numba_rows` (as the layer path's linears compute)."""
+    or block projections, their plan's `numba_rows` (as the layer path's linears compute:
+    blocks beside a bfloat16 copy take only a few), at most MAX_QUANTIZED_DECODE_ROWS."""
     kinds = _model_kinds(model)
+    if "float32" in kinds:
+        return MAX_DECODE_ROWS
+    attn = model.layers[attention_sources(model)[0]].self_attn
+    rows = packed_of(attn.qkv_proj).plan.numba_rows
     if kinds == {"half"}:
-        attn = model.layers[attention_sources(model)[0]].self_attn
-        return packed_of(attn.qkv_proj).plan.numba_rows
-    return MAX_QUANTIZED_DECODE_ROWS if "float32" not in kinds else MAX_DECODE_ROWS
+        return rows
+    if kinds == {"blocks"}:
+        return min(rows, MAX_QUANTIZED_DECODE_ROWS)
+    return MAX_QUANTIZED_DECODE_ROWS
 
 
 def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,

@@ -1,6 +1,6 @@
 """Decode steps whose linears run on oneDNN, with one numba call between each pair of them: a
 bfloat16 model's on a CPU that multiplies bfloat16 natively, from
-`linear_plan.MIN_NATIVE_HALF_ROWS` rows (where its linears move to the matrix units), and a
+the rows its linears' plans move to the matrix units (`LinearPlan.native_from`), and a
 float32 model's beyond the fused stack's GEMV rows (`cpu_gemv.MAX_GEMV_ROWS`, where
 `cpu_linear.linear` moves to oneDNN); both up to `MAX_ONEDNN_DECODE_ROWS`.
 
@@ -53,7 +53,6 @@ from mrv2.attention.decode_numba import (NO_SINKS, decode_kernel, planned_thread
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
 from mrv2.models.cpu.quantized_weights import float32_weight
 from mrv2.models.layers.linear import bfloat16_weight
-from mrv2.models.layers.linear_plan import MIN_NATIVE_HALF_ROWS
 from mrv2.models.layers import activation_numba, cpu_gemv, cpu_linear, quantized
 from mrv2.models.layers.quantized import PackedWeight
 from mrv2.models.layers.norm_numba import NO_RESIDUAL, add_rms_norm_kernel
@@ -242,9 +241,12 @@ class OneDnnDecode:
         self.head_dim, self.scale = attn.head_dim, np.float32(attn.attn.scale)
         self.eps = np.float32(self.layers[0].input_layernorm.eps)
         self.final_eps = np.float32(model.norm.eps)
-        # The rows from which the layer path's linears run on oneDNN.
-        self.min_rows = (MIN_NATIVE_HALF_ROWS if dtype == torch.bfloat16
-                         else cpu_gemv.MAX_GEMV_ROWS + 1)
+        # The rows from which the layer path's linears run on oneDNN: for bfloat16 where
+        # every projection's plan has moved to the matrix units (integer blocks beside a
+        # bfloat16 copy run a few more rows on the blocks, in the fused stack).
+        self.min_rows = (max(layer.get_submodule(name).packed.plan.native_from
+                             for layer in self.layers for name in PROJECTIONS)
+                         if dtype == torch.bfloat16 else cpu_gemv.MAX_GEMV_ROWS + 1)
         # (gate_up, the step's activation buffer) -> the MLP's activation: bfloat16 into the
         # buffer (whose view the next linear may read), float32 a new tensor.
         self.silu_and_mul = (activation_numba.silu_and_mul_bf16 if dtype == torch.bfloat16

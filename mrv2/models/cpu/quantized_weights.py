@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mrv2 import batch_invariant
 from mrv2.config import ModelConfig
 from mrv2.models.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
 from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
@@ -238,10 +239,24 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
             set_packed(table, weight)
             packed.weights[f"model.{name}"] = weight
             packed.checkpoint_names.add(f"model.{name}.weight")
-    if model_config.cpu_weight_dtype == torch.bfloat16 and computes_natively(torch.bfloat16):
+    if model_config.gguf_bf16_copies and not batch_invariant.active():
+        _hold_bf16_copies(model, packed)
+    elif model_config.cpu_weight_dtype == torch.bfloat16 and computes_natively(torch.bfloat16):
         for weight in packed.all_weights():  # a bfloat16 model's prefill: on the matrix units
             weight.plan = with_bf16_tiles(weight.plan)
     return packed
+
+
+def _hold_bf16_copies(model: nn.Module, packed: PackedModules) -> None:
+    """Give every linear of integer blocks (the LM head too; not a lookup-only table, nor
+    the experts, whose blocks win at every batch measured) its bfloat16 copy for many rows.
+    In batch-invariant mode there is none: the blocks' kernel runs every row count."""
+    lookups = {f"model.{name}" for name in _LOOKUP_TABLES}
+    if getattr(model, "lm_head", None) is not None:  # untied: the embedding is looked up
+        lookups.add("model.embed_tokens")
+    for name, weight in packed.weights.items():
+        if name not in lookups and not weight.is_half:
+            weight.hold_bf16_copy()
 
 
 def packed_modules(model: nn.Module) -> PackedModules:

@@ -134,13 +134,15 @@ def set_packed(module: nn.Module, weight: PackedWeight) -> None:
 
 
 def bfloat16_weight(module: nn.Module) -> PackedWeight | None:
-    """The bfloat16 weight a bias-free projection computes on (`module.packed`), or None:
-    what the matrix-unit paths (layers.mlp, models/cpu/onednn_decode) compute on."""
+    """The bfloat16 weight a bias-free projection computes on at many rows (`module.packed`,
+    or the bfloat16 copy its integer blocks hold), or None: what the matrix-unit paths
+    (layers.mlp, models/cpu/onednn_decode) compute on, from the rows `module.packed.plan`
+    gives NATIVE_16BIT."""
     packed = module.packed
-    if (module.bias is None and packed is not None and packed.is_half
-            and packed.half_dtype == torch.bfloat16):
-        return packed
-    return None
+    if module.bias is not None or not isinstance(packed, PackedWeight):
+        return None
+    half = packed.many_rows_half
+    return half if half.is_half and half.half_dtype == torch.bfloat16 else None
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:

@@ -67,6 +67,10 @@ MIN_NATIVE_HALF_ROWS = 2 if cpu_caps.caps().matrix_tiles or dot_linear.runs_here
 # torch.mm are faster (a prompt chunk; bench/README.md).
 MIN_HALF_PAIRS_ROWS = 8
 MAX_HALF_PAIRS_ROWS = 128
+# Rows of x up to which a GGUF weight that also holds a bfloat16 copy (`with_bf16_copy`) runs
+# on its blocks; more run on the copy on the matrix units. On Zen 4 the blocks won 2 rows by
+# 1.4x and tied at 4; the copy won 8 by 1.2x (bench/README.md, issue 51).
+MAX_BLOCK_ROWS_BESIDE_COPY = 4
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,14 @@ class LinearPlan:
         if self.mid in NUMBA_KERNELS:
             return min(self.mid_rows, MAX_QUANTIZED_GEMV_ROWS)
         return self.few_rows
+
+    @property
+    def native_from(self) -> int:
+        """The first row count this plan runs on the matrix units (NATIVE_16BIT); never
+        where it has no such band."""
+        if self.many is not LinearKernel.NATIVE_16BIT:
+            return sys.maxsize
+        return (self.mid_rows if self.mid is not None else self.few_rows) + 1
 
     @property
     def pairs_from(self) -> int:
@@ -147,6 +159,16 @@ def with_bf16_tiles(plan: LinearPlan) -> LinearPlan:
             LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS):
         return plan
     return replace(plan, many=LinearKernel.BLOCK_TILES_BF16)
+
+
+def with_bf16_copy(plan: LinearPlan) -> LinearPlan:
+    """`plan` for integer blocks that also hold a bfloat16 copy of the weight
+    (quantized.PackedWeight.hold_bf16_copy): the blocks' few-row kernel up to
+    MAX_BLOCK_ROWS_BESIDE_COPY rows, the copy on the matrix units beyond."""
+    if plan.few not in (LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS):
+        raise ValueError(f"a bfloat16 copy serves integer blocks, not a {plan.few.value} plan")
+    return LinearPlan(plan.few, MAX_BLOCK_ROWS_BESIDE_COPY, LinearKernel.NATIVE_16BIT,
+                      plan.x_format)
 
 
 def panels_plan(plan: LinearPlan) -> LinearPlan:

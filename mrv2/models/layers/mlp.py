@@ -36,11 +36,12 @@ def chunk_rows(intermediate_size: int) -> int:
 
 def native_bfloat16_weights(mlp: GatedMLP, rows: int
                             ) -> tuple[PackedWeight, PackedWeight] | None:
-    """(gate/up, down) where both projections compute on bias-free bfloat16 weights whose
-    plans run `rows` rows on the CPU's matrix units; else None."""
+    """(gate/up, down) where both projections' plans run `rows` rows on the CPU's matrix
+    units, on bias-free bfloat16 weights (their own, or their blocks' copies); else None."""
     gate_up, down = bfloat16_weight(mlp.gate_up_proj), bfloat16_weight(mlp.down_proj)
     if gate_up is None or down is None or not all(
-            w.plan.kernel_for(rows) is LinearKernel.NATIVE_16BIT for w in (gate_up, down)):
+            m.packed.plan.kernel_for(rows) is LinearKernel.NATIVE_16BIT
+            for m in (mlp.gate_up_proj, mlp.down_proj)):
         return None
     return gate_up, down
 

@@ -37,12 +37,14 @@ from mrv2.models.layers import (cpu_linear, dense_gemv_numba, half_panel_linear,
                                 quantized_tiles)
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4
-from mrv2.models.layers.linear_plan import LinearKernel, panels_plan, plan_for
+from mrv2.models.layers.linear_plan import LinearKernel, panels_plan, plan_for, with_bf16_copy
 from mrv2.models.layers.quant_formats import quant_format
 
 # 16-bit float layout -> the torch dtype of its bit patterns; its GGUF type is the layout's
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+# Output rows dequantized at a time into a bfloat16 copy (PackedWeight.hold_bf16_copy).
+COPY_ROWS = 4096
 
 
 def _float32_table(table: torch.Tensor) -> torch.Tensor:
@@ -80,6 +82,8 @@ class PackedWeight:
         # integer blocks' panels (quantized_panel_numba), once
         self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.panel_storage = False  # the panels alone hold the weight
+        # Integer blocks' bfloat16 copy for many rows (`hold_bf16_copy`), or None.
+        self.bf16_copy: PackedWeight | None = None
         # Which kernel multiplies by it at each row count: chosen here, once.
         self.plan = plan_for(layout, layout in HALF_DTYPES
                              and computes_natively(HALF_DTYPES[layout]))
@@ -130,8 +134,11 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: the blocks (or 16-bit values) and the panels made of them."""
-        return sum(memory.numel() * memory.element_size() for memory in self.storage_tensors())
+        """Resident bytes: the blocks (or 16-bit values), the panels made of them and a
+        bfloat16 copy's oneDNN form."""
+        copy = 0 if self.bf16_copy is None else self.bf16_copy.onednn_packed().nbytes
+        return copy + sum(memory.numel() * memory.element_size()
+                          for memory in self.storage_tensors())
 
     def storage_tensors(self) -> list[torch.Tensor]:
         """The tensors holding the weight (the worker moves them onto huge pages): `q` and the
@@ -254,6 +261,34 @@ class PackedWeight:
         self.panel_storage = True
         self.plan = panels_plan(self.plan)
 
+    def hold_bf16_copy(self) -> None:
+        """Also hold this weight of integer blocks dequantized to bfloat16 (each value rounded
+        to nearest even once), oneDNN-packed alone, for the rows its plan gives the matrix
+        units (linear_plan.with_bf16_copy): a default GGUF model on a CPU that multiplies
+        bfloat16 natively reads its blocks at a few rows and the copy at many
+        (quantized_weights.pack_gguf_weights). Dequantized `COPY_ROWS` rows at a time, so
+        the load holds no float32 copy of the whole weight."""
+        if self.is_half:
+            raise ValueError(f"{self!r} is 16-bit already: it needs no bfloat16 copy")
+        n, k = self.out_features, self.in_features
+        values = torch.empty(n, k, dtype=torch.bfloat16)
+        chunk = np.empty((min(n, COPY_ROWS), k), np.float32)
+        for start in range(0, n, COPY_ROWS):
+            ids = np.arange(start, min(n, start + COPY_ROWS), dtype=np.int64)
+            self.dequantize_rows_into(ids, chunk)
+            values[start:start + len(ids)] = torch.from_numpy(chunk[:len(ids)])
+        copy = PackedWeight.from_float(values, torch.bfloat16)
+        copy.onednn_packed()
+        copy.q = copy.q.new_empty(n, 0)  # the oneDNN form alone holds it
+        self.bf16_copy = copy
+        self.plan = with_bf16_copy(self.plan)
+
+    @property
+    def many_rows_half(self) -> PackedWeight:
+        """The 16-bit weight the matrix units multiply (NATIVE_16BIT): this one, or the
+        bfloat16 copy of integer blocks."""
+        return self if self.bf16_copy is None else self.bf16_copy
+
     def dequantize_rows_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True
                              ) -> None:
         """out[:len(ids)] = float32 rows `ids` (int64, in range); `parallel`: on numba's
@@ -300,8 +335,9 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight,
         out = half_panel_linear.half_panel_linear(x.detach(), weight.panels(),
                                                   weight.layout == "bf16", n)
     elif kernel is LinearKernel.NATIVE_16BIT:
-        out = cpu_linear.native_16bit_linear(x.detach(), weight.onednn_packed(),
-                                             weight.half_dtype, float32_sums)
+        half = weight.many_rows_half
+        out = cpu_linear.native_16bit_linear(x.detach(), half.onednn_packed(), half.half_dtype,
+                                             float32_sums)
     elif kernel in (LinearKernel.BLOCK_TILES, LinearKernel.BLOCK_TILES_BF16):
         out = quantized_tiles.tiled_linear(x.detach(), weight, torch.bfloat16 if kernel is
                                            LinearKernel.BLOCK_TILES_BF16 else torch.float32)

@@ -157,3 +157,35 @@ def test_bfloat16_linears_on_the_few_row_kernel_where_the_shapes_allow(tiny_llam
                             onednn_decode.kv_numba.numpy_view(caches[1]))
     paths.release_kv_views()
     assert path._kv_lists is None
+
+
+@native
+def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_gguf_factory,
+                                                                          monkeypatch):
+    """A GGUF at the defaults on a bfloat16 machine (blocks beside bfloat16 copies,
+    loader.cpu_auto_gguf): the fused stack runs up to the blocks' rows, this path from the
+    next row on the copies, with the layer path's tokens and logprobs (it reads the copies
+    too); fewer rows stay off it."""
+    from mrv2.models.layers.linear_plan import MAX_BLOCK_ROWS_BESIDE_COPY
+    from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
+
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
+    llm = LLM(str(tiny_gguf_factory("llama", "Q8_0")), max_model_len=128, max_num_seqs=16,
+              enable_prefix_caching=False)
+    assert llm.llm_engine.config.model_config.gguf_bf16_copies
+    fused = llm.llm_engine.engine_core.executor.worker._fast_paths.decode
+    assert fused.max_rows == MAX_BLOCK_ROWS_BESIDE_COPY
+    assert fused.onednn.min_rows == MAX_BLOCK_ROWS_BESIDE_COPY + 1
+    rows = MAX_BLOCK_ROWS_BESIDE_COPY + 3
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(rows)]
+    fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    assert fast_calls > 0 and plain_calls == 0
+    for a, b in zip(fast, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
+                {t: p.logprob for t, p in lb.items()}, rel=0, abs=LOGPROB_SLACK)
+    _, calls = _generate(llm, prompts[:MAX_BLOCK_ROWS_BESIDE_COPY], True, monkeypatch)
+    assert calls == 0
+    llm.shutdown()
