@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mrv2.config import ModelConfig
-from mrv2.models.gguf import (block_matrix_elements, gguf_hf_config, is_gguf_path,
+from mrv2.models.gguf import (bf16_copy_elements, gguf_hf_config, is_gguf_path,
                               iterate_gguf_weights, open_gguf)
 from mrv2.models.multimodal_text import TEXT_MODELS, text_config, text_weights
 from mrv2.models.registry import UnsupportedModelError, get_model_class
@@ -151,16 +151,16 @@ def cpu_auto_gguf(model_path: str, batch_invariant: bool) -> tuple[bool, bool]:
     Where the machine picks float32 (no 16-bit matrix instructions), the blocks alone: read
     at their own size they beat float32 weights at every batch size measured (Zen 3). Where it
     picks bfloat16, neither wins alone (bench/README.md, Zen 4 and the AMX Xeon: the blocks
-    at 1-2 rows, bfloat16 on the matrix units from 8), so a file of integer blocks keeps them
-    for a few rows and a bfloat16 copy for more; the blocks alone (memory near the file's
-    size) where the copies and the file would take more than half the available memory; a
-    16-bit file, or batch-invariant mode, dequantized to bfloat16 as a bfloat16 model.
-    `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to."""
+    at 1-2 rows, bfloat16 on the matrix units from 8), so a file of integer blocks or F16
+    keeps them for a few rows and a bfloat16 copy for more; the blocks alone (memory near the
+    file's size) where the copies and the file would take more than half the available
+    memory; a BF16 file (a bfloat16 model as it is), or batch-invariant mode, dequantized to
+    bfloat16. `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to."""
     if os.environ.get(CPU_AUTO_DTYPE_ENV, "").strip():
         return False, False
     if cpu_auto_dtype() == torch.float32:
         return True, False
-    copies = 2 * block_matrix_elements(open_gguf(model_path))
+    copies = 2 * bf16_copy_elements(open_gguf(model_path))
     if not copies or batch_invariant:
         return False, False
     return True, copies + os.path.getsize(model_path) <= available_memory_bytes() // 2

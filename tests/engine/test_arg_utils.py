@@ -182,10 +182,10 @@ def test_auto_dtype_runs_a_gguf_on_its_blocks_and_bfloat16_copies_where_the_cpu_
     """dtype="auto" on the CPU: a GGUF of quantized linears runs on its blocks; where the
     machine picks bfloat16 each also holds a bfloat16 copy for many rows (loader.cpu_auto_gguf),
     unless the copies and the file would take more than half the available memory (blocks
-    alone) or batch invariance is asked for (dequantized). A 16-bit file runs on its blocks
-    where the machine picks float32 and is dequantized to bfloat16 where it picks bfloat16; a
-    dtype by name, MRV2_CPU_AUTO_DTYPE or a float32 file dequantize at load; quantization="gguf"
-    by name: the blocks alone."""
+    alone) or batch invariance is asked for (dequantized). F16 as quantized blocks; a BF16 file
+    runs on its blocks where the machine picks float32 and is a bfloat16 model where it picks
+    bfloat16; a dtype by name, MRV2_CPU_AUTO_DTYPE or a float32 file dequantize at load;
+    quantization="gguf" by name: the blocks alone."""
     from mrv2.models import loader
     from mrv2.models.layers import cpu_linear
     from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
@@ -202,7 +202,8 @@ def test_auto_dtype_runs_a_gguf_on_its_blocks_and_bfloat16_copies_where_the_cpu_
     assert quantization() == ("gguf", native)
     assert quantization("Q4_0", batch_invariant=True) == ((None, False) if native
                                                           else ("gguf", False))
-    assert quantization("F16") == ((None, False) if native else ("gguf", False))
+    assert quantization("F16") == ("gguf", native)
+    assert quantization("BF16") == ((None, False) if native else ("gguf", False))
     assert quantization("F32") == (None, False)
     assert quantization(dtype="float32") == (None, False)
     assert quantization(dtype="bfloat16") == (None, False)

@@ -138,7 +138,7 @@ def test_panels_plan(plan, expect):
 @pytest.mark.parametrize("plan", [LinearPlan(K.BLOCK_GEMV, MAX, K.BLOCK_TILES, I8),
                                   LinearPlan(K.GROUP_PANELS, MAX, K.BLOCK_TILES_BF16, I16)])
 def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
-    """Integer blocks beside their bfloat16 copy: the blocks' kernel and x format up to
+    """A weight beside its bfloat16 copy: its own kernel and x format up to
     MAX_BLOCK_ROWS_BESIDE_COPY rows, the matrix units from the next row (`native_from`, where
     onednn_decode takes over from the fused stack, which runs the rows before)."""
     few = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
@@ -148,7 +148,9 @@ def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
     assert copy.native_from == few + 1 and copy.numba_rows == few
     assert plan.native_from > 10_000  # no matrix units in a plan of blocks alone
     assert LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT).native_from == 2
-    with pytest.raises(ValueError, match="integer blocks"):
+    half = LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)  # float16 without matrix units
+    assert linear_plan.with_bf16_copy(half) == LinearPlan(K.HALF_PANELS, few, K.NATIVE_16BIT)
+    with pytest.raises(ValueError, match="matrix units already"):
         linear_plan.with_bf16_copy(LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT))
 
 

@@ -360,18 +360,20 @@ def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, uni
         PackedWeight.from_float(w, torch.int8)
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K", "F16"])
 @pytest.mark.parametrize("panels", [False, True])
-def test_blocks_with_a_bfloat16_copy_run_it_from_the_plans_many_rows(gguf_type, panels,
-                                                                     monkeypatch):
-    """hold_bf16_copy: the blocks' kernel up to MAX_BLOCK_ROWS_BESIDE_COPY rows, unchanged;
-    from there the copy on the matrix units: the weight dequantized and rounded to bfloat16
-    once, dequantized a few rows at a time (COPY_ROWS) from blocks or panels alike."""
+def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_type, panels,
+                                                                        monkeypatch):
+    """hold_bf16_copy: the weight's own kernel up to MAX_BLOCK_ROWS_BESIDE_COPY rows,
+    unchanged; from there the copy on the matrix units: the weight dequantized and rounded to
+    bfloat16 once, a few rows at a time (COPY_ROWS), from blocks, float16 or panels alike."""
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)  # F16's plan
     raw = random_raw(gguf_type, 130, 256, seed=11)
     w = PackedWeight.from_gguf(raw, gguf_type, (130, 256))
     if panels:
-        if w.plan.few is not LinearKernel.GROUP_PANELS:
-            pytest.skip("the group panel kernel does not take this weight here")
+        if not w.plan.on_panels and w.plan.few not in (LinearKernel.GROUP_PANELS,
+                                                       LinearKernel.HALF_PANELS):
+            pytest.skip("no panel kernel takes this weight here")
         w.store_as_panels()
     few = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
     g = torch.Generator().manual_seed(12)
@@ -392,5 +394,6 @@ def test_blocks_with_a_bfloat16_copy_run_it_from_the_plans_many_rows(gguf_type, 
         expect = cpu_linear.native_16bit_linear(
             x_many, cpu_linear.onednn_pack(copy), torch.bfloat16)
         assert torch.equal(quantized_linear(x_many, w), expect)
-    with pytest.raises(ValueError, match="16-bit already"):
+    monkeypatch.setattr(quantized, "computes_natively", lambda dtype: True)
+    with pytest.raises(ValueError, match="matrix units already"):
         PackedWeight.from_float(torch.randn(8, 64), torch.bfloat16).hold_bf16_copy()

@@ -37,7 +37,7 @@ from mrv2.models.gguf.weights import GGUFWeight, unpermute_rows
 from mrv2.models.layers.gguf_blocks import as_byte_groups
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.linear import set_packed
-from mrv2.models.layers.linear_plan import with_bf16_tiles
+from mrv2.models.layers.linear_plan import LinearKernel, with_bf16_tiles
 from mrv2.models.layers.quant_formats import packs
 from mrv2.models.layers.quantized import PackedWeight
 
@@ -248,14 +248,15 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
 
 
 def _hold_bf16_copies(model: nn.Module, packed: PackedModules) -> None:
-    """Give every linear of integer blocks (the LM head too; not a lookup-only table, nor
-    the experts, whose blocks win at every batch measured) its bfloat16 copy for many rows.
-    In batch-invariant mode there is none: the blocks' kernel runs every row count."""
+    """Give every linear whose many rows do not run on the matrix units as stored (integer
+    blocks, float16 where the CPU has no float16 ones; the LM head too; not a lookup-only
+    table, nor the experts, whose blocks win at every batch measured) its bfloat16 copy for
+    many rows. In batch-invariant mode there is none: one kernel runs every row count."""
     lookups = {f"model.{name}" for name in _LOOKUP_TABLES}
     if getattr(model, "lm_head", None) is not None:  # untied: the embedding is looked up
         lookups.add("model.embed_tokens")
     for name, weight in packed.weights.items():
-        if name not in lookups and not weight.is_half:
+        if name not in lookups and weight.plan.many is not LinearKernel.NATIVE_16BIT:
             weight.hold_bf16_copy()
 
 

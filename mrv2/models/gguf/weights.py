@@ -88,11 +88,11 @@ def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
 _WIDE_FLOAT_TYPES = ("F32", "F64")
 
 
-def block_matrix_elements(ckpt: GGUFCheckpoint) -> int:
-    """Values in the file's 2-D matrices stored as integer blocks (not F16 / BF16 / F32):
-    what bfloat16 copies of its linears would hold (loader.cpu_auto_gguf)."""
+def bf16_copy_elements(ckpt: GGUFCheckpoint) -> int:
+    """Values in the file's 2-D matrices stored as integer blocks or F16 (not BF16 / F32):
+    what bfloat16 copies of its linears would hold at most (loader.cpu_auto_gguf)."""
     return sum(math.prod(r.shape) for r in ckpt.tensors.values()
-               if len(r.shape) == 2 and r.type_name not in (*_WIDE_FLOAT_TYPES, "F16", "BF16"))
+               if len(r.shape) == 2 and r.type_name not in (*_WIDE_FLOAT_TYPES, "BF16"))
 
 
 def has_compact_linears(ckpt: GGUFCheckpoint) -> bool:

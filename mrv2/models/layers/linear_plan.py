@@ -68,8 +68,8 @@ MIN_NATIVE_HALF_ROWS = 2 if cpu_caps.caps().matrix_tiles or dot_linear.runs_here
 MIN_HALF_PAIRS_ROWS = 8
 MAX_HALF_PAIRS_ROWS = 128
 # Rows of x up to which a GGUF weight that also holds a bfloat16 copy (`with_bf16_copy`) runs
-# on its blocks; more run on the copy on the matrix units. On Zen 4 the blocks won 2 rows by
-# 1.4x and tied at 4; the copy won 8 by 1.2x (bench/README.md, issue 51).
+# as stored; more run on the copy on the matrix units. On Zen 4 SmolLM2's Q4_1 blocks won 2
+# rows by 1.4x and tied at 4; the copy won 8 by 1.2x (bench/README.md, issue 51).
 MAX_BLOCK_ROWS_BESIDE_COPY = 4
 
 
@@ -162,11 +162,12 @@ def with_bf16_tiles(plan: LinearPlan) -> LinearPlan:
 
 
 def with_bf16_copy(plan: LinearPlan) -> LinearPlan:
-    """`plan` for integer blocks that also hold a bfloat16 copy of the weight
-    (quantized.PackedWeight.hold_bf16_copy): the blocks' few-row kernel up to
-    MAX_BLOCK_ROWS_BESIDE_COPY rows, the copy on the matrix units beyond."""
-    if plan.few not in (LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS):
-        raise ValueError(f"a bfloat16 copy serves integer blocks, not a {plan.few.value} plan")
+    """`plan` for a weight (integer blocks, or float16 the matrix units do not take) that also
+    holds a bfloat16 copy of itself (quantized.PackedWeight.hold_bf16_copy): its few-row kernel
+    up to MAX_BLOCK_ROWS_BESIDE_COPY rows, the copy on the matrix units beyond."""
+    if plan.many is LinearKernel.NATIVE_16BIT:
+        raise ValueError("this weight's many rows run on the matrix units already: a bfloat16 "
+                         "copy would add nothing")
     return LinearPlan(plan.few, MAX_BLOCK_ROWS_BESIDE_COPY, LinearKernel.NATIVE_16BIT,
                       plan.x_format)
 

@@ -262,14 +262,13 @@ class PackedWeight:
         self.plan = panels_plan(self.plan)
 
     def hold_bf16_copy(self) -> None:
-        """Also hold this weight of integer blocks dequantized to bfloat16 (each value rounded
-        to nearest even once), oneDNN-packed alone, for the rows its plan gives the matrix
-        units (linear_plan.with_bf16_copy): a default GGUF model on a CPU that multiplies
-        bfloat16 natively reads its blocks at a few rows and the copy at many
-        (quantized_weights.pack_gguf_weights). Dequantized `COPY_ROWS` rows at a time, so
-        the load holds no float32 copy of the whole weight."""
-        if self.is_half:
-            raise ValueError(f"{self!r} is 16-bit already: it needs no bfloat16 copy")
+        """Also hold this weight (integer blocks, or float16 the matrix units do not take)
+        dequantized to bfloat16 (each value rounded to nearest even once), oneDNN-packed
+        alone, for the rows its plan gives the matrix units (linear_plan.with_bf16_copy): a
+        default GGUF model on a CPU that multiplies bfloat16 natively reads the weight as
+        stored at a few rows and the copy at many (quantized_weights.pack_gguf_weights).
+        Dequantized `COPY_ROWS` rows at a time: the load holds no float32 copy of it whole."""
+        plan = with_bf16_copy(self.plan)  # refuses a weight the matrix units take already
         n, k = self.out_features, self.in_features
         values = torch.empty(n, k, dtype=torch.bfloat16)
         chunk = np.empty((min(n, COPY_ROWS), k), np.float32)
@@ -280,13 +279,12 @@ class PackedWeight:
         copy = PackedWeight.from_float(values, torch.bfloat16)
         copy.onednn_packed()
         copy.q = copy.q.new_empty(n, 0)  # the oneDNN form alone holds it
-        self.bf16_copy = copy
-        self.plan = with_bf16_copy(self.plan)
+        self.bf16_copy, self.plan = copy, plan
 
     @property
     def many_rows_half(self) -> PackedWeight:
-        """The 16-bit weight the matrix units multiply (NATIVE_16BIT): this one, or the
-        bfloat16 copy of integer blocks."""
+        """The 16-bit weight the matrix units multiply (NATIVE_16BIT): this one, or its
+        bfloat16 copy."""
         return self if self.bf16_copy is None else self.bf16_copy
 
     def dequantize_rows_into(self, ids: np.ndarray, out: np.ndarray, parallel: bool = True

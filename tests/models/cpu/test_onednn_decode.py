@@ -160,7 +160,9 @@ def test_bfloat16_linears_on_the_few_row_kernel_where_the_shapes_allow(tiny_llam
 
 
 @native
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "F16"])
 def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_gguf_factory,
+                                                                          tensor_type,
                                                                           monkeypatch):
     """A GGUF at the defaults on a bfloat16 machine (blocks beside bfloat16 copies,
     loader.cpu_auto_gguf): the fused stack runs up to the blocks' rows, this path from the
@@ -170,8 +172,8 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
 
     monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
-    llm = LLM(str(tiny_gguf_factory("llama", "Q8_0")), max_model_len=128, max_num_seqs=16,
-              enable_prefix_caching=False)
+    llm = LLM(str(tiny_gguf_factory("llama", tensor_type)), max_model_len=128,
+              max_num_seqs=16, enable_prefix_caching=False)
     assert llm.llm_engine.config.model_config.gguf_bf16_copies
     fused = llm.llm_engine.engine_core.executor.worker._fast_paths.decode
     assert fused.max_rows == MAX_BLOCK_ROWS_BESIDE_COPY
