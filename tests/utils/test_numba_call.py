@@ -33,3 +33,25 @@ def test_same_results_as_the_kernel_for_new_and_kept_arguments():
     other = (np.arange(4, dtype=np.float64), np.ones(4, np.float64))
     assert call(other, scales, out64) == 14.0
     assert len(_weighted.overloads) == 3
+
+
+def test_a_new_arrays_type_is_numbas_and_the_last_overload_serves_the_same_types():
+    """`_array_type` gives numba's typeof for every layout and writeability (a strided view,
+    a read-only array, Fortran order, a size-1 array contiguous both ways); a call whose
+    types are the last call's runs the last overload, one whose types differ looks its own
+    up."""
+    call = TypedCall(_weighted)
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    readonly = base.copy()
+    readonly.flags.writeable = False
+    for array in (base, base[:, ::2], readonly, np.asfortranarray(base), base[:1, :1],
+                  np.zeros(3, np.int64), base.T):
+        assert call._array_type(array) == _weighted.typeof_pyval(array)
+    rows = (np.arange(4, dtype=np.float32), np.ones(4, np.float32))
+    scales = (np.float32(2.0), np.float32(0.5))
+    call(rows, scales, np.empty(4, np.float32))
+    first = call._compiled
+    assert call(rows, scales, np.empty(4, np.float32)) == 14.0 and call._compiled is first
+    out64 = np.empty(4, np.float64)
+    assert call(rows, scales, out64) == 14.0 and call._compiled is not first
+    assert out64.tolist() == [0.5, 2.5, 4.5, 6.5]
