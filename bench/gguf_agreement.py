@@ -6,9 +6,9 @@ The 8 chat prompts of tests/entrypoints/test_llm_gguf.py, greedy, up to 64 token
 Prints, per path, how many completions equal float32's, where the others first differ and,
 per position, how many equal float32's through it: `quantization="gguf"` on float32, int16
 (the default) and int8 x (MRV2_GGUF_ACTIVATIONS), dtype="bfloat16" (bf16 weights, KV cache and,
-where the CPU has bf16 matrix units, linears of several rows) with the 8 prompts in one batch
-and each alone, and llama.cpp on the same file when llama-cpp-python is installed (the `peers`
-extra).
+where the CPU has bf16 matrix units, linears of several rows) and the defaults (dtype "auto")
+with the 8 prompts in one batch and each alone, and llama.cpp on the same file when
+llama-cpp-python is installed (the `peers` extra).
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ def main() -> None:
            mrv2_greedy(prompts, dtype="bfloat16"), reference)
     report("bfloat16 weights, each prompt alone",
            [mrv2_greedy([p], dtype="bfloat16")[0] for p in prompts], reference)
+    # dtype "auto" (loader.cpu_auto_gguf): the blocks alone where the CPU runs float32; where
+    # it runs bfloat16, the blocks up to MAX_BLOCK_ROWS_BESIDE_COPY rows, bfloat16 copies beyond
+    report("the defaults, the 8 prompts in one batch", mrv2_greedy(prompts), reference)
+    report("the defaults, each prompt alone", [mrv2_greedy([p])[0] for p in prompts], reference)
     peer = llama_cpp_greedy(prompts, eos)
     if peer is not None:
         report("llama.cpp", peer, reference)
