@@ -81,9 +81,9 @@ class ModelConfig:
     # weights stay as the file stores them; bfloat16 here runs their prefill in bfloat16.
     cpu_weight_dtype: torch.dtype | None = None
     # Under quantization="gguf" with cpu_weight_dtype bfloat16: each linear of integer blocks
-    # also holds its weight dequantized to bfloat16, which its plan runs from a few rows on
-    # (linear_plan.with_bf16_copy). EngineArgs sets it for a GGUF file at the defaults on a
-    # CPU that multiplies bfloat16 natively (arg_utils.holds_bf16_copies).
+    # (or F16) also holds its weight dequantized to bfloat16, which its plan runs from a few
+    # rows on (linear_plan.with_bf16_copy). EngineArgs sets it for a GGUF file at the defaults
+    # on a CPU that multiplies bfloat16 natively (loader.cpu_auto_gguf).
     gguf_bf16_copies: bool = False
     # "pooling": every request is a prompt whose pooled hidden states are the result
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).

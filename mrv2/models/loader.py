@@ -160,10 +160,12 @@ def cpu_auto_gguf(model_path: str, batch_invariant: bool) -> tuple[bool, bool]:
         return False, False
     if cpu_auto_dtype() == torch.float32:
         return True, False
-    copies = 2 * bf16_copy_elements(open_gguf(model_path))
+    ckpt = open_gguf(model_path)
+    copies = 2 * bf16_copy_elements(ckpt)
     if not copies or batch_invariant:
         return False, False
-    return True, copies + os.path.getsize(model_path) <= available_memory_bytes() // 2
+    file_bytes = sum(os.path.getsize(f) for f in ckpt.files)  # every part of a split file
+    return True, copies + file_bytes <= available_memory_bytes() // 2
 
 
 def available_memory_bytes() -> int:

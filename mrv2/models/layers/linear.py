@@ -135,7 +135,7 @@ def set_packed(module: nn.Module, weight: PackedWeight) -> None:
 
 def bfloat16_weight(module: nn.Module) -> PackedWeight | None:
     """The bfloat16 weight a bias-free projection computes on at many rows (`module.packed`,
-    or the bfloat16 copy its integer blocks hold), or None: what the matrix-unit paths
+    or the bfloat16 copy that weight holds), or None: what the matrix-unit paths
     (layers.mlp, models/cpu/onednn_decode) compute on, from the rows `module.packed.plan`
     gives NATIVE_16BIT."""
     packed = module.packed

@@ -82,7 +82,7 @@ class PackedWeight:
         # integer blocks' panels (quantized_panel_numba), once
         self._group_panels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.panel_storage = False  # the panels alone hold the weight
-        # Integer blocks' bfloat16 copy for many rows (`hold_bf16_copy`), or None.
+        # This weight's bfloat16 copy for many rows (`hold_bf16_copy`), or None.
         self.bf16_copy: PackedWeight | None = None
         # Which kernel multiplies by it at each row count: chosen here, once.
         self.plan = plan_for(layout, layout in HALF_DTYPES
