@@ -349,8 +349,8 @@ class EngineArgs:
 
         if self.quantization is None:
             auto = device == "cpu" and str(self.dtype).lower() == "auto" and has_blocks()
-            blocks, copies = cpu_auto_gguf(model_path, batch_invariant) if auto else (0, 0)
-            return ("gguf" if blocks else None), bool(copies)
+            blocks, copies = cpu_auto_gguf(model_path, batch_invariant) if auto else (False, False)
+            return ("gguf" if blocks else None), copies
         if not has_blocks():
             raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
                               f"stored quantized or in 16 bits; {model_path} is not one")

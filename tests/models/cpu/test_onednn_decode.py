@@ -48,6 +48,19 @@ def _generate(llm: LLM, prompts, use_onednn: bool, monkeypatch) -> tuple[list, i
     return outputs, calls["n"]
 
 
+def _assert_runs_as_the_layer_path(llm: LLM, prompts, monkeypatch) -> None:
+    """This path takes some of the prompts' steps, with the tokens and logprobs (to within
+    LOGPROB_SLACK) of the layer path running every step."""
+    fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
+    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
+    assert fast_calls > 0 and plain_calls == 0
+    for a, b in zip(fast, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
+                {t: p.logprob for t, p in lb.items()}, rel=0, abs=LOGPROB_SLACK)
+
+
 @pytest.mark.parametrize("dtype, kv_cache_dtype, rows", [
     pytest.param("bfloat16", "auto", MIN_ROWS["bfloat16"] + 3, marks=native),
     pytest.param("bfloat16", "float16", MIN_ROWS["bfloat16"] + 3, marks=native),
@@ -59,14 +72,7 @@ def test_same_tokens_and_logprobs_as_the_layer_path(tiny_llama, dtype, kv_cache_
     llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=128, max_num_seqs=max(16, rows),
               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(rows)]
-    fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    assert fast_calls > 0 and plain_calls == 0
-    for a, b in zip(fast, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
-                {t: p.logprob for t, p in lb.items()}, rel=0, abs=LOGPROB_SLACK)
+    _assert_runs_as_the_layer_path(llm, prompts, monkeypatch)
     llm.shutdown()
 
 
@@ -180,14 +186,7 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     assert fused.onednn.min_rows == MAX_BLOCK_ROWS_BESIDE_COPY + 1
     rows = MAX_BLOCK_ROWS_BESIDE_COPY + 3
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(rows)]
-    fast, fast_calls = _generate(llm, prompts, True, monkeypatch)
-    plain, plain_calls = _generate(llm, prompts, False, monkeypatch)
-    assert fast_calls > 0 and plain_calls == 0
-    for a, b in zip(fast, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: p.logprob for t, p in la.items()} == pytest.approx(
-                {t: p.logprob for t, p in lb.items()}, rel=0, abs=LOGPROB_SLACK)
+    _assert_runs_as_the_layer_path(llm, prompts, monkeypatch)
     _, calls = _generate(llm, prompts[:MAX_BLOCK_ROWS_BESIDE_COPY], True, monkeypatch)
     assert calls == 0
     llm.shutdown()
