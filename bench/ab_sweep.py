@@ -1,7 +1,7 @@
 """Two builds or two modes of mrv2 measured alternately in one run: `mrv2 bench sweep` (its
 engine wrappers, prompts, metric) in child interpreters, A then B each round, so machine drift
 falls on both; per cell (engine, batch) the median over rounds of each side's median and the
-B / A ratio.
+B / A ratio (decode tok/s, and first-token seconds: there B / A < 1 is B faster).
 
 A side is a source tree (`--a-src`, `--b-src`: a checkout put first on PYTHONPATH; default this
 repository) and environment settings (`--a-env`, `--b-env`: NAME=VALUE, repeatable). Two uses:
@@ -9,6 +9,9 @@ repository) and environment settings (`--a-env`, `--b-env`: NAME=VALUE, repeatab
     # the cost of batch-invariant mode against the default, same build
     python bench/ab_sweep.py --b-env MRV2_BATCH_INVARIANT=1 --out invariant.json -- \
         --engines mrv2:float32,mrv2:gguf,mrv2:bf16 --batch-sizes 1,32
+    # int8 prefill (the default where it runs) against the bfloat16 copies alone
+    python bench/ab_sweep.py --b-env MRV2_GGUF_PREFILL=bf16 --out int8.json -- \
+        --engines mrv2:default --batch-sizes 1,32 --output-len 2
     # a change against the commit before it (a clean checkout of it in /tmp/base)
     python bench/ab_sweep.py --a-src /tmp/base --out change.json -- --batch-sizes 1,8,32
 
@@ -41,8 +44,14 @@ def sweep(src: Path, env: dict[str, str], sweep_args: list[str]) -> dict[str, An
 
 
 def cells(result: dict[str, Any]) -> dict[str, float]:
-    return {f"{m['column']} b{m['batch']}": m["decode_tok_s_median"]
-            for m in result["measurements"] if m.get("decode_tok_s_median")}
+    """Per (engine, batch): decode tok/s, and first-token seconds ("... first token s")."""
+    out = {}
+    for m in result["measurements"]:
+        if m.get("decode_tok_s_median"):
+            out[f"{m['column']} b{m['batch']}"] = m["decode_tok_s_median"]
+        if m.get("first_token_s_median"):
+            out[f"{m['column']} b{m['batch']} first token s"] = m["first_token_s_median"]
+    return out
 
 
 def main() -> int:

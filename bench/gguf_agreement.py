@@ -7,26 +7,36 @@ Prints, per path, how many completions equal float32's, where the others first d
 per position, how many equal float32's through it: `quantization="gguf"` on float32, int16
 (the default) and int8 x (MRV2_GGUF_ACTIVATIONS), dtype="bfloat16" (bf16 weights, KV cache and,
 where the CPU has bf16 matrix units, linears of several rows) and the defaults (dtype "auto")
-with the 8 prompts in one batch and each alone, and llama.cpp on the same file when
-llama-cpp-python is installed (the `peers` extra).
+with the 8 prompts in one batch and each alone, the defaults' int8 prefill (where it runs:
+the prompts put after a system text long enough to reach it) against the bfloat16 copies
+alone (MRV2_GGUF_PREFILL=bf16), and llama.cpp on the same file when llama-cpp-python is
+installed (the `peers` extra).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from mrv2 import LLM, SamplingParams
+from mrv2 import LLM, SamplingParams, cpu_caps
 from mrv2.models.builtin import builtin_model_path
-from mrv2.models.layers import linear_plan, quantized, quantized_numba
+from mrv2.models.layers import int8_linear, linear_plan, quantized, quantized_numba
 from mrv2.models.layers.quantized_int8_numba import X86_INT8_DOTS
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "entrypoints"))
 from test_llm_gguf import QUESTIONS  # noqa: E402
 
 MAX_TOKENS = 64
+
+
+# A system turn put before each chat prompt so that its prefill passes MIN_INT8_ROWS tokens.
+SYSTEM = ("You are a helpful assistant. Answer the user's question directly, in plain words, "
+          "with one or two short sentences. Do not add a greeting, a summary or a list. If a "
+          "question has a number for an answer, give the number first and then its unit. Keep "
+          "every answer factual and brief; say so when you do not know.")
 
 
 def _prompts_and_eos() -> tuple[list[list[int]], set[int]]:
@@ -38,6 +48,15 @@ def _prompts_and_eos() -> tuple[list[list[int]], set[int]]:
                                              add_generation_prompt=True, return_dict=False)
                for q in QUESTIONS]
     return prompts, set(eos if isinstance(eos, list) else [eos])
+
+
+def _system_tokens() -> list[int]:
+    llm = LLM(str(builtin_model_path()), max_model_len=512, kv_cache_memory_gb=0.1)
+    tokens = llm.get_tokenizer().encode(SYSTEM, add_special_tokens=False)
+    llm.shutdown()
+    if len(tokens) < linear_plan.MIN_INT8_ROWS:
+        raise RuntimeError(f"the system turn is {len(tokens)} tokens: fewer than MIN_INT8_ROWS")
+    return tokens
 
 
 def mrv2_greedy(prompts: list[list[int]], **kwargs) -> list[list[int]]:
@@ -88,6 +107,7 @@ def report(name: str, got: list[list[int]], want: list[list[int]]) -> None:
 
 def main() -> None:
     prompts, eos = _prompts_and_eos()
+    pad = _system_tokens()
     reference = mrv2_greedy(prompts, dtype="float32")
     formats = {"float32": quantized_numba.X_FLOAT32, "int16 (default)": quantized_numba.X_INT16,
                "int8": quantized_numba.X_INT8}
@@ -105,8 +125,21 @@ def main() -> None:
            [mrv2_greedy([p], dtype="bfloat16")[0] for p in prompts], reference)
     # dtype "auto" (loader.cpu_auto_gguf): the blocks alone where the CPU runs float32; where
     # it runs bfloat16, the blocks up to MAX_BLOCK_ROWS_BESIDE_COPY rows, bfloat16 copies beyond
+    # and where oneDNN multiplies int8 on VNNI, a prompt's rows (from MIN_INT8_ROWS) on int8
+    # products (the chat prompts here are shorter: their prefill stays on the copies)
     report("the defaults, the 8 prompts in one batch", mrv2_greedy(prompts), reference)
     report("the defaults, each prompt alone", [mrv2_greedy([p])[0] for p in prompts], reference)
+    if int8_linear.int8_products_run():
+        padded = [pad + p for p in prompts]  # every prompt past MIN_INT8_ROWS tokens
+        padded_reference = mrv2_greedy(padded, dtype="float32")
+        report("the defaults (int8 prefill), prompts past MIN_INT8_ROWS tokens",
+               mrv2_greedy(padded), padded_reference)
+        os.environ[cpu_caps.GGUF_PREFILL_ENV] = "bf16"
+        cpu_caps.caps.cache_clear()
+        report("MRV2_GGUF_PREFILL=bf16 (the bfloat16 copies), the same prompts",
+               mrv2_greedy(padded), padded_reference)
+        del os.environ[cpu_caps.GGUF_PREFILL_ENV]
+        cpu_caps.caps.cache_clear()
     peer = llama_cpp_greedy(prompts, eos)
     if peer is not None:
         report("llama.cpp", peer, reference)

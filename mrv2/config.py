@@ -85,6 +85,11 @@ class ModelConfig:
     # rows on (linear_plan.with_bf16_copy). EngineArgs sets it for a GGUF file at the defaults
     # on a CPU that multiplies bfloat16 natively (loader.cpu_auto_gguf).
     gguf_bf16_copies: bool = False
+    # With gguf_bf16_copies: each decoder layer's linear of integer blocks also holds an int8
+    # copy, on which a prompt's rows run (linear_plan.with_int8_products; int8_linear.py has
+    # its error bound). EngineArgs sets it where oneDNN multiplies int8 on VNNI
+    # (loader.cpu_auto_gguf), unless MRV2_GGUF_PREFILL=bf16.
+    gguf_int8_prefill: bool = False
     # "pooling": every request is a prompt whose pooled hidden states are the result
     # (LLM.embed); `pooler_config` says how (a default one for "pooling", None otherwise).
     runner: str = "generate"
@@ -100,6 +105,9 @@ class ModelConfig:
                                       or self.cpu_weight_dtype != torch.bfloat16):
             raise ConfigError("gguf_bf16_copies: bfloat16 copies serve a GGUF file's blocks "
                               "(quantization='gguf') in a bfloat16 model on the CPU")
+        if self.gguf_int8_prefill and not self.gguf_bf16_copies:
+            raise ConfigError("gguf_int8_prefill: int8 copies sit beside a GGUF file's blocks "
+                              "and their bfloat16 copies (gguf_bf16_copies)")
         if self.runner not in RUNNER_TYPES:
             raise ConfigError(f"runner={self.runner!r}: expected one of "
                               f"{', '.join(RUNNER_TYPES)}")

@@ -13,12 +13,14 @@ Sources, as each kernel needs:
   code may use (avx2, avx512f, avx512bw, avx512vnni). LLVM reports a feature only
   where the OS saves its registers too (XCR0), so these are the instructions code may run.
 - torch.cpu's probes (cpuinfo, as oneDNN decides): the matrix instructions of oneDNN's 16-bit
-  linears (avx512_bf16, amx_tile, amx_fp16). Read from torch, not LLVM, because oneDNN is what
-  runs those linears, and tile_linear / dot_linear only read the weights oneDNN packed.
+  linears (avx512_bf16, amx_tile, amx_fp16) and of its int8 ones (int8_vnni: AVX-512 VNNI).
+  Read from torch, not LLVM, because oneDNN is what runs those linears, and tile_linear /
+  dot_linear only read the weights oneDNN packed.
 - `numba_targets_host`: numba compiles for this machine (no NUMBA_CPU_NAME) and it is x86-64;
   intrinsics naming x86 instructions need both, or they would fault or fail to compile.
 - The kernel switches (`KERNEL_SWITCHES`): MRV2_GGUF_ACTIVATIONS, and its older spelling
-  MRV2_GGUF_INT8_ACTIVATIONS=1 (= int8), the format of x in the GEMV on GGUF blocks.
+  MRV2_GGUF_INT8_ACTIVATIONS=1 (= int8), the format of x in the GEMV on GGUF blocks;
+  MRV2_GGUF_PREFILL, what a default GGUF model's prompt rows run on (int8 or bf16).
 
 Tests build a `CpuCaps` by hand (every feature defaults to absent) and patch `caps` to run
 another CPU's choices; `read()` reads the machine again, uncached.
@@ -38,16 +40,22 @@ GGUF_ACTIVATIONS_ENV = "MRV2_GGUF_ACTIVATIONS"
 GGUF_INT8_ACTIVATIONS_ENV = "MRV2_GGUF_INT8_ACTIVATIONS"  # =1: the older spelling of int8
 # Every environment variable that chooses a kernel: only this module reads them
 # (tests/test_cpu_caps.py checks that no other module under mrv2/ does).
-KERNEL_SWITCHES: tuple[str, ...] = (GGUF_ACTIVATIONS_ENV, GGUF_INT8_ACTIVATIONS_ENV)
+GGUF_PREFILL_ENV = "MRV2_GGUF_PREFILL"
+KERNEL_SWITCHES: tuple[str, ...] = (GGUF_ACTIVATIONS_ENV, GGUF_INT8_ACTIVATIONS_ENV,
+                                    GGUF_PREFILL_ENV)
 # The formats of x MRV2_GGUF_ACTIVATIONS names (linear_plan._gemv_x_format maps them to kernels).
 GGUF_ACTIVATIONS: tuple[str, ...] = ("float32", "int16", "int8")
+# What a default GGUF model's prompt rows run on beside its blocks (MRV2_GGUF_PREFILL): int8
+# products where they run (loader.cpu_auto_gguf), or the bfloat16 copies alone.
+GGUF_PREFILLS: tuple[str, ...] = ("int8", "bf16")
 
 # CpuCaps field -> LLVM's feature name.
 _LLVM_FEATURES = {"avx2": "avx2", "avx512f": "avx512f", "avx512bw": "avx512bw",
                   "avx512vnni": "avx512vnni"}
 # CpuCaps field -> torch.cpu's probe (absent from older torch builds: then False).
 _TORCH_PROBES = {"avx512_bf16": "_is_avx512_bf16_supported",
-                 "amx_tile": "_is_amx_tile_supported", "amx_fp16": "_is_amx_fp16_supported"}
+                 "amx_tile": "_is_amx_tile_supported", "amx_fp16": "_is_amx_fp16_supported",
+                 "int8_vnni": "_is_vnni_supported"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ class CpuCaps:
     properties are the kernel choices derived from them.
 
     Invariant: `gguf_activations` is "" (unset: the kernels' default) or one of
-    GGUF_ACTIVATIONS; anything else raises at construction, naming the variable."""
+    GGUF_ACTIVATIONS, `gguf_prefill` "" or one of GGUF_PREFILLS; anything else raises at
+    construction, naming the variable."""
 
     numba_targets_host: bool = False
     avx2: bool = False
@@ -66,12 +75,17 @@ class CpuCaps:
     avx512_bf16: bool = False
     amx_tile: bool = False
     amx_fp16: bool = False
+    int8_vnni: bool = False  # oneDNN's int8 products on VNNI (int8_linear.py)
     gguf_activations: str = ""
+    gguf_prefill: str = ""
 
     def __post_init__(self) -> None:
         if self.gguf_activations and self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"{GGUF_ACTIVATIONS_ENV}={self.gguf_activations!r}: expected one "
                              f"of {sorted(GGUF_ACTIVATIONS)}")
+        if self.gguf_prefill and self.gguf_prefill not in GGUF_PREFILLS:
+            raise ValueError(f"{GGUF_PREFILL_ENV}={self.gguf_prefill!r}: expected one of "
+                             f"{sorted(GGUF_PREFILLS)}")
 
     @property
     def vector_floats(self) -> int:
@@ -130,7 +144,7 @@ def _llvm_features() -> Mapping[str, bool]:
 
 def read(environ: Mapping[str, str] | None = None) -> CpuCaps:
     """This machine's caps and the kernel switches in `environ` (default os.environ), read
-    now; raises ValueError for an unknown MRV2_GGUF_ACTIVATIONS."""
+    now; raises ValueError for an unknown MRV2_GGUF_ACTIVATIONS or MRV2_GGUF_PREFILL."""
     environ = os.environ if environ is None else environ
     llvm = _llvm_features()
     features = {field: bool(llvm.get(name, False)) for field, name in _LLVM_FEATURES.items()}
@@ -139,8 +153,9 @@ def read(environ: Mapping[str, str] | None = None) -> CpuCaps:
     choice = environ.get(GGUF_ACTIVATIONS_ENV, "").strip().lower()
     if not choice and environ.get(GGUF_INT8_ACTIVATIONS_ENV, "0") == "1":
         choice = "int8"
+    prefill = environ.get(GGUF_PREFILL_ENV, "").strip().lower()
     return CpuCaps(numba_targets_host=_numba_targets_host(), gguf_activations=choice,
-                   **features)
+                   gguf_prefill=prefill, **features)
 
 
 @lru_cache(maxsize=1)

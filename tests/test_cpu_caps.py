@@ -19,8 +19,9 @@ from mrv2.cpu_caps import CpuCaps
 # CpuCaps field -> its /proc/cpuinfo flag.
 CPUINFO_FLAGS = {"avx2": "avx2", "avx512f": "avx512f", "avx512bw": "avx512bw",
                  "avx512vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16",
-                 "amx_tile": "amx_tile", "amx_fp16": "amx_fp16"}
-FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512_bf16", "amx_tile", "amx_fp16")
+                 "amx_tile": "amx_tile", "amx_fp16": "amx_fp16", "int8_vnni": "avx512_vnni"}
+FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512_bf16", "amx_tile", "amx_fp16",
+            "int8_vnni")
 ZEN3 = CpuCaps(numba_targets_host=True, avx2=True)
 ZEN4 = dataclasses.replace(ZEN3, avx512f=True, avx512bw=True, avx512vnni=True,
                            avx512_bf16=True)
@@ -54,13 +55,13 @@ def test_read_takes_llvm_features_and_torch_probes(monkeypatch):
                         lambda: {"avx2": True, "avx512f": True, "avx512bw": True,
                                  "avx512vnni": False, "avx512bf16": True, "amx-tile": True})
     for probe, value in (("_is_avx512_bf16_supported", False), ("_is_amx_tile_supported", False),
-                         ("_is_amx_fp16_supported", True)):
+                         ("_is_amx_fp16_supported", True), ("_is_vnni_supported", True)):
         monkeypatch.setattr(torch.cpu, probe, lambda value=value: value, raising=False)
     caps = cpu_caps.read({})
     # LLVM's for what numba compiles, torch's (not LLVM's avx512bf16 / amx-tile) for oneDNN's
     assert {f: getattr(caps, f) for f in FEATURES} == {
         "avx2": True, "avx512f": True, "avx512bw": True, "avx512vnni": False,
-        "avx512_bf16": False, "amx_tile": False, "amx_fp16": True}
+        "avx512_bf16": False, "amx_tile": False, "amx_fp16": True, "int8_vnni": True}
     monkeypatch.setattr(config, "CPU_NAME", "skylake")  # numba compiles for another CPU
     assert not cpu_caps.read({}).numba_targets_host
 
@@ -73,7 +74,7 @@ def test_read_survives_missing_sources(monkeypatch):
 
     monkeypatch.setattr(binding, "get_host_cpu_features", fails)
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported",
-                  "_is_amx_fp16_supported"):
+                  "_is_amx_fp16_supported", "_is_vnni_supported"):
         monkeypatch.delattr(torch.cpu, probe, raising=False)  # an older torch
     caps = cpu_caps.read({})
     assert not any(getattr(caps, f) for f in FEATURES)
@@ -124,6 +125,15 @@ def test_native_16bit_follows_its_instructions():
     ({"MRV2_GGUF_ACTIVATIONS": "int16", "MRV2_GGUF_INT8_ACTIVATIONS": "1"}, "int16")])
 def test_gguf_activations_switch(environ, choice):
     assert cpu_caps.read(environ).gguf_activations == choice
+
+
+@pytest.mark.parametrize("environ, choice", [
+    ({}, ""), ({"MRV2_GGUF_PREFILL": " BF16 "}, "bf16"), ({"MRV2_GGUF_PREFILL": "int8"}, "int8")])
+def test_gguf_prefill_switch(environ, choice):
+    assert cpu_caps.read(environ).gguf_prefill == choice
+    with pytest.raises(ValueError, match=r"MRV2_GGUF_PREFILL='fp8': expected one of "
+                                         r"\['bf16', 'int8'\]"):
+        cpu_caps.read({"MRV2_GGUF_PREFILL": "fp8"})
 
 
 def test_a_bad_gguf_activations_value_names_the_variable():

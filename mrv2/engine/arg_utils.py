@@ -91,8 +91,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # vLLM's `quantization`. "gguf": compute on a quantized GGUF file's blocks (CPU only;
     # resident weights near the file size). None: with dtype="auto" on the CPU, as
-    # loader.cpu_auto_gguf decides (the blocks, with bfloat16 copies for many rows where the
-    # CPU picks bfloat16), else dequantized to `dtype`; a dtype given by name dequantizes.
+    # loader.cpu_auto_gguf decides (the blocks, with bfloat16 and int8 copies for many rows
+    # where the CPU picks bfloat16), else dequantized; a dtype given by name dequantizes.
     quantization: str | None = None
     # vLLM's: StructuredOutputsConfig fields (or one), and --reasoning-parser (its parser).
     structured_outputs_config: dict | StructuredOutputsConfig | None = None
@@ -194,10 +194,10 @@ class EngineArgs:
                                                   device)
         batch_invariant = (os.environ.get(BATCH_INVARIANT_ENV, "0") == "1"
                            if self.batch_invariant is None else self.batch_invariant)
-        quantization, bf16_copies = self._quantization(model_path, device, batch_invariant)
-        model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path,
-                                   dtype=dtype, cpu_weight_dtype=cpu_weight_dtype,
-                                   gguf_bf16_copies=bf16_copies,
+        quantization, copies, int8 = self._quantization(model_path, device, batch_invariant)
+        model_config = ModelConfig(model=model_path, tokenizer=tokenizer_path, dtype=dtype,
+                                   cpu_weight_dtype=cpu_weight_dtype, gguf_bf16_copies=copies,
+                                   gguf_int8_prefill=int8,
                                    max_model_len=max_model_len, seed=self.seed,
                                    hf_config=hf_config, logprobs_mode=self.logprobs_mode,
                                    quantization=quantization, runner=runner,
@@ -339,7 +339,7 @@ class EngineArgs:
         return value
 
     def _quantization(self, model_path: str, device: str, batch_invariant: bool
-                      ) -> tuple[str | None, bool]:  # (it, ModelConfig.gguf_bf16_copies)
+                      ) -> tuple[str | None, bool, bool]:  # (it, ModelConfig.gguf_*)
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"quantization={self.quantization!r} is not supported; mrv2 "
                               f"implements 'gguf' (a GGUF file's quantized weights, on CPU)")
@@ -349,15 +349,15 @@ class EngineArgs:
 
         if self.quantization is None:
             auto = device == "cpu" and str(self.dtype).lower() == "auto" and has_blocks()
-            blocks, copies = cpu_auto_gguf(model_path, batch_invariant) if auto else (False, False)
-            return ("gguf" if blocks else None), copies
+            found = cpu_auto_gguf(model_path, batch_invariant) if auto else (False,) * 3
+            return ("gguf" if found[0] else None), found[1], found[2]
         if not has_blocks():
             raise ConfigError(f"quantization='gguf' needs a GGUF file whose weights are "
                               f"stored quantized or in 16 bits; {model_path} is not one")
         if device != "cpu":
             raise ConfigError("quantization='gguf' runs on the CPU only (the CUDA path "
                               "dequantizes GGUF weights: leave quantization unset)")
-        return self.quantization, False
+        return self.quantization, False, False
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         value = self.structured_outputs_config

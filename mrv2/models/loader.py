@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from mrv2 import cpu_caps
 from mrv2.config import ModelConfig
 from mrv2.models.gguf import (bf16_copy_elements, gguf_hf_config, is_gguf_path,
                               iterate_gguf_weights, open_gguf)
@@ -143,10 +144,11 @@ def cpu_auto_dtype() -> torch.dtype:
     return torch.bfloat16 if computes_natively(torch.bfloat16) else torch.float32
 
 
-def cpu_auto_gguf(model_path: str, batch_invariant: bool) -> tuple[bool, bool]:
+def cpu_auto_gguf(model_path: str, batch_invariant: bool) -> tuple[bool, bool, bool]:
     """For dtype="auto" on the CPU and a GGUF file whose linears are stored quantized or in 16
     bits: (compute on its blocks, i.e. quantization="gguf"; each linear of integer blocks also
-    holds a bfloat16 copy, ModelConfig.gguf_bf16_copies).
+    holds a bfloat16 copy, ModelConfig.gguf_bf16_copies; and an int8 copy for a prompt's
+    rows, ModelConfig.gguf_int8_prefill).
 
     Where the machine picks float32 (no 16-bit matrix instructions), the blocks alone: read
     at their own size they beat float32 weights at every batch size measured (Zen 3). Where it
@@ -155,17 +157,25 @@ def cpu_auto_gguf(model_path: str, batch_invariant: bool) -> tuple[bool, bool]:
     keeps them for a few rows and a bfloat16 copy for more; the blocks alone (memory near the
     file's size) where the copies and the file would take more than half the available
     memory; a BF16 file (a bfloat16 model as it is), or batch-invariant mode, dequantized to
-    bfloat16. `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to."""
+    bfloat16. `MRV2_CPU_AUTO_DTYPE` names a dtype to dequantize to. Beside the bfloat16
+    copies, integer blocks hold int8 ones where oneDNN multiplies int8 on VNNI
+    (int8_linear.int8_products_run: twice bfloat16's rate on a prompt), unless
+    MRV2_GGUF_PREFILL=bf16."""
     if os.environ.get(CPU_AUTO_DTYPE_ENV, "").strip():
-        return False, False
+        return False, False, False
     if cpu_auto_dtype() == torch.float32:
-        return True, False
+        return True, False, False
     ckpt = open_gguf(model_path)
     copies = 2 * bf16_copy_elements(ckpt)
     if not copies or batch_invariant:
-        return False, False
+        return False, False, False
+    from mrv2.models.layers import int8_linear
+
+    int8 = int8_linear.int8_products_run() and cpu_caps.caps().gguf_prefill != "bf16"
+    int8_bytes = bf16_copy_elements(ckpt, integer_blocks_only=True) if int8 else 0
     file_bytes = sum(os.path.getsize(f) for f in ckpt.files)  # every part of a split file
-    return True, copies + file_bytes <= available_memory_bytes() // 2
+    budget = available_memory_bytes() // 2 - file_bytes
+    return True, copies <= budget, 0 < int8_bytes <= budget - copies
 
 
 def available_memory_bytes() -> int:

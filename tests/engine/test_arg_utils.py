@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -180,38 +181,56 @@ def test_auto_dtype_is_decided_by_the_cpu(tiny_llama, native, monkeypatch):
 def test_auto_dtype_runs_a_gguf_on_its_blocks_and_bfloat16_copies_where_the_cpu_picks_it(
         tiny_gguf_factory, native, monkeypatch):
     """dtype="auto" on the CPU: a GGUF of quantized linears runs on its blocks; where the
-    machine picks bfloat16 each also holds a bfloat16 copy for many rows (loader.cpu_auto_gguf),
-    unless the copies and the file would take more than half the available memory (blocks
-    alone) or batch invariance is asked for (dequantized). F16 as quantized blocks; a BF16 file
-    runs on its blocks where the machine picks float32 and is a bfloat16 model where it picks
-    bfloat16; a dtype by name, MRV2_CPU_AUTO_DTYPE or a float32 file dequantize at load;
-    quantization="gguf" by name: the blocks alone."""
+    machine picks bfloat16 each also holds a bfloat16 copy for many rows (loader.cpu_auto_gguf)
+    and, where oneDNN multiplies int8 on VNNI, integer blocks an int8 copy for a prompt's rows
+    (not F16; not with MRV2_GGUF_PREFILL=bf16), unless the copies and the file would take more
+    than half the available memory (the int8 copies dropped first, then the bfloat16 ones:
+    blocks alone) or batch invariance is asked for (dequantized). F16 as quantized blocks; a
+    BF16 file runs on its blocks where the machine picks float32 and is a bfloat16 model where
+    it picks bfloat16; a dtype by name, MRV2_CPU_AUTO_DTYPE or a float32 file dequantize at
+    load; quantization="gguf" by name: the blocks alone."""
+    from mrv2 import cpu_caps
     from mrv2.models import loader
-    from mrv2.models.layers import cpu_linear
+    from mrv2.models.gguf import bf16_copy_elements, open_gguf
+    from mrv2.models.layers import cpu_linear, int8_linear
     from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
 
     monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
     monkeypatch.setattr(cpu_linear, "computes_natively", lambda d: native)
+    monkeypatch.setattr(int8_linear, "int8_products_run", lambda: True)
 
-    def quantization(tensor_type: str = "Q8_0", **kwargs) -> tuple[str | None, bool]:
+    def quantization(tensor_type: str = "Q8_0", **kwargs) -> tuple[str | None, bool, bool]:
         args = EngineArgs(model=str(tiny_gguf_factory("llama", tensor_type)), device="cpu",
                           **kwargs)
         config = args.create_engine_config().model_config
-        return config.quantization, config.gguf_bf16_copies
+        return config.quantization, config.gguf_bf16_copies, config.gguf_int8_prefill
 
-    assert quantization() == ("gguf", native)
-    assert quantization("Q4_0", batch_invariant=True) == ((None, False) if native
-                                                          else ("gguf", False))
-    assert quantization("F16") == ("gguf", native)
-    assert quantization("BF16") == ((None, False) if native else ("gguf", False))
-    assert quantization("F32") == (None, False)
-    assert quantization(dtype="float32") == (None, False)
-    assert quantization(dtype="bfloat16") == (None, False)
-    assert quantization(quantization="gguf") == ("gguf", False)
+    assert quantization() == ("gguf", native, native)
+    assert quantization("Q4_0", batch_invariant=True) == ((None, False, False) if native
+                                                          else ("gguf", False, False))
+    assert quantization("F16") == ("gguf", native, False)
+    assert quantization("BF16") == ((None, False, False) if native else ("gguf", False, False))
+    assert quantization("F32") == (None, False, False)
+    assert quantization(dtype="float32") == (None, False, False)
+    assert quantization(dtype="bfloat16") == (None, False, False)
+    assert quantization(quantization="gguf") == ("gguf", False, False)
+    machine = cpu_caps.caps
+    monkeypatch.setattr(cpu_caps, "caps", lambda: cpu_caps.CpuCaps(gguf_prefill="bf16"))
+    assert quantization() == ("gguf", native, False)
+    monkeypatch.setattr(cpu_caps, "caps", machine)
+    path = tiny_gguf_factory("llama", "Q8_0")
+    ckpt = open_gguf(str(path))
+    file_bytes = sum(os.path.getsize(f) for f in ckpt.files)
+    copies = 2 * bf16_copy_elements(ckpt)
+    int8 = bf16_copy_elements(ckpt, integer_blocks_only=True)
+    assert 0 < int8 <= copies // 2
+    monkeypatch.setattr(loader, "available_memory_bytes",
+                        lambda: 2 * (file_bytes + copies + int8 - 1))
+    assert quantization() == ("gguf", native, False)  # room for the bfloat16 copies alone
     monkeypatch.setattr(loader, "available_memory_bytes", lambda: 1 << 16)
-    assert quantization() == ("gguf", False)
+    assert quantization() == ("gguf", False, False)
     monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float32")
-    assert quantization() == (None, False)
+    assert quantization() == (None, False, False)
 
 
 def test_bfloat16_copies_serve_gguf_blocks_in_a_bfloat16_model_only():
@@ -222,6 +241,9 @@ def test_bfloat16_copies_serve_gguf_blocks_in_a_bfloat16_model_only():
         with pytest.raises(ConfigError, match="gguf_bf16_copies"):
             ModelConfig(model="m.gguf", dtype=torch.float32, max_model_len=8,
                         gguf_bf16_copies=True, **fields)
+    with pytest.raises(ConfigError, match="gguf_int8_prefill"):  # int8 beside the copies only
+        ModelConfig(model="m.gguf", dtype=torch.float32, max_model_len=8, quantization="gguf",
+                    cpu_weight_dtype=torch.bfloat16, gguf_int8_prefill=True)
 
 
 def test_bad_dtype(tiny_llama):

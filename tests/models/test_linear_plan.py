@@ -154,6 +154,24 @@ def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
         linear_plan.with_bf16_copy(LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT))
 
 
+@pytest.mark.parametrize("plan", [LinearPlan(K.BLOCK_GEMV, MAX, K.BLOCK_TILES, I8),
+                                  LinearPlan(K.GROUP_PANELS, MAX, K.BLOCK_TILES_BF16, I16)])
+def test_int8_products_take_a_prompts_rows_beside_the_bfloat16_copy(plan):
+    """A weight of blocks beside its bfloat16 and int8 copies: the blocks up to
+    MAX_BLOCK_ROWS_BESIDE_COPY rows, the bfloat16 copy up to MIN_INT8_ROWS - 1 (a decode step
+    on onednn_decode: `native_from` unchanged), int8 products from MIN_INT8_ROWS on."""
+    few, int8_from = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY, linear_plan.MIN_INT8_ROWS
+    copies = linear_plan.with_int8_products(linear_plan.with_bf16_copy(plan))
+    assert [copies.kernel_for(rows) for rows in (1, few, few + 1, int8_from - 1, int8_from,
+                                                 4096)] == [
+        plan.few, plan.few, K.NATIVE_16BIT, K.NATIVE_16BIT, K.INT8_PRODUCTS, K.INT8_PRODUCTS]
+    assert copies.native_from == few + 1 and copies.numba_rows == few
+    assert copies.x_format == plan.x_format
+    for without_copy in (plan, LinearPlan(K.HALF_PANELS, few, K.NATIVE_16BIT)):
+        with pytest.raises(ValueError, match="integer blocks beside its bfloat16 copy"):
+            linear_plan.with_int8_products(without_copy)
+
+
 @pytest.mark.parametrize("int8_dots", [False, True])
 @pytest.mark.parametrize("choice, want", [("", I16), ("float32", F32), ("int16", I16),
                                           ("int8", I8)])

@@ -1,17 +1,19 @@
 """The gated MLP block (mrv2/models/layers/mlp.py): long CPU batches in row chunks equal one
 pass; with bias-free bfloat16 projections on a CPU that multiplies bfloat16 natively, steps of
 at least MIN_NATIVE_HALF_ROWS rows keep bfloat16 between the projections and equal the plain
-path bit for bit (the same roundings in the same places); fewer rows take the plain path."""
+path bit for bit (the same roundings in the same places); fewer rows take the plain path; a
+prompt's rows on projections with int8 copies run on them."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
-from mrv2.models.layers import cpu_linear, linear, mlp as mlp_module, quantized
-from mrv2.models.layers.linear_plan import MIN_NATIVE_HALF_ROWS
+from mrv2.models.layers import cpu_linear, int8_linear, linear, mlp as mlp_module, quantized
+from mrv2.models.layers.linear_plan import MIN_INT8_ROWS, MIN_NATIVE_HALF_ROWS
 from mrv2.models.layers.activation import silu_and_mul
-from mrv2.models.layers.mlp import GatedMLP, native_bfloat16_weights
+from mrv2.models.layers.mlp import GatedMLP, int8_weights, native_bfloat16_weights
 from mrv2.models.layers.quantized import PackedWeight
 
 native = pytest.mark.skipif(not quantized.computes_natively(torch.bfloat16),
@@ -148,3 +150,28 @@ def test_a_bfloat16_model_has_every_layers_mlp_qualify(tiny_llama):
     layers = list(model.model.layers)
     assert layers and all(native_bfloat16_weights(layer.mlp, MIN_NATIVE_HALF_ROWS) is not None
                           for layer in layers)
+
+
+@pytest.mark.skipif(not int8_linear.int8_products_run(), reason="oneDNN has no VNNI int8 here")
+@torch.no_grad()
+def test_a_prompts_rows_run_both_projections_on_their_int8_copies():
+    """Projections of Q8_0 blocks beside bfloat16 and int8 copies (a default GGUF model's on
+    a VNNI CPU): from MIN_INT8_ROWS rows the block is `int8_mlp` of the int8 copies (near the
+    float32 block); below, bfloat16 between the projections as before."""
+    mlp = _mlp(dtype=None)
+    for module in (mlp.gate_up_proj, mlp.down_proj):
+        n, k = module.weight.shape
+        raw = gguf.quants.quantize(module.weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        weight = PackedWeight.from_gguf(raw, "Q8_0", (n, k))
+        weight.hold_bf16_copy()
+        weight.hold_int8_copy()
+        linear.set_packed(module, weight)
+    rows = MIN_INT8_ROWS
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5))
+    int8 = int8_weights(mlp, rows)
+    assert int8 == (mlp.gate_up_proj.packed.int8_copy, mlp.down_proj.packed.int8_copy)
+    assert int8_weights(mlp, rows - 1) is None and native_bfloat16_weights(mlp, rows) is None
+    out = mlp.forward_rows(x)
+    assert torch.equal(out, mlp_module.int8_mlp(x, *int8))
+    exact = _mlp(dtype=None).forward_rows(x)
+    assert (out - exact).abs().max() <= 0.03 * exact.abs().max()

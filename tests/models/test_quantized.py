@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mrv2.models.layers import (cpu_linear, half_panel_linear, linear_plan, quantized,
-                               quantized_panel_numba, quantized_tiles)
+from mrv2.models.layers import (cpu_linear, half_panel_linear, int8_linear, linear_plan,
+                                quantized, quantized_panel_numba, quantized_tiles)
 from mrv2.models.layers.linear_plan import LinearKernel
 from mrv2.models.layers.quant_formats import FORMATS
 from mrv2.models.layers.quantized import PackedWeight, quantized_linear
@@ -397,3 +397,32 @@ def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_typ
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: True)
     with pytest.raises(ValueError, match="matrix units already"):
         PackedWeight.from_float(torch.randn(8, 64), torch.bfloat16).hold_bf16_copy()
+
+
+@pytest.mark.skipif(not int8_linear.int8_products_run(), reason="oneDNN has no VNNI int8 here")
+@pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_1"])
+def test_a_weight_with_an_int8_copy_runs_a_prompts_rows_on_it(gguf_type, monkeypatch):
+    """hold_int8_copy (beside the bfloat16 copy): the rows below MIN_INT8_ROWS unchanged, a
+    prompt's rows on int8 products of the weight's dequantized values (within
+    test_int8_linear's bound: here, near the float32 product), chunk by chunk at load; an F16
+    weight (no integer blocks) is refused."""
+    raw = random_raw(gguf_type, 130, 256, seed=21)
+    w = PackedWeight.from_gguf(raw, gguf_type, (130, 256))
+    w.hold_bf16_copy()
+    g = torch.Generator().manual_seed(22)
+    below = torch.randn(linear_plan.MIN_INT8_ROWS - 1, 256, generator=g)
+    prompt = torch.randn(linear_plan.MIN_INT8_ROWS + 30, 256, generator=g)
+    before, copy_bytes = quantized_linear(below, w), w.nbytes
+    monkeypatch.setattr(quantized, "COPY_ROWS", 48)  # three chunks, the last ragged
+    w.hold_int8_copy()
+    assert w.plan == linear_plan.with_int8_products(linear_plan.with_bf16_copy(
+        PackedWeight.from_gguf(raw, gguf_type, (130, 256)).plan))
+    assert w.nbytes == copy_bytes + w.int8_copy.nbytes
+    assert torch.equal(quantized_linear(below, w), before)
+    got, exact = quantized_linear(prompt, w), prompt @ dequantized(w).T
+    assert torch.equal(got, int8_linear.int8_linear(prompt, w.int8_copy, torch.float32))
+    assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
+    half = PackedWeight.from_gguf(random_raw("F16", 8, 64, seed=3), "F16", (8, 64))
+    monkeypatch.setattr(half, "plan", linear_plan.with_bf16_copy(half.plan))
+    with pytest.raises(ValueError, match="integer blocks"):
+        half.hold_int8_copy()

@@ -63,6 +63,7 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
 _OPTIONAL_LAYER_LINEARS = ("per_layer_input_gate", "per_layer_projection")
 _OPTIONAL_MODEL_LINEARS = ("per_layer_model_projection",)
 _LOOKUP_TABLES = ("embed_tokens_per_layer",)
+_LAYER_PREFIX = "model.layers."  # the decoder layers' weights, by name
 
 
 def _fused_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -240,24 +241,28 @@ def pack_gguf_weights(model: nn.Module, model_config: ModelConfig
             packed.weights[f"model.{name}"] = weight
             packed.checkpoint_names.add(f"model.{name}.weight")
     if model_config.gguf_bf16_copies and not batch_invariant.active():
-        _hold_bf16_copies(model, packed)
+        _hold_copies(model, packed, model_config.gguf_int8_prefill)
     elif model_config.cpu_weight_dtype == torch.bfloat16 and computes_natively(torch.bfloat16):
         for weight in packed.all_weights():  # a bfloat16 model's prefill: on the matrix units
             weight.plan = with_bf16_tiles(weight.plan)
     return packed
 
 
-def _hold_bf16_copies(model: nn.Module, packed: PackedModules) -> None:
+def _hold_copies(model: nn.Module, packed: PackedModules, int8: bool) -> None:
     """Give every linear whose many rows do not run on the matrix units as stored (integer
     blocks, float16 where the CPU has no float16 ones; the LM head too; not a lookup-only
     table, nor the experts, whose blocks win at every batch measured) its bfloat16 copy for
-    many rows. In batch-invariant mode there is none: one kernel runs every row count."""
+    many rows; with `int8`, each decoder layer's linear of integer blocks also its int8 copy
+    for a prompt's rows (not the LM head: logits keep their float32 sums). In batch-invariant
+    mode there is none: one kernel runs every row count."""
     lookups = {f"model.{name}" for name in _LOOKUP_TABLES}
     if getattr(model, "lm_head", None) is not None:  # untied: the embedding is looked up
         lookups.add("model.embed_tokens")
     for name, weight in packed.weights.items():
         if name not in lookups and weight.plan.many is not LinearKernel.NATIVE_16BIT:
             weight.hold_bf16_copy()
+            if int8 and not weight.is_half and name.startswith(_LAYER_PREFIX):
+                weight.hold_int8_copy()
 
 
 def packed_modules(model: nn.Module) -> PackedModules:

@@ -88,11 +88,13 @@ def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
 _WIDE_FLOAT_TYPES = ("F32", "F64")
 
 
-def bf16_copy_elements(ckpt: GGUFCheckpoint) -> int:
+def bf16_copy_elements(ckpt: GGUFCheckpoint, integer_blocks_only: bool = False) -> int:
     """Values in the file's 2-D matrices stored as integer blocks or F16 (not BF16 / F32):
-    what bfloat16 copies of its linears would hold at most (loader.cpu_auto_gguf)."""
+    what bfloat16 copies of its linears would hold at most (loader.cpu_auto_gguf); with
+    `integer_blocks_only`, those stored as integer blocks (what int8 copies would hold)."""
+    skipped = (*_WIDE_FLOAT_TYPES, "BF16") + (("F16",) if integer_blocks_only else ())
     return sum(math.prod(r.shape) for r in ckpt.tensors.values()
-               if len(r.shape) == 2 and r.type_name not in (*_WIDE_FLOAT_TYPES, "BF16"))
+               if len(r.shape) == 2 and r.type_name not in skipped)
 
 
 def has_compact_linears(ckpt: GGUFCheckpoint) -> bool:

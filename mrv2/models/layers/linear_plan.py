@@ -29,6 +29,7 @@ class LinearKernel(enum.Enum):
     GROUP_PANELS = "group_panels"  # quantized_panel_numba: blocks on output panels, int16 x
     BLOCK_TILES = "block_tiles"  # quantized_tiles: float32 tiles of the blocks + torch.mm
     BLOCK_TILES_BF16 = "block_tiles_bf16"  # quantized_tiles: the tiles in bfloat16, x too
+    INT8_PRODUCTS = "int8_products"  # int8_linear: int8 rows and weight rows, oneDNN
 
 
 # The kernels numba code (the fused decode stack) calls as the module path does.
@@ -71,6 +72,10 @@ MAX_HALF_PAIRS_ROWS = 128
 # as stored; more run on the copy on the matrix units. On Zen 4 SmolLM2's Q4_1 blocks won 2
 # rows by 1.4x and tied at 4; the copy won 8 by 1.2x (bench/README.md, issue 51).
 MAX_BLOCK_ROWS_BESIDE_COPY = 4
+# Rows of x from which a weight of integer blocks that also holds an int8 copy
+# (`with_int8_products`) runs on int8 products: a prompt chunk's rows. Decode steps up to
+# onednn_decode's 64 rows stay on the bfloat16 copy, where that path and the layer path agree.
+MIN_INT8_ROWS = 65
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class LinearPlan:
     def native_from(self) -> int:
         """The first row count this plan runs on the matrix units (NATIVE_16BIT); never
         where it has no such band."""
+        if self.mid is LinearKernel.NATIVE_16BIT:
+            return self.few_rows + 1
         if self.many is not LinearKernel.NATIVE_16BIT:
             return sys.maxsize
         return (self.mid_rows if self.mid is not None else self.few_rows) + 1
@@ -170,6 +177,18 @@ def with_bf16_copy(plan: LinearPlan) -> LinearPlan:
                          "copy would add nothing")
     return LinearPlan(plan.few, MAX_BLOCK_ROWS_BESIDE_COPY, LinearKernel.NATIVE_16BIT,
                       plan.x_format)
+
+
+def with_int8_products(plan: LinearPlan) -> LinearPlan:
+    """`plan` (`with_bf16_copy`'s, on integer blocks) for a weight that also holds an int8
+    copy (quantized.PackedWeight.hold_int8_copy): its bfloat16 band ends below MIN_INT8_ROWS,
+    the int8 products take every row count from there."""
+    if plan.many is not LinearKernel.NATIVE_16BIT or plan.few not in (
+            LinearKernel.BLOCK_GEMV, LinearKernel.GROUP_PANELS):
+        raise ValueError("int8 products serve a weight of integer blocks beside its bfloat16 "
+                         "copy")
+    return replace(plan, many=LinearKernel.INT8_PRODUCTS, mid=LinearKernel.NATIVE_16BIT,
+                   mid_rows=max(plan.few_rows, MIN_INT8_ROWS - 1))
 
 
 def panels_plan(plan: LinearPlan) -> LinearPlan:

@@ -11,7 +11,8 @@ Two CPU choices live here, beside the block they serve:
   `linear_plan.MIN_NATIVE_HALF_ROWS` rows), the step keeps gate/up's output and the
   activation in bfloat16 (`activation_numba.silu_and_mul_bf16`) instead of a float32 round
   trip that down would round again. The results are the plain path's bit for bit: the same
-  roundings in the same places.
+  roundings in the same places. Where both plans run the rows on int8 products (a prompt's
+  rows, `int8_weights`), the same, on the int8 copies (int8_linear.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from mrv2.models.layers import activation_numba, cpu_linear
 from mrv2.models.layers.activation import GATED_ACTIVATIONS
+from mrv2.models.layers.int8_linear import Int8Weight, int8_linear
 from mrv2.models.layers.linear import MergedLinear, RowParallelLinear, bfloat16_weight
 from mrv2.models.layers.linear_plan import LinearKernel
 from mrv2.models.layers.quantized import PackedWeight
@@ -54,6 +56,23 @@ def native_bfloat16_mlp(x: torch.Tensor, gate_up: PackedWeight,
     return cpu_linear.half_linear(act, down.onednn_packed()).float()
 
 
+def int8_weights(mlp: GatedMLP, rows: int) -> tuple[Int8Weight, Int8Weight] | None:
+    """(gate/up, down)'s int8 copies where both projections' plans run `rows` rows on int8
+    products (bias-free); else None."""
+    modules = (mlp.gate_up_proj, mlp.down_proj)
+    if any(m.bias is not None or not isinstance(getattr(m, "packed", None), PackedWeight)
+           or m.packed.plan.kernel_for(rows) is not LinearKernel.INT8_PRODUCTS
+           for m in modules):
+        return None
+    return modules[0].packed.int8_copy, modules[1].packed.int8_copy
+
+
+def int8_mlp(x: torch.Tensor, gate_up: Int8Weight, down: Int8Weight) -> torch.Tensor:
+    """The MLP of float32 rows `x` on int8 products, bfloat16 between the projections."""
+    act = activation_numba.silu_and_mul_bf16(int8_linear(x, gate_up))
+    return int8_linear(act, down, torch.float32)
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  hidden_act: str) -> None:
@@ -83,4 +102,7 @@ class GatedMLP(nn.Module):
             weights = native_bfloat16_weights(self, x.shape[0])
             if weights is not None:
                 return native_bfloat16_mlp(x, *weights)
+            int8 = int8_weights(self, x.shape[0])
+            if int8 is not None:
+                return int8_mlp(x, *int8)
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

@@ -29,6 +29,8 @@ row count. Which GGUF types take which layout: quant_formats.FORMATS, one row a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -37,13 +39,15 @@ from mrv2.models.layers import (cpu_linear, dense_gemv_numba, half_panel_linear,
                                 quantized_tiles)
 from mrv2.models.layers.cpu_linear import computes_natively
 from mrv2.models.layers.gguf_blocks import compact_tables, pack_u4
-from mrv2.models.layers.linear_plan import LinearKernel, panels_plan, plan_for, with_bf16_copy
+from mrv2.models.layers.int8_linear import Int8Weight, int8_linear
+from mrv2.models.layers.linear_plan import (LinearKernel, panels_plan, plan_for, with_bf16_copy,
+                                            with_int8_products)
 from mrv2.models.layers.quant_formats import quant_format
 
 # 16-bit float layout -> the torch dtype of its bit patterns; its GGUF type is the layout's
 # name upper-cased (F16, BF16).
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-# Output rows dequantized at a time into a bfloat16 copy (PackedWeight.hold_bf16_copy).
+# Output rows dequantized at a time into a bfloat16 or int8 copy (PackedWeight.hold_*_copy).
 COPY_ROWS = 4096
 
 
@@ -84,6 +88,8 @@ class PackedWeight:
         self.panel_storage = False  # the panels alone hold the weight
         # This weight's bfloat16 copy for many rows (`hold_bf16_copy`), or None.
         self.bf16_copy: PackedWeight | None = None
+        # Its int8 copy for a prompt's rows (`hold_int8_copy`), or None.
+        self.int8_copy: Int8Weight | None = None
         # Which kernel multiplies by it at each row count: chosen here, once.
         self.plan = plan_for(layout, layout in HALF_DTYPES
                              and computes_natively(HALF_DTYPES[layout]))
@@ -137,6 +143,8 @@ class PackedWeight:
         """Resident bytes: the blocks (or 16-bit values), the panels made of them and a
         bfloat16 copy's oneDNN form."""
         copy = 0 if self.bf16_copy is None else self.bf16_copy.onednn_packed().nbytes
+        if self.int8_copy is not None:
+            copy += self.int8_copy.nbytes
         return copy + sum(memory.numel() * memory.element_size()
                           for memory in self.storage_tensors())
 
@@ -261,6 +269,16 @@ class PackedWeight:
         self.panel_storage = True
         self.plan = panels_plan(self.plan)
 
+    def float32_row_chunks(self, chunk: int = COPY_ROWS) -> Iterator[torch.Tensor]:
+        """This weight's float32 rows, `chunk` at a time (one buffer, overwritten: each chunk
+        is valid until the next is asked for)."""
+        n, k = self.out_features, self.in_features
+        buffer = np.empty((min(n, chunk), k), np.float32)
+        for start in range(0, n, chunk):
+            ids = np.arange(start, min(n, start + chunk), dtype=np.int64)
+            self.dequantize_rows_into(ids, buffer)
+            yield torch.from_numpy(buffer[:len(ids)])
+
     def hold_bf16_copy(self) -> None:
         """Also hold this weight (integer blocks, or float16 the matrix units do not take)
         dequantized to bfloat16 (each value rounded to nearest even once), oneDNN-packed
@@ -271,15 +289,23 @@ class PackedWeight:
         plan = with_bf16_copy(self.plan)  # refuses a weight the matrix units take already
         n, k = self.out_features, self.in_features
         values = torch.empty(n, k, dtype=torch.bfloat16)
-        chunk = np.empty((min(n, COPY_ROWS), k), np.float32)
-        for start in range(0, n, COPY_ROWS):
-            ids = np.arange(start, min(n, start + COPY_ROWS), dtype=np.int64)
-            self.dequantize_rows_into(ids, chunk)
-            values[start:start + len(ids)] = torch.from_numpy(chunk[:len(ids)])
+        start = 0
+        for rows in self.float32_row_chunks():
+            values[start:start + rows.shape[0]] = rows
+            start += rows.shape[0]
         copy = PackedWeight.from_float(values, torch.bfloat16)
         copy.onednn_packed()
         copy.q = copy.q.new_empty(n, 0)  # the oneDNN form alone holds it
         self.bf16_copy, self.plan = copy, plan
+
+    def hold_int8_copy(self) -> None:
+        """Also hold this weight of integer blocks, beside its bfloat16 copy, rounded to int8
+        per output row (int8_linear.Int8Weight), for the prompt rows its plan gives int8
+        products (linear_plan.with_int8_products)."""
+        plan = with_int8_products(self.plan)  # refuses a weight without blocks and a copy
+        self.int8_copy = Int8Weight.from_row_chunks(self.float32_row_chunks(),
+                                                    self.out_features, self.in_features)
+        self.plan = plan
 
     @property
     def many_rows_half(self) -> PackedWeight:
@@ -336,6 +362,8 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight,
         half = weight.many_rows_half
         out = cpu_linear.native_16bit_linear(x.detach(), half.onednn_packed(), half.half_dtype,
                                              float32_sums)
+    elif kernel is LinearKernel.INT8_PRODUCTS:
+        out = int8_linear(x.detach(), weight.int8_copy, torch.float32)
     elif kernel in (LinearKernel.BLOCK_TILES, LinearKernel.BLOCK_TILES_BF16):
         out = quantized_tiles.tiled_linear(x.detach(), weight, torch.bfloat16 if kernel is
                                            LinearKernel.BLOCK_TILES_BF16 else torch.float32)

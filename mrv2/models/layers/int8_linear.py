@@ -1,0 +1,196 @@
+"""Linear layers of many rows (a prompt's) on int8 products: oneDNN's u8 x s8 matmul, on
+AVX-512 VNNI or AMX-INT8.
+
+Why: a prompt's linears are bound by arithmetic, and on these CPUs int8 products run at about
+twice bfloat16's rate (bench/README.md, "int8 prefill"). A weight of GGUF integer blocks holds,
+beside its blocks, an `Int8Weight`: its values (dequantized from the blocks) rounded to int8
+with one float32 scale per output row. A step's rows are rounded to int8 with one scale per
+row (`int8_rows`), multiplied and summed exactly in int32 by oneDNN, scaled back in float32.
+
+The formats:
+- w[n, k] ~ sw[n] * qw[n, k], qw in [-127, 127], sw[n] = max_k |w[n, k]| / 127;
+- x[m, k] ~ sx[m] * qx[m, k], qx in [-127, 127], sx[m] = max_k |x[m, k]| / 127; qx enters
+  oneDNN as the unsigned byte qx + 128 (VNNI multiplies an unsigned byte by a signed one; a
+  signed x took oneDNN's reference path, hundreds of times slower), and the 128 * sum_k qw[n, k]
+  that adds is removed by a per-output bias, -128 * sw[n] * sum_k qw[n, k], added in float32
+  before the output is rounded (`offset_bias`);
+- y[m, n] = sx[m] * (sw[n] * sum_k qx[m, k] qw[n, k]): oneDNN's float32 (the offset bias
+  added in float32, its cancellation's error at most a few float32 ulps of 128 sw sum |qw|),
+  then multiplied by sx[m] and rounded once to the output dtype (`scale_rows`).
+
+Error bound (tests/models/test_int8_linear.py holds it): with |x - sx qx| <= sx / 2 and
+|w - sw qw| <= sw / 2 per element,
+    |y - x.w| <= sum_k (|x_k| sw / 2 + |w_k| sx / 2 + sx sw / 4) + the float32 terms above
+                 + half an ulp of the output dtype,
+against the exact product of x and the weight's values. The int32 sums are exact: each is at
+most K * 255 * 127, far from 2^31 at any K a model has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from mrv2 import cpu_caps
+from mrv2.models.layers.cpu_linear import padded_rows
+from mrv2.models.layers.numba_rows import NUMBA_OPTIONS
+from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
+
+# The unsigned byte of qx = 0 (oneDNN's x is u8: qx + 128).
+X_OFFSET = 128
+
+
+@lru_cache(maxsize=None)
+def int8_products_run() -> bool:
+    """oneDNN multiplies int8 on this CPU's dot-product units (AVX-512 VNNI, or AMX-INT8
+    beside it) and torch exposes its quantized linear."""
+    ops = getattr(torch.ops, "onednn", None)
+    return (cpu_caps.caps().int8_vnni and torch.backends.mkldnn.is_available()
+            and ops is not None and hasattr(ops, "qlinear_pointwise"))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A [N, K] weight as oneDNN's packed int8 (`packed`), its per-output-row scales `scales`
+    (float32 [N]) and `offset_bias` (float32 [N], -128 * scale * the row's sum of int8
+    values: the x offset's contribution, removed)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    offset_bias: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_row_chunks(cls, chunks: Iterable[torch.Tensor], n: int, k: int) -> Int8Weight:
+        """The weight whose float32 rows `chunks` gives in order ([rows, k] each, `n` in all;
+        quantized.PackedWeight.float32_row_chunks), each row rounded to nearest at its own
+        scale: no float32 copy of the weight whole."""
+        q = torch.empty(n, k, dtype=torch.int8)
+        scales = torch.empty(n, dtype=torch.float32)
+        start = 0
+        for rows in chunks:
+            stop = start + rows.shape[0]
+            # a zero row gets scale 0 and q 0 (its outputs are 0)
+            scale = rows.abs().amax(dim=1) / 127
+            inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+            q[start:stop] = torch.round(rows * inverse[:, None]).clamp_(-127, 127)
+            scales[start:stop] = scale
+            start = stop
+        if start != n:
+            raise ValueError(f"row chunks gave {start} rows, not {n}")
+        offset_bias = (-X_OFFSET * scales.double() * q.sum(dim=1, dtype=torch.float64)).float()
+        packed = torch.ops.onednn.qlinear_prepack(q, None)
+        return cls(packed, scales, offset_bias, n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales,
+                                                          self.offset_bias))
+
+    @property
+    def zero_points(self) -> torch.Tensor:
+        """The weight's zero points (symmetric: all 0), as oneDNN takes them."""
+        return _zero_points(self.out_features)
+
+
+@lru_cache(maxsize=64)
+def _zero_points(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int64)
+
+
+@njit(inline="always", **NUMBA_OPTIONS)
+def _quantize_row(values, out, r):
+    """out[r] = values rounded to int8 at the row's scale, + X_OFFSET; returns the scale."""
+    largest = np.float32(0.0)
+    for v in values:
+        largest = max(largest, abs(v))
+    scale = largest / np.float32(127.0)
+    inverse = np.float32(127.0) / largest if largest > 0 else np.float32(0.0)
+    for i in range(values.shape[0]):
+        out[r, i] = np.uint8(np.int32(np.rint(values[i] * inverse)) + X_OFFSET)
+    return scale
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _quantize_float32(x, out, scales):
+    for r in prange(x.shape[0]):
+        scales[r] = _quantize_row(x[r], out, r)
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _quantize_bf16(x, out, scales):
+    k = x.shape[1]
+    for r in prange(x.shape[0]):
+        row = np.empty(k, np.float32)
+        for i in range(k):
+            row[i] = bf16_bits_to_float(x[r, i])
+        scales[r] = _quantize_row(row, out, r)
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 or bfloat16 -> (qx + X_OFFSET as uint8 [padded_rows(M), K], the rows
+    below M at the offset (qx = 0); sx float32 [M])."""
+    rows, k = x.shape
+    out = torch.empty(padded_rows(rows), k, dtype=torch.uint8)
+    out[rows:] = X_OFFSET
+    scales = torch.empty(rows, dtype=torch.float32)
+    x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        _quantize_bf16(half_bits(x), out.numpy(), scales.numpy())
+    elif x.dtype == torch.float32:
+        _quantize_float32(x.numpy(), out.numpy(), scales.numpy())
+    else:
+        raise ValueError(f"int8 rows from {x.dtype}: expected float32 or bfloat16")
+    return out, scales
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _scale_float32(y, scales):
+    for r in prange(scales.shape[0]):
+        s = scales[r]
+        for i in range(y.shape[1]):
+            y[r, i] *= s
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _scale_to_bf16(y, scales, out):
+    for r in prange(scales.shape[0]):
+        s = scales[r]
+        for i in range(y.shape[1]):
+            out[r, i] = float_to_bf16_bits(y[r, i] * s)
+
+
+def scale_rows(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y[m] * scales[m] for m < len(scales) (y float32, contiguous) as `dtype`: float32 in
+    place, or bfloat16 (each product rounded once, to nearest even) into a new tensor."""
+    rows = scales.shape[0]
+    if dtype == torch.float32:
+        _scale_float32(y.numpy(), scales.numpy())
+        return y[:rows] if y.shape[0] != rows else y
+    out = torch.empty(rows, y.shape[1], dtype=torch.bfloat16)
+    _scale_to_bf16(y.numpy(), scales.numpy(), half_bits(out))
+    return out
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ weight^T -> [M, N] of `out_dtype` (float32 or
+    bfloat16): x rounded to int8 per row, the products summed in int32 (the module's bound)."""
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x {tuple(x.shape)} does not fit an int8 weight "
+                         f"[{weight.out_features}, {weight.in_features}]")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int8 products give float32 or bfloat16, not {out_dtype}")
+    qx, sx = int8_rows(x)
+    # float32 out of oneDNN whatever `out_dtype`: asked for bfloat16 it rounds the offset bias
+    # to bfloat16 too (an error of half an ulp of 128 * sw * sum qw, however small the output)
+    y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, weight.packed, weight.scales,
+                                           weight.zero_points, weight.offset_bias, 1.0, 0,
+                                           torch.float32, "none", [], "")
+    return scale_rows(y, sx, out_dtype)
