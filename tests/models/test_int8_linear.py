@@ -1,6 +1,7 @@
-"""int8_linear: rows rounded to int8 per row (with their padding), a weight per output row from
-chunks, and the product within the module's derived bound of the exact one (and equal, up
-to the output roundings, to the product of the int8 values themselves)."""
+"""int8_linear: rows rounded to int8 per row (with their padding; the MLP activation in the same
+pass), a weight per output row from chunks, and the product within the module's derived bound
+of the exact one (and equal, up to the output roundings, to the product of the int8 values
+themselves)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,26 @@ def test_int8_products_need_vnni(monkeypatch):
     assert int8_linear.int8_products_run() == (cpu_caps.caps().int8_vnni and np.bool_(
         hasattr(torch.ops.onednn, "qlinear_pointwise")))
     int8_linear.int8_products_run.cache_clear()
+
+
+def test_the_mlp_activation_becomes_int8_rows_in_one_pass():
+    """silu_and_mul_int8_rows: gate/up's sums times their row scales, silu(gate) * up as
+    activation_numba computes it in float32, rounded as int8_rows rounds it."""
+    from mrv2.models.layers.activation_numba import silu_and_mul
+
+    g = torch.Generator().manual_seed(3)
+    rows, width = 21, 40
+    sums = torch.randn(padded_rows(rows), 2 * width, generator=g) * 40
+    scales = torch.rand(rows, generator=g) * 0.1
+    act, act_scales = int8_linear.silu_and_mul_int8_rows(sums, scales)
+    want, want_scales = int8_rows(silu_and_mul(sums[:rows] * scales[:, None]))
+    assert torch.equal(act, want) and torch.equal(act_scales, want_scales)
+
+
+@needs_onednn_int8
+def test_int8_sums_take_int8_rows_only():
+    weight = _weight(torch.randn(8, 32), 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        int8_linear.int8_sums(torch.zeros(3, 32, dtype=torch.int8), weight)
+    with pytest.raises(ValueError, match="do not fit"):
+        int8_linear.int8_sums(torch.zeros(3, 16, dtype=torch.uint8), weight)

@@ -38,7 +38,8 @@ from numba import njit, prange
 
 from mrv2 import cpu_caps
 from mrv2.models.layers.cpu_linear import padded_rows
-from mrv2.models.layers.numba_rows import NUMBA_OPTIONS
+from mrv2.models.layers.numba_exp import exp32
+from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS
 from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
 
 # The unsigned byte of qx = 0 (oneDNN's x is u8: qx + 128).
@@ -188,9 +189,44 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int8 products give float32 or bfloat16, not {out_dtype}")
     qx, sx = int8_rows(x)
-    # float32 out of oneDNN whatever `out_dtype`: asked for bfloat16 it rounds the offset bias
-    # to bfloat16 too (an error of half an ulp of 128 * sw * sum qw, however small the output)
-    y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, weight.packed, weight.scales,
-                                           weight.zero_points, weight.offset_bias, 1.0, 0,
-                                           torch.float32, "none", [], "")
-    return scale_rows(y, sx, out_dtype)
+    return scale_rows(int8_sums(qx, weight), sx, out_dtype)
+
+
+def int8_sums(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """sw[n] * sum_k qx[m, k] qw[n, k], float32 [padded rows, N], of rows `int8_rows` made
+    (not yet times their sx)."""
+    if qx.dtype != torch.uint8 or qx.dim() != 2 or qx.shape[1] != weight.in_features:
+        raise ValueError(f"int8 rows {tuple(qx.shape)} {qx.dtype} do not fit an int8 weight "
+                         f"[{weight.out_features}, {weight.in_features}]")
+    # float32 out of oneDNN whatever the caller's dtype: asked for bfloat16 it rounds the
+    # offset bias to bfloat16 too (half an ulp of 128 * sw * sum qw, however small the output)
+    return torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, weight.packed, weight.scales,
+                                              weight.zero_points, weight.offset_bias, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
+@njit(parallel=True, **NUMBA_OPTIONS)
+def _silu_and_mul_to_int8(sums, scales, width, out, out_scales):
+    rows = scales.shape[0]
+    for c in prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        act = np.empty(width, np.float32)
+        for r in range(c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS)):
+            s = scales[r]
+            for i in range(width):
+                g = sums[r, i] * s
+                act[i] = g / (np.float32(1.0) + exp32(-g)) * (sums[r, width + i] * s)
+            out_scales[r] = _quantize_row(act, out, r)
+
+
+def silu_and_mul_int8_rows(sums: torch.Tensor, scales: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated MLP's activation as the next projection's int8 rows: gate/up's `int8_sums`
+    [padded rows, 2I] times their rows' `scales` (float32), silu(gate) * up in float32
+    (activation_numba's arithmetic), each row rounded to int8 as `int8_rows` rounds it ->
+    (uint8 [padded rows, I], float32 [rows])."""
+    rows, width = scales.shape[0], sums.shape[1] // 2
+    out = torch.empty(padded_rows(rows), width, dtype=torch.uint8)
+    out[rows:] = X_OFFSET
+    out_scales = torch.empty(rows, dtype=torch.float32)
+    _silu_and_mul_to_int8(sums.numpy(), scales.numpy(), width, out.numpy(), out_scales.numpy())
+    return out, out_scales

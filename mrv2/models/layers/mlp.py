@@ -12,7 +12,8 @@ Two CPU choices live here, beside the block they serve:
   activation in bfloat16 (`activation_numba.silu_and_mul_bf16`) instead of a float32 round
   trip that down would round again. The results are the plain path's bit for bit: the same
   roundings in the same places. Where both plans run the rows on int8 products (a prompt's
-  rows, `int8_weights`), the same, on the int8 copies (int8_linear.py).
+  rows, `int8_weights`), the activation is computed in float32 from gate/up's int8 sums and
+  rounded straight to down's int8 rows (int8_linear.silu_and_mul_int8_rows).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mrv2.models.layers import activation_numba, cpu_linear
+from mrv2.models.layers import activation_numba, cpu_linear, int8_linear
 from mrv2.models.layers.activation import GATED_ACTIVATIONS
-from mrv2.models.layers.int8_linear import Int8Weight, int8_linear
+from mrv2.models.layers.int8_linear import Int8Weight
 from mrv2.models.layers.linear import MergedLinear, RowParallelLinear, bfloat16_weight
 from mrv2.models.layers.linear_plan import LinearKernel
 from mrv2.models.layers.quantized import PackedWeight
@@ -68,9 +69,11 @@ def int8_weights(mlp: GatedMLP, rows: int) -> tuple[Int8Weight, Int8Weight] | No
 
 
 def int8_mlp(x: torch.Tensor, gate_up: Int8Weight, down: Int8Weight) -> torch.Tensor:
-    """The MLP of float32 rows `x` on int8 products, bfloat16 between the projections."""
-    act = activation_numba.silu_and_mul_bf16(int8_linear(x, gate_up))
-    return int8_linear(act, down, torch.float32)
+    """The MLP of float32 rows `x` on int8 products: the activation computed in float32 from
+    gate/up's sums and rounded to int8 rows for down in the same pass."""
+    qx, sx = int8_linear.int8_rows(x)
+    act, act_scales = int8_linear.silu_and_mul_int8_rows(int8_linear.int8_sums(qx, gate_up), sx)
+    return int8_linear.scale_rows(int8_linear.int8_sums(act, down), act_scales, torch.float32)
 
 
 class GatedMLP(nn.Module):
