@@ -79,7 +79,8 @@ def main() -> int:
         a = statistics.median(r[cell] for r in runs["A"] if cell in r)
         b = statistics.median(r[cell] for r in runs["B"] if cell in r)
         table[cell] = {"A": a, "B": b, "ratio": b / a}
-        print(f"{cell:32s} A {a:8.1f}  B {b:8.1f}  B/A {b / a:.3f}")
+        digits = 3 if cell.endswith(" s") else 1
+        print(f"{cell:32s} A {a:8.{digits}f}  B {b:8.{digits}f}  B/A {b / a:.3f}")
     print(f"1-minute load before each sweep: {', '.join(f'{x:.2f}' for x in loads)}")
     Path(args.out).write_text(json.dumps({"sides": {k: {"src": str(v[0]), "env": v[1]}
                                                     for k, v in sides.items()},
