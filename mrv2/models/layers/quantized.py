@@ -140,8 +140,8 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: the blocks (or 16-bit values), the panels made of them and a
-        bfloat16 copy's oneDNN form."""
+        """Resident bytes: the blocks (or 16-bit values), the panels made of them, a bfloat16
+        copy's oneDNN form and an int8 copy's."""
         copy = 0 if self.bf16_copy is None else self.bf16_copy.onednn_packed().nbytes
         if self.int8_copy is not None:
             copy += self.int8_copy.nbytes
@@ -269,10 +269,10 @@ class PackedWeight:
         self.panel_storage = True
         self.plan = panels_plan(self.plan)
 
-    def float32_row_chunks(self, chunk: int = COPY_ROWS) -> Iterator[torch.Tensor]:
-        """This weight's float32 rows, `chunk` at a time (one buffer, overwritten: each chunk
+    def float32_row_chunks(self) -> Iterator[torch.Tensor]:
+        """This weight's float32 rows, COPY_ROWS at a time (one buffer, overwritten: each chunk
         is valid until the next is asked for)."""
-        n, k = self.out_features, self.in_features
+        n, k, chunk = self.out_features, self.in_features, COPY_ROWS
         buffer = np.empty((min(n, chunk), k), np.float32)
         for start in range(0, n, chunk):
             ids = np.arange(start, min(n, start + chunk), dtype=np.int64)

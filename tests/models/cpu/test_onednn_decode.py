@@ -173,14 +173,22 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     """A GGUF at the defaults on a bfloat16 machine (blocks beside bfloat16 copies,
     loader.cpu_auto_gguf): the fused stack runs up to the blocks' rows, this path from the
     next row on the copies, with the layer path's tokens and logprobs (it reads the copies
-    too); fewer rows stay off it."""
+    too); fewer rows stay off it. Where oneDNN has VNNI the prefill's rows (more than
+    MIN_INT8_ROWS here) run the MLPs on int8 products, integer blocks only."""
+    from mrv2.models.layers import int8_linear, mlp
     from mrv2.models.layers.linear_plan import MAX_BLOCK_ROWS_BESIDE_COPY
     from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
 
     monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
+    int8_calls = []
+    real_int8_mlp = mlp.int8_mlp
+    monkeypatch.setattr(mlp, "int8_mlp", lambda *args: int8_calls.append(1)
+                        or real_int8_mlp(*args))
     llm = LLM(str(tiny_gguf_factory("llama", tensor_type)), max_model_len=128,
               max_num_seqs=16, enable_prefix_caching=False)
-    assert llm.llm_engine.config.model_config.gguf_bf16_copies
+    config = llm.llm_engine.config.model_config
+    int8 = int8_linear.int8_products_run() and tensor_type != "F16"
+    assert config.gguf_bf16_copies and config.gguf_int8_prefill == int8
     fused = llm.llm_engine.engine_core.executor.worker._fast_paths.decode
     assert fused.max_rows == MAX_BLOCK_ROWS_BESIDE_COPY
     assert fused.onednn.min_rows == MAX_BLOCK_ROWS_BESIDE_COPY + 1
@@ -189,4 +197,5 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     _assert_runs_as_the_layer_path(llm, prompts, monkeypatch)
     _, calls = _generate(llm, prompts[:MAX_BLOCK_ROWS_BESIDE_COPY], True, monkeypatch)
     assert calls == 0
+    assert bool(int8_calls) == int8
     llm.shutdown()
