@@ -16,12 +16,12 @@ The formats:
   before the output is rounded (`offset_bias`);
 - y[m, n] = sx[m] * (sw[n] * sum_k qx[m, k] qw[n, k]): oneDNN's float32 (the offset bias
   added in float32, its cancellation's error at most a few float32 ulps of 128 sw sum |qw|),
-  then multiplied by sx[m] and rounded once to the output dtype (`scale_rows`).
+  then multiplied by sx[m] in float32 (`scale_rows`).
 
 Error bound (tests/models/test_int8_linear.py holds it): with |x - sx qx| <= sx / 2 and
 |w - sw qw| <= sw / 2 per element,
     |y - x.w| <= sum_k (|x_k| sw / 2 + |w_k| sx / 2 + sx sw / 4) + the float32 terms above
-                 + half an ulp of the output dtype,
+                 + a float32 ulp or two of y,
 against the exact product of x and the weight's values. The int32 sums are exact: each is at
 most K * 255 * 127, far from 2^31 at any K a model has.
 """
@@ -40,7 +40,6 @@ from mrv2 import cpu_caps
 from mrv2.models.layers.cpu_linear import padded_rows
 from mrv2.models.layers.numba_exp import exp32
 from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS
-from mrv2.models.layers.vector_ir import bf16_bits_to_float, float_to_bf16_bits, half_bits
 
 # The unsigned byte of qx = 0 (oneDNN's x is u8: qx + 128).
 X_OFFSET = 128
@@ -124,30 +123,18 @@ def _quantize_float32(x, out, scales):
         scales[r] = _quantize_row(x[r], out, r)
 
 
-@njit(parallel=True, **NUMBA_OPTIONS)
-def _quantize_bf16(x, out, scales):
-    k = x.shape[1]
-    for r in prange(x.shape[0]):
-        row = np.empty(k, np.float32)
-        for i in range(k):
-            row[i] = bf16_bits_to_float(x[r, i])
-        scales[r] = _quantize_row(row, out, r)
-
-
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 or bfloat16 -> (qx + X_OFFSET as uint8 [padded_rows(M), K], the rows
+    """x [M, K] float32 -> (qx + X_OFFSET as uint8 [padded_rows(M), K], the rows
     below M at the offset (qx = 0); sx float32 [M])."""
     rows, k = x.shape
     out = torch.empty(padded_rows(rows), k, dtype=torch.uint8)
     out[rows:] = X_OFFSET
     scales = torch.empty(rows, dtype=torch.float32)
     x = x.contiguous()
-    if x.dtype == torch.bfloat16:
-        _quantize_bf16(half_bits(x), out.numpy(), scales.numpy())
-    elif x.dtype == torch.float32:
+    if x.dtype == torch.float32:
         _quantize_float32(x.numpy(), out.numpy(), scales.numpy())
     else:
-        raise ValueError(f"int8 rows from {x.dtype}: expected float32 or bfloat16")
+        raise ValueError(f"int8 rows from {x.dtype}: expected float32")
     return out, scales
 
 
@@ -159,37 +146,22 @@ def _scale_float32(y, scales):
             y[r, i] *= s
 
 
-@njit(parallel=True, **NUMBA_OPTIONS)
-def _scale_to_bf16(y, scales, out):
-    for r in prange(scales.shape[0]):
-        s = scales[r]
-        for i in range(y.shape[1]):
-            out[r, i] = float_to_bf16_bits(y[r, i] * s)
-
-
-def scale_rows(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y[m] * scales[m] for m < len(scales) (y float32, contiguous) as `dtype`: float32 in
-    place, or bfloat16 (each product rounded once, to nearest even) into a new tensor."""
+def scale_rows(y: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y[m] *= scales[m] in place (y float32, contiguous, at least len(scales) rows) -> its
+    first len(scales) rows."""
+    _scale_float32(y.numpy(), scales.numpy())
     rows = scales.shape[0]
-    if dtype == torch.float32:
-        _scale_float32(y.numpy(), scales.numpy())
-        return y[:rows] if y.shape[0] != rows else y
-    out = torch.empty(rows, y.shape[1], dtype=torch.bfloat16)
-    _scale_to_bf16(y.numpy(), scales.numpy(), half_bits(out))
-    return out
+    return y[:rows] if y.shape[0] != rows else y
 
 
-def int8_linear(x: torch.Tensor, weight: Int8Weight,
-                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16) @ weight^T -> [M, N] of `out_dtype` (float32 or
-    bfloat16): x rounded to int8 per row, the products summed in int32 (the module's bound)."""
+def int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """x float32 [M, K] @ weight^T -> float32 [M, N]: x rounded to int8 per row, the products
+    summed in int32 (the module's bound)."""
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit an int8 weight "
                          f"[{weight.out_features}, {weight.in_features}]")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"int8 products give float32 or bfloat16, not {out_dtype}")
     qx, sx = int8_rows(x)
-    return scale_rows(int8_sums(qx, weight), sx, out_dtype)
+    return scale_rows(int8_sums(qx, weight), sx)
 
 
 def int8_sums(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
@@ -198,8 +170,8 @@ def int8_sums(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     if qx.dtype != torch.uint8 or qx.dim() != 2 or qx.shape[1] != weight.in_features:
         raise ValueError(f"int8 rows {tuple(qx.shape)} {qx.dtype} do not fit an int8 weight "
                          f"[{weight.out_features}, {weight.in_features}]")
-    # float32 out of oneDNN whatever the caller's dtype: asked for bfloat16 it rounds the
-    # offset bias to bfloat16 too (half an ulp of 128 * sw * sum qw, however small the output)
+    # float32 out of oneDNN: asked for bfloat16 it rounds the offset bias to bfloat16 too
+    # (half an ulp of 128 * sw * sum qw, however small the output)
     return torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, weight.packed, weight.scales,
                                               weight.zero_points, weight.offset_bias, 1.0, 0,
                                               torch.float32, "none", [], "")

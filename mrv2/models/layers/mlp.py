@@ -73,7 +73,7 @@ def int8_mlp(x: torch.Tensor, gate_up: Int8Weight, down: Int8Weight) -> torch.Te
     gate/up's sums and rounded to int8 rows for down in the same pass."""
     qx, sx = int8_linear.int8_rows(x)
     act, act_scales = int8_linear.silu_and_mul_int8_rows(int8_linear.int8_sums(qx, gate_up), sx)
-    return int8_linear.scale_rows(int8_linear.int8_sums(act, down), act_scales, torch.float32)
+    return int8_linear.scale_rows(int8_linear.int8_sums(act, down), act_scales)
 
 
 class GatedMLP(nn.Module):

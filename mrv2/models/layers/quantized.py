@@ -363,7 +363,7 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight,
         out = cpu_linear.native_16bit_linear(x.detach(), half.onednn_packed(), half.half_dtype,
                                              float32_sums)
     elif kernel is LinearKernel.INT8_PRODUCTS:
-        out = int8_linear(x.detach(), weight.int8_copy, torch.float32)
+        out = int8_linear(x.detach(), weight.int8_copy)
     elif kernel in (LinearKernel.BLOCK_TILES, LinearKernel.BLOCK_TILES_BF16):
         out = quantized_tiles.tiled_linear(x.detach(), weight, torch.bfloat16 if kernel is
                                            LinearKernel.BLOCK_TILES_BF16 else torch.float32)
