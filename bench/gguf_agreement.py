@@ -39,7 +39,7 @@ SYSTEM = ("You are a helpful assistant. Answer the user's question directly, in 
           "every answer factual and brief; say so when you do not know.")
 
 
-def _prompts_and_eos() -> tuple[list[list[int]], set[int]]:
+def _prompts_eos_and_system() -> tuple[list[list[int]], set[int], list[int]]:
     llm = LLM(str(builtin_model_path()), max_model_len=512, kv_cache_memory_gb=0.1)
     tokenizer = llm.get_tokenizer()
     eos = llm.llm_engine.engine_core.config.model_config.hf_config.eos_token_id
@@ -47,16 +47,10 @@ def _prompts_and_eos() -> tuple[list[list[int]], set[int]]:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, return_dict=False)
                for q in QUESTIONS]
-    return prompts, set(eos if isinstance(eos, list) else [eos])
-
-
-def _system_tokens() -> list[int]:
-    llm = LLM(str(builtin_model_path()), max_model_len=512, kv_cache_memory_gb=0.1)
-    tokens = llm.get_tokenizer().encode(SYSTEM, add_special_tokens=False)
-    llm.shutdown()
-    if len(tokens) < linear_plan.MIN_INT8_ROWS:
-        raise RuntimeError(f"the system turn is {len(tokens)} tokens: fewer than MIN_INT8_ROWS")
-    return tokens
+    system = tokenizer.encode(SYSTEM, add_special_tokens=False)
+    if len(system) < linear_plan.MIN_INT8_ROWS:
+        raise RuntimeError(f"the system turn is {len(system)} tokens: fewer than MIN_INT8_ROWS")
+    return prompts, set(eos if isinstance(eos, list) else [eos]), system
 
 
 def mrv2_greedy(prompts: list[list[int]], **kwargs) -> list[list[int]]:
@@ -106,8 +100,7 @@ def report(name: str, got: list[list[int]], want: list[list[int]]) -> None:
 
 
 def main() -> None:
-    prompts, eos = _prompts_and_eos()
-    pad = _system_tokens()
+    prompts, eos, pad = _prompts_eos_and_system()
     reference = mrv2_greedy(prompts, dtype="float32")
     formats = {"float32": quantized_numba.X_FLOAT32, "int16 (default)": quantized_numba.X_INT16,
                "int8": quantized_numba.X_INT8}

@@ -126,15 +126,13 @@ def _quantize_float32(x, out, scales):
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float32 -> (qx + X_OFFSET as uint8 [padded_rows(M), K], the rows
     below M at the offset (qx = 0); sx float32 [M])."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"int8 rows from {x.dtype}: expected float32")
     rows, k = x.shape
     out = torch.empty(padded_rows(rows), k, dtype=torch.uint8)
     out[rows:] = X_OFFSET
     scales = torch.empty(rows, dtype=torch.float32)
-    x = x.contiguous()
-    if x.dtype == torch.float32:
-        _quantize_float32(x.numpy(), out.numpy(), scales.numpy())
-    else:
-        raise ValueError(f"int8 rows from {x.dtype}: expected float32")
+    _quantize_float32(x.contiguous().numpy(), out.numpy(), scales.numpy())
     return out, scales
 
 

@@ -97,6 +97,8 @@ def test_runs_from_the_rows_the_linears_take_to_onednn_to_its_maximum(dtype):
     assert not path.runs(MAX_ONEDNN_DECODE_ROWS + 1)
     # the layer path's 16-bit linears run where the path's do for every row count it takes
     assert MAX_ONEDNN_DECODE_ROWS <= cpu_linear.FEW_ROWS_MAX
+    # and never on int8 products (a plan's int8 band starts past every row this path takes)
+    assert linear_plan.MIN_INT8_ROWS > MAX_ONEDNN_DECODE_ROWS
 
 
 @pytest.mark.parametrize("dtype, natively, expected", [
