@@ -27,9 +27,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2 import cpu_caps
-from mrv2.models.layers.vector_ir import FAST, F32, I8, I16, I32, hsum, splat, widen_half
+from mrv2.models.layers.vector_ir import (FAST, F32, I8, I16, I32, I64, hsum, splat, switch,
+                                          widen_half)
 
-I64 = ir.IntType(64)
 HEADS = 4  # query heads per register block (a GQA group is usually 1-8)
 
 
@@ -86,19 +86,6 @@ def _load_widened(builder, ptr, dtype, width):
         return builder.load(builder.bitcast(ptr, vf.as_pointer()), align=4)
     bits = builder.load(builder.bitcast(ptr, ir.VectorType(I16, width).as_pointer()), align=2)
     return widen_half(builder, bits, dtype == types.uint16)
-
-
-def _switch(builder, value, cases, emit):
-    """emit(case) in a block of its own for each of `cases` (ints), chosen by `value`."""
-    done = builder.append_basic_block("switch.done")
-    switch = builder.switch(value, done)
-    for case in cases:
-        block = builder.append_basic_block(f"case.{case}")
-        switch.add_case(value.type(case), block)
-        builder.position_at_end(block)
-        emit(case)
-        builder.branch(done)
-    builder.position_at_end(done)
 
 
 def _clamp(builder, left, most):
@@ -216,7 +203,7 @@ def make_block_loops(positions_per_pass=_positions_per_pass,
                     with cgutils.for_range_slice(builder, whole, count_, I64(1)) as (first, _):
                         positions(h0, n, first, 1)
 
-                _switch(builder, block_heads, range(1, HEADS + 1), emit)
+                switch(builder, block_heads, range(1, HEADS + 1), emit)
             return context.get_dummy_value()
 
         return types.void(qs, kb, kv, count, scores, t), codegen
@@ -275,10 +262,10 @@ def make_block_loops(positions_per_pass=_positions_per_pass,
                     per_block = vectors_per_block(n)
                     with cgutils.for_range_slice(builder, I64(0), vectors,
                                                  I64(per_block)) as (v0, _):
-                        _switch(builder, _clamp(builder, builder.sub(vectors, v0), per_block),
+                        switch(builder, _clamp(builder, builder.sub(vectors, v0), per_block),
                                 range(1, per_block + 1), lambda m: emit(h0, v0, n, m))
 
-                _switch(builder, _clamp(builder, builder.sub(heads, h0), HEADS),
+                switch(builder, _clamp(builder, builder.sub(heads, h0), HEADS),
                         range(1, HEADS + 1), heads_block)
             return context.get_dummy_value()
 

@@ -3,8 +3,10 @@
 Decode rows (one query token) are batched. With float32 queries they run the numba kernel
 (`decode_numba`), which reads the cache (float32 or 16-bit) in place; otherwise their blocks
 are gathered into one padded `[rows, max_seq_len]` key/value tensor and masked by seq_len.
-Prefill chunks run one `scaled_dot_product_attention` each (the step's whole prompts of one
-length one batched call: `_whole_prompts_at_once`), attending to the cached prefix
+A step's whole prompts (no cached prefix) with float32 queries run prompt_numba's kernel, all
+in one call (`_whole_prompts_numba`). Other prefill chunks run one
+`scaled_dot_product_attention` each (whole prompts of one length, with 16-bit queries, one
+batched call: `_whole_prompts_at_once`), attending to the cached prefix
 plus their own tokens causally: query i of a chunk of length q in a sequence of length L
 sits at position L - q + i and sees keys 0 .. L - q + i. A chunk with no cached prefix
 (q == L) attends to the step's own k/v when the caller passes them: the same values the
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mrv2 import batch_invariant
-from mrv2.attention import decode_numba, kv_numba
+from mrv2.attention import decode_numba, decode_vector_ir, kv_numba, prompt_numba
 from mrv2.attention.backend import AttentionMetadata
 
 
@@ -85,6 +87,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     own_kv = k is not None and v is not None and rows.size > 0
     if own_kv and k.dtype != kv_cache.dtype:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if own_kv and softcap <= 0.0 and sinks is None and _prompt_kernel_takes(q, scale):
+        rows = _whole_prompts_numba(q, k, v, out, qsl, meta.seq_lens_np, rows, scale, window)
     if own_kv and softcap <= 0.0 and sinks is None and rows.size > 1:
         rows = _whole_prompts_at_once(q, k, v, out, qsl, meta.seq_lens_np, rows, scale, window)
     for row in rows.tolist():
@@ -111,6 +115,38 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
+def _prompt_kernel_takes(q: torch.Tensor, scale: float) -> bool:
+    """prompt_numba's kernel runs the whole prompts: float32 CPU queries of a head size it
+    takes (the step's own k/v are widened to float32 for it)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and scale > 0.0
+            and decode_vector_ir.takes_head_dim(q.shape[-1]))
+
+
+def _whole_prompts(qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
+                   window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the lengths of `rows`' chunks, which of them are whole prompts: no cached prefix,
+    and within the window if any)."""
+    lens = (qsl[rows + 1] - qsl[rows]).astype(np.int64)
+    whole = lens == seq_lens[rows]
+    if window > 0:
+        whole &= lens <= window
+    return lens, whole
+
+
+def _whole_prompts_numba(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, scale: float,
+                         window: int) -> np.ndarray:
+    """The step's whole prompts among `rows` of up to prompt_numba.MAX_PROMPT_TOKENS tokens in
+    one prompt_numba call into `out`; returns the rows left. Each prompt's result is its own:
+    the kernel's work and sums depend on its length only."""
+    lens, whole = _whole_prompts(qsl, seq_lens, rows, window)
+    whole &= lens <= prompt_numba.MAX_PROMPT_TOKENS
+    if whole.any():
+        prompt_numba.prompt_attention(q, k.float(), v.float(), qsl[rows[whole]], lens[whole],
+                                      scale, out)
+    return rows[~whole]
+
+
 def _whole_prompts_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, scale: float,
                            window: int) -> np.ndarray:
@@ -119,10 +155,7 @@ def _whole_prompts_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     sit side by side, else gathered); returns the rows left for the per-row loop. Not padded
     to one length: a prompt's result is then bit for bit its own call's (each batch entry's
     blocks are those of its length), whatever else the step holds."""
-    lens = (qsl[rows + 1] - qsl[rows]).astype(np.int64)
-    whole = lens == seq_lens[rows]
-    if window > 0:
-        whole &= lens <= window
+    lens, whole = _whole_prompts(qsl, seq_lens, rows, window)
     lengths, counts = np.unique(lens[whole], return_counts=True)
     done = np.zeros(rows.size, np.bool_)
     for length in lengths[counts > 1].tolist():

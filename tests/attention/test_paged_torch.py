@@ -173,10 +173,53 @@ def test_write_kv_slot_past_the_cache_raises() -> None:
 def test_whole_prompts_of_one_length_run_as_one_call_bit_for_bit(query_lens, calls,
                                                                   cache_dtype,
                                                                   monkeypatch) -> None:
-    """A step's whole prompts of one length run as one SDPA call with the results of one call
-    each, bit for bit (no padding: a prompt's values never depend on what else the step
-    holds); a chunk with a cached prefix runs alone. A 16-bit cache: the step's own float32
-    k/v count as the cache holds them, rounded."""
+    """Where prompt_numba's kernel does not run them (16-bit queries), a step's whole prompts
+    of one length run as one SDPA call with the results of one call each, bit for bit (no
+    padding: a prompt's values never depend on what else the step holds); a chunk with a
+    cached prefix runs alone. A 16-bit cache: the step's own float32 k/v count as the cache
+    holds them, rounded."""
+    from mrv2.attention import paged_torch
+
+    monkeypatch.setattr(paged_torch, "_prompt_kernel_takes", lambda q, scale: False)
+    out, expected, batched, step = _whole_prompts_step(query_lens, cache_dtype, monkeypatch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert batched == calls
+    monkeypatch.setattr(paged_torch, "_whole_prompts_at_once", lambda *args: args[6])
+    assert torch.equal(paged_attention(*step), out)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("most, kernel, calls", [
+    (1024, [6, 9, 6, 9, 4], [1]),  # every whole prompt in one kernel call, the chunk on SDPA
+    (6, [6, 6, 4], [2, 1])])  # prompts past the kernel's longest: one SDPA call of both 9s
+def test_whole_float32_prompts_run_as_one_prompt_kernel_call(cache_dtype, most, kernel, calls,
+                                                             monkeypatch) -> None:
+    """Float32 queries: every whole prompt of the step up to prompt_numba.MAX_PROMPT_TOKENS
+    tokens in one call of prompt_numba's kernel; longer ones, and the chunk with a cached
+    prefix, on SDPA."""
+    from mrv2.attention import prompt_numba
+
+    monkeypatch.setattr(prompt_numba, "MAX_PROMPT_TOKENS", most)
+
+    kernel_calls = []
+    real = prompt_numba.prompt_attention
+
+    def spy(q, k, v, starts, lengths, *args):
+        kernel_calls.append(lengths.tolist())
+        return real(q, k, v, starts, lengths, *args)
+
+    monkeypatch.setattr(prompt_numba, "prompt_attention", spy)
+    out, expected, batched, _ = _whole_prompts_step([1, 6, 9, 6, 9, 4], cache_dtype,
+                                                    monkeypatch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kernel_calls == [kernel] and batched == calls
+
+
+def _whole_prompts_step(query_lens: list[int], cache_dtype: torch.dtype, monkeypatch
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int], tuple]:
+    """A step of a decode row, whole prompts of `query_lens[1:]` tokens and a chunk of 3 after
+    8 cached: (paged_attention's output, the reference, the batch sizes of its SDPA calls,
+    paged_attention's arguments)."""
     from mrv2.attention import paged_torch
 
     gen = torch.Generator().manual_seed(len(query_lens))
@@ -207,8 +250,5 @@ def test_whole_prompts_of_one_length_run_as_one_call_bit_for_bit(query_lens, cal
     expected = torch.cat([_dense_reference(q, k.to(cache_dtype).float(),
                                            v.to(cache_dtype).float(), scale)
                           for q, k, v in zip(qs, ks, vs)])
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert batched == calls
-    monkeypatch.setattr(paged_torch, "_whole_prompts_at_once", lambda *args: args[6])
-    alone = paged_attention(torch.cat(qs), kv_cache, meta, scale, k_new, v_new)
-    assert torch.equal(alone, out)
+    monkeypatch.setattr(paged_torch.F, "scaled_dot_product_attention", real)
+    return out, expected, batched, (torch.cat(qs), kv_cache, meta, scale, k_new, v_new)

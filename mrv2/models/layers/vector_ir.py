@@ -19,6 +19,7 @@ from numba.extending import intrinsic, overload
 from mrv2.utils.kernel_flags import IR_FLAGS
 
 F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+I64 = ir.IntType(64)
 V8F, V8B, V8I = ir.VectorType(F32, 8), ir.VectorType(I8, 8), ir.VectorType(I32, 8)
 V8H = ir.VectorType(I16, 8)
 V16B, V16S, V16I = ir.VectorType(I8, 16), ir.VectorType(I16, 16), ir.VectorType(I32, 16)
@@ -41,6 +42,19 @@ def splat(builder, value, width=8):
     vf, vi = ir.VectorType(F32, width), ir.VectorType(I32, width)
     v = builder.insert_element(ir.Constant(vf, ir.Undefined), value, I32(0))
     return builder.shuffle_vector(v, v, ir.Constant(vi, [0] * width))
+
+
+def switch(builder, value, cases, emit):
+    """emit(case) in a block of its own for each of `cases` (ints), chosen by `value`."""
+    done = builder.append_basic_block("switch.done")
+    choice = builder.switch(value, done)
+    for case in cases:
+        block = builder.append_basic_block(f"case.{case}")
+        choice.add_case(value.type(case), block)
+        builder.position_at_end(block)
+        emit(case)
+        builder.branch(done)
+    builder.position_at_end(done)
 
 
 def hsum(builder, v):
