@@ -28,9 +28,9 @@ import torch
 from numba import njit, prange
 
 from mrv2.attention.decode_vector_ir import vector_width
-from mrv2.attention.prompt_vector_ir import TILE_ROWS, row_max, tile_product, tile_vectors
+from mrv2.attention.prompt_vector_ir import TILE_ROWS, tile_product, tile_vectors
 from mrv2.models.layers.numba_exp import exp32
-from mrv2.models.layers.vector_ir import row_sum
+from mrv2.models.layers.vector_ir import row_max, row_sum
 from mrv2.utils.kernel_flags import FASTMATH
 
 # Query positions per work item (times the GQA group: the rows of its tiles).

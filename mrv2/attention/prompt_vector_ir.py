@@ -1,12 +1,12 @@
-"""Prompt attention's inner loops as LLVM vector IR (numba intrinsics): the register tile of
-its two matrix products (`tile_product`) and a row's maximum (`row_max`).
+"""Prompt attention's register tile as LLVM vector IR (a numba intrinsic): `tile_product`
+writes a block of rows of one of its two matrix products.
 
 Why IR: numba loops keep a product's running sums in memory (numba arrays may alias, so LLVM
-loads and stores them around every multiply-add), and may not reorder a maximum's comparisons
-into vectors. A prompt's scores (queries x keys) and its output (probabilities x value rows)
-are small matrix products: with the sums in registers each step of the inner loop is one row
-of B loaded as vectors, a tile's rows of A broadcast, and rows x vectors multiply-adds, a
-GEMM micro-kernel's rate (bench/README.md, "prompt attention").
+loads and stores them around every multiply-add). A prompt's scores (queries x keys) and its
+output (probabilities x value rows) are small matrix products: with the sums in registers
+each step of the inner loop is one row of B loaded as vectors, a tile's rows of A broadcast,
+and rows x vectors multiply-adds, a GEMM micro-kernel's rate (bench/README.md, "prompt
+attention").
 
 Rows of A and of C are picked through index arrays, so a tile reads query rows and writes
 output rows where they lie in the step's [tokens * heads, head_dim] tensors, and each output
@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.attention.decode_vector_ir import vector_width
-from mrv2.models.layers.vector_ir import F32, FAST, I8, I32, I64, splat, switch
+from mrv2.models.layers.vector_ir import F32, FAST, I8, I64, splat, switch
 
 TILE_ROWS = 4  # most rows of A (and C) per tile
 
@@ -119,46 +119,3 @@ def tile_product(typingctx, a, a_rows, b, c, c_rows, c_scales, m0, rows, n0, vec
         return context.get_dummy_value()
 
     return types.void(a, a_rows, b, c, c_rows, c_scales, m0, rows, n0, vectors, inner), codegen
-
-
-@intrinsic
-def row_max(typingctx, a, row, n):
-    """max over i < n (n >= 1) of a[row, i], a 2-D float32 array with contiguous rows: four
-    vectors of running maxima over whole vectors, then the rest one by one."""
-    if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32):
-        return None
-    width = vector_width()
-
-    def codegen(context, builder, sig, args):
-        ((data, stride),) = _arrays(context, builder, sig, args, (0,))
-        row_, n_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2))
-        base = builder.mul(row_, stride)
-        first = builder.load(_byte_ptr(builder, data, base, F32))
-        vf = ir.VectorType(F32, width)
-        maxima = [cgutils.alloca_once_value(builder, splat(builder, first, width))
-                  for _ in range(4)]
-        span = 4 * width
-        whole = builder.mul(builder.sdiv(n_, I64(span)), I64(span))
-
-        def bigger(x, y):
-            return builder.select(builder.fcmp_ordered(">", x, y), x, y)
-
-        with cgutils.for_range_slice(builder, I64(0), whole, I64(span)) as (at, _):
-            for s, slot in enumerate(maxima):
-                offset = builder.add(base, builder.mul(builder.add(at, I64(s * width)), I64(4)))
-                value = builder.load(_byte_ptr(builder, data, offset, vf), align=4)
-                builder.store(bigger(builder.load(slot), value), slot)
-        v = builder.load(maxima[0])
-        for slot in maxima[1:]:
-            v = bigger(v, builder.load(slot))
-        result = cgutils.alloca_once_value(builder, builder.extract_element(v, I32(0)))
-        for lane in range(1, width):
-            value = builder.extract_element(v, I32(lane))
-            builder.store(bigger(builder.load(result), value), result)
-        with cgutils.for_range_slice(builder, whole, n_, I64(1)) as (at, _):
-            value = builder.load(_byte_ptr(builder, data, builder.add(
-                base, builder.mul(at, I64(4))), F32))
-            builder.store(bigger(builder.load(result), value), result)
-        return builder.load(result)
-
-    return types.float32(a, row, n), codegen

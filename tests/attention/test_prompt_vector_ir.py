@@ -1,6 +1,6 @@
 """prompt_vector_ir's tile against numpy: every row count and vector count of a tile, rows
 picked through index arrays and scaled as they are stored, inner lengths of none to many, and
-nothing outside the tile written; row_max against numpy over lengths around its vector runs."""
+nothing outside the tile written."""
 
 from __future__ import annotations
 
@@ -9,17 +9,12 @@ import pytest
 from numba import njit
 
 from mrv2.attention.decode_vector_ir import vector_width
-from mrv2.attention.prompt_vector_ir import TILE_ROWS, row_max, tile_product, tile_vectors
+from mrv2.attention.prompt_vector_ir import TILE_ROWS, tile_product, tile_vectors
 
 
 @njit
 def _tile(a, a_rows, b, c, c_rows, c_scales, m0, rows, n0, vectors, inner):
     tile_product(a, a_rows, b, c, c_rows, c_scales, m0, rows, n0, vectors, inner)
-
-
-@njit
-def _max(a, row, n):
-    return row_max(a, row, n)
 
 
 @pytest.mark.parametrize("inner", [0, 1, 7, 64, 129])
@@ -62,15 +57,3 @@ def test_strided_rows_are_read_and_written_where_they_lie():
     np.testing.assert_allclose(c[order], a[order].astype(np.float64) @ b, rtol=1e-5,
                                atol=1e-4)
     assert not wide_c[:, :2].any()
-
-
-def test_row_max_over_lengths_around_its_vector_runs():
-    rng = np.random.default_rng(0)
-    a = (rng.standard_normal((3, 300)) * 10 - 50).astype(np.float32)  # all negative mostly
-    span = 4 * vector_width()
-    for n in (1, 2, vector_width() - 1, span - 1, span, span + 1, 2 * span + 3, 300):
-        for row in range(3):
-            assert _max(a, row, n) == a[row, :n].max()
-    a[1, 200] = 1e30
-    assert _max(a, 1, 300) == np.float32(1e30)
-    assert _max(a, 1, 200) == a[1, :200].max()

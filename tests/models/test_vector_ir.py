@@ -6,7 +6,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from mrv2.models.layers.vector_ir import table_value
+from mrv2.models.layers.vector_ir import row_max, row_max_abs, table_value
 
 
 @numba.njit
@@ -26,3 +26,26 @@ def test_table_value_widens_float16_bits_exactly():
     _read_all(as_float, out)
     np.testing.assert_array_equal(out, as_float)
 
+
+
+@numba.njit
+def _row_max(a, row, n):
+    return row_max(a, row, n)
+
+
+@numba.njit
+def _row_max_abs(a, row, n):
+    return row_max_abs(a, row, n)
+
+
+def test_row_max_and_max_abs_over_lengths_around_their_vector_runs():
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((3, 300)) * 10 - 20).astype(np.float32)  # negatives mostly
+    for n in (1, 2, 7, 8, 9, 31, 32, 33, 67, 300):
+        for row in range(3):
+            assert _row_max(a, row, n) == a[row, :n].max()
+            assert _row_max_abs(a, row, n) == np.abs(a[row, :n]).max()
+    a[1, 200] = -1e30  # the largest magnitude, negative: max_abs sees it, max does not
+    assert _row_max_abs(a, 1, 300) == np.float32(1e30)
+    assert _row_max(a, 1, 300) == a[1].max() < 1e29
+    assert _row_max_abs(np.zeros((1, 40), np.float32), 0, 40) == 0.0

@@ -40,6 +40,7 @@ from mrv2 import cpu_caps
 from mrv2.models.layers.cpu_linear import padded_rows
 from mrv2.models.layers.numba_exp import exp32
 from mrv2.models.layers.numba_rows import CHUNK_ROWS, NUMBA_OPTIONS
+from mrv2.models.layers.vector_ir import row_max_abs
 
 # The unsigned byte of qx = 0 (oneDNN's x is u8: qx + 128).
 X_OFFSET = 128
@@ -105,22 +106,21 @@ def _zero_points(n: int) -> torch.Tensor:
 
 
 @njit(inline="always", **NUMBA_OPTIONS)
-def _quantize_row(values, out, r):
-    """out[r] = values rounded to int8 at the row's scale, + X_OFFSET; returns the scale."""
-    largest = np.float32(0.0)
-    for v in values:
-        largest = max(largest, abs(v))
+def _quantize_row(x, row, out, r):
+    """out[r] = x[row] rounded to int8 at the row's scale, + X_OFFSET; returns the scale."""
+    width = x.shape[1]
+    largest = row_max_abs(x, row, width)
     scale = largest / np.float32(127.0)
     inverse = np.float32(127.0) / largest if largest > 0 else np.float32(0.0)
-    for i in range(values.shape[0]):
-        out[r, i] = np.uint8(np.int32(np.rint(values[i] * inverse)) + X_OFFSET)
+    for i in range(width):
+        out[r, i] = np.uint8(np.int32(np.rint(x[row, i] * inverse)) + X_OFFSET)
     return scale
 
 
 @njit(parallel=True, **NUMBA_OPTIONS)
 def _quantize_float32(x, out, scales):
     for r in prange(x.shape[0]):
-        scales[r] = _quantize_row(x[r], out, r)
+        scales[r] = _quantize_row(x, r, out, r)
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,13 +179,13 @@ def int8_sums(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 def _silu_and_mul_to_int8(sums, scales, width, out, out_scales):
     rows = scales.shape[0]
     for c in prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
-        act = np.empty(width, np.float32)
+        act = np.empty((1, width), np.float32)
         for r in range(c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS)):
             s = scales[r]
             for i in range(width):
                 g = sums[r, i] * s
-                act[i] = g / (np.float32(1.0) + exp32(-g)) * (sums[r, width + i] * s)
-            out_scales[r] = _quantize_row(act, out, r)
+                act[0, i] = g / (np.float32(1.0) + exp32(-g)) * (sums[r, width + i] * s)
+            out_scales[r] = _quantize_row(act, 0, out, r)
 
 
 def silu_and_mul_int8_rows(sums: torch.Tensor, scales: torch.Tensor

@@ -232,15 +232,12 @@ def sums_with_min_terms(context, builder, mins_type, mins, mins_row, xsum_rows, 
             for row_accs, tail in zip(accs, tails)]
 
 
-def _make_row_sum(squared: bool):
-    """An intrinsic (a, row, n) -> float32: sum_{i < n} a[row, i] (of a[row, i]^2 where
-    `squared`) for a float32 array with contiguous rows, in one fixed order: four <8 x float>
-    accumulators over 8-element units, the rest one by one, then the accumulators added and
-    halved (`sum_accumulators`), then the rest. numba's loops may not reorder a sum
-    (utils/kernel_flags.py), so a row's sum that must run on vectors is this."""
+def _row_intrinsic(body):
+    """An intrinsic (a, row, n) -> float32 over a[row, :n] of a float32 array with contiguous
+    rows: body(builder, pointer to a[row, 0], n as intp) emits it."""
 
     @intrinsic
-    def row_sum(typingctx, a, row, n):
+    def over_row(typingctx, a, row, n):
         if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2):
             return None
 
@@ -248,27 +245,85 @@ def _make_row_sum(squared: bool):
             at, rt, nt = signature.args
             r_, n_ = (context.cast(builder, v, t, types.intp)
                       for v, t in ((args[1], rt), (args[2], nt)))
-            ity = r_.type
             ptr, _ = row_ptr(context, builder, at, args[0], r_, F32)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8))
-                    for _ in range(4)]
-
-            def add(acc, value):
-                term = builder.fmul(value, value, flags=FAST) if squared else value
-                builder.store(builder.fadd(builder.load(acc), term, flags=FAST), acc)
-
-            units = builder.sdiv(n_, ity(8))
-            for_each_unit(builder, units, 4, lambda c, slot: add(
-                accs[slot], vload(builder, ptr, builder.mul(c, ity(8)), V8F, 4)))
-            rest = cgutils.alloca_once_value(builder, F32(0.0))
-            start = builder.mul(units, ity(8))
-            with cgutils.for_range(builder, builder.sub(n_, start)) as loop:
-                add(rest, builder.load(builder.gep(ptr, [builder.add(start, loop.index)])))
-            return builder.fadd(sum_accumulators(builder, accs), builder.load(rest), flags=FAST)
+            return body(builder, ptr, n_)
 
         return types.float32(a, row, n), codegen
 
-    return row_sum
+    return over_row
+
+
+def _make_row_sum(squared: bool):
+    """An intrinsic (a, row, n) -> float32: sum_{i < n} a[row, i] (of a[row, i]^2 where
+    `squared`) for a float32 array with contiguous rows, in one fixed order: four <8 x float>
+    accumulators over 8-element units, the rest one by one, then the accumulators added and
+    halved (`sum_accumulators`), then the rest. numba's loops may not reorder a sum
+    (utils/kernel_flags.py), so a row's sum that must run on vectors is this."""
+
+    def body(builder, ptr, n_):
+        ity = n_.type
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8))
+                for _ in range(4)]
+
+        def add(acc, value):
+            term = builder.fmul(value, value, flags=FAST) if squared else value
+            builder.store(builder.fadd(builder.load(acc), term, flags=FAST), acc)
+
+        units = builder.sdiv(n_, ity(8))
+        for_each_unit(builder, units, 4, lambda c, slot: add(
+            accs[slot], vload(builder, ptr, builder.mul(c, ity(8)), V8F, 4)))
+        rest = cgutils.alloca_once_value(builder, F32(0.0))
+        start = builder.mul(units, ity(8))
+        with cgutils.for_range(builder, builder.sub(n_, start)) as loop:
+            add(rest, builder.load(builder.gep(ptr, [builder.add(start, loop.index)])))
+        return builder.fadd(sum_accumulators(builder, accs), builder.load(rest), flags=FAST)
+
+    return _row_intrinsic(body)
 
 
 row_sum, row_sum_squares = _make_row_sum(False), _make_row_sum(True)
+
+
+def _make_row_max(absolute: bool):
+    """An intrinsic (a, row, n) -> float32: max over i < n (n >= 1) of a[row, i] (of
+    |a[row, i]| where `absolute`) for a float32 array with contiguous rows: four <8 x float>
+    running maxima over 32-element runs, then the rest one by one. A maximum is exact in any
+    order, but numba's loops may not reorder its comparisons into vectors."""
+
+    def value(builder, x):
+        """x, or |x|: its sign bit cleared."""
+        if not absolute:
+            return x
+        bits = I32 if x.type == F32 else ir.VectorType(I32, x.type.count)
+        mask = ir.Constant(bits, 0x7FFFFFFF if x.type == F32 else [0x7FFFFFFF] * x.type.count)
+        return builder.bitcast(builder.and_(builder.bitcast(x, bits), mask), x.type)
+
+    def body(builder, ptr, n_):
+        ity = n_.type
+
+        def bigger(x, y):
+            return builder.select(builder.fcmp_ordered(">", x, y), x, y)
+
+        first = value(builder, builder.load(ptr))
+        maxima = [cgutils.alloca_once_value(builder, splat(builder, first)) for _ in range(4)]
+        units = builder.sdiv(n_, ity(8))
+        for_each_unit(builder, units, 4, lambda c, slot: builder.store(bigger(
+            builder.load(maxima[slot]), value(builder, vload(
+                builder, ptr, builder.mul(c, ity(8)), V8F, 4))), maxima[slot]))
+        v = builder.load(maxima[0])
+        for slot in maxima[1:]:
+            v = bigger(v, builder.load(slot))
+        result = cgutils.alloca_once_value(builder, builder.extract_element(v, I32(0)))
+        for lane in range(1, 8):
+            builder.store(bigger(builder.load(result), builder.extract_element(v, I32(lane))),
+                          result)
+        start = builder.mul(units, ity(8))
+        with cgutils.for_range(builder, builder.sub(n_, start)) as loop:
+            x = value(builder, builder.load(builder.gep(ptr, [builder.add(start, loop.index)])))
+            builder.store(bigger(builder.load(result), x), result)
+        return builder.load(result)
+
+    return _row_intrinsic(body)
+
+
+row_max, row_max_abs = _make_row_max(False), _make_row_max(True)
