@@ -97,7 +97,9 @@ def prompt_attention_kernel(q, k, v, starts, lengths, item_prompt, item_block, b
             for row in range(rows):
                 seen = first + row % positions + 1
                 most = row_max(scores, row, seen)
-                for j in range(seen):
+                # Whole vectors of exps (a scalar tail cost more than the row's vectors; the
+                # scratch past `seen` is then zeroed, whatever it held).
+                for j in range(_up(seen, VECTOR_FLOATS)):
                     scores[row, j] = exp32((scores[row, j] - most) * scale)
                 for j in range(seen, stop):
                     scores[row, j] = 0.0
