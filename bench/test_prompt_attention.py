@@ -33,12 +33,16 @@ def test_prompt_attention_of_one_layer(benchmark, kernel, prompts, length):
     tokens = prompts * length
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
     k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    # The cache holds each prompt in blocks of 16 at consecutive ids (the step wrote them).
+    cache = torch.stack([k, v]).view(2, tokens // 16, 16, KV_HEADS, HEAD_DIM)
+    tables = torch.arange(tokens // 16, dtype=torch.int32).view(prompts, length // 16)
     starts = np.arange(prompts, dtype=np.int64) * length
     lengths = np.full(prompts, length, np.int64)
     out = torch.empty_like(q)
 
     def numba_step() -> None:
-        prompt_numba.prompt_attention(q, k, v, starts, lengths, HEAD_DIM ** -0.5, out)
+        prompt_numba.prompt_attention(q, cache, tables, starts, lengths,
+                                      np.zeros(prompts, np.int64), HEAD_DIM ** -0.5, out)
 
     def sdpa_step() -> None:
         _sdpa(q, k, v, prompts, length, out)

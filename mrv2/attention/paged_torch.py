@@ -3,8 +3,9 @@
 Decode rows (one query token) are batched. With float32 queries they run the numba kernel
 (`decode_numba`), which reads the cache (float32 or 16-bit) in place; otherwise their blocks
 are gathered into one padded `[rows, max_seq_len]` key/value tensor and masked by seq_len.
-A step's whole prompts (no cached prefix) with float32 queries run prompt_numba's kernel, all
-in one call (`_whole_prompts_numba`). Other prefill chunks run one
+A step's prefill chunks with float32 queries (whole prompts and chunks after a cached
+prefix, up to prompt_numba.MAX_CONTEXT_TOKENS positions) run prompt_numba's kernel over the
+cache, all in one call (`_chunks_numba`). Other prefill chunks run one
 `scaled_dot_product_attention` each (whole prompts of one length, with 16-bit queries, one
 batched call: `_whole_prompts_at_once`), attending to the cached prefix
 plus their own tokens causally: query i of a chunk of length q in a sequence of length L
@@ -82,13 +83,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_np
     rows = np.arange(meta.num_decodes, meta.num_reqs)  # the prefill chunks
+    if (rows.size and softcap <= 0.0 and sinks is None
+            and _prompt_kernel_takes(q, kv_cache, scale)):
+        rows = _chunks_numba(q, kv_cache, meta, rows, scale, window, out)
     # The step's own k/v, rounded to the cache's dtype as the write rounded them: what the
     # cache now holds (cast only where a chunk reads them: not in a decode-only step).
     own_kv = k is not None and v is not None and rows.size > 0
     if own_kv and k.dtype != kv_cache.dtype:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    if own_kv and softcap <= 0.0 and sinks is None and _prompt_kernel_takes(q, scale):
-        rows = _whole_prompts_numba(q, k, v, out, qsl, meta.seq_lens_np, rows, scale, window)
     if own_kv and softcap <= 0.0 and sinks is None and rows.size > 1:
         rows = _whole_prompts_at_once(q, k, v, out, qsl, meta.seq_lens_np, rows, scale, window)
     for row in rows.tolist():
@@ -115,11 +117,31 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
-def _prompt_kernel_takes(q: torch.Tensor, scale: float) -> bool:
-    """prompt_numba's kernel runs the whole prompts: float32 CPU queries of a head size it
-    takes (the step's own k/v are widened to float32 for it)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and scale > 0.0
+def _prompt_kernel_takes(q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> bool:
+    """prompt_numba's kernel runs the prefill chunks: float32 CPU queries of a head size it
+    takes over a cache the numba kernels read."""
+    return (decode_numba.supported(q, kv_cache) and scale > 0.0
             and decode_vector_ir.takes_head_dim(q.shape[-1]))
+
+
+def _chunks_numba(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  rows: np.ndarray, scale: float, window: int, out: torch.Tensor) -> np.ndarray:
+    """The prefill chunks among `rows` whose sequences hold up to
+    prompt_numba.MAX_CONTEXT_TOKENS positions (and fit the window, if any) in one
+    prompt_numba call into `out`; returns the rows left. Each chunk's result is its own: the
+    kernel's work and sums depend on its length and prefix only."""
+    qsl = meta.query_start_loc_np
+    seq_lens = meta.seq_lens_np[rows].astype(np.int64)
+    taken = seq_lens <= prompt_numba.MAX_CONTEXT_TOKENS
+    if window > 0:
+        taken &= seq_lens <= window
+    if taken.any():
+        chunks = rows[taken]
+        lengths = (qsl[chunks + 1] - qsl[chunks]).astype(np.int64)
+        prompt_numba.prompt_attention(q, kv_cache, meta.block_tables[torch.from_numpy(chunks)],
+                                      qsl[chunks], lengths, seq_lens[taken] - lengths, scale,
+                                      out)
+    return rows[~taken]
 
 
 def _whole_prompts(qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
@@ -131,20 +153,6 @@ def _whole_prompts(qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
     if window > 0:
         whole &= lens <= window
     return lens, whole
-
-
-def _whole_prompts_numba(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                         qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, scale: float,
-                         window: int) -> np.ndarray:
-    """The step's whole prompts among `rows` of up to prompt_numba.MAX_PROMPT_TOKENS tokens in
-    one prompt_numba call into `out`; returns the rows left. Each prompt's result is its own:
-    the kernel's work and sums depend on its length only."""
-    lens, whole = _whole_prompts(qsl, seq_lens, rows, window)
-    whole &= lens <= prompt_numba.MAX_PROMPT_TOKENS
-    if whole.any():
-        prompt_numba.prompt_attention(q, k.float(), v.float(), qsl[rows[whole]], lens[whole],
-                                      scale, out)
-    return rows[~whole]
 
 
 def _whole_prompts_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -180,7 +180,7 @@ def test_whole_prompts_of_one_length_run_as_one_call_bit_for_bit(query_lens, cal
     holds them, rounded."""
     from mrv2.attention import paged_torch
 
-    monkeypatch.setattr(paged_torch, "_prompt_kernel_takes", lambda q, scale: False)
+    monkeypatch.setattr(paged_torch, "_prompt_kernel_takes", lambda q, kv_cache, scale: False)
     out, expected, batched, step = _whole_prompts_step(query_lens, cache_dtype, monkeypatch)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert batched == calls
@@ -190,23 +190,22 @@ def test_whole_prompts_of_one_length_run_as_one_call_bit_for_bit(query_lens, cal
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("most, kernel, calls", [
-    (1024, [6, 9, 6, 9, 4], [1]),  # every whole prompt in one kernel call, the chunk on SDPA
-    (6, [6, 6, 4], [2, 1])])  # prompts past the kernel's longest: one SDPA call of both 9s
-def test_whole_float32_prompts_run_as_one_prompt_kernel_call(cache_dtype, most, kernel, calls,
-                                                             monkeypatch) -> None:
-    """Float32 queries: every whole prompt of the step up to prompt_numba.MAX_PROMPT_TOKENS
-    tokens in one call of prompt_numba's kernel; longer ones, and the chunk with a cached
-    prefix, on SDPA."""
+    (1024, [6, 9, 6, 9, 4, 3], []),  # every prefill chunk in one kernel call
+    (6, [6, 6, 4], [2, 1])])  # past the kernel's longest: the 9s as one SDPA call, the chunk
+def test_float32_prefill_chunks_run_as_one_prompt_kernel_call(cache_dtype, most, kernel, calls,
+                                                              monkeypatch) -> None:
+    """Float32 queries: every prefill chunk of the step (whole prompts, and the chunk after a
+    cached prefix) whose sequence holds up to prompt_numba.MAX_CONTEXT_TOKENS positions in one
+    call of prompt_numba's kernel; longer ones on SDPA."""
     from mrv2.attention import prompt_numba
 
-    monkeypatch.setattr(prompt_numba, "MAX_PROMPT_TOKENS", most)
-
+    monkeypatch.setattr(prompt_numba, "MAX_CONTEXT_TOKENS", most)
     kernel_calls = []
     real = prompt_numba.prompt_attention
 
-    def spy(q, k, v, starts, lengths, *args):
+    def spy(q, kv_cache, tables, starts, lengths, *args):
         kernel_calls.append(lengths.tolist())
-        return real(q, k, v, starts, lengths, *args)
+        return real(q, kv_cache, tables, starts, lengths, *args)
 
     monkeypatch.setattr(prompt_numba, "prompt_attention", spy)
     out, expected, batched, _ = _whole_prompts_step([1, 6, 9, 6, 9, 4], cache_dtype,
