@@ -27,8 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2 import cpu_caps
-from mrv2.models.layers.vector_ir import (FAST, F32, I8, I16, I32, I64, hsum, splat, switch,
-                                          widen_half)
+from mrv2.models.layers.vector_ir import (FAST, F32, I8, I16, I32, I64, byte_ptr, hsum, splat,
+                                          switch, widen_half)
 
 HEADS = 4  # query heads per register block (a GQA group is usually 1-8)
 
@@ -71,11 +71,6 @@ def _array(context, builder, array_type, value):
     arr = context.make_array(array_type)(context, builder, value)
     return (arr, cgutils.unpack_tuple(builder, arr.shape, array_type.ndim),
             cgutils.unpack_tuple(builder, arr.strides, array_type.ndim))
-
-
-def _at(builder, data, byte_offset, elem):
-    return builder.bitcast(builder.gep(builder.bitcast(data, I8.as_pointer()), [byte_offset]),
-                           elem.as_pointer())
 
 
 def _load_widened(builder, ptr, dtype, width):
@@ -166,7 +161,7 @@ def make_block_loops(positions_per_pass=_positions_per_pass,
                         builder.store(ir.Constant(vf, [0.0] * width), accs[h][p])
                 with cgutils.for_range(builder, vectors) as vec:
                     d = builder.mul(vec.index, I64(width))
-                    keys = [_load_widened(builder, _at(builder, k_arr.data, builder.add(
+                    keys = [_load_widened(builder, byte_ptr(builder, k_arr.data, builder.add(
                         row, builder.mul(d, elem_bytes)), I8), dtype, width) for row in rows]
                     for h in range(n):
                         q_ptr = builder.gep(q_arr.data, [builder.add(builder.mul(
@@ -180,12 +175,12 @@ def make_block_loops(positions_per_pass=_positions_per_pass,
                                      builder.mul(builder.add(t_, first), I64(4)))
                     if span == 1:
                         builder.store(hsum(builder, builder.load(accs[h][0])),
-                                      _at(builder, s_arr.data, at, F32))
+                                      byte_ptr(builder, s_arr.data, at, F32))
                     else:
                         sums = _sum_each(builder, [builder.load(a) for a in accs[h][:span]],
                                          width)
-                        builder.store(sums, _at(builder, s_arr.data, at, ir.VectorType(F32, span)),
-                                      align=4)
+                        builder.store(sums, byte_ptr(builder, s_arr.data, at,
+                                                     ir.VectorType(F32, span)), align=4)
 
             with cgutils.for_range_slice(builder, I64(0), heads, I64(HEADS)) as (h0, _):
                 block_heads = _clamp(builder, builder.sub(heads, h0), HEADS)
@@ -241,13 +236,13 @@ def make_block_loops(positions_per_pass=_positions_per_pass,
                         builder.store(builder.load(acc_ptr(h, j), align=4), slots[h][j])
                 with cgutils.for_range(builder, count_) as pos:
                     row = builder.add(builder.mul(pos.index, v_strides[0]), kv_bytes)
-                    values = [_load_widened(builder, _at(builder, v_arr.data, builder.add(
+                    values = [_load_widened(builder, byte_ptr(builder, v_arr.data, builder.add(
                         row, builder.mul(builder.mul(builder.add(v0, I64(j)), I64(width)),
                                          elem_bytes)), I8), sig.args[2].dtype, width)
                         for j in range(m)]
                     column = builder.mul(builder.add(t_, pos.index), I64(4))
                     for h in range(n):
-                        p = builder.load(_at(builder, p_arr.data, builder.add(builder.mul(
+                        p = builder.load(byte_ptr(builder, p_arr.data, builder.add(builder.mul(
                             builder.add(h0, I64(h)), p_strides[0]), column), F32))
                         p = splat(builder, p, width)
                         for j in range(m):

@@ -144,17 +144,6 @@ def _chunks_numba(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     return rows[~taken]
 
 
-def _whole_prompts(qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
-                   window: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the lengths of `rows`' chunks, which of them are whole prompts: no cached prefix,
-    and within the window if any)."""
-    lens = (qsl[rows + 1] - qsl[rows]).astype(np.int64)
-    whole = lens == seq_lens[rows]
-    if window > 0:
-        whole &= lens <= window
-    return lens, whole
-
-
 def _whole_prompts_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            qsl: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, scale: float,
                            window: int) -> np.ndarray:
@@ -163,7 +152,10 @@ def _whole_prompts_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     sit side by side, else gathered); returns the rows left for the per-row loop. Not padded
     to one length: a prompt's result is then bit for bit its own call's (each batch entry's
     blocks are those of its length), whatever else the step holds."""
-    lens, whole = _whole_prompts(qsl, seq_lens, rows, window)
+    lens = (qsl[rows + 1] - qsl[rows]).astype(np.int64)
+    whole = lens == seq_lens[rows]
+    if window > 0:
+        whole &= lens <= window
     lengths, counts = np.unique(lens[whole], return_counts=True)
     done = np.zeros(rows.size, np.bool_)
     for length in lengths[counts > 1].tolist():

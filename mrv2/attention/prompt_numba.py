@@ -132,7 +132,7 @@ def _tile_queries(m0, n, positions, first, stop):
 
 
 def work_items(lengths: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt, block) of every block of every prompt, ordered so that each half of the list
+    """(chunk, block) of every block of every chunk, ordered so that each half of the list
     (numba's parallel loop gives each thread a contiguous range) holds short and long blocks
     alike: the i-th and the i-th from last alternate."""
     blocks = -(-lengths.astype(np.int64) // block_rows)

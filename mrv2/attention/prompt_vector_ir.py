@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2.attention.decode_vector_ir import vector_width
-from mrv2.models.layers.vector_ir import F32, FAST, I8, I64, splat, switch
+from mrv2.models.layers.vector_ir import F32, FAST, I64, byte_ptr, splat, switch
 
 TILE_ROWS = 4  # most rows of A (and C) per tile
 
@@ -36,11 +36,6 @@ def tile_vectors() -> int:
     """Most vectors of C's row per tile: 4 of AVX-512's 32 registers (16 sums), 2 of AVX2's 16
     (8 sums): the sums, B's row and a broadcast fit the registers."""
     return 4 if vector_width() == 16 else 2
-
-
-def _byte_ptr(builder, data, offset, elem):
-    return builder.bitcast(builder.gep(builder.bitcast(data, I8.as_pointer()), [offset]),
-                           elem.as_pointer())
 
 
 def _arrays(context, builder, sig, args, indices):
@@ -94,11 +89,11 @@ def tile_product(typingctx, a, a_rows, b, c, c_rows, c_scales, m0, rows, n0, vec
             with cgutils.for_range(builder, inner_) as loop:
                 t = loop.index
                 b_at = builder.add(builder.mul(t, b_row), column_bytes)
-                b_vectors = [builder.load(_byte_ptr(builder, b_data, builder.add(
+                b_vectors = [builder.load(byte_ptr(builder, b_data, builder.add(
                     b_at, I64(4 * width * j)), vf), align=4) for j in range(m)]
                 t_bytes = builder.mul(t, I64(4))
                 for i in range(n):
-                    x = builder.load(_byte_ptr(builder, a_data, builder.add(a_at[i], t_bytes),
+                    x = builder.load(byte_ptr(builder, a_data, builder.add(a_at[i], t_bytes),
                                                F32))
                     x = splat(builder, x, width)
                     for j in range(m):
@@ -110,7 +105,7 @@ def tile_product(typingctx, a, a_rows, b, c, c_rows, c_scales, m0, rows, n0, vec
                 scale = splat(builder, builder.load(builder.gep(c_scales_data, [p])), width)
                 for j in range(m):
                     builder.store(builder.fmul(builder.load(sums[i][j]), scale, flags=FAST),
-                                  _byte_ptr(builder, c_data, builder.add(
+                                  byte_ptr(builder, c_data, builder.add(
                                       row_at, I64(4 * width * j)), vf), align=4)
 
         switch(builder, rows_, range(1, TILE_ROWS + 1),

@@ -77,6 +77,12 @@ def row_ptr(context, builder, array_type, array, row, elem):
     return builder.bitcast(base, elem.as_pointer()), arr
 
 
+def byte_ptr(builder, data, byte_offset, elem):
+    """Pointer (to `elem`) `byte_offset` bytes past `data`."""
+    return builder.bitcast(builder.gep(builder.bitcast(data, I8.as_pointer()), [byte_offset]),
+                           elem.as_pointer())
+
+
 def vload(builder, ptr, index, vty, align):
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=align)
 
