@@ -388,7 +388,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     k_np = numpy_view(kv_cache[0])
     v_np = numpy_view(kv_cache[1])
-    tables = block_tables[:rows].numpy()
+    tables = np.ascontiguousarray(block_tables[:rows].numpy())  # one specialization for all
     lens = np.ascontiguousarray(seq_lens[:rows], dtype=np.int32)
     kv_bytes = step_kv_bytes(lens, kv_cache.shape[3], kv_cache.shape[4], kv_cache.element_size(),
                              layers)

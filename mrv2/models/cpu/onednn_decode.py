@@ -48,7 +48,7 @@ from numba.extending import overload
 
 from mrv2 import batch_invariant
 from mrv2.attention import kv_numba
-from mrv2.attention.decode_numba import (NO_SINKS, decode_kernel, planned_threads,
+from mrv2.attention.decode_numba import (PLAIN_ATTENTION, decode_kernel, planned_threads,
                                         step_kv_bytes, work_split)
 from mrv2.attention.paged_torch import NUMBA_WRITE_MAX_TOKENS
 from mrv2.models.cpu.quantized_weights import float32_weight
@@ -126,9 +126,12 @@ def _norm_segment(x, residual, weight, eps, scratch, normed, residual_out, linea
 @njit(**NUMBA_OPTIONS)
 def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_cache,
                        v_cache, slots, block_tables, seq_lens, scale, kv_per_item, splits,
-                       scratch, q, k, attn, linear_in):
+                       plain, scratch, q, k, attn, linear_in):
     """The step's attention from qkv_proj's output: rotary on q and k, this step's K/V into
-    the cache, attention over it into `attn` [rows, heads, head_dim], stored as `linear_in`."""
+    the cache, attention over it into `attn` [rows, heads, head_dim], stored as `linear_in`.
+    `plain`: decode_numba.PLAIN_ATTENTION, passed in rather than written here, where numba
+    would type its 0 as a literal and the array as read-only: a second specialization of
+    decode_kernel beside the layer path's, compiled again (~25 s) for nothing."""
     rows = qkv_out.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = _linear_output_as_float(qkv_out, scratch)
@@ -136,15 +139,15 @@ def _attention_segment(qkv_out, cos, sin, num_heads, num_kv_heads, head_dim, k_c
     rotary_kernel(qkv[:, q_size:q_size + kv_size], cos, sin, head_dim, k)
     kv_numba.write_kv_kernel(k, qkv[:, q_size + kv_size:], k_cache, v_cache, slots)
     decode_kernel(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, block_tables,
-                  seq_lens, scale, attn, kv_per_item, splits, 0, np.float32(0.0), NO_SINKS)
+                  seq_lens, scale, attn, kv_per_item, splits, plain[0], plain[1], plain[2])
     _store_as_linear_input(attn.reshape(rows, q_size), linear_in)
 
 
 @njit(**NUMBA_OPTIONS)
 def _step_in_one_call(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs, final_norm,
                      final_eps, kv_caches, cos, sin, num_heads, num_kv_heads, head_dim, slots,
-                     tables, seq_lens, scale, kv_per_item, splits, threads, linear_views,
-                     scratches, out):
+                     tables, seq_lens, scale, kv_per_item, splits, plain, threads,
+                     linear_views, scratches, out):
     """The step of `OneDnnDecode.__call__`'s loop, every linear on the few-row kernel, as one
     call: hidden [rows, hidden] float32 -> the final norm's output in `out`. linear_views: the
     bfloat16 bits of (x, qkv, attn, o, gate_up, act, down), each linear's input or output;
@@ -162,8 +165,8 @@ def _step_in_one_call(hidden, ln1s, ln2s, eps, w_qkvs, w_os, w_gate_ups, w_downs
         cpu_linear.few_rows_kernel(x_in, w_qkvs[i], qkv, threads)
         kv = kv_caches[i]
         _attention_segment(qkv, cos, sin, num_heads, num_kv_heads, head_dim, kv[0], kv[1],
-                           slots, tables, seq_lens, scale, kv_per_item, splits, qkv_scratch,
-                           q, k, attn_out, attn_in)
+                           slots, tables, seq_lens, scale, kv_per_item, splits, plain,
+                           qkv_scratch, q, k, attn_out, attn_in)
         cpu_linear.few_rows_kernel(attn_in, w_os[i], o, threads)
         _norm_segment(o, residual, ln2s[i], eps, scratch, normed, residuals[turn], x_in)
         residual, turn = residuals[turn], 1 - turn
@@ -332,7 +335,8 @@ class OneDnnDecode:
                 hidden.contiguous().numpy(), ln1s, ln2s, self.eps, w_qkvs, w_os, w_gate_ups,
                 w_downs, self.model.norm.weight.numpy(), self.final_eps,
                 self.kv_lists(kv_caches), cos, sin, self.num_heads, self.num_kv_heads,
-                self.head_dim, slots, tables, seq_lens, self.scale, kv_per_item, splits, threads,
+                self.head_dim, slots, tables, seq_lens, self.scale, kv_per_item, splits,
+                PLAIN_ATTENTION, threads,
                 (buf.x_in, buf.outs[0][1], buf.attn_in, buf.outs[1][1], buf.outs[2][1],
                  buf.act_in, buf.outs[3][1]),
                 (buf.residuals, buf.scratch, buf.qkv_scratch, buf.normed, buf.q, buf.k,
@@ -353,8 +357,8 @@ class OneDnnDecode:
             qkv = _step_linear(buf.x, buf.x_in, packed[0], buf.outs[0], threads)
             _attention_segment(_kernel_view(qkv), cos, sin, self.num_heads, self.num_kv_heads,
                                self.head_dim, caches[i][0], caches[i][1], slots, tables,
-                               seq_lens, self.scale, kv_per_item, splits, buf.qkv_scratch,
-                               buf.q, buf.k, buf.attn_out, buf.attn_in)
+                               seq_lens, self.scale, kv_per_item, splits, PLAIN_ATTENTION,
+                               buf.qkv_scratch, buf.q, buf.k, buf.attn_out, buf.attn_in)
             o = _step_linear(buf.attn, buf.attn_in, packed[1], buf.outs[1], threads)
             _norm_segment(_kernel_view(o), residual,
                           layer.post_attention_layernorm.weight.numpy(), self.eps,
