@@ -35,7 +35,7 @@ from mrv2.models.cpu.decode_logits import LmHead, float32_cpu, lm_head
 from mrv2.models.decoder_spec import DecoderSpec
 from mrv2.models.layers.cpu_gemv import MAX_GEMV_ROWS
 from mrv2.models.layers.linear_plan import MAX_QUANTIZED_GEMV_ROWS
-from mrv2.models.cpu.decode_stack_numba import KV_SHARED
+from mrv2.models.cpu.decode_stack_numba import KV_SHARED, ONE_STEP
 from mrv2.models.cpu.stack_delta_net import (LINEAR_PROJECTIONS, attention_sources,
                                              mixer_projections, mixers_qualify, token_mixer)
 from mrv2.models.cpu.stack_moe import (layer_projection, moe_qualifies, moe_supported,
@@ -220,7 +220,7 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     args.decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
         *args.layer_args, *tables, request_slots(meta, rows), *args.shape_args, kv_per_item,
-        splits, out.numpy(), args.w_head, logits.numpy())
+        splits, out.numpy(), args.w_head, logits.numpy(), 0, *ONE_STEP)
     return out, logits if with_logits else None
 
 
@@ -241,7 +241,7 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     """(tokens [rows, num_steps]: `input_ids`, the step before's, then num_steps - 1 decode
     steps' argmax from `decode_model`'s inputs; nan_rows [rows]; the last step's final hidden
     states [rows, hidden]) in one call (`args` with an LM head for the rows; `meta`'s tables
-    hold every block written): decode_stack_run."""
+    hold every block written): decode_stack with `tokens` to fill."""
     rows = input_ids.shape[0]
     seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
     step_positions = positions.numpy().copy()
@@ -249,11 +249,13 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     tokens = torch.empty(rows, num_steps, dtype=torch.int64)
     nan_rows = torch.empty(rows, dtype=torch.bool)
     hidden = torch.empty(rows, args.hidden_size, dtype=torch.float32)
-    args.decode_stack_run(
+    tables = group_tables(meta, rows)[0]
+    args.decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, step_positions, *args.layer_args,
-        group_tables(meta, rows)[0], seq_lens, request_slots(meta, rows), block_size,
+        tables, seq_lens, np.empty((len(tables), rows), np.int64), request_slots(meta, rows),
         *args.shape_args, kv_per_item, splits, hidden.numpy(), args.w_head,
-        np.empty((rows, args.vocab_rows), np.float32), tokens.numpy(), nan_rows.numpy())
+        np.empty((rows, args.vocab_rows), np.float32), block_size, tokens.numpy(),
+        nan_rows.numpy())
     return tokens, nan_rows, hidden
 
 

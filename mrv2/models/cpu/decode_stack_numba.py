@@ -250,124 +250,121 @@ def _mix_per_layer(hidden, pl_rows, per_layer, layer, eps):
             hidden[r, j] += normed[r, j]
 
 
+# decode_stack's (tokens, nan_rows) for a single step: no columns to fill.
+ONE_STEP = (np.empty((0, 0), np.int64), np.empty(0, np.bool_))
+
+
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs, w_os,
                  w_gate_ups, w_downs, biases, qk_norms, post_norms, traits, rope_layers,
                  local_cos_cache, local_sin_cache, windows, sinks, kv_groups, final_norm,
-                 final_eps,
-                 kv_caches, kv_modes, layer_scalars, per_layer, moe, recurrent, block_tables,
-                 seq_lens, slots, req_slots, num_heads, num_kv_heads, head_dim, intermediate,
-                 scale, kv_per_item, splits, out, w_head, logits):
-    """A decode step of every layer: the rows' token ids embedded, rotary tables gathered at
-    their positions, each layer (writing this step's K/V into `kv_caches`), the final norm into
-    `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions
-    outside their tables raise IndexError before anything is written. Layer i reads the block
-    tables and slots of its KV cache group `kv_groups[i]`: `block_tables` is a tuple of the
-    groups' [rows, blocks] tables, `slots` [groups, rows]. Per layer: its KV mode
-    (`kv_modes`), kv heads, head size, MLP width and attention work split (arrays); Gemma 4's
-    output scale (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
+                 final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe, recurrent,
+                 block_tables, seq_lens, slots, req_slots, num_heads, num_kv_heads, head_dim,
+                 intermediate, scale, kv_per_item, splits, out, w_head, logits, block_size,
+                 tokens, nan_rows):
+    """A decode step of every layer or, when `tokens` [rows, steps] has columns, a run of
+    steps of the same rows.
+
+    A step: the rows' token ids embedded, rotary tables gathered at their positions, each
+    layer (writing this step's K/V into `kv_caches` at `slots` [groups, rows]), the final norm
+    into `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or
+    positions outside their tables raise IndexError before anything is written. Layer i
+    reads the block tables and slots of its KV cache group `kv_groups[i]`: `block_tables` is
+    a tuple of the groups' [rows, blocks] tables. Per layer: its KV mode (`kv_modes`), kv
+    heads, head size, MLP width and attention work split (arrays); Gemma 4's output scale
+    (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
     `_per_layer_inputs`; a [0] projection norm for none); routed experts (`moe`,
     stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too);
     gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none); linear-attention
     layers (`recurrent`, stack_delta_net.recurrent_args: a flag per layer, then their views;
     None for a model without them; rows find their state at `req_slots`, their requests'
-    slots)."""
-    rows, hidden_size = out.shape
-    hidden = np.empty((rows, hidden_size), dtype=np.float32)
-    stack_embed(ids, w_embed, hidden)
-    if traits[0] != 1.0:  # Gemma: scaled embeddings
-        for r in range(rows):
-            for j in range(hidden_size):
-                hidden[r, j] *= traits[0]
-    # The rows of the global and the local (Gemma 3's windowed layers') rotary tables; a model
-    # without a local table passes [0, rotary_dim] ones, and the global rows stand in.
-    global_cos, global_sin = rotary_rows(positions, cos_cache), rotary_rows(positions, sin_cache)
-    if local_cos_cache.shape[0] > 0:
-        cos = (global_cos, rotary_rows(positions, local_cos_cache))
-        sin = (global_sin, rotary_rows(positions, local_sin_cache))
-    else:
-        cos, sin = (global_cos, global_cos), (global_sin, global_sin)
-    # Ministral 3: 1 + beta * log(1 + floor(position / original)) per row, in float32 as
-    # transformers computes it; none (an empty array) for the other models.
-    beta, original = traits[4], np.float32(traits[5])
-    q_scales = np.empty(rows if beta != 0.0 else 0, dtype=np.float32)
-    for r in range(q_scales.shape[0]):
-        steps = np.floor(np.float32(positions[r]) / original)
-        q_scales[r] = np.float32(1.0) + beta * np.log(np.float32(1.0) + steps)
-    pl_rows = _per_layer_inputs(ids, hidden, per_layer, eps, len(w_qkvs))
-    x = hidden
-    residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
-    for i in range(len(w_qkvs)):
-        layer_out = np.empty((rows, hidden_size), dtype=np.float32)
-        residual_out = np.empty((rows, hidden_size), dtype=np.float32)
-        kv, group = kv_caches[i], kv_groups[i]
-        layer_biases = (biases[0][i], biases[1][i], biases[2][i], biases[3][i])
-        _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
-                      w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
-                      (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
-                      windows[i], sinks[i], cos, sin, q_scales, kv[0], kv[1], kv_modes[i], moe,
-                      recurrent, i, block_tables[group], seq_lens, slots[group], req_slots,
-                      num_heads, num_kv_heads[i], head_dim[i], intermediate[i], scale,
-                      kv_per_item[i], splits[i], layer_out, residual_out)
-        x, residual = layer_out, residual_out
-        if layer_scalars[i].shape[0] > 0:  # Gemma 4: the stream itself, mixed and scaled
-            _add_streams(layer_out, residual_out, layer_out)
-            if pl_rows.shape[0] > 0:
-                _mix_per_layer(layer_out, pl_rows, per_layer, i, eps)
-            for r in range(rows):
-                for j in range(hidden_size):
-                    layer_out[r, j] *= layer_scalars[i][0]
-            residual = np.empty((0, 0), dtype=np.float32)
-    summed = np.empty((rows, hidden_size), dtype=np.float32)
-    add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
-    if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
-        stack_linear(out, w_head, logits)
-        if traits[2] > 0.0:  # Gemma 2: final logits soft-capped
-            cap = traits[2]
-            for r in range(rows):
-                for j in range(logits.shape[1]):
-                    logits[r, j] = np.tanh(logits[r, j] / cap) * cap
+    slots).
 
+    A run: tokens[:, 0] = `ids` (the tokens the step before sampled), then for s = 1 ..
+    steps - 1 a step with the LM head and the argmax of its logits (greedy_numba's: NaN read
+    as -inf, ties to the lowest id) into tokens[:, s], each row's next input; nan_rows[r] =
+    whether row r's logits held a NaN at any step. Its first step takes `ids` at `positions`
+    with `seq_lens` (a step's prepared inputs), each later one a position further; each
+    step's `slots` are written here from the tables (holding every block the run writes: the
+    scheduler allocates them up front, `block_size` long); `positions` and `seq_lens` are
+    advanced in place, `out` and `logits` hold the last step's.
 
-@njit(cache=True)
-def decode_stack_run(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps, w_qkvs,
-                     w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms, traits,
-                     rope_layers, local_cos_cache, local_sin_cache, windows, sinks, kv_groups,
-                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
-                     recurrent, block_tables, seq_lens, req_slots, block_size, num_heads,
-                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
-                     w_head, logits, tokens, nan_rows):
-    """A run of decode steps of the same rows: tokens[:, 0] = `ids` (the tokens the step
-    before sampled, this call's first inputs), then for s = 1 .. tokens.shape[1] - 1 a
-    `decode_stack` with the LM head and the argmax of its logits (greedy_numba's: NaN read as
-    -inf, ties to the lowest id) into tokens[:, s], each row's next input; nan_rows[r] = whether
-    row r's logits held a NaN at any step. The first step takes `ids` at `positions` with
-    `seq_lens` (a step's prepared inputs), each later one is a position further, its K/V slot
-    looked up in `block_tables` (the rows' tables, holding every block the run writes: the
-    scheduler allocates them up front). `positions` and `seq_lens` are advanced in place;
-    `out` and `logits` hold the last step's."""
+    One function for both, not a run calling a step's function: numba would generate the
+    whole stack's machine code again for the caller (~12 s a model, for every compile)."""
     rows = ids.shape[0]
-    step_ids = ids.copy()
-    slots = np.empty((len(block_tables), rows), np.int64)
+    steps = tokens.shape[1]
+    step_ids = ids.copy() if steps > 0 else ids
     sampled = np.empty(rows, np.int64)
     nans = np.empty(rows, np.bool_)
     bits = logits.view(np.int32)
-    for r in range(rows):
-        tokens[r, 0], nan_rows[r] = ids[r], False
-    for s in range(1, tokens.shape[1]):
-        for g in range(len(block_tables)):
-            table = block_tables[g]
+    if steps > 0:
+        for r in range(rows):
+            tokens[r, 0], nan_rows[r] = ids[r], False
+    for s in range(1, max(steps, 2)):  # one pass for a step
+        if steps > 0:
+            for g in range(len(block_tables)):
+                table = block_tables[g]
+                for r in range(rows):
+                    pos = positions[r]
+                    slots[g, r] = table[r, pos // block_size] * block_size + pos % block_size
+        hidden_size = out.shape[1]
+        hidden = np.empty((rows, hidden_size), dtype=np.float32)
+        stack_embed(step_ids, w_embed, hidden)
+        if traits[0] != 1.0:  # Gemma: scaled embeddings
             for r in range(rows):
-                pos = positions[r]
-                slots[g, r] = table[r, pos // block_size] * block_size + pos % block_size
-        decode_stack(step_ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
-                     w_qkvs, w_os, w_gate_ups, w_downs, biases, qk_norms, post_norms,
-                     traits, rope_layers, local_cos_cache, local_sin_cache, windows, sinks,
-                     kv_groups,
-                     final_norm, final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe,
-                     recurrent, block_tables, seq_lens, slots, req_slots, num_heads,
-                     num_kv_heads, head_dim, intermediate, scale, kv_per_item, splits, out,
-                     w_head, logits)
+                for j in range(hidden_size):
+                    hidden[r, j] *= traits[0]
+        # The rows of the global and the local (Gemma 3's windowed layers') rotary tables; a model
+        # without a local table passes [0, rotary_dim] ones, and the global rows stand in.
+        global_cos = rotary_rows(positions, cos_cache)
+        global_sin = rotary_rows(positions, sin_cache)
+        if local_cos_cache.shape[0] > 0:
+            cos = (global_cos, rotary_rows(positions, local_cos_cache))
+            sin = (global_sin, rotary_rows(positions, local_sin_cache))
+        else:
+            cos, sin = (global_cos, global_cos), (global_sin, global_sin)
+        # Ministral 3: 1 + beta * log(1 + floor(position / original)) per row, in float32 as
+        # transformers computes it; none (an empty array) for the other models.
+        beta, original = traits[4], np.float32(traits[5])
+        q_scales = np.empty(rows if beta != 0.0 else 0, dtype=np.float32)
+        for r in range(q_scales.shape[0]):
+            steps = np.floor(np.float32(positions[r]) / original)
+            q_scales[r] = np.float32(1.0) + beta * np.log(np.float32(1.0) + steps)
+        pl_rows = _per_layer_inputs(step_ids, hidden, per_layer, eps, len(w_qkvs))
+        x = hidden
+        residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
+        for i in range(len(w_qkvs)):
+            layer_out = np.empty((rows, hidden_size), dtype=np.float32)
+            residual_out = np.empty((rows, hidden_size), dtype=np.float32)
+            kv, group = kv_caches[i], kv_groups[i]
+            layer_biases = (biases[0][i], biases[1][i], biases[2][i], biases[3][i])
+            _decode_layer(x, residual, ln1s[i], ln2s[i], eps, w_qkvs[i], w_os[i], w_gate_ups[i],
+                          w_downs[i], layer_biases, (qk_norms[0][i], qk_norms[1][i]),
+                          (post_norms[0][i], post_norms[1][i]), traits, rope_layers[i],
+                          windows[i], sinks[i], cos, sin, q_scales, kv[0], kv[1], kv_modes[i], moe,
+                          recurrent, i, block_tables[group], seq_lens, slots[group], req_slots,
+                          num_heads, num_kv_heads[i], head_dim[i], intermediate[i], scale,
+                          kv_per_item[i], splits[i], layer_out, residual_out)
+            x, residual = layer_out, residual_out
+            if layer_scalars[i].shape[0] > 0:  # Gemma 4: the stream itself, mixed and scaled
+                _add_streams(layer_out, residual_out, layer_out)
+                if pl_rows.shape[0] > 0:
+                    _mix_per_layer(layer_out, pl_rows, per_layer, i, eps)
+                for r in range(rows):
+                    for j in range(hidden_size):
+                        layer_out[r, j] *= layer_scalars[i][0]
+                residual = np.empty((0, 0), dtype=np.float32)
+        summed = np.empty((rows, hidden_size), dtype=np.float32)
+        add_rms_norm_kernel(x, residual, final_norm, final_eps, out, summed)
+        if logits.shape[0] == rows:  # the LM head's rows: every decode row is sampled
+            stack_linear(out, w_head, logits)
+            if traits[2] > 0.0:  # Gemma 2: final logits soft-capped
+                cap = traits[2]
+                for r in range(rows):
+                    for j in range(logits.shape[1]):
+                        logits[r, j] = np.tanh(logits[r, j] / cap) * cap
+        if steps == 0:
+            return
         if rows <= MAX_SERIAL_ROWS:
             greedy_argmax_serial(bits, sampled, nans)
         else:

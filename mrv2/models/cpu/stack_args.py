@@ -11,7 +11,7 @@ from numba import typed
 
 from mrv2.attention import kv_numba
 from mrv2.models.cpu.decode_logits import LmHead, float32_cpu
-from mrv2.models.cpu.decode_stack_numba import decode_stack, decode_stack_run
+from mrv2.models.cpu.decode_stack_numba import decode_stack
 from mrv2.models.cpu.stack_delta_net import attention_sources, mixer_parameters, recurrent_args
 from mrv2.models.cpu.stack_moe import dense_mlp, layer_projection, moe_args, moe_parameters
 from mrv2.models.cpu.stack_views_numba import (NO_MATRIX, projection_view, projection_views,
@@ -238,9 +238,8 @@ class StackArgs:
         self.vocab_rows = 0 if head is None else (
             head.weight.shape[0] if isinstance(head.weight, torch.Tensor)
             else head.weight.out_features)
-        # The kernels, typing the views above once rather than at every call.
+        # The kernel, typing the views above once rather than at every call.
         self.decode_stack = TypedCall(decode_stack)
-        self.decode_stack_run = TypedCall(decode_stack_run)
 
     def current_key(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)
