@@ -328,8 +328,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         beta, original = traits[4], np.float32(traits[5])
         q_scales = np.empty(rows if beta != 0.0 else 0, dtype=np.float32)
         for r in range(q_scales.shape[0]):
-            steps = np.floor(np.float32(positions[r]) / original)
-            q_scales[r] = np.float32(1.0) + beta * np.log(np.float32(1.0) + steps)
+            periods = np.floor(np.float32(positions[r]) / original)
+            q_scales[r] = np.float32(1.0) + beta * np.log(np.float32(1.0) + periods)
         pl_rows = _per_layer_inputs(step_ids, hidden, per_layer, eps, len(w_qkvs))
         x = hidden
         residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream

@@ -343,9 +343,18 @@ def _assert_runs_give_step_by_step_tokens(path, monkeypatch) -> None:
     assert tokens[8] == tokens[1] and (3, 8) in runs and None not in runs
 
 
-@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
-def test_runs_of_decode_steps_give_the_step_by_step_tokens(tiny_gguf_factory, tensor_type,
-                                                          monkeypatch):
+# Ministral 3 scales its queries by 1 + beta * log(1 + floor(position / 32)): the runs cross
+# position 32, so their steps see both a scale of 1 and a larger one.
+MINISTRAL3_SCALED = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
+                                      "original_max_position_embeddings": 32}}
+
+
+@pytest.mark.parametrize("arch, tensor_type, kwargs", [
+    ("llama", "Q4_0", {}), ("ministral3", "Q8_0", MINISTRAL3_SCALED)])
+def test_runs_of_decode_steps_give_the_step_by_step_tokens(tiny_gguf_factory, arch,
+                                                          tensor_type, kwargs, monkeypatch):
     """num_scheduler_steps: a run's further steps go through FusedDecode.run_steps (the stack
     and its argmax in one call, on the blocks' panels) and give one step's tokens at a time."""
-    _assert_runs_give_step_by_step_tokens(tiny_gguf_factory("llama", tensor_type), monkeypatch)
+    _assert_runs_give_step_by_step_tokens(tiny_gguf_factory(arch, tensor_type, **kwargs),
+                                          monkeypatch)
