@@ -291,11 +291,11 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
 
     One function for both, not a run calling a step's function: numba would generate the
     whole stack's machine code again for the caller (~12 s a model, for every compile)."""
-    rows = ids.shape[0]
+    rows, hidden_size = out.shape
     steps = tokens.shape[1]
     step_ids = ids.copy() if steps > 0 else ids
-    sampled = np.empty(rows, np.int64)
-    nans = np.empty(rows, np.bool_)
+    sampled = np.empty(rows if steps > 0 else 0, np.int64)  # a run's argmax
+    nans = np.empty(rows if steps > 0 else 0, np.bool_)
     bits = logits.view(np.int32)
     if steps > 0:
         for r in range(rows):
@@ -307,7 +307,6 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                 for r in range(rows):
                     pos = positions[r]
                     slots[g, r] = table[r, pos // block_size] * block_size + pos % block_size
-        hidden_size = out.shape[1]
         hidden = np.empty((rows, hidden_size), dtype=np.float32)
         stack_embed(step_ids, w_embed, hidden)
         if traits[0] != 1.0:  # Gemma: scaled embeddings
