@@ -210,9 +210,8 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
-                                           async_scheduling=(speculative_config is None
-                                                             if self.async_scheduling is None
-                                                             else self.async_scheduling),
+                                           async_scheduling=self._async_scheduling(
+                                               device, parallel_config, speculative_config),
                                            num_scheduler_steps=self._num_scheduler_steps())
         # No graph holds stages' hand-overs or (yet) a hybrid model's recurrent layers.
         compilation_config = self._compilation_config().resolve(
@@ -223,6 +222,17 @@ class EngineArgs:
                             compilation_config=compilation_config, device=device,
                             structured_outputs_config=self._structured_outputs_config(),
                             speculative_config=speculative_config)
+
+    def _async_scheduling(self, device: str, parallel_config: ParallelConfig,
+                          speculative_config: SpeculativeConfig | None) -> bool:
+        """As given; by default (None) on, except with speculative decoding (a step's drafts
+        come from the one before) and for one process on the CPU: there a step's calls return
+        with its work done, so nothing would overlap, and placeholders would only run a request
+        a step, or a whole run of steps, past its stop."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return speculative_config is None and not (device == "cpu"
+                                                   and parallel_config.world_size == 1)
 
     def _num_scheduler_steps(self) -> int | None:
         """As given; under pipeline stages None (auto: runs of several) is one step."""

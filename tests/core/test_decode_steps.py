@@ -117,6 +117,45 @@ def test_runs_of_decode_steps_give_the_one_step_tokens(tiny_llama, async_schedul
     assert max(steps) == 4 and all(1 <= s <= 4 for s in steps)
 
 
+@pytest.mark.parametrize("async_scheduling", [None, True])
+def test_a_stop_inside_a_run_is_seen_before_the_next_run_on_the_cpu(tiny_llama,
+                                                                   async_scheduling):
+    """One CPU process schedules synchronously by default (EngineArgs._async_scheduling): the
+    scheduler has a run's tokens before it schedules again, so a request that stops inside a run
+    is not run again. With async scheduling a run of placeholders was already scheduled when
+    the stop came back (its tokens are dropped)."""
+    import math
+
+    prompt = [{"prompt_token_ids": [5, 17, 300, 42, 1000, 7]}]
+    one = _generate(tiny_llama, prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                       ignore_eos=True),
+                    num_scheduler_steps=1)[0][0]
+    first = one.index(one[20])
+    llm = LLM(str(tiny_llama), max_model_len=96, max_num_seqs=4, num_scheduler_steps=8,
+              async_scheduling=async_scheduling)
+    scheduler: Scheduler = llm.llm_engine.engine_core.scheduler
+    decode_steps_run: list[int] = []
+    schedule = scheduler.schedule
+
+    def spy():
+        out = schedule()
+        if out.num_reqs and out.num_scheduled.max() == 1:  # a decode step (or a run)
+            decode_steps_run.append(out.num_decode_steps)
+        return out
+
+    scheduler.schedule = spy
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                              stop_token_ids=[one[20]]), use_tqdm=False)
+    llm.shutdown()
+    assert list(out[0].outputs[0].token_ids) == one[:first + 1]
+    # The prefill samples the first token; every later one is a decode step of a run of 8.
+    needed = math.ceil(first / 8) * 8
+    if async_scheduling:
+        assert sum(decode_steps_run) > needed
+    else:
+        assert sum(decode_steps_run) == needed
+
+
 def test_defaults_run_steps_for_generate_and_single_steps_for_a_stream(tiny_llama):
     """LLM.generate (FINAL_ONLY) runs the auto steps with the one-step tokens; a DELTA request
     on the same defaults gets one token per step output."""

@@ -49,6 +49,18 @@ def test_defaults(tiny_llama):
     assert config.model_config.logprobs_mode == "raw_logprobs"  # vLLM default
 
 
+@pytest.mark.parametrize("given, parallel, expected", [
+    (None, {}, False),  # one CPU process: nothing to overlap
+    (None, {"tensor_parallel_size": 2}, True),  # worker processes run while the core schedules
+    (None, {"pipeline_parallel_size": 2}, True),  # a micro-batch per stage in flight
+    (True, {}, True), (False, {"tensor_parallel_size": 2}, False)])  # as given
+def test_async_scheduling_default_on_the_cpu(tiny_llama, given, parallel, expected):
+    config = EngineArgs(model=str(tiny_llama), device="cpu", async_scheduling=given,
+                        **parallel).create_engine_config()
+    assert config.scheduler_config.async_scheduling is expected
+    assert config.max_steps_in_flight == (2 if expected else 1)
+
+
 def test_values_passed_through(tiny_llama):
     config = EngineArgs(model=str(tiny_llama), max_model_len=100, max_num_seqs=8,
                         max_num_batched_tokens=64, block_size=32, seed=7, kv_cache_memory_gb=0.5,
