@@ -40,6 +40,10 @@ class NewRequestData(msgspec.Struct, array_like=True, frozen=True):
     # The request's primary EOS, which min_tokens masks with the model's EOS ids (the runner
     # knows those, but not a tokenizer-only EOS).
     eos_token_id: int | None = None
+    # The request's other EOS ids (EngineCoreRequest's): with the primary one and its
+    # stop_token_ids, exactly the ids the scheduler's stop check ends it on (a run of decode
+    # steps ends early on them: mrv2/sampler/run_stops.py).
+    eos_stop_token_ids: tuple[int, ...] = ()
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, frozen=True):

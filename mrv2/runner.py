@@ -76,9 +76,8 @@ class ModelRunner:
         self.block_tables = BlockTables(sched.max_num_seqs, config.max_num_blocks_per_req,
                                         config.cache_config.block_size, device,
                                         layout.num_groups, layout.group_block_scales)
-        eos = eos_token_ids(model_config.hf_config, model_config.model)
-        self.sampling = SamplingStates(self.requests, model_config.vocab_size,
-                                       model_config.seed, eos_token_ids=eos)
+        self.sampling = SamplingStates(self.requests, model_config.vocab_size, model_config.seed,
+                                       eos_token_ids(model_config.hf_config, model_config.model))
         self.buffers = InputBuffers(sched.max_num_batched_tokens, max_step_rows(config),
                                     config.max_num_blocks_per_req, device, layout.num_groups)
         self.sampler = Sampler(self.sampling, logprobs_mode=model_config.logprobs_mode)
@@ -154,7 +153,8 @@ class ModelRunner:
             for group, block_ids in enumerate(new.block_ids):
                 tables.append_block_ids(slot, block_ids, overwrite=True, group=group)
             self.sampling.add(slot, new.req_id, new.sampling_params, new.prompt_token_ids,
-                              new.prefill_token_ids, eos_token_id=new.eos_token_id)
+                              new.prefill_token_ids, eos_token_id=new.eos_token_id,
+                              eos_stop_token_ids=new.eos_stop_token_ids)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs.add(new.req_id, new.prompt_token_ids,
                                          len(new.prefill_token_ids),
@@ -366,8 +366,7 @@ class ModelRunner:
         flags = self.sampling.batch_flags(batch.idx_mapping_np)
         if not flags.all_greedy or flags.any_processing or flags.max_num_logprobs >= 0:
             raise ValueError(f"{num_steps} decode steps for rows that do not decode by argmax")
-        def next_inputs() -> tuple[InputBatch, BatchDescriptor | None]:
-            # from the state the last step's post_update left
+        def next_inputs() -> tuple[InputBatch, BatchDescriptor | None]:  # post_update's state
             return self._inputs(batch.req_ids, batch.idx_mapping_np, batch.num_scheduled_np,
                                 batch.num_tokens)
 
@@ -375,7 +374,8 @@ class ModelRunner:
         run = (None if descriptor is not None or self.fused_decode is None
                else self.fused_decode.run_steps(step.input_ids[:step.num_tokens],
                                     step.positions[:step.num_tokens], self.kv_caches,
-                                    step.attn_metadata, num_steps, self.block_tables.block_size))
+                                    step.attn_metadata, num_steps, self.block_tables.block_size,
+                                    self.sampling.run_stops.rows(step.idx_mapping_np)))
         if run is not None:  # the whole run in one call: the state catches up
             # (sampling.post_update counts tokens for penalties: argmax rows have none)
             self.requests.post_update_steps(step.idx_mapping, run[0][:, 1:])

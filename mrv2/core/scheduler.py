@@ -257,7 +257,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=list(manager.get_block_ids(request.request_id)),
                 num_computed_tokens=request.num_computed_tokens,
-                eos_token_id=request.eos_token_id))
+                eos_token_id=request.eos_token_id, eos_stop_token_ids=request.eos_stop_token_ids))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             scheduled.append(request)

@@ -53,7 +53,8 @@ class EngineArgs:
     # None: on, except with MEAN pooling (it computes every prompt token) or recurrent layers.
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
-    # None: on, except with speculative decoding (a request's next step waits for its drafts).
+    # None: on, except with speculative decoding (a request's next step waits for its drafts) and
+    # in one CPU process (a step's calls return with its work done: nothing would overlap).
     async_scheduling: bool | None = None
     # vLLM's --num-scheduler-steps: decode steps one scheduled step may run (SchedulerConfig;
     # None: the engine's choice, several while no request streams).
@@ -97,8 +98,7 @@ class EngineArgs:
     # vLLM's: StructuredOutputsConfig fields (or one), and --reasoning-parser (its parser).
     structured_outputs_config: dict | StructuredOutputsConfig | None = None
     reasoning_parser: str | None = None
-    # vLLM's: the most (prompt) logprobs a request may ask for. mrv2's sampler returns at most
-    # MAX_LOGPROBS, so only values up to it are accepted (a lower cap); LLMEngine enforces it.
+    # vLLM's: the most (prompt) logprobs a request may ask for; at most MAX_LOGPROBS (mrv2's).
     max_logprobs: int = MAX_LOGPROBS
     # vLLM's: "pooling" (or convert="embed") serves embeddings of the decoder's final hidden
     # states (LLM.embed, /v1/embeddings); "auto" is "generate" for the causal LMs mrv2 runs.
@@ -130,8 +130,7 @@ class EngineArgs:
     # or a folder holding one; and a dict of its fields over it.
     generation_config: str = "auto"
     override_generation_config: dict | None = None
-    # vLLM's: no periodic stats log (mrv2's engine logs none; the server's follows it). LLM
-    # passes True, as vLLM's LLM does.
+    # vLLM's: no periodic stats log (the server's follows it); LLM passes True, as vLLM's.
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
@@ -207,11 +206,13 @@ class EngineArgs:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,
                              0 if self.enable_chunked_prefill else max_model_len)
         speculative_config = self._speculative_config(runner, device, model_config)
+        auto_async = speculative_config is None and (device != "cpu"
+                                                     or parallel_config.world_size > 1)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=max_tokens,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
-                                           async_scheduling=self._async_scheduling(
-                                               device, parallel_config, speculative_config),
+                                           async_scheduling=(auto_async if self.async_scheduling
+                                                             is None else self.async_scheduling),
                                            num_scheduler_steps=self._num_scheduler_steps())
         # No graph holds stages' hand-overs or (yet) a hybrid model's recurrent layers.
         compilation_config = self._compilation_config().resolve(
@@ -222,17 +223,6 @@ class EngineArgs:
                             compilation_config=compilation_config, device=device,
                             structured_outputs_config=self._structured_outputs_config(),
                             speculative_config=speculative_config)
-
-    def _async_scheduling(self, device: str, parallel_config: ParallelConfig,
-                          speculative_config: SpeculativeConfig | None) -> bool:
-        """As given; by default (None) on, except with speculative decoding (a step's drafts
-        come from the one before) and for one process on the CPU: there a step's calls return
-        with its work done, so nothing would overlap, and placeholders would only run a request
-        a step, or a whole run of steps, past its stop."""
-        if self.async_scheduling is not None:
-            return self.async_scheduling
-        return speculative_config is None and not (device == "cpu"
-                                                   and parallel_config.world_size == 1)
 
     def _num_scheduler_steps(self) -> int | None:
         """As given; under pipeline stages None (auto: runs of several) is one step."""

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mrv2.sampler.bias import LogitBiasState
 from mrv2.sampler.penalties import PenaltyState
+from mrv2.sampler.run_stops import RunStops
 from mrv2.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from mrv2.state.requests import RequestState
 from mrv2.state.staged import StagedWriteTensor
@@ -141,6 +142,7 @@ class SamplingStates:
         self.device = device
         # The model's EOS ids (mrv2/models/generation_config.py): min_tokens masks every one.
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.run_stops = RunStops(max_num_seqs)  # where a run of decode steps may end
         # Each scalar table is a contiguous [max_num_seqs] device tensor (``self.<name>.tensor``)
         # with a host mirror (``self.<name>_host``). The tables are slices of one flat table
         # of 4-byte words, so a step's joining requests upload every table in one staged write
@@ -161,13 +163,15 @@ class SamplingStates:
         self._last_flags: tuple[bytes, BatchFlags] | None = None
 
     def add(self, slot: int, req_id: str, params: SamplingParams, prompt_token_ids,
-            prefill_token_ids=None, *, eos_token_id: int | None = None) -> None:
+            prefill_token_ids=None, *, eos_token_id: int | None = None,
+            eos_stop_token_ids: Sequence[int] = ()) -> None:
         """Stage the slot's parameters for a new (or resumed) request.
 
         ``prefill_token_ids`` is the prompt plus the outputs produced before a preemption
         (defaults to the prompt); those outputs count for the penalties and min_tokens.
         ``eos_token_id`` is the request's primary EOS: min_tokens masks it with the model's
-        EOS ids (it may be a tokenizer-only EOS the model's config does not name).
+        EOS ids (it may be a tokenizer-only EOS the model's config does not name). With
+        ``eos_stop_token_ids`` (its other EOS ids) it also makes the slot's `run_stops`.
         """
         if not 0 <= slot < self.max_num_seqs:
             raise IndexError(f"slot {slot} is outside [0, {self.max_num_seqs})")
@@ -224,6 +228,7 @@ class SamplingStates:
         self.greedy_host[slot] = greedy
         self.features_host[slot] = features
         self.num_logprobs_host[slot] = -1 if params.logprobs is None else params.logprobs
+        self.run_stops.add(slot, params, eos_token_id, eos_stop_token_ids)
 
     def apply_staged_writes(self) -> None:
         if self._dirty:

@@ -120,7 +120,7 @@ def test_runs_of_decode_steps_give_the_one_step_tokens(tiny_llama, async_schedul
 @pytest.mark.parametrize("async_scheduling", [None, True])
 def test_a_stop_inside_a_run_is_seen_before_the_next_run_on_the_cpu(tiny_llama,
                                                                    async_scheduling):
-    """One CPU process schedules synchronously by default (EngineArgs._async_scheduling): the
+    """One CPU process schedules synchronously by default (EngineArgs.async_scheduling None): the
     scheduler has a run's tokens before it schedules again, so a request that stops inside a run
     is not run again. With async scheduling a run of placeholders was already scheduled when
     the stop came back (its tokens are dropped)."""
@@ -215,6 +215,49 @@ def test_the_fused_stack_runs_a_row_s_further_steps_in_one_call(tiny_llama, monk
     monkeypatch.setattr(FusedDecode, "run_steps", lambda self, *args: None)
     tokens, _, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
     assert tokens == expected
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_run_ends_where_every_row_has_stopped(tiny_llama, monkeypatch, ignore_eos):
+    """The stack's one call for a run ends after the step where every row sampled one of its
+    stop ids (sampler/run_stops.py): the columns after it repeat that token instead of the
+    argmax going on, and each request gets the tokens of one step at a time up to its stop.
+    A row without stop ids (ignore_eos and none given) keeps the run going to its end."""
+    from mrv2.models.cpu.decode import FusedDecode
+
+    prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(2)]
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    one, _, _ = _generate(tiny_llama, prompts, free, num_scheduler_steps=1)
+    # A stop inside a run (after the prefill's token: runs of 8 from the second token) whose
+    # next token differs, so a call that went on would show another token after it.
+    picks = [next(k for k in range(10, 30) if k % 8 not in (0, 1) and tokens.index(tokens[k]) == k
+                  and tokens[k + 1] != tokens[k]) for tokens in one]
+    # Request 0 stops on its EOS (the model's id, as the engine passes it), request 1 on a
+    # stop_token_id; with ignore_eos request 0 has no stop id and runs to its max_tokens.
+    eos = one[0][picks[0]]
+    monkeypatch.setattr("mrv2.engine.input_processor.eos_token_ids", lambda *a, **k: (eos,))
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=ignore_eos),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             stop_token_ids=[one[1][picks[1]]])]
+    runs = []
+    run_steps = FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(out[0].numpy().copy())
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    tokens, reasons, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
+    assert tokens[1] == one[1][:picks[1] + 1] and reasons[1] == "stop"
+    if ignore_eos:  # a run that had ended at request 1's stop would repeat its tokens
+        assert tokens[0] == one[0] and reasons[0] == "length"
+        return
+    assert tokens[0] == one[0][:picks[0] + 1] and reasons[0] == "stop"
+    last = runs[-1]  # both rows stopped in it: it ended at the later stop
+    column = max(list(row).index(stop) for row, stop in zip(last, (eos, one[1][picks[1]])))
+    assert column < last.shape[1] - 1
+    assert (last[:, column + 1:] == last[:, column:column + 1]).all()
 
 
 def test_a_nan_inside_a_run_fails_only_its_request(tiny_llama, monkeypatch):

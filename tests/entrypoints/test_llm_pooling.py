@@ -105,8 +105,10 @@ def test_a_pooling_engine_refuses_generation_and_unservable_params(last_llm):
 
 def test_mean_pooling_matches_transformers_under_preemption(tiny_llama, prompts, hf_hidden):
     # 4 usable blocks for 8 prompts that need 15 together: the scheduler preempts and
-    # re-adds a request mid-prefill; a re-added request's sum starts over.
+    # re-adds a request mid-prefill; a re-added request's sum starts over. (Async scheduling:
+    # its step in flight holds the blocks that make the next step preempt.)
     llm = LLM(str(tiny_llama), runner="pooling", max_model_len=48, max_num_seqs=8,
+              async_scheduling=True,
               max_num_batched_tokens=16, kv_cache_memory_gb=5 * BLOCK_BYTES / (1 << 30),
               pooler_config={"pooling_type": "MEAN", "normalize": False})
     try:

@@ -236,12 +236,15 @@ def _work_split(args: StackArgs, seq_lens: np.ndarray, sequences: int
 
 
 def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                     num_steps: int, block_size: int
+                     num_steps: int, block_size: int, stop_ids: np.ndarray | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [rows, num_steps]: `input_ids`, the step before's, then num_steps - 1 decode
     steps' argmax from `decode_model`'s inputs; nan_rows [rows]; the last step's final hidden
     states [rows, hidden]) in one call (`args` with an LM head for the rows; `meta`'s tables
-    hold every block written): decode_stack with `tokens` to fill."""
+    hold every block written): decode_stack with `tokens` to fill. The call ends after the
+    step where every row has sampled one of its `stop_ids` ([rows, k] int64, -1 pads:
+    sampler/run_stops.py; None: none, the run goes to its end); each row's later tokens repeat
+    its last, and the hidden states are that step's."""
     rows = input_ids.shape[0]
     seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
     step_positions = positions.numpy().copy()
@@ -255,7 +258,7 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
         tables, seq_lens, np.empty((len(tables), rows), np.int64), request_slots(meta, rows),
         *args.shape_args, kv_per_item, splits, hidden.numpy(), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), block_size, tokens.numpy(),
-        nan_rows.numpy())
+        nan_rows.numpy(), np.empty((rows, 0), np.int64) if stop_ids is None else stop_ids)
     return tokens, nan_rows, hidden
 
 
@@ -303,7 +306,8 @@ class FusedDecode:
         return decode_model(self.args, input_ids, positions, meta)
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  kv_caches: list[torch.Tensor], meta, num_steps: int, block_size: int
+                  kv_caches: list[torch.Tensor], meta, num_steps: int, block_size: int,
+                  stop_ids: np.ndarray | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """`decode_model_run` for rows that decode by argmax, from this step's inputs; None
         where the stack with its LM head does not take them (the caller steps one by one)."""
@@ -314,7 +318,8 @@ class FusedDecode:
             return None
         if self.args is None or not self.args.current(kv_caches):
             self.args = StackArgs(self.model, kv_caches, self.head, self.spec)
-        return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size)
+        return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size,
+                                stop_ids)
 
     def release_kv_views(self) -> None:
         """Drop the cached views of the KV cache (they keep its memory alive), so the cache

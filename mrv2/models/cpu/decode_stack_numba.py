@@ -250,8 +250,21 @@ def _mix_per_layer(hidden, pl_rows, per_layer, layer, eps):
             hidden[r, j] += normed[r, j]
 
 
-# decode_stack's (tokens, nan_rows) for a single step: no columns to fill.
-ONE_STEP = (np.empty((0, 0), np.int64), np.empty(0, np.bool_))
+@njit(cache=True)
+def _every_row_stopped(sampled, stop_ids, stopped) -> bool:
+    """Marks in `stopped` the rows whose `sampled` token is one of their `stop_ids`; whether
+    every row has stopped now."""
+    every = True
+    for r in range(sampled.shape[0]):
+        for j in range(stop_ids.shape[1]):
+            if stop_ids[r, j] == sampled[r]:
+                stopped[r] = True
+        every &= stopped[r]
+    return every
+
+
+# decode_stack's (tokens, nan_rows, stop_ids) for a single step: no columns to fill.
+ONE_STEP = (np.empty((0, 0), np.int64), np.empty(0, np.bool_), np.empty((0, 0), np.int64))
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -261,7 +274,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                  final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe, recurrent,
                  block_tables, seq_lens, slots, req_slots, num_heads, num_kv_heads, head_dim,
                  intermediate, scale, kv_per_item, splits, out, w_head, logits, block_size,
-                 tokens, nan_rows):
+                 tokens, nan_rows, stop_ids):
     """A decode step of every layer or, when `tokens` [rows, steps] has columns, a run of
     steps of the same rows.
 
@@ -287,7 +300,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     with `seq_lens` (a step's prepared inputs), each later one a position further; each
     step's `slots` are written here from the tables (holding every block the run writes: the
     scheduler allocates them up front, `block_size` long); `positions` and `seq_lens` are
-    advanced in place, `out` and `logits` hold the last step's.
+    advanced in place, `out` and `logits` hold the last step's. A run ends after the step where
+    every row has sampled one of its `stop_ids` [rows, k] (-1 pads; sampler/run_stops.py):
+    each row's later columns then repeat its last token (an id, if anything reads them).
 
     One function for both, not a run calling a step's function: numba would generate the
     whole stack's machine code again for the caller (~12 s a model, for every compile)."""
@@ -296,6 +311,7 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     step_ids = ids.copy() if steps > 0 else ids
     sampled = np.empty(rows if steps > 0 else 0, np.int64)  # a run's argmax
     nans = np.empty(rows if steps > 0 else 0, np.bool_)
+    stopped = np.zeros(rows if steps > 0 else 0, np.bool_)
     bits = logits.view(np.int32)
     if steps > 0:
         for r in range(rows):
@@ -373,3 +389,8 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
             nan_rows[r] |= nans[r]
             positions[r] += 1
             seq_lens[r] += 1
+        if _every_row_stopped(sampled, stop_ids, stopped):
+            for r in range(rows):
+                for later in range(s + 1, steps):
+                    tokens[r, later] = sampled[r]
+            return
