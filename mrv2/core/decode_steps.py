@@ -14,10 +14,14 @@ argmax, no stop string to find in the text, no grammar) and hold no drafts to ve
 max_model_len; a stop token inside the run ends its request there, the later tokens of that
 row being dropped (Scheduler.update_from_output), as vLLM's multi-step did.
 
-By default (`num_scheduler_steps=None`) a run is AUTO_DECODE_STEPS long while every running
-request takes its output when it finishes (output_kind FINAL_ONLY: `LLM.generate`, an
-`LLMEngine` request without streaming): nobody sees its tokens arrive, so a run changes nothing
-a caller observes but the time. A row that streams (DELTA / CUMULATIVE: the server's, an
+By default (`num_scheduler_steps=None`) runs are made while every running request takes its
+output when it finishes (output_kind FINAL_ONLY: `LLM.generate`, an `LLMEngine` request without
+streaming): nobody sees its tokens arrive, so a run changes nothing a caller observes but the
+time. Their length (`AutoRunLength`) is AUTO_DECODE_STEPS, or more where steps are short: a run
+lasts about AUTO_RUN_SECONDS, up to AUTO_DECODE_STEPS_MAX steps, so that the scheduled step's
+own host work (~1 ms on the CPU) stays a few percent of it, and a request added meanwhile waits
+little. A run ends early where every row stops (sampler/run_stops.py), so a longer one wastes
+no step past a stop. A row that streams (DELTA / CUMULATIVE: the server's, an
 `AsyncLLM` stream) keeps the batch at one step, its tokens arriving one at a time. An explicit
 count runs for streaming rows too (they then receive tokens that many at a time).
 """
@@ -26,19 +30,57 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
 from mrv2.config import AUTO_DECODE_STEPS
 from mrv2.core.request import Request
 from mrv2.outputs import RequestOutputKind
 
 
+# A run made by default lasts about this long (bench/README.md, "Runs of decode steps as long
+# as ...").
+AUTO_RUN_SECONDS = 0.025
+AUTO_DECODE_STEPS_MAX = 32
+# The weight of a run's measured seconds per step in the running estimate.
+_NEW_WEIGHT = 0.25
+
+
+class AutoRunLength:
+    """The length of the runs made by default: AUTO_DECODE_STEPS until a run has been timed,
+    then as many steps as last about AUTO_RUN_SECONDS (at least AUTO_DECODE_STEPS, at most
+    AUTO_DECODE_STEPS_MAX), from a running estimate of a decode step's seconds in runs."""
+
+    def __init__(self) -> None:
+        self.step_seconds: float | None = None
+
+    def record(self, num_decode_steps: int, seconds: float) -> None:
+        """A scheduled step of `num_decode_steps` (> 1: a run) took `seconds`, scheduled to
+        folded back (EngineCore)."""
+        if num_decode_steps <= 1 or seconds <= 0.0:
+            return
+        per_step = seconds / num_decode_steps
+        last = self.step_seconds
+        self.step_seconds = per_step if last is None else (
+            last + _NEW_WEIGHT * (per_step - last))
+
+    @property
+    def steps(self) -> int:
+        if self.step_seconds is None:
+            return AUTO_DECODE_STEPS
+        return max(AUTO_DECODE_STEPS, min(AUTO_DECODE_STEPS_MAX,
+                                          math.ceil(AUTO_RUN_SECONDS / self.step_seconds)))
+
+
 def decode_steps(running: Sequence[Request], num_waiting: int, num_scheduler_steps: int | None,
-                 max_model_len: int, num_free_blocks: int, block_size: int) -> int:
+                 max_model_len: int, num_free_blocks: int, block_size: int,
+                 auto_steps: int = AUTO_DECODE_STEPS) -> int:
     """The decode steps the next scheduled step runs: `num_scheduler_steps` (None: auto, see
-    above) or fewer, 1 where the rule above does not hold. A row's known tokens include its
-    placeholders (async scheduling: tokens of a step in flight). The pool must hold the blocks
-    every row may need for the run (so that it never preempts for it)."""
+    above, `auto_steps` long: AutoRunLength.steps) or fewer, 1 where the rule above does not
+    hold. A row's known tokens include its placeholders (async scheduling: tokens of a step in
+    flight). The pool must hold the blocks every row may need for the run (so that it never
+    preempts for it)."""
     auto = num_scheduler_steps is None
-    steps = AUTO_DECODE_STEPS if auto else num_scheduler_steps
+    steps = auto_steps if auto else num_scheduler_steps
     if steps == 1 or num_waiting or not running:
         return 1
     for request in running:

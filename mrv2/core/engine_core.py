@@ -139,9 +139,11 @@ class EngineCore:
     def _fold_oldest_step(self) -> list[EngineCoreOutput]:
         scheduler_output, future, started = self.batch_queue.popleft()
         outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        elapsed = time.perf_counter() - started
+        self.scheduler.run_length.record(scheduler_output.num_decode_steps, elapsed)
         policy = self.scheduler.draft_policy  # speculative decoding: what a row costs
         if policy is not None:
-            policy.record_step(scheduler_output, time.perf_counter() - started)
+            policy.record_step(scheduler_output, elapsed)
         return outputs
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None,

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from executor.packed import check_id
-from mrv2.core.decode_steps import decode_steps
+from mrv2.core.decode_steps import AutoRunLength, decode_steps
 from mrv2.core.draft_policy import DraftPolicy
 from mrv2.core.block_pool import PrefixCacheStats
 from mrv2.core.kv_cache_manager import GroupBlockIds, KVCacheManager
@@ -49,11 +49,11 @@ class Scheduler:
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
         self.num_scheduler_steps = sched.num_scheduler_steps
+        self.run_length = AutoRunLength()  # of the runs made by default (EngineCore times them)
         # Under pipeline stages a step takes 1/micro_batches of the requests (mrv2/pipeline.py)
         self.micro_batches = (config.max_steps_in_flight
                               if config.parallel_config.pipeline_parallel_size > 1 else 1)
-        self.speculative = config.speculative_config  # None: no drafts
-        spec = self.speculative
+        self.speculative = spec = config.speculative_config  # None: no drafts
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
         self.draft_policy = (None if spec is None else DraftPolicy(  # drafts, a row's cost
             spec, self.max_num_seqs, config.model_config.max_model_len))
@@ -179,7 +179,7 @@ class Scheduler:
         running, manager, max_model_len = self.running, self.kv_cache_manager, self.max_model_len
         num_steps = decode_steps(running, len(self.waiting), self.num_scheduler_steps,
                                  max_model_len, manager.num_free_blocks // manager.num_groups,
-                                 self.block_size)  # > 1: every running row decodes
+                                 self.block_size, self.run_length.steps)  # > 1: rows decode
         row_cap = (-(-(len(running) + len(self.waiting)) // self.micro_batches)
                    if self.micro_batches > 1 else self.max_num_seqs)
         while idx < len(running) and budget > 0 and len(scheduled) < row_cap:

@@ -9,7 +9,8 @@ import pytest
 
 from mrv2 import LLM, SamplingParams
 from mrv2.config import AUTO_DECODE_STEPS
-from mrv2.core.decode_steps import decode_steps
+from mrv2.core.decode_steps import (AUTO_DECODE_STEPS_MAX, AUTO_RUN_SECONDS, AutoRunLength,
+                                    decode_steps)
 from mrv2.core.request import Request
 from mrv2.core.scheduler import Scheduler
 from mrv2.outputs import RequestOutputKind
@@ -28,8 +29,9 @@ def _decoding(max_tokens: int = 20, outputs: int = 3, placeholders: int = 0,
     return request
 
 
-def _steps(running, waiting=0, k=8, max_model_len=64, free_blocks=100, block_size=4) -> int:
-    return decode_steps(running, waiting, k, max_model_len, free_blocks, block_size)
+def _steps(running, waiting=0, k=8, max_model_len=64, free_blocks=100, block_size=4,
+           auto_steps=AUTO_DECODE_STEPS) -> int:
+    return decode_steps(running, waiting, k, max_model_len, free_blocks, block_size, auto_steps)
 
 
 def test_greedy_decoding_rows_run_the_configured_steps():
@@ -56,6 +58,28 @@ def test_by_default_rows_that_take_their_output_at_the_end_run_the_auto_steps():
         assert _steps([_decoding(**final), _decoding(output_kind=streams)], k=None) == 1
         assert _steps([_decoding(**final), _decoding(output_kind=streams)], k=8) == 8
     assert _steps([_decoding(**final, temperature=0.8)], k=None) == 1
+
+
+def test_auto_runs_last_about_auto_run_seconds():
+    length = AutoRunLength()
+    assert length.steps == AUTO_DECODE_STEPS  # nothing timed yet
+    length.record(1, 0.001)  # a single step says nothing of a run's steps
+    assert length.step_seconds is None
+    length.record(8, 8 * AUTO_RUN_SECONDS / 20)  # steps of 1/20 of a run's time: 20 a run
+    assert length.steps == 20
+    length.record(8, 8 * AUTO_RUN_SECONDS / 20)
+    assert length.steps == 20
+    length.record(8, 8 * AUTO_RUN_SECONDS)  # one slow run moves the estimate, within bounds
+    assert AUTO_DECODE_STEPS <= length.steps < 20
+    for _ in range(30):  # long steps: the shortest auto run
+        length.record(8, 8 * AUTO_RUN_SECONDS)
+    assert length.steps == AUTO_DECODE_STEPS
+    for _ in range(30):  # very short steps: the longest
+        length.record(32, 32 * AUTO_RUN_SECONDS / 1000)
+    assert length.steps == AUTO_DECODE_STEPS_MAX
+    final = dict(max_tokens=100, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert _steps([_decoding(**final)], k=None, auto_steps=20) == 20
+    assert _steps([_decoding(**final)], k=4, auto_steps=20) == 4  # a count given wins
 
 
 def test_waiting_requests_and_prefill_rows_run_one_step():
@@ -157,20 +181,23 @@ def test_a_stop_inside_a_run_is_seen_before_the_next_run_on_the_cpu(tiny_llama,
 
 
 def test_defaults_run_steps_for_generate_and_single_steps_for_a_stream(tiny_llama):
-    """LLM.generate (FINAL_ONLY) runs the auto steps with the one-step tokens; a DELTA request
-    on the same defaults gets one token per step output."""
+    """LLM.generate (FINAL_ONLY) runs the auto steps with the one-step tokens (the first run
+    AUTO_DECODE_STEPS long, later ones as AutoRunLength times them); a DELTA request on the
+    same defaults gets one token per step output."""
     prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42]} for i in range(2)]
-    params = SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     one, _, one_steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=1)
     tokens, _, steps = _generate(tiny_llama, prompts, params)
-    assert tokens == one and set(one_steps) == {1} and max(steps) == AUTO_DECODE_STEPS
+    runs = [s for s in steps if s > 1]
+    assert tokens == one and set(one_steps) == {1} and runs[0] == AUTO_DECODE_STEPS
+    assert sum(runs) >= 30 and max(runs) <= AUTO_DECODE_STEPS_MAX
     llm = LLM(str(tiny_llama), max_model_len=96, max_num_seqs=4)
     engine = llm.llm_engine
     engine.add_request("s", prompts[0], params, RequestOutputKind.DELTA)
     deltas = []
     while engine.has_unfinished_requests():
         deltas += [len(o.outputs[0].token_ids) for o in engine.step()]
-    assert set(deltas) == {1} and len(deltas) == 19
+    assert set(deltas) == {1} and len(deltas) == 40
     llm.shutdown()
 
 
