@@ -56,7 +56,7 @@ def test_new_request_data_with_nested_sampling_params() -> None:
 
 def test_structs_are_array_like() -> None:
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(new_request()))
-    assert isinstance(raw, list) and raw[0] == "r0" and raw[5:] == [2, None]
+    assert isinstance(raw, list) and raw[0] == "r0" and raw[5:] == [2, None, []]
 
 
 def test_cached_request_data() -> None:

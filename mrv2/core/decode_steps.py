@@ -48,15 +48,18 @@ _NEW_WEIGHT = 0.25
 class AutoRunLength:
     """The length of the runs made by default: AUTO_DECODE_STEPS until a run has been timed,
     then as many steps as last about AUTO_RUN_SECONDS (at least AUTO_DECODE_STEPS, at most
-    AUTO_DECODE_STEPS_MAX), from a running estimate of a decode step's seconds in runs."""
+    AUTO_DECODE_STEPS_MAX), from a running estimate of a decode step's seconds in runs. Not
+    `timed` (speculative decoding, whose requests run runs while they back off from drafting
+    and whose draft policy counts on those): always AUTO_DECODE_STEPS."""
 
-    def __init__(self) -> None:
+    def __init__(self, timed: bool = True) -> None:
+        self.timed = timed
         self.step_seconds: float | None = None
 
     def record(self, num_decode_steps: int, seconds: float) -> None:
         """A scheduled step of `num_decode_steps` (> 1: a run) took `seconds`, scheduled to
         folded back (EngineCore)."""
-        if num_decode_steps <= 1 or seconds <= 0.0:
+        if not self.timed or num_decode_steps <= 1 or seconds <= 0.0:
             return
         per_step = seconds / num_decode_steps
         last = self.step_seconds

@@ -49,11 +49,11 @@ class Scheduler:
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
         self.num_scheduler_steps = sched.num_scheduler_steps
-        self.run_length = AutoRunLength()  # of the runs made by default (EngineCore times them)
         # Under pipeline stages a step takes 1/micro_batches of the requests (mrv2/pipeline.py)
         self.micro_batches = (config.max_steps_in_flight
                               if config.parallel_config.pipeline_parallel_size > 1 else 1)
         self.speculative = spec = config.speculative_config  # None: no drafts
+        self.run_length = AutoRunLength(timed=spec is None)  # of the runs made by default
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
         self.draft_policy = (None if spec is None else DraftPolicy(  # drafts, a row's cost
             spec, self.max_num_seqs, config.model_config.max_model_len))

@@ -66,8 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps one scheduled step may run while every running "
                              "request decodes greedily (vLLM's multi-step decoding; tokens "
-                             "then arrive this many at a time; default: 8 while no request "
-                             "streams, else 1)")
+                             "then arrive this many at a time; default: 8-32, about 25 ms, "
+                             "while no request streams, else 1)")
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -80,6 +80,9 @@ def test_auto_runs_last_about_auto_run_seconds():
     final = dict(max_tokens=100, output_kind=RequestOutputKind.FINAL_ONLY)
     assert _steps([_decoding(**final)], k=None, auto_steps=20) == 20
     assert _steps([_decoding(**final)], k=4, auto_steps=20) == 4  # a count given wins
+    fixed = AutoRunLength(timed=False)  # speculative decoding's
+    fixed.record(8, 8 * AUTO_RUN_SECONDS / 1000)
+    assert fixed.steps == AUTO_DECODE_STEPS
 
 
 def test_waiting_requests_and_prefill_rows_run_one_step():

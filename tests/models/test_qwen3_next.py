@@ -60,9 +60,11 @@ def test_greedy_and_prompt_logprobs_match_transformers(tiny_model_factory, arch)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     want_logprobs = _hf_prompt_logprobs(model_dir, prompts[3])
     # Room for one request of max_model_len and the null block: five requests of 3-70 prompt
-    # tokens preempt each other; three slots for five requests: slots are reused.
+    # tokens preempt each other; three slots for five requests: slots are reused. Async
+    # scheduling (off by default in one CPU process): placeholders over recurrent state too.
     llm = LLM(str(model_dir), max_model_len=96, block_size=BLOCK, max_num_batched_tokens=16,
-              max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_gb=_budget_gb(model_dir, 13))
+              max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_gb=_budget_gb(model_dir, 13),
+              async_scheduling=True)
     try:
         config = llm.llm_engine.config
         assert not config.cache_config.enable_prefix_caching  # off by default for hybrids
