@@ -28,9 +28,8 @@ count runs for streaming rows too (they then receive tokens that many at a time)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
+from collections.abc import Sequence
 
 from mrv2.config import AUTO_DECODE_STEPS
 from mrv2.core.request import Request

@@ -290,6 +290,33 @@ def test_a_run_ends_where_every_row_has_stopped(tiny_llama, monkeypatch, ignore_
     assert (last[:, column + 1:] == last[:, column:column + 1]).all()
 
 
+def test_a_run_whose_first_token_stops_every_row_runs_no_step(tiny_llama, monkeypatch):
+    """A run's column 0 is the token the step before sampled (its first decode step, on the
+    runner's own path): where that stops every row, the stack's call runs no step at all."""
+    from mrv2.models.cpu.decode import FusedDecode
+
+    prompt = [{"prompt_token_ids": [5, 17, 300, 42, 1000, 7]}]
+    one = _generate(tiny_llama, prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                       ignore_eos=True),
+                    num_scheduler_steps=1)[0][0]
+    # Runs of 8 from output 1: output 9 is the first token of the second run.
+    assert one.index(one[9]) == 9, "the tiny model repeats itself: pick another prompt"
+    runs = []
+    run_steps = FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(out[0].numpy().copy())
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    tokens, reasons, _ = _generate(tiny_llama, prompt, SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[one[9]]),
+        num_scheduler_steps=8)
+    assert tokens[0] == one[:10] and reasons[0] == "stop"
+    assert (runs[-1] == one[9]).all()  # no argmax after it
+
+
 def test_a_nan_inside_a_run_fails_only_its_request(tiny_llama, monkeypatch):
     """A row whose logits turn NaN at a step inside a run (the stack's one call: its argmax
     flags the row) ends with "error" and no token of that run; the other row of the batch

@@ -251,15 +251,19 @@ def _mix_per_layer(hidden, pl_rows, per_layer, layer, eps):
 
 
 @njit(cache=True)
-def _every_row_stopped(sampled, stop_ids, stopped) -> bool:
-    """Marks in `stopped` the rows whose `sampled` token is one of their `stop_ids`; whether
-    every row has stopped now."""
+def _ends_run(sampled, stop_ids, stopped, tokens, column) -> bool:
+    """Marks in `stopped` the rows whose `sampled` token is one of their `stop_ids`; once all
+    have stopped, each row's `tokens` after `column` repeat its token, and True: the run ends."""
     every = True
     for r in range(sampled.shape[0]):
         for j in range(stop_ids.shape[1]):
             if stop_ids[r, j] == sampled[r]:
                 stopped[r] = True
         every &= stopped[r]
+    if every:
+        for r in range(sampled.shape[0]):
+            for later in range(column + 1, tokens.shape[1]):
+                tokens[r, later] = sampled[r]
     return every
 
 
@@ -301,21 +305,24 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
     step's `slots` are written here from the tables (holding every block the run writes: the
     scheduler allocates them up front, `block_size` long); `positions` and `seq_lens` are
     advanced in place, `out` and `logits` hold the last step's. A run ends after the step where
-    every row has sampled one of its `stop_ids` [rows, k] (-1 pads; sampler/run_stops.py):
-    each row's later columns then repeat its last token (an id, if anything reads them).
+    every row has sampled one of its `stop_ids` [rows, k] (-1 pads; sampler/run_stops.py), or
+    before its first where `ids` are such: each row's later columns then repeat its last token
+    (an id, if anything reads them).
 
     One function for both, not a run calling a step's function: numba would generate the
     whole stack's machine code again for the caller (~12 s a model, for every compile)."""
     rows, hidden_size = out.shape
     steps = tokens.shape[1]
     step_ids = ids.copy() if steps > 0 else ids
-    sampled = np.empty(rows if steps > 0 else 0, np.int64)  # a run's argmax
-    nans = np.empty(rows if steps > 0 else 0, np.bool_)
-    stopped = np.zeros(rows if steps > 0 else 0, np.bool_)
+    run_rows = rows if steps > 0 else 0
+    sampled, nans = np.empty(run_rows, np.int64), np.empty(run_rows, np.bool_)  # a run's argmax
+    stopped = np.zeros(run_rows, np.bool_)
     bits = logits.view(np.int32)
     if steps > 0:
         for r in range(rows):
             tokens[r, 0], nan_rows[r] = ids[r], False
+        if _ends_run(ids, stop_ids, stopped, tokens, 0):  # the step before ended every row
+            return
     for s in range(1, max(steps, 2)):  # one pass for a step
         if steps > 0:
             for g in range(len(block_tables)):
@@ -389,8 +396,5 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
             nan_rows[r] |= nans[r]
             positions[r] += 1
             seq_lens[r] += 1
-        if _every_row_stopped(sampled, stop_ids, stopped):
-            for r in range(rows):
-                for later in range(s + 1, steps):
-                    tokens[r, later] = sampled[r]
+        if _ends_run(sampled, stop_ids, stopped, tokens, s):
             return
