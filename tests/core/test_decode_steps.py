@@ -125,6 +125,23 @@ def _generate(path, prompts, params, **engine) -> tuple[list[list[int]], list[st
             steps)
 
 
+def _record_runs(monkeypatch, record=lambda out: out[0].numpy().copy()) -> list:
+    """FusedDecode.run_steps spied on from now (before an engine's worker binds it): what
+    `record` makes of each call's result (by default a copy of its tokens), in call order."""
+    from mrv2.models.cpu.decode import FusedDecode
+
+    runs = []
+    run_steps = FusedDecode.run_steps
+
+    def spy(self, *args):
+        out = run_steps(self, *args)
+        runs.append(record(out))
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    return runs
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_runs_of_decode_steps_give_the_one_step_tokens(tiny_llama, async_scheduling):
     prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(3)]
@@ -229,15 +246,7 @@ def test_the_fused_stack_runs_a_row_s_further_steps_in_one_call(tiny_llama, monk
     params[2] = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                                stop_token_ids=[stop])
     expected = one[:2] + [one[2][:one[2].index(stop) + 1]]
-    runs = []
-    run_steps = FusedDecode.run_steps
-
-    def spy(self, *args):
-        out = run_steps(self, *args)
-        runs.append(None if out is None else tuple(out[0].shape))
-        return out
-
-    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    runs = _record_runs(monkeypatch, lambda out: None if out is None else tuple(out[0].shape))
     tokens, _, steps = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
     assert tokens == expected and max(steps) == 8
     assert runs and all(r is not None and r[1] <= 8 for r in runs)
@@ -253,7 +262,6 @@ def test_a_run_ends_where_every_row_has_stopped(tiny_llama, monkeypatch, ignore_
     stop ids (sampler/run_stops.py): the columns after it repeat that token instead of the
     argmax going on, and each request gets the tokens of one step at a time up to its stop.
     A row without stop ids (ignore_eos and none given) keeps the run going to its end."""
-    from mrv2.models.cpu.decode import FusedDecode
 
     prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(2)]
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -269,15 +277,7 @@ def test_a_run_ends_where_every_row_has_stopped(tiny_llama, monkeypatch, ignore_
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=ignore_eos),
               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                              stop_token_ids=[one[1][picks[1]]])]
-    runs = []
-    run_steps = FusedDecode.run_steps
-
-    def spy(self, *args):
-        out = run_steps(self, *args)
-        runs.append(out[0].numpy().copy())
-        return out
-
-    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    runs = _record_runs(monkeypatch)
     tokens, reasons, _ = _generate(tiny_llama, prompts, params, num_scheduler_steps=8)
     assert tokens[1] == one[1][:picks[1] + 1] and reasons[1] == "stop"
     if ignore_eos:  # a run that had ended at request 1's stop would repeat its tokens
@@ -293,7 +293,6 @@ def test_a_run_ends_where_every_row_has_stopped(tiny_llama, monkeypatch, ignore_
 def test_a_run_whose_first_token_stops_every_row_runs_no_step(tiny_llama, monkeypatch):
     """A run's column 0 is the token the step before sampled (its first decode step, on the
     runner's own path): where that stops every row, the stack's call runs no step at all."""
-    from mrv2.models.cpu.decode import FusedDecode
 
     prompt = [{"prompt_token_ids": [5, 17, 300, 42, 1000, 7]}]
     one = _generate(tiny_llama, prompt, SamplingParams(temperature=0.0, max_tokens=40,
@@ -301,15 +300,7 @@ def test_a_run_whose_first_token_stops_every_row_runs_no_step(tiny_llama, monkey
                     num_scheduler_steps=1)[0][0]
     # Runs of 8 from output 1: output 9 is the first token of the second run.
     assert one.index(one[9]) == 9, "the tiny model repeats itself: pick another prompt"
-    runs = []
-    run_steps = FusedDecode.run_steps
-
-    def spy(self, *args):
-        out = run_steps(self, *args)
-        runs.append(out[0].numpy().copy())
-        return out
-
-    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    runs = _record_runs(monkeypatch)
     tokens, reasons, _ = _generate(tiny_llama, prompt, SamplingParams(
         temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[one[9]]),
         num_scheduler_steps=8)
@@ -323,17 +314,8 @@ def test_a_nan_inside_a_run_fails_only_its_request(tiny_llama, monkeypatch):
     generates what it would alone."""
     import torch
 
-    from mrv2.models.cpu.decode import FusedDecode
-
-    runs = []
-    run_steps = FusedDecode.run_steps
-
-    def spy(self, *args):
-        out = run_steps(self, *args)
-        runs.append(None if out is None else (tuple(out[0].shape), bool(out[1].any())))
-        return out
-
-    monkeypatch.setattr(FusedDecode, "run_steps", spy)  # before the worker binds it
+    runs = _record_runs(monkeypatch, lambda out: None if out is None else (
+        tuple(out[0].shape), bool(out[1].any())))  # before the worker binds it
     bad_prompt, clean_prompt = [5, 17, 300, 42], [9, 8, 7, 600]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_llama), max_model_len=64, max_num_seqs=4, enable_prefix_caching=False,
@@ -364,7 +346,6 @@ def test_runs_of_steps_on_a_hybrid_kv_layout(tiny_model_factory, monkeypatch):
     """Gemma 2's windowed and full layers read two KV cache groups (core/kv_cache_layout.py):
     the stack's run of steps computes each group's slots from its own table, and the windowed
     group's blocks given back behind the window are never read: the one-step tokens."""
-    from mrv2.models.cpu.decode import FusedDecode
 
     path = tiny_model_factory("gemma2", config={
         "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
@@ -372,15 +353,7 @@ def test_runs_of_steps_on_a_hybrid_kv_layout(tiny_model_factory, monkeypatch):
     prompts = [{"prompt_token_ids": [5, 17, 300 + i, 42, 1000, 7]} for i in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     one, _, _ = _generate(path, prompts, params, block_size=4, dtype="float32")
-    runs = []
-    run_steps = FusedDecode.run_steps
-
-    def spy(self, *args):
-        out = run_steps(self, *args)
-        runs.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FusedDecode, "run_steps", spy)
+    runs = _record_runs(monkeypatch, lambda out: out is not None)
     tokens, _, steps = _generate(path, prompts, params, block_size=4, dtype="float32",
                                  num_scheduler_steps=8)
     assert tokens == one and max(steps) == 8 and runs and all(runs)
