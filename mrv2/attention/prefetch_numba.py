@@ -22,6 +22,19 @@ from numba.extending import intrinsic
 CACHE_LINE_BYTES = 64
 
 
+def emit_prefetch(builder: ir.IRBuilder, ptr: ir.Value, byte_offset: ir.Value,
+                  locality: int) -> None:
+    """IR for a read prefetch of the cache line `byte_offset` bytes past `ptr`, with LLVM's
+    `locality` (3: every level, 2: L2 and beyond on x86), for kernels that emit their own IR."""
+    i8p = ir.IntType(8).as_pointer()
+    address = builder.gep(builder.bitcast(ptr, i8p), [byte_offset])
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    # (address, rw = read, locality, cache type = data)
+    builder.call(fn, [address, i32(0), i32(locality), i32(1)])
+
+
 def _prefetch_intrinsic(name: str, locality: int, doc: str):
     """A numba intrinsic (array, index, byte_offset) that prefetches the cache line at
     `byte_offset` bytes past `array[index, 0, ...]` with LLVM's `locality` (3: every level, 2:
@@ -41,13 +54,7 @@ def _prefetch_intrinsic(name: str, locality: int, doc: str):
             zero = context.get_constant(types.intp, 0)
             ptr = cgutils.get_item_pointer(context, builder, array_type, arr,
                                            [first] + [zero] * (array_type.ndim - 1))
-            i8p = ir.IntType(8).as_pointer()
-            address = builder.gep(builder.bitcast(ptr, i8p), [offset])
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            # (address, rw = read, locality, cache type = data)
-            builder.call(fn, [address, i32(0), i32(locality), i32(1)])
+            emit_prefetch(builder, ptr, offset, locality)
             return context.get_dummy_value()
 
         return sig, codegen

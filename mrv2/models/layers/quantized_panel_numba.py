@@ -46,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mrv2 import cpu_caps
+from mrv2.attention.prefetch_numba import CACHE_LINE_BYTES, emit_prefetch
 from mrv2.models.layers.quantized_int8_numba import INT8_BLOCK, group_sums, quantize_rows
 from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_OUTPUTS, U6_PAIR_BYTES
 from mrv2.models.layers.quantized_panel_layout import GROUP_PANEL_VECTORS as _VECTORS
@@ -57,9 +58,25 @@ from mrv2.models.layers.vector_ir import (F32, FAST, I8, I16, I32, V16B, V16F, V
 from mrv2.utils.kernel_flags import FASTMATH
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
+# A pass of 2 or more rows of x is bound by its multiply-adds, not by the weight stream, and the
+# hardware prefetcher then falls behind: such a pass prefetches the panel bytes this far ahead
+# of the ones it reads (into L2, every cache line), so the stream from DRAM overlaps the
+# arithmetic. A one-row pass reads at the stream's speed, which the hardware prefetcher keeps
+# up with; there the extra instructions slowed "i8" panels (bench/README.md, 2026-12-07).
+PREFETCH_AHEAD_BYTES = 8192
+PREFETCH_MIN_ROWS = 2
 _FORM_I8, _FORM_U4, _FORM_U6, _FORM_U4K = 0, 1, 2, 3  # the panel forms, as the kernels' literals
 
 GROUP_PANELS_RUN = cpu_caps.caps().group_panels
+
+
+def _prefetch_ahead(builder, panel, start, lines):
+    """Prefetch into L2 the `lines` cache lines PREFETCH_AHEAD_BYTES past byte `start` of a
+    panel (into the panels after it near a panel's end: the array is contiguous, and a
+    prefetch past its end is harmless)."""
+    for line in range(lines):
+        emit_prefetch(builder, panel, builder.add(start, start.type(
+            PREFETCH_AHEAD_BYTES + CACHE_LINE_BYTES * line)), 2)
 
 
 def _pair_weights(builder, panel, pair, j):
@@ -187,6 +204,8 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                 with cgutils.for_range(builder, builder.sdiv(group_pairs, ity(4))) as loop:
                     first = builder.add(first_pair, builder.mul(loop.index, ity(4)))
                     start = builder.add(group_start, builder.mul(loop.index, ity(256)))
+                    if count >= PREFETCH_MIN_ROWS:  # the octet's 4 lines, ahead
+                        _prefetch_ahead(builder, panel, start, 4)
                     words = [_octet_words(builder, panel, start, j) for j in range(_VECTORS)]
                     for k in range(4):
                         add_products(builder.add(first, ity(k)),
@@ -194,6 +213,9 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
             else:
                 with cgutils.for_range(builder, group_pairs) as pair_loop:
                     pair = builder.add(first_pair, pair_loop.index)
+                    if count >= PREFETCH_MIN_ROWS:  # the pair's 2 lines, ahead
+                        _prefetch_ahead(builder, panel, builder.mul(
+                            pair, ity(2 * GROUP_PANEL_OUTPUTS)), 2)
                     add_products(pair, [_pair_weights(builder, panel, pair, j)
                                         for j in range(_VECTORS)])
             offsets = [builder.add(builder.mul(g, ity(GROUP_PANEL_OUTPUTS)), ity(16 * j))
