@@ -135,13 +135,22 @@ def test_panels_plan(plan, expect):
     assert panels_plan(expect) == expect and expect.on_panels
 
 
+def _rows_beside_copy(plan: LinearPlan) -> int:
+    """The rows a weight of `plan` keeps beside its bfloat16 copy: more for the group panels
+    (whose passes prefetch) where the CPU has no matrix tiles."""
+    if plan.few is K.GROUP_PANELS:
+        return 4 if cpu_caps.caps().matrix_tiles else 8
+    return 4
+
+
 @pytest.mark.parametrize("plan", [LinearPlan(K.BLOCK_GEMV, MAX, K.BLOCK_TILES, I8),
                                   LinearPlan(K.GROUP_PANELS, MAX, K.BLOCK_TILES_BF16, I16)])
 def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
     """A weight beside its bfloat16 copy: its own kernel and x format up to
-    MAX_BLOCK_ROWS_BESIDE_COPY rows, the matrix units from the next row (`native_from`, where
-    onednn_decode takes over from the fused stack, which runs the rows before)."""
-    few = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
+    MAX_BLOCK_ROWS_BESIDE_COPY rows (MAX_GROUP_PANEL_ROWS_BESIDE_COPY for group panels), the
+    matrix units from the next row (`native_from`, where onednn_decode takes over from the
+    fused stack, which runs the rows before)."""
+    few = _rows_beside_copy(plan)
     copy = linear_plan.with_bf16_copy(plan)
     assert copy == LinearPlan(plan.few, few, K.NATIVE_16BIT, plan.x_format)
     assert copy.kernel_for(few) is plan.few and copy.kernel_for(few + 1) is K.NATIVE_16BIT
@@ -149,7 +158,8 @@ def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
     assert plan.native_from > 10_000  # no matrix units in a plan of blocks alone
     assert LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT).native_from == 2
     half = LinearPlan(K.HALF_PANELS, MAX, K.HALF_PANELS)  # float16 without matrix units
-    assert linear_plan.with_bf16_copy(half) == LinearPlan(K.HALF_PANELS, few, K.NATIVE_16BIT)
+    assert linear_plan.with_bf16_copy(half) == LinearPlan(
+        K.HALF_PANELS, linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY, K.NATIVE_16BIT)
     with pytest.raises(ValueError, match="matrix units already"):
         linear_plan.with_bf16_copy(LinearPlan(K.HALF_GEMV, 1, K.NATIVE_16BIT))
 
@@ -160,14 +170,14 @@ def test_int8_products_take_a_prompts_rows_beside_the_bfloat16_copy(plan):
     """A weight of blocks beside its bfloat16 and int8 copies: the blocks up to
     MAX_BLOCK_ROWS_BESIDE_COPY rows, the bfloat16 copy up to MIN_INT8_ROWS - 1 (a decode step
     on onednn_decode: `native_from` unchanged), int8 products from MIN_INT8_ROWS on."""
-    few, int8_from = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY, linear_plan.MIN_INT8_ROWS
+    few, int8_from = _rows_beside_copy(plan), linear_plan.MIN_INT8_ROWS
     copies = linear_plan.with_int8_products(linear_plan.with_bf16_copy(plan))
     assert [copies.kernel_for(rows) for rows in (1, few, few + 1, int8_from - 1, int8_from,
                                                  4096)] == [
         plan.few, plan.few, K.NATIVE_16BIT, K.NATIVE_16BIT, K.INT8_PRODUCTS, K.INT8_PRODUCTS]
     assert copies.native_from == few + 1 and copies.numba_rows == few
     assert copies.x_format == plan.x_format
-    for without_copy in (plan, LinearPlan(K.HALF_PANELS, few, K.NATIVE_16BIT)):
+    for without_copy in (plan, LinearPlan(K.HALF_PANELS, 4, K.NATIVE_16BIT)):
         with pytest.raises(ValueError, match="integer blocks beside its bfloat16 copy"):
             linear_plan.with_int8_products(without_copy)
 

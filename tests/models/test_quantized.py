@@ -364,9 +364,10 @@ def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, uni
 @pytest.mark.parametrize("panels", [False, True])
 def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_type, panels,
                                                                         monkeypatch):
-    """hold_bf16_copy: the weight's own kernel up to MAX_BLOCK_ROWS_BESIDE_COPY rows,
-    unchanged; from there the copy on the matrix units: the weight dequantized and rounded to
-    bfloat16 once, a few rows at a time (COPY_ROWS), from blocks, float16 or panels alike."""
+    """hold_bf16_copy: the weight's own kernel up to MAX_BLOCK_ROWS_BESIDE_COPY rows (group
+    panels: MAX_GROUP_PANEL_ROWS_BESIDE_COPY), unchanged; from there the copy on the matrix
+    units: the weight dequantized and rounded to bfloat16 once, a few rows at a time
+    (COPY_ROWS), from blocks, float16 or panels alike."""
     monkeypatch.setattr(quantized, "computes_natively", lambda dtype: False)  # F16's plan
     raw = random_raw(gguf_type, 130, 256, seed=11)
     w = PackedWeight.from_gguf(raw, gguf_type, (130, 256))
@@ -375,7 +376,8 @@ def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_typ
                                                        LinearKernel.HALF_PANELS):
             pytest.skip("no panel kernel takes this weight here")
         w.store_as_panels()
-    few = linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
+    few = (linear_plan.MAX_GROUP_PANEL_ROWS_BESIDE_COPY
+           if w.plan.few is LinearKernel.GROUP_PANELS else linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY)
     g = torch.Generator().manual_seed(12)
     x_few, x_many = torch.randn(few, 256, generator=g), torch.randn(few + 3, 256, generator=g)
     before, blocks_bytes = quantized_linear(x_few, w), w.nbytes

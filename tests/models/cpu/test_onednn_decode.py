@@ -12,6 +12,7 @@ import torch
 from mrv2 import LLM, SamplingParams
 from mrv2.models.cpu import onednn_decode
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, OneDnnDecode
+from mrv2.models.cpu.stack_args import packed_of
 from mrv2.models.layers import (cpu_gemv, cpu_linear, dot_linear, linear_plan, quantized,
                                 tile_linear)
 
@@ -178,7 +179,6 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     too); fewer rows stay off it. Where oneDNN has VNNI the prefill's rows (more than
     MIN_INT8_ROWS here) run the MLPs on int8 products, integer blocks only."""
     from mrv2.models.layers import int8_linear, mlp
-    from mrv2.models.layers.linear_plan import MAX_BLOCK_ROWS_BESIDE_COPY
     from mrv2.models.loader import CPU_AUTO_DTYPE_ENV
 
     monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)  # tests/conftest.py pins float32
@@ -192,12 +192,15 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     int8 = int8_linear.int8_products_run() and tensor_type != "F16"
     assert config.gguf_bf16_copies and config.gguf_int8_prefill == int8
     fused = llm.llm_engine.engine_core.executor.worker._fast_paths.decode
-    assert fused.max_rows == MAX_BLOCK_ROWS_BESIDE_COPY
-    assert fused.onednn.min_rows == MAX_BLOCK_ROWS_BESIDE_COPY + 1
-    rows = MAX_BLOCK_ROWS_BESIDE_COPY + 3
+    panels = packed_of(fused.model.layers[0].self_attn.qkv_proj).plan.few is (
+        linear_plan.LinearKernel.GROUP_PANELS)
+    few = (linear_plan.MAX_GROUP_PANEL_ROWS_BESIDE_COPY if panels
+           else linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY)
+    assert fused.max_rows == few and fused.onednn.min_rows == few + 1
+    rows = few + 3
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(rows)]
     _assert_runs_as_the_layer_path(llm, prompts, monkeypatch)
-    _, calls = _generate(llm, prompts[:MAX_BLOCK_ROWS_BESIDE_COPY], True, monkeypatch)
+    _, calls = _generate(llm, prompts[:few], True, monkeypatch)
     assert calls == 0
     assert bool(int8_calls) == int8
     llm.shutdown()
