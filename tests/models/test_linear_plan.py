@@ -136,8 +136,8 @@ def test_panels_plan(plan, expect):
 
 
 def _rows_beside_copy(plan: LinearPlan) -> int:
-    """The rows a weight of `plan` keeps beside its bfloat16 copy: more for the group panels
-    (whose passes prefetch) where the CPU has no matrix tiles."""
+    """The rows a weight of `plan` keeps beside its bfloat16 copy, its panels (if any)
+    prefetching: more for the group panels where the CPU has no matrix tiles."""
     if plan.few is K.GROUP_PANELS:
         return 4 if cpu_caps.caps().matrix_tiles else 8
     return 4
@@ -151,7 +151,9 @@ def test_a_bfloat16_copy_takes_the_rows_past_a_few(plan):
     matrix units from the next row (`native_from`, where onednn_decode takes over from the
     fused stack, which runs the rows before)."""
     few = _rows_beside_copy(plan)
-    copy = linear_plan.with_bf16_copy(plan)
+    copy = linear_plan.with_bf16_copy(plan, panels_prefetch=True)
+    # Panels whose passes do not prefetch ("u6", "u4k") keep the copy from 5 rows.
+    assert linear_plan.with_bf16_copy(plan).numba_rows == linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY
     assert copy == LinearPlan(plan.few, few, K.NATIVE_16BIT, plan.x_format)
     assert copy.kernel_for(few) is plan.few and copy.kernel_for(few + 1) is K.NATIVE_16BIT
     assert copy.native_from == few + 1 and copy.numba_rows == few
@@ -171,7 +173,7 @@ def test_int8_products_take_a_prompts_rows_beside_the_bfloat16_copy(plan):
     MAX_BLOCK_ROWS_BESIDE_COPY rows, the bfloat16 copy up to MIN_INT8_ROWS - 1 (a decode step
     on onednn_decode: `native_from` unchanged), int8 products from MIN_INT8_ROWS on."""
     few, int8_from = _rows_beside_copy(plan), linear_plan.MIN_INT8_ROWS
-    copies = linear_plan.with_int8_products(linear_plan.with_bf16_copy(plan))
+    copies = linear_plan.with_int8_products(linear_plan.with_bf16_copy(plan, True))
     assert [copies.kernel_for(rows) for rows in (1, few, few + 1, int8_from - 1, int8_from,
                                                  4096)] == [
         plan.few, plan.few, K.NATIVE_16BIT, K.NATIVE_16BIT, K.INT8_PRODUCTS, K.INT8_PRODUCTS]

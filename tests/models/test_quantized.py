@@ -360,6 +360,12 @@ def test_float_weights_kept_in_16_bits_stay_within_the_rounding_bound(dtype, uni
         PackedWeight.from_float(w, torch.int8)
 
 
+def _panels_prefetch(w: PackedWeight) -> bool:
+    """Whether `w` runs on group panels whose passes prefetch (the plan's rows beside a copy)."""
+    return w.plan.few is LinearKernel.GROUP_PANELS and quantized_panel_numba.panels_prefetch(
+        w.group_panels()[0].shape[2])
+
+
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0", "Q6_K", "F16"])
 @pytest.mark.parametrize("panels", [False, True])
 def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_type, panels,
@@ -376,8 +382,9 @@ def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_typ
                                                        LinearKernel.HALF_PANELS):
             pytest.skip("no panel kernel takes this weight here")
         w.store_as_panels()
-    few = (linear_plan.MAX_GROUP_PANEL_ROWS_BESIDE_COPY
-           if w.plan.few is LinearKernel.GROUP_PANELS else linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY)
+    prefetch = _panels_prefetch(w)
+    few = (linear_plan.MAX_GROUP_PANEL_ROWS_BESIDE_COPY if prefetch
+           else linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY)
     g = torch.Generator().manual_seed(12)
     x_few, x_many = torch.randn(few, 256, generator=g), torch.randn(few + 3, 256, generator=g)
     before, blocks_bytes = quantized_linear(x_few, w), w.nbytes
@@ -386,7 +393,7 @@ def test_a_weight_with_a_bfloat16_copy_runs_it_from_the_plans_many_rows(gguf_typ
     monkeypatch.setattr(quantized, "COPY_ROWS", 48)  # three chunks, the last ragged
     w.hold_bf16_copy()
     assert w.plan == linear_plan.with_bf16_copy(PackedWeight.from_gguf(
-        raw, gguf_type, (130, 256)).plan) and w.plan.native_from == few + 1
+        raw, gguf_type, (130, 256)).plan, prefetch) and w.plan.native_from == few + 1
     assert w.bf16_copy.q.shape == (130, 0)  # the oneDNN form alone holds the copy
     assert w.nbytes == blocks_bytes + w.bf16_copy.onednn_packed().nbytes
     assert torch.equal(quantized_linear(x_few, w), before)
@@ -418,7 +425,7 @@ def test_a_weight_with_an_int8_copy_runs_a_prompts_rows_on_it(gguf_type, monkeyp
     monkeypatch.setattr(quantized, "COPY_ROWS", 48)  # three chunks, the last ragged
     w.hold_int8_copy()
     assert w.plan == linear_plan.with_int8_products(linear_plan.with_bf16_copy(
-        PackedWeight.from_gguf(raw, gguf_type, (130, 256)).plan))
+        PackedWeight.from_gguf(raw, gguf_type, (130, 256)).plan, _panels_prefetch(w)))
     assert w.nbytes == copy_bytes + w.int8_copy.nbytes
     assert torch.equal(quantized_linear(below, w), before)
     got, exact = quantized_linear(prompt, w), prompt @ dequantized(w).T

@@ -69,11 +69,12 @@ MIN_NATIVE_HALF_ROWS = 2 if cpu_caps.caps().matrix_tiles or dot_linear.runs_here
 MIN_HALF_PAIRS_ROWS = 8
 MAX_HALF_PAIRS_ROWS = 128
 # Rows of x up to which a GGUF weight that also holds a bfloat16 copy (`with_bf16_copy`) runs
-# as stored; more run on the copy on the matrix units. Its group panels (integer blocks, int16
-# x), whose passes of several rows prefetch the weight stream, keep up to 8 where the CPU has
-# no matrix tiles: on Zen 4 they beat oneDNN's bfloat16 copy at 5 rows and tied or won at 8
-# (SmolLM2 Q4_1 and Q8_0, a 40M Q4_0). Other kernels (the F16 panels, the GEMV on the rows),
-# and the AMX units' tiles, keep the copy from 5 rows (bench/README.md, issue 51).
+# as stored; more run on the copy on the matrix units. Group panels (integer blocks, int16 x)
+# whose passes of several rows prefetch the weight stream ("u4", "i8":
+# quantized_panel_numba.panels_prefetch) keep up to 8 where the CPU has no matrix tiles: on
+# Zen 4 they beat oneDNN's bfloat16 copy at 5 rows and tied or won at 8 (SmolLM2 Q4_1 and
+# Q8_0, a 40M Q4_0). Other kernels and forms (the F16 panels, "u6" / "u4k" panels, the GEMV on
+# the rows), and the AMX units' tiles, keep the copy from 5 rows (bench/README.md, issue 51).
 MAX_BLOCK_ROWS_BESIDE_COPY = 4
 MAX_GROUP_PANEL_ROWS_BESIDE_COPY = 4 if cpu_caps.caps().matrix_tiles else 8
 # Rows of x from which a weight of integer blocks that also holds an int8 copy
@@ -172,15 +173,16 @@ def with_bf16_tiles(plan: LinearPlan) -> LinearPlan:
     return replace(plan, many=LinearKernel.BLOCK_TILES_BF16)
 
 
-def with_bf16_copy(plan: LinearPlan) -> LinearPlan:
+def with_bf16_copy(plan: LinearPlan, panels_prefetch: bool = False) -> LinearPlan:
     """`plan` for a weight (integer blocks, or float16 the matrix units do not take) that also
     holds a bfloat16 copy of itself (quantized.PackedWeight.hold_bf16_copy): its few-row kernel
-    up to MAX_BLOCK_ROWS_BESIDE_COPY rows (MAX_GROUP_PANEL_ROWS_BESIDE_COPY for group panels),
-    the copy on the matrix units beyond."""
+    up to MAX_BLOCK_ROWS_BESIDE_COPY rows (MAX_GROUP_PANEL_ROWS_BESIDE_COPY for group panels
+    whose passes prefetch: `panels_prefetch`), the copy on the matrix units beyond."""
     if plan.many is LinearKernel.NATIVE_16BIT:
         raise ValueError("this weight's many rows run on the matrix units already: a bfloat16 "
                          "copy would add nothing")
-    few_rows = (MAX_GROUP_PANEL_ROWS_BESIDE_COPY if plan.few is LinearKernel.GROUP_PANELS
+    few_rows = (MAX_GROUP_PANEL_ROWS_BESIDE_COPY
+                if plan.few is LinearKernel.GROUP_PANELS and panels_prefetch
                 else MAX_BLOCK_ROWS_BESIDE_COPY)
     return LinearPlan(plan.few, few_rows, LinearKernel.NATIVE_16BIT, plan.x_format)
 

@@ -286,7 +286,10 @@ class PackedWeight:
         default GGUF model on a CPU that multiplies bfloat16 natively reads the weight as
         stored at a few rows and the copy at many (quantized_weights.pack_gguf_weights).
         Dequantized `COPY_ROWS` rows at a time: the load holds no float32 copy of it whole."""
-        plan = with_bf16_copy(self.plan)  # refuses a weight the matrix units take already
+        # Refuses a weight the matrix units take already.
+        plan = with_bf16_copy(self.plan, self.plan.few is LinearKernel.GROUP_PANELS
+                              and quantized_panel_numba.panels_prefetch(
+                                  self.group_panels()[0].shape[2]))
         n, k = self.out_features, self.in_features
         values = torch.empty(n, k, dtype=torch.bfloat16)
         start = 0

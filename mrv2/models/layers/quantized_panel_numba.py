@@ -59,15 +59,23 @@ from mrv2.utils.kernel_flags import FASTMATH
 
 GROUP_PANEL_ROWS = 4  # rows of x per pass over a panel
 # A pass of 2 or more rows of x is bound by its multiply-adds, not by the weight stream, and the
-# hardware prefetcher then falls behind: such a pass prefetches the panel bytes this far ahead
-# of the ones it reads (into L2, every cache line), so the stream from DRAM overlaps the
-# arithmetic. A one-row pass reads at the stream's speed, which the hardware prefetcher keeps
-# up with; there the extra instructions slowed "i8" panels (bench/README.md, 2026-12-07).
+# hardware prefetcher then falls behind: such a pass over "u4" or "i8" panels prefetches the
+# panel bytes this far ahead of the ones it reads (into L2, every cache line), so the stream
+# from DRAM overlaps the arithmetic. A one-row pass reads at the stream's speed, which the
+# hardware prefetcher keeps up with; there the extra instructions slowed "i8" panels. On "u4k"
+# panels the same prefetches slowed passes of 2 and 4 rows, and "u6" gained too little to
+# tell (bench/test_panel_prefetch.py; bench/README.md, 2026-12-07).
 PREFETCH_AHEAD_BYTES = 8192
 PREFETCH_MIN_ROWS = 2
 _FORM_I8, _FORM_U4, _FORM_U6, _FORM_U4K = 0, 1, 2, 3  # the panel forms, as the kernels' literals
 
 GROUP_PANELS_RUN = cpu_caps.caps().group_panels
+
+
+def panels_prefetch(pair_bytes: int) -> bool:
+    """Whether passes of several rows over panels of `pair_bytes` bytes an input pair (the
+    panels' last dimension) prefetch their stream: "i8" and "u4" panels, not "u6" nor "u4k"."""
+    return pair_bytes not in (U6_PAIR_BYTES, U4K_PAIR_BYTES)
 
 
 def _prefetch_ahead(builder, panel, start, lines):
@@ -204,7 +212,7 @@ def _group_panel_sums(typingctx, w, block, xq, dx, scales, mins, xsum, m0, rows,
                 with cgutils.for_range(builder, builder.sdiv(group_pairs, ity(4))) as loop:
                     first = builder.add(first_pair, builder.mul(loop.index, ity(4)))
                     start = builder.add(group_start, builder.mul(loop.index, ity(256)))
-                    if count >= PREFETCH_MIN_ROWS:  # the octet's 4 lines, ahead
+                    if count >= PREFETCH_MIN_ROWS and kind == _FORM_U4:  # its 4 lines, ahead
                         _prefetch_ahead(builder, panel, start, 4)
                     words = [_octet_words(builder, panel, start, j) for j in range(_VECTORS)]
                     for k in range(4):

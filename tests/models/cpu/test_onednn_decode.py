@@ -14,7 +14,7 @@ from mrv2.models.cpu import onednn_decode
 from mrv2.models.cpu.onednn_decode import MAX_ONEDNN_DECODE_ROWS, OneDnnDecode
 from mrv2.models.cpu.stack_args import packed_of
 from mrv2.models.layers import (cpu_gemv, cpu_linear, dot_linear, linear_plan, quantized,
-                                tile_linear)
+                                quantized_panel_numba, tile_linear)
 
 native = pytest.mark.skipif(not quantized.computes_natively(torch.bfloat16),
                             reason="this CPU has no bfloat16 matrix units (or no oneDNN)")
@@ -192,8 +192,9 @@ def test_gguf_blocks_with_bfloat16_copies_take_onednn_from_the_copys_rows(tiny_g
     int8 = int8_linear.int8_products_run() and tensor_type != "F16"
     assert config.gguf_bf16_copies and config.gguf_int8_prefill == int8
     fused = llm.llm_engine.engine_core.executor.worker._fast_paths.decode
-    panels = packed_of(fused.model.layers[0].self_attn.qkv_proj).plan.few is (
-        linear_plan.LinearKernel.GROUP_PANELS)
+    qkv = packed_of(fused.model.layers[0].self_attn.qkv_proj)
+    panels = qkv.plan.few is linear_plan.LinearKernel.GROUP_PANELS and (
+        quantized_panel_numba.panels_prefetch(qkv.group_panels()[0].shape[2]))
     few = (linear_plan.MAX_GROUP_PANEL_ROWS_BESIDE_COPY if panels
            else linear_plan.MAX_BLOCK_ROWS_BESIDE_COPY)
     assert fused.max_rows == few and fused.onednn.min_rows == few + 1
