@@ -34,11 +34,11 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None,
                  nan_rows: torch.Tensor | None = None,
                  pooled: torch.Tensor | None = None, num_sampled: np.ndarray | None = None,
-                 drafts: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 drafts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         """``sampled``: [B] int64, or [B, steps] for a run of decode steps (runner.py), or
         [B, width] of which row b's first ``num_sampled[b]`` are its tokens (speculative
         decoding's verify steps, with ``drafts``: (each row's count of next drafts [B], the
-        drafts, flat, row after row); the
+        drafts, flat, row after row, each row's pause [B]: DraftState.written); the
         ``logprobs`` then hold a row per token, request after request).
         ``prompt_logprobs``: req_id -> (first prompt position, rows), see
         sampler/prompt_logprobs.py. ``nan_rows``: [B] bool, rows whose logits held a NaN
@@ -149,7 +149,8 @@ class AsyncOutput(Deferred[ModelRunnerOutput]):
                                  prompt_logprobs=prompt, nan_req_ids=nan_req_ids,
                                  pooled=pooled, **({} if self.drafts is None else dict(
                                      num_draft_tokens_i32=int32_bytes(self.drafts[0]),
-                                     draft_token_ids_i32=int32_bytes(self.drafts[1]))))
+                                     draft_token_ids_i32=int32_bytes(self.drafts[1]),
+                                     draft_pauses_i32=int32_bytes(self.drafts[2]))))
 
 
 def _grouped(rows: list, counts: np.ndarray) -> list[list[SampledTokenLogprobs] | None]:

@@ -217,6 +217,11 @@ class PromptLogprobsChunk(msgspec.Struct, array_like=True, frozen=True):
         return len(self.ranks)
 
 
+# A request's draft pause (ModelRunnerOutput.draft_pauses) where the runner never drafts for
+# it (prompt logprobs), and before any output: no bound on its runs of decode steps.
+NEVER_DRAFTS = 2**31 - 1
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     """One step's results in batch order, packed (executor/packed.py). Build with `build`."""
 
@@ -236,9 +241,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
     # A pooling runner's requests that completed their prefill this step: their pooled hidden
     # states, float32 bytes (mrv2/state/pooling.py); None on a generate runner.
     pooled: dict[str, bytes] | None = None
-    # Per request, the drafts the runner holds for its next step (b"": none), then the drafts.
+    # Per request, the drafts the runner holds for its next step (b"": none), then the drafts,
+    # then the decode steps it makes before it may draft again (spec_decode/drafts.py).
     num_draft_tokens_i32: bytes = b""
     draft_token_ids_i32: bytes = b""
+    draft_pauses_i32: bytes = b""
 
     @classmethod
     def build(cls, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
@@ -270,6 +277,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, frozen=True):
         """Per request, the drafts the runner holds (None when no request has any)."""
         return None if not self.num_draft_tokens_i32 else unpack_ragged(
             int32_view(self.draft_token_ids_i32), int32_view(self.num_draft_tokens_i32))
+
+    @property
+    def draft_pauses(self) -> np.ndarray | None:
+        """Per request, the decode steps it makes before the runner may draft for it again
+        (None without speculative decoding)."""
+        return int32_view(self.draft_pauses_i32) if self.draft_pauses_i32 else None
 
     @property
     def sampled_token_ids(self) -> list[list[int]]:

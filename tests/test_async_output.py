@@ -83,9 +83,11 @@ def test_verify_rows_tokens_and_logprobs_per_request():
     out = AsyncOutput(["a", "b", "c"], sampled, np.array([True, True, False]),
                       logprobs=rows, num_logprobs=np.array([1, 0, -1]),
                       num_sampled=np.array([3, 1, 0]),
-                      drafts=(np.array([2, 0, 0]), np.array([8, 3]))).get_output()
+                      drafts=(np.array([2, 0, 0]), np.array([8, 3]),
+                              np.array([0, 4, 0]))).get_output()
     assert out.sampled_token_ids == [[4, 5, 6], [7], []]
     assert out.draft_token_ids == [[8, 3], [], []]
+    assert out.draft_pauses.tolist() == [0, 4, 0]
     assert [[lp.token_ids for lp in group] for group in out.logprobs[:2]] == [
         [[4, 1], [5, 1], [6, 2]], [[7]]]
     assert out.logprobs[2] is None

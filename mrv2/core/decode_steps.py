@@ -9,7 +9,8 @@ steps per scheduled step pays the scheduler's and the engine's part once for all
 When: the runner samples each inner step's tokens itself, so every running row must decode
 one token by argmax (`SamplingParams.decodes_by_argmax`: no stage reads the logits beyond the
 argmax, no stop string to find in the text, no grammar) and hold no drafts to verify
-(speculative decoding runs such runs while its requests back off), and nothing may be waiting
+(speculative decoding runs such runs while its requests back off: no longer than the steps
+before one may draft again, Request.steps_without_drafts), and nothing may be waiting
 (a new request would wait for the whole run). The count never takes a row past its max_tokens or
 max_model_len; a stop token inside the run ends its request there, the later tokens of that
 row being dropped (Scheduler.update_from_output), as vLLM's multi-step did.
@@ -95,7 +96,7 @@ def decode_steps(running: Sequence[Request], num_waiting: int, num_scheduler_ste
                 or (auto and params.output_kind != RequestOutputKind.FINAL_ONLY)):
             return 1
         steps = min(steps, request.max_tokens - len(request.output_token_ids) - placeholders,
-                    max_model_len - known)
+                    max_model_len - known, request.steps_without_drafts)
         if steps <= 1:
             return 1
     # A row's run of `steps` tokens spans at most this many blocks it may not hold yet.

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from mrv2.protocol import EngineCoreRequest, FinishReason
+from mrv2.protocol import NEVER_DRAFTS, EngineCoreRequest, FinishReason
 from mrv2.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -92,6 +92,9 @@ class Request:
         self.num_draft_tokens = 0
         self.num_scheduled_drafts = 0
         self.draft_token_ids: list[int] = []  # the runner's drafts (take_drafts)
+        # Decode steps it makes before the runner may draft for it again (its last output
+        # says): a run of decode steps no longer than that (core/decode_steps.py).
+        self.steps_without_drafts = NEVER_DRAFTS
         self.status = RequestStatus.WAITING
         # The stop token id that finished the request: a stop_token_id or one of
         # eos_stop_token_ids (None for the primary EOS, length or abort).
@@ -148,9 +151,11 @@ class Request:
             self.output_token_ids.append(token_id)
             self._all_token_ids.append(token_id)
 
-    def take_drafts(self, drafts: list[int]) -> None:
-        """The drafts the runner holds for the request's next step, after its last token; a
-        grammar keeps the run of them it accepts (the rest are not verified)."""
+    def take_drafts(self, drafts: list[int], pause: int) -> None:
+        """The drafts the runner holds for the request's next step, after its last token, and
+        the decode steps before it may draft again (`pause`); a grammar keeps the run of the
+        drafts it accepts (the rest are not verified)."""
+        self.steps_without_drafts = pause
         if self.grammar is not None and drafts and not self.is_finished:
             drafts = drafts[:self.grammar.num_valid(drafts)]
         self.draft_token_ids = drafts

@@ -340,7 +340,7 @@ class Scheduler:
         failed = model_runner_output.nan_req_ids  # almost always empty
         drafts = model_runner_output.draft_token_ids  # None: no drafts proposed
         if drafts is not None:
-            drafts = dict(zip(req_ids, drafts))
+            drafts = dict(zip(req_ids, zip(drafts, model_runner_output.draft_pauses.tolist())))
         outputs, self._grammar_failures = self._grammar_failures, []
         finished: set[str] = set()
         requests, running_status = self.requests, RequestStatus.RUNNING
@@ -380,7 +380,7 @@ class Scheduler:
                 if request.check_stop(self.max_model_len):
                     break  # tokens past a stop are dropped
             if drafts is not None:  # after its tokens, which its grammar has accepted
-                request.take_drafts(drafts[req_id])
+                request.take_drafts(*drafts[req_id])
             # Usually every token is kept (one per step): the list itself, not a copy.
             new_token_ids = token_ids if kept == len(token_ids) else token_ids[:kept]
             if request.status != running_status:

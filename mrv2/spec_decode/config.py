@@ -46,6 +46,11 @@ ACCEPT_DECAY = 0.9
 ACCEPT_PRIOR = (2.0, 0.5)
 ADAPTIVE_BACKOFF = 16
 ADAPTIVE_MAX_BACKOFF = 512
+# A lookup that finds no match (ngram, suffix) looks again after 1 decode step, each miss in a
+# row doubling the pause up to LOOKUP_MISS_MAX_PAUSE: copied text comes back within a few
+# tokens, and the scheduler runs a pause as one run of decode steps (core/decode_steps.py), so
+# text that never matches pays the host path once per this many steps.
+LOOKUP_MISS_MAX_PAUSE = 8
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ least the step's threshold (a row's measured time over a token's: the scheduler'
 core/draft_policy.py and step_cost.py), between 0 and num_speculative_tokens. One whose
 chances pay for no draft stops drafting for a while (a backoff, doubled at each stop in a
 row), then verifies one draft as a probe, so text that does not repeat costs almost nothing.
+A lookup (ngram, suffix) that finds nothing pauses too, briefly (LOOKUP_MISS_MAX_PAUSE). Each
+step's output tells the scheduler how many decode steps a request makes before it drafts again
+(`written`'s pauses), which it runs as one run of decode steps (core/decode_steps.py).
 `max_rows` keeps a step's verify rows within what the decode path takes in one call.
 """
 
@@ -28,15 +31,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from mrv2.protocol import NEVER_DRAFTS
 from mrv2.sampling_params import SamplingParams
 from mrv2.spec_decode import ngram_numba
 from mrv2.spec_decode.config import (ACCEPT_DECAY, ACCEPT_PRIOR, ADAPTIVE_BACKOFF,
-                                     ADAPTIVE_MAX_BACKOFF, SpeculativeConfig)
+                                     ADAPTIVE_MAX_BACKOFF, LOOKUP_MISS_MAX_PAUSE,
+                                     SpeculativeConfig)
 from mrv2.spec_decode.draft_model import DraftModelProposer
 from mrv2.spec_decode.eagle import EagleProposer, TargetStep
 from mrv2.spec_decode.step_cost import DEFAULT_THRESHOLD, MAX_THRESHOLD, MIN_THRESHOLD
 from mrv2.state.requests import RequestState
-
 
 def may_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens can be drafted and verified (see the module docstring)."""
@@ -58,8 +62,10 @@ class DraftState:
         # each given that the drafts before it were kept.
         self.kept_host = np.zeros((slots, k), dtype=np.float32)
         self.rejected_host = np.zeros((slots, k), dtype=np.float32)
-        self.backoff_host = np.zeros(slots, dtype=np.int32)  # steps left without drafts
+        # Decode steps left without drafts, as of the last proposal (a backoff or a miss).
+        self.backoff_host = np.zeros(slots, dtype=np.int32)
         self.next_backoff_host = np.full(slots, ADAPTIVE_BACKOFF, dtype=np.int32)
+        self.miss_pause_host = np.ones(slots, dtype=np.int32)  # the pause of its next miss
         self.probe_host = np.zeros(slots, dtype=np.bool_)  # one draft after its backoff
         # The chance a draft needs to pay for its row, the scheduler's for this step
         # (core/draft_policy.py, Speculator.begin_step).
@@ -84,6 +90,7 @@ class DraftState:
         self.may_draft_host[slot] = may_draft(params)
         self.kept_host[slot] = self.rejected_host[slot] = self.backoff_host[slot] = 0
         self.next_backoff_host[slot] = ADAPTIVE_BACKOFF
+        self.miss_pause_host[slot] = 1
         self.probe_host[slot] = False
         if self.suffix is not None:
             self.suffix.start(slot)
@@ -112,6 +119,7 @@ class DraftState:
             old = counts[slots]
             counts[slots] = np.where(tried, ACCEPT_DECAY * old + hit, old)
         self.next_backoff_host[slots[num_accepted > 0]] = ADAPTIVE_BACKOFF
+        self.probe_host[slots] = False
 
     def _limits(self, slots: np.ndarray, max_rows: int | None, steps: int, num_rows: int
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -119,8 +127,8 @@ class DraftState:
         advanced by `steps` (a request that stops drafting here starts one). With `max_rows`,
         the drafts of `num_rows` requests and a row each for their tokens fit in that many."""
         requests = self.requests
-        backoff = self.backoff_host[slots]
-        self.backoff_host[slots] = np.maximum(backoff - steps, 0)
+        backoff = np.maximum(self.backoff_host[slots] - steps, 0)  # `steps` of it have run
+        self.backoff_host[slots] = backoff
         kept = self.kept_host[slots] + ACCEPT_PRIOR[0]
         chance = kept / (kept + self.rejected_host[slots] + ACCEPT_PRIOR[1])  # [n, k]
         threshold = min(max(self.threshold, MIN_THRESHOLD), MAX_THRESHOLD)
@@ -129,12 +137,13 @@ class DraftState:
         length = (np.cumprod(chance, axis=1) >= threshold).sum(axis=1)
         active = self.may_draft_host[slots] & (backoff == 0)
         probe = active & self.probe_host[slots]
+        # A probe is proposed until one is verified (record_verified): a lookup that finds
+        # nothing does not spend it.
         length = np.where(probe, np.maximum(length, 1), length).astype(np.int32)
-        self.probe_host[slots[probe]] = False
         stop = slots[active & (length == 0)]
         if len(stop):
             pause = self.next_backoff_host[stop]
-            self.backoff_host[stop] = pause - 1  # this step is the pause's first
+            self.backoff_host[stop] = pause  # the next step is the pause's first
             self.next_backoff_host[stop] = np.minimum(2 * pause, ADAPTIVE_MAX_BACKOFF)
             self.probe_host[stop] = True
         drafting = active & (length > 0)
@@ -154,14 +163,27 @@ class DraftState:
         return self.eagle.propose(slots, drafting, np.where(is_sampling, max_drafts, 0), step)
 
     def written(self, slots: np.ndarray, num_drafts: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """(`num_drafts`, the drafts themselves: each request's, flat, in order), read where
-        the proposers wrote them, after each history (the step's output carries both)."""
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What the step's output carries: (`num_drafts`, the drafts themselves: each
+        request's, flat, in order, read where the proposers wrote them, after each history;
+        the decode steps each request makes before it may draft again: its pause, 0 where it
+        looks after its next step, NEVER_DRAFTS where it never drafts)."""
         cols = np.arange(int(num_drafts.max(initial=0)))
         keep = cols[None, :] < num_drafts[:, None]
         starts = self.requests.total_len.numpy[slots]
+        pauses = np.where(self.may_draft_host[slots], self.backoff_host[slots], NEVER_DRAFTS)
         return num_drafts, self.requests.token_ids.numpy[
-            np.broadcast_to(slots[:, None], keep.shape)[keep], (starts[:, None] + cols)[keep]]
+            np.broadcast_to(slots[:, None], keep.shape)[keep],
+            (starts[:, None] + cols)[keep]], pauses.astype(np.int32)
+
+    def _pause_misses(self, slots: np.ndarray, looked: np.ndarray, found: np.ndarray) -> None:
+        """Requests whose lookup found nothing pause (their miss pause, doubled for the next
+        miss up to LOOKUP_MISS_MAX_PAUSE); one that found drafts starts again from 1."""
+        missed = slots[looked & ~found]
+        pause = self.miss_pause_host[missed]
+        self.backoff_host[missed] = pause
+        self.miss_pause_host[missed] = np.minimum(2 * pause, LOOKUP_MISS_MAX_PAUSE)
+        self.miss_pause_host[slots[found]] = 1
 
     def propose(self, slots: np.ndarray, max_rows: int | None = None, steps: int = 1
                 ) -> np.ndarray:
@@ -189,6 +211,7 @@ class DraftState:
                                       self.config.prompt_lookup_min,
                                       self.config.prompt_lookup_max, max_drafts, drafts,
                                       num_drafts)
+        self._pause_misses(slots, max_drafts > 0, num_drafts > 0)
         # Each row's drafts after its history, in one scatter.
         cols = np.arange(drafts.shape[1])
         keep = cols[None, :] < num_drafts[:, None]

@@ -107,7 +107,8 @@ class Speculator:
             batch.input_ids.device)
 
     def propose_after_run(self, slots: np.ndarray, steps: int, max_rows: int | None,
-                          hidden_states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+                          hidden_states: torch.Tensor
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The drafts of a multi-step run's requests (none held drafts: core/decode_steps.py),
         their histories advanced by the run, for the run's output (DraftState.written); an
         EAGLE head catches up on the run's last position (`hidden_states`: the last step's,

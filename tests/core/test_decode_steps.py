@@ -101,6 +101,15 @@ def test_no_row_passes_its_length_limits():
     assert _steps([_decoding()], max_model_len=12) == 4
 
 
+def test_a_run_ends_where_a_request_may_draft_again():
+    """Speculative decoding: a request the runner drafts for again after 3 steps (its last
+    output's pause) keeps the run to 3; one it looks for after its next step to 1."""
+    pausing, looking = _decoding(), _decoding()
+    pausing.steps_without_drafts, looking.steps_without_drafts = 3, 0
+    assert _steps([_decoding(), pausing]) == 3
+    assert _steps([pausing, looking]) == 1
+
+
 def test_a_short_pool_runs_one_step():
     # 8 steps span up to 3 blocks of 4 a row: two rows need 6 free blocks.
     assert _steps([_decoding(), _decoding()], free_blocks=6) == 8

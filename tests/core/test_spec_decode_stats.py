@@ -46,7 +46,8 @@ def step(sched: Scheduler, tokens: dict[str, list[int]], drafts: dict[str, int])
     runner_out = msgspec.structs.replace(
         ModelRunnerOutput.build(ids, [tokens[i] for i in ids]),
         num_draft_tokens_i32=int32_bytes([drafts[i] for i in ids]),
-        draft_token_ids_i32=int32_bytes([7] * sum(drafts[i] for i in ids)))
+        draft_token_ids_i32=int32_bytes([7] * sum(drafts[i] for i in ids)),
+        draft_pauses_i32=int32_bytes([0] * len(ids)))
     return out, sched.update_from_output(out, runner_out)
 
 

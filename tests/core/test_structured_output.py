@@ -169,7 +169,7 @@ def test_drafts_are_cut_where_the_grammar_stops_and_masked_one_row_each(
         result = msgspec.structs.replace(
             ModelRunnerOutput.build(out.req_ids, [sampled]),
             num_draft_tokens_i32=int32_bytes([len(drafts)]),
-            draft_token_ids_i32=int32_bytes(drafts))
+            draft_token_ids_i32=int32_bytes(drafts), draft_pauses_i32=int32_bytes([0]))
         scheduler.update_from_output(out, result)
         return out, grammar
 
@@ -200,7 +200,7 @@ def test_verify_rows_after_a_completing_draft_are_not_masked(monkeypatch, gramma
     out = scheduler.schedule()
     scheduler.update_from_output(out, msgspec.structs.replace(
         ModelRunnerOutput.build(out.req_ids, [[one]]), num_draft_tokens_i32=int32_bytes([3]),
-        draft_token_ids_i32=int32_bytes([one, EOS, one])))
+        draft_token_ids_i32=int32_bytes([one, EOS, one]), draft_pauses_i32=int32_bytes([0])))
     assert scheduler.requests["d"].num_draft_tokens == 2  # "1", then EOS completes it
     out = scheduler.schedule()
     grammar = scheduler.get_grammar_output(out)

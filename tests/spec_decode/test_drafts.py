@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from mrv2.protocol import NEVER_DRAFTS
 from mrv2.sampling_params import SamplingParams
 from mrv2.spec_decode import step_cost
-from mrv2.spec_decode.config import ADAPTIVE_BACKOFF, SpeculativeConfig
+from mrv2.spec_decode.config import (ADAPTIVE_BACKOFF, LOOKUP_MISS_MAX_PAUSE,
+                                     SpeculativeConfig)
 from mrv2.spec_decode.drafts import DraftState, may_draft
 from mrv2.state.requests import RequestState
 
@@ -136,3 +138,53 @@ def test_backoff_and_probes():
     stop_paying(drafts, slots)
     counts = [int(drafts.propose(slots)[0]) for _ in range(ADAPTIVE_BACKOFF + 1)]
     assert counts == [0] * ADAPTIVE_BACKOFF + [1]
+
+
+def test_a_lookup_that_finds_nothing_pauses_doubling_to_its_cap():
+    """No match: the request looks again after 1 step, then 2, 4, ... up to
+    LOOKUP_MISS_MAX_PAUSE (a run of decode steps each: `written`'s pauses); a run counts all
+    its steps; a match brings the pause back to 1."""
+    requests, drafts = state()
+    slot = add(requests, drafts, [1, 2, 3, 4, 5, 6, 7, 8])  # no n-gram repeats
+    slots = np.array([slot])
+    pauses = []
+    for _ in range(6):
+        num = drafts.propose(slots, steps=pauses[-1] if pauses else 1)
+        assert num.tolist() == [0]
+        pauses.append(int(drafts.written(slots, num)[2][0]))
+    assert pauses == [1, 2, 4, 8, 8, 8] and LOOKUP_MISS_MAX_PAUSE == 8
+    assert drafts.propose(slots, steps=3).tolist() == [0]  # 5 steps of the pause left
+    assert drafts.written(slots, np.zeros(1, np.int32))[2].tolist() == [5]
+    history = PERIODIC + [5, 6, 7]  # now it repeats
+    total = int(requests.total_len.numpy[slot])
+    requests.token_ids.numpy[slot, total:total + len(history)] = history
+    requests.total_len.numpy[slot] += len(history)
+    assert drafts.propose(slots, steps=5).tolist() == [3]
+    assert drafts.written(slots, np.array([3], np.int32))[2].tolist() == [0]
+    assert drafts.miss_pause_host[slot] == 1
+
+
+def test_a_request_that_never_drafts_has_no_pause():
+    requests, drafts = state()
+    slot = add(requests, drafts, PERIODIC, SamplingParams(prompt_logprobs=1))
+    num = drafts.propose(np.array([slot]))
+    assert drafts.written(np.array([slot]), num)[2].tolist() == [NEVER_DRAFTS]
+
+
+def test_a_probe_is_kept_until_one_is_verified():
+    """A probe whose lookup finds nothing is not spent: the request's next lookup probes."""
+    requests, drafts = state()
+    slot = add(requests, drafts, PERIODIC)
+    slots = np.array([slot])
+    stop_paying(drafts, slots)
+    assert [int(drafts.propose(slots)[0]) for _ in range(ADAPTIVE_BACKOFF)] == (
+        [0] * ADAPTIVE_BACKOFF)
+    total = int(requests.total_len.numpy[slot])
+    requests.token_ids.numpy[slot, total] = 99  # a token never seen: no match
+    requests.total_len.numpy[slot] += 1
+    assert drafts.propose(slots).tolist() == [0]  # the probe's lookup missed
+    requests.token_ids.numpy[slot, total + 1:total + 3] = [5, 6]  # "5 6" repeats
+    requests.total_len.numpy[slot] += 2
+    assert drafts.propose(slots).tolist() == [1]  # still the probe: one draft
+    drafts.record_verified(slots, np.array([1]), np.array([0]))
+    assert not drafts.probe_host[slot]
