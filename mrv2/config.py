@@ -95,6 +95,9 @@ class ModelConfig:
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None
     batch_invariant: bool = False  # mrv2/batch_invariant.py: set in the worker before it loads
+    # An EAGLE-3 head's target: the layers whose input (the residual stream entering them) the
+    # model also outputs, concatenated, as the head's features (models/llama.py; () none).
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)

@@ -25,7 +25,7 @@ from mrv2.models.gguf import (GGUFError, has_compact_linears, has_tokenizer, is_
 from mrv2.models.hub import resolve_model_path
 from mrv2.models.loader import cpu_auto_gguf, load_hf_config, resolve_dtype, split_cpu_dtype
 from mrv2.sampling_params import MAX_LOGPROBS
-from mrv2.spec_decode.config import SpeculativeConfig, check_draft_model
+from mrv2.spec_decode.config import SpeculativeConfig, check_draft_model, eagle3_target
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 BATCH_INVARIANT_ENV = "MRV2_BATCH_INVARIANT"
@@ -206,6 +206,7 @@ class EngineArgs:
             max_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs,
                              0 if self.enable_chunked_prefill else max_model_len)
         speculative_config = self._speculative_config(runner, device, model_config)
+        model_config = eagle3_target(speculative_config, model_config)
         auto_async = speculative_config is None and (device != "cpu"
                                                      or parallel_config.world_size > 1)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -245,9 +246,8 @@ class EngineArgs:
                               f"{self.num_scheduler_steps}: a verify step is one step; leave "
                               f"num_scheduler_steps unset (or 1)")
         if config.model is not None and config.draft_model_config is None:
-            config = dataclasses.replace(config,
-                                         draft_model_config=self._draft_model_config(config,
-                                                                                     target))
+            draft = self._draft_model_config(config, target)
+            config = dataclasses.replace(config, draft_model_config=draft)
         return config
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:

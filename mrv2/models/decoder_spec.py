@@ -89,6 +89,10 @@ class DecoderSpec:
     # decode stack runs neither (cpu/decode.supports).
     linear_attention: tuple[bool, ...] | None = None
     attention_output_gate: bool = False
+    # An EAGLE-3 head's target (ModelConfig.aux_hidden_state_layers): the layers whose input
+    # stream the model also outputs (LlamaModel.aux_hidden_states). The fused decode stack
+    # does not output them (cpu/decode.supports): such a target decodes on its modules.
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def is_linear_attention(self, layer: int) -> bool:
         return self.linear_attention is not None and self.linear_attention[layer]

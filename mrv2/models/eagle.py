@@ -16,7 +16,7 @@ config of the head's layers (`num_hidden_layers`), of the target's hidden size a
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -38,6 +38,20 @@ def _head_name(name: str) -> str:
     return name.removeprefix(_PREFIX)
 
 
+def head_parts(model_config: ModelConfig, name_of: Callable[[str], str]
+               ) -> tuple[Any, set[str], DecoderSpec]:
+    """An EAGLE head's config, its checkpoint's tensor names (as `name_of` maps them) and the
+    spec of its Llama layers (with the biases its config names)."""
+    from mrv2.models.loader import checkpoint_weights  # loader -> registry -> llama
+
+    hf = model_config.hf_config
+    names = {name_of(name) for name, _ in checkpoint_weights(model_config)}
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return hf, names, DecoderSpec(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=False,
+                                  mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+                                  activation=hf.hidden_act)
+
+
 class EagleDecoderLayer(LlamaDecoderLayer):
     """Llama's layer; the head's first has no input norm (its input is `fc`'s output)."""
 
@@ -48,16 +62,12 @@ class EagleDecoderLayer(LlamaDecoderLayer):
 
 
 class EagleLlamaForCausalLM(nn.Module):
+    # Its features are the target's final hidden states (EAGLE-3's read layers' input streams).
+    reads_layer_streams = False
+
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
-        from mrv2.models.loader import checkpoint_weights  # loader -> registry -> llama
-
-        hf = model_config.hf_config
-        names = {_head_name(name) for name, _ in checkpoint_weights(model_config)}
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        spec = DecoderSpec(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=False,
-                           mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-                           activation=hf.hidden_act)
+        hf, names, spec = head_parts(model_config, _head_name)
         self.fc = Linear(2 * hf.hidden_size, hf.hidden_size, bias="fc.bias" in names)
         self.layers = nn.ModuleList(EagleDecoderLayer(model_config, spec, i)
                                     for i in range(model_config.num_layers))
@@ -83,11 +93,16 @@ class EagleLlamaForCausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta)
         return hidden + residual
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Its own LM head's float32 logits (only where the checkpoint has one)."""
-        if self.lm_head is None:
-            raise RuntimeError("this EAGLE head has no LM head of its own: use the target's")
-        return parallel_logits(hidden_states, self.lm_head)
+    def target_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden states are the head's features as they are."""
+        return hidden_states
+
+    def next_tokens(self, features: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """The greedy draft after each feature [T] (int64): its own LM head's logits where
+        the checkpoint has one, else the target's."""
+        logits = (target.compute_logits(features) if self.lm_head is None
+                  else parallel_logits(features, self.lm_head))
+        return torch.argmax(logits, dim=-1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_checkpoint_tensors(self, ((_head_name(name), tensor)

@@ -190,6 +190,11 @@ class LlamaModel(nn.Module):
         # One table, or (full attention's, the windowed layers' own) under `local_rope`.
         self.rotary_emb = rotary("full_attention" if spec.local_rope else None)
         self.local_rotary_emb = rotary("sliding_attention") if spec.local_rope else None
+        # EAGLE-3's features: the stream entering each of these layers, concatenated in layer
+        # order (vLLM's) [T, len * hidden], as of the last forward (None until then, or
+        # without layers).
+        self.aux_layers = spec.aux_hidden_layers
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -237,8 +242,13 @@ class LlamaModel(nn.Module):
                        kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Every decoder layer, then the final norm: embedded [T, hidden] -> [T, hidden]."""
         residual: torch.Tensor | None = None
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta)
+        if aux:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)
         return self.final_norm(hidden, residual)
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -263,7 +273,13 @@ class LlamaForCausalLM(nn.Module):
         hf = model_config.hf_config
         self.model_config = model_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        self.decoder_spec = self.declare(hf)
+        self.decoder_spec = dataclasses.replace(
+            self.declare(hf), aux_hidden_layers=model_config.aux_hidden_state_layers)
+        if self.decoder_spec.aux_hidden_layers and (
+                self.model_class.forward_layers is not LlamaModel.forward_layers
+                or distributed.get_pp_size() > 1):
+            raise ValueError(f"{type(self).__name__} does not output its layers' input streams "
+                             f"(an EAGLE-3 head's features)")
         self.model = self.model_class(model_config, self.decoder_spec, self.layer_class)
         self.lm_head: ParallelLMHead | None = (
             None if self.tie_word_embeddings or not distributed.is_last_stage()

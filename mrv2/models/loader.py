@@ -22,7 +22,7 @@ from mrv2.config import ModelConfig
 from mrv2.models.gguf import (bf16_copy_elements, gguf_hf_config, is_gguf_path,
                               iterate_gguf_weights, open_gguf)
 from mrv2.models.multimodal_text import TEXT_MODELS, text_config, text_weights
-from mrv2.models.registry import UnsupportedModelError, get_model_class
+from mrv2.models.registry import EAGLE3_HEAD_ARCHITECTURES, UnsupportedModelError, get_model_class
 
 if TYPE_CHECKING:
     from mrv2.models.cpu.quantized_weights import PackedModules
@@ -104,8 +104,11 @@ def _directory_config(model_path: str) -> Any:
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file}: invalid JSON ({e})") from None
-    # A multimodal checkpoint serves its language model (models/multimodal_text.py).
-    get_model_class([TEXT_MODELS.get(a, a) for a in raw.get("architectures") or []])
+    # A multimodal checkpoint serves its language model (models/multimodal_text.py); a draft
+    # head is built by its speculative method (spec_decode/draft_model.py).
+    architectures = raw.get("architectures") or []
+    if not architectures or any(a not in EAGLE3_HEAD_ARCHITECTURES for a in architectures):
+        get_model_class([TEXT_MODELS.get(a, a) for a in architectures])
 
     from transformers import AutoConfig  # heavy import, only when a model is loaded
 

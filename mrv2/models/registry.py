@@ -39,6 +39,9 @@ _MODELS: dict[str, type[nn.Module]] = {
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+# Draft heads of speculative decoding (models/eagle3.py): loaded as speculative_config.model
+# only, never as the model served.
+EAGLE3_HEAD_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +53,10 @@ def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     for arch in architectures or []:
         if arch in _MODELS:
             return _MODELS[arch]
+    if any(arch in EAGLE3_HEAD_ARCHITECTURES for arch in architectures or []):
+        raise UnsupportedModelError(
+            f"model architecture {list(architectures or [])} is an EAGLE-3 draft head: pass it "
+            f"as speculative_config={{'method': 'eagle3', 'model': ...}} beside its target")
     raise UnsupportedModelError(
         f"model architecture {list(architectures or [])} is not supported; supported "
         f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -3,30 +3,33 @@
 Methods mrv2 drafts with: "ngram" (prompt lookup: the tokens that followed the latest earlier
 occurrence of the context's last n-gram), "suffix" (SuffixDecoding's suffix trees over the
 request and earlier requests' outputs), "draft_model" (`model`: a smaller model sharing the
-target's vocabulary, run greedily with its own KV cache: draft_model.py) and "eagle" (`model`:
-an EAGLE-1 head that drafts from the target's hidden states: eagle.py). Every draft is
+target's vocabulary, run greedily with its own KV cache: draft_model.py), "eagle" (`model`:
+an EAGLE-1 head that drafts from the target's hidden states: eagle.py) and "eagle3" (`model`:
+an EAGLE-3 head that drafts from three of the target's layers' input streams). Every draft is
 verified by the target model in one forward and kept only where it equals the token the target
 samples at that position (sampler/rejection.py), so the output is the same token for token as
 without speculation.
 
-A key vLLM takes and mrv2 does not implement (EAGLE-3 / MTP heads, a draft's own tensor
-parallelism) is refused by name, as is any unknown key.
+A key vLLM takes and mrv2 does not implement (MTP heads, a draft's own tensor parallelism) is
+refused by name, as is any unknown key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mrv2.config import ConfigError, ModelConfig
 from mrv2.core.kv_cache_layout import KVCacheLayout
 from mrv2.models.gguf import is_gguf_path
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle")
-# The methods that draft with a checkpoint of their own (`model`).
-CHECKPOINT_METHODS = ("draft_model", "eagle")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+# The methods that draft with a checkpoint of their own (`model`), and those of them whose
+# checkpoint is a head reading the target's hidden states (spec_decode/eagle.py).
+CHECKPOINT_METHODS = ("draft_model", "eagle", "eagle3")
+EAGLE_METHODS = ("eagle", "eagle3")
 # vLLM's methods that need heads mrv2 has not implemented yet.
-UNIMPLEMENTED_METHODS = ("eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+UNIMPLEMENTED_METHODS = ("mtp", "medusa", "mlp_speculator", "ngram_gpu")
 # vLLM's keys mrv2 does not implement: refused by name rather than ignored. (A draft model runs
 # unsharded beside the target, in the target's dtype and max_model_len; `quantization` and
 # `revision` are the draft's own.)
@@ -120,8 +123,8 @@ class SpeculativeConfig:
         if (self.method in CHECKPOINT_METHODS) != (self.model is not None):
             raise ConfigError(f"speculative_config.model names the draft model or head of "
                               f"method={self.method!r}, which needs it" if self.model is None
-                              else f"speculative_config.model is for method='draft_model' or "
-                                   f"'eagle', not {self.method!r}")
+                              else f"speculative_config.model is for method='draft_model', "
+                                   f"'eagle' or 'eagle3', not {self.method!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size="
                               f"{self.draft_tensor_parallel_size!r}: mrv2 runs the draft model "
@@ -177,8 +180,8 @@ def check_draft_model(draft: ModelConfig, target: ModelConfig, method: str = "dr
     """A draft model or EAGLE head mrv2 runs: the target's vocabulary, and both KV caches of
     plain layout (the draft's blocks are addressed through the target's one block table); a
     head: a Llama-layer directory checkpoint of the target's hidden size."""
-    if method == "eagle":
-        check_eagle_head(draft, target)
+    if method in EAGLE_METHODS:
+        check_eagle_head(draft, target, method)
     draft_vocab, target_vocab = draft.hf_config.vocab_size, target.hf_config.vocab_size
     if draft_vocab != target_vocab:
         raise ConfigError(f"speculative_config.model={draft.model!r} has a vocabulary of "
@@ -192,19 +195,49 @@ def check_draft_model(draft: ModelConfig, target: ModelConfig, method: str = "dr
                               f"only")
 
 
-def check_eagle_head(head: ModelConfig, target: ModelConfig) -> None:
-    """An EAGLE-1 head: a Hugging Face directory of Llama layers (models/eagle.py) whose
-    hidden size is the target's (its `fc` reads the target's hidden states)."""
+def check_eagle_head(head: ModelConfig, target: ModelConfig, method: str = "eagle") -> None:
+    """An EAGLE head: a Hugging Face directory of Llama layers whose `fc` reads the target's
+    hidden states (EAGLE-1: models/eagle.py, config architectures ["LlamaForCausalLM"]) or
+    three of its layers' input streams (EAGLE-3: models/eagle3.py), both of the target's hidden
+    size; an EAGLE-3 head's target must output those streams (models/llama.py)."""
+    from mrv2.models.eagle3 import eagle3_aux_layers
+    from mrv2.models.registry import EAGLE3_HEAD_ARCHITECTURES
+
     if is_gguf_path(head.model) or head.quantization is not None:
         raise ConfigError(f"speculative_config.model={head.model!r}: an EAGLE head is a Hugging "
                           f"Face directory of its own weights, not quantization="
                           f"{head.quantization!r}")
-    architectures = list(getattr(head.hf_config, "architectures", None) or [])
-    if architectures != ["LlamaForCausalLM"]:
-        raise ConfigError(f"speculative_config.model={head.model!r}: method='eagle' runs "
-                          f"EAGLE heads of Llama layers (config architectures "
-                          f"['LlamaForCausalLM']), not {architectures}")
-    head_hidden, target_hidden = head.hf_config.hidden_size, target.hf_config.hidden_size
+    hf = head.hf_config
+    architectures = list(getattr(hf, "architectures", None) or [])
+    expected = ["LlamaForCausalLM"] if method == "eagle" else list(EAGLE3_HEAD_ARCHITECTURES)
+    if not architectures or any(a not in expected for a in architectures):
+        raise ConfigError(f"speculative_config.model={head.model!r}: method={method!r} runs "
+                          f"heads of Llama layers (config architectures {expected}), not "
+                          f"{architectures}")
+    target_hidden = target.hf_config.hidden_size
+    head_hidden = (getattr(hf, "target_hidden_size", None) or hf.hidden_size
+                   if method == "eagle3" else hf.hidden_size)
     if head_hidden != target_hidden:
         raise ConfigError(f"speculative_config.model={head.model!r}: an EAGLE head of hidden "
                           f"size {head_hidden} for a target of {target_hidden}")
+    if method == "eagle3":
+        eagle = getattr(hf, "eagle_config", None) or {}
+        if not eagle.get("use_aux_hidden_state", True):
+            raise ConfigError(f"speculative_config.model={head.model!r}: eagle_config."
+                              f"use_aux_hidden_state=false is not implemented in mrv2")
+        layers = eagle3_aux_layers(hf, target.num_layers)
+        if len(set(layers)) != 3 or not all(0 <= i < target.num_layers for i in layers):
+            raise ConfigError(f"speculative_config.model={head.model!r}: an EAGLE-3 head reads "
+                              f"3 distinct layers of the target's {target.num_layers}, not "
+                              f"{list(layers)}")
+
+
+def eagle3_target(spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig:
+    """The target's config, outputting the layer streams its EAGLE-3 head reads (as is for
+    any other method)."""
+    from mrv2.models.eagle3 import eagle3_aux_layers
+
+    if spec is None or spec.method != "eagle3":
+        return target
+    layers = eagle3_aux_layers(spec.draft_model_config.hf_config, target.num_layers)
+    return replace(target, aux_hidden_state_layers=layers)

@@ -194,15 +194,16 @@ class DraftModelProposer:
 
 def load_draft_model(config: ModelConfig, device: torch.device, method: str = "draft_model"
                      ) -> tuple[nn.Module, FusedDecode | None]:
-    """The draft model (or, method "eagle", the EAGLE head: models/eagle.py) loaded as the
-    target is (its weights packed as its config asks) and, on the CPU, its fused decode paths
-    (none for a head)."""
+    """The draft model (or, method "eagle" / "eagle3", the EAGLE head: models/eagle.py,
+    models/eagle3.py) loaded as the target is (its weights packed as its config asks) and, on
+    the CPU, its fused decode paths (none for a head)."""
     from mrv2.models import cpu as cpu_fast_paths
     from mrv2.models.eagle import EagleLlamaForCausalLM
+    from mrv2.models.eagle3 import Eagle3LlamaForCausalLM
     from mrv2.models.loader import load_model
 
-    model = load_model(config, device,
-                       EagleLlamaForCausalLM if method == "eagle" else None)
+    heads = {"eagle": EagleLlamaForCausalLM, "eagle3": Eagle3LlamaForCausalLM}
+    model = load_model(config, device, heads.get(method))
     if device.type != "cpu":
         return model, None
     return model, cpu_fast_paths.prepare(model, config).decode

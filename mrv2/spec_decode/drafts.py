@@ -53,7 +53,7 @@ class DraftState:
                  eagle: EagleProposer | None = None) -> None:
         self.config = config
         self.draft_model = draft_model  # method "draft_model": its proposer
-        self.eagle = eagle  # method "eagle": its proposer
+        self.eagle = eagle  # method "eagle" or "eagle3": its proposer
         self.requests = requests
         slots = requests.max_num_seqs
         self.may_draft_host = np.zeros(slots, dtype=np.bool_)

@@ -1,10 +1,13 @@
-"""EAGLE speculation: a draft head (models/eagle.py) proposes each request's next tokens from
-the target's hidden states (speculative_config method "eagle").
+"""EAGLE speculation: a draft head proposes each request's next tokens from the target's
+hidden states (speculative_config method "eagle": models/eagle.py, fed the target's final
+hidden states; "eagle3": models/eagle3.py, fed three of its layers' input streams, which the
+target outputs beside them, LlamaModel.aux_hidden_states, mapped to one feature by the head's
+`target_features`).
 
 The head's KV cache (its own layers') has the target's block count and is indexed by the
 target's block tables, as a draft model's (draft_model.py): the scheduler's lookahead slots
-hold the KV of its drafts. At position p the head reads the target's feature (final hidden
-state) at p and the token at p + 1, so its KV at p needs both.
+hold the KV of its drafts. At position p the head reads the target's feature at p and the
+token at p + 1, so its KV at p needs both. Its drafts are greedy (`next_tokens`).
 
 Per step (phase 2, after the target's tokens are kept), `EagleProposer.propose`:
 1. Catch-up, for every request that may draft and is not backing off (drafts.py), prefill
@@ -74,8 +77,11 @@ class EagleProposer:
         order = decode_first_order(count > 1)
         rows, count = rows[order], count[order]
         tokens = np.repeat(step.first_token[rows], count) + run_offsets(count)
+        # EAGLE-3: the streams the target output beside them, from the same forward.
+        states = (self.target.model.aux_hidden_states if self.head.reads_layer_streams
+                  else step.hidden_states)
         out = self._forward(slots[rows], count, -count,
-                            step.hidden_states[torch.from_numpy(tokens)])
+                            self.head.target_features(states[torch.from_numpy(tokens)]))
         drafting = max_drafts[rows] > 0
         if not drafting.any():
             return num_drafts
@@ -92,13 +98,9 @@ class EagleProposer:
                 features = self._forward(row_slots, np.ones(len(rows), np.int32),
                                          np.full(len(rows), j - 1, np.int32),
                                          features[torch.from_numpy(np.flatnonzero(more))])
-            history[row_slots, starts + j] = torch.argmax(self._logits(features), dim=-1).numpy()
+            history[row_slots, starts + j] = self.head.next_tokens(features, self.target).numpy()
             num_drafts[rows] = j + 1
         return num_drafts
-
-    def _logits(self, features: torch.Tensor) -> torch.Tensor:
-        head = self.head if self.head.lm_head is not None else self.target
-        return head.compute_logits(features)
 
     def _forward(self, slots: np.ndarray, num_tokens: np.ndarray, offsets: np.ndarray,
                  features: torch.Tensor) -> torch.Tensor:

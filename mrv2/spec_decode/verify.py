@@ -29,6 +29,7 @@ from mrv2.sampling_params import SamplingParams
 from mrv2.config import EngineConfig
 from mrv2.inputs.buffers import InputBuffers, max_step_rows
 from mrv2.inputs.prepare import run_offsets
+from mrv2.spec_decode.config import EAGLE_METHODS
 from mrv2.spec_decode.draft_model import DraftModel, DraftModelProposer
 from mrv2.spec_decode.drafts import DraftState
 from mrv2.spec_decode.eagle import EagleProposer, TargetStep
@@ -66,7 +67,7 @@ class Speculator:
             buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens,
                                    max_step_rows(config), config.max_num_blocks_per_req,
                                    requests.device, block_tables.num_groups)
-            if spec.method == "eagle":
+            if spec.method in EAGLE_METHODS:
                 eagle = EagleProposer(draft, target, requests, block_tables, buffers)
             else:
                 proposer = DraftModelProposer(draft, requests, block_tables, buffers,

@@ -105,7 +105,7 @@ def test_model_prefix_fc_bias_and_own_embeddings_load(tiny_model_factory, tmp_pa
     head = _load(path)
     assert torch.equal(head.fc.bias, torch.full((64,), 0.5))
     assert torch.equal(head.embed_tokens.weight[:vocab], tensors["model.embed_tokens.weight"])
-    assert head.compute_logits(torch.ones(1, 64)).shape == (1, vocab)
+    assert head.next_tokens(torch.ones(3, 64), None).shape == (3,)  # its own LM head's
     tensors["midlayer.hidden_norm.weight"] = torch.ones(64)  # EAGLE-3's: not this head's
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="midlayer.hidden_norm.weight"):

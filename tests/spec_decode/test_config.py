@@ -46,7 +46,8 @@ def test_a_model_alone_is_a_draft_model():
 @pytest.mark.parametrize("value, match", [
     ({"method": "mtp", "num_speculative_tokens": 3}, "mtp.*not implemented"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle', which needs it"),
-    ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3.*not implemented"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3', which needs it"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, "medusa.*not implemented"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "needs it"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 3}, "not 'ngram'"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},

@@ -156,5 +156,5 @@ def test_refused_combinations(tiny_llama):
     with pytest.raises(ConfigError, match="num_scheduler_steps"):
         LLM(str(tiny_llama), speculative_config=METHODS["ngram"], num_scheduler_steps=4)
     with pytest.raises(ConfigError, match="not implemented"):
-        LLM(str(tiny_llama), speculative_config={"method": "eagle3", "model": "x",
+        LLM(str(tiny_llama), speculative_config={"method": "mtp", "model": "x",
                                                  "num_speculative_tokens": 2})

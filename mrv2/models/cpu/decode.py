@@ -106,9 +106,10 @@ def supports(spec: DecoderSpec | None) -> bool:
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
     queries and Gemma 4's value norms, per-layer inputs and KV-shared layers, attention sinks
     (gpt-oss); routed experts as stack_moe computes them; gated attention and linear-attention
-    layers (Qwen3.5: stack_delta_net takes the layers it computes)."""
+    layers (Qwen3.5: stack_delta_net takes the layers it computes). Not an EAGLE-3 head's
+    target, whose layers' input streams the stack does not output."""
     return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and moe_supported(spec.moe, spec.activation))
+            and moe_supported(spec.moe, spec.activation) and not spec.aux_hidden_layers)
 
 
 def _float32_or_packed(module) -> bool:
