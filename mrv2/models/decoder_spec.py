@@ -90,8 +90,8 @@ class DecoderSpec:
     linear_attention: tuple[bool, ...] | None = None
     attention_output_gate: bool = False
     # An EAGLE-3 head's target (ModelConfig.aux_hidden_state_layers): the layers whose input
-    # stream the model also outputs (LlamaModel.aux_hidden_states). The fused decode stack
-    # does not output them (cpu/decode.supports): such a target decodes on its modules.
+    # stream the model also outputs (LlamaModel.aux_hidden_states; the fused decode stack's
+    # `aux`; not onednn_decode's layers, which such a target does not run).
     aux_hidden_layers: tuple[int, ...] = ()
 
     def is_linear_attention(self, layer: int) -> bool:

@@ -112,7 +112,7 @@ def test_default_aux_layers_are_vllms():
 
 def test_target_streams_match_transformers_hidden_states(tiny_model_factory):
     """The stream entering each listed layer is transformers' hidden_states[layer] (the
-    embeddings at 0), concatenated in layer order; the fused decode stack steps aside."""
+    embeddings at 0), concatenated in layer order."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -124,7 +124,7 @@ def test_target_streams_match_transformers_hidden_states(tiny_model_factory):
                          hf_config=load_hf_config(str(target)))
     model = load_model(dataclasses.replace(config, aux_hidden_state_layers=(0, 1, 3)),
                        torch.device("cpu"))
-    assert not cpu_decode.supports(model.decoder_spec)
+    assert cpu_decode.supports(model.decoder_spec)
     ids = torch.tensor([3, 17, 42, 5, 99, 7])
     layer = model.model.layers[0].self_attn
     caches = [torch.zeros(2, 4, BLOCK, layer.num_kv_heads, layer.head_dim) for _ in range(4)]
@@ -134,3 +134,41 @@ def test_target_streams_match_transformers_hidden_states(tiny_model_factory):
         states = hf(ids[None], output_hidden_states=True).hidden_states
     want = torch.cat([states[i][0] for i in (0, 1, 3)], -1)
     torch.testing.assert_close(model.model.aux_hidden_states, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_fused_stack_outputs_the_module_paths_streams(tiny_model_factory, tmp_path,
+                                                          monkeypatch):
+    """Every stream a head reads (prefill chunks from the modules, decode and verify steps and
+    runs from the fused stack) is the module path's, within float32 rounding."""
+    from mrv2 import LLM, SamplingParams
+    from mrv2.models.cpu import decode as cpu_decode
+
+    target = tiny_model_factory("llama", num_layers=4)
+    head = make_eagle3_head(tmp_path / "head", target, seed=4, aux_layers=[0, 1, 3])
+    seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    calls = {"n": 0}
+    real_features, real_decode = Eagle3LlamaForCausalLM.target_features, cpu_decode.decode_model
+
+    def counted(*args):
+        calls["n"] += 1
+        return real_decode(*args)
+
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(Eagle3LlamaForCausalLM, "target_features",
+                      lambda self, streams, fused=fused: (seen[fused].append(streams.clone()),
+                                                          real_features(self, streams))[1])
+            m.setattr(cpu_decode, "decode_model", counted)
+            if not fused:
+                m.setattr(cpu_decode, "applies", lambda *args: False)
+            llm = LLM(str(target), max_model_len=128, speculative_config={
+                "method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+            llm.generate(prompts, params, use_tqdm=False)
+            llm.shutdown()
+        if fused:
+            assert calls["n"] > 0
+    assert len(seen[True]) == len(seen[False]) > 3
+    for a, b in zip(seen[True], seen[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

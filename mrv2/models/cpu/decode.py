@@ -54,6 +54,9 @@ from mrv2.models.cpu.stack_args import (PER_LAYER_PROJECTIONS, StackArgs, embedd
 MAX_DECODE_ROWS = MAX_GEMV_ROWS
 MAX_QUANTIZED_DECODE_ROWS = MAX_QUANTIZED_GEMV_ROWS
 
+# decode_stack's `aux` for a model without EAGLE-3's layer streams.
+NO_STREAMS = np.empty((0, 0), np.float32)
+
 
 def _weight_kind(weight) -> str:
     """What a weight is: "float32", "blocks" (GGUF integer blocks) or "half" (a 16-bit float
@@ -106,10 +109,10 @@ def supports(spec: DecoderSpec | None) -> bool:
     projection, NoPE layers, partial rotary, windows, local rope, soft caps, position-scaled
     queries and Gemma 4's value norms, per-layer inputs and KV-shared layers, attention sinks
     (gpt-oss); routed experts as stack_moe computes them; gated attention and linear-attention
-    layers (Qwen3.5: stack_delta_net takes the layers it computes). Not an EAGLE-3 head's
-    target, whose layers' input streams the stack does not output."""
+    layers (Qwen3.5: stack_delta_net takes the layers it computes); an EAGLE-3 head's
+    target's layer streams (`aux_hidden_layers`)."""
     return (spec is not None and spec.activation in ("silu", "gelu_pytorch_tanh")
-            and moe_supported(spec.moe, spec.activation) and not spec.aux_hidden_layers)
+            and moe_supported(spec.moe, spec.activation))
 
 
 def _float32_or_packed(module) -> bool:
@@ -206,11 +209,12 @@ def applies(model, x: torch.Tensor, kv_caches: list[torch.Tensor], meta,
 
 
 def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 meta, aux: np.ndarray = NO_STREAMS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`LlamaModel.forward` for a decode step (`applies` holds), with `args` built for the
     step's caches: the embedding, every layer (writing this step's K/V into the caches), the
     final norm -> [rows, hidden]; with it the rows' logits [rows, vocab] when `args` has an
-    LM head that runs this many rows (else None)."""
+    LM head that runs this many rows (else None). `aux` [rows, layers * hidden]: the streams
+    entering `args.aux_layers` (EAGLE-3's), written too."""
     rows = input_ids.shape[0]
     out = torch.empty(rows, args.hidden_size, dtype=torch.float32)
     head = args.head
@@ -221,7 +225,7 @@ def decode_model(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tens
     args.decode_stack(
         input_ids.contiguous().numpy(), args.w_embed, positions.contiguous().numpy(),
         *args.layer_args, *tables, request_slots(meta, rows), *args.shape_args, kv_per_item,
-        splits, out.numpy(), args.w_head, logits.numpy(), 0, *ONE_STEP)
+        splits, out.numpy(), args.w_head, logits.numpy(), 0, *ONE_STEP, args.aux_layers, aux)
     return out, logits if with_logits else None
 
 
@@ -237,7 +241,8 @@ def _work_split(args: StackArgs, seq_lens: np.ndarray, sequences: int
 
 
 def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                     num_steps: int, block_size: int, stop_ids: np.ndarray | None = None
+                     num_steps: int, block_size: int, stop_ids: np.ndarray | None = None,
+                     aux: np.ndarray = NO_STREAMS
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [rows, num_steps]: `input_ids`, the step before's, then num_steps - 1 decode
     steps' argmax from `decode_model`'s inputs; nan_rows [rows]; the last step's final hidden
@@ -245,7 +250,8 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
     hold every block written): decode_stack with `tokens` to fill. The call ends after the
     step where every row has sampled one of its `stop_ids` ([rows, k] int64, -1 pads:
     sampler/run_stops.py; None: none, the run goes to its end); each row's later tokens repeat
-    its last, and the hidden states are that step's."""
+    its last, and the hidden states (and `aux`'s streams, as decode_model's) are that
+    step's."""
     rows = input_ids.shape[0]
     seq_lens = np.array(meta.seq_lens_np[:rows], dtype=np.int32)  # copies: advanced in place
     step_positions = positions.numpy().copy()
@@ -259,7 +265,8 @@ def decode_model_run(args: StackArgs, input_ids: torch.Tensor, positions: torch.
         tables, seq_lens, np.empty((len(tables), rows), np.int64), request_slots(meta, rows),
         *args.shape_args, kv_per_item, splits, hidden.numpy(), args.w_head,
         np.empty((rows, args.vocab_rows), np.float32), block_size, tokens.numpy(),
-        nan_rows.numpy(), np.empty((rows, 0), np.int64) if stop_ids is None else stop_ids)
+        nan_rows.numpy(), np.empty((rows, 0), np.int64) if stop_ids is None else stop_ids,
+        args.aux_layers, aux)
     return tokens, nan_rows, hidden
 
 
@@ -279,8 +286,9 @@ class FusedDecode:
         self.max_rows = max_rows(model)
         # From the rows where its linears move to oneDNN, a bfloat16 or float32 model's steps
         # run the layers between oneDNN calls instead (onednn_decode.py: Llama's layers only).
-        plain = spec.activation == "silu" and spec.moe is None and not any(
-            getattr(spec, trait) for trait in _STACK_ONLY_TRAITS)
+        # (It does not output an EAGLE-3 head's layer streams.)
+        plain = (spec.activation == "silu" and spec.moe is None and not spec.aux_hidden_layers
+                 and not any(getattr(spec, trait) for trait in _STACK_ONLY_TRAITS))
         self.onednn = onednn_decode(model) if plain else None
 
     @property
@@ -304,7 +312,7 @@ class FusedDecode:
             return None
         if self.args is None or not self.args.current(kv_caches):
             self.args = StackArgs(self.model, kv_caches, self.head, self.spec)
-        return decode_model(self.args, input_ids, positions, meta)
+        return decode_model(self.args, input_ids, positions, meta, self._streams(rows))
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   kv_caches: list[torch.Tensor], meta, num_steps: int, block_size: int,
@@ -320,7 +328,18 @@ class FusedDecode:
         if self.args is None or not self.args.current(kv_caches):
             self.args = StackArgs(self.model, kv_caches, self.head, self.spec)
         return decode_model_run(self.args, input_ids, positions, meta, num_steps, block_size,
-                                stop_ids)
+                                stop_ids, self._streams(rows))
+
+    def _streams(self, rows: int) -> np.ndarray:
+        """An EAGLE-3 head's target: a new [rows, layers * hidden] for the step's layer
+        streams, which the model then holds as the module path's (aux_hidden_states); else
+        NO_STREAMS."""
+        layers = self.spec.aux_hidden_layers
+        if not layers:
+            return NO_STREAMS
+        streams = torch.empty(rows, len(layers) * self.args.hidden_size, dtype=torch.float32)
+        self.model.aux_hidden_states = streams
+        return streams.numpy()
 
     def release_kv_views(self) -> None:
         """Drop the cached views of the KV cache (they keep its memory alive), so the cache

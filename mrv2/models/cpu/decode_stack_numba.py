@@ -1,21 +1,20 @@
-"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama-,
-Gemma- (2, 3, 4), OLMo 2- or Qwen3.5-layout model, token ids to final hidden states (and the
-LM head's logits), as one numba call (CPU, float32 activations). decode.py decides when it
-runs and builds the views it reads.
+"""The fused decode stack's kernel: a decode step of a few rows through a whole Llama-, Gemma- (2,
+3, 4), OLMo 2- or Qwen3.5-layout model, token ids to final hidden states (and the LM head's
+logits), as one numba call (CPU, float32 activations). decode.py decides when it runs and builds
+the views it reads.
 
 The arithmetic is the same as the module path's (norm_numba, rotary_numba, activation_numba,
-cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or
-dequantized exactly, Gemma's scaled), RMSNorm in float32 then the weight multiply (Gemma's
-norms hold 1 + w: the same float32 product), rotate-half rotary (per layer: none, the global
-or the local table), SiLU(gate) * up or GeLU(tanh), attention over the paged cache after this
-step's K/V are written (windows, soft caps), Gemma's and OLMo 2's norms after the sublayers
-(OLMo 2: none before them, q/k norms over the whole projections), Ministral 3's queries scaled
-by position, Gemma's capped logits; Gemma 4's per-layer shapes (kv heads, head size, MLP
-width), values that are the keys (k = v) and RMS-normalised, layers reading an earlier layer's
-cache (no K/V written), per-layer inputs and output scale; Qwen3.5's gated attention (the
-output times sigmoid of each head's gate) and its linear-attention layers
-(stack_delta_net_numba.py). Each weight is a view of stack_views_numba.py, whose
-`stack_linear` and `stack_embed` compute on it.
+cpu_gemv or quantized_numba, decode_numba): the embedding row looked up (widened or dequantized
+exactly, Gemma's scaled), RMSNorm in float32 then the weight multiply (Gemma's norms hold 1 + w:
+the same float32 product), rotate-half rotary (per layer: none, the global or the local table),
+SiLU(gate) * up or GeLU(tanh), attention over the paged cache after this step's K/V are written
+(windows, soft caps), Gemma's and OLMo 2's norms after the sublayers (OLMo 2: none before them, q/k
+norms over the whole projections), Ministral 3's queries scaled by position, Gemma's capped logits;
+Gemma 4's per-layer shapes (kv heads, head size, MLP width), values that are the keys (k = v) and
+RMS-normalised, layers reading an earlier layer's cache (no K/V written), per-layer inputs and
+output scale; Qwen3.5's gated attention (the output times sigmoid of each head's gate) and its
+linear-attention layers (stack_delta_net_numba.py). Each weight is a view of stack_views_numba.py,
+whose `stack_linear` and `stack_embed` compute on it.
 """
 
 from __future__ import annotations
@@ -278,39 +277,37 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
                  final_eps, kv_caches, kv_modes, layer_scalars, per_layer, moe, recurrent,
                  block_tables, seq_lens, slots, req_slots, num_heads, num_kv_heads, head_dim,
                  intermediate, scale, kv_per_item, splits, out, w_head, logits, block_size,
-                 tokens, nan_rows, stop_ids):
-    """A decode step of every layer or, when `tokens` [rows, steps] has columns, a run of
-    steps of the same rows.
+                 tokens, nan_rows, stop_ids, aux_layers, aux):
+    """A decode step of every layer or, when `tokens` [rows, steps] has columns, a run of steps of
+    the same rows.
 
-    A step: the rows' token ids embedded, rotary tables gathered at their positions, each
-    layer (writing this step's K/V into `kv_caches` at `slots` [groups, rows]), the final norm
-    into `out` [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or
-    positions outside their tables raise IndexError before anything is written. Layer i
-    reads the block tables and slots of its KV cache group `kv_groups[i]`: `block_tables` is
-    a tuple of the groups' [rows, blocks] tables. Per layer: its KV mode (`kv_modes`), kv
-    heads, head size, MLP width and attention work split (arrays); Gemma 4's output scale
-    (`layer_scalars`: [1] views, [0] for none) and per-layer inputs (`per_layer`,
-    `_per_layer_inputs`; a [0] projection norm for none); routed experts (`moe`,
-    stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width may be 0 too);
-    gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none); linear-attention
-    layers (`recurrent`, stack_delta_net.recurrent_args: a flag per layer, then their views;
-    None for a model without them; rows find their state at `req_slots`, their requests'
-    slots).
+    A step: the rows' token ids embedded, rotary tables gathered at their positions, each layer
+    (writing this step's K/V into `kv_caches` at `slots` [groups, rows]), the final norm into `out`
+    [rows, hidden] and, when `logits` has the rows, the LM head into it. Ids or positions outside
+    their tables raise IndexError before anything is written. Layer i reads the block tables and
+    slots of its KV cache group `kv_groups[i]`: `block_tables` is a tuple of the groups' [rows,
+    blocks] tables. Per layer: its KV mode (`kv_modes`), kv heads, head size, MLP width and
+    attention work split (arrays); Gemma 4's output scale (`layer_scalars`: [1] views, [0] for
+    none) and per-layer inputs (`per_layer`, `_per_layer_inputs`; a [0] projection norm for none);
+    routed experts (`moe`, stack_moe.moe_args: a [0, 0] router for a dense layer, whose MLP width
+    may be 0 too); gpt-oss's attention sinks (`sinks`: [heads] per layer, [0] for none); linear-
+    attention layers (`recurrent`, stack_delta_net.recurrent_args: a flag per layer, then their
+    views; None for a model without them; rows find their state at `req_slots`, their requests'
+    slots). EAGLE-3's streams: the stream entering layer aux_layers[j] into the columns j of `aux`
+    [rows, len(aux_layers) * hidden] (the last step's in a run).
 
-    A run: tokens[:, 0] = `ids` (the tokens the step before sampled), then for s = 1 ..
-    steps - 1 a step with the LM head and the argmax of its logits (greedy_numba's: NaN read
-    as -inf, ties to the lowest id) into tokens[:, s], each row's next input; nan_rows[r] =
-    whether row r's logits held a NaN at any step. Its first step takes `ids` at `positions`
-    with `seq_lens` (a step's prepared inputs), each later one a position further; each
-    step's `slots` are written here from the tables (holding every block the run writes: the
-    scheduler allocates them up front, `block_size` long); `positions` and `seq_lens` are
-    advanced in place, `out` and `logits` hold the last step's. A run ends after the step where
-    every row has sampled one of its `stop_ids` [rows, k] (-1 pads; sampler/run_stops.py), or
-    before its first where `ids` are such: each row's later columns then repeat its last token
-    (an id, if anything reads them).
+    A run: tokens[:, 0] = `ids` (the tokens the step before sampled), then for s = 1 .. steps - 1 a
+    step with the LM head and the argmax of its logits (greedy_numba's: NaN read as -inf, ties to
+    the lowest id) into tokens[:, s], each row's next input; nan_rows[r] = whether row r's logits
+    held a NaN at any step. Its first step takes `ids` at `positions` with `seq_lens` (a step's
+    prepared inputs), each later one a position further; each step's `slots` are written here from
+    the tables (holding every block the run writes: the scheduler allocates them up front,
+    `block_size` long); `positions` and `seq_lens` are advanced in place, `out` and `logits` hold
+    the last step's. A run ends after the step where every row has sampled one of its `stop_ids`
+    [rows, k] (-1 pads; sampler/run_stops.py), or before its first where `ids` are such: each row's
+    later columns then repeat its last token (an id, if anything reads them).
 
-    One function for both, not a run calling a step's function: numba would generate the
-    whole stack's machine code again for the caller (~12 s a model, for every compile)."""
+    One function for both: a run calling a step's function would compile the stack twice."""
     rows, hidden_size = out.shape
     steps = tokens.shape[1]
     step_ids = ids.copy() if steps > 0 else ids
@@ -356,6 +353,9 @@ def decode_stack(ids, w_embed, positions, cos_cache, sin_cache, ln1s, ln2s, eps,
         x = hidden
         residual = np.empty((0, 0), dtype=np.float32)  # the first layer starts the stream
         for i in range(len(w_qkvs)):
+            for j in range(aux_layers.shape[0]):
+                if aux_layers[j] == i:
+                    _add_streams(x, residual, aux[:, j * hidden_size:(j + 1) * hidden_size])
             layer_out = np.empty((rows, hidden_size), dtype=np.float32)
             residual_out = np.empty((rows, hidden_size), dtype=np.float32)
             kv, group = kv_caches[i], kv_groups[i]

@@ -233,6 +233,8 @@ class StackArgs:
                            np.array([_mlp_width(layer) for layer in layers], np.int64),
                            np.float32(attn.attn.scale))
         self.hidden_size = model.norm.weight.shape[0]
+        # EAGLE-3's layers whose input streams the stack also outputs (none: empty).
+        self.aux_layers = np.array(spec.aux_hidden_layers, np.int64)
         self.head = head
         self.w_head = None if head is None else weight_view(head.weight)
         self.vocab_rows = 0 if head is None else (
