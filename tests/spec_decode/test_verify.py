@@ -150,6 +150,17 @@ def test_preemption_and_async_scheduling_give_the_same_tokens(base, tiny_llama):
     assert next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
 
 
+def test_a_16_bit_model_drafts(tiny_llama):
+    """Where the fused stack takes one row (a bfloat16 model on a CPU whose few-row kernels
+    read the packed weights), verify steps run on the layers between oneDNN calls: requests
+    draft and have drafts kept. (Their tokens are the target's as a batch of that many rows
+    rounds: a random model's near-ties can fall the other way than at one row.)"""
+    engine = {"max_model_len": 256, "num_scheduler_steps": 1, "dtype": "bfloat16"}
+    llm = LLM(str(tiny_llama), speculative_config=METHODS["ngram"], **engine)
+    tokens(llm, greedy(), PROMPTS[:2])
+    assert spec_counters(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_refused_combinations(tiny_llama):
     from mrv2.config import ConfigError
 

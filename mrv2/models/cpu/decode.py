@@ -294,8 +294,15 @@ class FusedDecode:
     @property
     def verify_rows(self) -> int:
         """The most rows one call takes with their logits (speculative decoding keeps a
-        step's verify rows within it)."""
-        return self.max_rows if self.head is None else min(self.max_rows, self.head.max_rows)
+        step's verify rows within it). Where the stack takes one row (a 16-bit model on a CPU
+        whose few-row kernels read the packed weights: it would verify no draft), the rows
+        that the layers between oneDNN calls take (an EAGLE-3 target's modules take as many):
+        those round as a batch of that many rows does, so a near-tie can fall the other way
+        than at one row, as it can between batch sizes (batch-invariant mode is exact)."""
+        rows = self.max_rows if self.head is None else min(self.max_rows, self.head.max_rows)
+        if rows <= 1 and (self.onednn is not None or self.spec.aux_hidden_layers):
+            return MAX_ONEDNN_DECODE_ROWS
+        return rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta
