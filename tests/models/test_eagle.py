@@ -75,18 +75,26 @@ def _prefill_meta(n: int) -> AttentionMetadata:
         slot_mapping=torch.arange(n), query_start_loc_np=qsl, seq_lens_np=seq, max_seq_len=n)
 
 
+def head_inputs(head, feature_width: int, n: int = 21, hidden: int = 64
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Random embeddings [n, hidden] and features [n, feature_width] for a prompt of n tokens
+    from position 0, and an empty KV cache per layer of `head`."""
+    gen = torch.Generator().manual_seed(0)
+    attention = head.layers[0].self_attn
+    caches = [torch.zeros(2, 4, BLOCK, attention.num_kv_heads, attention.head_dim)
+              for _ in head.layers]
+    return (torch.randn(n, hidden, generator=gen), torch.randn(n, feature_width, generator=gen),
+            caches)
+
+
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_head_matches_eagle_written_out(tiny_model_factory, tmp_path, num_layers):
     target = tiny_model_factory("llama")
     path = make_eagle_head(tmp_path / "head", target, seed=5, num_layers=num_layers)
     head = _load(path)
-    hf = head.layers[0].self_attn
-    n, hidden = 21, 64
-    gen = torch.Generator().manual_seed(0)
-    embeds, features = torch.randn(n, hidden, generator=gen), torch.randn(n, hidden, generator=gen)
-    caches = [torch.zeros(2, 4, BLOCK, hf.num_kv_heads, hf.head_dim) for _ in range(num_layers)]
+    embeds, features, caches = head_inputs(head, 64)
     with torch.no_grad():
-        out = head(embeds, features, torch.arange(n), caches, _prefill_meta(n))
+        out = head(embeds, features, torch.arange(21), caches, _prefill_meta(21))
     torch.testing.assert_close(out, reference(path, embeds, features), atol=2e-5, rtol=2e-5)
     assert head.embed_tokens is None and head.lm_head is None  # the target's are used
 

@@ -14,7 +14,7 @@ from mrv2.config import ModelConfig
 from mrv2.models import load_hf_config, load_model
 from mrv2.models.eagle3 import Eagle3LlamaForCausalLM, eagle3_aux_layers
 from mrv2.testing.tiny_eagle import make_eagle3_head
-from tests.models.test_eagle import BLOCK, _prefill_meta, _rms, _rotate
+from tests.models.test_eagle import BLOCK, _prefill_meta, _rms, _rotate, head_inputs
 
 
 def _load(path) -> Eagle3LlamaForCausalLM:
@@ -67,13 +67,8 @@ def test_head_matches_eagle3_written_out(tiny_model_factory, tmp_path, num_layer
     target = tiny_model_factory("llama")
     path = make_eagle3_head(tmp_path / "head", target, seed=5, num_layers=num_layers)
     head = _load(path)
-    attention = head.layers[0].self_attn
-    n, hidden = 21, 64
-    gen = torch.Generator().manual_seed(0)
-    embeds, streams = torch.randn(n, hidden, generator=gen), torch.randn(n, 3 * hidden,
-                                                                          generator=gen)
-    caches = [torch.zeros(2, 4, BLOCK, attention.num_kv_heads, attention.head_dim)
-              for _ in range(num_layers)]
+    embeds, streams, caches = head_inputs(head, 3 * 64)
+    n = embeds.shape[0]
     with torch.no_grad():
         out = head(embeds, head.target_features(streams), torch.arange(n), caches,
                    _prefill_meta(n))

@@ -53,10 +53,9 @@ def test_a_mirror_head_drafts_the_targets_tokens(mirror_pair, rows_cost_little):
     assert tokens(llm, sampled) == tokens(LLM(str(target), **ENGINE), sampled)
 
 
-def test_a_random_head_gives_the_targets_tokens(random_pair):
-    """Greedy, penalties and seeded sampling: the same tokens as without speculation."""
-    target, head = random_pair
-    base, llm = LLM(str(target), **ENGINE), eagle(target, head, k=2)
+def assert_targets_tokens(base: LLM, llm: LLM) -> None:
+    """Greedy, penalties and seeded sampling: `llm` (with a head) gives `base`'s tokens, and
+    its head drafted."""
     params = [greedy(), greedy(repetition_penalty=1.3)] + [
         SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=24, ignore_eos=True)
         for i in range(len(PROMPTS))]
@@ -64,6 +63,12 @@ def test_a_random_head_gives_the_targets_tokens(random_pair):
         assert tokens(llm, p) == tokens(base, p)
     assert tokens(llm, params[2:]) == tokens(base, params[2:])
     assert counters(llm)[0] > 0
+
+
+def test_a_random_head_gives_the_targets_tokens(random_pair):
+    """Greedy, penalties and seeded sampling: the same tokens as without speculation."""
+    target, head = random_pair
+    assert_targets_tokens(LLM(str(target), **ENGINE), eagle(target, head, k=2))
 
 
 def test_runs_of_decode_steps_between_drafts(random_pair, drafted_again_after_a_run):

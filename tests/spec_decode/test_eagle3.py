@@ -9,11 +9,12 @@ import json
 
 import pytest
 
-from mrv2 import LLM, SamplingParams
+from mrv2 import LLM
 from mrv2.config import ConfigError
 from mrv2.models.registry import UnsupportedModelError
 from mrv2.testing.tiny_eagle import make_eagle3_head, make_eagle_head, repeater_target
-from tests.spec_decode.test_draft_model import ENGINE, PROMPTS, counters, greedy, tokens
+from tests.spec_decode.test_draft_model import ENGINE, counters, greedy, tokens
+from tests.spec_decode.test_eagle import assert_targets_tokens
 
 
 def eagle3(target, head, k: int = 3, **kwargs) -> LLM:
@@ -32,14 +33,7 @@ def test_a_random_head_gives_the_targets_tokens(target, tmp_path):
     a quarter of the target's: the same tokens as without speculation."""
     head = make_eagle3_head(tmp_path / "head", target, seed=3, num_layers=2,
                             draft_vocab_size=512, aux_layers=[0, 2, 3])
-    base, llm = LLM(str(target), **ENGINE), eagle3(target, head, k=2)
-    params = [greedy(), greedy(repetition_penalty=1.3)] + [
-        SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=24, ignore_eos=True)
-        for i in range(len(PROMPTS))]
-    for p in params[:2]:
-        assert tokens(llm, p) == tokens(base, p)
-    assert tokens(llm, params[2:]) == tokens(base, params[2:])
-    assert counters(llm)[0] > 0
+    assert_targets_tokens(LLM(str(target), **ENGINE), eagle3(target, head, k=2))
 
 
 def test_a_head_fed_the_right_streams_has_its_drafts_kept(target, tmp_path, rows_cost_little):
